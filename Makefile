@@ -1,0 +1,35 @@
+# One-command set-up: `make run` serves the demo model, `make test` runs the suite.
+# Both bootstrap .venv on a fresh machine first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# pip finds a CPU build of this torch on our machines; an unpinned torch pulls GBs of CUDA wheels.
+TORCH  ?= torch==2.13.0
+DEMO   := .demo-model
+
+.PHONY: venv run test test-gpu bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+$(DEMO)/config.json: | $(STAMP)
+	$(VENV)/bin/pdserve init-model $(DEMO)
+
+run: $(STAMP) $(DEMO)/config.json
+	$(VENV)/bin/pdserve generate --model $(DEMO) --prompt "Hello, pdserve!" --max-tokens 48
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q
+
+bench: $(STAMP)
+	$(PY) -m cluster.bench_engine
+
+clean:
+	rm -rf $(VENV) $(DEMO) .pytest_cache

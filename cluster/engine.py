@@ -1,0 +1,276 @@
+"""The synchronous engine: validate, schedule, run, sample, detokenize.
+
+    out = scheduler.schedule()
+    sampled = runner.execute(out.chunks, block_tables)
+    finished = scheduler.update(out, sampled)
+
+Not thread-safe: AsyncEngine drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from cluster.attention import resolve_backend
+from cluster.config import EngineConfig
+from cluster.errors import InvalidRequestError
+from cluster.kv_cache import KVCacheManager
+from cluster.kv_cache.manager import cdiv
+from cluster.model.loader import load_model
+from cluster.model_config import ModelConfig
+from cluster.model_runner import ModelRunner
+from cluster.request import Request, RequestStatus
+from cluster.sampling_params import SamplingParams
+from cluster.scheduler import Scheduler
+from cluster.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress in one step (a delta), or its whole result from generate()."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """Plain counters since start; telemetry turns them into metrics."""
+
+    steps: int = 0
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    preemptions: int = 0
+    step_errors: int = 0
+    last_step_s: float = 0.0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.tokenizer = Tokenizer(config.model)
+        mc = self.model_config
+        self.device = resolve_device(config.device)
+        dtype = getattr(torch, mc.dtype if config.dtype == "auto" else config.dtype)
+        self.dtype = dtype
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.block_size = config.block_size
+        self.model = load_model(config.model, mc, self.max_model_len, dtype, self.device)
+
+        elem = torch.tensor([], dtype=dtype).element_size()
+        # One block of all layers is one contiguous region: [L, 2, block_size, H_kv, D].
+        self.block_bytes = mc.num_layers * 2 * config.block_size * mc.num_kv_heads * mc.head_dim * elem
+        num_blocks = config.num_blocks or int(config.kv_cache_memory_gb * 2**30 // self.block_bytes)
+        self.kv_cache = torch.zeros(
+            num_blocks, mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim,
+            dtype=dtype, device=self.device,
+        )
+        salt = f"{mc.fingerprint()}|{config.cache_salt}".encode()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        backend = resolve_backend(config.attention_backend, self.device, config.block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size, self.device, config.seed)
+        self.eos_token_ids = mc.eos_token_ids or tuple(
+            t for t in [self.tokenizer.token_to_id(self.tokenizer.config.get("eos_token"))] if t is not None
+        )
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.stats = EngineStats()
+        log.info(
+            "engine ready: model=%s dtype=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)",
+            config.model, mc.dtype, self.device, backend.name, num_blocks, config.block_size,
+            num_blocks * self.block_bytes / 2**20,
+        )
+
+    @classmethod
+    def from_model(cls, model: str, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig(model=model, **kwargs))
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> Request:
+        """Validate and tokenize. Pure (no engine state touched), so any thread may call it."""
+        sampling = sampling or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidRequestError("prompt", "give exactly one of prompt or prompt_token_ids")
+        vocab = self.model_config.vocab_size
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidRequestError("prompt", "must be a non-empty string")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt_token_ids)
+            if not ids:
+                raise InvalidRequestError("prompt_token_ids", "must not be empty")
+            for i, t in enumerate(ids):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise InvalidRequestError(
+                        "prompt_token_ids", f"token id {t!r} at index {i} is outside the vocabulary [0, {vocab})"
+                    )
+        for t in sampling.stop_token_ids:
+            if t >= vocab:
+                raise InvalidRequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab})")
+        self._check_length(len(ids), sampling.max_tokens)
+        return Request(request_id, ids, sampling, self.eos_token_ids)
+
+    def _check_length(self, n_prompt: int, max_tokens: int) -> None:
+        limit = self.max_model_len
+        if n_prompt >= limit:
+            raise InvalidRequestError(
+                "prompt", f"has {n_prompt} tokens; the context length is {limit}, so at most {limit - 1} fit"
+            )
+        if n_prompt + max_tokens > limit:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} "
+                f"exceeds the context length {limit}",
+            )
+        blocks = cdiv(n_prompt + max_tokens, self.block_size)
+        if blocks > self.kv.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt + max_tokens needs {blocks} KV blocks; the pool has {self.kv.num_blocks}"
+            )
+
+    def add(self, req: Request) -> None:
+        self.scheduler.add(req)
+        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling.stop)
+
+    def add_request(self, request_id: str, prompt=None, prompt_token_ids=None, sampling=None) -> Request:
+        req = self.make_request(request_id, prompt, prompt_token_ids, sampling)
+        self.add(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        return None if req is None else self._final(req, [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        if out.is_empty:
+            return []
+        t0 = time.perf_counter()
+        tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in out.chunks}
+        try:
+            sampled = self.runner.execute(out.chunks, tables)
+        except Exception as e:  # a broken step fails its requests, never the loop
+            log.exception("engine step failed")
+            self.stats.step_errors += 1
+            outputs = []
+            for c in out.chunks:
+                req = self.scheduler.finish(c.request.request_id, RequestStatus.FINISHED_ERROR)
+                if req is not None:
+                    req.error = f"engine step failed: {type(e).__name__}: {e}"
+                    outputs.append(self._final(req, [], ""))
+            return outputs
+        self.scheduler.update(out, sampled)
+        self.stats.steps += 1
+        self.stats.last_step_s = time.perf_counter() - t0
+
+        outputs = []
+        for c in out.chunks:
+            req = c.request
+            if not c.samples:
+                self.stats.prompt_tokens_computed += c.num_tokens
+                continue
+            if c.start < req.num_prompt_tokens:
+                self.stats.prompt_tokens_computed += c.num_tokens - 1
+                if c.start + c.num_tokens - 1 >= req.num_prompt_tokens - 1 and req.num_output_tokens == 1:
+                    self.stats.cached_prompt_tokens += req.num_cached_tokens
+            self.stats.generation_tokens += 1
+            token = req.output_token_ids[-1]
+            detok = self._detok[req.request_id]
+            detok.add(token)
+            if detok.stopped and not req.status.finished:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            finished = req.status.finished
+            text = detok.take(final=finished)
+            if finished:
+                outputs.append(self._final(req, [token], text))
+            else:
+                outputs.append(self._delta(req, [token], text))
+        return outputs
+
+    def _delta(self, req: Request, tokens: list[int], text: str) -> RequestOutput:
+        return RequestOutput(
+            req.request_id, tokens, text, False, None,
+            req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0),
+        )
+
+    def _final(self, req: Request, tokens: list[int], text: str) -> RequestOutput:
+        self._detok.pop(req.request_id, None)
+        self.runner.sampler.release(req.request_id)
+        reason = req.status.finish_reason
+        self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
+        return RequestOutput(
+            req.request_id, tokens, text, True, reason,
+            req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), req.error,
+        )
+
+    # ---- convenience -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion, all at once (continuous batching); results in input order."""
+        params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        ids = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            rid = f"generate-{id(prompts)}-{i}"
+            if isinstance(p, str):
+                self.add_request(rid, prompt=p, sampling=sp)
+            else:
+                self.add_request(rid, prompt_token_ids=list(p), sampling=sp)
+            ids.append(rid)
+        results: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for o in self.step():
+                acc = results.get(o.request_id)
+                if acc is None:
+                    results[o.request_id] = o
+                else:
+                    acc.token_ids += o.token_ids
+                    acc.text += o.text
+                    acc.finished, acc.finish_reason, acc.error = o.finished, o.finish_reason, o.error
+                    acc.num_output_tokens, acc.num_cached_tokens = o.num_output_tokens, o.num_cached_tokens
+        return [results[r] for r in ids]
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()

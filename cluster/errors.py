@@ -1,0 +1,10 @@
+"""Errors that cross the engine boundary. The ingress maps them to gRPC/HTTP status codes."""
+
+
+class InvalidRequestError(ValueError):
+    """Bad user input. Names the offending field; maps to INVALID_ARGUMENT / 400."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message

@@ -1,0 +1,15 @@
+"""Paged KV cache bookkeeping. Importable without torch, Ray or NIXL."""
+
+from cluster.kv_cache.block_pool import Block, BlockPool
+from cluster.kv_cache.hashing import BlockHash, hash_block_tokens, hash_request_blocks
+from cluster.kv_cache.manager import KVCacheManager, NoFreeBlocksError
+
+__all__ = [
+    "Block",
+    "BlockHash",
+    "BlockPool",
+    "KVCacheManager",
+    "NoFreeBlocksError",
+    "hash_block_tokens",
+    "hash_request_blocks",
+]

@@ -1,0 +1,1 @@
+"""The Llama-family model and its checkpoint I/O."""

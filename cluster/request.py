@@ -1,0 +1,80 @@
+"""A request as the scheduler sees it: token ids and progress, no tensors."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cluster.kv_cache.hashing import BlockHash
+from cluster.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "cancelled"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache; -1 = not admitted yet
+    num_preemptions: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    error: str | None = None
+
+    def __post_init__(self):
+        self._all = list(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """Stop conditions known from token ids alone (stop strings are the detokenizer's)."""
+        n = self.num_output_tokens
+        last = self.output_token_ids[-1]
+        sp = self.sampling
+        if n >= sp.min_tokens:
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in sp.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if n >= sp.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,172 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step schedules, in this order:
+  1. every running request that is decoding (one token each),
+  2. running requests part-way through their prompt (the rest of the budget, chunked),
+  3. waiting requests, FCFS, taking their cached prefix from the KV manager.
+So a long prompt never holds up running decodes for more than one step's chunk.
+
+When blocks run out, the most recently admitted running request that is not yet scheduled in
+this step is preempted (recompute: its blocks are freed and it restarts from its prompt plus the
+tokens it has produced; its prefix usually comes back from the cache).
+
+The scheduler never touches tensors; it is tested with a KV manager and token ids alone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.kv_cache import KVCacheManager
+from cluster.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # first token position computed in this step
+    num_tokens: int
+    samples: bool  # the chunk reaches the end of the known tokens, so a token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # ---- admission and removal -------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in flight")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request at any moment (abort, stop string, error) and free its blocks."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(request_id)
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decoding + prefilling:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, n, scheduled, out):
+                continue
+            out.chunks.append(self._chunk(req, req.num_computed_tokens, n))
+            scheduled.add(req.request_id)
+            budget -= n
+
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req)
+            num_cached = len(cached) * self.kv.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, n, cached):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(self._chunk(req, num_cached, n))
+            scheduled.add(req.request_id)
+            budget -= n
+        return out
+
+    @staticmethod
+    def _chunk(req: Request, start: int, n: int) -> ScheduledChunk:
+        return ScheduledChunk(req, start, n, start + n == req.num_tokens)
+
+    def _allocate_or_preempt(
+        self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput
+    ) -> bool:
+        while not self.kv.allocate_slots(req, n):
+            victims = [r for r in self.running if r.request_id not in scheduled and r is not req]
+            victim = victims[-1] if victims else req
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply one step's results. Returns the requests that finished in it."""
+        finished = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.status != RequestStatus.RUNNING:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if chunk.samples:
+                req.append_token(sampled[req.request_id])
+                status = req.check_stop(self.max_model_len)
+                if status is not None:
+                    self.finish(req.request_id, status)
+                    finished.append(req)
+        return finished
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        held = set(self.kv._blocks)  # noqa: SLF001 — the manager's own registry
+        running = {r.request_id for r in self.running}
+        if not held <= running:
+            raise AssertionError(f"blocks held by requests not running: {held - running}")
