@@ -67,7 +67,11 @@ def init_model(
     dtype: str = "float32",
     seed: int = 0,
     std: float = 0.02,
+    arch: str = "llama",
+    rope_scaling: dict | None = None,
+    shards: int = 1,
 ) -> Path:
+    """`arch` "qwen2" adds q/k/v biases; `shards` > 1 writes a sharded checkpoint with an index."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_tok = write_tokenizer(out)
@@ -78,11 +82,12 @@ def init_model(
     intermediate = intermediate or 256 * ((8 * hidden // 3 + 255) // 256)
     d = hidden // heads
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": arch,
         "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "head_dim": d, "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "rope_scaling": None, "hidden_act": "silu",
+        "rope_theta": 10000.0, "rope_scaling": rope_scaling, "hidden_act": "silu",
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tie_embeddings,
         "bos_token_id": 256, "eos_token_id": 257, "torch_dtype": dtype,
     }
@@ -102,6 +107,10 @@ def init_model(
         t[p + "self_attn.k_proj.weight"] = rand(kv_heads * d, hidden)
         t[p + "self_attn.v_proj.weight"] = rand(kv_heads * d, hidden)
         t[p + "self_attn.o_proj.weight"] = rand(hidden, heads * d)
+        if arch == "qwen2":
+            t[p + "self_attn.q_proj.bias"] = rand(heads * d)
+            t[p + "self_attn.k_proj.bias"] = rand(kv_heads * d)
+            t[p + "self_attn.v_proj.bias"] = rand(kv_heads * d)
         t[p + "mlp.gate_proj.weight"] = rand(intermediate, hidden)
         t[p + "mlp.up_proj.weight"] = rand(intermediate, hidden)
         t[p + "mlp.down_proj.weight"] = rand(hidden, intermediate)
@@ -109,5 +118,22 @@ def init_model(
         t[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=tdtype)
     if not tie_embeddings:
         t["lm_head.weight"] = rand(vocab, hidden)
-    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _save(t, out, shards)
     return out
+
+
+def _save(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    if shards <= 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    weight_map = {}
+    for i in range(shards):
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::shards]}
+        save_file(part, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )

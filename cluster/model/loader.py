@@ -40,6 +40,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtyp
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions, dtype, torch.device("meta"))
     model.to_empty(device=device)
+    model.tie_weights()  # to_empty materialises tied parameters separately
     model.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)  # not in checkpoints
     params = dict(model.named_parameters())
     split = {
