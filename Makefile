@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests -q
 
 bench: $(STAMP)
-	$(PY) -m cluster.bench_engine
+	$(PY) -m cluster.bench.engine
 
 clean:
 	rm -rf $(VENV) $(DEMO) .pytest_cache

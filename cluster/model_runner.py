@@ -7,10 +7,39 @@ from __future__ import annotations
 
 import torch
 
-from cluster.attention import AttentionBackend, AttentionMetadata, PrefillSpan
+from cluster.attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSpan
 from cluster.model.llama import LlamaForCausalLM
 from cluster.sampler import Sampler
 from cluster.scheduler import ScheduledChunk
+
+
+MAX_DECODE_GROUPS = 4
+
+
+def partition_by_length(blocks: list[int], max_groups: int) -> list[tuple[int, int]]:
+    """Split a descending list of per-request block counts into <= max_groups contiguous runs,
+    minimising the padded blocks read (sum over groups of size * longest). O(n^2 * groups)."""
+    n = len(blocks)
+    if n == 0:
+        return []
+    inf = float("inf")
+    # cost[g][i]: least padded area covering the first i requests with g groups
+    cost = [[inf] * (n + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
+    cost[0][0] = 0
+    for g in range(1, max_groups + 1):
+        for i in range(1, n + 1):
+            for j in range(i):  # last group is j..i-1, its longest is blocks[j]
+                c = cost[g - 1][j] + (i - j) * blocks[j]
+                if c < cost[g][i]:
+                    cost[g][i], cut[g][i] = c, j
+    g = min(range(1, max_groups + 1), key=lambda k: (cost[k][n], k))
+    bounds, i = [], n
+    while i > 0:
+        j = cut[g][i]
+        bounds.append((j, i))
+        i, g = j, g - 1
+    return bounds[::-1]
 
 
 class ModelRunner:
@@ -32,7 +61,8 @@ class ModelRunner:
 
     def execute(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]) -> dict[str, int]:
         """Run one step. Returns the sampled token of every chunk that reaches its request's end."""
-        decodes = [c for c in chunks if c.num_tokens == 1]
+        # Longest context first, so length groups are contiguous runs of the decode tokens.
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.start)
         prefills = [c for c in chunks if c.num_tokens > 1]
         ordered = decodes + prefills
         input_ids, positions, logits_idx, samplers = self._flatten(ordered)
@@ -84,10 +114,12 @@ class ModelRunner:
         padded = [t + [0] * (max_blocks - len(t)) for t in all_tables]
         tables = torch.tensor(padded, dtype=torch.long, device=dev).view(len(padded), max_blocks)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-        max_dec_blocks = max((len(t) for t in all_tables[:nd]), default=0)
-        decode_tables = tables[:nd, :max_dec_blocks]
-        key_pos = torch.arange(max_dec_blocks * bs, device=dev)
-        decode_mask = (key_pos[None, :] < lens[:nd, None]).view(nd, 1, 1, max_dec_blocks * bs)
+        groups = []
+        for start, end in partition_by_length([len(t) for t in all_tables[:nd]], MAX_DECODE_GROUPS):
+            nb = len(all_tables[start])  # the longest in the group
+            key_pos = torch.arange(nb * bs, device=dev)
+            mask = (key_pos[None, :] < lens[start:end, None]).view(end - start, 1, 1, nb * bs)
+            groups.append(DecodeGroup(start, end, tables[start:end, :nb], mask))
 
         spans = []
         q_start = nd
@@ -106,9 +138,7 @@ class ModelRunner:
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
             slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
             num_decode=nd,
-            decode_block_tables=decode_tables,
-            decode_seq_lens=lens[:nd],
-            decode_mask=decode_mask,
+            decode_groups=tuple(groups),
             prefills=tuple(spans),
             cu_seqlens_q=cu_q.to(dev),
             seq_lens=lens,

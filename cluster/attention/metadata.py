@@ -1,7 +1,7 @@
 """Per-step attention metadata, built once per step and shared by every layer.
 
-Token layout of a step: the decode tokens first (one per decoding request), then each prefill
-chunk's tokens contiguously.
+Token layout of a step: the decode tokens first (one per decoding request, longest context
+first), then each prefill chunk's tokens contiguously.
 """
 
 from __future__ import annotations
@@ -21,13 +21,21 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Decodes of similar context length, attended as one padded batch."""
+
+    start: int  # first decode token of the group in the step's flat token array
+    end: int
+    block_tables: torch.Tensor  # [n, max_blocks] long, padded with 0
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool: key position < context length
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id each new token's K/V is written to
     slot_offsets: torch.Tensor  # [T] offset inside that block
     num_decode: int
-    decode_block_tables: torch.Tensor  # [B_d, max_blocks] long, padded with 0
-    decode_seq_lens: torch.Tensor  # [B_d] int32, context length including the new token
-    decode_mask: torch.Tensor  # [B_d, 1, 1, max_blocks * block_size] bool
+    decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSpan, ...]
     # Inputs for kernels that take a batch as cumulative lengths (flash-attn varlen).
     cu_seqlens_q: torch.Tensor  # [B + 1] int32 over (decodes, then prefills)
