@@ -138,5 +138,5 @@ class AsyncEngine:
             req = self.engine.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
             if req is not None:
                 req.error = "engine loop error"
-                outs.append(self.engine._final(req, [], ""))  # noqa: SLF001
+                outs.append(self.engine.final_output(req, [], ""))  # noqa: SLF001
         return outs

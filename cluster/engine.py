@@ -140,10 +140,10 @@ class LLMEngine:
         for t in sampling.stop_token_ids:
             if t >= vocab:
                 raise InvalidRequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab})")
-        self._check_length(len(ids), sampling.max_tokens)
+        self.check_length(len(ids), sampling.max_tokens)
         return Request(request_id, ids, sampling, self.eos_token_ids)
 
-    def _check_length(self, n_prompt: int, max_tokens: int) -> None:
+    def check_length(self, n_prompt: int, max_tokens: int) -> None:
         limit = self.max_model_len
         if n_prompt >= limit:
             raise InvalidRequestError(
@@ -172,10 +172,14 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
-        return None if req is None else self._final(req, [], "")
+        return None if req is None else self.final_output(req, [], "")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def detokenizer_for(self, req: Request, context: Sequence[int]) -> None:
+        """Start a request's text stream after `context` (e.g. prompt + a token sent elsewhere)."""
+        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, context, req.sampling.stop)
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -196,7 +200,7 @@ class LLMEngine:
                 req = self.scheduler.finish(c.request.request_id, RequestStatus.FINISHED_ERROR)
                 if req is not None:
                     req.error = f"engine step failed: {type(e).__name__}: {e}"
-                    outputs.append(self._final(req, [], ""))
+                    outputs.append(self.final_output(req, [], ""))
             return outputs
         self.scheduler.update(out, sampled)
         self.stats.steps += 1
@@ -221,7 +225,7 @@ class LLMEngine:
             finished = req.status.finished
             text = detok.take(final=finished)
             if finished:
-                outputs.append(self._final(req, [token], text))
+                outputs.append(self.final_output(req, [token], text))
             else:
                 outputs.append(self._delta(req, [token], text))
         return outputs
@@ -232,7 +236,7 @@ class LLMEngine:
             req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0),
         )
 
-    def _final(self, req: Request, tokens: list[int], text: str) -> RequestOutput:
+    def final_output(self, req: Request, tokens: list[int], text: str) -> RequestOutput:
         self._detok.pop(req.request_id, None)
         self.runner.sampler.release(req.request_id)
         reason = req.status.finish_reason

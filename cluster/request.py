@@ -12,6 +12,7 @@ from cluster.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # decode side: prompt KV being pulled from a prefill engine
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -20,7 +21,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_KV, RequestStatus.RUNNING)
 
     @property
     def finish_reason(self) -> str | None:
@@ -41,6 +42,7 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     error: str | None = None
+    keep_kv: bool = False  # prefill side: on a normal finish, hold the blocks for a KV transfer
 
     def __post_init__(self):
         self._all = list(self.prompt_token_ids)

@@ -58,6 +58,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.importing: dict[str, Request] = {}  # WAITING_FOR_KV: blocks allocated, KV arriving
+        self.leased: dict[str, Request] = {}  # finished with keep_kv: blocks held until release()
         self.requests: dict[str, Request] = {}
 
     # ---- admission and removal -------------------------------------------------------------
@@ -69,16 +71,71 @@ class Scheduler:
         self.waiting.append(req)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request at any moment (abort, stop string, error) and free its blocks."""
+        """End a request at any moment (abort, stop string, error) and free its blocks.
+
+        A request with keep_kv that ends normally keeps its blocks, leased, until release().
+        """
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_KV:
+            del self.importing[request_id]
         else:
             self.waiting.remove(req)
         req.status = status
+        if req.keep_kv and status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            self.leased[request_id] = req
+        else:
+            self.kv.free(request_id)
+        return req
+
+    def release(self, request_id: str) -> bool:
+        """Free a leased request's blocks (transfer done or lease expired)."""
+        if self.leased.pop(request_id, None) is None:
+            return False
         self.kv.free(request_id)
+        return True
+
+    def add_importing(self, req: Request, hashes, num_tokens: int) -> int | None:
+        """Admit a request whose first `num_tokens` tokens' KV will be pulled from a peer.
+
+        Takes this engine's cached prefix (by hash) and allocates the rest. Returns how many
+        leading blocks were already here, or None if the pool has no room (nothing changed).
+        """
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in flight")
+        cached = self.kv.find_imported_prefix(hashes)
+        if not self.kv.allocate_slots(req, num_tokens - len(cached) * self.kv.block_size, cached):
+            return None
+        req.status = RequestStatus.WAITING_FOR_KV
+        req.num_cached_tokens = len(cached) * self.kv.block_size
+        self.requests[req.request_id] = req
+        self.importing[req.request_id] = req
+        return len(cached)
+
+    def activate_imported(self, request_id: str, num_tokens: int, first_token: int) -> Request | None:
+        """The KV has arrived: the request joins continuous batching after its first token."""
+        req = self.importing.pop(request_id)
+        req.num_computed_tokens = num_tokens
+        self.kv.cache_blocks(req, num_tokens)
+        req.append_token(first_token)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        status = req.check_stop(self.max_model_len)
+        if status is not None:
+            self.finish(request_id, status)
+        return req
+
+    def requeue_imported(self, request_id: str, first_token: int) -> Request:
+        """The transfer failed: compute the prompt here instead (recompute), first token kept."""
+        req = self.importing.pop(request_id)
+        self.kv.free(request_id)
+        req.append_token(first_token)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
         return req
 
     def has_work(self) -> bool:
@@ -166,7 +223,8 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
-        held = set(self.kv._blocks)  # noqa: SLF001 — the manager's own registry
-        running = {r.request_id for r in self.running}
-        if not held <= running:
-            raise AssertionError(f"blocks held by requests not running: {held - running}")
+        holders = self.kv.holders()
+        allowed = {r.request_id for r in self.running} | set(self.importing) | set(self.leased)
+        if not holders <= allowed:
+            raise AssertionError(f"blocks held by requests neither running, importing nor leased: "
+                                 f"{holders - allowed}")

@@ -72,7 +72,8 @@ class KVCacheManager:
         return hits
 
     def can_allocate(self, req: KVRequest, num_new_tokens: int, cached: Sequence[Block] = ()) -> bool:
-        return self._blocks_needed(req, num_new_tokens, cached) <= self.pool.num_free
+        new, revived = self._blocks_needed(req, num_new_tokens, cached)
+        return new + revived <= self.pool.num_free
 
     def allocate_slots(
         self, req: KVRequest, num_new_tokens: int, cached: Sequence[Block] = ()
@@ -82,8 +83,8 @@ class KVCacheManager:
         `cached` (from find_cached_prefix) is passed once, when the request is admitted; its tokens
         are counted in req.num_computed_tokens by the caller after this returns True.
         """
-        need = self._blocks_needed(req, num_new_tokens, cached)
-        if need > self.pool.num_free:
+        new, revived = self._blocks_needed(req, num_new_tokens, cached)
+        if new + revived > self.pool.num_free:
             return False
         blocks = self._blocks.setdefault(req.request_id, [])
         if cached:
@@ -91,17 +92,17 @@ class KVCacheManager:
             self.pool.touch(cached)
             blocks.extend(cached)
             self._num_cached[req.request_id] = len(cached)
-        if need:
-            blocks.extend(self.pool.allocate(need))
+        if new:
+            blocks.extend(self.pool.allocate(new))
         return True
 
-    def _blocks_needed(self, req: KVRequest, num_new_tokens: int, cached: Sequence[Block]) -> int:
+    def _blocks_needed(self, req: KVRequest, num_new_tokens: int, cached: Sequence[Block]) -> tuple[int, int]:
+        """(fresh blocks to allocate, cached blocks that leave the free queue when touched)."""
         have = self._blocks.get(req.request_id, ())
         num_tokens = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         new = max(0, cdiv(num_tokens, self.block_size) - len(have) - len(cached))
-        # Touching a cached block that sits in the free queue takes it out of the free count.
         revived = sum(1 for b in cached if b.ref_cnt == 0)
-        return new + revived
+        return new, revived
 
     def cache_blocks(self, req: KVRequest, num_computed_tokens: int) -> None:
         """Index the request's blocks that are now full of computed tokens."""
@@ -128,6 +129,13 @@ class KVCacheManager:
 
     def num_requests(self) -> int:
         return len(self._blocks)
+
+    def holders(self) -> set[str]:
+        return set(self._blocks)
+
+    def find_imported_prefix(self, hashes: Sequence[BlockHash]) -> list[Block]:
+        """Cached blocks at the start of a prompt whose KV comes from elsewhere (no compute cap)."""
+        return self.pool.match_prefix(hashes) if self.pool.enable_caching else []
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

@@ -119,3 +119,20 @@ def test_manager_allocation_fails_without_side_effects():
     kv.free("a")
     kv.check_invariants()
     assert kv.num_free_blocks == 3
+
+
+def test_a_prefix_hit_on_free_cached_blocks_allocates_only_the_tail():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = Req("a", range(10))
+    assert kv.allocate_slots(a, 10)
+    a.num_computed_tokens = 10
+    kv.cache_blocks(a, 10)
+    kv.free("a")  # blocks 0, 1 cached and free; 2 free
+    b = Req("b", list(range(8)) + [77, 78])
+    hits = kv.find_cached_prefix(b)
+    assert [h.block_id for h in hits] == [0, 1]
+    assert kv.allocate_slots(b, 2, hits)
+    assert kv.block_ids("b") == [0, 1, 3]  # exactly 3 blocks for 10 tokens
+    assert kv.num_free_blocks == 5
+    kv.free("b")
+    kv.check_invariants()

@@ -1,0 +1,68 @@
+"""What crosses between the pools: a peer's description and a request's KV handle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster.kv_cache.hashing import BlockHash
+from kv_transfer.errors import IncompatiblePeerError
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything that must match for one engine's KV blocks to be read by another."""
+
+    model_fingerprint: str
+    block_size: int
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layout: str = "block[L,2,bs,Hkv,D]"  # one block of all layers is one contiguous region
+
+    @property
+    def block_bytes(self) -> int:
+        import torch  # noqa: PLC0415
+
+        elem = torch.tensor([], dtype=getattr(torch, self.dtype)).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def check_compatible(self, peer: "KVLayout", peer_name: str) -> None:
+        for field in ("model_fingerprint", "block_size", "dtype", "num_layers", "num_kv_heads",
+                      "head_dim", "layout"):
+            mine, theirs = getattr(self, field), getattr(peer, field)
+            if mine != theirs:
+                raise IncompatiblePeerError(
+                    f"refusing KV from {peer_name}: {field} {theirs!r} != ours {mine!r}"
+                )
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """An engine's NIXL identity, published through a MetadataStore."""
+
+    engine_id: str
+    incarnation: str  # new on every start: a changed value invalidates cached agent state
+    agent_name: str
+    agent_metadata: bytes
+    base_addr: int
+    num_blocks: int
+    mem_type: str  # "DRAM" | "VRAM"
+    device_id: int
+    kv_layout: KVLayout
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Prefill -> decode: where a request's prompt KV lives and until when it is held."""
+
+    request_id: str
+    engine_id: str
+    incarnation: str
+    agent_name: str
+    block_ids: tuple[int, ...]  # prefill-side blocks covering the prompt, in order
+    block_hashes: tuple[BlockHash, ...]  # hashes of the prompt's full blocks
+    num_prompt_tokens: int
+    first_token: int
+    kv_layout: KVLayout
+    lease_expiry: float  # wall-clock (time.time()) after which the blocks may be gone

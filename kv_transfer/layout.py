@@ -1,0 +1,16 @@
+"""The KV layout of a running engine, as the transfer layer describes it."""
+
+from cluster.engine import LLMEngine
+from kv_transfer.handle import KVLayout
+
+
+def engine_layout(engine: LLMEngine) -> KVLayout:
+    mc = engine.model_config
+    return KVLayout(
+        model_fingerprint=mc.fingerprint(),
+        block_size=engine.block_size,
+        dtype=str(engine.dtype).removeprefix("torch."),
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+    )

@@ -1,0 +1,23 @@
+"""Plain transfer counters per engine; the telemetry layer turns them into metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TransferStats:
+    # decode side
+    pulls_ok: int = 0
+    pulls_failed: int = 0
+    pulls_timed_out: int = 0
+    fallbacks_recompute: int = 0
+    blocks_pulled: int = 0
+    blocks_reused: int = 0  # prompt blocks found in our own prefix cache: not pulled
+    bytes_pulled: int = 0
+    pull_seconds: list[float] = field(default_factory=list)
+    peer_refreshes: int = 0  # cached remote agent replaced (peer restarted)
+    # prefill side
+    leases_granted: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0

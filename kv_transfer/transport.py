@@ -1,0 +1,234 @@
+"""The NIXL transport: one agent per engine, the whole KV pool registered once.
+
+DRAM on CPU and VRAM on GPU take the same path: the pool tensor is registered as it is, and
+every block is one descriptor (a block of all layers is one contiguous region). Decode pulls
+(NIXL READ) the blocks it lacks; the READ carries a notification that tells prefill it may
+release the lease. Remote agents are cached per engine id and replaced when the peer comes back
+as a new incarnation.
+
+Not thread-safe (NIXL agents are not): one engine loop thread owns it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kv_transfer.errors import KVTransferError
+from kv_transfer.handle import KVHandle, KVLayout, PeerInfo
+from kv_transfer.metadata_store import MetadataStore
+from kv_transfer.stats import TransferStats
+from kv_transfer.transports import check_required
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Remote:
+    info: PeerInfo
+    agent_name: str
+    dlist: object  # prepared descriptor list over all of the peer's blocks
+
+
+@dataclass
+class PendingPull:
+    request_id: str
+    peer: str  # engine id
+    handle: object  # NIXL transfer handle
+    num_blocks: int
+    num_bytes: int
+    started: float
+    deadline: float
+
+
+class NixlTransport:
+    def __init__(
+        self,
+        engine_id: str,
+        kv_cache: torch.Tensor,  # [num_blocks, ...], contiguous: block i at base + i * block_bytes
+        layout: KVLayout,
+        store: MetadataStore,
+        required_transports: list[str] = (),
+        ucx_proto_info: bool = False,
+    ):
+        import os  # noqa: PLC0415
+
+        if ucx_proto_info:
+            os.environ.setdefault("UCX_PROTO_INFO", "y")  # UCX logs its choice per endpoint
+        available = check_required(list(required_transports))
+        from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415 — lazy: heavy import
+
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV pool must be one contiguous tensor to register it")
+        self.engine_id = engine_id
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.layout = layout
+        self.store = store
+        self.stats = TransferStats()
+        self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
+        if self.block_bytes != layout.block_bytes:
+            raise ValueError(f"pool block is {self.block_bytes} bytes, layout says {layout.block_bytes}")
+        self.num_blocks = kv_cache.shape[0]
+        self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
+        self.device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
+        self.agent_name = f"{engine_id}-{self.incarnation}"
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        self._kv = kv_cache  # keep the registered memory alive
+        self._reg = self.agent.register_memory(kv_cache)
+        self.base_addr = kv_cache.data_ptr()
+        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._block_descs(self.base_addr, self.num_blocks), self.mem_type)
+        self._remotes: dict[str, _Remote] = {}
+        store.publish(self.info())
+        log.info(
+            "NIXL agent %s: %s pool of %d blocks x %d bytes registered; UCX transports available: %s",
+            self.agent_name, self.mem_type, self.num_blocks, self.block_bytes, ", ".join(available),
+        )
+
+    def info(self) -> PeerInfo:
+        return PeerInfo(
+            self.engine_id, self.incarnation, self.agent_name, self.agent.get_agent_metadata(),
+            self.base_addr, self.num_blocks, self.mem_type, self.device_id, self.layout,
+        )
+
+    def _block_descs(self, base: int, n: int) -> list[tuple[int, int, int]]:
+        return [(base + i * self.block_bytes, self.block_bytes, self.device_id) for i in range(n)]
+
+    # ---- decode side -------------------------------------------------------------------------
+
+    def _remote(self, handle: KVHandle) -> _Remote:
+        """The peer's agent, loaded once per incarnation (a restarted peer replaces the entry)."""
+        cached = self._remotes.get(handle.engine_id)
+        if cached is not None and cached.info.incarnation == handle.incarnation:
+            return cached
+        if cached is not None:
+            self._forget(handle.engine_id)
+            self.stats.peer_refreshes += 1
+        info = self.store.lookup(handle.engine_id)
+        if info is None or info.incarnation != handle.incarnation:
+            seen = None if info is None else info.incarnation
+            raise KVTransferError(
+                f"prefill engine {handle.engine_id} incarnation {handle.incarnation} is gone "
+                f"(published: {seen})"
+            )
+        self.layout.check_compatible(info.kv_layout, f"engine {info.engine_id}")
+        try:
+            name = self.agent.add_remote_agent(info.agent_metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            descs = self._block_descs(info.base_addr, info.num_blocks)
+            dlist = self.agent.prep_xfer_dlist(name, descs, info.mem_type)
+        except Exception as e:  # unreachable or dead peer
+            try:
+                self.agent.remove_remote_agent(info.agent_name)
+            except Exception:  # noqa: BLE001 — it may never have been added
+                pass
+            raise KVTransferError(f"handshake with {handle.engine_id} failed: {e}") from e
+        remote = self._remotes[handle.engine_id] = _Remote(info, name, dlist)
+        return remote
+
+    def _forget(self, engine_id: str) -> None:
+        remote = self._remotes.pop(engine_id, None)
+        if remote is None:
+            return
+        for release in (lambda: self.agent.release_dlist_handle(remote.dlist),
+                        lambda: self.agent.remove_remote_agent(remote.agent_name)):
+            try:
+                release()
+            except Exception as e:  # a dead peer's state is dropped whatever NIXL says
+                log.debug("releasing state of %s: %s", engine_id, e)
+
+    def check_peer(self, handle: KVHandle) -> None:
+        """Handshake (cached): refuses an incompatible peer with IncompatiblePeerError."""
+        self.layout.check_compatible(handle.kv_layout, f"engine {handle.engine_id}")
+        self._remote(handle)
+
+    def start_pull(
+        self, handle: KVHandle, remote_blocks: list[int], local_blocks: list[int], timeout_s: float
+    ) -> PendingPull:
+        """Post a READ of remote_blocks into local_blocks; completion notifies the prefill side."""
+        assert len(remote_blocks) == len(local_blocks)
+        remote = self._remote(handle)
+        notif = f"done:{handle.request_id}".encode()
+        try:
+            xfer = self.agent.make_prepped_xfer(
+                "READ", self._local, np.asarray(local_blocks, dtype=np.int32),
+                remote.dlist, np.asarray(remote_blocks, dtype=np.int32), notif_msg=notif,
+            )
+            state = self.agent.transfer(xfer)
+        except Exception as e:
+            self._forget(handle.engine_id)
+            raise KVTransferError(f"posting READ from {handle.engine_id} failed: {e}") from e
+        if state == "ERR":
+            self._forget(handle.engine_id)
+            raise KVTransferError(f"posting READ from {handle.engine_id} failed")
+        now = time.monotonic()
+        return PendingPull(handle.request_id, handle.engine_id, xfer, len(local_blocks),
+                           len(local_blocks) * self.block_bytes, now, now + timeout_s)
+
+    def poll(self, pull: PendingPull) -> bool:
+        """True when done; raises KVTransferError on failure or past the deadline."""
+        try:
+            state = self.agent.check_xfer_state(pull.handle)
+        except Exception as e:
+            self._abandon(pull)
+            self.stats.pulls_failed += 1
+            raise KVTransferError(f"READ from {pull.peer} failed: {e}") from e
+        if state == "DONE":
+            self._release(pull)
+            self.stats.pulls_ok += 1
+            self.stats.blocks_pulled += pull.num_blocks
+            self.stats.bytes_pulled += pull.num_bytes
+            self.stats.pull_seconds.append(time.monotonic() - pull.started)
+            return True
+        if state == "ERR":
+            self._abandon(pull)
+            self.stats.pulls_failed += 1
+            raise KVTransferError(f"READ from {pull.peer} failed")
+        if time.monotonic() > pull.deadline:
+            self._abandon(pull)
+            self.stats.pulls_timed_out += 1
+            raise KVTransferError(f"READ from {pull.peer} timed out")
+        return False
+
+    def _release(self, pull: PendingPull) -> None:
+        try:
+            self.agent.release_xfer_handle(pull.handle)
+        except Exception as e:
+            log.debug("release of transfer for %s: %s", pull.request_id, e)
+
+    def _abandon(self, pull: PendingPull) -> None:
+        self._release(pull)
+        self._forget(pull.peer)  # a failed peer is re-validated from the store next time
+
+    def notify_release(self, handle: KVHandle) -> None:
+        """Best effort: tell prefill we will not pull (fallback), so it frees the lease early."""
+        try:
+            remote = self._remote(handle)
+            self.agent.send_notif(remote.agent_name, f"done:{handle.request_id}".encode())
+        except Exception as e:
+            log.debug("release notification to %s not sent: %s", handle.engine_id, e)
+
+    # ---- prefill side ------------------------------------------------------------------------
+
+    def completed_requests(self) -> list[str]:
+        """Request ids whose KV the decode side has finished with (from notifications)."""
+        done = []
+        for msgs in self.agent.get_new_notifs().values():
+            for m in msgs:
+                text = m.decode(errors="replace")
+                if text.startswith("done:"):
+                    done.append(text[5:])
+        return done
+
+    def close(self) -> None:
+        for engine_id in list(self._remotes):
+            self._forget(engine_id)
+        try:
+            self.agent.release_dlist_handle(self._local)
+            self.agent.deregister_memory(self._reg)
+        except Exception as e:
+            log.debug("closing NIXL agent: %s", e)

@@ -1,0 +1,118 @@
+"""The prefill role: compute a prompt, sample its first token, hold its blocks under a lease.
+
+The lease ends when the decode side's READ completes (its notification arrives), or when it
+expires; either way the blocks go back to the pool (and stay in the prefix cache until reused).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+from cluster.engine import LLMEngine
+from cluster.request import RequestStatus
+from cluster.sampling_params import SamplingParams
+from kv_transfer.handle import KVHandle
+from kv_transfer.layout import engine_layout
+from kv_transfer.transport import NixlTransport
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    handle: KVHandle | None  # None when the request ended here (error, or nothing to decode)
+    finish_reason: str | None  # set when no decode is needed (stop on the first token, max_tokens=1)
+    error: str | None = None
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        transport: NixlTransport,
+        lease_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.engine = engine
+        self.transport = transport
+        self.lease_s = lease_s
+        self.clock = clock
+        self.layout = engine_layout(engine)
+        self._leases: dict[str, float] = {}  # request id -> expiry (clock time)
+        self._max_tokens: dict[str, int] = {}  # the whole request's, while its prefill runs
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+        """Queue a prefill. Its first token is sampled with the request's own sampling params."""
+        first_only = replace(sampling, max_tokens=1, min_tokens=0)
+        req = self.engine.make_request(request_id, None, prompt_token_ids, first_only)
+        self.engine.check_length(req.num_prompt_tokens, sampling.max_tokens)  # the whole request
+        req.keep_kv = True
+        self.engine.add(req)
+        self._max_tokens[request_id] = sampling.max_tokens
+
+    def step(self) -> list[PrefillResult]:
+        self.service_leases()
+        results = []
+        for out in self.engine.step():
+            if not out.finished:
+                continue
+            leased = self.engine.scheduler.leased.get(out.request_id)
+            if leased is None:  # error or abort: nothing held
+                results.append(PrefillResult(out.request_id, None, out.finish_reason, out.error))
+            elif out.finish_reason == "stop" or self._max_tokens.pop(out.request_id, 0) == 1:
+                # The first token already ends the request (EOS, stop token, max_tokens=1).
+                self.engine.scheduler.release(out.request_id)
+                results.append(PrefillResult(out.request_id, None, out.finish_reason))
+            else:
+                results.append(PrefillResult(out.request_id, self._lease(out.request_id), None))
+        return results
+
+    def _lease(self, request_id: str) -> KVHandle:
+        req = self.engine.scheduler.leased[request_id]
+        expiry = self.clock() + self.lease_s
+        self._leases[request_id] = expiry
+        self.transport.stats.leases_granted += 1
+        full_blocks = req.num_prompt_tokens // self.engine.block_size
+        return KVHandle(
+            request_id=request_id,
+            engine_id=self.transport.engine_id,
+            incarnation=self.transport.incarnation,
+            agent_name=self.transport.agent_name,
+            block_ids=tuple(self.engine.kv.block_ids(request_id)),
+            block_hashes=tuple(self.engine.kv.update_hashes(req)[:full_blocks]),
+            num_prompt_tokens=req.num_prompt_tokens,
+            first_token=req.output_token_ids[0],
+            kv_layout=self.layout,
+            lease_expiry=expiry,
+        )
+
+    def prefill(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> PrefillResult:
+        """Synchronous convenience: submit and step until this request is done."""
+        self.submit(request_id, prompt_token_ids, sampling)
+        while True:
+            for r in self.step():
+                if r.request_id == request_id:
+                    return r
+
+    def service_leases(self) -> None:
+        """Release leases whose transfer completed, and expire overdue ones."""
+        for rid in self.transport.completed_requests():
+            if self._leases.pop(rid, None) is not None and self.engine.scheduler.release(rid):
+                self.transport.stats.leases_released += 1
+        now = self.clock()
+        for rid, expiry in list(self._leases.items()):
+            if now >= expiry:
+                del self._leases[rid]
+                self.engine.scheduler.release(rid)
+                self.transport.stats.leases_expired += 1
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._max_tokens.pop(request_id, None)
+        if self._leases.pop(request_id, None) is not None:
+            self.engine.scheduler.release(request_id)
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
