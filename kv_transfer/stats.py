@@ -15,6 +15,7 @@ class TransferStats:
     blocks_pulled: int = 0
     blocks_reused: int = 0  # prompt blocks found in our own prefix cache: not pulled
     bytes_pulled: int = 0
+    descriptors_used: int = 0  # counted only with telemetry on (NIXL merges adjacent blocks)
     pull_seconds: list[float] = field(default_factory=list)
     peer_refreshes: int = 0  # cached remote agent replaced (peer restarted)
     # prefill side

@@ -55,6 +55,8 @@ class NixlTransport:
         store: MetadataStore,
         required_transports: list[str] = (),
         ucx_proto_info: bool = False,
+        telemetry: bool = False,
+        num_threads: int = 0,
     ):
         import os  # noqa: PLC0415
 
@@ -77,7 +79,9 @@ class NixlTransport:
         self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self.device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self.agent_name = f"{engine_id}-{self.incarnation}"
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        self.telemetry = telemetry
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(
+            backends=["UCX"], capture_telemetry=telemetry, num_threads=num_threads))
         self._kv = kv_cache  # keep the registered memory alive
         self._reg = self.agent.register_memory(kv_cache)
         self.base_addr = kv_cache.data_ptr()
@@ -153,6 +157,7 @@ class NixlTransport:
         assert len(remote_blocks) == len(local_blocks)
         remote = self._remote(handle)
         notif = f"done:{handle.request_id}".encode()
+        started = time.monotonic()  # before posting: over shared memory the copy runs inside transfer()
         try:
             xfer = self.agent.make_prepped_xfer(
                 "READ", self._local, np.asarray(local_blocks, dtype=np.int32),
@@ -165,9 +170,8 @@ class NixlTransport:
         if state == "ERR":
             self._forget(handle.engine_id)
             raise KVTransferError(f"posting READ from {handle.engine_id} failed")
-        now = time.monotonic()
         return PendingPull(handle.request_id, handle.engine_id, xfer, len(local_blocks),
-                           len(local_blocks) * self.block_bytes, now, now + timeout_s)
+                           len(local_blocks) * self.block_bytes, started, started + timeout_s)
 
     def poll(self, pull: PendingPull) -> bool:
         """True when done; raises KVTransferError on failure or past the deadline."""
@@ -178,6 +182,8 @@ class NixlTransport:
             self.stats.pulls_failed += 1
             raise KVTransferError(f"READ from {pull.peer} failed: {e}") from e
         if state == "DONE":
+            if self.telemetry:  # how many descriptors NIXL actually used (after merging)
+                self.stats.descriptors_used += self.agent.get_xfer_telemetry(pull.handle).descCount
             self._release(pull)
             self.stats.pulls_ok += 1
             self.stats.blocks_pulled += pull.num_blocks

@@ -15,7 +15,7 @@ from kv_transfer.errors import IncompatiblePeerError
 from kv_transfer.layout import engine_layout
 from kv_transfer.metadata_store import FileMetadataStore
 from kv_transfer.transport import NixlTransport
-from tests.kv_peer import PrefillProcess
+from kv_transfer.local_peer import PrefillProcess
 
 SP = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PROMPTS = [[256] + [(7 * i + 3 * n) % 250 for i in range(n - 1)] for n in (1, 9, 16, 17, 40, 70)]
@@ -191,3 +191,18 @@ def test_restarted_prefill_is_a_new_incarnation(tiny_model, store, reference):
             second.close()
     finally:
         dec.transport.close()
+
+
+def test_a_required_transport_that_is_missing_refuses_to_start(tiny_model, store, monkeypatch):
+    from kv_transfer.errors import TransportUnavailableError
+    from kv_transfer.transports import available_transports
+
+    assert "tcp" in available_transports()
+    engine = LLMEngine.from_model(tiny_model, num_blocks=8)
+    with pytest.raises(TransportUnavailableError, match=r"required UCX transports \['rc'\] are not available"):
+        NixlTransport("needs-rdma", engine.kv_cache, engine_layout(engine), FileMetadataStore(store),
+                      required_transports=["tcp", "rc"])
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with pytest.raises(TransportUnavailableError, match=r"\['cma'\]"):
+        NixlTransport("needs-cma", engine.kv_cache, engine_layout(engine), FileMetadataStore(store),
+                      required_transports=["cma"])
