@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 DEMO   := .demo-model
 
-.PHONY: venv run test test-gpu bench clean
+.PHONY: venv run test test-gpu bench clean protos
 
 venv: $(STAMP)
 
@@ -33,3 +33,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(DEMO) .pytest_cache
+
+# Generated gRPC code lives in protos/pdserve/v1; CI fails when it is stale (tests/cpu/test_protos.py).
+protos: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. protos/pdserve/v1/generation.proto

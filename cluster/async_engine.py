@@ -1,9 +1,12 @@
-"""Async streaming over the synchronous engine: one background thread runs the step loop.
+"""Async streaming over a synchronous engine core: one background thread runs the step loop.
 
-Callers `async for` over `generate(...)` and receive each step's delta as it is produced. The
-engine is touched only by the loop thread; callers hand it commands (add, abort) through a queue.
-Leaving the iterator early (client disconnect, task cancelled) aborts the request, which frees
-its blocks.
+A core is anything with `step() -> outputs`, `has_unfinished()` and `abort(request_id)` (and
+optionally `service()`, run every iteration, idle or not): the plain LLMEngine, the prefill role,
+the decode role. Outputs carry `request_id` and `finished`.
+
+Callers `async for` over `stream(...)` and receive each step's outputs as they are produced. The
+core is touched only by the loop thread; callers hand it work as closures. Leaving the iterator
+early (client disconnect, task cancelled) aborts the request, which frees its blocks.
 """
 
 from __future__ import annotations
@@ -13,50 +16,52 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
-from cluster.engine import LLMEngine, RequestOutput
-from cluster.request import Request
 from cluster.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _Add:
-    request: Request
-    sink: "asyncio.Queue[RequestOutput]"
+class _Call:
+    fn: Callable[[], Any]
+    future: asyncio.Future
     loop: asyncio.AbstractEventLoop
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
+    request_id: str | None = None  # set: register this stream's sink before running fn
+    sink: asyncio.Queue | None = None
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, core, idle_poll_s: float | None = None, name: str = "pdserve-engine"):
+        self.core = core
+        self.engine = getattr(core, "engine", core)  # the LLMEngine underneath
+        self.idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
-        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        sampling: SamplingParams | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's deltas. Bad input raises InvalidRequestError before the first yield."""
-        req = self.engine.make_request(request_id, prompt, prompt_token_ids, sampling)
-        sink: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._send(_Add(req, sink, asyncio.get_running_loop()))
+    # ---- caller side (any event loop) ----------------------------------------------------------
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the loop thread between steps; returns its result or raises its exception."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._send(_Call(fn, fut, loop))
+        return await fut
+
+    async def stream(self, request_id: str, submit: Callable[[], Any]) -> AsyncIterator[Any]:
+        """Run `submit` on the loop thread, then yield the request's outputs until finished."""
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        fut = loop.create_future()
         finished = False
         try:
+            self._send(_Call(submit, fut, loop, request_id, sink))
+            await fut  # submit's own errors (bad input, incompatible peer) surface here
             while not finished:
                 out = await sink.get()
                 finished = out.finished
@@ -65,36 +70,52 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> AsyncIterator[Any]:
+        """Plain engine: stream a request's deltas. Bad input raises before the first yield."""
+        req = self.engine.make_request(request_id, prompt, prompt_token_ids, sampling)
+        async for out in self.stream(request_id, lambda: self.engine.add(req)):
+            yield out
+
     def abort(self, request_id: str) -> None:
-        self._send(_Abort(request_id))
+        self._commands.put(("abort", request_id))
+        self._wake.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
 
-    def _send(self, cmd) -> None:
-        self._commands.put(cmd)
+    def _send(self, call: _Call) -> None:
+        self._commands.put(call)
         self._wake.set()
 
     # ---- loop thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        service = getattr(self.core, "service", None)
         while not self._stop:
             self._drain_commands()
-            if not self.engine.has_unfinished():
-                self._wake.wait()
+            if service is not None:
+                service()
+            if not self.core.has_unfinished():
+                self._wake.wait(self.idle_poll_s)
                 self._wake.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self.core.step()
             except Exception:  # the engine step already fails its own requests; this is a bug
                 log.exception("engine loop error; failing all requests")
                 outputs = self._fail_all()
             for out in outputs:
                 self._deliver(out)
         for rid in list(self._sinks):
-            out = self.engine.abort(rid)
+            out = self.core.abort(rid)
             if out is not None:
                 self._deliver(out)
 
@@ -104,21 +125,32 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add):
-                try:
-                    self.engine.add(cmd.request)
-                except ValueError as e:  # duplicate request id
-                    out = RequestOutput(cmd.request.request_id, [], "", True, "error",
-                                        cmd.request.num_prompt_tokens, 0, 0, str(e))
-                    cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, out)
-                    continue
-                self._sinks[cmd.request.request_id] = (cmd.sink, cmd.loop)
+            if isinstance(cmd, _Call):
+                self._run_call(cmd)
             else:
-                out = self.engine.abort(cmd.request_id)
+                out = self.core.abort(cmd[1])
                 if out is not None:
                     self._deliver(out)
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _run_call(self, call: _Call) -> None:
+        if call.request_id is not None:
+            if call.request_id in self._sinks:
+                err = ValueError(f"request_id {call.request_id!r} is already in flight")
+                call.loop.call_soon_threadsafe(_settle, call.future, None, err)
+                return
+            self._sinks[call.request_id] = (call.sink, call.loop)
+        try:
+            result, error = call.fn(), None
+        except Exception as e:  # noqa: BLE001 — handed to the caller
+            result, error = None, e
+            if call.request_id is not None:
+                self._sinks.pop(call.request_id, None)
+        try:
+            call.loop.call_soon_threadsafe(_settle, call.future, result, error)
+        except RuntimeError:  # the caller's loop is closed
+            pass
+
+    def _deliver(self, out) -> None:
         entry = self._sinks.get(out.request_id)
         if entry is None:
             return
@@ -130,7 +162,7 @@ class AsyncEngine:
         except RuntimeError:  # the caller's loop is closed; nobody is listening
             pass
 
-    def _fail_all(self) -> list[RequestOutput]:
+    def _fail_all(self) -> list:
         from cluster.request import RequestStatus  # noqa: PLC0415
 
         outs = []
@@ -138,5 +170,14 @@ class AsyncEngine:
             req = self.engine.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
             if req is not None:
                 req.error = "engine loop error"
-                outs.append(self.engine.final_output(req, [], ""))  # noqa: SLF001
+                outs.append(self.engine.final_output(req, [], ""))
         return outs
+
+
+def _settle(fut: asyncio.Future, result, error) -> None:
+    if fut.cancelled():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

@@ -18,9 +18,7 @@ import torch
 
 from cluster.attention import resolve_backend
 from cluster.config import EngineConfig
-from cluster.errors import InvalidRequestError
 from cluster.kv_cache import KVCacheManager
-from cluster.kv_cache.manager import cdiv
 from cluster.model.loader import load_model
 from cluster.model_config import ModelConfig
 from cluster.model_runner import ModelRunner
@@ -28,6 +26,7 @@ from cluster.request import Request, RequestStatus
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler import Scheduler
 from cluster.tokenizer import IncrementalDetokenizer, Tokenizer
+from cluster.validation import RequestValidator
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +60,13 @@ class EngineStats:
     finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 
+def kv_block_bytes(mc: ModelConfig, opts) -> int:
+    """Bytes of one KV block (all layers, K and V) for these engine options."""
+    dtype = getattr(torch, mc.dtype if opts.dtype == "auto" else opts.dtype)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return mc.num_layers * 2 * opts.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,9 +86,8 @@ class LLMEngine:
         self.block_size = config.block_size
         self.model = load_model(config.model, mc, self.max_model_len, dtype, self.device)
 
-        elem = torch.tensor([], dtype=dtype).element_size()
         # One block of all layers is one contiguous region: [L, 2, block_size, H_kv, D].
-        self.block_bytes = mc.num_layers * 2 * config.block_size * mc.num_kv_heads * mc.head_dim * elem
+        self.block_bytes = kv_block_bytes(mc, config)
         num_blocks = config.num_blocks or int(config.kv_cache_memory_gb * 2**30 // self.block_bytes)
         self.kv_cache = torch.zeros(
             num_blocks, mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim,
@@ -95,6 +100,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size, self.device, config.seed)
         self.eos_token_ids = mc.eos_token_ids or tuple(
             t for t in [self.tokenizer.token_to_id(self.tokenizer.config.get("eos_token"))] if t is not None
+        )
+        self.validator = RequestValidator(
+            self.tokenizer, mc.vocab_size, self.max_model_len, config.block_size, num_blocks, self.eos_token_ids
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
@@ -118,48 +126,10 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
     ) -> Request:
         """Validate and tokenize. Pure (no engine state touched), so any thread may call it."""
-        sampling = sampling or SamplingParams()
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id", "must be a non-empty string")
-        if (prompt is None) == (prompt_token_ids is None):
-            raise InvalidRequestError("prompt", "give exactly one of prompt or prompt_token_ids")
-        vocab = self.model_config.vocab_size
-        if prompt is not None:
-            if not isinstance(prompt, str) or not prompt:
-                raise InvalidRequestError("prompt", "must be a non-empty string")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt_token_ids)
-            if not ids:
-                raise InvalidRequestError("prompt_token_ids", "must not be empty")
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise InvalidRequestError(
-                        "prompt_token_ids", f"token id {t!r} at index {i} is outside the vocabulary [0, {vocab})"
-                    )
-        for t in sampling.stop_token_ids:
-            if t >= vocab:
-                raise InvalidRequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab})")
-        self.check_length(len(ids), sampling.max_tokens)
-        return Request(request_id, ids, sampling, self.eos_token_ids)
+        return self.validator.make_request(request_id, prompt, prompt_token_ids, sampling)
 
     def check_length(self, n_prompt: int, max_tokens: int) -> None:
-        limit = self.max_model_len
-        if n_prompt >= limit:
-            raise InvalidRequestError(
-                "prompt", f"has {n_prompt} tokens; the context length is {limit}, so at most {limit - 1} fit"
-            )
-        if n_prompt + max_tokens > limit:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} "
-                f"exceeds the context length {limit}",
-            )
-        blocks = cdiv(n_prompt + max_tokens, self.block_size)
-        if blocks > self.kv.num_blocks:
-            raise InvalidRequestError(
-                "max_tokens", f"prompt + max_tokens needs {blocks} KV blocks; the pool has {self.kv.num_blocks}"
-            )
+        self.validator.check_length(n_prompt, max_tokens)
 
     def add(self, req: Request) -> None:
         self.scheduler.add(req)

@@ -24,6 +24,9 @@ class PrefillResult:
     handle: KVHandle | None  # None when the request ended here (error, or nothing to decode)
     finish_reason: str | None  # set when no decode is needed (stop on the first token, max_tokens=1)
     error: str | None = None
+    first_token: int | None = None
+    num_cached_tokens: int = 0  # prompt tokens this prefill engine found in its prefix cache
+    finished: bool = True  # one result per request (the async loop's contract)
 
 
 class PrefillEngine:
@@ -58,14 +61,18 @@ class PrefillEngine:
             if not out.finished:
                 continue
             leased = self.engine.scheduler.leased.get(out.request_id)
+            max_tokens = self._max_tokens.pop(out.request_id, 0)
             if leased is None:  # error or abort: nothing held
                 results.append(PrefillResult(out.request_id, None, out.finish_reason, out.error))
-            elif out.finish_reason == "stop" or self._max_tokens.pop(out.request_id, 0) == 1:
+            elif out.finish_reason == "stop" or max_tokens == 1:
                 # The first token already ends the request (EOS, stop token, max_tokens=1).
                 self.engine.scheduler.release(out.request_id)
-                results.append(PrefillResult(out.request_id, None, out.finish_reason))
+                results.append(PrefillResult(out.request_id, None, out.finish_reason, None,
+                                             out.token_ids[0], out.num_cached_tokens))
             else:
-                results.append(PrefillResult(out.request_id, self._lease(out.request_id), None))
+                handle = self._lease(out.request_id)
+                results.append(PrefillResult(out.request_id, handle, None, None, handle.first_token,
+                                             out.num_cached_tokens))
         return results
 
     def _lease(self, request_id: str) -> KVHandle:
@@ -95,6 +102,12 @@ class PrefillEngine:
                 if r.request_id == request_id:
                     return r
 
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def service(self) -> None:
+        self.service_leases()
+
     def service_leases(self) -> None:
         """Release leases whose transfer completed, and expire overdue ones."""
         for rid in self.transport.completed_requests():
@@ -107,11 +120,13 @@ class PrefillEngine:
                 self.engine.scheduler.release(rid)
                 self.transport.stats.leases_expired += 1
 
-    def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+    def abort(self, request_id: str) -> PrefillResult | None:
+        """Stop a prefill, or end its lease early. Returns the terminal result if it was running."""
+        out = self.engine.abort(request_id)
         self._max_tokens.pop(request_id, None)
         if self._leases.pop(request_id, None) is not None:
             self.engine.scheduler.release(request_id)
+        return None if out is None else PrefillResult(request_id, None, out.finish_reason)
 
     @property
     def num_leases(self) -> int:

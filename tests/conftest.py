@@ -20,3 +20,21 @@ def model_factory(tmp_path_factory):
         return str(init_model(tmp_path_factory.mktemp(name), **kwargs))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """The one Ray instance of the test session (started on first use)."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, namespace="pdserve", log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -136,6 +136,8 @@ def main(argv=None) -> int:
         for a in args.arms:
             if a != "pdserve" and a in row and "pdserve" in row:
                 line += f"  pdserve/{a} {row['pdserve'] / row[a]:5.2f}x"
+        line += "  same tokens: " + ", ".join(
+            f"{a} {row[f'{a}_matches_pdserve']}/{c}" for a in args.arms if a != "pdserve")
         if "roofline_fraction" in row:
             line += (f"  roofline {100 * row['roofline_fraction']:.0f}% of output-token FLOP, "
                      f"{100 * row['roofline_fraction_all_tokens']:.0f}% counting prompt tokens "

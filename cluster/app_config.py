@@ -1,0 +1,84 @@
+"""The whole app's configuration: one pydantic schema for `pdserve up --config` and `serve run`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineOptions(_Strict):
+    block_size: int = Field(16, ge=1, le=256)
+    num_blocks: int | None = Field(None, ge=2, description="KV blocks per replica; None = from kv_cache_memory_gb")
+    kv_cache_memory_gb: float = Field(1.0, gt=0)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "flash_attn"] = "auto"
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+class AutoscalingOptions(_Strict):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(8.0, gt=0)
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+
+
+class PoolOptions(_Strict):
+    num_replicas: int = Field(1, ge=0, description="0 for the prefill pool: decode prefills locally")
+    autoscaling: AutoscalingOptions | None = None
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(256, ge=1)
+    engine: EngineOptions | None = Field(None, description="Overrides the app-wide engine options")
+
+
+class KVTransferOptions(_Strict):
+    lease_s: float = Field(30.0, gt=0, description="How long prefill holds a request's blocks for decode")
+    timeout_s: float = Field(10.0, gt=0, description="Decode gives up on a pull after this long")
+    failure_policy: Literal["recompute", "fail"] = "recompute"
+    required_transports: list[str] = Field(default_factory=list, description='e.g. ["cuda_ipc", "rc"]')
+    nixl_threads: int = Field(0, ge=0)
+
+
+class AppConfig(_Strict):
+    model: str | None = Field(None, description="HF checkpoint directory; None = the demo model")
+    served_model_name: str | None = Field(None, description="Model id in the APIs; default: the dir name")
+    engine: EngineOptions = EngineOptions()
+    prefill: PoolOptions = PoolOptions()
+    decode: PoolOptions = PoolOptions()
+    ingress_replicas: int = Field(1, ge=1)
+    kv_transfer: KVTransferOptions = KVTransferOptions()
+    host: str = "0.0.0.0"
+    http_port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int = Field(9000, ge=1, le=65535)
+    default_max_tokens: int = Field(16, ge=1)
+    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer keys; empty = no auth")
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="How long a stopping replica drains")
+
+    @model_validator(mode="after")
+    def _decode_pool_exists(self) -> "AppConfig":
+        if self.decode.num_replicas < 1 and self.decode.autoscaling is None:
+            raise ValueError("decode.num_replicas must be >= 1 (the decode pool serves every request)")
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "AppConfig":
+        return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+
+    def engine_for(self, pool: Literal["prefill", "decode"]) -> EngineOptions:
+        return getattr(self, pool).engine or self.engine
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model or "pdserve-demo").name

@@ -1,0 +1,85 @@
+"""Builds the Serve application from one AppConfig: the same builder serves `pdserve up` and
+`serve run deploy/serve.yaml` (import path `cluster.serve_app:app_builder`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ray import serve
+from ray.serve.config import gRPCOptions
+
+from cluster.app_config import AppConfig, PoolOptions
+
+log = logging.getLogger(__name__)
+
+DEMO_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "demo-model"
+
+
+def ensure_model(config: AppConfig) -> AppConfig:
+    """With no model configured, write (once) and use the demo checkpoint."""
+    if config.model is not None:
+        return config
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        from cluster.model.init_model import init_model  # noqa: PLC0415
+
+        init_model(DEMO_MODEL_DIR)
+        log.info("wrote the demo model to %s", DEMO_MODEL_DIR)
+    return config.model_copy(update={"model": str(DEMO_MODEL_DIR), "served_model_name":
+                                     config.served_model_name or "pdserve-demo"})
+
+
+def _pool_options(pool: PoolOptions, config: AppConfig) -> dict:
+    opts = {
+        "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
+        "max_ongoing_requests": pool.max_ongoing_requests,
+        "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": min(2.0, config.graceful_shutdown_timeout_s),
+    }
+    if pool.autoscaling is not None:
+        a = pool.autoscaling
+        opts["autoscaling_config"] = {
+            "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
+        }
+    else:
+        opts["num_replicas"] = pool.num_replicas
+    return opts
+
+
+def build_app(config: AppConfig):
+    from decode.server import DecodeServer  # noqa: PLC0415
+    from prefill.server import PrefillServer  # noqa: PLC0415
+    from router.ingress import Ingress  # noqa: PLC0415
+
+    config = ensure_model(config)
+    cfg = config.model_dump()
+    decode = serve.deployment(DecodeServer, name="decode", **_pool_options(config.decode, config)).bind(cfg)
+    prefill = None
+    if config.prefill.num_replicas > 0 or config.prefill.autoscaling is not None:
+        prefill = serve.deployment(PrefillServer, name="prefill", **_pool_options(config.prefill, config)).bind(cfg)
+    ingress = serve.deployment(Ingress, name="ingress", num_replicas=config.ingress_replicas,
+                               ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024,
+                               graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+                               graceful_shutdown_wait_loop_s=min(2.0, config.graceful_shutdown_timeout_s))
+    return ingress.bind(cfg, prefill, decode)
+
+
+def app_builder(args: dict):
+    """`serve run` entry: args are the AppConfig fields, or {"config_file": PATH}."""
+    if "config_file" in args:
+        return build_app(AppConfig.from_yaml(args["config_file"]))
+    return build_app(AppConfig.model_validate(args))
+
+
+def grpc_options(config: AppConfig) -> gRPCOptions:
+    from router.ingress import GRPC_SERVICERS  # noqa: PLC0415
+
+    return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICERS)
+
+
+def start(config: AppConfig, blocking: bool = False):
+    """Start Serve's proxies on the configured ports and deploy the app (Ray already running)."""
+    serve.start(http_options={"host": config.host, "port": config.http_port}, grpc_options=grpc_options(config))
+    return serve.run(build_app(config), name="pdserve", route_prefix="/", blocking=blocking)

@@ -1,0 +1,185 @@
+"""One request's path through the pools, independent of the API that carried it in.
+
+    prefill replica: prompt -> first token + KVHandle      (sent to the client at once)
+    decode replica:  KVHandle -> pull missing blocks -> the rest of the tokens, streamed
+
+With no prefill replica (or a failed prefill) the decode replica prefills locally. Text is
+detokenized here, over the whole stream, so the first token's text and the rest join up.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+from cluster.app_config import AppConfig
+from cluster.engine import RequestOutput
+from cluster.model_config import ModelConfig
+from cluster.sampling_params import SamplingParams
+from cluster.tokenizer import IncrementalDetokenizer, Tokenizer
+from cluster.validation import RequestValidator
+
+log = logging.getLogger(__name__)
+
+
+class ServingError(Exception):
+    """A request failed inside the cluster. `code` is a grpc.StatusCode name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Delta:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+def make_validator(config: AppConfig) -> RequestValidator:
+    """What the ingress needs to reject bad input before any replica sees it (no weights)."""
+    from cluster.engine import kv_block_bytes  # noqa: PLC0415
+
+    model_dir = config.model
+    mc = ModelConfig.from_dir(model_dir)
+    tok = Tokenizer(model_dir)
+    max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    pools = [p for p in ("prefill", "decode") if p == "decode" or config.prefill.num_replicas > 0
+             or config.prefill.autoscaling]
+    num_blocks = min(_num_blocks(config, p, kv_block_bytes(mc, config.engine_for(p))) for p in pools)
+    eos = mc.eos_token_ids or tuple(
+        t for t in [tok.token_to_id(tok.config.get("eos_token"))] if t is not None)
+    return RequestValidator(tok, mc.vocab_size, max_len, config.engine.block_size, num_blocks, eos)
+
+
+def _num_blocks(config: AppConfig, pool: str, block_bytes: int) -> int:
+    opts = config.engine_for(pool)
+    return opts.num_blocks or int(opts.kv_cache_memory_gb * 2**30 // block_bytes)
+
+
+class RequestFlow:
+    def __init__(self, config: AppConfig, prefill_handle, decode_handle):
+        self.config = config
+        self.validator = make_validator(config)
+        self.tokenizer: Tokenizer = self.validator.tokenizer
+        self.prefill = prefill_handle  # None: no prefill pool
+        self.decode = decode_handle
+
+    async def generate(
+        self,
+        prompt: str | None,
+        prompt_token_ids: Sequence[int] | None,
+        sampling: SamplingParams,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Delta]:
+        """Raises InvalidRequestError before the first delta; ServingError on failures."""
+        rid = request_id or uuid.uuid4().hex
+        req = self.validator.make_request(rid, prompt, prompt_token_ids, sampling)
+        ids = req.prompt_token_ids
+        detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
+        sent = 0
+        cached = 0
+        kv_handle = None
+        pulled = False
+
+        def delta(tokens: list[int], final_reason: str | None) -> Delta:
+            nonlocal sent
+            for t in tokens:
+                detok.add(t)
+            sent += len(tokens)
+            reason = "stop" if detok.stopped else final_reason
+            return Delta(rid, detok.take(final=reason is not None), tokens, reason, len(ids), sent, cached)
+
+        if self.prefill is not None:
+            result = await self._prefill(rid, ids, sampling)
+            if result is not None:
+                cached = result.num_cached_tokens
+                if result.handle is None:  # the first token ends it
+                    yield delta([result.first_token], result.finish_reason)
+                    return
+                kv_handle = result.handle
+                d = delta([kv_handle.first_token], None)
+                yield d
+                if d.finish_reason is not None:  # a stop string in the first token's text
+                    await self._release(rid)
+                    return
+        try:
+            stream = self.decode.options(stream=True).generate.remote(rid, ids, sampling, kv_handle)
+        except Exception as e:  # noqa: BLE001
+            raise ServingError("UNAVAILABLE", f"no decode replica: {e}") from e
+        finished = False
+        try:
+            async for out in stream:
+                out: RequestOutput
+                pulled = True
+                if out.finish_reason == "error":
+                    code = "ABORTED" if sent else "INTERNAL"
+                    raise ServingError(code, f"request {rid} failed after {sent} tokens: {out.error}")
+                if kv_handle is None:
+                    cached = out.num_cached_tokens
+                d = delta(out.token_ids, out.finish_reason if out.finished else None)
+                if d.text or d.token_ids or d.finish_reason:
+                    yield d
+                if d.finish_reason is not None:
+                    finished = True
+                    return
+        except ServingError:
+            raise
+        except Exception as e:
+            code = "ABORTED" if sent else "UNAVAILABLE"
+            raise ServingError(code, f"decode failed for {rid} after {sent} tokens: {e}") from e
+        finally:
+            if not finished:
+                stream.cancel()
+            if kv_handle is not None and not pulled:
+                await self._release(rid)
+        raise ServingError("INTERNAL", f"decode stream for {rid} ended without a finish")
+
+    async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams):
+        try:
+            result = await self.prefill.prefill.remote(rid, ids, sampling)
+        except Exception as e:  # noqa: BLE001 — any prefill failure: decode prefills locally
+            log.warning("prefill of %s failed (%s); prefilling on decode", rid, e)
+            return None
+        if result.finish_reason == "error":
+            log.warning("prefill of %s failed (%s); prefilling on decode", rid, result.error)
+            return None
+        return result
+
+    async def _release(self, rid: str) -> None:
+        try:
+            await self.prefill.release.remote(rid)
+        except Exception as e:  # noqa: BLE001 — the lease expires anyway
+            log.debug("release of %s: %s", rid, e)
+
+    def model_info(self) -> dict:
+        return {"id": self.config.model_name, "max_model_len": self.validator.max_model_len,
+                "vocab_size": self.validator.vocab_size}
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """Render the tokenizer's chat template (sandboxed Jinja), ready to tokenize."""
+        template = self.tokenizer.chat_template
+        if not template:
+            raise ValueError("this model has no chat template (tokenizer_config.json chat_template)")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        cfg = self.tokenizer.config
+
+        def special(name):
+            tok = cfg.get(name)
+            return tok.get("content") if isinstance(tok, dict) else (tok or "")
+
+        return env.from_string(template).render(
+            messages=messages, add_generation_prompt=True,
+            bos_token=special("bos_token"), eos_token=special("eos_token"),
+        )
+
