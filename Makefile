@@ -6,7 +6,6 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # pip finds a CPU build of this torch on our machines; an unpinned torch pulls GBs of CUDA wheels.
 TORCH  ?= torch==2.13.0
-DEMO   := .demo-model
 
 .PHONY: venv run test test-gpu bench clean protos
 
@@ -19,11 +18,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-$(DEMO)/config.json: | $(STAMP)
-	$(VENV)/bin/pdserve init-model $(DEMO)
-
-run: $(STAMP) $(DEMO)/config.json
-	$(VENV)/bin/pdserve generate --model $(DEMO) --prompt "Hello, pdserve!" --max-tokens 48
+# Serves the demo model (written to ~/.cache/pdserve/demo-model on first use) until Ctrl-C:
+# gRPC :9000, OpenAI HTTP :8000, Ray dashboard :8265.
+run: $(STAMP)
+	$(VENV)/bin/pdserve up
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q
@@ -32,7 +30,7 @@ bench: $(STAMP)
 	$(PY) -m cluster.bench.engine
 
 clean:
-	rm -rf $(VENV) $(DEMO) .pytest_cache
+	rm -rf $(VENV) .pytest_cache
 
 # Generated gRPC code lives in protos/pdserve/v1; CI fails when it is stale (tests/cpu/test_protos.py).
 protos: $(STAMP)

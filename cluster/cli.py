@@ -134,16 +134,24 @@ def _up(args) -> int:
     config = serve_app.ensure_model(_load_app_config(args))
     address = os.environ.get("RAY_ADDRESS")
     joined = address is not None
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # during start-up: abort, and clean up below
+        signal.signal(sig, interrupt)
     if joined:
         ray.init(address=address, namespace="pdserve")
     else:
-        ray.init(namespace="pdserve", include_dashboard=args.dashboard, dashboard_host="0.0.0.0",
-                 dashboard_port=8265)
+        # Ray's CPUs are scheduling slots: give the local instance enough for every replica
+        # even on a small machine (the engines share the real cores through torch's threads).
+        ray.init(namespace="pdserve", num_cpus=max(os.cpu_count() or 1, serve_app.cpus_needed(config)),
+                 include_dashboard=args.dashboard, dashboard_host="0.0.0.0", dashboard_port=8265)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         serve_app.start(config)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         host = "localhost" if config.host in ("0.0.0.0", "::") else config.host
         print(f"pdserve is serving {config.model_name} ({config.model})", flush=True)
         print(f"  gRPC    {host}:{config.grpc_port}   (pdserve.v1.Generation, grpc.health.v1.Health)", flush=True)
@@ -152,6 +160,8 @@ def _up(args) -> int:
             print(f"  Ray dashboard   http://{host}:8265", flush=True)
         print("Ctrl-C to stop.", flush=True)
         stop.wait()
+    except KeyboardInterrupt:
+        print("pdserve: interrupted during start-up", flush=True)
     finally:
         print("pdserve: shutting down", flush=True)
         serve.shutdown()

@@ -48,6 +48,18 @@ def _pool_options(pool: PoolOptions, config: AppConfig) -> dict:
     return opts
 
 
+INGRESS_CPUS = 0.5
+
+
+def cpus_needed(config: AppConfig) -> int:
+    """Ray CPU slots the app asks for at its initial size (for sizing a local Ray instance)."""
+    def pool(p: PoolOptions) -> float:
+        n = p.autoscaling.max_replicas if p.autoscaling else p.num_replicas
+        return n * p.num_cpus
+
+    return int(-(-(pool(config.prefill) + pool(config.decode) + INGRESS_CPUS * config.ingress_replicas) // 1))
+
+
 def build_app(config: AppConfig):
     from decode.server import DecodeServer  # noqa: PLC0415
     from prefill.server import PrefillServer  # noqa: PLC0415
@@ -60,7 +72,7 @@ def build_app(config: AppConfig):
     if config.prefill.num_replicas > 0 or config.prefill.autoscaling is not None:
         prefill = serve.deployment(PrefillServer, name="prefill", **_pool_options(config.prefill, config)).bind(cfg)
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=config.ingress_replicas,
-                               ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024,
+                               ray_actor_options={"num_cpus": INGRESS_CPUS}, max_ongoing_requests=1024,
                                graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
                                graceful_shutdown_wait_loop_s=min(2.0, config.graceful_shutdown_timeout_s))
     return ingress.bind(cfg, prefill, decode)
