@@ -49,6 +49,8 @@ class KVTransferOptions(_Strict):
     failure_policy: Literal["recompute", "fail"] = "recompute"
     required_transports: list[str] = Field(default_factory=list, description='e.g. ["cuda_ipc", "rc"]')
     nixl_threads: int = Field(0, ge=0)
+    progress_thread: bool = Field(
+        False, description="NIXL's progress thread: lower transfer latency, but it spins one core per replica")
 
 
 class AppConfig(_Strict):

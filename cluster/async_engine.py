@@ -53,8 +53,13 @@ class AsyncEngine:
         self._send(_Call(fn, fut, loop))
         return await fut
 
-    async def stream(self, request_id: str, submit: Callable[[], Any]) -> AsyncIterator[Any]:
-        """Run `submit` on the loop thread, then yield the request's outputs until finished."""
+    async def stream(
+        self, request_id: str, submit: Callable[[], Any], merge: Callable[[Any, Any], Any] | None = None
+    ) -> AsyncIterator[Any]:
+        """Run `submit` on the loop thread, then yield the request's outputs until finished.
+
+        With `merge`, outputs that queued up while the consumer was busy are merged into one.
+        """
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         fut = loop.create_future()
@@ -64,6 +69,8 @@ class AsyncEngine:
             await fut  # submit's own errors (bad input, incompatible peer) surface here
             while not finished:
                 out = await sink.get()
+                while merge is not None and not out.finished and not sink.empty():
+                    out = merge(out, sink.get_nowait())
                 finished = out.finished
                 yield out
         finally:
@@ -85,6 +92,9 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wake.set()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True

@@ -46,6 +46,14 @@ class RequestOutput:
     error: str | None = None
 
 
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one."""
+    return RequestOutput(
+        b.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason,
+        b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens, b.error,
+    )
+
+
 @dataclass
 class EngineStats:
     """Plain counters since start; telemetry turns them into metrics."""
@@ -237,13 +245,7 @@ class LLMEngine:
         while self.has_unfinished():
             for o in self.step():
                 acc = results.get(o.request_id)
-                if acc is None:
-                    results[o.request_id] = o
-                else:
-                    acc.token_ids += o.token_ids
-                    acc.text += o.text
-                    acc.finished, acc.finish_reason, acc.error = o.finished, o.finish_reason, o.error
-                    acc.num_output_tokens, acc.num_cached_tokens = o.num_output_tokens, o.num_cached_tokens
+                results[o.request_id] = o if acc is None else merge_outputs(acc, o)
         return [results[r] for r in ids]
 
     def check_invariants(self) -> None:

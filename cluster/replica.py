@@ -68,3 +68,49 @@ class ReportingCore:
         transfer = asdict(self.core.transport.stats)
         transfer["pull_seconds"] = len(transfer["pull_seconds"])
         return {"pool": self.pool, **engine_load(self.engine), "transfer": transfer}
+
+
+class EngineReplica:
+    """Base of the prefill and decode Serve deployments: engine, NIXL transport, loop thread.
+
+    Subclasses wrap the engine in their role core via `make_core(engine, transport, config)`.
+    """
+
+    pool: Literal["prefill", "decode"]
+    idle_poll_s: float | None = None
+
+    def __init__(self, config: dict):
+        import uuid  # noqa: PLC0415
+
+        from cluster.async_engine import AsyncEngine  # noqa: PLC0415
+        from cluster.registry import RayMetadataStore, get_registry  # noqa: PLC0415
+        from kv_transfer.layout import engine_layout  # noqa: PLC0415
+        from kv_transfer.transport import NixlTransport  # noqa: PLC0415
+
+        cfg = AppConfig.model_validate(config)
+        self.replica_id = f"{self.pool}-{uuid.uuid4().hex[:8]}"
+        engine = build_engine(cfg, self.pool)
+        registry = get_registry()
+        kv = cfg.kv_transfer
+        transport = NixlTransport(
+            self.replica_id, engine.kv_cache, engine_layout(engine), RayMetadataStore(registry),
+            required_transports=kv.required_transports, num_threads=kv.nixl_threads,
+            progress_thread=kv.progress_thread,
+        )
+        self.core = ReportingCore(self.make_core(engine, transport, cfg), self.replica_id, self.pool, registry)
+        self.loop = AsyncEngine(self.core, idle_poll_s=self.idle_poll_s, name=f"pdserve-{self.pool}")
+
+    def make_core(self, engine: LLMEngine, transport, config: AppConfig):
+        raise NotImplementedError
+
+    async def load(self) -> dict:
+        return await self.loop.call(self.core.load)
+
+    def check_health(self) -> None:
+        if not self.loop.is_alive():
+            raise RuntimeError(f"{self.pool} engine loop is not running")
+
+    def __del__(self):
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.shutdown(timeout=2)

@@ -57,6 +57,7 @@ class NixlTransport:
         ucx_proto_info: bool = False,
         telemetry: bool = False,
         num_threads: int = 0,
+        progress_thread: bool = False,
     ):
         import os  # noqa: PLC0415
 
@@ -80,8 +81,11 @@ class NixlTransport:
         self.device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self.agent_name = f"{engine_id}-{self.incarnation}"
         self.telemetry = telemetry
+        # NIXL's progress thread busy-polls a whole core even when idle; without it UCX progresses
+        # whenever we poll (decode: every step; prefill: every loop turn), which suffices.
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(
-            backends=["UCX"], capture_telemetry=telemetry, num_threads=num_threads))
+            backends=["UCX"], capture_telemetry=telemetry, num_threads=num_threads,
+            enable_prog_thread=progress_thread))
         self._kv = kv_cache  # keep the registered memory alive
         self._reg = self.agent.register_memory(kv_cache)
         self.base_addr = kv_cache.data_ptr()

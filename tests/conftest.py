@@ -30,11 +30,3 @@ def ray_session():
     ray.init(num_cpus=8, include_dashboard=False, namespace="pdserve", log_to_driver=False)
     yield ray
     ray.shutdown()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

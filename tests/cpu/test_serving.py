@@ -17,7 +17,7 @@ from cluster.engine import LLMEngine
 from cluster.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.conftest import free_port
+from cluster.netutil import free_port
 
 
 @pytest.fixture(scope="module")

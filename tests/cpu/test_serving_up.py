@@ -17,7 +17,7 @@ import pytest
 
 from cluster.engine import LLMEngine
 from cluster.sampling_params import SamplingParams
-from tests.conftest import free_port
+from cluster.netutil import free_port
 
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
 
