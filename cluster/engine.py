@@ -59,7 +59,7 @@ class EngineStats:
     """Plain counters since start; telemetry turns them into metrics."""
 
     steps: int = 0
-    prompt_tokens_computed: int = 0
+    tokens_computed: int = 0  # through the model: prompt chunks, recomputes and decodes
     generation_tokens: int = 0
     cached_prompt_tokens: int = 0
     preemptions: int = 0
@@ -184,16 +184,14 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.last_step_s = time.perf_counter() - t0
 
+        self.stats.tokens_computed += out.num_tokens
         outputs = []
         for c in out.chunks:
             req = c.request
             if not c.samples:
-                self.stats.prompt_tokens_computed += c.num_tokens
                 continue
-            if c.start < req.num_prompt_tokens:
-                self.stats.prompt_tokens_computed += c.num_tokens - 1
-                if c.start + c.num_tokens - 1 >= req.num_prompt_tokens - 1 and req.num_output_tokens == 1:
-                    self.stats.cached_prompt_tokens += req.num_cached_tokens
+            if req.num_output_tokens == 1:  # its prompt is done: count what the cache saved once
+                self.stats.cached_prompt_tokens += req.num_cached_tokens
             self.stats.generation_tokens += 1
             token = req.output_token_ids[-1]
             detok = self._detok[req.request_id]
