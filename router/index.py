@@ -1,6 +1,6 @@
 """Which replica holds which KV blocks: a plain class, fed by the replicas' block events.
 
-Each replica sends batches of stored/removed block hashes with a sequence number that grows by one
+Each replica sends batches of stored/removed block-hash events with a sequence number that grows by one
 per batch, and an incarnation id that changes when the replica restarts. A batch that does not
 follow the last one (a gap, or a new incarnation) is refused: the caller must then resync that
 replica from a full snapshot of its cached hashes. A dead replica is forgotten at once.
@@ -29,23 +29,28 @@ class PrefixIndex:
     def replicas(self) -> list[str]:
         return sorted(self._replicas)
 
+    def hashes(self, replica_id: str) -> set[BlockHash]:
+        r = self._replicas.get(replica_id)
+        return set() if r is None else set(r.hashes)
+
     def num_blocks(self, replica_id: str) -> int:
         r = self._replicas.get(replica_id)
         return 0 if r is None else len(r.hashes)
 
     def apply(
-        self, replica_id: str, incarnation: str, seq: int,
-        stored: Iterable[BlockHash] = (), removed: Iterable[BlockHash] = (),
+        self, replica_id: str, incarnation: str, seq: int, events: Iterable[tuple[str, BlockHash]],
     ) -> bool:
-        """Apply one event batch. False (nothing applied) means: resync this replica."""
+        """Apply one batch of ("+" | "-", hash) events, in order (a hash can be stored, evicted
+        and stored again within one batch). False (nothing applied) means: resync this replica."""
         r = self._replicas.get(replica_id)
         if r is None or r.incarnation != incarnation or seq != r.seq + 1:
             return False
-        for h in removed:
-            self._drop(replica_id, r, h)
-        for h in stored:
-            r.hashes.add(h)
-            self._where.setdefault(h, set()).add(replica_id)
+        for kind, h in events:
+            if kind == "+":
+                r.hashes.add(h)
+                self._where.setdefault(h, set()).add(replica_id)
+            else:
+                self._drop(replica_id, r, h)
         r.seq = seq
         return True
 

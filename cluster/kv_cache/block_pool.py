@@ -32,8 +32,8 @@ class PoolStats:
     evicted: int = 0
     queried_blocks: int = 0
     hit_blocks: int = 0
-    stored: list[BlockHash] = field(default_factory=list)  # events since the last drain
-    removed: list[BlockHash] = field(default_factory=list)
+    # ("+", hash) when a block is cached, ("-", hash) when evicted; in order, since the last drain
+    events: list[tuple[str, BlockHash]] = field(default_factory=list)
 
 
 class BlockPool:
@@ -107,7 +107,7 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._cached[block_hash] = block.block_id
-        self.stats.stored.append(block_hash)
+        self.stats.events.append(("+", block_hash))
         return True
 
     def reset_cache(self) -> int:
@@ -120,16 +120,20 @@ class BlockPool:
                 n += 1
         return n
 
-    def drain_events(self) -> tuple[list[BlockHash], list[BlockHash]]:
-        stored, removed = self.stats.stored, self.stats.removed
-        self.stats.stored, self.stats.removed = [], []
-        return stored, removed
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash this pool can serve from its prefix cache now."""
+        return list(self._cached)
+
+    def drain_events(self) -> list[tuple[str, BlockHash]]:
+        """The cache's stored ("+") and removed ("-") events since the last call, in order."""
+        events, self.stats.events = self.stats.events, []
+        return events
 
     def _evict(self, block: Block) -> None:
         if block.block_hash is None:
             return
         del self._cached[block.block_hash]
-        self.stats.removed.append(block.block_hash)
+        self.stats.events.append(("-", block.block_hash))
         self.stats.evicted += 1
         block.block_hash = None
 

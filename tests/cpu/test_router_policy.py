@@ -106,16 +106,16 @@ def test_hot_prefix_spreads_past_the_load_cap():
 def test_index_resync_after_a_sequence_gap_or_new_incarnation():
     idx = PrefixIndex()
     h = hashes(list(range(48)))
-    assert not idx.apply("p-a", "i1", 1, stored=h)  # unknown replica: resync first
+    assert not idx.apply("p-a", "i1", 1, [("+", x) for x in h])  # unknown replica: resync first
     idx.resync("p-a", "i1", 0, [])
-    assert idx.apply("p-a", "i1", 1, stored=h[:2])
-    assert idx.apply("p-a", "i1", 2, stored=h[2:])
+    assert idx.apply("p-a", "i1", 1, [("+", x) for x in h[:2]])
+    assert idx.apply("p-a", "i1", 2, [("+", x) for x in h[2:]])
     assert idx.prefix_blocks(h, ["p-a"]) == {"p-a": 3}
-    assert not idx.apply("p-a", "i1", 4, removed=h[:1])  # seq 3 was lost
+    assert not idx.apply("p-a", "i1", 4, [("-", h[0])])  # seq 3 was lost
     assert idx.prefix_blocks(h, ["p-a"]) == {"p-a": 3}  # nothing applied
     idx.resync("p-a", "i1", 4, h[1:])  # the replica's snapshot: block 0 was evicted
     assert idx.prefix_blocks(h, ["p-a"]) == {"p-a": 0}  # chained: nothing useful without block 0
-    assert not idx.apply("p-a", "i2", 5, stored=h[:1])  # restarted replica: resync
+    assert not idx.apply("p-a", "i2", 5, [("+", h[0])])  # restarted replica: resync
     idx.check_invariants()
 
 
@@ -126,11 +126,22 @@ def test_index_prefix_counts_and_forget():
     idx.resync("b", "i", 0, h[:2])
     idx.resync("c", "i", 0, h[1:])
     assert idx.prefix_blocks(h, ["a", "b", "c", "d"]) == {"a": 4, "b": 2, "c": 0, "d": 0}
-    assert idx.apply("a", "i", 1, removed=[h[2]])
+    assert idx.apply("a", "i", 1, [("-", h[2])])
     assert idx.prefix_blocks(h, ["a", "b"]) == {"a": 2, "b": 2}
     idx.forget("a")
     assert idx.replicas() == ["b", "c"] and idx.num_blocks("a") == 0
     assert idx.prefix_blocks(h, ["a", "b"]) == {"a": 0, "b": 2}
+    idx.check_invariants()
+
+
+def test_events_apply_in_order():
+    idx = PrefixIndex()
+    h = hashes(list(range(32)))
+    idx.resync("a", "i", 0, [])
+    assert idx.apply("a", "i", 1, [("+", h[0]), ("-", h[0]), ("+", h[1])])
+    assert idx.hashes("a") == {h[1]}
+    assert idx.apply("a", "i", 2, [("-", h[1]), ("+", h[1])])  # evicted, then cached again
+    assert idx.hashes("a") == {h[1]}
     idx.check_invariants()
 
 

@@ -1,0 +1,62 @@
+"""The replica side of the index feed: drains the block pool's stored/removed events and sends
+them to the router with a sequence number; when the router refuses a batch (a gap, a restarted
+router, a new incarnation), sends a full snapshot instead. Runs on the engine's loop thread;
+never blocks on the router (fire-and-forget, acknowledgements checked without waiting)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import ray
+
+from cluster.kv_cache.block_pool import BlockPool
+
+log = logging.getLogger(__name__)
+
+
+class KVEventPublisher:
+    def __init__(self, replica_id: str, pool: BlockPool, router, incarnation: str | None = None):
+        self.replica_id = replica_id
+        self.pool = pool
+        self.router = router
+        self.incarnation = incarnation or uuid.uuid4().hex[:12]
+        self.seq = 0
+        self._acks: list = []  # refs of batches not yet acknowledged
+        self.resyncs = 0
+        self._send_snapshot()  # the router learns of this incarnation from a full snapshot
+
+    def publish(self) -> None:
+        """Send what changed since the last call (if anything) and act on refused batches."""
+        if self._refused():
+            self._send_snapshot()
+            return
+        events = self.pool.drain_events()
+        if not events:
+            return
+        self.seq += 1
+        self._acks.append(self.router.events.remote(self.replica_id, self.incarnation, self.seq, events))
+
+    def _refused(self) -> bool:
+        if not self._acks:
+            return False
+        done, pending = ray.wait(self._acks, num_returns=len(self._acks), timeout=0)
+        refused = False
+        for ref in done:
+            try:
+                refused |= not ray.get(ref)
+            except Exception as e:  # noqa: BLE001 — the router died: its successor needs a snapshot
+                log.debug("router unavailable (%s); will resync", e)
+                refused = True
+        self._acks = pending
+        return refused
+
+    def _send_snapshot(self) -> None:
+        self.pool.drain_events()  # the snapshot supersedes anything queued
+        self.seq += 1
+        self.resyncs += 1
+        self._acks = []
+        try:
+            self.router.resync.remote(self.replica_id, self.incarnation, self.seq, self.pool.cached_hashes())
+        except Exception as e:  # noqa: BLE001 — routing falls back to load; try again next turn
+            log.debug("router resync not sent: %s", e)
