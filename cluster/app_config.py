@@ -53,6 +53,14 @@ class KVTransferOptions(_Strict):
         False, description="NIXL's progress thread: lower transfer latency, but it spins one core per replica")
 
 
+class RoutingOptions(_Strict):
+    enabled: bool = Field(True, description="Prefix/capacity-aware routing; off = Serve's power of two")
+    local_prefill_threshold: int = Field(
+        64, ge=0, description="Fewer uncached prompt tokens than this on the decode replica: prefill there")
+    hot_load_cap: int = Field(32, ge=1, description="Requests on a replica past which its cache earns no credit")
+    slow_factor: float = Field(2.0, gt=1, description="Step time this many times the pool median: deprioritised")
+
+
 class AppConfig(_Strict):
     model: str | None = Field(None, description="HF checkpoint directory; None = the demo model")
     served_model_name: str | None = Field(None, description="Model id in the APIs; default: the dir name")
@@ -61,6 +69,7 @@ class AppConfig(_Strict):
     decode: PoolOptions = PoolOptions()
     ingress_replicas: int = Field(1, ge=1)
     kv_transfer: KVTransferOptions = KVTransferOptions()
+    routing: RoutingOptions = RoutingOptions()
     host: str = "0.0.0.0"
     http_port: int = Field(8000, ge=1, le=65535)
     grpc_port: int = Field(9000, ge=1, le=65535)

@@ -35,14 +35,19 @@ def engine_load(engine: LLMEngine) -> dict:
 
 
 class ReportingCore:
-    """Wraps a role core (prefill or decode) so its loop also reports load to the registry."""
+    """Wraps a role core (prefill or decode) so its loop also feeds the router (block events every
+    turn, load once a second) and reports load to the registry (for `pdserve status`)."""
 
-    def __init__(self, core, replica_id: str, pool: str, registry, interval_s: float = 1.0):
+    def __init__(self, core, replica_id: str, pool: str, registry, router=None, interval_s: float = 1.0):
+        from router.events import KVEventPublisher  # noqa: PLC0415
+
         self.core = core
         self.engine = core.engine
         self.replica_id = replica_id
         self.pool = pool
         self.registry = registry
+        self.router = router
+        self.publisher = None if router is None else KVEventPublisher(replica_id, core.engine.kv.pool, router)
         self.interval_s = interval_s
         self._next = 0.0
         self._inner_service = getattr(core, "service", None)
@@ -59,15 +64,37 @@ class ReportingCore:
     def service(self) -> None:
         if self._inner_service is not None:
             self._inner_service()
+        if self.publisher is not None:
+            self.publisher.publish()
         now = time.monotonic()
         if now >= self._next:
             self._next = now + self.interval_s
-            self.registry.report.remote(self.replica_id, self.load())
+            load = self.load()
+            self.registry.report.remote(self.replica_id, load)
+            if self.router is not None:
+                self.router.report_load.remote(self.replica_load(load))
+
+    def replica_load(self, load: dict) -> "ReplicaLoad":
+        from router.policy import ReplicaLoad  # noqa: PLC0415
+
+        return ReplicaLoad(self.replica_id, self.pool, load["free_blocks"], load["total_blocks"],
+                           load["running"] + load["importing"], load["waiting"],
+                           load["queued_prefill_tokens"], load["last_step_ms"] / 1e3)
 
     def load(self) -> dict:
         transfer = asdict(self.core.transport.stats)
         transfer["pull_seconds"] = len(transfer["pull_seconds"])
         return {"pool": self.pool, **engine_load(self.engine), "transfer": transfer}
+
+
+def _serve_replica_id() -> str | None:
+    """Serve's id of this replica: routing decisions name replicas by it."""
+    try:
+        from ray import serve  # noqa: PLC0415
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 — not running as a Serve replica
+        return None
 
 
 class EngineReplica:
@@ -87,8 +114,10 @@ class EngineReplica:
         from kv_transfer.layout import engine_layout  # noqa: PLC0415
         from kv_transfer.transport import NixlTransport  # noqa: PLC0415
 
+        from router.actor import get_router  # noqa: PLC0415
+
         cfg = AppConfig.model_validate(config)
-        self.replica_id = f"{self.pool}-{uuid.uuid4().hex[:8]}"
+        self.replica_id = _serve_replica_id() or f"{self.pool}-{uuid.uuid4().hex[:8]}"
         engine = build_engine(cfg, self.pool)
         registry = get_registry()
         kv = cfg.kv_transfer
@@ -97,7 +126,8 @@ class EngineReplica:
             required_transports=kv.required_transports, num_threads=kv.nixl_threads,
             progress_thread=kv.progress_thread,
         )
-        self.core = ReportingCore(self.make_core(engine, transport, cfg), self.replica_id, self.pool, registry)
+        self.core = ReportingCore(self.make_core(engine, transport, cfg), self.replica_id, self.pool, registry,
+                                  get_router())
         self.loop = AsyncEngine(self.core, idle_poll_s=self.idle_poll_s, name=f"pdserve-{self.pool}")
 
     def make_core(self, engine: LLMEngine, transport, config: AppConfig):

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from ray import serve
-from ray.serve.config import gRPCOptions
+from ray.serve.config import RequestRouterConfig, gRPCOptions
 
 from cluster.app_config import AppConfig, PoolOptions
 
@@ -35,6 +35,8 @@ def _pool_options(pool: PoolOptions, config: AppConfig) -> dict:
         "max_ongoing_requests": pool.max_ongoing_requests,
         "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
         "graceful_shutdown_wait_loop_s": min(2.0, config.graceful_shutdown_timeout_s),
+        "request_router_config": RequestRouterConfig(
+            request_router_class="router.serve_router:PrefixAwareRequestRouter"),
     }
     if pool.autoscaling is not None:
         a = pool.autoscaling

@@ -25,6 +25,7 @@ class DecodeServer(EngineReplica):
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         kv_handle: KVHandle | None,
+        target_replica: str | None = None,  # read by the request router that brought the call here
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas. With a KV handle the prompt's KV is pulled from prefill
         (the first token was already sent); without one the prompt is prefilled here. Deltas that

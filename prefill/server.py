@@ -16,8 +16,10 @@ class PrefillServer(EngineReplica):
     def make_core(self, engine, transport, config):
         return PrefillEngine(engine, transport, lease_s=config.kv_transfer.lease_s)
 
-    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> PrefillResult:
-        """Prefill and hold the blocks; cancelling this call aborts the prefill."""
+    async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+                      target_replica: str | None = None) -> PrefillResult:
+        """Prefill and hold the blocks; cancelling this call aborts the prefill.
+        (`target_replica` is read by the request router that brought the call here.)"""
         stream = self.loop.stream(request_id, lambda: self.core.core.submit(request_id, prompt_token_ids, sampling))
         try:
             async for result in stream:

@@ -6,6 +6,7 @@ never blocks on the router (fire-and-forget, acknowledgements checked without wa
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import ray
@@ -16,20 +17,26 @@ log = logging.getLogger(__name__)
 
 
 class KVEventPublisher:
-    def __init__(self, replica_id: str, pool: BlockPool, router, incarnation: str | None = None):
+    def __init__(self, replica_id: str, pool: BlockPool, router, incarnation: str | None = None,
+                 min_resync_interval_s: float = 1.0):
         self.replica_id = replica_id
+        self.min_resync_interval_s = min_resync_interval_s  # a dead router costs one snapshot a second
+        self._last_snapshot = float("-inf")
         self.pool = pool
         self.router = router
         self.incarnation = incarnation or uuid.uuid4().hex[:12]
         self.seq = 0
         self._acks: list = []  # refs of batches not yet acknowledged
+        self._resync_due = False
         self.resyncs = 0
         self._send_snapshot()  # the router learns of this incarnation from a full snapshot
 
     def publish(self) -> None:
         """Send what changed since the last call (if anything) and act on refused batches."""
-        if self._refused():
-            self._send_snapshot()
+        if self._resync_due or self._refused():
+            self._resync_due = True
+            if time.monotonic() - self._last_snapshot >= self.min_resync_interval_s:
+                self._send_snapshot()
             return
         events = self.pool.drain_events()
         if not events:
@@ -56,6 +63,8 @@ class KVEventPublisher:
         self.seq += 1
         self.resyncs += 1
         self._acks = []
+        self._resync_due = False
+        self._last_snapshot = time.monotonic()
         try:
             self.router.resync.remote(self.replica_id, self.incarnation, self.seq, self.pool.cached_hashes())
         except Exception as e:  # noqa: BLE001 — routing falls back to load; try again next turn

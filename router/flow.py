@@ -9,6 +9,7 @@ detokenized here, over the whole stream, so the first token's text and the rest 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import AsyncIterator, Sequence
 
 from cluster.app_config import AppConfig
 from cluster.engine import RequestOutput
+from cluster.kv_cache import hash_request_blocks
 from cluster.model_config import ModelConfig
 from cluster.sampling_params import SamplingParams
 from cluster.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -66,12 +68,19 @@ def _num_blocks(config: AppConfig, pool: str, block_bytes: int) -> int:
 
 
 class RequestFlow:
-    def __init__(self, config: AppConfig, prefill_handle, decode_handle):
+    def __init__(self, config: AppConfig, prefill_handle, decode_handle, router=None,
+                 route_timeout_s: float = 0.5):
         self.config = config
         self.validator = make_validator(config)
         self.tokenizer: Tokenizer = self.validator.tokenizer
         self.prefill = prefill_handle  # None: no prefill pool
         self.decode = decode_handle
+        self.router = router  # None: Serve's own replica choice
+        self.route_timeout_s = route_timeout_s
+        mc = ModelConfig.from_dir(config.model)
+        self.salt = f"{mc.fingerprint()}|".encode()  # the engines' block-hash salt (cache_salt "")
+        self.block_size = config.engine.block_size
+        self.decisions = {"routed": 0, "fallback": 0}
 
     async def generate(
         self,
@@ -98,8 +107,11 @@ class RequestFlow:
             reason = "stop" if detok.stopped else final_reason
             return Delta(rid, detok.take(final=reason is not None), tokens, reason, len(ids), sent, cached)
 
-        if self.prefill is not None:
-            result = await self._prefill(rid, ids, sampling)
+        decision = await self._route(ids)
+        decode_target = decision.decode if decision else None
+        local = decision is not None and decision.mode == "local"
+        if self.prefill is not None and not local:
+            result = await self._prefill(rid, ids, sampling, decision.prefill if decision else None)
             if result is not None:
                 cached = result.num_cached_tokens
                 if result.handle is None:  # the first token ends it
@@ -112,7 +124,8 @@ class RequestFlow:
                     await self._release(rid)
                     return
         try:
-            stream = self.decode.options(stream=True).generate.remote(rid, ids, sampling, kv_handle)
+            stream = self.decode.options(stream=True).generate.remote(
+                rid, ids, sampling, kv_handle, target_replica=decode_target)
         except Exception as e:  # noqa: BLE001
             raise ServingError("UNAVAILABLE", f"no decode replica: {e}") from e
         finished = False
@@ -143,9 +156,24 @@ class RequestFlow:
                 await self._release(rid)
         raise ServingError("INTERNAL", f"decode stream for {rid} ended without a finish")
 
-    async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams):
+    async def _route(self, ids: list[int]):
+        """One router call per request; any failure (router down, slow, no replicas known yet)
+        falls back to Serve's own choice (power of two on local load)."""
+        if self.router is None:
+            return None
+        hashes = hash_request_blocks(ids, self.block_size, self.salt)
         try:
-            result = await self.prefill.prefill.remote(rid, ids, sampling)
+            decision = await asyncio.wait_for(self.router.route.remote(hashes, len(ids)), self.route_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            log.debug("routing fell back to Serve's choice: %s", e)
+            self.decisions["fallback"] += 1
+            return None
+        self.decisions["routed"] += 1
+        return decision
+
+    async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams, target: str | None):
+        try:
+            result = await self.prefill.prefill.remote(rid, ids, sampling, target_replica=target)
         except Exception as e:  # noqa: BLE001 — any prefill failure: decode prefills locally
             log.warning("prefill of %s failed (%s); prefilling on decode", rid, e)
             return None

@@ -29,8 +29,18 @@ openai_app = build_openai_app()
 @serve.ingress(openai_app)
 class Ingress:
     def __init__(self, config: dict, prefill_handle, decode_handle):
+        from router.actor import get_router  # noqa: PLC0415
+        from router.policy import PolicyConfig  # noqa: PLC0415
+
         self.config = AppConfig.model_validate(config)
-        self.flow = RequestFlow(self.config, prefill_handle, decode_handle)
+        router = None
+        if self.config.routing.enabled:
+            r = self.config.routing
+            router = get_router()
+            router.configure.remote(PolicyConfig(
+                block_size=self.config.engine.block_size, local_prefill_threshold=r.local_prefill_threshold,
+                hot_load_cap=r.hot_load_cap, slow_factor=r.slow_factor))
+        self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router)
         self.api_keys = set(self.config.api_keys)
         bind_replica(self.flow, self.check_auth)
 

@@ -31,6 +31,9 @@ class Router:
         self._decisions = 0
         self._resyncs = 0
 
+    def configure(self, config: PolicyConfig) -> None:
+        self.policy.config = config
+
     def events(self, replica_id: str, incarnation: str, seq: int,
                events: Sequence[tuple[str, BlockHash]]) -> bool:
         """One ordered batch of a replica's block events. False: send a full snapshot (resync)."""

@@ -42,8 +42,8 @@ def in_sync(router, publisher: KVEventPublisher) -> bool:
 def test_index_tracks_engines_through_eviction_gaps_and_router_restarts(router, tiny_model):
     a = LLMEngine.from_model(tiny_model, num_blocks=12)  # small: later prompts evict earlier ones
     b = LLMEngine.from_model(tiny_model, num_blocks=64)
-    pa = KVEventPublisher("prefill-a", a.kv.pool, router)
-    pb = KVEventPublisher("prefill-b", b.kv.pool, router)
+    pa = KVEventPublisher("prefill-a", a.kv.pool, router, min_resync_interval_s=0)
+    pb = KVEventPublisher("prefill-b", b.kv.pool, router, min_resync_interval_s=0)
     system = [256] + list(range(1, 64))  # 4 full blocks
 
     a.generate([system + [100 + i] for i in range(3)], SP)

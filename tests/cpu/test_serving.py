@@ -29,7 +29,7 @@ def server(ray_session, tiny_model):
     cfg = AppConfig(
         model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
         engine={"num_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-        graceful_shutdown_timeout_s=1.0,
+        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
     )
     serve_app.start(cfg)
     yield cfg
@@ -87,6 +87,15 @@ def test_grpc_stream_equals_in_process_and_is_incremental(stub, reference):
     assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
     loads = wait_pools_whole()
     assert loads["decode"]["transfer"]["pulls_ok"] >= 1  # the KV came from the prefill pool
+
+
+def test_a_short_prompt_is_prefilled_on_decode(stub, reference):
+    before = pool_loads()["decode"]["transfer"]["pulls_ok"]
+    prompt = [256, 3, 1, 4, 1, 5, 9, 2]  # 8 uncached tokens < the threshold of 16
+    responses = list(stub.Generate(request(prompt, max_tokens=5), timeout=60))
+    assert [t for r in responses for t in r.token_ids] == reference(prompt, 5).token_ids
+    assert pool_loads()["decode"]["transfer"]["pulls_ok"] == before  # no KV transfer
+    wait_pools_whole()
 
 
 def test_sixteen_concurrent_streams(stub, reference):

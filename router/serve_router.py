@@ -1,0 +1,53 @@
+"""Serve's side of routing: a request router (runs in the caller, e.g. the ingress) that sends a
+request to the replica the policy chose, passed as the `target_replica` keyword argument; without
+one, or when that replica is gone, it falls back to power of two choices among the live replicas.
+It tells the router actor at once when a replica dies, so decisions stop naming it."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import List, Optional
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+log = logging.getLogger(__name__)
+
+TARGET_KWARG = "target_replica"
+
+
+class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        target = pending_request.kwargs.get(TARGET_KWARG) if pending_request is not None else None
+        if target is not None:
+            for r in candidate_replicas:
+                if r.replica_id.unique_id == target:
+                    return [[r]]
+        if len(candidate_replicas) <= 2:
+            return [list(candidate_replicas)]
+        return [random.sample(candidate_replicas, 2)]
+
+    def update_replicas(self, replicas: List[RunningReplica]):
+        """Serve pushes the live replica set here; replicas that left it (died, scaled down) are
+        dropped from the index at once."""
+        live = {r.replica_id.unique_id for r in replicas}
+        gone = getattr(self, "_pdserve_live", set()) - live
+        self._pdserve_live = live
+        super().update_replicas(replicas)
+        for replica_id in gone:
+            _forget(replica_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        super().on_replica_actor_died(replica_id)
+        _forget(replica_id.unique_id)
+
+
+def _forget(replica_id: str) -> None:
+    try:
+        from router.actor import get_router  # noqa: PLC0415
+
+        get_router().forget.remote(replica_id)
+    except Exception as e:  # noqa: BLE001 — the router also drops replicas that stop reporting
+        log.debug("could not tell the router that %s is gone: %s", replica_id, e)

@@ -1,0 +1,98 @@
+"""Prefix-aware routing in the serving cluster (2 prefill + 1 decode replicas): shared prefixes go
+where they are cached; a killed prefill replica leaves the index; a killed router degrades to
+Serve's own choice and recovers."""
+
+import time
+
+import grpc
+import pytest
+import ray
+
+from cluster.app_config import AppConfig
+from cluster.netutil import free_port
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.actor import get_router
+
+SYSTEMS = [[256] + [(s * 31 + j) % 250 for j in range(63)] for s in range(2)]  # 4 blocks each
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, tiny_model):
+    from ray import serve
+
+    from cluster import serve_app
+
+    cfg = AppConfig(model=tiny_model, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": 64},
+                    prefill={"num_replicas": 2, "num_cpus": 0.5}, decode={"num_cpus": 0.5},
+                    graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16})
+    serve_app.start(cfg)
+    with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
+        yield pb_grpc.GenerationStub(channel)
+    serve.shutdown()
+
+
+def generate(stub, prompt, max_tokens=2):
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return list(stub.Generate(req, timeout=60))[-1]
+
+
+def router_state():
+    router = get_router()
+    stats = ray.get(router.stats.remote())
+    loads = ray.get(router.live_loads.remote())
+    return stats, {load.replica_id: load.pool for load in loads}
+
+
+def wait_for(pred, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if pred():
+                return
+        except ray.exceptions.ActorUnavailableError:
+            pass
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.05)
+
+
+def test_shared_prefixes_go_where_they_are_cached(cluster):
+    wait_for(lambda: sorted(router_state()[1].values()) == ["decode", "prefill", "prefill"],
+             "all three replicas report to the router")
+    for s in SYSTEMS:  # warm-up: each prefix is prefilled once somewhere
+        generate(cluster, s + [1] * 32)
+    wait_for(lambda: router_state()[0].tracked_blocks >= 8, "the prefixes are in the index")
+    cached = []
+    for i in range(10):
+        s = SYSTEMS[i % 2]
+        last = generate(cluster, s + [(i * 7 + j) % 250 for j in range(32)])  # 32 new tokens: remote
+        cached.append(last.usage.cached_prompt_tokens)
+    hit_rate = sum(cached) / (64 * len(cached))
+    assert hit_rate >= 0.9, cached
+
+
+def test_killed_prefill_replica_leaves_the_index_and_requests_keep_flowing(cluster):
+    _, replicas = router_state()
+    victim = sorted(r for r, pool in replicas.items() if pool == "prefill")[0]
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(victim)]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    t_kill = time.monotonic()
+    # The next request is served (Serve re-routes off the dead replica, whose death it reports to
+    # the ingress's request router, which drops it from the index); by the request after it the
+    # replica is gone. Without traffic Serve's replica-set update drops it too (~8 s here).
+    last = generate(cluster, SYSTEMS[0] + [5] * 32)
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    wait_for(lambda: victim not in router_state()[1] and not ray.get(get_router().hashes.remote(victim)),
+             "the dead replica is forgotten", timeout=2.0)
+    assert time.monotonic() - t_kill < 8.0  # not by staleness (10 s)
+    for i in range(4):
+        assert generate(cluster, SYSTEMS[1] + [i] * 32).finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_killed_router_degrades_to_serves_choice_and_recovers(cluster):
+    ray.kill(get_router(), no_restart=False)  # Ray restarts it empty
+    for i in range(3):  # served while the router restarts and relearns
+        assert generate(cluster, SYSTEMS[0] + [i] * 32).finish_reason == pb.FINISH_REASON_LENGTH
+    wait_for(lambda: router_state()[0].replicas >= 2, "the replicas resync the restarted router")
