@@ -76,6 +76,7 @@ class AppConfig(_Strict):
     default_max_tokens: int = Field(16, ge=1)
     api_keys: list[str] = Field(default_factory=list, description="Accepted bearer keys; empty = no auth")
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="How long a stopping replica drains")
+    health_check_period_s: float = Field(2.0, gt=0, description="How often Serve checks engine replicas")
 
     @model_validator(mode="after")
     def _decode_pool_exists(self) -> "AppConfig":

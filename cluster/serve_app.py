@@ -37,6 +37,9 @@ def _pool_options(pool: PoolOptions, config: AppConfig) -> dict:
         "graceful_shutdown_wait_loop_s": min(2.0, config.graceful_shutdown_timeout_s),
         "request_router_config": RequestRouterConfig(
             request_router_class="router.serve_router:PrefixAwareRequestRouter"),
+        # Serve notices a dead or stuck replica within a period; callers' request routers then drop
+        # it (and the router forgets it). Serve's default is 10 s.
+        "health_check_period_s": config.health_check_period_s,
     }
     if pool.autoscaling is not None:
         a = pool.autoscaling
