@@ -54,7 +54,9 @@ class KVTransferOptions(_Strict):
 
 
 class RoutingOptions(_Strict):
-    enabled: bool = Field(True, description="Prefix/capacity-aware routing; off = Serve's power of two")
+    enabled: bool = Field(True, description="Route through the router actor; off = Serve's power of two")
+    strategy: Literal["cost", "round_robin", "power_of_two"] = Field(
+        "cost", description="cost: prefix- and capacity-aware; the others are baselines for comparison")
     local_prefill_threshold: int = Field(
         64, ge=0, description="Fewer uncached prompt tokens than this on the decode replica: prefill there")
     hot_load_cap: int = Field(32, ge=1, description="Requests on a replica past which its cache earns no credit")

@@ -38,7 +38,8 @@ class ReportingCore:
     """Wraps a role core (prefill or decode) so its loop also feeds the router (block events every
     turn, load once a second) and reports load to the registry (for `pdserve status`)."""
 
-    def __init__(self, core, replica_id: str, pool: str, registry, router=None, interval_s: float = 1.0):
+    def __init__(self, core, replica_id: str, pool: str, registry, router=None, interval_s: float = 1.0,
+                 router_interval_s: float = 0.25):
         from router.events import KVEventPublisher  # noqa: PLC0415
 
         self.core = core
@@ -49,7 +50,9 @@ class ReportingCore:
         self.router = router
         self.publisher = None if router is None else KVEventPublisher(replica_id, core.engine.kv.pool, router)
         self.interval_s = interval_s
+        self.router_interval_s = router_interval_s
         self._next = 0.0
+        self._next_router = 0.0
         self._inner_service = getattr(core, "service", None)
 
     def step(self):
@@ -67,12 +70,12 @@ class ReportingCore:
         if self.publisher is not None:
             self.publisher.publish()
         now = time.monotonic()
+        if now >= self._next_router and self.router is not None:
+            self._next_router = now + self.router_interval_s
+            self.router.report_load.remote(self.replica_load(self.load()))
         if now >= self._next:
             self._next = now + self.interval_s
-            load = self.load()
-            self.registry.report.remote(self.replica_id, load)
-            if self.router is not None:
-                self.router.report_load.remote(self.replica_load(load))
+            self.registry.report.remote(self.replica_id, self.load())
 
     def replica_load(self, load: dict) -> "ReplicaLoad":
         from router.policy import ReplicaLoad  # noqa: PLC0415

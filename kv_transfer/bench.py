@@ -23,9 +23,8 @@ import tempfile
 
 import torch
 
-from cluster.bench.engine import MODEL_SHAPE
+from cluster.bench.engine import ensure_bench_model
 from cluster.engine import LLMEngine
-from cluster.model.init_model import init_model
 from cluster.sampling_params import SamplingParams
 from decode.engine import DecodeEngine
 from kv_transfer.layout import engine_layout
@@ -166,15 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nixl-threads", type=int, nargs="+", default=[0],
                     help="UCX backend progress threads (0 = NIXL's default); one run per value")
     args = ap.parse_args(argv)
-    d = Path(args.model_dir)
-    if not (d / "config.json").is_file():
-        init_model(d, **MODEL_SHAPE)
-    if max(args.lengths) + 8 > MODEL_SHAPE["max_positions"]:
-        import json
-
-        cfg = json.loads((d / "config.json").read_text())
-        cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], max(args.lengths) + 8)
-        (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    d = ensure_bench_model(args.model_dir, max(args.lengths) + 8)
     print(f"UCX transports available: {', '.join(available_transports())}; torch threads {torch.get_num_threads()}")
     for threads in args.nixl_threads:
         with tempfile.TemporaryDirectory() as store:

@@ -39,7 +39,7 @@ class Ingress:
             router = get_router()
             router.configure.remote(PolicyConfig(
                 block_size=self.config.engine.block_size, local_prefill_threshold=r.local_prefill_threshold,
-                hot_load_cap=r.hot_load_cap, slow_factor=r.slow_factor))
+                hot_load_cap=r.hot_load_cap, slow_factor=r.slow_factor), r.strategy)
         self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router)
         self.api_keys = set(self.config.api_keys)
         bind_replica(self.flow, self.check_auth)

@@ -4,7 +4,7 @@ thin shell over it). Replicas feed it block events and load; the ingress asks it
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from cluster.kv_cache.hashing import BlockHash
@@ -28,11 +28,21 @@ class Router:
         self.clock = clock
         self.stale_after_s = stale_after_s
         self._loads: dict[str, tuple[float, ReplicaLoad]] = {}
+        # Work this router sent to a replica since that replica's last load report: without it,
+        # every decision between two reports sees the same stale queues and piles onto one replica.
+        self._pending_tokens: dict[str, int] = {}
+        self._pending_requests: dict[str, int] = {}
         self._decisions = 0
         self._resyncs = 0
 
-    def configure(self, config: PolicyConfig) -> None:
-        self.policy.config = config
+    def configure(self, config: PolicyConfig, strategy: str = "cost") -> None:
+        """Set the policy once (the ingress does, from the app config)."""
+        from router.baselines import PowerOfTwoPolicy, RoundRobinPolicy  # noqa: PLC0415
+
+        strategies = {"cost": RoutingPolicy, "round_robin": RoundRobinPolicy, "power_of_two": PowerOfTwoPolicy}
+        if strategy not in strategies:
+            raise ValueError(f"routing strategy {strategy!r} is unknown (choose from {sorted(strategies)})")
+        self.policy = strategies[strategy](config, self.policy.rng)
 
     def events(self, replica_id: str, incarnation: str, seq: int,
                events: Sequence[tuple[str, BlockHash]]) -> bool:
@@ -46,11 +56,15 @@ class Router:
 
     def report_load(self, load: ReplicaLoad) -> None:
         self._loads[load.replica_id] = (self.clock(), load)
+        self._pending_tokens.pop(load.replica_id, None)  # the report now counts that work
+        self._pending_requests.pop(load.replica_id, None)
 
     def forget(self, replica_id: str) -> None:
         """A replica is gone: no more decisions name it."""
         self.index.forget(replica_id)
         self._loads.pop(replica_id, None)
+        self._pending_tokens.pop(replica_id, None)
+        self._pending_requests.pop(replica_id, None)
 
     def live_loads(self) -> list[ReplicaLoad]:
         now = self.clock()
@@ -61,7 +75,16 @@ class Router:
 
     def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int) -> RouteDecision:
         self._decisions += 1
-        return self.policy.route(hashes, num_prompt_tokens, self.index, self.live_loads())
+        loads = [replace(load, queued_prefill_tokens=load.queued_prefill_tokens + self._pending_tokens.get(load.replica_id, 0),
+                         waiting=load.waiting + self._pending_requests.get(load.replica_id, 0))
+                 for load in self.live_loads()]
+        d = self.policy.route(hashes, num_prompt_tokens, self.index, loads)
+        computed_at = d.prefill if d.mode == "remote" else d.decode
+        self._pending_tokens[computed_at] = (self._pending_tokens.get(computed_at, 0)
+                                             + num_prompt_tokens - d.predicted_cached_tokens)
+        for rid in {computed_at, d.decode}:
+            self._pending_requests[rid] = self._pending_requests.get(rid, 0) + 1
+        return d
 
     def hashes(self, replica_id: str) -> set[BlockHash]:
         return self.index.hashes(replica_id)

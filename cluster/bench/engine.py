@@ -30,6 +30,18 @@ MODEL_SHAPE = dict(layers=12, hidden=512, heads=8, kv_heads=2, intermediate=1408
                    tie_embeddings=True, max_positions=1024)
 
 
+def ensure_bench_model(model_dir: str | Path, min_positions: int = 0) -> Path:
+    """The ~50M benchmark checkpoint, written once; its context stretched to min_positions."""
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        init_model(d, **MODEL_SHAPE)
+    cfg = json.loads((d / "config.json").read_text())
+    if cfg["max_position_embeddings"] < min_positions:
+        cfg["max_position_embeddings"] = min_positions
+        (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    return d
+
+
 def make_prompts(n: int, seed: int, lo: int = 32, hi: int = 512, vocab: int = 32000) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
@@ -89,9 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args(argv)
 
-    d = Path(args.model_dir)
-    if not (d / "config.json").is_file():
-        init_model(d, **MODEL_SHAPE)
+    d = ensure_bench_model(args.model_dir)
     engine = LLMEngine.from_model(str(d), num_blocks=4096, max_num_batched_tokens=args.budget)
     params = sum(p.numel() for p in engine.model.parameters())
     hf = None

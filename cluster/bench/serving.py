@@ -23,8 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
-from cluster.bench.engine import MODEL_SHAPE, make_prompts
-from cluster.model.init_model import init_model
+from cluster.bench.engine import ensure_bench_model, make_prompts
 
 
 def _stats(results: list[tuple[list[float], int]], wall: float) -> dict:
@@ -112,9 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=2048)
     ap.add_argument("--arms", nargs="+", default=["in-process", "serve", "serve-pd"])
     args = ap.parse_args(argv)
-    d = Path(args.model_dir)
-    if not (d / "config.json").is_file():
-        init_model(d, **MODEL_SHAPE)
+    d = ensure_bench_model(args.model_dir)
     prompts_by_c = {c: make_prompts(c, seed=c) for c in args.concurrency}
     results = {}
     for arm in args.arms:

@@ -150,3 +150,31 @@ def test_ties_are_broken_at_random_between_equals_only():
     seen = {RoutingPolicy(PolicyConfig(block_size=BS), random.Random(seed)).route(
         hashes(PROMPT), len(PROMPT), PrefixIndex(), loads).prefill for seed in range(20)}
     assert seen == {"p-a", "p-b"}
+
+
+def test_baselines_ignore_the_cache():
+    from router.baselines import PowerOfTwoPolicy, RoundRobinPolicy
+
+    idx = index_with({"p-a": SYSTEM})
+    loads = [load("p-a", "prefill", queued=50), load("p-b", "prefill"), load("d-0", "decode")]
+    rr = RoundRobinPolicy(PolicyConfig(block_size=BS))
+    picks = [rr.route(hashes(PROMPT), len(PROMPT), idx, loads) for _ in range(4)]
+    assert [d.prefill for d in picks] == ["p-a", "p-b", "p-a", "p-b"]
+    assert [d.predicted_cached_tokens for d in picks] == [64, 0, 64, 0]
+    p2 = PowerOfTwoPolicy(PolicyConfig(block_size=BS), random.Random(0))
+    assert p2.route(hashes(PROMPT), len(PROMPT), idx, loads).prefill == "p-b"  # shorter queue wins
+
+
+def test_router_counts_its_own_assignments_until_the_next_report():
+    from router.router import Router
+
+    router = Router(RoutingPolicy(PolicyConfig(block_size=BS, local_prefill_threshold=0), random.Random(0)),
+                    clock=lambda: 0.0)
+    for rid, pool in (("p-a", "prefill"), ("p-b", "prefill"), ("d-0", "decode")):
+        router.report_load(load(rid, pool))
+    cold = [9000 + i for i in range(80)]
+    first = router.route(hashes(cold), 80, )
+    second = router.route(hashes(cold), 80)  # p-(first) now has 80 pending tokens: the other wins
+    assert {first.prefill, second.prefill} == {"p-a", "p-b"}
+    router.report_load(load(first.prefill, "prefill"))  # a fresh report supersedes the pending work
+    assert router.route(hashes(cold), 80).prefill == first.prefill
