@@ -12,6 +12,7 @@ from ray import serve
 from cluster.app_config import AppConfig
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
+from router.auth import ApiKeyAuth
 from router.flow import RequestFlow, ServingError
 from router.grpc_api import delta_to_proto, fail, prompt_from_proto, sampling_from_proto
 from router.openai_api import bind_replica, build_openai_app
@@ -41,15 +42,8 @@ class Ingress:
                 block_size=self.config.engine.block_size, local_prefill_threshold=r.local_prefill_threshold,
                 hot_load_cap=r.hot_load_cap, slow_factor=r.slow_factor), r.strategy)
         self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router)
-        self.api_keys = set(self.config.api_keys)
-        bind_replica(self.flow, self.check_auth)
-
-    def check_auth(self, authorization: str | None) -> None:
-        if not self.api_keys:
-            return
-        key = (authorization or "").removeprefix("Bearer ").strip()
-        if key not in self.api_keys:
-            raise ServingError("UNAUTHENTICATED", "missing or unknown API key (authorization: Bearer <key>)")
+        self.auth = ApiKeyAuth(self.config.api_keys)
+        bind_replica(self.flow, self.auth.check)
 
     # ---- gRPC: pdserve.v1.Generation -------------------------------------------------------
 
@@ -74,7 +68,7 @@ class Ingress:
 
     def _admit(self, model: str, grpc_context) -> None:
         metadata = dict(grpc_context.invocation_metadata())
-        self.check_auth(metadata.get("authorization"))
+        self.auth.check(metadata.get("authorization"))
         if model and model != self.config.model_name:
             raise ServingError("NOT_FOUND", f"model {model!r} does not exist; this server serves "
                                             f"{self.config.model_name!r}")

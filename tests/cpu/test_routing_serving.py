@@ -20,6 +20,17 @@ SYSTEMS = [[256] + [(s * 31 + j) % 250 for j in range(63)] for s in range(2)]  #
 
 
 SALT = b""
+KEY = "sk-test-1"
+
+
+class Authed:
+    """The stub with this app's API key on every call (the app has auth on)."""
+
+    def __init__(self, stub, cfg):
+        self.stub, self.cfg = stub, cfg
+
+    def Generate(self, req, timeout):  # noqa: N802
+        return self.stub.Generate(req, timeout=timeout, metadata=[("authorization", f"Bearer {KEY}")])
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +43,11 @@ def cluster(ray_session, tiny_model):
 
     cfg = AppConfig(model=tiny_model, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": 64},
                     prefill={"num_replicas": 2, "num_cpus": 0.5}, decode={"num_cpus": 0.5},
-                    graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16})
+                    graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
+                    api_keys=[KEY])
     serve_app.start(cfg)
     with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
-        yield pb_grpc.GenerationStub(channel)
+        yield Authed(pb_grpc.GenerationStub(channel), cfg)
     serve.shutdown()
 
 
@@ -102,6 +114,33 @@ def test_killed_prefill_replica_leaves_the_index_and_requests_keep_flowing(clust
     assert last.finish_reason == pb.FINISH_REASON_LENGTH
     for i in range(4):
         assert generate(cluster, SYSTEMS[1] + [i] * 32).finish_reason == pb.FINISH_REASON_LENGTH
+
+
+@pytest.mark.parametrize("metadata", [None, [("authorization", "Bearer wrong")], [("authorization", KEY)]])
+def test_api_key_required_over_grpc(cluster, metadata):
+    with pytest.raises(grpc.RpcError) as e:
+        list(cluster.stub.Generate(pb.GenerateRequest(text="hi"), timeout=30, metadata=metadata))
+    assert (e.value.code(), e.value.details()) == (
+        grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer <key>)")
+
+
+def test_api_key_required_over_http(cluster):
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = f"http://localhost:{cluster.cfg.http_port}/v1/completions"
+    body = json.dumps({"prompt": [256, 1], "max_tokens": 2}).encode()
+    for headers, status in (({}, 401), ({"authorization": "Bearer nope"}, 401),
+                            ({"authorization": f"Bearer {KEY}"}, 200)):
+        req = urllib.request.Request(url, data=body, headers={"content-type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                code = resp.status
+        except urllib.error.HTTPError as err:
+            code = err.code
+            assert json.loads(err.read())["error"]["type"] == "authentication_error"
+        assert code == status
 
 
 def test_killed_router_degrades_to_serves_choice_and_recovers(cluster):
