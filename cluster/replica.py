@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from cluster.app_config import AppConfig
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
+
+if TYPE_CHECKING:
+    from router.policy import ReplicaLoad
 
 
 def build_engine(config: AppConfig, pool: Literal["prefill", "decode"]) -> LLMEngine:

@@ -11,7 +11,6 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from cluster.engine import LLMEngine
-from cluster.request import RequestStatus
 from cluster.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import engine_layout

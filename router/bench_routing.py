@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import random
-import statistics
 import time
 
 from cluster.bench.engine import ensure_bench_model

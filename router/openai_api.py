@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError

@@ -21,7 +21,6 @@ import concurrent.futures
 import statistics
 import time
 import uuid
-from pathlib import Path
 
 from cluster.bench.engine import ensure_bench_model, make_prompts
 

@@ -16,17 +16,12 @@ from kv_transfer.layout import engine_layout
 from kv_transfer.metadata_store import FileMetadataStore
 from kv_transfer.transport import NixlTransport
 from kv_transfer.local_peer import PrefillProcess
+from tests.helpers import wait_for
 
 SP = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 PROMPTS = [[256] + [(7 * i + 3 * n) % 250 for i in range(n - 1)] for n in (1, 9, 16, 17, 40, 70)]
 
 
-def wait_for(predicate, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")

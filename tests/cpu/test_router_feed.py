@@ -1,7 +1,6 @@
 """The router actor's index follows real engines' prefix caches exactly: through eviction, a lost
 event batch, and a restart of the router itself."""
 
-import time
 
 import pytest
 import ray
@@ -9,22 +8,14 @@ import ray
 from cluster.engine import LLMEngine
 from cluster.sampling_params import SamplingParams
 from router.actor import get_router
+from tests.helpers import wait_until
 from router.events import KVEventPublisher
 from router.policy import ReplicaLoad
+
 
 SP = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
-def wait_for(pred, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if pred():
-                return
-        except ray.exceptions.ActorUnavailableError:  # the router is restarting: ask again
-            pass
-        assert time.monotonic() < deadline, f"timed out: {what}"
-        time.sleep(0.02)
 
 
 @pytest.fixture()
@@ -48,24 +39,24 @@ def test_index_tracks_engines_through_eviction_gaps_and_router_restarts(router, 
 
     a.generate([system + [100 + i] for i in range(3)], SP)
     b.generate([[256] + [7] * 40], SP)
-    wait_for(lambda: in_sync(router, pa) and in_sync(router, pb), "index matches both pools")
+    wait_until(lambda: in_sync(router, pa) and in_sync(router, pb), "index matches both pools")
     assert len(pa.pool.cached_hashes()) >= 4
 
     for i in range(6):  # 12 blocks: forces evictions (removed events) on a
         a.generate([[256] + [(i * 37 + j) % 250 for j in range(47)]], SP)
     assert a.kv.pool.stats.evicted > 0
-    wait_for(lambda: in_sync(router, pa), "index follows evictions")
+    wait_until(lambda: in_sync(router, pa), "index follows evictions")
 
     resyncs = pa.resyncs
     pa.seq += 1  # a lost batch: the router sees a gap, refuses, and the publisher resyncs
     a.generate([[256] + [5] * 33], SP)
-    wait_for(lambda: in_sync(router, pa) and pa.resyncs == resyncs + 1, "resync after a gap")
+    wait_until(lambda: in_sync(router, pa) and pa.resyncs == resyncs + 1, "resync after a gap")
 
     ray.kill(router, no_restart=False)  # Ray restarts it, empty; every replica must resync
-    wait_for(lambda: ray.get(router.stats.remote()).replicas == 0, "router restarted empty", timeout=30)
+    wait_until(lambda: ray.get(router.stats.remote()).replicas == 0, "router restarted empty", timeout=30)
     a.generate([[256] + [6] * 20], SP)
     b.generate([[256] + [8] * 20], SP)
-    wait_for(lambda: in_sync(router, pa) and in_sync(router, pb), "resync after a router restart", timeout=30)
+    wait_until(lambda: in_sync(router, pa) and in_sync(router, pb), "resync after a router restart", timeout=30)
     assert ray.get(router.stats.remote()).replicas == 2
 
 
@@ -77,7 +68,7 @@ def test_router_routes_to_the_replica_holding_the_prefix(router, tiny_model):
     for rid, e in engines.items():
         ray.get(router.report_load.remote(ReplicaLoad(rid, "prefill", e.kv.num_free_blocks, e.kv.num_blocks)))
     ray.get(router.report_load.remote(ReplicaLoad("decode-0", "decode", 64, 64)))
-    wait_for(lambda: all(in_sync(router, p) for p in pubs.values()), "index in sync")
+    wait_until(lambda: all(in_sync(router, p) for p in pubs.values()), "index in sync")
     prompt = system + [9] * 30  # 94 tokens, 4 of its 5 full blocks cached on prefill-y
     engine = engines["prefill-y"]
     req = engine.make_request("probe", None, prompt, SP)

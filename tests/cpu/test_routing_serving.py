@@ -15,6 +15,8 @@ from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.kv_cache import hash_request_blocks
 from cluster.model_config import ModelConfig
 from router.actor import get_router
+from tests.helpers import wait_until
+
 
 SYSTEMS = [[256] + [(s * 31 + j) % 250 for j in range(63)] for s in range(2)]  # 4 blocks each
 
@@ -64,20 +66,10 @@ def router_state():
     return stats, {load.replica_id: load.pool for load in loads}
 
 
-def wait_for(pred, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if pred():
-                return
-        except ray.exceptions.ActorUnavailableError:
-            pass
-        assert time.monotonic() < deadline, f"timed out: {what}"
-        time.sleep(0.05)
 
 
 def test_shared_prefixes_go_where_they_are_cached(cluster):
-    wait_for(lambda: sorted(router_state()[1].values()) == ["decode", "prefill", "prefill"],
+    wait_until(lambda: sorted(router_state()[1].values()) == ["decode", "prefill", "prefill"],
              "all three replicas report to the router")
     for s in SYSTEMS:  # warm-up: each prefix is prefilled once somewhere
         generate(cluster, s + [1] * 32)
@@ -87,7 +79,7 @@ def test_shared_prefixes_go_where_they_are_cached(cluster):
         held = set().union(*(ray.get(get_router().hashes.remote(r)) for r in prefills))
         return set(hash_request_blocks(system, 16, SALT)) <= held
 
-    wait_for(lambda: all(on_a_prefill_replica(s) for s in SYSTEMS), "each prefix is indexed on a prefill replica")
+    wait_until(lambda: all(on_a_prefill_replica(s) for s in SYSTEMS), "each prefix is indexed on a prefill replica")
     cached = []
     for i in range(10):
         s = SYSTEMS[i % 2]
@@ -107,7 +99,7 @@ def test_killed_prefill_replica_leaves_the_index_and_requests_keep_flowing(clust
     # Serve's health check (every 2 s for engine pools) notices the death and pushes the new replica
     # set to the ingress's request router, which drops the replica from the index: before the next
     # request, and well before the 10 s a silent replica takes to go stale.
-    wait_for(lambda: victim not in router_state()[1] and not ray.get(get_router().hashes.remote(victim)),
+    wait_until(lambda: victim not in router_state()[1] and not ray.get(get_router().hashes.remote(victim)),
              "the dead replica is forgotten", timeout=9.0)
     assert time.monotonic() - t_kill < 9.0
     last = generate(cluster, SYSTEMS[0] + [5] * 32)
@@ -147,4 +139,4 @@ def test_killed_router_degrades_to_serves_choice_and_recovers(cluster):
     ray.kill(get_router(), no_restart=False)  # Ray restarts it empty
     for i in range(3):  # served while the router restarts and relearns
         assert generate(cluster, SYSTEMS[0] + [i] * 32).finish_reason == pb.FINISH_REASON_LENGTH
-    wait_for(lambda: router_state()[0].replicas >= 2, "the replicas resync the restarted router")
+    wait_until(lambda: router_state()[0].replicas >= 2, "the replicas resync the restarted router")
