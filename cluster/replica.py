@@ -88,9 +88,7 @@ class ReportingCore:
                            load["queued_prefill_tokens"], load["last_step_ms"] / 1e3)
 
     def load(self) -> dict:
-        transfer = asdict(self.core.transport.stats)
-        transfer["pull_seconds"] = len(transfer["pull_seconds"])
-        return {"pool": self.pool, **engine_load(self.engine), "transfer": transfer}
+        return {"pool": self.pool, **engine_load(self.engine), "transfer": asdict(self.core.transport.stats)}
 
 
 def _serve_replica_id() -> str | None:

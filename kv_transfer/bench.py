@@ -102,12 +102,12 @@ def _pull_once(prefill, decode, prompt, sp, rid):
     res = prefill.prefill(rid, prompt, sp)
     dt_prefill = time.perf_counter() - t
     st = decode.transport.stats
-    before = (len(st.pull_seconds), st.bytes_pulled, st.blocks_pulled, st.descriptors_used)
+    before = (st.pulls_ok, st.bytes_pulled, st.blocks_pulled, st.descriptors_used)
     decode.submit(rid, prompt, sp, res.handle)
     while decode.has_unfinished():
         decode.step()
-    assert len(st.pull_seconds) == before[0] + 1, "the pull did not complete"
-    return (st.pull_seconds[-1], dt_prefill, st.bytes_pulled - before[1], st.blocks_pulled - before[2],
+    assert st.pulls_ok == before[0] + 1, "the pull did not complete"
+    return (st.last_pull_s, dt_prefill, st.bytes_pulled - before[1], st.blocks_pulled - before[2],
             st.descriptors_used - before[3])
 
 

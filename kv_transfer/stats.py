@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -16,7 +16,9 @@ class TransferStats:
     blocks_reused: int = 0  # prompt blocks found in our own prefix cache: not pulled
     bytes_pulled: int = 0
     descriptors_used: int = 0  # counted only with telemetry on (NIXL merges adjacent blocks)
-    pull_seconds: list[float] = field(default_factory=list)
+    pull_seconds_sum: float = 0.0  # over pulls_ok; constant size, so reporting stays cheap
+    pull_seconds_max: float = 0.0
+    last_pull_s: float = 0.0
     peer_refreshes: int = 0  # cached remote agent replaced (peer restarted)
     # prefill side
     leases_granted: int = 0

@@ -192,7 +192,10 @@ class NixlTransport:
             self.stats.pulls_ok += 1
             self.stats.blocks_pulled += pull.num_blocks
             self.stats.bytes_pulled += pull.num_bytes
-            self.stats.pull_seconds.append(time.monotonic() - pull.started)
+            took = time.monotonic() - pull.started
+            self.stats.last_pull_s = took
+            self.stats.pull_seconds_sum += took
+            self.stats.pull_seconds_max = max(self.stats.pull_seconds_max, took)
             return True
         if state == "ERR":
             self._abandon(pull)
