@@ -42,7 +42,7 @@ class ReportingCore:
     turn, load once a second) and reports load to the registry (for `pdserve status`)."""
 
     def __init__(self, core, replica_id: str, pool: str, registry, router=None, interval_s: float = 1.0,
-                 router_interval_s: float = 0.25):
+                 router_interval_s: float = 0.25, router_min_interval_s: float = 0.02):
         from router.events import KVEventPublisher  # noqa: PLC0415
 
         self.core = core
@@ -54,8 +54,10 @@ class ReportingCore:
         self.publisher = None if router is None else KVEventPublisher(replica_id, core.engine.kv.pool, router)
         self.interval_s = interval_s
         self.router_interval_s = router_interval_s
+        self.router_min_interval_s = router_min_interval_s
         self._next = 0.0
-        self._next_router = 0.0
+        self._last_router = float("-inf")
+        self._last_queue: tuple = ()
         self._inner_service = getattr(core, "service", None)
 
     def step(self):
@@ -73,9 +75,15 @@ class ReportingCore:
         if self.publisher is not None:
             self.publisher.publish()
         now = time.monotonic()
-        if now >= self._next_router and self.router is not None:
-            self._next_router = now + self.router_interval_s
-            self.router.report_load.remote(self.replica_load(self.load()))
+        if self.router is not None:
+            # The router counts work it sent here until our next report, so report as soon as the
+            # queues change (at most every 20 ms), and at least every 0.25 s.
+            sched = self.engine.scheduler
+            queue = (len(sched.waiting), len(sched.running), len(sched.importing))
+            since = now - self._last_router
+            if since >= self.router_interval_s or (queue != self._last_queue and since >= self.router_min_interval_s):
+                self._last_router, self._last_queue = now, queue
+                self.router.report_load.remote(self.replica_load(self.load()))
         if now >= self._next:
             self._next = now + self.interval_s
             self.registry.report.remote(self.replica_id, self.load())
