@@ -30,10 +30,6 @@ class Registry:
     def report(self, replica_id: str, stats: dict) -> None:
         self.stats[replica_id] = (self.clock(), stats)
 
-    def forget(self, replica_id: str) -> None:
-        self.stats.pop(replica_id, None)
-        self.peers.pop(replica_id, None)
-
     def snapshot(self) -> dict[str, dict]:
         now = self.clock()
         return {rid: {**s, "age_s": round(now - t, 3)} for rid, (t, s) in sorted(self.stats.items())}

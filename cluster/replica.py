@@ -75,6 +75,7 @@ class ReportingCore:
         if self.publisher is not None:
             self.publisher.publish()
         now = time.monotonic()
+        load = None
         if self.router is not None:
             # The router counts work it sent here until our next report, so report as soon as the
             # queues change (at most every 20 ms), and at least every 0.25 s.
@@ -83,10 +84,11 @@ class ReportingCore:
             since = now - self._last_router
             if since >= self.router_interval_s or (queue != self._last_queue and since >= self.router_min_interval_s):
                 self._last_router, self._last_queue = now, queue
-                self.router.report_load.remote(self.replica_load(self.load()))
+                load = self.load()
+                self.router.report_load.remote(self.replica_load(load))
         if now >= self._next:
             self._next = now + self.interval_s
-            self.registry.report.remote(self.replica_id, self.load())
+            self.registry.report.remote(self.replica_id, load or self.load())
 
     def replica_load(self, load: dict) -> "ReplicaLoad":
         from router.policy import ReplicaLoad  # noqa: PLC0415

@@ -80,7 +80,6 @@ class RequestFlow:
         mc = ModelConfig.from_dir(config.model)
         self.salt = f"{mc.fingerprint()}|".encode()  # the engines' block-hash salt (cache_salt "")
         self.block_size = config.engine.block_size
-        self.decisions = {"routed": 0, "fallback": 0}
 
     async def generate(
         self,
@@ -166,9 +165,7 @@ class RequestFlow:
             decision = await asyncio.wait_for(self.router.route.remote(hashes, len(ids)), self.route_timeout_s)
         except Exception as e:  # noqa: BLE001
             log.debug("routing fell back to Serve's choice: %s", e)
-            self.decisions["fallback"] += 1
             return None
-        self.decisions["routed"] += 1
         return decision
 
     async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams, target: str | None):

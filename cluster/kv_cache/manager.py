@@ -47,9 +47,6 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    def usage(self) -> float:
-        return 1.0 - self.pool.num_free / self.pool.num_blocks
-
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 
@@ -70,10 +67,6 @@ class KVCacheManager:
         hits = self.pool.match_prefix(hashes[:max_blocks])
         self.pool.stats.hit_blocks += len(hits)
         return hits
-
-    def can_allocate(self, req: KVRequest, num_new_tokens: int, cached: Sequence[Block] = ()) -> bool:
-        new, revived = self._blocks_needed(req, num_new_tokens, cached)
-        return new + revived <= self.pool.num_free
 
     def allocate_slots(
         self, req: KVRequest, num_new_tokens: int, cached: Sequence[Block] = ()
