@@ -29,5 +29,9 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description='"auto" = the checkpoint\'s dtype (float32 on CPU for half checkpoints).'
     )
+    max_waiting: int | None = Field(
+        None, ge=0, description="Most requests waiting for admission; more are refused (overload). None = unbounded.")
+    queue_ttl_s: float | None = Field(
+        None, gt=0, description="A request not admitted within this long is rejected (overload). None = no limit.")
     seed: int = 0
     cache_salt: str = Field("", description="Extra salt in every block hash (e.g. a deployment id).")

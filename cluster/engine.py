@@ -18,11 +18,11 @@ import torch
 
 from cluster.attention import resolve_backend
 from cluster.config import EngineConfig
-from cluster.kv_cache import KVCacheManager
+from cluster.kv_cache import KVCacheManager, extend_salt
 from cluster.model.loader import load_model
 from cluster.model_config import ModelConfig
 from cluster.model_runner import ModelRunner
-from cluster.request import Request, RequestStatus
+from cluster.request import DEFAULT_CONTEXT, Request, RequestContext, RequestStatus
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler import Scheduler
 from cluster.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -101,9 +101,10 @@ class LLMEngine:
             num_blocks, mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim,
             dtype=dtype, device=self.device,
         )
-        salt = f"{mc.fingerprint()}|{config.cache_salt}".encode()
+        salt = extend_salt(mc.fingerprint().encode(), config.cache_salt)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                                   config.max_waiting, config.queue_ttl_s)
         backend = resolve_backend(config.attention_backend, self.device, config.block_size)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size, self.device, config.seed)
         self.eos_token_ids = mc.eos_token_ids or tuple(
@@ -132,9 +133,10 @@ class LLMEngine:
         prompt: str | None = None,
         prompt_token_ids: Sequence[int] | None = None,
         sampling: SamplingParams | None = None,
+        ctx: RequestContext = DEFAULT_CONTEXT,
     ) -> Request:
         """Validate and tokenize. Pure (no engine state touched), so any thread may call it."""
-        return self.validator.make_request(request_id, prompt, prompt_token_ids, sampling)
+        return self.validator.make_request(request_id, prompt, prompt_token_ids, sampling, ctx)
 
     def check_length(self, n_prompt: int, max_tokens: int) -> None:
         self.validator.check_length(n_prompt, max_tokens)
@@ -162,10 +164,11 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        expired = [self.final_output(r, [], "") for r in self.scheduler.expire(time.time(), time.monotonic())]
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
-            return []
+            return expired
         t0 = time.perf_counter()
         tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in out.chunks}
         try:
@@ -173,7 +176,7 @@ class LLMEngine:
         except Exception as e:  # a broken step fails its requests, never the loop
             log.exception("engine step failed")
             self.stats.step_errors += 1
-            outputs = []
+            outputs = expired
             for c in out.chunks:
                 req = self.scheduler.finish(c.request.request_id, RequestStatus.FINISHED_ERROR)
                 if req is not None:
@@ -185,7 +188,7 @@ class LLMEngine:
         self.stats.last_step_s = time.perf_counter() - t0
 
         self.stats.tokens_computed += out.num_tokens
-        outputs = []
+        outputs = expired
         for c in out.chunks:
             req = c.request
             if not c.samples:

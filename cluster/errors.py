@@ -8,3 +8,7 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class QueueFullError(RuntimeError):
+    """An engine's waiting queue is at its bound: overload. Maps to RESOURCE_EXHAUSTED / 429."""

@@ -18,6 +18,8 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "cancelled"
     FINISHED_ERROR = "error"
+    FINISHED_DEADLINE = "deadline"  # its deadline passed: work stopped, blocks freed
+    FINISHED_REJECTED = "rejected"  # waited in the queue past its time-to-live (overload)
 
     @property
     def finished(self) -> bool:
@@ -26,6 +28,31 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.finished else None
+
+
+class Priority(enum.IntEnum):
+    """Scheduling class: every waiting interactive request is admitted before any batch one."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """Who a request belongs to and what it may use; set at the ingress, carried to every engine."""
+
+    tenant: str = "default"
+    priority: Priority = Priority.INTERACTIVE
+    weight: float = 1.0  # share of compute against other tenants of the same class (fair queueing)
+    kv_budget: float = 1.0  # most of a replica's KV pool this tenant's requests may hold
+    cache_salt: str = ""  # block-hash salt: tenants with different salts never share cached prefixes
+    deadline: float | None = None  # wall-clock time (time.time()): past it the request stops
+
+    def remaining_s(self, now: float | None = None) -> float | None:
+        return None if self.deadline is None else self.deadline - (time.time() if now is None else now)
+
+
+DEFAULT_CONTEXT = RequestContext()
 
 
 @dataclass(eq=False)
@@ -43,9 +70,14 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     error: str | None = None
     keep_kv: bool = False  # prefill side: on a normal finish, hold the blocks for a KV transfer
+    ctx: RequestContext = DEFAULT_CONTEXT
 
     def __post_init__(self):
         self._all = list(self.prompt_token_ids)
+
+    @property
+    def cache_salt(self) -> str:
+        return self.ctx.cache_salt
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from cluster.errors import InvalidRequestError
 from cluster.kv_cache.manager import cdiv
-from cluster.request import Request
+from cluster.request import DEFAULT_CONTEXT, Request, RequestContext
 from cluster.sampling_params import SamplingParams
 from cluster.tokenizer import Tokenizer
 
@@ -27,6 +27,7 @@ class RequestValidator:
         prompt: str | None = None,
         prompt_token_ids: Sequence[int] | None = None,
         sampling: SamplingParams | None = None,
+        ctx: RequestContext = DEFAULT_CONTEXT,
     ) -> Request:
         sampling = sampling or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
@@ -51,7 +52,7 @@ class RequestValidator:
             if t >= vocab:
                 raise InvalidRequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab})")
         self.check_length(len(ids), sampling.max_tokens)
-        return Request(request_id, ids, sampling, self.eos_token_ids)
+        return Request(request_id, ids, sampling, self.eos_token_ids, ctx=ctx)
 
     def check_length(self, n_prompt: int, max_tokens: int) -> None:
         limit = self.max_model_len

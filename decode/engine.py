@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from cluster.engine import LLMEngine, RequestOutput
-from cluster.request import RequestStatus
+from cluster.request import DEFAULT_CONTEXT, RequestContext, RequestStatus
 from cluster.sampling_params import SamplingParams
 from kv_transfer.errors import IncompatiblePeerError, KVTransferError
 from kv_transfer.handle import KVHandle
@@ -56,9 +56,10 @@ class DecodeEngine:
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         handle: KVHandle,
+        ctx: RequestContext = DEFAULT_CONTEXT,
     ) -> None:
         """Start importing. Raises InvalidRequestError (bad input), IncompatiblePeerError."""
-        req = self.engine.make_request(request_id, None, prompt_token_ids, sampling)
+        req = self.engine.make_request(request_id, None, prompt_token_ids, sampling, ctx)
         if handle.num_prompt_tokens != req.num_prompt_tokens:
             raise ValueError(f"handle covers {handle.num_prompt_tokens} tokens, prompt has {req.num_prompt_tokens}")
         self.layout.check_compatible(handle.kv_layout, f"engine {handle.engine_id}")

@@ -6,6 +6,7 @@ from typing import AsyncIterator, Sequence
 
 from cluster.engine import RequestOutput, merge_outputs
 from cluster.replica import EngineReplica
+from cluster.request import DEFAULT_CONTEXT, RequestContext
 from cluster.sampling_params import SamplingParams
 from decode.engine import DecodeEngine
 from kv_transfer.handle import KVHandle
@@ -25,6 +26,7 @@ class DecodeServer(EngineReplica):
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
         kv_handle: KVHandle | None,
+        ctx: RequestContext = DEFAULT_CONTEXT,
         target_replica: str | None = None,  # read by the request router that brought the call here
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas. With a KV handle the prompt's KV is pulled from prefill
@@ -32,13 +34,13 @@ class DecodeServer(EngineReplica):
         queue while the caller is busy are merged into one message."""
         engine = self.core.engine
         if kv_handle is None:
-            req = engine.make_request(request_id, None, prompt_token_ids, sampling)
+            req = engine.make_request(request_id, None, prompt_token_ids, sampling, ctx)
 
             def submit():
                 engine.add(req)
         else:
             def submit():
-                self.core.core.submit(request_id, prompt_token_ids, sampling, kv_handle)
+                self.core.core.submit(request_id, prompt_token_ids, sampling, kv_handle, ctx)
 
         async for out in self.loop.stream(request_id, submit, merge=merge_outputs):
             yield out

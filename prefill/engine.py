@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from cluster.engine import LLMEngine
+from cluster.request import DEFAULT_CONTEXT, RequestContext
 from cluster.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import engine_layout
@@ -44,10 +45,11 @@ class PrefillEngine:
         self._leases: dict[str, float] = {}  # request id -> expiry (clock time)
         self._max_tokens: dict[str, int] = {}  # the whole request's, while its prefill runs
 
-    def submit(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+               ctx: RequestContext = DEFAULT_CONTEXT) -> None:
         """Queue a prefill. Its first token is sampled with the request's own sampling params."""
         first_only = replace(sampling, max_tokens=1, min_tokens=0)
-        req = self.engine.make_request(request_id, None, prompt_token_ids, first_only)
+        req = self.engine.make_request(request_id, None, prompt_token_ids, first_only, ctx)
         self.engine.check_length(req.num_prompt_tokens, sampling.max_tokens)  # the whole request
         req.keep_kv = True
         self.engine.add(req)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from cluster.replica import EngineReplica
+from cluster.request import DEFAULT_CONTEXT, RequestContext
 from cluster.sampling_params import SamplingParams
 from prefill.engine import PrefillEngine, PrefillResult
 
@@ -17,10 +18,11 @@ class PrefillServer(EngineReplica):
         return PrefillEngine(engine, transport, lease_s=config.kv_transfer.lease_s)
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                      target_replica: str | None = None) -> PrefillResult:
+                      ctx: RequestContext = DEFAULT_CONTEXT, target_replica: str | None = None) -> PrefillResult:
         """Prefill and hold the blocks; cancelling this call aborts the prefill.
         (`target_replica` is read by the request router that brought the call here.)"""
-        stream = self.loop.stream(request_id, lambda: self.core.core.submit(request_id, prompt_token_ids, sampling))
+        stream = self.loop.stream(
+            request_id, lambda: self.core.core.submit(request_id, prompt_token_ids, sampling, ctx))
         try:
             async for result in stream:
                 return result

@@ -5,6 +5,11 @@
 
 With no prefill replica (or a failed prefill) the decode replica prefills locally. Text is
 detokenized here, over the whole stream, so the first token's text and the rest join up.
+
+Before any of it, admission (router/admission.py) decides whether the tenant's request runs,
+and gives it the RequestContext both engines schedule it by (priority, fair share, KV budget,
+cache salt, deadline). Engines end a request at its deadline themselves ("deadline"), and
+refuse work when their queues are full or a request waited past its time-to-live ("rejected").
 """
 
 from __future__ import annotations
@@ -17,22 +22,19 @@ from typing import AsyncIterator, Sequence
 
 from cluster.app_config import AppConfig
 from cluster.engine import RequestOutput
-from cluster.kv_cache import hash_request_blocks
+from cluster.errors import QueueFullError
+from cluster.kv_cache import extend_salt, hash_request_blocks
 from cluster.model_config import ModelConfig
+from cluster.request import RequestContext
 from cluster.sampling_params import SamplingParams
 from cluster.tokenizer import IncrementalDetokenizer, Tokenizer
 from cluster.validation import RequestValidator
+from router.admission import DEFAULT_TENANT, Admission, Quotas
+from router.errors import Rejected, ServingError
 
 log = logging.getLogger(__name__)
 
-
-class ServingError(Exception):
-    """A request failed inside the cluster. `code` is a grpc.StatusCode name."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
+OVERLOAD_RETRY_S = 1.0  # retry-after for an engine's refusal (full queue, queue time-to-live)
 
 
 @dataclass
@@ -67,10 +69,29 @@ def _num_blocks(config: AppConfig, pool: str, block_bytes: int) -> int:
     return opts.num_blocks or int(opts.kv_cache_memory_gb * 2**30 // block_bytes)
 
 
+def _local_quotas():
+    quotas = Quotas()
+
+    async def take(*args):
+        return quotas.take(*args)
+
+    return take
+
+
+def _ended(rid: str, reason: str, error: str | None, sent: int) -> ServingError:
+    """The error for a request an engine ended without finishing it."""
+    if reason == "deadline":
+        return ServingError("DEADLINE_EXCEEDED", f"request {rid}: {error or 'deadline exceeded'}")
+    if reason == "rejected":
+        return Rejected(f"request {rid}: {error or 'overloaded'}", OVERLOAD_RETRY_S)
+    return ServingError("ABORTED" if sent else "INTERNAL", f"request {rid} failed after {sent} tokens: {error}")
+
+
 class RequestFlow:
     def __init__(self, config: AppConfig, prefill_handle, decode_handle, router=None,
-                 route_timeout_s: float = 0.5):
+                 route_timeout_s: float = 0.5, admission: Admission | None = None):
         self.config = config
+        self.admission = admission or Admission(config, _local_quotas())
         self.validator = make_validator(config)
         self.tokenizer: Tokenizer = self.validator.tokenizer
         self.prefill = prefill_handle  # None: no prefill pool
@@ -78,7 +99,7 @@ class RequestFlow:
         self.router = router  # None: Serve's own replica choice
         self.route_timeout_s = route_timeout_s
         mc = ModelConfig.from_dir(config.model)
-        self.salt = f"{mc.fingerprint()}|".encode()  # the engines' block-hash salt (cache_salt "")
+        self.salt = mc.fingerprint().encode()  # the engines' block-hash salt, before a tenant's part
         self.block_size = config.engine.block_size
 
     async def generate(
@@ -87,11 +108,24 @@ class RequestFlow:
         prompt_token_ids: Sequence[int] | None,
         sampling: SamplingParams,
         request_id: str | None = None,
+        tenant: str = DEFAULT_TENANT,
+        deadline: float | None = None,
     ) -> AsyncIterator[Delta]:
-        """Raises InvalidRequestError before the first delta; ServingError on failures."""
+        """Raises InvalidRequestError (bad input) or Rejected (admission) before the first delta;
+        ServingError on failures. `deadline` is wall-clock time (time.time())."""
         rid = request_id or uuid.uuid4().hex
         req = self.validator.make_request(rid, prompt, prompt_token_ids, sampling)
-        ids = req.prompt_token_ids
+        ticket = await self.admission.admit(tenant, req.num_prompt_tokens, sampling.max_tokens, deadline)
+        completion = 0
+        try:
+            async for d in self._run(rid, req.prompt_token_ids, sampling, ticket.ctx):
+                completion = d.completion_tokens
+                yield d
+        finally:
+            ticket.done(completion)
+
+    async def _run(self, rid: str, ids: list[int], sampling: SamplingParams,
+                   ctx: RequestContext) -> AsyncIterator[Delta]:
         detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
         sent = 0
         cached = 0
@@ -106,11 +140,11 @@ class RequestFlow:
             reason = "stop" if detok.stopped else final_reason
             return Delta(rid, detok.take(final=reason is not None), tokens, reason, len(ids), sent, cached)
 
-        decision = await self._route(ids)
+        decision = await self._route(ids, ctx)
         decode_target = decision.decode if decision else None
         local = decision is not None and decision.mode == "local"
         if self.prefill is not None and not local:
-            result = await self._prefill(rid, ids, sampling, decision.prefill if decision else None)
+            result = await self._prefill(rid, ids, sampling, ctx, decision.prefill if decision else None)
             if result is not None:
                 cached = result.num_cached_tokens
                 if result.handle is None:  # the first token ends it
@@ -124,7 +158,7 @@ class RequestFlow:
                     return
         try:
             stream = self.decode.options(stream=True).generate.remote(
-                rid, ids, sampling, kv_handle, target_replica=decode_target)
+                rid, ids, sampling, kv_handle, ctx, target_replica=decode_target)
         except Exception as e:  # noqa: BLE001
             raise ServingError("UNAVAILABLE", f"no decode replica: {e}") from e
         finished = False
@@ -132,9 +166,8 @@ class RequestFlow:
             async for out in stream:
                 out: RequestOutput
                 pulled = True
-                if out.finish_reason == "error":
-                    code = "ABORTED" if sent else "INTERNAL"
-                    raise ServingError(code, f"request {rid} failed after {sent} tokens: {out.error}")
+                if out.finish_reason in ("error", "deadline", "rejected"):
+                    raise _ended(rid, out.finish_reason, out.error, sent)
                 if kv_handle is None:
                     cached = out.num_cached_tokens
                 d = delta(out.token_ids, out.finish_reason if out.finished else None)
@@ -145,6 +178,8 @@ class RequestFlow:
                     return
         except ServingError:
             raise
+        except QueueFullError as e:  # the decode replica's queue is full (raised by its submit)
+            raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
         except Exception as e:
             code = "ABORTED" if sent else "UNAVAILABLE"
             raise ServingError(code, f"decode failed for {rid} after {sent} tokens: {e}") from e
@@ -155,12 +190,12 @@ class RequestFlow:
                 await self._release(rid)
         raise ServingError("INTERNAL", f"decode stream for {rid} ended without a finish")
 
-    async def _route(self, ids: list[int]):
+    async def _route(self, ids: list[int], ctx: RequestContext):
         """One router call per request; any failure (router down, slow, no replicas known yet)
         falls back to Serve's own choice (power of two on local load)."""
         if self.router is None:
             return None
-        hashes = hash_request_blocks(ids, self.block_size, self.salt)
+        hashes = hash_request_blocks(ids, self.block_size, extend_salt(self.salt, ctx.cache_salt))
         try:
             decision = await asyncio.wait_for(self.router.route.remote(hashes, len(ids)), self.route_timeout_s)
         except Exception as e:  # noqa: BLE001
@@ -168,12 +203,21 @@ class RequestFlow:
             return None
         return decision
 
-    async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams, target: str | None):
+    async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
+                       target: str | None):
+        call = self.prefill.prefill.remote(rid, ids, sampling, ctx, target_replica=target)
+        remaining = ctx.remaining_s()
         try:
-            result = await self.prefill.prefill.remote(rid, ids, sampling, target_replica=target)
-        except Exception as e:  # noqa: BLE001 — any prefill failure: decode prefills locally
+            result = await (call if remaining is None else asyncio.wait_for(call, max(remaining, 0.0)))
+        except (TimeoutError, asyncio.TimeoutError) as e:  # cancelling the call aborts the prefill
+            raise ServingError("DEADLINE_EXCEEDED", f"request {rid}: deadline exceeded during prefill") from e
+        except QueueFullError as e:
+            raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
+        except Exception as e:  # noqa: BLE001 — any other prefill failure: decode prefills locally
             log.warning("prefill of %s failed (%s); prefilling on decode", rid, e)
             return None
+        if result.finish_reason in ("deadline", "rejected"):
+            raise _ended(rid, result.finish_reason, result.error, 0)
         if result.finish_reason == "error":
             log.warning("prefill of %s failed (%s); prefilling on decode", rid, result.error)
             return None

@@ -3,6 +3,8 @@ and in the CLI client only."""
 
 from __future__ import annotations
 
+import math
+
 import grpc
 
 from cluster.errors import InvalidRequestError
@@ -50,7 +52,9 @@ class GrpcAbort(Exception):
     """Raised after setting the code on Serve's gRPC context: Serve keeps a code set before a raise."""
 
 
-def fail(grpc_context, code: grpc.StatusCode, details: str):
+def fail(grpc_context, code: grpc.StatusCode, details: str, retry_after_s: float | None = None):
     grpc_context.set_code(code)
     grpc_context.set_details(details)
+    if retry_after_s is not None:  # as HTTP's Retry-After: whole seconds, at least 1
+        grpc_context.set_trailing_metadata([("retry-after", str(max(1, math.ceil(retry_after_s))))])
     return GrpcAbort(details)

@@ -12,10 +12,11 @@ from ray import serve
 from cluster.app_config import AppConfig
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
-from router.auth import ApiKeyAuth
-from router.flow import RequestFlow, ServingError
+from router.admission import Admission, Idempotent
+from router.errors import ServingError
+from router.flow import RequestFlow
 from router.grpc_api import delta_to_proto, fail, prompt_from_proto, sampling_from_proto
-from router.openai_api import bind_replica, build_openai_app
+from router.openai_api import TIMEOUT_HEADER, bind_replica, build_openai_app, parse_deadline
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ openai_app = build_openai_app()
 @serve.ingress(openai_app)
 class Ingress:
     def __init__(self, config: dict, prefill_handle, decode_handle):
-        from router.actor import get_router  # noqa: PLC0415
+        from router.actor import get_admission, get_router  # noqa: PLC0415
         from router.policy import PolicyConfig  # noqa: PLC0415
 
         self.config = AppConfig.model_validate(config)
@@ -41,23 +42,28 @@ class Ingress:
             router.configure.remote(PolicyConfig(
                 block_size=self.config.engine.block_size, local_prefill_threshold=r.local_prefill_threshold,
                 hot_load_cap=r.hot_load_cap, slow_factor=r.slow_factor), r.strategy)
-        self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router)
-        self.auth = ApiKeyAuth(self.config.api_keys)
-        bind_replica(self.flow, self.auth.check)
+        actor = get_admission(self.config.admission.idempotency_ttl_s)
+        admission = Admission(self.config, actor.take.remote)
+        self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router, admission=admission)
+        bind_replica(self.flow, Idempotent(actor))
 
     # ---- gRPC: pdserve.v1.Generation -------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context):  # noqa: N802 — the RPC's name
         try:
-            self._admit(request.model, grpc_context)
+            tenant = self._admit(request.model, grpc_context)
+            metadata = dict(grpc_context.invocation_metadata())
+            deadline = parse_deadline(metadata.get(TIMEOUT_HEADER))
             prompt, ids = prompt_from_proto(request)
             sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens)
-            async for delta in self.flow.generate(prompt, ids, sampling, request.request_id or None):
+            async for delta in self.flow.generate(prompt, ids, sampling, request.request_id or None,
+                                                  tenant=tenant, deadline=deadline):
                 yield delta_to_proto(delta)
         except InvalidRequestError as e:
             raise fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         except ServingError as e:
-            raise fail(grpc_context, getattr(grpc.StatusCode, e.code), e.message) from e
+            raise fail(grpc_context, getattr(grpc.StatusCode, e.code), e.message,
+                       getattr(e, "retry_after_s", None)) from e
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context) -> pb.ListModelsResponse:  # noqa: N802
         try:
@@ -66,12 +72,14 @@ class Ingress:
             raise fail(grpc_context, getattr(grpc.StatusCode, e.code), e.message) from e
         return pb.ListModelsResponse(models=[pb.ModelInfo(**self.flow.model_info())])
 
-    def _admit(self, model: str, grpc_context) -> None:
+    def _admit(self, model: str, grpc_context) -> str:
+        """The caller's tenant; refuses an unknown key or model."""
         metadata = dict(grpc_context.invocation_metadata())
-        self.auth.check(metadata.get("authorization"))
+        tenant = self.flow.admission.authenticate(metadata.get("authorization"))
         if model and model != self.config.model_name:
             raise ServingError("NOT_FOUND", f"model {model!r} does not exist; this server serves "
                                             f"{self.config.model_name!r}")
+        return tenant
 
     # ---- gRPC: grpc.health.v1.Health --------------------------------------------------------
 

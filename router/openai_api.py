@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import time
 from typing import Any, AsyncIterator
 
@@ -13,10 +15,31 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.errors import InvalidRequestError
 from cluster.sampling_params import SamplingParams
-from router.flow import Delta, ServingError
+from router.errors import ServingError
+from router.flow import Delta
 
-HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
-               "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "ABORTED": 500, "INTERNAL": 500}
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "FAILED_PRECONDITION": 422,
+               "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "ABORTED": 500,
+               "INTERNAL": 500}
+ERROR_TYPE = {"NOT_FOUND": "not_found_error", "UNAUTHENTICATED": "authentication_error",
+              "RESOURCE_EXHAUSTED": "rate_limit_error", "DEADLINE_EXCEEDED": "timeout_error",
+              "FAILED_PRECONDITION": "invalid_request_error"}
+
+TIMEOUT_HEADER = "x-pdserve-timeout-s"  # the request's deadline, seconds from now (HTTP header or gRPC metadata)
+IDEMPOTENCY_HEADER = "idempotency-key"
+
+
+def parse_deadline(value: str | None) -> float | None:
+    """Wall-clock deadline from a timeout header; None without one."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise InvalidRequestError(TIMEOUT_HEADER, f"must be a positive number of seconds, got {value!r}")
+    return time.time() + seconds
 
 
 class _Req(BaseModel):
@@ -54,9 +77,16 @@ class ChatRequest(_Req):
 
 
 def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content={
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers, content={
         "error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def serving_error_response(e: ServingError) -> JSONResponse:
+    retry = getattr(e, "retry_after_s", None)
+    return error_response(HTTP_STATUS.get(e.code, 500), e.message, None, ERROR_TYPE.get(e.code, "server_error"),
+                          "model_not_found" if e.code == "NOT_FOUND" else e.code.lower(),
+                          None if retry is None else {"Retry-After": str(max(1, math.ceil(retry)))})
 
 
 def _sampling(req: _Req, default_max_tokens: int) -> SamplingParams:
@@ -75,21 +105,21 @@ def _sampling(req: _Req, default_max_tokens: int) -> SamplingParams:
                           ignore_eos=req.ignore_eos)
 
 
-# The replica's flow and auth check. Reached through module-level functions (pickled by reference),
-# because Serve ships the ingress class, and any closure in it, to the replica by value.
+# The replica's flow and idempotency runner. Reached through module-level functions (pickled by
+# reference), because Serve ships the ingress class, and any closure in it, to the replica by value.
 _replica: dict[str, Any] = {}
 
 
-def bind_replica(flow, check_auth) -> None:
-    _replica["flow"], _replica["check_auth"] = flow, check_auth
+def bind_replica(flow, idempotent) -> None:
+    _replica["flow"], _replica["idempotent"] = flow, idempotent
 
 
 def get_flow():
     return _replica["flow"]
 
 
-def check_auth(header: str | None) -> None:
-    _replica["check_auth"](header)
+def get_idempotent():
+    return _replica["idempotent"]
 
 
 def build_openai_app() -> FastAPI:
@@ -102,26 +132,62 @@ def build_openai_app() -> FastAPI:
         return error_response(400, f"{field}: {err.get('msg', 'invalid')}", field)
 
     def _check(request: Request, model: str | None):
-        check_auth(request.headers.get("authorization"))  # module-level: see bind_replica
-        flow = get_flow()
+        """The flow and the caller's tenant; refuses an unknown key or model."""
+        flow = get_flow()  # module-level: see bind_replica
+        tenant = flow.admission.authenticate(request.headers.get("authorization"))
         if model and model != flow.config.model_name:
             raise ServingError("NOT_FOUND", f"model {model!r} does not exist; this server serves "
                                             f"{flow.config.model_name!r}")
-        return flow
+        return flow, tenant
 
     def _fail(e: Exception) -> JSONResponse:
         if isinstance(e, InvalidRequestError):
             return error_response(400, str(e), e.field)
         if isinstance(e, ServingError):
-            kind = {"NOT_FOUND": "not_found_error", "UNAUTHENTICATED": "authentication_error"}.get(e.code, "server_error")
-            return error_response(HTTP_STATUS.get(e.code, 500), e.message, None, kind,
-                                  "model_not_found" if e.code == "NOT_FOUND" else None)
+            return serving_error_response(e)
         raise e
+
+    async def _serve(request: Request, body: "_Req", chat: bool):
+        """Admit, run, respond; a non-streaming request with an Idempotency-Key runs at most once."""
+        try:
+            flow, tenant = _check(request, body.model)
+            key = request.headers.get(IDEMPOTENCY_HEADER)
+            if key is None or body.stream:
+                return await _run(flow, tenant, request, body, chat)
+            fingerprint = hashlib.sha256(
+                json.dumps([request.url.path, body.model_dump(mode="json")], sort_keys=True).encode()).hexdigest()
+            result = await get_idempotent().run(
+                tenant, key, fingerprint, lambda: _run(flow, tenant, request, body, chat),
+                succeeded=lambda r: isinstance(r, dict))
+            return result
+        except Exception as e:  # noqa: BLE001
+            return _fail(e)
+
+    async def _run(flow, tenant: str, request: Request, body: "_Req", chat: bool):
+        try:
+            deadline = parse_deadline(request.headers.get(TIMEOUT_HEADER))
+            if chat:
+                messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+                try:
+                    text = flow.chat_prompt(messages)
+                except ValueError as e:
+                    raise InvalidRequestError("messages", str(e)) from e
+                prompt, ids = None, flow.tokenizer.encode(text, add_special_tokens=False)
+            else:
+                prompt, ids = _completion_prompt(body)
+                if body.echo:
+                    raise InvalidRequestError("echo", "echo is not supported")
+            sp = _sampling(body, flow.config.default_max_tokens)
+            stream = flow.generate(prompt, ids, sp, tenant=tenant, deadline=deadline)
+            first = await anext(stream)  # bad input, refusals and early failures become HTTP errors here
+        except Exception as e:  # noqa: BLE001
+            return _fail(e)
+        return await _respond(flow, body, stream, first, chat=chat)
 
     @app.get("/v1/models")
     async def models(request: Request):
         try:
-            flow = _check(request, None)
+            flow, _ = _check(request, None)
         except Exception as e:  # noqa: BLE001
             return _fail(e)
         info = flow.model_info()
@@ -130,34 +196,11 @@ def build_openai_app() -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        try:
-            flow = _check(request, body.model)
-            prompt, ids = _completion_prompt(body)
-            if body.echo:
-                raise InvalidRequestError("echo", "echo is not supported")
-            sp = _sampling(body, flow.config.default_max_tokens)
-            stream = flow.generate(prompt, ids, sp)
-            first = await anext(stream)  # bad input and early failures become HTTP errors here
-        except Exception as e:  # noqa: BLE001
-            return _fail(e)
-        return await _respond(flow, body, stream, first, chat=False)
+        return await _serve(request, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        try:
-            flow = _check(request, body.model)
-            messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-            try:
-                prompt = flow.chat_prompt(messages)
-            except ValueError as e:
-                raise InvalidRequestError("messages", str(e)) from e
-            ids = flow.tokenizer.encode(prompt, add_special_tokens=False)
-            sp = _sampling(body, flow.config.default_max_tokens)
-            stream = flow.generate(None, ids, sp)
-            first = await anext(stream)
-        except Exception as e:  # noqa: BLE001
-            return _fail(e)
-        return await _respond(flow, body, stream, first, chat=True)
+        return await _serve(request, body, chat=True)
 
     return app
 
@@ -200,7 +243,7 @@ async def _respond(flow, body: _Req, stream: AsyncIterator[Delta], first: Delta,
             text += d.text
             last = d
     except ServingError as e:
-        return error_response(HTTP_STATUS.get(e.code, 500), e.message, None, "server_error")
+        return serving_error_response(e)
     usage = _usage(last)
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
               if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason})

@@ -1,7 +1,7 @@
 """Paged KV cache bookkeeping. Importable without torch, Ray or NIXL."""
 
 from cluster.kv_cache.block_pool import Block, BlockPool
-from cluster.kv_cache.hashing import BlockHash, hash_block_tokens, hash_request_blocks
+from cluster.kv_cache.hashing import BlockHash, extend_salt, hash_block_tokens, hash_request_blocks
 from cluster.kv_cache.manager import KVCacheManager, NoFreeBlocksError
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "BlockPool",
     "KVCacheManager",
     "NoFreeBlocksError",
+    "extend_salt",
     "hash_block_tokens",
     "hash_request_blocks",
 ]

@@ -16,8 +16,17 @@ BlockHash = bytes  # 16-byte digest
 _ROOT = b"pdserve-kv-v1"
 
 
+def extend_salt(salt: bytes, extra: str) -> bytes:
+    """A salt with one more part (a deployment's or a tenant's cache salt); hashed down when it
+    would pass BLAKE2b's 64-byte key limit, so no part is ever cut off."""
+    if not extra:
+        return salt
+    raw = salt + b"|" + extra.encode()
+    return raw if len(raw) <= 64 else hashlib.blake2b(raw, digest_size=32).digest()
+
+
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], salt: bytes) -> BlockHash:
-    h = hashlib.blake2b(digest_size=16, key=salt[:64])
+    h = hashlib.blake2b(digest_size=16, key=salt)  # a salt over 64 bytes raises: see extend_salt
     h.update(parent if parent is not None else _ROOT)
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
     return h.digest()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 from cluster.kv_cache.block_pool import Block, BlockPool
-from cluster.kv_cache.hashing import BlockHash, hash_request_blocks
+from cluster.kv_cache.hashing import BlockHash, extend_salt, hash_request_blocks
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -22,6 +22,7 @@ class KVRequest(Protocol):
     request_id: str
     num_computed_tokens: int
     block_hashes: list[BlockHash]
+    cache_salt: str  # per-request part of the hash salt (a tenant's); "" for none
 
     @property
     def all_token_ids(self) -> Sequence[int]: ...
@@ -35,6 +36,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, salt: bytes = b""):
         self.block_size = block_size
         self.salt = salt
+        self._salts: dict[str, bytes] = {"": salt}  # per-request cache_salt -> full salt
         self.pool = BlockPool(num_blocks, enable_caching)
         self._blocks: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of the request already in the index
@@ -54,7 +56,10 @@ class KVCacheManager:
         """Extend the request's chained hashes over its full blocks of known tokens."""
         tokens = req.all_token_ids
         if len(req.block_hashes) < len(tokens) // self.block_size:
-            req.block_hashes = hash_request_blocks(tokens, self.block_size, self.salt, req.block_hashes)
+            salt = self._salts.get(req.cache_salt)
+            if salt is None:
+                salt = self._salts[req.cache_salt] = extend_salt(self.salt, req.cache_salt)
+            req.block_hashes = hash_request_blocks(tokens, self.block_size, salt, req.block_hashes)
         return req.block_hashes
 
     def find_cached_prefix(self, req: KVRequest) -> list[Block]:

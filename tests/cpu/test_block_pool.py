@@ -14,6 +14,7 @@ class Req:
         self.all_token_ids = list(tokens)
         self.num_computed_tokens = 0
         self.block_hashes = []
+        self.cache_salt = ""
 
 
 def test_allocate_takes_the_free_queue_head_in_order():

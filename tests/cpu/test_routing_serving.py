@@ -38,7 +38,7 @@ class Authed:
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_model):
     global SALT
-    SALT = f"{ModelConfig.from_dir(tiny_model).fingerprint()}|".encode()  # the engines' block-hash salt
+    SALT = ModelConfig.from_dir(tiny_model).fingerprint().encode()  # the engines' block-hash salt
     from ray import serve
 
     from cluster import serve_app
