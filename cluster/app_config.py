@@ -24,6 +24,8 @@ class EngineOptions(_Strict):
     attention_backend: Literal["auto", "torch", "flash_attn"] = "auto"
     device: str = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_waiting: int | None = Field(512, ge=0, description="Per replica; more waiting requests are refused (429)")
+    queue_ttl_s: float | None = Field(30.0, gt=0, description="Not admitted within this long: rejected (429)")
 
 
 class AutoscalingOptions(_Strict):
@@ -63,6 +65,33 @@ class RoutingOptions(_Strict):
     slow_factor: float = Field(2.0, gt=1, description="Step time this many times the pool median: deprioritised")
 
 
+class TenantOptions(_Strict):
+    """One tenant: its API keys, scheduling class and quotas (None = unlimited)."""
+
+    api_keys: list[str] = Field(min_length=1)
+    priority: Literal["interactive", "batch"] = "interactive"
+    weight: float = Field(1.0, gt=0, description="Share of compute against tenants of the same priority")
+    requests_per_min: float | None = Field(None, gt=0)
+    tokens_per_min: float | None = Field(
+        None, gt=0, description="prompt + max_tokens charged at admission; unused output tokens refunded")
+    max_concurrent: int | None = Field(
+        None, ge=1, description="Requests in flight; each ingress replica enforces its share")
+    max_context: int | None = Field(None, ge=1, description="Most prompt + max_tokens per request")
+    max_output_tokens: int | None = Field(None, ge=1)
+    kv_budget: float = Field(1.0, gt=0, le=1, description="Most of a replica's KV pool its requests may hold")
+    cache_group: str | None = Field(
+        None, description="Tenants with the same group share cached prefixes; default: the tenant's own")
+
+
+class AdmissionOptions(_Strict):
+    max_inflight: int = Field(1024, ge=1, description="Requests in flight per ingress replica; more get 429")
+    max_queue_wait_s: float | None = Field(
+        None, gt=0, description="Refuse (429) when the router predicts a longer queue wait; None = off")
+    rate_limit_lease: float = Field(
+        0.05, gt=0, le=1, description="Share of a tenant's per-minute budget an ingress takes per actor call")
+    idempotency_ttl_s: float = Field(600.0, gt=0, description="How long a non-streaming result is kept by key")
+
+
 class AppConfig(_Strict):
     model: str | None = Field(None, description="HF checkpoint directory; None = the demo model")
     served_model_name: str | None = Field(None, description="Model id in the APIs; default: the dir name")
@@ -76,7 +105,12 @@ class AppConfig(_Strict):
     http_port: int = Field(8000, ge=1, le=65535)
     grpc_port: int = Field(9000, ge=1, le=65535)
     default_max_tokens: int = Field(16, ge=1)
-    api_keys: list[str] = Field(default_factory=list, description="Accepted bearer keys; empty = no auth")
+    api_keys: list[str] = Field(
+        default_factory=list, description="Bearer keys of the 'default' tenant (no quotas); no keys and no tenants = no auth")
+    tenants: dict[str, TenantOptions] = Field(default_factory=dict)
+    tenant_cache_isolation: bool = Field(
+        True, description="Salt block hashes per tenant (cache_group), so tenants never share cached prefixes")
+    admission: AdmissionOptions = AdmissionOptions()
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="How long a stopping replica drains")
     health_check_period_s: float = Field(2.0, gt=0, description="How often Serve checks engine replicas")
 
@@ -84,6 +118,12 @@ class AppConfig(_Strict):
     def _decode_pool_exists(self) -> "AppConfig":
         if self.decode.num_replicas < 1 and self.decode.autoscaling is None:
             raise ValueError("decode.num_replicas must be >= 1 (the decode pool serves every request)")
+        seen: dict[str, str] = {}
+        for name, keys in [("default", self.api_keys), *((n, t.api_keys) for n, t in self.tenants.items())]:
+            for key in keys:
+                if key in seen:
+                    raise ValueError(f"an API key of tenant {name!r} is also a key of tenant {seen[key]!r}")
+                seen[key] = name
         return self
 
     @classmethod
