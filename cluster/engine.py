@@ -65,6 +65,7 @@ class EngineStats:
     preemptions: int = 0
     step_errors: int = 0
     last_step_s: float = 0.0
+    busy_s: float = 0.0  # time spent in steps (tokens_computed / busy_s = throughput when busy)
     finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -186,6 +187,7 @@ class LLMEngine:
         self.scheduler.update(out, sampled)
         self.stats.steps += 1
         self.stats.last_step_s = time.perf_counter() - t0
+        self.stats.busy_s += self.stats.last_step_s
 
         self.stats.tokens_computed += out.num_tokens
         outputs = expired

@@ -59,6 +59,8 @@ class ReportingCore:
         self._last_router = float("-inf")
         self._last_queue: tuple = ()
         self._inner_service = getattr(core, "service", None)
+        self._tokens_per_s = 0.0
+        self._tp_mark = (0, 0.0)  # (tokens_computed, busy_s) at the last throughput estimate
 
     def step(self):
         return self.core.step()
@@ -95,7 +97,17 @@ class ReportingCore:
 
         return ReplicaLoad(self.replica_id, self.pool, load["free_blocks"], load["total_blocks"],
                            load["running"] + load["importing"], load["waiting"],
-                           load["queued_prefill_tokens"], load["last_step_ms"] / 1e3)
+                           load["queued_prefill_tokens"], load["last_step_ms"] / 1e3, self._throughput())
+
+    def _throughput(self) -> float:
+        """Tokens a second while busy, smoothed over reports: the router's queue-wait predictor."""
+        stats = self.engine.stats
+        tokens, busy = stats.tokens_computed - self._tp_mark[0], stats.busy_s - self._tp_mark[1]
+        if busy > 0.05:  # enough work since the last estimate to measure
+            rate = tokens / busy
+            self._tokens_per_s = rate if self._tokens_per_s == 0 else 0.7 * self._tokens_per_s + 0.3 * rate
+            self._tp_mark = (stats.tokens_computed, stats.busy_s)
+        return self._tokens_per_s
 
     def load(self) -> dict:
         return {"pool": self.pool, **engine_load(self.engine), "transfer": asdict(self.core.transport.stats)}

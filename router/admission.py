@@ -215,16 +215,19 @@ class Admission:
         if have + 1e-9 >= n:  # the fast path: no remote call
             self._credits[key] = have - n
             return
-        want = n - have + self.config.admission.rate_limit_lease * per_min
+        # Use up the local credit now, so requests admitted while we wait cannot spend it too.
+        self._credits[key] = 0.0
+        need = n - have
         try:
-            granted, retry_after = await self._take(tenant, kind, per_min, n - have, want)
+            granted, retry_after = await self._take(
+                tenant, kind, per_min, need, need + self.config.admission.rate_limit_lease * per_min)
         except Exception as e:  # noqa: BLE001 — the quota actor is down: fail open, keep serving
             log.warning("quota actor unavailable (%s); admitting a request of %s", e, tenant)
             return
         if granted <= 0:
-            raise Rejected(f"tenant {tenant!r} is over its {kind}_per_min quota ({per_min:g}); "
-                           f"retry after {retry_after:.1f} s", retry_after)
-        self._credits[key] = have + granted - n
+            self._credits[key] += have
+            raise Rejected(f"tenant {tenant!r} is over its {kind}_per_min quota ({per_min:g})", retry_after)
+        self._credits[key] += granted - need
 
     def _release(self, ticket: Ticket, completion_tokens: int) -> None:
         self._inflight[ticket.tenant] -= 1

@@ -141,6 +141,8 @@ class RequestFlow:
             return Delta(rid, detok.take(final=reason is not None), tokens, reason, len(ids), sent, cached)
 
         decision = await self._route(ids, ctx)
+        if decision is not None:
+            self._check_queue_wait(rid, decision.queue_wait_s, ctx)
         decode_target = decision.decode if decision else None
         local = decision is not None and decision.mode == "local"
         if self.prefill is not None and not local:
@@ -202,6 +204,17 @@ class RequestFlow:
             log.debug("routing fell back to Serve's choice: %s", e)
             return None
         return decision
+
+    def _check_queue_wait(self, rid: str, wait_s: float, ctx: RequestContext) -> None:
+        """Refuse at once work that would wait longer than the server's bound or the request's deadline."""
+        limit = self.config.admission.max_queue_wait_s
+        remaining = ctx.remaining_s()
+        if limit is not None and wait_s > limit:
+            raise Rejected(f"request {rid}: predicted queue wait {wait_s:.2f} s exceeds max_queue_wait_s "
+                           f"{limit:g}: overloaded", wait_s - limit)
+        if remaining is not None and wait_s > remaining:
+            raise Rejected(f"request {rid}: predicted queue wait {wait_s:.2f} s exceeds the {remaining:.2f} s "
+                           f"left before its deadline", wait_s)
 
     async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
                        target: str | None):

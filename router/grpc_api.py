@@ -53,8 +53,15 @@ class GrpcAbort(Exception):
 
 
 def fail(grpc_context, code: grpc.StatusCode, details: str, retry_after_s: float | None = None):
+    """Set the status on Serve's context, for the caller to raise. A retry-after goes in the details
+    ("retry after N s", whole seconds like HTTP's Retry-After): Serve's gRPC proxy drops trailing
+    metadata on the error path."""
+    if retry_after_s is not None:
+        details = f"{details}; retry after {retry_after_seconds(retry_after_s)} s"
     grpc_context.set_code(code)
     grpc_context.set_details(details)
-    if retry_after_s is not None:  # as HTTP's Retry-After: whole seconds, at least 1
-        grpc_context.set_trailing_metadata([("retry-after", str(max(1, math.ceil(retry_after_s))))])
     return GrpcAbort(details)
+
+
+def retry_after_seconds(seconds: float) -> int:
+    return max(1, math.ceil(seconds))

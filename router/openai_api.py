@@ -17,6 +17,7 @@ from cluster.errors import InvalidRequestError
 from cluster.sampling_params import SamplingParams
 from router.errors import ServingError
 from router.flow import Delta
+from router.grpc_api import retry_after_seconds
 
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "FAILED_PRECONDITION": 422,
                "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "ABORTED": 500,
@@ -86,7 +87,7 @@ def serving_error_response(e: ServingError) -> JSONResponse:
     retry = getattr(e, "retry_after_s", None)
     return error_response(HTTP_STATUS.get(e.code, 500), e.message, None, ERROR_TYPE.get(e.code, "server_error"),
                           "model_not_found" if e.code == "NOT_FOUND" else e.code.lower(),
-                          None if retry is None else {"Retry-After": str(max(1, math.ceil(retry)))})
+                          None if retry is None else {"Retry-After": str(retry_after_seconds(retry))})
 
 
 def _sampling(req: _Req, default_max_tokens: int) -> SamplingParams:

@@ -34,6 +34,11 @@ class ReplicaLoad:
     waiting: int = 0
     queued_prefill_tokens: int = 0
     step_time_s: float = 0.0
+    tokens_per_s: float = 0.0  # recent throughput while busy (0: not measured yet)
+
+    def queue_wait_s(self) -> float:
+        """Predicted wait before a new prompt starts here: its queued prompt tokens at its pace."""
+        return self.queued_prefill_tokens / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
 
     @property
     def requests(self) -> int:
@@ -62,6 +67,7 @@ class RouteDecision:
     mode: Literal["remote", "local"]
     predicted_cached_tokens: int
     reason: str
+    queue_wait_s: float = 0.0  # predicted wait before the prompt starts on the replica computing it
 
 
 class NoReplicaError(RuntimeError):
@@ -94,7 +100,8 @@ class RoutingPolicy:
         missing = num_prompt_tokens - cached_on_decode
         if not prefills or missing < cfg.local_prefill_threshold:
             why = "no prefill pool" if not prefills else f"local prefill: {missing} uncached tokens"
-            return RouteDecision(None, decode.replica_id, "local", cached_on_decode, "; ".join([why, *reasons]))
+            return RouteDecision(None, decode.replica_id, "local", cached_on_decode, "; ".join([why, *reasons]),
+                                 decode.queue_wait_s())
 
         pre_cached = index.prefix_blocks(hashes, [r.replica_id for r in prefills])
         hot = set()
@@ -114,7 +121,7 @@ class RoutingPolicy:
         if hot:
             why.append(f"hot prefix spread past cap on {sorted(hot)}")
         return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached,
-                             "; ".join([*why, *p_reasons, *reasons]))
+                             "; ".join([*why, *p_reasons, *reasons]), prefill.queue_wait_s())
 
     def _cached_tokens(self, blocks: int, replica: ReplicaLoad, num_prompt_tokens: int) -> int:
         # An engine always computes at least the last prompt token itself.

@@ -179,3 +179,17 @@ def test_router_counts_its_own_assignments_until_the_next_report():
     router.report_load(load(first.prefill, "prefill"))  # a fresh report supersedes the pending work
     assert router.route(hashes(cold), 80).prefill == first.prefill
 
+
+
+def test_decision_predicts_the_queue_wait_on_the_replica_computing_the_prompt():
+    from dataclasses import replace
+
+    pol = policy(local_prefill_threshold=64)
+    pre = replace(load("p-a", "prefill", queued=3000), tokens_per_s=1500.0)
+    dec = replace(load("d-0", "decode", queued=200), tokens_per_s=400.0)
+    remote = pol.route(hashes(PROMPT), len(PROMPT), index_with({}), [pre, dec])
+    assert (remote.mode, remote.queue_wait_s) == ("remote", 2.0)  # 3000 tokens at 1500/s
+    local = pol.route(hashes(PROMPT), len(PROMPT), index_with({"d-0": SYSTEM}), [pre, dec])
+    assert (local.mode, local.queue_wait_s) == ("local", 0.5)  # 200 tokens at 400/s
+    unmeasured = pol.route(hashes(PROMPT), len(PROMPT), index_with({}), [load("p-a", "prefill", queued=9999), dec])
+    assert unmeasured.queue_wait_s == 0.0  # no throughput measured yet: no prediction
