@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -29,11 +29,32 @@ class EngineOptions(_Strict):
 
 
 class AutoscalingOptions(_Strict):
-    min_replicas: int = Field(1, ge=0)
+    """One pool's autoscaling (cluster/autoscaling.py): prefill on queued prompt tokens and TTFT,
+    decode on KV use and inter-token latency; up fast, down slowly. A pool reads only its own two
+    targets. Set a target above what the pool can ever reach to scale on the other signal alone."""
+
+    min_replicas: int = Field(1, ge=1, description="An autoscaled pool never goes to zero")
     max_replicas: int = Field(1, ge=1)
-    target_ongoing_requests: float = Field(8.0, gt=0)
-    upscale_delay_s: float = Field(5.0, ge=0)
-    downscale_delay_s: float = Field(60.0, ge=0)
+    target_queued_prefill_tokens: float = Field(
+        8192, gt=0, description="prefill: prompt tokens waiting per replica (~ throughput x accepted queueing)")
+    target_ttft_s: float = Field(1.0, gt=0, description="prefill: time to first token at the replica")
+    target_kv_usage: float = Field(0.8, gt=0, le=1, description="decode: fraction of KV blocks held by requests")
+    target_itl_s: float = Field(0.05, gt=0, description="decode: interval between a request's tokens")
+    upscale_delay_s: float = Field(5.0, ge=0, description="Above target this long: add replicas (all needed at once)")
+    downscale_delay_s: float = Field(300.0, ge=0, description="Slack this long: remove downscale_step replicas")
+    downscale_threshold: float = Field(
+        0.6, gt=0, lt=1, description="Slack = the pool would stay below this fraction of its targets with one fewer")
+    downscale_step: int = Field(1, ge=1, description="Replicas removed per scale-down")
+    look_back_period_s: float = Field(5.0, gt=0, description="Serve averages each replica's reports over this window")
+    metrics_interval_s: float = Field(1.0, gt=0, description="How often replicas send their reports to Serve")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AutoscalingOptions":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError("look_back_period_s must be longer than metrics_interval_s")
+        return self
 
 
 class PoolOptions(_Strict):
@@ -41,8 +62,21 @@ class PoolOptions(_Strict):
     autoscaling: AutoscalingOptions | None = None
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per replica, e.g. {pdserve_decode: 1}: "
+        "the pool runs only on nodes that advertise them (deploy/cluster.yaml)")
     max_ongoing_requests: int = Field(256, ge=1)
     engine: EngineOptions | None = Field(None, description="Overrides the app-wide engine options")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name} is not a custom resource: use num_cpus / num_gpus")
+            if amount <= 0:
+                raise ValueError(f"resource {name}: must be > 0, got {amount}")
+        return resources
 
 
 class KVTransferOptions(_Strict):

@@ -6,7 +6,8 @@ the decode role. Outputs carry `request_id` and `finished`.
 
 Callers `async for` over `stream(...)` and receive each step's outputs as they are produced. The
 core is touched only by the loop thread; callers hand it work as closures. Leaving the iterator
-early (client disconnect, task cancelled) aborts the request, which frees its blocks.
+early (client disconnect, task cancelled) aborts the request, which frees its blocks. The loop
+also times each stream's first output (`first_outputs`): replicas report it as TTFT.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from cluster.latency import FirstOutputTimer
 from cluster.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self.first_outputs = FirstOutputTimer()  # loop thread only: read it through call()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -138,6 +142,7 @@ class AsyncEngine:
             if isinstance(cmd, _Call):
                 self._run_call(cmd)
             else:
+                self.first_outputs.forget(cmd[1])
                 out = self.core.abort(cmd[1])
                 if out is not None:
                     self._deliver(out)
@@ -149,12 +154,14 @@ class AsyncEngine:
                 call.loop.call_soon_threadsafe(_settle, call.future, None, err)
                 return
             self._sinks[call.request_id] = (call.sink, call.loop)
+            self.first_outputs.start(call.request_id, time.monotonic())
         try:
             result, error = call.fn(), None
         except Exception as e:  # noqa: BLE001 — handed to the caller
             result, error = None, e
             if call.request_id is not None:
                 self._sinks.pop(call.request_id, None)
+                self.first_outputs.forget(call.request_id)
         try:
             call.loop.call_soon_threadsafe(_settle, call.future, result, error)
         except RuntimeError:  # the caller's loop is closed
@@ -164,6 +171,7 @@ class AsyncEngine:
         entry = self._sinks.get(out.request_id)
         if entry is None:
             return
+        self.first_outputs.output(out.request_id, time.monotonic())
         if out.finished:
             del self._sinks[out.request_id]
         sink, loop = entry

@@ -1,5 +1,6 @@
-"""What every engine replica shares: building its engine from the app config, and reporting its
-load to the registry (from the loop thread, at most once a second, fire-and-forget)."""
+"""What every engine replica shares: building its engine from the app config, reporting its load
+to the registry (from the loop thread, at most once a second, fire-and-forget), and answering
+Serve's autoscaler with the pool's signals (`record_autoscaling_stats`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Literal
 
 from cluster.app_config import AppConfig
+from cluster.autoscaling import ReplicaMetrics
 from cluster.config import EngineConfig
 from cluster.engine import LLMEngine
+from cluster.latency import TokenIntervals
 
 if TYPE_CHECKING:
     from router.policy import ReplicaLoad
@@ -42,13 +45,14 @@ class ReportingCore:
     turn, load once a second) and reports load to the registry (for `pdserve status`)."""
 
     def __init__(self, core, replica_id: str, pool: str, registry, router=None, interval_s: float = 1.0,
-                 router_interval_s: float = 0.25, router_min_interval_s: float = 0.02):
+                 router_interval_s: float = 0.25, router_min_interval_s: float = 0.02, node_id: str | None = None):
         from router.events import KVEventPublisher  # noqa: PLC0415
 
         self.core = core
         self.engine = core.engine
         self.replica_id = replica_id
         self.pool = pool
+        self.node_id = node_id  # the Ray node this replica runs on (`pdserve status` shows it)
         self.registry = registry
         self.router = router
         self.publisher = None if router is None else KVEventPublisher(replica_id, core.engine.kv.pool, router)
@@ -59,11 +63,12 @@ class ReportingCore:
         self._last_router = float("-inf")
         self._last_queue: tuple = ()
         self._inner_service = getattr(core, "service", None)
-        self._tokens_per_s = 0.0
-        self._tp_mark = (0, 0.0)  # (tokens_computed, busy_s) at the last throughput estimate
+        self.token_intervals = TokenIntervals()
 
     def step(self):
-        return self.core.step()
+        outputs = self.core.step()
+        self.token_intervals.after_step(self.engine.stats.generation_tokens, time.monotonic())
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
@@ -74,6 +79,8 @@ class ReportingCore:
     def service(self) -> None:
         if self._inner_service is not None:
             self._inner_service()
+        if not self.core.has_unfinished():
+            self.token_intervals.idle()
         if self.publisher is not None:
             self.publisher.publish()
         now = time.monotonic()
@@ -97,20 +104,22 @@ class ReportingCore:
 
         return ReplicaLoad(self.replica_id, self.pool, load["free_blocks"], load["total_blocks"],
                            load["running"] + load["importing"], load["waiting"],
-                           load["queued_prefill_tokens"], load["last_step_ms"] / 1e3, self._throughput())
-
-    def _throughput(self) -> float:
-        """Tokens a second while busy, smoothed over reports: the router's queue-wait predictor."""
-        stats = self.engine.stats
-        tokens, busy = stats.tokens_computed - self._tp_mark[0], stats.busy_s - self._tp_mark[1]
-        if busy > 0.05:  # enough work since the last estimate to measure
-            rate = tokens / busy
-            self._tokens_per_s = rate if self._tokens_per_s == 0 else 0.7 * self._tokens_per_s + 0.3 * rate
-            self._tp_mark = (stats.tokens_computed, stats.busy_s)
-        return self._tokens_per_s
+                           load["queued_prefill_tokens"], load["last_step_ms"] / 1e3)
 
     def load(self) -> dict:
-        return {"pool": self.pool, **engine_load(self.engine), "transfer": asdict(self.core.transport.stats)}
+        return {"pool": self.pool, "node_id": self.node_id, **engine_load(self.engine),
+                "transfer": asdict(self.core.transport.stats)}
+
+    def autoscaling_metrics(self, ttft_s: float) -> ReplicaMetrics:
+        """This replica's autoscaling signals since the previous call (`ttft_s` comes from the
+        loop, which sees streams start and produce)."""
+        load = engine_load(self.engine)
+        return ReplicaMetrics(
+            kv_usage=1.0 - load["free_blocks"] / load["total_blocks"],
+            queued_prefill_tokens=float(load["queued_prefill_tokens"]),
+            ttft_s=ttft_s,
+            itl_s=self.token_intervals.drain(),
+        )
 
 
 def _serve_replica_id() -> str | None:
@@ -140,6 +149,8 @@ class EngineReplica:
         from kv_transfer.layout import engine_layout  # noqa: PLC0415
         from kv_transfer.transport import NixlTransport  # noqa: PLC0415
 
+        import ray  # noqa: PLC0415
+
         from router.actor import get_router  # noqa: PLC0415
 
         cfg = AppConfig.model_validate(config)
@@ -153,7 +164,7 @@ class EngineReplica:
             progress_thread=kv.progress_thread,
         )
         self.core = ReportingCore(self.make_core(engine, transport, cfg), self.replica_id, self.pool, registry,
-                                  get_router())
+                                  get_router(), node_id=ray.get_runtime_context().get_node_id())
         self.loop = AsyncEngine(self.core, idle_poll_s=self.idle_poll_s, name=f"pdserve-{self.pool}")
 
     def make_core(self, engine: LLMEngine, transport, config: AppConfig):
@@ -161,6 +172,14 @@ class EngineReplica:
 
     async def load(self) -> dict:
         return await self.loop.call(self.core.load)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom-metrics hook (called only when the pool autoscales): the pool's signals
+        since the previous call, for `cluster.autoscaling_policy`."""
+        def metrics():
+            return self.core.autoscaling_metrics(self.loop.first_outputs.drain(time.monotonic())).as_dict()
+
+        return await self.loop.call(metrics)
 
     def check_health(self) -> None:
         if not self.loop.is_alive():

@@ -10,6 +10,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig, gRPCOptions
 
 from cluster.app_config import AppConfig, PoolOptions
+from cluster.autoscaling_policy import serve_autoscaling_config
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +30,11 @@ def ensure_model(config: AppConfig) -> AppConfig:
                                      config.served_model_name or "pdserve-demo"})
 
 
-def _pool_options(pool: PoolOptions, config: AppConfig) -> dict:
+def _pool_options(name: str, config: AppConfig) -> dict:
+    pool: PoolOptions = getattr(config, name)
     opts = {
-        "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus},
+        # Custom resources (e.g. pdserve_decode) keep each pool on its own nodes (deploy/cluster.yaml).
+        "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": pool.resources},
         "max_ongoing_requests": pool.max_ongoing_requests,
         "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
         "graceful_shutdown_wait_loop_s": min(2.0, config.graceful_shutdown_timeout_s),
@@ -42,12 +45,7 @@ def _pool_options(pool: PoolOptions, config: AppConfig) -> dict:
         "health_check_period_s": config.health_check_period_s,
     }
     if pool.autoscaling is not None:
-        a = pool.autoscaling
-        opts["autoscaling_config"] = {
-            "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
-            "target_ongoing_requests": a.target_ongoing_requests,
-            "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
-        }
+        opts["autoscaling_config"] = serve_autoscaling_config(name, pool.autoscaling)
     else:
         opts["num_replicas"] = pool.num_replicas
     return opts
@@ -72,10 +70,10 @@ def build_app(config: AppConfig):
 
     config = ensure_model(config)
     cfg = config.model_dump()
-    decode = serve.deployment(DecodeServer, name="decode", **_pool_options(config.decode, config)).bind(cfg)
+    decode = serve.deployment(DecodeServer, name="decode", **_pool_options("decode", config)).bind(cfg)
     prefill = None
     if config.prefill.num_replicas > 0 or config.prefill.autoscaling is not None:
-        prefill = serve.deployment(PrefillServer, name="prefill", **_pool_options(config.prefill, config)).bind(cfg)
+        prefill = serve.deployment(PrefillServer, name="prefill", **_pool_options("prefill", config)).bind(cfg)
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=config.ingress_replicas,
                                ray_actor_options={"num_cpus": INGRESS_CPUS}, max_ongoing_requests=1024,
                                graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
