@@ -1,4 +1,4 @@
-"""The `pdserve` command line."""
+"""The `pdserve` command line (`pdserve bench` is built in cluster/loadgen/cli.py)."""
 
 from __future__ import annotations
 
@@ -262,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local cluster)")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_status)
+
+    from cluster.loadgen.cli import add_bench_parser  # noqa: PLC0415 — `pdserve bench` lives in cluster/loadgen
+
+    add_bench_parser(sub)
     return p
 
 
