@@ -22,11 +22,25 @@ def model_factory(tmp_path_factory):
     return make
 
 
+# Custom resources of the session's two worker nodes (the node types of deploy/cluster.yaml).
+PREFILL_NODE_RESOURCES = {"pdserve_prefill": 2}
+DECODE_NODE_RESOURCES = {"pdserve_decode": 2}
+
+
 @pytest.fixture(scope="session")
 def ray_session():
-    """The one Ray instance of the test session (started on first use)."""
+    """The one Ray instance of the test session (started on first use): a three-node cluster on
+    this machine. The head has the 8 CPUs, so everything that asks for CPUs runs there as on a
+    single node; the two workers have no CPUs and advertise one pool's custom resource each, so
+    only replicas that ask for it (tests/cpu/test_multinode.py) run on them."""
     import ray
+    from ray.cluster_utils import Cluster
 
-    ray.init(num_cpus=8, include_dashboard=False, namespace="pdserve", log_to_driver=False)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 8, "include_dashboard": False, "object_store_memory": 512 * 2**20})
+    cluster.add_node(num_cpus=0, resources=PREFILL_NODE_RESOURCES)
+    cluster.add_node(num_cpus=0, resources=DECODE_NODE_RESOURCES)
+    ray.init(address=cluster.address, namespace="pdserve", log_to_driver=False)
     yield ray
     ray.shutdown()
+    cluster.shutdown()
