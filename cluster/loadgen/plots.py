@@ -27,15 +27,20 @@ def latency_values_ms(result: dict, metric: str) -> np.ndarray:
 
 
 def throughput_series(result: dict, bin_s: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Bin starts (s), output tokens/s and completed requests/s per bin over the run."""
+    """Bin starts (s), output tokens/s and completed requests/s per bin over the run. A last bin
+    shorter than half a bin is left out: divided by its own width it would be mostly noise."""
     tokens = Counter()
     for t, n in token_times(result):
         tokens[int(t // bin_s)] += n
     done = Counter(int((s + lat) // bin_s) for s, lat in zip(result["start_times"], result["latencies"])
                    if lat is not None)
-    bins = int(max(result["duration"], bin_s) // bin_s) + 1
+    duration = max(result["duration"], 1e-9)
+    bins = int(np.ceil(duration / bin_s))
+    if bins > 1 and duration - (bins - 1) * bin_s < bin_s / 2:
+        bins -= 1
     x = np.arange(bins) * bin_s
-    return x, np.array([tokens[i] / bin_s for i in range(bins)]), np.array([done[i] / bin_s for i in range(bins)])
+    width = np.minimum(bin_s, duration - x)
+    return x, np.array([tokens[i] for i in range(bins)]) / width, np.array([done[i] for i in range(bins)]) / width
 
 
 def plot_results(results: dict[str, dict], out_dir: str | Path) -> list[Path]:
