@@ -2,7 +2,7 @@
 prefill node and a decode node that each advertise their pool's custom resource, as the node types
 of deploy/cluster.yaml do. Each pool's replicas run on their own node, KV crosses between the
 nodes over NIXL, tokens equal transformers'; and the decode pool, autoscaled on KV use, goes from
-1 to 2 replicas under a bounded load and back to 1 after it.
+1 to 2 replicas under a bounded load and back to 1 after it (its new replica on the decode node).
 
 All nodes are processes on this machine: "between nodes" means between raylets with their own
 resources and workers, not across a network (UCX picks shared memory / CMA as it would for two
@@ -34,7 +34,8 @@ def app(ray_session, tiny_model):
 
     cfg = AppConfig(
         model=tiny_model, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": 64},
-        prefill={"num_cpus": 0, "resources": {"pdserve_prefill": 1}},
+        # two prefill replicas: without their resource Serve would spread them over two nodes
+        prefill={"num_replicas": 2, "num_cpus": 0, "resources": {"pdserve_prefill": 1}},
         decode={"num_cpus": 0, "resources": {"pdserve_decode": 1}, "engine": {"num_blocks": DECODE_BLOCKS},
                 "autoscaling": {"min_replicas": 1, "max_replicas": 2,
                                 "target_kv_usage": 0.25,  # two 160-token streams: ~1.5-2.5 replicas' worth
@@ -77,10 +78,10 @@ def test_each_pool_runs_on_its_own_node_and_kv_crosses_between_them(app, tiny_mo
     prefill_node, decode_node = node_with(PREFILL_NODE_RESOURCES), node_with(DECODE_NODE_RESOURCES)
     head = ray.get_runtime_context().get_node_id()
     assert len({head, prefill_node, decode_node}) == 3
-    wait_for(lambda: len(live_replicas("prefill")) == len(live_replicas("decode")) == 1, "both pools report")
-    [prefill] = live_replicas("prefill").values()
+    wait_for(lambda: (len(live_replicas("prefill")), len(live_replicas("decode"))) == (2, 1), "both pools report")
+    assert [s["node_id"] for s in live_replicas("prefill").values()] == [prefill_node, prefill_node]
     [decode] = live_replicas("decode").values()
-    assert (prefill["node_id"], decode["node_id"]) == (prefill_node, decode_node)
+    assert decode["node_id"] == decode_node
     pulls_before = decode["transfer"]["pulls_ok"]
 
     prompts = [[256] + [(i * 17 + j) % 250 for j in range(30 + 9 * i)] for i in range(3)]  # 31..49 tokens
