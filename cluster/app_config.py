@@ -126,6 +126,15 @@ class AdmissionOptions(_Strict):
     idempotency_ttl_s: float = Field(600.0, gt=0, description="How long a non-streaming result is kept by key")
 
 
+class FaultToleranceOptions(_Strict):
+    max_migrations: int = Field(
+        2, ge=0, description="Times a request may move to another decode replica when its replica dies")
+    stuck_loop_s: float = Field(
+        30.0, gt=0, description="An engine loop turn running this long fails the replica's health check")
+    fault_injection: bool = Field(
+        False, description="Allow inject_fault() on replicas (chaos tests and drills; off in production)")
+
+
 class AppConfig(_Strict):
     model: str | None = Field(None, description="HF checkpoint directory; None = the demo model")
     served_model_name: str | None = Field(None, description="Model id in the APIs; default: the dir name")
@@ -170,3 +179,4 @@ class AppConfig(_Strict):
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model or "pdserve-demo").name
+    fault_tolerance: FaultToleranceOptions = FaultToleranceOptions()

@@ -44,6 +44,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._turn_started: float | None = None  # monotonic start of the loop turn in progress
         self.first_outputs = FirstOutputTimer()  # loop thread only: read it through call()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -111,13 +112,20 @@ class AsyncEngine:
 
     # ---- loop thread ---------------------------------------------------------------------------
 
+    def stalled_for(self, now: float) -> float:
+        """How long the current loop turn has been running (0 while idle): a stuck engine shows here."""
+        started = self._turn_started
+        return 0.0 if started is None else now - started
+
     def _run(self) -> None:
         service = getattr(self.core, "service", None)
         while not self._stop:
+            self._turn_started = time.monotonic()
             self._drain_commands()
             if service is not None:
                 service()
             if not self.core.has_unfinished():
+                self._turn_started = None
                 self._wake.wait(self.idle_poll_s)
                 self._wake.clear()
                 continue

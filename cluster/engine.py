@@ -116,6 +116,7 @@ class LLMEngine:
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
+        self.step_delay_s = 0.0  # injected fault (chaos tests): every step takes this much longer
         log.info(
             "engine ready: model=%s dtype=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)",
             config.model, mc.dtype, self.device, backend.name, num_blocks, config.block_size,
@@ -177,6 +178,8 @@ class LLMEngine:
         except Exception as e:  # a broken step fails its requests, never the loop
             log.exception("engine step failed")
             self.stats.step_errors += 1
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
             outputs = expired
             for c in out.chunks:
                 req = self.scheduler.finish(c.request.request_id, RequestStatus.FINISHED_ERROR)

@@ -4,6 +4,7 @@ Serve's autoscaler with the pool's signals (`record_autoscaling_stats`)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Literal
@@ -64,6 +65,8 @@ class ReportingCore:
         self._last_queue: tuple = ()
         self._inner_service = getattr(core, "service", None)
         self.token_intervals = TokenIntervals()
+        self._tokens_per_s = 0.0
+        self._tp_mark = (0, 0.0)  # (tokens_computed, busy_s) at the last throughput estimate
 
     def step(self):
         outputs = self.core.step()
@@ -87,11 +90,13 @@ class ReportingCore:
         load = None
         if self.router is not None:
             # The router counts work it sent here until our next report, so report as soon as the
-            # queues change (at most every 20 ms), and at least every 0.25 s.
+            # queues change (at most every 20 ms; at once when they empty, since the loop may then
+            # sleep up to idle_poll_s), and at least every 0.25 s.
             sched = self.engine.scheduler
             queue = (len(sched.waiting), len(sched.running), len(sched.importing))
             since = now - self._last_router
-            if since >= self.router_interval_s or (queue != self._last_queue and since >= self.router_min_interval_s):
+            changed = queue != self._last_queue and (since >= self.router_min_interval_s or not any(queue))
+            if since >= self.router_interval_s or changed:
                 self._last_router, self._last_queue = now, queue
                 load = self.load()
                 self.router.report_load.remote(self.replica_load(load))
@@ -104,7 +109,17 @@ class ReportingCore:
 
         return ReplicaLoad(self.replica_id, self.pool, load["free_blocks"], load["total_blocks"],
                            load["running"] + load["importing"], load["waiting"],
-                           load["queued_prefill_tokens"], load["last_step_ms"] / 1e3)
+                           load["queued_prefill_tokens"], load["last_step_ms"] / 1e3, self._throughput())
+
+    def _throughput(self) -> float:
+        """Tokens a second while busy, smoothed over reports: the router's queue-wait predictor."""
+        stats = self.engine.stats
+        tokens, busy = stats.tokens_computed - self._tp_mark[0], stats.busy_s - self._tp_mark[1]
+        if busy > 0.05:  # enough work since the last estimate to measure
+            rate = tokens / busy
+            self._tokens_per_s = rate if self._tokens_per_s == 0 else 0.7 * self._tokens_per_s + 0.3 * rate
+            self._tp_mark = (stats.tokens_computed, stats.busy_s)
+        return self._tokens_per_s
 
     def load(self) -> dict:
         return {"pool": self.pool, "node_id": self.node_id, **engine_load(self.engine),
@@ -167,11 +182,14 @@ class EngineReplica:
                                   get_router(), node_id=ray.get_runtime_context().get_node_id())
         self.loop = AsyncEngine(self.core, idle_poll_s=self.idle_poll_s, name=f"pdserve-{self.pool}")
 
+        self.stuck_loop_s = cfg.fault_tolerance.stuck_loop_s
+        self.fault_injection = cfg.fault_tolerance.fault_injection
     def make_core(self, engine: LLMEngine, transport, config: AppConfig):
         raise NotImplementedError
 
-    async def load(self) -> dict:
-        return await self.loop.call(self.core.load)
+    async def load(self, target_replica: str | None = None) -> dict:
+        """This replica's load (`target_replica`, read by the request router, picks the replica)."""
+        return {"replica_id": self.replica_id, **await self.loop.call(self.core.load)}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom-metrics hook (called only when the pool autoscales): the pool's signals
@@ -189,3 +207,28 @@ class EngineReplica:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.shutdown(timeout=2)
+        """Serve calls this every health_check_period_s; raising makes Serve replace the replica
+        (and callers' request routers, then the router actor, drop it)."""
+        stalled = self.loop.stalled_for(time.monotonic())
+        if stalled > self.stuck_loop_s:
+            raise RuntimeError(f"{self.pool} engine loop has made no progress for {stalled:.1f} s "
+                               f"(stuck_loop_s {self.stuck_loop_s:g})")
+
+    async def inject_fault(self, pull: str | None = None, step_delay_s: float | None = None,
+                           stall_loop_s: float | None = None, target_replica: str | None = None) -> None:
+        """Chaos tests and drills (only with fault_tolerance.fault_injection): `pull` "drop" |
+        "stall" | "none" on this replica's KV transfers, a delay added to every engine step (a
+        slow node), or one loop turn blocked for `stall_loop_s` (a stuck engine). `target_replica`
+        picks the replica (read by the request router)."""
+        if not self.fault_injection:
+            raise PermissionError("fault injection is off (fault_tolerance.fault_injection: false)")
+
+        def apply():
+            if pull is not None:
+                self.core.core.transport.fault = pull
+            if step_delay_s is not None:
+                self.core.engine.step_delay_s = step_delay_s
+
+        await self.loop.call(apply)
+        if stall_loop_s:
+            asyncio.ensure_future(self.loop.call(lambda: time.sleep(stall_loop_s)))

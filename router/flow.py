@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Sequence
 
 from cluster.app_config import AppConfig
@@ -78,6 +78,14 @@ def _local_quotas():
     return take
 
 
+class _ReplicaDied(Exception):
+    """The decode replica serving a leg was lost (the request may migrate)."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 def _ended(rid: str, reason: str, error: str | None, sent: int) -> ServingError:
     """The error for a request an engine ended without finishing it."""
     if reason == "deadline":
@@ -98,6 +106,7 @@ class RequestFlow:
         self.decode = decode_handle
         self.router = router  # None: Serve's own replica choice
         self.route_timeout_s = route_timeout_s
+        self.max_migrations = config.fault_tolerance.max_migrations
         mc = ModelConfig.from_dir(config.model)
         self.salt = mc.fingerprint().encode()  # the engines' block-hash salt, before a tenant's part
         self.block_size = config.engine.block_size
@@ -127,18 +136,16 @@ class RequestFlow:
     async def _run(self, rid: str, ids: list[int], sampling: SamplingParams,
                    ctx: RequestContext) -> AsyncIterator[Delta]:
         detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
-        sent = 0
+        generated: list[int] = []  # every token sent to the client, in order
         cached = 0
         kv_handle = None
-        pulled = False
 
         def delta(tokens: list[int], final_reason: str | None) -> Delta:
-            nonlocal sent
             for t in tokens:
                 detok.add(t)
-            sent += len(tokens)
+            generated.extend(tokens)
             reason = "stop" if detok.stopped else final_reason
-            return Delta(rid, detok.take(final=reason is not None), tokens, reason, len(ids), sent, cached)
+            return Delta(rid, detok.take(final=reason is not None), tokens, reason, len(ids), len(generated), cached)
 
         decision = await self._route(ids, ctx)
         if decision is not None:
@@ -158,39 +165,77 @@ class RequestFlow:
                 if d.finish_reason is not None:  # a stop string in the first token's text
                     await self._release(rid)
                     return
+        # The decode leg. If its replica dies, the request migrates: another decode replica gets
+        # the prompt plus every token sent so far (prefilled there) and produces the rest, so the
+        # client's stream goes on without a gap or a repeat (greedy output is identical; a seeded
+        # sampler restarts its random stream at the migration).
+        leg_rid, leg_ids, leg_sampling = rid, ids, sampling
+        for migration in range(self.max_migrations + 1):
+            if migration:
+                leg_rid = f"{rid}.m{migration}"
+                leg_ids = list(ids) + generated
+                leg_sampling = replace(sampling, max_tokens=sampling.max_tokens - len(generated),
+                                       min_tokens=max(0, sampling.min_tokens - len(generated)))
+                log.warning("decode replica of %s died after %d tokens; migrating (%d of %d)",
+                            rid, len(generated), migration, self.max_migrations)
+            try:
+                async for d in self._decode(leg_rid, leg_ids, leg_sampling, kv_handle, ctx, decode_target, delta):
+                    if kv_handle is None and migration == 0:
+                        cached = d.cached_prompt_tokens
+                    yield d
+                    if d.finish_reason is not None:
+                        return
+            except _ReplicaDied as e:
+                kv_handle, decode_target = None, None  # the next leg prefills on its own replica
+                if not generated:
+                    # nothing sent yet: if this was the last try, it never started
+                    if migration == self.max_migrations:
+                        raise ServingError("UNAVAILABLE", f"decode failed for {rid}: {e.cause}") from e
+                    continue
+                if migration == self.max_migrations:
+                    raise ServingError("ABORTED", f"decode replica of {rid} died after {len(generated)} tokens "
+                                                  f"were sent ({self.max_migrations} migrations allowed): {e.cause}") from e
+                continue
+            raise ServingError("INTERNAL", f"decode stream for {rid} ended without a finish")
+
+    async def _decode(self, rid: str, ids: list[int], sampling: SamplingParams, kv_handle, ctx: RequestContext,
+                      target: str | None, delta) -> AsyncIterator[Delta]:
+        """One decode leg: stream the replica's outputs as deltas. Raises _ReplicaDied when the
+        replica is lost (the caller migrates), ServingError for the request's own failures."""
+        from ray.exceptions import ActorUnavailableError, RayActorError  # noqa: PLC0415
+
         try:
             stream = self.decode.options(stream=True).generate.remote(
-                rid, ids, sampling, kv_handle, ctx, target_replica=decode_target)
+                rid, ids, sampling, kv_handle, ctx, target_replica=target)
         except Exception as e:  # noqa: BLE001
             raise ServingError("UNAVAILABLE", f"no decode replica: {e}") from e
-        finished = False
+        finished = pulled = False
         try:
             async for out in stream:
                 out: RequestOutput
                 pulled = True
                 if out.finish_reason in ("error", "deadline", "rejected"):
-                    raise _ended(rid, out.finish_reason, out.error, sent)
-                if kv_handle is None:
-                    cached = out.num_cached_tokens
+                    raise _ended(rid, out.finish_reason, out.error, out.num_output_tokens)
                 d = delta(out.token_ids, out.finish_reason if out.finished else None)
-                if d.text or d.token_ids or d.finish_reason:
-                    yield d
                 if d.finish_reason is not None:
                     finished = True
+                if d.text or d.token_ids or d.finish_reason:
+                    yield d
+                if finished:
                     return
         except ServingError:
             raise
         except QueueFullError as e:  # the decode replica's queue is full (raised by its submit)
             raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
+        except (RayActorError, ActorUnavailableError) as e:
+            raise _ReplicaDied(e) from e
         except Exception as e:
-            code = "ABORTED" if sent else "UNAVAILABLE"
-            raise ServingError(code, f"decode failed for {rid} after {sent} tokens: {e}") from e
+            raise ServingError("ABORTED" if pulled else "UNAVAILABLE", f"decode failed for {rid}: {e}") from e
         finally:
             if not finished:
                 stream.cancel()
             if kv_handle is not None and not pulled:
-                await self._release(rid)
-        raise ServingError("INTERNAL", f"decode stream for {rid} ended without a finish")
+                await self._release(rid)  # only the first leg has a handle: its id is the request's
 
     async def _route(self, ids: list[int], ctx: RequestContext):
         """One router call per request; any failure (router down, slow, no replicas known yet)

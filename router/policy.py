@@ -4,8 +4,8 @@
     decode cost(r)  = decode_request_cost * requests on r + decode_block_cost * blocks in use on r
 
 Adjustments, each visible in the decision's reason:
-- a replica whose recent step time is >= slow_factor x its pool's median is deprioritised
-  (its cost is multiplied by slow_penalty);
+- a replica whose recent step time is >= slow_factor x the median of the rest of its pool is
+  deprioritised (its cost is multiplied by slow_penalty, plus one token so it loses ties at zero);
 - a replica already at hot_load_cap requests gets no credit for its cache, so a hot prefix
   spreads to a second replica instead of piling onto one;
 - local prefill: when the chosen decode replica lacks fewer than local_prefill_threshold prompt
@@ -128,15 +128,21 @@ class RoutingPolicy:
         return min(blocks * self.config.block_size, num_prompt_tokens - 1)
 
     def _slow(self, pool: Sequence[ReplicaLoad]) -> set[str]:
-        times = [r.step_time_s for r in pool if r.step_time_s > 0]
-        if len(times) < 2:
+        """Replicas stepping >= slow_factor x the median of the others (leave-one-out: with a
+        pool median that includes the replica itself, one slow replica of two is never found)."""
+        measured = [r for r in pool if r.step_time_s > 0]
+        if len(measured) < 2:
             return set()
-        median = statistics.median(times)
-        return {r.replica_id for r in pool if median > 0 and r.step_time_s >= self.config.slow_factor * median}
+        slow = set()
+        for r in measured:
+            others = statistics.median(o.step_time_s for o in measured if o is not r)
+            if r.step_time_s >= self.config.slow_factor * others:
+                slow.add(r.replica_id)
+        return slow
 
     def _pick(self, pool: Sequence[ReplicaLoad], cost, slow: set[str]) -> tuple[ReplicaLoad, list[str]]:
         raw = {r.replica_id: cost(r) for r in pool}
-        costs = {rid: c * (self.config.slow_penalty if rid in slow else 1.0) for rid, c in raw.items()}
+        costs = {rid: c * self.config.slow_penalty + 1.0 if rid in slow else c for rid, c in raw.items()}
         choice = self._argmin(costs)
         unpenalised = min(raw, key=lambda rid: (raw[rid], rid))
         reasons = []

@@ -86,6 +86,10 @@ class Router:
             self._pending_requests[rid] = self._pending_requests.get(rid, 0) + 1
         return d
 
+    def pending_requests(self) -> int:
+        """Requests sent to replicas since their last load report (0 once every replica reported)."""
+        return sum(self._pending_requests.values())
+
     def hashes(self, replica_id: str) -> set[BlockHash]:
         return self.index.hashes(replica_id)
 

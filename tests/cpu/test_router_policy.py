@@ -89,6 +89,14 @@ def test_slow_replica_is_avoided():
     assert policy(slow_penalty=8.0).route(hashes(PROMPT), len(PROMPT), idx, fast).prefill == "p-a"
 
 
+def test_one_slow_replica_of_two_is_found_and_loses_even_at_zero_load():
+    loads = [load("p-a", "prefill"), load("d-fast", "decode", step=0.01), load("d-slow", "decode", step=0.03)]
+    for _ in range(10):  # idle: both decode costs are 0, the slow one's is 0 * 4 + 1
+        assert policy().route(hashes(PROMPT), len(PROMPT), index_with({}), loads).decode == "d-fast"
+    busy = [loads[0], load("d-fast", "decode", running=1, step=0.01), loads[2]]  # 32 vs 1
+    assert policy().route(hashes(PROMPT), len(PROMPT), index_with({}), busy).decode == "d-slow"
+
+
 def test_hot_prefix_spreads_past_the_load_cap():
     idx = index_with({"p-a": SYSTEM})
     pol = policy(hot_load_cap=8)
@@ -193,3 +201,4 @@ def test_decision_predicts_the_queue_wait_on_the_replica_computing_the_prompt():
     assert (local.mode, local.queue_wait_s) == ("local", 0.5)  # 200 tokens at 400/s
     unmeasured = pol.route(hashes(PROMPT), len(PROMPT), index_with({}), [load("p-a", "prefill", queued=9999), dec])
     assert unmeasured.queue_wait_s == 0.0  # no throughput measured yet: no prediction
+
