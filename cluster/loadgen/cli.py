@@ -1,7 +1,8 @@
 """`pdserve bench` (a run against a server) and `pdserve bench compare A.json B.json`.
 
 Options follow `vllm bench serve` where it has one (`--request-rate`, `--burstiness`,
-`--max-concurrency`, `--random-input-len`, `--goodput`, `--save-result`, ...). Nothing heavy is
+`--max-concurrency`, `--random-input-len`, `--goodput`, `--save-result`, ...; its spellings
+`--num-warmups`, `--metric-percentiles` and `--result-filename` are accepted too). Nothing heavy is
 imported until a command runs, so `pdserve --help` stays fast.
 """
 
@@ -59,15 +60,15 @@ def add_bench_parser(sub) -> None:
     load.add_argument("--request-rate", type=float, default=math.inf, help="sessions/s (default inf: all at once)")
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
     load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
-    load.add_argument("--warmup-requests", type=int, default=0, help="sent first, not measured")
+    load.add_argument("--warmup-requests", "--num-warmups", type=int, default=0, help="sent first, not measured")
     load.add_argument("--duration-s", type=float, default=600.0, help="hard bound on the measured run")
     load.add_argument("--seed", type=int, default=0)
 
     out = b.add_argument_group("report")
-    out.add_argument("--percentiles", default="50,90,99")
+    out.add_argument("--percentiles", "--metric-percentiles", default="50,90,99")
     out.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
     out.add_argument("--save-result", action="store_true")
-    out.add_argument("--result-file", help="where --save-result writes (implies it)")
+    out.add_argument("--result-file", "--result-filename", help="where --save-result writes (implies it)")
     out.add_argument("--plot-dir", help="write latency CDFs and throughput over time here (PNG)")
     out.add_argument("--label", help="this run's name in plots and comparisons")
     out.add_argument("--disable-tqdm", action="store_true")
