@@ -84,6 +84,7 @@ def test_serve_yaml_parses_with_serves_schema_and_builds_the_app(tiny_model):
     [app] = schema.applications
     assert (app.name, app.route_prefix, app.import_path) == ("pdserve", "/", "cluster.serve_app:app_builder")
 
+    args = AppConfig.model_validate(dict(app.args, model=tiny_model))
     built = build_app(app_builder(dict(app.args, model=tiny_model)), name=app.name)
     deployments = {d.name: d for d in built.deployments}
     assert set(deployments) == {"ingress", "prefill", "decode"}
@@ -95,11 +96,10 @@ def test_serve_yaml_parses_with_serves_schema_and_builds_the_app(tiny_model):
         assert (auto.min_replicas, auto.max_replicas, auto.upscale_delay_s, auto.downscale_delay_s) == (2, 32, 0, 0)
         assert auto.policy.policy_function == "cluster.autoscaling_policy:PoolAutoscalingPolicy"
         assert auto.policy.policy_kwargs["pool"] == pool
-        options = AppConfig.model_validate(d.init_args[0])
-        assert options.model == tiny_model
-        assert auto.policy.policy_kwargs["options"] == getattr(options, pool).autoscaling.model_dump()
-    cfg = AppConfig.model_validate(deployments["decode"].init_args[0])
-    assert (cfg.prefill.autoscaling.target_ttft_s, cfg.decode.autoscaling.target_kv_usage) == (1.0, 0.8)
+        assert auto.policy.policy_kwargs["options"] == getattr(args, pool).autoscaling.model_dump()
+        assert AppConfig.model_validate(d.init_args[0]).model == tiny_model
+    assert (args.prefill.autoscaling.target_ttft_s, args.decode.autoscaling.target_kv_usage) == (1.0, 0.8)
+    cfg = AppConfig.model_validate(deployments["decode"].init_args[0])  # what the replicas are built from
     assert (cfg.engine_for("prefill").kv_cache_memory_gb, cfg.engine_for("decode").kv_cache_memory_gb) == (30, 50)
     assert cfg.kv_transfer.required_transports == ["rc"]
 
