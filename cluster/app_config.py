@@ -135,6 +135,20 @@ class FaultToleranceOptions(_Strict):
         False, description="Allow inject_fault() on replicas (chaos tests and drills; off in production)")
 
 
+class TelemetryOptions(_Strict):
+    """Metrics (Ray's metrics API: the Ray dashboard and its Prometheus endpoint) and traces
+    (OpenTelemetry, one trace per request across the deployments). cluster/telemetry/."""
+
+    metrics: bool = Field(True, description="Export pdserve_* metrics through Ray's metrics API")
+    metrics_interval_s: float = Field(
+        0.5, gt=0, description="How often each replica hands its buffered measurements to Ray's metrics")
+    traces: Literal["none", "console", "otlp"] = Field(
+        "none", description="Span exporter: none (no spans are made), console (the replicas' stdout), otlp")
+    otlp_endpoint: str = Field("localhost:4317", description="OTLP/gRPC collector (traces: otlp)")
+    otlp_insecure: bool = Field(True, description="Plain-text gRPC to the collector (no TLS)")
+    trace_export_delay_s: float = Field(1.0, gt=0, description="Longest a finished span waits for export")
+
+
 class AppConfig(_Strict):
     model: str | None = Field(None, description="HF checkpoint directory; None = the demo model")
     served_model_name: str | None = Field(None, description="Model id in the APIs; default: the dir name")
@@ -156,6 +170,7 @@ class AppConfig(_Strict):
     admission: AdmissionOptions = AdmissionOptions()
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="How long a stopping replica drains")
     health_check_period_s: float = Field(2.0, gt=0, description="How often Serve checks engine replicas")
+    telemetry: TelemetryOptions = TelemetryOptions()
 
     @model_validator(mode="after")
     def _decode_pool_exists(self) -> "AppConfig":

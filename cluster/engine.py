@@ -25,6 +25,7 @@ from cluster.model_runner import ModelRunner
 from cluster.request import DEFAULT_CONTEXT, Request, RequestContext, RequestStatus
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler import Scheduler
+from cluster.telemetry.probe import EngineProbe
 from cluster.tokenizer import IncrementalDetokenizer, Tokenizer
 from cluster.validation import RequestValidator
 
@@ -116,6 +117,7 @@ class LLMEngine:
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
+        self.probe: EngineProbe | None = None  # set by a replica with telemetry on (plain Python, no Ray)
         self.step_delay_s = 0.0  # injected fault (chaos tests): every step takes this much longer
         log.info(
             "engine ready: model=%s dtype=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)",
@@ -191,6 +193,8 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.last_step_s = time.perf_counter() - t0
         self.stats.busy_s += self.stats.last_step_s
+        if self.probe is not None:
+            self.probe.step(out, time.monotonic(), self.stats.last_step_s)
 
         self.stats.tokens_computed += out.num_tokens
         outputs = expired
@@ -225,6 +229,8 @@ class LLMEngine:
         self.runner.sampler.release(req.request_id)
         reason = req.status.finish_reason
         self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
+        if self.probe is not None:
+            self.probe.finished(req)
         return RequestOutput(
             req.request_id, tokens, text, True, reason,
             req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), req.error,

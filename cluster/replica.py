@@ -46,7 +46,8 @@ class ReportingCore:
     turn, load once a second) and reports load to the registry (for `pdserve status`)."""
 
     def __init__(self, core, replica_id: str, pool: str, registry, router=None, interval_s: float = 1.0,
-                 router_interval_s: float = 0.25, router_min_interval_s: float = 0.02, node_id: str | None = None):
+                 router_interval_s: float = 0.25, router_min_interval_s: float = 0.02, node_id: str | None = None,
+                 telemetry=None):
         from router.events import KVEventPublisher  # noqa: PLC0415
 
         self.core = core
@@ -65,6 +66,7 @@ class ReportingCore:
         self._last_queue: tuple = ()
         self._inner_service = getattr(core, "service", None)
         self.token_intervals = TokenIntervals()
+        self.telemetry = telemetry  # ReplicaTelemetry (cluster/telemetry/replica.py), or None: off
         self._tokens_per_s = 0.0
         self._tp_mark = (0, 0.0)  # (tokens_computed, busy_s) at the last throughput estimate
 
@@ -103,6 +105,8 @@ class ReportingCore:
         if now >= self._next:
             self._next = now + self.interval_s
             self.registry.report.remote(self.replica_id, load or self.load())
+        if self.telemetry is not None:
+            self.telemetry.service(now)
 
     def replica_load(self, load: dict) -> "ReplicaLoad":
         from router.policy import ReplicaLoad  # noqa: PLC0415
@@ -135,6 +139,15 @@ class ReportingCore:
             ttft_s=ttft_s,
             itl_s=self.token_intervals.drain(),
         )
+
+
+def make_replica_telemetry(options, engine: LLMEngine, transfer_stats, pool: str, replica_id: str):
+    """The replica's metrics and traces exporter; None (and no probe in the engine) when both are off."""
+    if not options.metrics and options.traces == "none":
+        return None
+    from cluster.telemetry.replica import ReplicaTelemetry  # noqa: PLC0415
+
+    return ReplicaTelemetry(options, engine, transfer_stats, pool, replica_id)
 
 
 def _serve_replica_id() -> str | None:
@@ -179,7 +192,9 @@ class EngineReplica:
             progress_thread=kv.progress_thread,
         )
         self.core = ReportingCore(self.make_core(engine, transport, cfg), self.replica_id, self.pool, registry,
-                                  get_router(), node_id=ray.get_runtime_context().get_node_id())
+                                  get_router(), node_id=ray.get_runtime_context().get_node_id(),
+                                  telemetry=make_replica_telemetry(cfg.telemetry, engine, transport.stats,
+                                                                   self.pool, self.replica_id))
         self.loop = AsyncEngine(self.core, idle_poll_s=self.idle_poll_s, name=f"pdserve-{self.pool}")
 
         self.stuck_loop_s = cfg.fault_tolerance.stuck_loop_s

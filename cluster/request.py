@@ -47,6 +47,9 @@ class RequestContext:
     kv_budget: float = 1.0  # most of a replica's KV pool this tenant's requests may hold
     cache_salt: str = ""  # block-hash salt: tenants with different salts never share cached prefixes
     deadline: float | None = None  # wall-clock time (time.time()): past it the request stops
+    # W3C trace context (traceparent, tracestate) of the request's ingress span: engine replicas
+    # parent their phase spans on it. Empty when tracing is off (cluster/telemetry/tracing.py).
+    trace_context: tuple[tuple[str, str], ...] = ()
 
     def remaining_s(self, now: float | None = None) -> float | None:
         return None if self.deadline is None else self.deadline - (time.time() if now is None else now)
@@ -71,6 +74,10 @@ class Request:
     error: str | None = None
     keep_kv: bool = False  # prefill side: on a normal finish, hold the blocks for a KV transfer
     ctx: RequestContext = DEFAULT_CONTEXT
+    # Phase times (monotonic), set only while an EngineProbe watches the engine (telemetry on).
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None  # the first token sampled here (None: it came from prefill)
+    last_token_time: float | None = None
 
     def __post_init__(self):
         self._all = list(self.prompt_token_ids)

@@ -171,12 +171,13 @@ class Admission:
         self._check_size(tenant, opts, num_prompt_tokens, max_tokens)
         cap = self.config.admission.max_inflight
         if self.total_inflight >= cap:
-            raise Rejected(f"the server is at capacity ({cap} requests in flight on this ingress)", 1.0)
+            raise Rejected(f"the server is at capacity ({cap} requests in flight on this ingress)", 1.0,
+                           reason="capacity")
         if opts is not None and opts.max_concurrent is not None:
             share = math.ceil(opts.max_concurrent / self.config.ingress_replicas)
             if self._inflight.get(tenant, 0) >= share:
                 raise Rejected(f"tenant {tenant!r} has {share} requests in flight (max_concurrent "
-                               f"{opts.max_concurrent})", 1.0)
+                               f"{opts.max_concurrent})", 1.0, reason="concurrency")
         tokens = num_prompt_tokens + max_tokens
         if opts is not None:
             if opts.requests_per_min is not None:
@@ -226,7 +227,8 @@ class Admission:
             return
         if granted <= 0:
             self._credits[key] += have
-            raise Rejected(f"tenant {tenant!r} is over its {kind}_per_min quota ({per_min:g})", retry_after)
+            raise Rejected(f"tenant {tenant!r} is over its {kind}_per_min quota ({per_min:g})", retry_after,
+                           reason=f"{kind}_per_min")
         self._credits[key] += granted - need
 
     def _release(self, ticket: Ticket, completion_tokens: int) -> None:

@@ -13,8 +13,11 @@ class ServingError(Exception):
 
 
 class Rejected(ServingError):
-    """Over a quota or overloaded: RESOURCE_EXHAUSTED / 429, with when to retry."""
+    """Over a quota or overloaded: RESOURCE_EXHAUSTED / 429, with when to retry. `reason` is a
+    short fixed word for metrics (capacity, concurrency, requests_per_min, tokens_per_min,
+    queue_wait, overloaded)."""
 
-    def __init__(self, message: str, retry_after_s: float):
+    def __init__(self, message: str, retry_after_s: float, reason: str = "overloaded"):
         super().__init__("RESOURCE_EXHAUSTED", message)
         self.retry_after_s = retry_after_s
+        self.reason = reason

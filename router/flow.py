@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Sequence
@@ -97,7 +98,7 @@ def _ended(rid: str, reason: str, error: str | None, sent: int) -> ServingError:
 
 class RequestFlow:
     def __init__(self, config: AppConfig, prefill_handle, decode_handle, router=None,
-                 route_timeout_s: float = 0.5, admission: Admission | None = None):
+                 route_timeout_s: float = 0.5, admission: Admission | None = None, telemetry=None):
         self.config = config
         self.admission = admission or Admission(config, _local_quotas())
         self.validator = make_validator(config)
@@ -106,6 +107,7 @@ class RequestFlow:
         self.decode = decode_handle
         self.router = router  # None: Serve's own replica choice
         self.route_timeout_s = route_timeout_s
+        self.telemetry = telemetry  # IngressTelemetry (router/telemetry.py): routing decisions; None: off
         self.max_migrations = config.fault_tolerance.max_migrations
         mc = ModelConfig.from_dir(config.model)
         self.salt = mc.fingerprint().encode()  # the engines' block-hash salt, before a tenant's part
@@ -119,15 +121,18 @@ class RequestFlow:
         request_id: str | None = None,
         tenant: str = DEFAULT_TENANT,
         deadline: float | None = None,
+        trace_context: tuple[tuple[str, str], ...] = (),
     ) -> AsyncIterator[Delta]:
         """Raises InvalidRequestError (bad input) or Rejected (admission) before the first delta;
-        ServingError on failures. `deadline` is wall-clock time (time.time())."""
+        ServingError on failures. `deadline` is wall-clock time (time.time()); `trace_context` is
+        the ingress span's (router/telemetry.py), carried to both pools in the RequestContext."""
         rid = request_id or uuid.uuid4().hex
         req = self.validator.make_request(rid, prompt, prompt_token_ids, sampling)
         ticket = await self.admission.admit(tenant, req.num_prompt_tokens, sampling.max_tokens, deadline)
+        ctx = replace(ticket.ctx, trace_context=trace_context) if trace_context else ticket.ctx
         completion = 0
         try:
-            async for d in self._run(rid, req.prompt_token_ids, sampling, ticket.ctx):
+            async for d in self._run(rid, req.prompt_token_ids, sampling, ctx):
                 completion = d.completion_tokens
                 yield d
         finally:
@@ -243,11 +248,14 @@ class RequestFlow:
         if self.router is None:
             return None
         hashes = hash_request_blocks(ids, self.block_size, extend_salt(self.salt, ctx.cache_salt))
+        started = time.monotonic()
         try:
             decision = await asyncio.wait_for(self.router.route.remote(hashes, len(ids)), self.route_timeout_s)
         except Exception as e:  # noqa: BLE001
             log.debug("routing fell back to Serve's choice: %s", e)
-            return None
+            decision = None
+        if self.telemetry is not None:
+            self.telemetry.routed(decision, started, len(ids), ctx)
         return decision
 
     def _check_queue_wait(self, rid: str, wait_s: float, ctx: RequestContext) -> None:
@@ -256,10 +264,10 @@ class RequestFlow:
         remaining = ctx.remaining_s()
         if limit is not None and wait_s > limit:
             raise Rejected(f"request {rid}: predicted queue wait {wait_s:.2f} s exceeds max_queue_wait_s "
-                           f"{limit:g}: overloaded", wait_s - limit)
+                           f"{limit:g}: overloaded", wait_s - limit, reason="queue_wait")
         if remaining is not None and wait_s > remaining:
             raise Rejected(f"request {rid}: predicted queue wait {wait_s:.2f} s exceeds the {remaining:.2f} s "
-                           f"left before its deadline", wait_s)
+                           f"left before its deadline", wait_s, reason="queue_wait")
 
     async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
                        target: str | None):

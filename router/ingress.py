@@ -17,6 +17,7 @@ from router.errors import ServingError
 from router.flow import RequestFlow
 from router.grpc_api import delta_to_proto, fail, prompt_from_proto, sampling_from_proto
 from router.openai_api import TIMEOUT_HEADER, bind_replica, build_openai_app, parse_deadline
+from router.telemetry import IngressTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,10 @@ class Ingress:
                 hot_load_cap=r.hot_load_cap, slow_factor=r.slow_factor), r.strategy)
         actor = get_admission(self.config.admission.idempotency_ttl_s)
         admission = Admission(self.config, actor.take.remote)
-        self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router, admission=admission)
-        bind_replica(self.flow, Idempotent(actor))
+        self.telemetry = IngressTelemetry(self.config.telemetry)
+        self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router, admission=admission,
+                                telemetry=self.telemetry)
+        bind_replica(self.flow, Idempotent(actor), self.telemetry)
 
     # ---- gRPC: pdserve.v1.Generation -------------------------------------------------------
 
@@ -56,8 +59,8 @@ class Ingress:
             deadline = parse_deadline(metadata.get(TIMEOUT_HEADER))
             prompt, ids = prompt_from_proto(request)
             sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens)
-            async for delta in self.flow.generate(prompt, ids, sampling, request.request_id or None,
-                                                  tenant=tenant, deadline=deadline):
+            async for delta in self.telemetry.generate(self.flow, prompt, ids, sampling, request.request_id or None,
+                                                       tenant=tenant, deadline=deadline):
                 yield delta_to_proto(delta)
         except InvalidRequestError as e:
             raise fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
@@ -75,10 +78,15 @@ class Ingress:
     def _admit(self, model: str, grpc_context) -> str:
         """The caller's tenant; refuses an unknown key or model."""
         metadata = dict(grpc_context.invocation_metadata())
-        tenant = self.flow.admission.authenticate(metadata.get("authorization"))
-        if model and model != self.config.model_name:
-            raise ServingError("NOT_FOUND", f"model {model!r} does not exist; this server serves "
-                                            f"{self.config.model_name!r}")
+        tenant = "unknown"
+        try:
+            tenant = self.flow.admission.authenticate(metadata.get("authorization"))
+            if model and model != self.config.model_name:
+                raise ServingError("NOT_FOUND", f"model {model!r} does not exist; this server serves "
+                                                f"{self.config.model_name!r}")
+        except ServingError as e:
+            self.telemetry.refused(e, tenant)
+            raise
         return tenant
 
     # ---- gRPC: grpc.health.v1.Health --------------------------------------------------------

@@ -111,8 +111,8 @@ def _sampling(req: _Req, default_max_tokens: int) -> SamplingParams:
 _replica: dict[str, Any] = {}
 
 
-def bind_replica(flow, idempotent) -> None:
-    _replica["flow"], _replica["idempotent"] = flow, idempotent
+def bind_replica(flow, idempotent, telemetry) -> None:
+    _replica["flow"], _replica["idempotent"], _replica["telemetry"] = flow, idempotent, telemetry
 
 
 def get_flow():
@@ -121,6 +121,10 @@ def get_flow():
 
 def get_idempotent():
     return _replica["idempotent"]
+
+
+def get_telemetry():
+    return _replica["telemetry"]
 
 
 def build_openai_app() -> FastAPI:
@@ -135,10 +139,15 @@ def build_openai_app() -> FastAPI:
     def _check(request: Request, model: str | None):
         """The flow and the caller's tenant; refuses an unknown key or model."""
         flow = get_flow()  # module-level: see bind_replica
-        tenant = flow.admission.authenticate(request.headers.get("authorization"))
-        if model and model != flow.config.model_name:
-            raise ServingError("NOT_FOUND", f"model {model!r} does not exist; this server serves "
-                                            f"{flow.config.model_name!r}")
+        tenant = "unknown"
+        try:
+            tenant = flow.admission.authenticate(request.headers.get("authorization"))
+            if model and model != flow.config.model_name:
+                raise ServingError("NOT_FOUND", f"model {model!r} does not exist; this server serves "
+                                                f"{flow.config.model_name!r}")
+        except ServingError as e:
+            get_telemetry().refused(e, tenant)
+            raise
         return flow, tenant
 
     def _fail(e: Exception) -> JSONResponse:
@@ -179,7 +188,7 @@ def build_openai_app() -> FastAPI:
                 if body.echo:
                     raise InvalidRequestError("echo", "echo is not supported")
             sp = _sampling(body, flow.config.default_max_tokens)
-            stream = flow.generate(prompt, ids, sp, tenant=tenant, deadline=deadline)
+            stream = get_telemetry().generate(flow, prompt, ids, sp, tenant=tenant, deadline=deadline)
             first = await anext(stream)  # bad input, refusals and early failures become HTTP errors here
         except Exception as e:  # noqa: BLE001
             return _fail(e)
