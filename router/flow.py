@@ -187,6 +187,7 @@ class RequestFlow:
                 async for d in self._decode(leg_rid, leg_ids, leg_sampling, kv_handle, ctx, decode_target, delta):
                     if kv_handle is None and migration == 0:
                         cached = d.cached_prompt_tokens
+                    d.cached_prompt_tokens = cached  # a migrated leg's count covers tokens already sent
                     yield d
                     if d.finish_reason is not None:
                         return
@@ -222,6 +223,8 @@ class RequestFlow:
                 if out.finish_reason in ("error", "deadline", "rejected"):
                     raise _ended(rid, out.finish_reason, out.error, out.num_output_tokens)
                 d = delta(out.token_ids, out.finish_reason if out.finished else None)
+                if kv_handle is None:  # the prompt was computed on this replica: what its cache saved
+                    d.cached_prompt_tokens = out.num_cached_tokens
                 if d.finish_reason is not None:
                     finished = True
                 if d.text or d.token_ids or d.finish_reason:
