@@ -150,6 +150,9 @@ class TelemetryOptions(_Strict):
 
 
 class AppConfig(_Strict):
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="disaggregated: a prefill pool computes prompts and decode pulls their "
+        "KV; colocated: no prefill pool, decode replicas prefill locally (a conventional server)")
     model: str | None = Field(None, description="HF checkpoint directory; None = the demo model")
     served_model_name: str | None = Field(None, description="Model id in the APIs; default: the dir name")
     engine: EngineOptions = EngineOptions()
@@ -183,6 +186,12 @@ class AppConfig(_Strict):
                     raise ValueError(f"an API key of tenant {name!r} is also a key of tenant {seen[key]!r}")
                 seen[key] = name
         return self
+
+    @property
+    def has_prefill_pool(self) -> bool:
+        """Disaggregated with prefill replicas. Colocated ignores the prefill section; a
+        disaggregated app with `prefill.num_replicas: 0` serves as colocated does."""
+        return self.mode == "disaggregated" and (self.prefill.num_replicas > 0 or self.prefill.autoscaling is not None)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "AppConfig":

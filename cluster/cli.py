@@ -112,7 +112,8 @@ def _load_app_config(args):
     from cluster.app_config import AppConfig  # noqa: PLC0415
 
     data = AppConfig.from_yaml(args.config).model_dump() if args.config else {}
-    overrides = {"model": args.model, "http_port": args.http_port, "grpc_port": args.grpc_port, "host": args.host}
+    overrides = {"model": args.model, "http_port": args.http_port, "grpc_port": args.grpc_port, "host": args.host,
+                 "mode": args.mode}
     data.update({k: v for k, v in overrides.items() if v is not None})
     for pool, n in (("prefill", args.prefill_replicas), ("decode", args.decode_replicas)):
         if n is not None:
@@ -155,7 +156,8 @@ def _up(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         host = "localhost" if config.host in ("0.0.0.0", "::") else config.host
-        print(f"pdserve is serving {config.model_name} ({config.model})", flush=True)
+        print(f"pdserve is serving {config.model_name} ({config.model}), "
+              f"{'disaggregated' if config.has_prefill_pool else 'colocated (no prefill pool)'}", flush=True)
         print(f"  gRPC    {host}:{config.grpc_port}   (pdserve.v1.Generation, grpc.health.v1.Health)", flush=True)
         print(f"  HTTP    http://{host}:{config.http_port}/v1   (OpenAI-compatible)", flush=True)
         if not joined and args.dashboard:
@@ -248,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start (or join RAY_ADDRESS) a Ray cluster, deploy, serve until Ctrl-C")
     up.add_argument("--config", help="app config YAML (see deploy/pdserve.yaml)")
     up.add_argument("--model", help="HF checkpoint directory (default: the demo model)")
+    up.add_argument("--mode", choices=["disaggregated", "colocated"],
+                    help="colocated: no prefill pool, decode replicas prefill locally (default: disaggregated)")
     up.add_argument("--prefill-replicas", type=int)
     up.add_argument("--decode-replicas", type=int)
     up.add_argument("--num-blocks", type=int, help="KV blocks per replica")

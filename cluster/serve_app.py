@@ -60,7 +60,8 @@ def cpus_needed(config: AppConfig) -> int:
         n = p.autoscaling.max_replicas if p.autoscaling else p.num_replicas
         return n * p.num_cpus
 
-    return int(-(-(pool(config.prefill) + pool(config.decode) + INGRESS_CPUS * config.ingress_replicas) // 1))
+    prefill = pool(config.prefill) if config.has_prefill_pool else 0.0
+    return int(-(-(prefill + pool(config.decode) + INGRESS_CPUS * config.ingress_replicas) // 1))
 
 
 def build_app(config: AppConfig):
@@ -71,8 +72,8 @@ def build_app(config: AppConfig):
     config = ensure_model(config)
     cfg = config.model_dump()
     decode = serve.deployment(DecodeServer, name="decode", **_pool_options("decode", config)).bind(cfg)
-    prefill = None
-    if config.prefill.num_replicas > 0 or config.prefill.autoscaling is not None:
+    prefill = None  # colocated: decode replicas prefill locally
+    if config.has_prefill_pool:
         prefill = serve.deployment(PrefillServer, name="prefill", **_pool_options("prefill", config)).bind(cfg)
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=config.ingress_replicas,
                                ray_actor_options={"num_cpus": INGRESS_CPUS}, max_ongoing_requests=1024,

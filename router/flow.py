@@ -57,8 +57,7 @@ def make_validator(config: AppConfig) -> RequestValidator:
     mc = ModelConfig.from_dir(model_dir)
     tok = Tokenizer(model_dir)
     max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    pools = [p for p in ("prefill", "decode") if p == "decode" or config.prefill.num_replicas > 0
-             or config.prefill.autoscaling]
+    pools = ["prefill", "decode"] if config.has_prefill_pool else ["decode"]
     num_blocks = min(_num_blocks(config, p, kv_block_bytes(mc, config.engine_for(p))) for p in pools)
     eos = mc.eos_token_ids or tuple(
         t for t in [tok.token_to_id(tok.config.get("eos_token"))] if t is not None)

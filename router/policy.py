@@ -10,6 +10,8 @@ Adjustments, each visible in the decision's reason:
   spreads to a second replica instead of piling onto one;
 - local prefill: when the chosen decode replica lacks fewer than local_prefill_threshold prompt
   tokens (or there is no prefill pool), the decode replica prefills them itself.
+- colocated (no prefill pool): every decode replica would compute the prompt, so its cost adds the
+  prefill cost: uncached prompt tokens on it + its queued prefill tokens (prefix-aware routing).
 Ties are broken at random (an injected RNG). Plain Python: no Ray, no clock of its own.
 """
 
@@ -94,8 +96,15 @@ class RoutingPolicy:
         slow = self._slow(decodes) | self._slow(prefills)
 
         dec_cached = index.prefix_blocks(hashes, [r.replica_id for r in decodes])
-        decode, reasons = self._pick(decodes, lambda r: cfg.decode_request_cost * r.requests
-                                     + cfg.decode_block_cost * r.used_blocks, slow)
+
+        def decode_cost(r: ReplicaLoad) -> float:
+            cost = cfg.decode_request_cost * r.requests + cfg.decode_block_cost * r.used_blocks
+            if not prefills:  # colocated: the decode replica computes the prompt too
+                cost += (num_prompt_tokens - self._cached_tokens(dec_cached[r.replica_id], r, num_prompt_tokens)
+                         + r.queued_prefill_tokens)
+            return cost
+
+        decode, reasons = self._pick(decodes, decode_cost, slow)
         cached_on_decode = self._cached_tokens(dec_cached[decode.replica_id], decode, num_prompt_tokens)
         missing = num_prompt_tokens - cached_on_decode
         if not prefills or missing < cfg.local_prefill_threshold:

@@ -202,3 +202,13 @@ def test_decision_predicts_the_queue_wait_on_the_replica_computing_the_prompt():
     unmeasured = pol.route(hashes(PROMPT), len(PROMPT), index_with({}), [load("p-a", "prefill", queued=9999), dec])
     assert unmeasured.queue_wait_s == 0.0  # no throughput measured yet: no prediction
 
+
+def test_colocated_decode_choice_counts_the_prompt_work_and_the_cache():
+    pol = policy()
+    idx = index_with({"d-1": SYSTEM})
+    # no prefill pool: d-0 would compute all 80 prompt tokens, d-1 only the 16 past its cached prefix
+    d = pol.route(hashes(PROMPT), len(PROMPT), idx, [load("d-0", "decode"), load("d-1", "decode")])
+    assert (d.decode, d.mode, d.predicted_cached_tokens, d.reason) == ("d-1", "local", 64, "no prefill pool")
+    # 100 prompt tokens queued on d-1: 16 + 100 > 80
+    d = pol.route(hashes(PROMPT), len(PROMPT), idx, [load("d-0", "decode"), load("d-1", "decode", queued=100)])
+    assert (d.decode, d.predicted_cached_tokens) == ("d-0", 0)
