@@ -171,6 +171,7 @@ class AppConfig(_Strict):
     tenant_cache_isolation: bool = Field(
         True, description="Salt block hashes per tenant (cache_group), so tenants never share cached prefixes")
     admission: AdmissionOptions = AdmissionOptions()
+    fault_tolerance: FaultToleranceOptions = FaultToleranceOptions()
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="How long a stopping replica drains")
     health_check_period_s: float = Field(2.0, gt=0, description="How often Serve checks engine replicas")
     telemetry: TelemetryOptions = TelemetryOptions()
@@ -203,4 +204,3 @@ class AppConfig(_Strict):
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model or "pdserve-demo").name
-    fault_tolerance: FaultToleranceOptions = FaultToleranceOptions()

@@ -102,6 +102,8 @@ class AsyncEngine:
         return self._thread.is_alive()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still in flight are aborted (blocks freed), their streams left
+        open: their callers are going away too (see the end of _run)."""
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
@@ -136,10 +138,11 @@ class AsyncEngine:
                 outputs = self._fail_all()
             for out in outputs:
                 self._deliver(out)
+        # Shutting down (a drained replica at the end of its grace period): free the blocks of what
+        # is left but end no stream. Those callers see the replica die with it and migrate the
+        # requests; a "cancelled" finish would end their clients' streams instead.
         for rid in list(self._sinks):
-            out = self.core.abort(rid)
-            if out is not None:
-                self._deliver(out)
+            self.core.abort(rid)
 
     def _drain_commands(self) -> None:
         while True:

@@ -177,11 +177,11 @@ class LLMEngine:
         tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in out.chunks}
         try:
             sampled = self.runner.execute(out.chunks, tables)
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
         except Exception as e:  # a broken step fails its requests, never the loop
             log.exception("engine step failed")
             self.stats.step_errors += 1
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
             outputs = expired
             for c in out.chunks:
                 req = self.scheduler.finish(c.request.request_id, RequestStatus.FINISHED_ERROR)

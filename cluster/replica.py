@@ -65,10 +65,10 @@ class ReportingCore:
         self._last_router = float("-inf")
         self._last_queue: tuple = ()
         self._inner_service = getattr(core, "service", None)
-        self.token_intervals = TokenIntervals()
-        self.telemetry = telemetry  # ReplicaTelemetry (cluster/telemetry/replica.py), or None: off
         self._tokens_per_s = 0.0
         self._tp_mark = (0, 0.0)  # (tokens_computed, busy_s) at the last throughput estimate
+        self.token_intervals = TokenIntervals()
+        self.telemetry = telemetry  # ReplicaTelemetry (cluster/telemetry/replica.py), or None: off
 
     def step(self):
         outputs = self.core.step()
@@ -182,6 +182,8 @@ class EngineReplica:
         from router.actor import get_router  # noqa: PLC0415
 
         cfg = AppConfig.model_validate(config)
+        self.stuck_loop_s = cfg.fault_tolerance.stuck_loop_s
+        self.fault_injection = cfg.fault_tolerance.fault_injection
         self.replica_id = _serve_replica_id() or f"{self.pool}-{uuid.uuid4().hex[:8]}"
         engine = build_engine(cfg, self.pool)
         registry = get_registry()
@@ -197,8 +199,6 @@ class EngineReplica:
                                                                    self.pool, self.replica_id))
         self.loop = AsyncEngine(self.core, idle_poll_s=self.idle_poll_s, name=f"pdserve-{self.pool}")
 
-        self.stuck_loop_s = cfg.fault_tolerance.stuck_loop_s
-        self.fault_injection = cfg.fault_tolerance.fault_injection
     def make_core(self, engine: LLMEngine, transport, config: AppConfig):
         raise NotImplementedError
 
@@ -215,15 +215,10 @@ class EngineReplica:
         return await self.loop.call(metrics)
 
     def check_health(self) -> None:
-        if not self.loop.is_alive():
-            raise RuntimeError(f"{self.pool} engine loop is not running")
-
-    def __del__(self):
-        loop = getattr(self, "loop", None)
-        if loop is not None:
-            loop.shutdown(timeout=2)
         """Serve calls this every health_check_period_s; raising makes Serve replace the replica
         (and callers' request routers, then the router actor, drop it)."""
+        if not self.loop.is_alive():
+            raise RuntimeError(f"{self.pool} engine loop is not running")
         stalled = self.loop.stalled_for(time.monotonic())
         if stalled > self.stuck_loop_s:
             raise RuntimeError(f"{self.pool} engine loop has made no progress for {stalled:.1f} s "
@@ -247,3 +242,8 @@ class EngineReplica:
         await self.loop.call(apply)
         if stall_loop_s:
             asyncio.ensure_future(self.loop.call(lambda: time.sleep(stall_loop_s)))
+
+    def __del__(self):
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.shutdown(timeout=2)
