@@ -7,10 +7,12 @@ with its phase spans in order. Values are read as differences from a scrape take
 requests: the session's Ray instance keeps the series of earlier test modules' (dead) replicas.
 """
 
+import json
+import re
 import threading
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -282,3 +284,21 @@ def test_each_request_is_one_trace_with_its_phase_spans_in_order(scenario, colle
             pool = "pdserve-prefill" if remote and s.name in ("queue", "prefill") else "pdserve-decode"
             assert service == where.get(s.name, pool), (rid, s.name)
     assert found["tele-r5"][0][1].status.code == 2  # STATUS_CODE_ERROR: refused as bad input
+
+
+def test_the_grafana_dashboard_queries_what_the_catalogue_exports():
+    """Every series deploy/grafana/pdserve.json queries is exported under that name (Ray adds `ray_`,
+    counters end in `_total`, histograms in `_bucket`/`_count`/`_sum`: the scrapes above read these
+    names from Ray's endpoints), and every pdserve_* metric is on the dashboard."""
+    root = Path(__file__).resolve().parents[2]
+    source = (root / "cluster" / "telemetry" / "metrics.py").read_text()
+    catalogue = {name: kind for kind, name in re.findall(r'(Counter|Gauge|Histogram)\(\s*"(pdserve_\w+)"', source)}
+    suffixes = {"Counter": ("_total",), "Gauge": ("",), "Histogram": ("_bucket", "_count", "_sum")}
+    exported = {f"ray_{name}{s}": name for name, kind in catalogue.items() for s in suffixes[kind]}
+    dashboard = json.loads((root / "deploy" / "grafana" / "pdserve.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    queried = {m for e in exprs for m in re.findall(r"ray_pdserve_\w+", e)}
+    assert len(catalogue) == 33
+    assert queried - set(exported) == set()
+    assert set(catalogue) - {exported[m] for m in queried} == set()
