@@ -247,3 +247,9 @@ class EngineReplica:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.shutdown(timeout=2)
+        try:  # leaving: no more decisions should name this replica (it also goes stale in 3 s)
+            from router.actor import get_router  # noqa: PLC0415
+
+            get_router().forget.remote(self.replica_id)
+        except Exception:  # noqa: BLE001 — best effort while the process ends
+            pass

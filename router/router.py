@@ -22,7 +22,7 @@ class RouterStats:
 
 class Router:
     def __init__(self, policy: RoutingPolicy | None = None, clock: Callable[[], float] = time.monotonic,
-                 stale_after_s: float = 10.0):
+                 stale_after_s: float = 3.0):
         self.index = PrefixIndex()
         self.policy = policy or RoutingPolicy(PolicyConfig())
         self.clock = clock
