@@ -67,6 +67,7 @@ class EngineStats:
     step_errors: int = 0
     last_step_s: float = 0.0
     busy_s: float = 0.0  # time spent in steps (tokens_computed / busy_s = throughput when busy)
+    step_s_avg: float = 0.0  # step time smoothed over ~10 steps: one long prefill step barely moves it
     finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -193,6 +194,8 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.last_step_s = time.perf_counter() - t0
         self.stats.busy_s += self.stats.last_step_s
+        avg = self.stats.step_s_avg
+        self.stats.step_s_avg = self.stats.last_step_s if avg == 0 else 0.9 * avg + 0.1 * self.stats.last_step_s
         if self.probe is not None:
             self.probe.step(out, time.monotonic(), self.stats.last_step_s)
 

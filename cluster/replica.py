@@ -35,6 +35,7 @@ def engine_load(engine: LLMEngine) -> dict:
         "leased": len(sched.leased),
         "queued_prefill_tokens": sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting),
         "last_step_ms": round(engine.stats.last_step_s * 1e3, 3),
+        "avg_step_ms": round(engine.stats.step_s_avg * 1e3, 3),
         "steps": engine.stats.steps,
         "generation_tokens": engine.stats.generation_tokens,
         "preemptions": engine.stats.preemptions,
@@ -113,7 +114,7 @@ class ReportingCore:
 
         return ReplicaLoad(self.replica_id, self.pool, load["free_blocks"], load["total_blocks"],
                            load["running"] + load["importing"], load["waiting"],
-                           load["queued_prefill_tokens"], load["last_step_ms"] / 1e3, self._throughput())
+                           load["queued_prefill_tokens"], load["avg_step_ms"] / 1e3, self._throughput())
 
     def _throughput(self) -> float:
         """Tokens a second while busy, smoothed over reports: the router's queue-wait predictor."""

@@ -35,7 +35,7 @@ class ReplicaLoad:
     running: int = 0
     waiting: int = 0
     queued_prefill_tokens: int = 0
-    step_time_s: float = 0.0
+    step_time_s: float = 0.0  # smoothed over recent steps (the slow-replica signal)
     tokens_per_s: float = 0.0  # recent throughput while busy (0: not measured yet)
 
     def queue_wait_s(self) -> float:

@@ -175,12 +175,14 @@ def test_a_replica_slowed_three_times_gets_fewer_new_requests(cluster):
     inject("decode", slow, step_delay_s=0.05)  # the tiny model steps in a few ms: this is >> 3x
     # one request straight to it (its deployment handle, target_replica): it steps slowly and reports so
     gen = handle("decode").options(stream=True).generate.remote(
-        "warm-slow", prompts(1, 8, base=320)[0], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+        "warm-slow", prompts(1, 8, base=320)[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
         None, target_replica=slow)
     assert [o.finished for o in gen][-1]
-    wait_until(lambda: ray.get(get_router().live_loads.remote()) and {
-        load.replica_id: load.step_time_s for load in ray.get(get_router().live_loads.remote())}[slow] > 0.05,
-        "the slow replica's step time is reported")
+    def step_times():
+        return {load.replica_id: load.step_time_s for load in ray.get(get_router().live_loads.remote())}
+
+    # its smoothed step time (over ~10 steps) is now >= 3x the other's: reported, the router sees it
+    wait_until(lambda: step_times()[slow] >= 3 * step_times()[fast] > 0, "the slow replica's step time is reported")
     before = served()
     try:
         run(12, 340)
