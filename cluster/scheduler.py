@@ -74,6 +74,7 @@ class Scheduler:
         self.leased: dict[str, Request] = {}  # finished with keep_kv: blocks held until release()
         self.requests: dict[str, Request] = {}
         self._num_deadlines = 0  # requests in flight with a deadline (expire() skips work without)
+        self._next_ttl_check = float("-inf")
 
     # ---- admission and removal -------------------------------------------------------------
 
@@ -173,7 +174,8 @@ class Scheduler:
                 if req.ctx.deadline is not None and now >= req.ctx.deadline:
                     req.error = f"deadline exceeded after {req.num_output_tokens} output tokens"
                     expired.append(self.finish(req.request_id, RequestStatus.FINISHED_DEADLINE))
-        if self.queue_ttl_s is not None:
+        if self.queue_ttl_s is not None and now_mono >= self._next_ttl_check:
+            self._next_ttl_check = now_mono + min(0.1, self.queue_ttl_s / 10)  # not every step: it scans the queue
             cutoff = now_mono - self.queue_ttl_s
             for req in [r for r in self.waiting if r.num_cached_tokens < 0 and r.arrival_time <= cutoff]:
                 req.error = f"not admitted within the queue time-to-live ({self.queue_ttl_s:g} s): overloaded"

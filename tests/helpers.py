@@ -35,3 +35,25 @@ def serve_replica_ids(app: str = "pdserve") -> dict[str, list[str]]:
             _, deployment, replica = actor["name"].removeprefix("SERVE_REPLICA::").split("#")
             ids.setdefault(deployment, []).append(replica)
     return {d: sorted(r) for d, r in ids.items()}
+
+
+def pool_loads() -> dict[str, dict]:
+    """The load of the `pdserve` app's prefill and decode replica (one each in the tests that ask)."""
+    from ray import serve
+
+    return {pool: serve.get_deployment_handle(pool, "pdserve").load.remote().result(timeout_s=30)
+            for pool in ("prefill", "decode")}
+
+
+def wait_pools_whole(timeout: float = 30.0) -> dict[str, dict]:
+    """Until both pools have every block free and nothing running, waiting, importing or leased;
+    returns those loads (a leak shows as a timeout naming the last loads seen)."""
+    seen: dict[str, dict] = {}
+
+    def whole() -> bool:
+        seen.update(pool_loads())
+        return all(s["free_blocks"] == s["total_blocks"] and s["running"] == s["waiting"] == s["importing"]
+                   == s["leased"] == 0 for s in seen.values())
+
+    wait_for(whole, f"both pools back at their totals (last seen: {seen})", timeout)
+    return seen

@@ -17,6 +17,7 @@ from cluster.app_config import AppConfig
 from cluster.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.helpers import pool_loads, wait_pools_whole
 
 KEYS = {"noisy": "k-noisy", "calm": "k-calm", "iso-a": "k-iso-a", "iso-b": "k-iso-b",
         "grp-1": "k-grp-1", "grp-2": "k-grp-2"}
@@ -57,24 +58,6 @@ def request(ids, max_tokens=8):
 
 def meta(tenant, **extra):
     return [("authorization", f"Bearer {KEYS[tenant]}"), *extra.items()]
-
-
-def pool_loads():
-    from ray import serve
-
-    return {pool: serve.get_deployment_handle(pool, "pdserve").load.remote().result(timeout_s=30)
-            for pool in ("prefill", "decode")}
-
-
-def wait_pools_whole(timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        loads = pool_loads()
-        if all(s["free_blocks"] == s["total_blocks"] == 64 and s["running"] == s["waiting"] == s["importing"]
-               == s["leased"] == 0 for s in loads.values()):
-            return loads
-        assert time.monotonic() < deadline, f"pools did not return to their totals: {loads}"
-        time.sleep(0.05)
 
 
 def outcome(stub, ids, tenant, max_tokens=8, timeout=60, **extra):

@@ -15,6 +15,7 @@ from cluster.loadgen.datasets import MultiTurnDataset, Prompt, RandomDataset, Sh
 from cluster.loadgen.files import ShareGPTDataset, TraceDataset
 from cluster.loadgen.records import RequestRecord
 from cluster.loadgen.report import format_report, parse_goodput, parse_percentiles, summarize
+from tests.helpers import pool_loads, wait_pools_whole
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -303,24 +304,10 @@ def get_router():
     return router()
 
 
-def pool_loads():
-    from ray import serve
-
-    return {pool: serve.get_deployment_handle(pool, "pdserve").load.remote().result(timeout_s=30)
-            for pool in ("prefill", "decode")}
-
-
 def generated_tokens() -> tuple[int, int]:
     """(prefill, decode) tokens sampled by the engines since they started."""
     loads = pool_loads()
     return loads["prefill"]["generation_tokens"], loads["decode"]["generation_tokens"]
-
-
-def wait_pools_whole():
-    from tests.helpers import wait_for
-
-    wait_for(lambda: all(s["free_blocks"] == s["total_blocks"] and s["running"] == s["waiting"] == s["leased"] == 0
-                         for s in pool_loads().values()), "both pools free every block", timeout=30)
 
 
 def bench(cluster, tmp_path, *args, backend="grpc", key=KEY):

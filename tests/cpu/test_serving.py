@@ -4,7 +4,6 @@ cancellation and deadlines, with both pools' blocks checked after every lifecycl
 import concurrent.futures
 import json
 import math
-import time
 import urllib.error
 import urllib.request
 
@@ -18,6 +17,7 @@ from cluster.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.netutil import free_port
+from tests.helpers import pool_loads, wait_pools_whole
 
 
 @pytest.fixture(scope="module")
@@ -55,24 +55,6 @@ def reference(tiny_model):
 def request(ids, max_tokens=8, **sampling):
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
         max_tokens=max_tokens, temperature=sampling.pop("temperature", 0.0), ignore_eos=True, **sampling))
-
-
-def pool_loads():
-    from ray import serve
-
-    return {pool: serve.get_deployment_handle(pool, "pdserve").load.remote().result(timeout_s=30)
-            for pool in ("prefill", "decode")}
-
-
-def wait_pools_whole(timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        loads = pool_loads()
-        if all(s["free_blocks"] == s["total_blocks"] and s["running"] == s["waiting"] == s["importing"]
-               == s["leased"] == 0 for s in loads.values()):
-            return loads
-        assert time.monotonic() < deadline, f"pools did not return to their totals: {loads}"
-        time.sleep(0.05)
 
 
 def test_grpc_stream_equals_in_process_and_is_incremental(stub, reference):
