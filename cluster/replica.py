@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from router.policy import ReplicaLoad
 
 
+WARMUP_STEPS = 20
+
+
 def build_engine(config: AppConfig, pool: Literal["prefill", "decode"]) -> LLMEngine:
     opts = config.engine_for(pool)
     return LLMEngine(EngineConfig(model=config.model, **opts.model_dump()))
@@ -114,7 +117,13 @@ class ReportingCore:
 
         return ReplicaLoad(self.replica_id, self.pool, load["free_blocks"], load["total_blocks"],
                            load["running"] + load["importing"], load["waiting"],
-                           load["queued_prefill_tokens"], load["avg_step_ms"] / 1e3, self._throughput())
+                           load["queued_prefill_tokens"], self._step_time(load), self._throughput())
+
+    @staticmethod
+    def _step_time(load: dict) -> float:
+        """The slow-replica signal: smoothed step time, or 0 (not measured) during the first
+        WARMUP_STEPS, whose one-time costs would mark a fresh replica slow."""
+        return load["avg_step_ms"] / 1e3 if load["steps"] >= WARMUP_STEPS else 0.0
 
     def _throughput(self) -> float:
         """Tokens a second while busy, smoothed over reports: the router's queue-wait predictor."""

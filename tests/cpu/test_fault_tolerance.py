@@ -171,13 +171,17 @@ def test_a_replica_slowed_three_times_gets_fewer_new_requests(cluster):
             wait_until(settled, "the router has the replicas' reports after the last request")
             list(cluster.Generate(request(p, 4), timeout=60))
 
-    run(8, 300)  # both replicas have stepped and reported their step times
+    def direct(rid, name, base):  # straight to one replica (its deployment handle, target_replica)
+        gen = handle("decode").options(stream=True).generate.remote(
+            name, prompts(1, 8, base=base)[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+            None, target_replica=rid)
+        assert [o.finished for o in gen][-1]
+
+    for i, rid in enumerate((fast, slow)):  # past the replicas' warm-up steps: step times are measured
+        direct(rid, f"warm-{i}", 300 + i)
     inject("decode", slow, step_delay_s=0.05)  # the tiny model steps in a few ms: this is >> 3x
-    # one request straight to it (its deployment handle, target_replica): it steps slowly and reports so
-    gen = handle("decode").options(stream=True).generate.remote(
-        "warm-slow", prompts(1, 8, base=320)[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
-        None, target_replica=slow)
-    assert [o.finished for o in gen][-1]
+    direct(slow, "slowed", 320)  # it steps slowly and reports so
+
     def step_times():
         return {load.replica_id: load.step_time_s for load in ray.get(get_router().live_loads.remote())}
 
