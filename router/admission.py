@@ -28,7 +28,6 @@ from router.errors import Rejected, ServingError
 log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
-RATE_KINDS = ("requests", "tokens")
 
 
 class TokenBucket:

@@ -183,7 +183,8 @@ class RequestFlow:
                 log.warning("decode replica of %s died after %d tokens; migrating (%d of %d)",
                             rid, len(generated), migration, self.max_migrations)
             try:
-                async for d in self._decode(leg_rid, leg_ids, leg_sampling, kv_handle, ctx, decode_target, delta):
+                async for d in self._decode(leg_rid, leg_ids, leg_sampling, kv_handle, ctx, decode_target, delta,
+                                            len(leg_ids) - len(ids)):
                     if kv_handle is None and migration == 0:
                         cached = d.cached_prompt_tokens
                     d.cached_prompt_tokens = cached  # a migrated leg's count covers tokens already sent
@@ -204,9 +205,10 @@ class RequestFlow:
             raise ServingError("INTERNAL", f"decode stream for {rid} ended without a finish")
 
     async def _decode(self, rid: str, ids: list[int], sampling: SamplingParams, kv_handle, ctx: RequestContext,
-                      target: str | None, delta) -> AsyncIterator[Delta]:
+                      target: str | None, delta, sent_before: int) -> AsyncIterator[Delta]:
         """One decode leg: stream the replica's outputs as deltas. Raises _ReplicaDied when the
-        replica is lost (the caller migrates), ServingError for the request's own failures."""
+        replica is lost (the caller migrates), ServingError for the request's own failures.
+        `sent_before`: tokens sent by earlier legs (a migrated leg's prompt carries them)."""
         from ray.exceptions import ActorUnavailableError, RayActorError  # noqa: PLC0415
 
         try:
@@ -220,7 +222,7 @@ class RequestFlow:
                 out: RequestOutput
                 pulled = True
                 if out.finish_reason in ("error", "deadline", "rejected"):
-                    raise _ended(rid, out.finish_reason, out.error, out.num_output_tokens)
+                    raise _ended(rid, out.finish_reason, out.error, sent_before + out.num_output_tokens)
                 d = delta(out.token_ids, out.finish_reason if out.finished else None)
                 if kv_handle is None:  # the prompt was computed on this replica: what its cache saved
                     d.cached_prompt_tokens = out.num_cached_tokens

@@ -5,7 +5,6 @@ share, a stuck engine loop replaced by Serve's health check. After each: every l
 blocks back to their totals, the router's in-flight count at 0, nothing indexed for the dead."""
 
 import concurrent.futures
-import time
 
 import grpc
 import pytest
