@@ -27,11 +27,11 @@ test: $(STAMP)
 	$(PY) -m pytest tests -q
 
 bench: $(STAMP)
-	$(PY) -m cluster.bench.engine
+	$(PY) -m cluster.tools.bench.engine
 
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# Generated gRPC code lives in protos/pdserve/v1; CI fails when it is stale (tests/cpu/test_protos.py).
+# Generated gRPC code lives in protos/pdserve/v1; CI fails when it is stale (tests/ingress/test_protos.py).
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. protos/pdserve/v1/generation.proto

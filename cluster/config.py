@@ -1,37 +1,206 @@
-"""Engine configuration: validated where it enters (CLI, YAML), frozen inside."""
+"""The whole app's configuration: one pydantic schema for `pdserve up --config` and `serve run`."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(description="Path to a Hugging Face checkpoint directory.")
-    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
-    num_blocks: int | None = Field(
-        None, ge=2, description="KV blocks in the pool; None = derived from kv_cache_memory_gb."
-    )
-    kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV pool size when num_blocks is None.")
-    max_num_seqs: int = Field(64, ge=1, description="Most requests running at once.")
-    max_num_batched_tokens: int = Field(
-        512, ge=1, description="Token budget of one engine step (decodes + prefill chunks)."
-    )
-    max_model_len: int | None = Field(
-        None, ge=1, description="Longest prompt + output; None = the model's max_position_embeddings."
-    )
+
+class EngineOptions(_Strict):
+    block_size: int = Field(16, ge=1, le=256)
+    num_blocks: int | None = Field(None, ge=2, description="KV blocks per replica; None = from kv_cache_memory_gb")
+    kv_cache_memory_gb: float = Field(1.0, gt=0)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    max_model_len: int | None = Field(None, ge=1)
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "flash_attn"] = "auto"
-    device: str = Field("auto", description='"auto" (cuda when available), "cpu", "cuda", "cuda:N".')
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description='"auto" = the checkpoint\'s dtype (float32 on CPU for half checkpoints).'
-    )
-    max_waiting: int | None = Field(
-        None, ge=0, description="Most requests waiting for admission; more are refused (overload). None = unbounded.")
-    queue_ttl_s: float | None = Field(
-        None, gt=0, description="A request not admitted within this long is rejected (overload). None = no limit.")
-    seed: int = 0
-    cache_salt: str = Field("", description="Extra salt in every block hash (e.g. a deployment id).")
+    device: str = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_waiting: int | None = Field(512, ge=0, description="Per replica; more waiting requests are refused (429)")
+    queue_ttl_s: float | None = Field(30.0, gt=0, description="Not admitted within this long: rejected (429)")
+
+
+class AutoscalingOptions(_Strict):
+    """One pool's autoscaling (cluster/serving/autoscaling.py): prefill on queued prompt tokens and TTFT,
+    decode on KV use and inter-token latency; up fast, down slowly. A pool reads only its own two
+    targets. Set a target above what the pool can ever reach to scale on the other signal alone."""
+
+    min_replicas: int = Field(1, ge=1, description="An autoscaled pool never goes to zero")
+    max_replicas: int = Field(1, ge=1)
+    target_queued_prefill_tokens: float = Field(
+        8192, gt=0, description="prefill: prompt tokens waiting per replica (~ throughput x accepted queueing)")
+    target_ttft_s: float = Field(1.0, gt=0, description="prefill: time to first token at the replica")
+    target_kv_usage: float = Field(0.8, gt=0, le=1, description="decode: fraction of KV blocks held by requests")
+    target_itl_s: float = Field(0.05, gt=0, description="decode: interval between a request's tokens")
+    upscale_delay_s: float = Field(5.0, ge=0, description="Above target this long: add replicas (all needed at once)")
+    downscale_delay_s: float = Field(300.0, ge=0, description="Slack this long: remove downscale_step replicas")
+    downscale_threshold: float = Field(
+        0.6, gt=0, lt=1, description="Slack = the pool would stay below this fraction of its targets with one fewer")
+    downscale_step: int = Field(1, ge=1, description="Replicas removed per scale-down")
+    look_back_period_s: float = Field(5.0, gt=0, description="Serve averages each replica's reports over this window")
+    metrics_interval_s: float = Field(1.0, gt=0, description="How often replicas send their reports to Serve")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AutoscalingOptions":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError("look_back_period_s must be longer than metrics_interval_s")
+        return self
+
+
+class PoolOptions(_Strict):
+    num_replicas: int = Field(1, ge=0, description="0 for the prefill pool: decode prefills locally")
+    autoscaling: AutoscalingOptions | None = None
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per replica, e.g. {pdserve_decode: 1}: "
+        "the pool runs only on nodes that advertise them (deploy/cluster.yaml)")
+    max_ongoing_requests: int = Field(256, ge=1)
+    engine: EngineOptions | None = Field(None, description="Overrides the app-wide engine options")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name} is not a custom resource: use num_cpus / num_gpus")
+            if amount <= 0:
+                raise ValueError(f"resource {name}: must be > 0, got {amount}")
+        return resources
+
+
+class KVTransferOptions(_Strict):
+    lease_s: float = Field(30.0, gt=0, description="How long prefill holds a request's blocks for decode")
+    timeout_s: float = Field(10.0, gt=0, description="Decode gives up on a pull after this long")
+    failure_policy: Literal["recompute", "fail"] = "recompute"
+    required_transports: list[str] = Field(default_factory=list, description='e.g. ["cuda_ipc", "rc"]')
+    nixl_threads: int = Field(0, ge=0)
+    progress_thread: bool = Field(
+        False, description="NIXL's progress thread: lower transfer latency, but it spins one core per replica")
+
+
+class RoutingOptions(_Strict):
+    enabled: bool = Field(True, description="Route through the router actor; off = Serve's power of two")
+    strategy: Literal["cost", "round_robin", "power_of_two"] = Field(
+        "cost", description="cost: prefix- and capacity-aware; the others are baselines for comparison")
+    local_prefill_threshold: int = Field(
+        64, ge=0, description="Fewer uncached prompt tokens than this on the decode replica: prefill there")
+    hot_load_cap: int = Field(32, ge=1, description="Requests on a replica past which its cache earns no credit")
+    slow_factor: float = Field(2.0, gt=1, description="Step time this many times the pool median: deprioritised")
+
+
+class TenantOptions(_Strict):
+    """One tenant: its API keys, scheduling class and quotas (None = unlimited)."""
+
+    api_keys: list[str] = Field(min_length=1)
+    priority: Literal["interactive", "batch"] = "interactive"
+    weight: float = Field(1.0, gt=0, description="Share of compute against tenants of the same priority")
+    requests_per_min: float | None = Field(None, gt=0)
+    tokens_per_min: float | None = Field(
+        None, gt=0, description="prompt + max_tokens charged at admission; unused output tokens refunded")
+    max_concurrent: int | None = Field(
+        None, ge=1, description="Requests in flight; each ingress replica enforces its share")
+    max_context: int | None = Field(None, ge=1, description="Most prompt + max_tokens per request")
+    max_output_tokens: int | None = Field(None, ge=1)
+    kv_budget: float = Field(1.0, gt=0, le=1, description="Most of a replica's KV pool its requests may hold")
+    cache_group: str | None = Field(
+        None, description="Tenants with the same group share cached prefixes; default: the tenant's own")
+
+
+class AdmissionOptions(_Strict):
+    max_inflight: int = Field(1024, ge=1, description="Requests in flight per ingress replica; more get 429")
+    max_queue_wait_s: float | None = Field(
+        None, gt=0, description="Refuse (429) when the router predicts a longer queue wait; None = off")
+    rate_limit_lease: float = Field(
+        0.05, gt=0, le=1, description="Share of a tenant's per-minute budget an ingress takes per actor call")
+    idempotency_ttl_s: float = Field(600.0, gt=0, description="How long a non-streaming result is kept by key")
+
+
+class FaultToleranceOptions(_Strict):
+    max_migrations: int = Field(
+        2, ge=0, description="Times a request may move to another decode replica when its replica dies")
+    stuck_loop_s: float = Field(
+        30.0, gt=0, description="An engine loop turn running this long fails the replica's health check")
+    fault_injection: bool = Field(
+        False, description="Allow inject_fault() on replicas (chaos tests and drills; off in production)")
+
+
+class TelemetryOptions(_Strict):
+    """Metrics (Ray's metrics API: the Ray dashboard and its Prometheus endpoint) and traces
+    (OpenTelemetry, one trace per request across the deployments). cluster/telemetry/."""
+
+    metrics: bool = Field(True, description="Export pdserve_* metrics through Ray's metrics API")
+    metrics_interval_s: float = Field(
+        0.5, gt=0, description="How often each replica hands its buffered measurements to Ray's metrics")
+    traces: Literal["none", "console", "otlp"] = Field(
+        "none", description="Span exporter: none (no spans are made), console (the replicas' stdout), otlp")
+    otlp_endpoint: str = Field("localhost:4317", description="OTLP/gRPC collector (traces: otlp)")
+    otlp_insecure: bool = Field(True, description="Plain-text gRPC to the collector (no TLS)")
+    trace_export_delay_s: float = Field(1.0, gt=0, description="Longest a finished span waits for export")
+
+
+class AppConfig(_Strict):
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="disaggregated: a prefill pool computes prompts and decode pulls their "
+        "KV; colocated: no prefill pool, decode replicas prefill locally (a conventional server)")
+    model: str | None = Field(None, description="HF checkpoint directory; None = the demo model")
+    served_model_name: str | None = Field(None, description="Model id in the APIs; default: the dir name")
+    engine: EngineOptions = EngineOptions()
+    prefill: PoolOptions = PoolOptions()
+    decode: PoolOptions = PoolOptions()
+    ingress_replicas: int = Field(1, ge=1)
+    kv_transfer: KVTransferOptions = KVTransferOptions()
+    routing: RoutingOptions = RoutingOptions()
+    host: str = "0.0.0.0"
+    http_port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int = Field(9000, ge=1, le=65535)
+    default_max_tokens: int = Field(16, ge=1)
+    api_keys: list[str] = Field(
+        default_factory=list, description="Bearer keys of the 'default' tenant (no quotas); no keys and no tenants = no auth")
+    tenants: dict[str, TenantOptions] = Field(default_factory=dict)
+    tenant_cache_isolation: bool = Field(
+        True, description="Salt block hashes per tenant (cache_group), so tenants never share cached prefixes")
+    admission: AdmissionOptions = AdmissionOptions()
+    fault_tolerance: FaultToleranceOptions = FaultToleranceOptions()
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="How long a stopping replica drains")
+    health_check_period_s: float = Field(2.0, gt=0, description="How often Serve checks engine replicas")
+    telemetry: TelemetryOptions = TelemetryOptions()
+
+    @model_validator(mode="after")
+    def _decode_pool_exists(self) -> "AppConfig":
+        if self.decode.num_replicas < 1 and self.decode.autoscaling is None:
+            raise ValueError("decode.num_replicas must be >= 1 (the decode pool serves every request)")
+        seen: dict[str, str] = {}
+        for name, keys in [("default", self.api_keys), *((n, t.api_keys) for n, t in self.tenants.items())]:
+            for key in keys:
+                if key in seen:
+                    raise ValueError(f"an API key of tenant {name!r} is also a key of tenant {seen[key]!r}")
+                seen[key] = name
+        return self
+
+    @property
+    def has_prefill_pool(self) -> bool:
+        """Disaggregated with prefill replicas. Colocated ignores the prefill section; a
+        disaggregated app with `prefill.num_replicas: 0` serves as colocated does."""
+        return self.mode == "disaggregated" and (self.prefill.num_replicas > 0 or self.prefill.autoscaling is not None)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "AppConfig":
+        return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+
+    def engine_for(self, pool: Literal["prefill", "decode"]) -> EngineOptions:
+        return getattr(self, pool).engine or self.engine
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model or "pdserve-demo").name

@@ -13,9 +13,9 @@ import logging
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from cluster.engine import LLMEngine, RequestOutput
-from cluster.request import DEFAULT_CONTEXT, RequestContext, RequestStatus
-from cluster.sampling_params import SamplingParams
+from cluster.engine.llm_engine import LLMEngine, RequestOutput
+from cluster.engine.request import DEFAULT_CONTEXT, RequestContext, RequestStatus
+from cluster.engine.sampling_params import SamplingParams
 from kv_transfer.errors import IncompatiblePeerError, KVTransferError
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import engine_layout

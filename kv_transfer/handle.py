@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.kv_cache.hashing import BlockHash
+from cluster.engine.kv_cache.hashing import BlockHash
 from kv_transfer.errors import IncompatiblePeerError
 
 

@@ -1,6 +1,6 @@
 """The KV layout of a running engine, as the transfer layer describes it."""
 
-from cluster.engine import LLMEngine
+from cluster.engine.llm_engine import LLMEngine
 from kv_transfer.handle import KVLayout
 
 

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from cluster.engine import LLMEngine
-from cluster.request import DEFAULT_CONTEXT, RequestContext
-from cluster.sampling_params import SamplingParams
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.request import DEFAULT_CONTEXT, RequestContext
+from cluster.engine.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import engine_layout
 from kv_transfer.transport import NixlTransport

@@ -6,7 +6,7 @@ import asyncio
 
 import ray
 
-from router.admission import IdempotencyStore, Quotas
+from router.ingress.admission import IdempotencyStore, Quotas
 from router.router import Router
 
 ROUTER_NAME = "pdserve-router"
@@ -29,7 +29,7 @@ def get_router(**kwargs):
 
 @ray.remote(num_cpus=0, max_restarts=-1)
 class AdmissionActor:
-    """Cluster-wide rate-limit buckets and idempotency records (router/admission.py), shared by
+    """Cluster-wide rate-limit buckets and idempotency records (router/ingress/admission.py), shared by
     every ingress replica. Restarted by Ray if it dies (buckets start full again)."""
 
     def __init__(self, idempotency_ttl_s: float = 600.0):

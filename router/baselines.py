@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from cluster.kv_cache.hashing import BlockHash
+from cluster.engine.kv_cache.hashing import BlockHash
 from router.index import PrefixIndex
 from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RouteDecision
 

@@ -11,7 +11,7 @@ import uuid
 
 import ray
 
-from cluster.kv_cache.block_pool import BlockPool
+from cluster.engine.kv_cache.block_pool import BlockPool
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from cluster.kv_cache.hashing import BlockHash
+from cluster.engine.kv_cache.hashing import BlockHash
 
 
 @dataclass

@@ -22,7 +22,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from cluster.kv_cache.hashing import BlockHash
+from cluster.engine.kv_cache.hashing import BlockHash
 from router.index import PrefixIndex
 
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from cluster.kv_cache.hashing import BlockHash
+from cluster.engine.kv_cache.hashing import BlockHash
 from router.index import PrefixIndex
 from router.policy import PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.model.init_model import init_model
+from cluster.engine.model.init_model import init_model
+
+
+def pytest_collection_modifyitems(items):
+    """Every test that uses the session's Ray instance, directly or through a fixture, carries the
+    `ray` marker, so `pytest -m "not ray"` is the quick loop and no test can forget the mark."""
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """A prefill or decode replica's exporter: every `metrics_interval_s` (from the replica loop's
 service turn, on the loop thread) it drains the engine's probe and plain counters into Ray's
 metrics, and turns finished requests into phase spans. The engine step itself only appends plain
-numbers (cluster/telemetry/probe.py); all Ray and OpenTelemetry calls happen here, batched.
+numbers (cluster/engine/probe.py); all Ray and OpenTelemetry calls happen here, batched.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from cluster.telemetry.probe import EngineProbe, ProbeBatch
+from cluster.engine.probe import EngineProbe, ProbeBatch
 
 if TYPE_CHECKING:
-    from cluster.app_config import TelemetryOptions
-    from cluster.engine import LLMEngine
-    from cluster.request import Request
+    from cluster.config import TelemetryOptions
+    from cluster.engine.llm_engine import LLMEngine
+    from cluster.engine.request import Request
     from kv_transfer.stats import TransferStats
 
 

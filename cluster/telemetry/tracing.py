@@ -8,7 +8,7 @@
 
 The ingress injects its span's W3C context into `RequestContext.trace_context`, which travels in
 the calls' arguments to both pools. Engine replicas make their spans after the fact, from the phase
-times an EngineProbe stamped on the request (cluster/telemetry/probe.py), so the engine step never
+times an EngineProbe stamped on the request (cluster/engine/probe.py), so the engine step never
 touches OpenTelemetry. With `telemetry.traces: none` there is no tracer, no context is injected,
 and no span object is ever made.
 
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Mapping
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
 
-    from cluster.app_config import TelemetryOptions
+    from cluster.config import TelemetryOptions
 
 log = logging.getLogger(__name__)
 

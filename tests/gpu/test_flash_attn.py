@@ -8,8 +8,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def test_flash_attn_backend_equals_torch_backend(model_factory):
     pytest.importorskip("flash_attn")
-    from cluster.engine import LLMEngine
-    from cluster.sampling_params import SamplingParams
+    from cluster.engine.llm_engine import LLMEngine
+    from cluster.engine.sampling_params import SamplingParams
 
     d = model_factory("gpu", layers=2, hidden=128, heads=4, kv_heads=2, vocab=320, dtype="bfloat16")
     prompts = [[256] + list(range(1, n)) for n in (5, 300, 700)]
@@ -31,7 +31,7 @@ def test_flash_attn_backend_equals_torch_backend(model_factory):
 
 
 def test_kv_pool_lives_in_cuda_memory(tiny_model):
-    from cluster.engine import LLMEngine
+    from cluster.engine.llm_engine import LLMEngine
 
     eng = LLMEngine.from_model(tiny_model, device="cuda", num_blocks=32)
     assert eng.kv_cache.is_cuda and eng.kv_cache.is_contiguous()

@@ -1,0 +1,1 @@
+"""The roof: the Serve application builder and the `pdserve` CLI."""

@@ -1,0 +1,291 @@
+"""The `pdserve` command line (`pdserve bench` is built in cluster/tools/loadgen/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import uuid
+
+
+def _init_model(args) -> int:
+    from cluster.engine.model.init_model import init_model  # noqa: PLC0415
+
+    out = init_model(
+        args.dir, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+        intermediate=args.intermediate, vocab=args.vocab, max_positions=args.max_positions,
+        tie_embeddings=args.tie_embeddings, dtype=args.dtype, seed=args.seed,
+    )
+    print(f"wrote a random {args.layers}-layer Llama checkpoint to {out}")
+    return 0
+
+
+def _generate(args) -> int:
+    from cluster.engine.loop import AsyncEngine  # noqa: PLC0415
+    from cluster.engine.llm_engine import LLMEngine  # noqa: PLC0415
+    from cluster.errors import InvalidRequestError  # noqa: PLC0415
+    from cluster.engine.sampling_params import SamplingParams  # noqa: PLC0415
+
+    if args.address is not None:
+        return _generate_remote(args)
+    if args.model is None:
+        print("pdserve generate: give --model DIR (in-process) or --address HOST:PORT (a server)", file=sys.stderr)
+        return 2
+    ids = [int(t) for t in args.prompt_token_ids.split(",")] if args.prompt_token_ids else None
+    engine = LLMEngine.from_model(args.model, num_blocks=args.num_blocks, device=args.device)
+    aengine = AsyncEngine(engine)
+
+    async def run() -> dict:
+        sp = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+        )
+        token_ids, text, last = [], "", None
+        async for out in aengine.generate(uuid.uuid4().hex, args.prompt, ids, sp):
+            token_ids += out.token_ids
+            text += out.text
+            last = out
+            if not args.json:
+                print(out.text, end="", flush=True)
+        if not args.json:
+            print()
+        return {"token_ids": token_ids, "text": text, "finish_reason": last.finish_reason,
+                "usage": {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens,
+                          "cached_tokens": last.num_cached_tokens}}
+
+    try:
+        result = asyncio.run(run())
+    except InvalidRequestError as e:
+        print(f"pdserve generate: invalid request: {e}", file=sys.stderr)
+        return 2
+    finally:
+        aengine.shutdown()
+    if args.json:
+        print(json.dumps(result))
+    return 0 if result["finish_reason"] != "error" else 1
+
+
+def _generate_remote(args) -> int:
+    import grpc  # noqa: PLC0415
+
+    from protos.pdserve.v1 import generation_pb2 as pb  # noqa: PLC0415
+    from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: PLC0415
+
+    sp = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                           top_k=args.top_k, stop=args.stop or [], ignore_eos=args.ignore_eos)
+    if args.seed is not None:
+        sp.seed = args.seed
+    req = pb.GenerateRequest(sampling=sp, model=args.served_model or "")
+    if args.prompt is not None:
+        req.text = args.prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in args.prompt_token_ids.split(","))
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
+    if args.timeout is not None:  # Serve's gRPC proxy hides the deadline from the app: send it along
+        metadata.append(("x-pdserve-timeout-s", str(args.timeout)))
+    token_ids, text, last = [], "", None
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            for resp in pb_grpc.GenerationStub(channel).Generate(req, metadata=metadata, timeout=args.timeout):
+                token_ids += resp.token_ids
+                text += resp.text
+                last = resp
+                if not args.json:
+                    print(resp.text, end="", flush=True)
+        except grpc.RpcError as e:
+            print(f"\npdserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+    if args.json:
+        print(json.dumps({"token_ids": token_ids, "text": text, "finish_reason": reason,
+                          "usage": {"prompt_tokens": last.usage.prompt_tokens,
+                                    "completion_tokens": last.usage.completion_tokens,
+                                    "cached_tokens": last.usage.cached_prompt_tokens}}))
+    else:
+        print()
+    return 0
+
+
+def _load_app_config(args):
+    from cluster.config import AppConfig  # noqa: PLC0415
+
+    data = AppConfig.from_yaml(args.config).model_dump() if args.config else {}
+    overrides = {"model": args.model, "http_port": args.http_port, "grpc_port": args.grpc_port, "host": args.host,
+                 "mode": args.mode}
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    for pool, n in (("prefill", args.prefill_replicas), ("decode", args.decode_replicas)):
+        if n is not None:
+            data.setdefault(pool, {})["num_replicas"] = n
+            data[pool]["autoscaling"] = None
+    if args.num_blocks is not None:
+        data.setdefault("engine", {})["num_blocks"] = args.num_blocks
+    return AppConfig.model_validate(data)
+
+
+def _up(args) -> int:
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+
+    import cluster.app.builder as serve_app  # noqa: PLC0415
+
+    config = serve_app.ensure_model(_load_app_config(args))
+    address = os.environ.get("RAY_ADDRESS")
+    joined = address is not None
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # during start-up: abort, and clean up below
+        signal.signal(sig, interrupt)
+    if joined:
+        ray.init(address=address, namespace="pdserve")
+    else:
+        # Ray's CPUs are scheduling slots: give the local instance enough for every replica
+        # even on a small machine (the engines share the real cores through torch's threads).
+        ray.init(namespace="pdserve", num_cpus=max(os.cpu_count() or 1, serve_app.cpus_needed(config)),
+                 include_dashboard=args.dashboard, dashboard_host="0.0.0.0", dashboard_port=8265)
+    stop = threading.Event()
+    try:
+        serve_app.start(config)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        host = "localhost" if config.host in ("0.0.0.0", "::") else config.host
+        print(f"pdserve is serving {config.model_name} ({config.model}), "
+              f"{'disaggregated' if config.has_prefill_pool else 'colocated (no prefill pool)'}", flush=True)
+        print(f"  gRPC    {host}:{config.grpc_port}   (pdserve.v1.Generation, grpc.health.v1.Health)", flush=True)
+        print(f"  HTTP    http://{host}:{config.http_port}/v1   (OpenAI-compatible)", flush=True)
+        if not joined and args.dashboard:
+            print(f"  Ray dashboard   http://{host}:8265", flush=True)
+        print("Ctrl-C to stop.", flush=True)
+        stop.wait()
+    except KeyboardInterrupt:
+        print("pdserve: interrupted during start-up", flush=True)
+    finally:
+        print("pdserve: shutting down", flush=True)
+        serve.shutdown()
+        if not joined:
+            ray.shutdown()
+    print("pdserve: stopped", flush=True)
+    return 0
+
+
+def _status(args) -> int:
+    import os  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+
+    from cluster.serving.registry import get_registry  # noqa: PLC0415
+
+    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="pdserve",
+             log_to_driver=False)
+    status = serve.status()
+    apps = {name: {"status": app.status.value if hasattr(app.status, "value") else str(app.status),
+                   "deployments": {d: {"status": str(ds.status.value if hasattr(ds.status, "value") else ds.status),
+                                       "replicas": dict(ds.replica_states)}
+                                   for d, ds in app.deployments.items()}}
+            for name, app in status.applications.items()}
+    replicas = ray.get(get_registry().snapshot.remote())
+    if args.json:
+        print(json.dumps({"applications": apps, "replicas": replicas}, default=str))
+        return 0
+    for name, app in apps.items():
+        print(f"application {name}: {app['status']}")
+        for d, ds in app["deployments"].items():
+            print(f"  {d:<8} {ds['status']:<10} replicas {ds['replicas']}")
+    print(f"{'replica':<18} {'pool':<8} {'KV used':>12} {'running':>8} {'waiting':>8} {'step ms':>8} {'age s':>6}")
+    for rid, s in replicas.items():
+        used = s["total_blocks"] - s["free_blocks"]
+        print(f"{rid:<18} {s['pool']:<8} {used:>5}/{s['total_blocks']:<6} {s['running']:>8} "
+              f"{s['waiting'] + s['importing']:>8} {s['last_step_ms']:>8.2f} {s['age_s']:>6.1f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray")
+    p.add_argument("--log-level", default="WARNING")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    im = sub.add_parser("init-model", help="write a small random HF-format Llama checkpoint (the demo model)")
+    im.add_argument("dir")
+    im.add_argument("--layers", type=int, default=2)
+    im.add_argument("--hidden", type=int, default=64)
+    im.add_argument("--heads", type=int, default=4)
+    im.add_argument("--kv-heads", type=int, default=2)
+    im.add_argument("--intermediate", type=int, default=None)
+    im.add_argument("--vocab", type=int, default=320)
+    im.add_argument("--max-positions", type=int, default=2048)
+    im.add_argument("--tie-embeddings", action="store_true")
+    im.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    im.add_argument("--seed", type=int, default=0)
+    im.set_defaults(func=_init_model)
+
+    g = sub.add_parser("generate", help="stream a completion (in-process with --model DIR)")
+    g.add_argument("prompt_text", nargs="?", default=None, help="the prompt (or use --prompt)")
+    g.add_argument("--model", help="HF checkpoint directory, run in-process")
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-token-ids", help="comma-separated token ids instead of a text prompt")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--num-blocks", type=int, default=None)
+    g.add_argument("--device", default="auto")
+    g.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
+    g.add_argument("--address", help="HOST:PORT of a pdserve gRPC endpoint (instead of --model)")
+    g.add_argument("--served-model", help="model id to ask the server for (default: its only model)")
+    g.add_argument("--api-key")
+    g.add_argument("--timeout", type=float, default=None, help="gRPC deadline in seconds")
+    g.set_defaults(func=_generate)
+
+    up = sub.add_parser("up", help="start (or join RAY_ADDRESS) a Ray cluster, deploy, serve until Ctrl-C")
+    up.add_argument("--config", help="app config YAML (see deploy/pdserve.yaml)")
+    up.add_argument("--model", help="HF checkpoint directory (default: the demo model)")
+    up.add_argument("--mode", choices=["disaggregated", "colocated"],
+                    help="colocated: no prefill pool, decode replicas prefill locally (default: disaggregated)")
+    up.add_argument("--prefill-replicas", type=int)
+    up.add_argument("--decode-replicas", type=int)
+    up.add_argument("--num-blocks", type=int, help="KV blocks per replica")
+    up.add_argument("--host")
+    up.add_argument("--http-port", type=int)
+    up.add_argument("--grpc-port", type=int)
+    up.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                    help="start the local Ray instance without its dashboard")
+    up.set_defaults(func=_up)
+
+    st = sub.add_parser("status", help="replicas, KV usage and queues of a running pdserve")
+    st.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local cluster)")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=_status)
+
+    from cluster.tools.loadgen.cli import add_bench_parser  # noqa: PLC0415 — `pdserve bench` lives in cluster/loadgen
+
+    add_bench_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "prompt_text", None) is not None:
+        if args.prompt is not None:
+            print("pdserve generate: give the prompt once (positional or --prompt)", file=sys.stderr)
+            return 2
+        args.prompt = args.prompt_text
+    if args.command == "generate" and (args.prompt is None) == (args.prompt_token_ids is None):
+        print("pdserve generate: give exactly one of PROMPT/--prompt or --prompt-token-ids", file=sys.stderr)
+        return 2
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

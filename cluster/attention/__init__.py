@@ -1,6 +1,0 @@
-"""Attention backends, resolved once by name ("auto" -> flash_attn on CUDA when usable, else torch)."""
-
-from cluster.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSpan
-from cluster.attention.registry import AttentionBackend, resolve_backend
-
-__all__ = ["AttentionBackend", "AttentionMetadata", "DecodeGroup", "PrefillSpan", "resolve_backend"]

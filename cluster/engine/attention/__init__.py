@@ -1,0 +1,6 @@
+"""Attention backends, resolved once by name ("auto" -> flash_attn on CUDA when usable, else torch)."""
+
+from cluster.engine.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSpan
+from cluster.engine.attention.registry import AttentionBackend, resolve_backend
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "DecodeGroup", "PrefillSpan", "resolve_backend"]

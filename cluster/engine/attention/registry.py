@@ -1,0 +1,60 @@
+"""Backend registry: each backend is imported only when chosen; "auto" is resolved once, logged."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from typing import Protocol
+
+import torch
+
+from cluster.engine.attention.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+_BACKENDS = {
+    "torch": "cluster.engine.attention.torch_sdpa:TorchSDPABackend",
+    "flash_attn": "cluster.engine.attention.flash_attn:FlashAttnBackend",
+}
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Store this step's keys/values. k_cache: [num_blocks, block_size, H_kv, D]; k: [T, H_kv, D]."""
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, H_kv, D] (this step's, already in the cache) -> [T, H, D]."""
+
+
+def flash_attn_usable(device: torch.device, block_size: int) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, "not on CUDA"
+    if importlib.util.find_spec("flash_attn") is None:
+        return False, "flash_attn is not installed (pip install 'pdserve[gpu]')"
+    if block_size % 256 != 0:
+        return False, f"flash-attn 2 paged KV needs block_size % 256 == 0, got {block_size}"
+    return True, "flash_attn installed, CUDA device"
+
+
+def resolve_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+    if name == "auto":
+        ok, why = flash_attn_usable(device, block_size)
+        name = "flash_attn" if ok else "torch"
+        log.info("attention backend auto -> %s (%s)", name, why)
+    elif name == "flash_attn":
+        ok, why = flash_attn_usable(device, block_size)
+        if not ok:
+            raise ValueError(f"attention_backend=flash_attn is not usable here: {why}")
+    if name not in _BACKENDS:
+        raise ValueError(f"attention_backend={name!r} is unknown (choose from auto, {', '.join(_BACKENDS)})")
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()

@@ -1,0 +1,37 @@
+"""Engine configuration: validated where it enters (CLI, YAML), frozen inside."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(description="Path to a Hugging Face checkpoint directory.")
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
+    num_blocks: int | None = Field(
+        None, ge=2, description="KV blocks in the pool; None = derived from kv_cache_memory_gb."
+    )
+    kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV pool size when num_blocks is None.")
+    max_num_seqs: int = Field(64, ge=1, description="Most requests running at once.")
+    max_num_batched_tokens: int = Field(
+        512, ge=1, description="Token budget of one engine step (decodes + prefill chunks)."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + output; None = the model's max_position_embeddings."
+    )
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "flash_attn"] = "auto"
+    device: str = Field("auto", description='"auto" (cuda when available), "cpu", "cuda", "cuda:N".')
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description='"auto" = the checkpoint\'s dtype (float32 on CPU for half checkpoints).'
+    )
+    max_waiting: int | None = Field(
+        None, ge=0, description="Most requests waiting for admission; more are refused (overload). None = unbounded.")
+    queue_ttl_s: float | None = Field(
+        None, gt=0, description="A request not admitted within this long is rejected (overload). None = no limit.")
+    seed: int = 0
+    cache_salt: str = Field("", description="Extra salt in every block hash (e.g. a deployment id).")

@@ -1,0 +1,16 @@
+"""Paged KV cache bookkeeping. Importable without torch, Ray or NIXL."""
+
+from cluster.engine.kv_cache.block_pool import Block, BlockPool
+from cluster.engine.kv_cache.hashing import BlockHash, extend_salt, hash_block_tokens, hash_request_blocks
+from cluster.engine.kv_cache.manager import KVCacheManager, NoFreeBlocksError
+
+__all__ = [
+    "Block",
+    "BlockHash",
+    "BlockPool",
+    "KVCacheManager",
+    "NoFreeBlocksError",
+    "extend_salt",
+    "hash_block_tokens",
+    "hash_request_blocks",
+]

@@ -1,0 +1,159 @@
+"""The block pool: ref counts, a free queue in eviction order, and the prefix cache index.
+
+Rules:
+- A block is either referenced (ref_cnt > 0) or in the free queue, never both.
+- A free block may still be cached (it keeps its hash) until it is reused: the free queue is the
+  LRU of evictable cached blocks. Allocation takes from the head and evicts that block's hash.
+- Freed blocks go to the tail, in the order the caller gives (callers free a request's blocks
+  tail-first, so the end of a prompt is evicted before its shared prefix).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from cluster.engine.kv_cache.hashing import BlockHash
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+@dataclass
+class PoolStats:
+    """Plain counters; the telemetry layer turns them into metrics."""
+
+    allocated: int = 0
+    evicted: int = 0
+    queried_blocks: int = 0
+    hit_blocks: int = 0
+    # ("+", hash) when a block is cached, ("-", hash) when evicted; in order, since the last drain
+    events: list[tuple[str, BlockHash]] = field(default_factory=list)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        self.stats = PoolStats()
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be allocated now (free, whether or not still cached)."""
+        return len(self._free)
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, head (next evicted) first."""
+        return list(self._free)
+
+    def lookup(self, block_hash: BlockHash) -> Block | None:
+        block_id = self._cached.get(block_hash)
+        return None if block_id is None else self.blocks[block_id]
+
+    def match_prefix(self, hashes: Iterable[BlockHash]) -> list[Block]:
+        """The longest run of leading hashes that are cached. Does not take references."""
+        hits = []
+        for h in hashes:
+            block = self.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on cached blocks (a prefix-cache hit)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[Block]:
+        if n > len(self._free):
+            raise ValueError(f"cannot allocate {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        self.stats.allocated += n
+        return out
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block; unreferenced blocks join the free queue's tail."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def cache(self, block: Block, block_hash: BlockHash) -> bool:
+        """Register a full block under its hash. False if another block already holds it."""
+        if not self.enable_caching or block.block_hash is not None:
+            return False
+        if block_hash in self._cached:
+            return False
+        block.block_hash = block_hash
+        self._cached[block_hash] = block.block_id
+        self.stats.events.append(("+", block_hash))
+        return True
+
+    def reset_cache(self) -> int:
+        """Forget every unreferenced cached block. Returns how many were dropped."""
+        n = 0
+        for block_id in list(self._free):
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+                n += 1
+        return n
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash this pool can serve from its prefix cache now."""
+        return list(self._cached)
+
+    def drain_events(self) -> list[tuple[str, BlockHash]]:
+        """The cache's stored ("+") and removed ("-") events since the last call, in order."""
+        events, self.stats.events = self.stats.events, []
+        return events
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is None:
+            return
+        del self._cached[block.block_hash]
+        self.stats.events.append(("-", block.block_hash))
+        self.stats.evicted += 1
+        block.block_hash = None
+
+    def check_invariants(self) -> None:
+        referenced = 0
+        for block in self.blocks:
+            if block.ref_cnt < 0:
+                raise AssertionError(f"block {block.block_id} has ref_cnt {block.ref_cnt}")
+            in_free = block.block_id in self._free
+            if (block.ref_cnt == 0) != in_free:
+                raise AssertionError(
+                    f"block {block.block_id}: ref_cnt={block.ref_cnt} but in_free_queue={in_free}"
+                )
+            referenced += block.ref_cnt > 0
+            if block.block_hash is not None and self._cached.get(block.block_hash) != block.block_id:
+                raise AssertionError(f"block {block.block_id} hash not indexed")
+        if referenced + len(self._free) != self.num_blocks:
+            raise AssertionError(
+                f"referenced {referenced} + free {len(self._free)} != total {self.num_blocks}"
+            )
+        for h, block_id in self._cached.items():
+            if self.blocks[block_id].block_hash != h:
+                raise AssertionError(f"index entry for block {block_id} is stale")

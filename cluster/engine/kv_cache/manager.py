@@ -1,0 +1,148 @@
+"""Per-request block tables on top of the block pool.
+
+The scheduler talks to this class only; it never sees blocks' internals. Two-phase admission:
+`find_cached_prefix` has no side effects, `allocate_slots` commits (or fails without a trace).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from cluster.engine.kv_cache.block_pool import Block, BlockPool
+from cluster.engine.kv_cache.hashing import BlockHash, extend_salt, hash_request_blocks
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class KVRequest(Protocol):
+    """What the manager needs to know about a request."""
+
+    request_id: str
+    num_computed_tokens: int
+    block_hashes: list[BlockHash]
+    cache_salt: str  # per-request part of the hash salt (a tenant's); "" for none
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, salt: bytes = b""):
+        self.block_size = block_size
+        self.salt = salt
+        self._salts: dict[str, bytes] = {"": salt}  # per-request cache_salt -> full salt
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._blocks: dict[str, list[Block]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks of the request already in the index
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def update_hashes(self, req: KVRequest) -> list[BlockHash]:
+        """Extend the request's chained hashes over its full blocks of known tokens."""
+        tokens = req.all_token_ids
+        if len(req.block_hashes) < len(tokens) // self.block_size:
+            salt = self._salts.get(req.cache_salt)
+            if salt is None:
+                salt = self._salts[req.cache_salt] = extend_salt(self.salt, req.cache_salt)
+            req.block_hashes = hash_request_blocks(tokens, self.block_size, salt, req.block_hashes)
+        return req.block_hashes
+
+    def find_cached_prefix(self, req: KVRequest) -> list[Block]:
+        """Cached blocks at the start of a new request's tokens; at least one token stays to compute."""
+        if not self.pool.enable_caching:
+            return []
+        hashes = self.update_hashes(req)
+        max_blocks = (len(req.all_token_ids) - 1) // self.block_size
+        self.pool.stats.queried_blocks += min(len(hashes), max_blocks)
+        hits = self.pool.match_prefix(hashes[:max_blocks])
+        self.pool.stats.hit_blocks += len(hits)
+        return hits
+
+    def allocate_slots(
+        self, req: KVRequest, num_new_tokens: int, cached: Sequence[Block] = ()
+    ) -> bool:
+        """Make room for `num_new_tokens` after the computed ones. False = no room, nothing changed.
+
+        `cached` (from find_cached_prefix) is passed once, when the request is admitted; its tokens
+        are counted in req.num_computed_tokens by the caller after this returns True.
+        """
+        new, revived = self._blocks_needed(req, num_new_tokens, cached)
+        if new + revived > self.pool.num_free:
+            return False
+        blocks = self._blocks.setdefault(req.request_id, [])
+        if cached:
+            assert not blocks, "cached prefix is only taken at admission"
+            self.pool.touch(cached)
+            blocks.extend(cached)
+            self._num_cached[req.request_id] = len(cached)
+        if new:
+            blocks.extend(self.pool.allocate(new))
+        return True
+
+    def _blocks_needed(self, req: KVRequest, num_new_tokens: int, cached: Sequence[Block]) -> tuple[int, int]:
+        """(fresh blocks to allocate, cached blocks that leave the free queue when touched)."""
+        have = self._blocks.get(req.request_id, ())
+        num_tokens = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        new = max(0, cdiv(num_tokens, self.block_size) - len(have) - len(cached))
+        revived = sum(1 for b in cached if b.ref_cnt == 0)
+        return new, revived
+
+    def cache_blocks(self, req: KVRequest, num_computed_tokens: int) -> None:
+        """Index the request's blocks that are now full of computed tokens."""
+        if not self.pool.enable_caching:
+            return
+        blocks = self._blocks.get(req.request_id)
+        if not blocks:
+            return
+        start = self._num_cached.get(req.request_id, 0)
+        end = min(num_computed_tokens // self.block_size, len(blocks))
+        if end <= start:
+            return
+        hashes = self.update_hashes(req)
+        for i in range(start, end):
+            self.pool.cache(blocks[i], hashes[i])
+        self._num_cached[req.request_id] = end
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, tail first (a prompt's end is evicted before its prefix)."""
+        blocks = self._blocks.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def num_requests(self) -> int:
+        return len(self._blocks)
+
+    def holders(self) -> set[str]:
+        return set(self._blocks)
+
+    def find_imported_prefix(self, hashes: Sequence[BlockHash]) -> list[Block]:
+        """Cached blocks at the start of a prompt whose KV comes from elsewhere (no compute cap)."""
+        return self.pool.match_prefix(hashes) if self.pool.enable_caching else []
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        refs: dict[int, int] = {}
+        for blocks in self._blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for block in self.pool.blocks:
+            if refs.get(block.block_id, 0) != block.ref_cnt:
+                raise AssertionError(
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs.get(block.block_id, 0)} holders"
+                )

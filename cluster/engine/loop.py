@@ -1,0 +1,212 @@
+"""Async streaming over a synchronous engine core: one background thread runs the step loop.
+
+A core is anything with `step() -> outputs`, `has_unfinished()` and `abort(request_id)` (and
+optionally `service()`, run every iteration, idle or not): the plain LLMEngine, the prefill role,
+the decode role. Outputs carry `request_id` and `finished`.
+
+Callers `async for` over `stream(...)` and receive each step's outputs as they are produced. The
+core is touched only by the loop thread; callers hand it work as closures. Leaving the iterator
+early (client disconnect, task cancelled) aborts the request, which frees its blocks. The loop
+also times each stream's first output (`first_outputs`): replicas report it as TTFT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from cluster.engine.latency import FirstOutputTimer
+from cluster.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], Any]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    request_id: str | None = None  # set: register this stream's sink before running fn
+    sink: asyncio.Queue | None = None
+
+
+class AsyncEngine:
+    def __init__(self, core, idle_poll_s: float | None = None, name: str = "pdserve-engine"):
+        self.core = core
+        self.engine = getattr(core, "engine", core)  # the LLMEngine underneath
+        self.idle_poll_s = idle_poll_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._turn_started: float | None = None  # monotonic start of the loop turn in progress
+        self.first_outputs = FirstOutputTimer()  # loop thread only: read it through call()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any event loop) ----------------------------------------------------------
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the loop thread between steps; returns its result or raises its exception."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._send(_Call(fn, fut, loop))
+        return await fut
+
+    async def stream(
+        self, request_id: str, submit: Callable[[], Any], merge: Callable[[Any, Any], Any] | None = None
+    ) -> AsyncIterator[Any]:
+        """Run `submit` on the loop thread, then yield the request's outputs until finished.
+
+        With `merge`, outputs that queued up while the consumer was busy are merged into one.
+        """
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        fut = loop.create_future()
+        finished = False
+        try:
+            self._send(_Call(submit, fut, loop, request_id, sink))
+            await fut  # submit's own errors (bad input, incompatible peer) surface here
+            while not finished:
+                out = await sink.get()
+                while merge is not None and not out.finished and not sink.empty():
+                    out = merge(out, sink.get_nowait())
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> AsyncIterator[Any]:
+        """Plain engine: stream a request's deltas. Bad input raises before the first yield."""
+        req = self.engine.make_request(request_id, prompt, prompt_token_ids, sampling)
+        async for out in self.stream(request_id, lambda: self.engine.add(req)):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; requests still in flight are aborted (blocks freed), their streams left
+        open: their callers are going away too (see the end of _run)."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _send(self, call: _Call) -> None:
+        self._commands.put(call)
+        self._wake.set()
+
+    # ---- loop thread ---------------------------------------------------------------------------
+
+    def stalled_for(self, now: float) -> float:
+        """How long the current loop turn has been running (0 while idle): a stuck engine shows here."""
+        started = self._turn_started
+        return 0.0 if started is None else now - started
+
+    def _run(self) -> None:
+        service = getattr(self.core, "service", None)
+        while not self._stop:
+            self._turn_started = time.monotonic()
+            self._drain_commands()
+            if service is not None:
+                service()
+            if not self.core.has_unfinished():
+                self._turn_started = None
+                self._wake.wait(self.idle_poll_s)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.core.step()
+            except Exception:  # the engine step already fails its own requests; this is a bug
+                log.exception("engine loop error; failing all requests")
+                outputs = self._fail_all()
+            for out in outputs:
+                self._deliver(out)
+        # Shutting down (a drained replica at the end of its grace period): free the blocks of what
+        # is left but end no stream. Those callers see the replica die with it and migrate the
+        # requests; a "cancelled" finish would end their clients' streams instead.
+        for rid in list(self._sinks):
+            self.core.abort(rid)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Call):
+                self._run_call(cmd)
+            else:
+                self.first_outputs.forget(cmd[1])
+                out = self.core.abort(cmd[1])
+                if out is not None:
+                    self._deliver(out)
+
+    def _run_call(self, call: _Call) -> None:
+        if call.request_id is not None:
+            if call.request_id in self._sinks:
+                err = ValueError(f"request_id {call.request_id!r} is already in flight")
+                call.loop.call_soon_threadsafe(_settle, call.future, None, err)
+                return
+            self._sinks[call.request_id] = (call.sink, call.loop)
+            self.first_outputs.start(call.request_id, time.monotonic())
+        try:
+            result, error = call.fn(), None
+        except Exception as e:  # noqa: BLE001 — handed to the caller
+            result, error = None, e
+            if call.request_id is not None:
+                self._sinks.pop(call.request_id, None)
+                self.first_outputs.forget(call.request_id)
+        try:
+            call.loop.call_soon_threadsafe(_settle, call.future, result, error)
+        except RuntimeError:  # the caller's loop is closed
+            pass
+
+    def _deliver(self, out) -> None:
+        entry = self._sinks.get(out.request_id)
+        if entry is None:
+            return
+        self.first_outputs.output(out.request_id, time.monotonic())
+        if out.finished:
+            del self._sinks[out.request_id]
+        sink, loop = entry
+        try:
+            loop.call_soon_threadsafe(sink.put_nowait, out)
+        except RuntimeError:  # the caller's loop is closed; nobody is listening
+            pass
+
+    def _fail_all(self) -> list:
+        from cluster.engine.request import RequestStatus  # noqa: PLC0415
+
+        outs = []
+        for rid in list(self._sinks):
+            req = self.engine.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
+            if req is not None:
+                req.error = "engine loop error"
+                outs.append(self.engine.final_output(req, [], ""))
+        return outs
+
+
+def _settle(fut: asyncio.Future, result, error) -> None:
+    if fut.cancelled():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

@@ -1,0 +1,104 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2 with qkv bias) over a paged KV cache.
+
+The model runs a flat batch of tokens [T] from many requests at once; attention metadata says
+which tokens belong to which request and where their KV lives. q/k/v and gate/up projections are
+fused at load time (one matmul each).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.engine.attention import AttentionBackend, AttentionMetadata
+from cluster.engine.model.rope import RotaryEmbedding, apply_rope
+from cluster.engine.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.scale = self.d**-0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
+        t = x.shape[0]  # x: [T, hidden]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = apply_rope(q.view(t, self.h, self.d), cos, sin)
+        k = apply_rope(k.view(t, self.hkv, self.d), cos, sin)
+        v = v.view(t, self.hkv, self.d)
+        backend.write_kv(k_cache, v_cache, k, v, meta)
+        o = backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.to(dtype=dtype, device=device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [num_blocks, L, 2, block_size, H_kv, D]
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,  # [S] rows whose next-token logits are wanted
+    ) -> torch.Tensor:  # [S, vocab] float32
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, backend)
+        x = self.norm(x[logits_indices])
+        return self.lm_head(x).float()

@@ -1,0 +1,54 @@
+"""Rotary position embeddings (rotate-half convention, as Hugging Face Llama), incl. llama3 scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cluster.engine.model_config import RopeConfig
+
+
+def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between
+    # interpolated smoothly.
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables for every position, computed once in float32 and cast to the model dtype."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, dtype, device):
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, rope)
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # -> cos, sin: [T, 1, D], broadcast over heads
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,295 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step schedules, in this order:
+  1. every running request that is decoding (one token each),
+  2. running requests part-way through their prompt (the rest of the budget, chunked),
+  3. waiting requests, taking their cached prefix from the KV manager, in FairQueue order
+     (interactive before batch, weighted fair across tenants, FCFS within a tenant); a tenant
+     holding more than its KV budget (a fraction of the pool) waits while others are admitted.
+So a long prompt never holds up running decodes for more than one step's chunk.
+
+When blocks run out, a running request not yet scheduled in this step is preempted: the lowest
+priority class first, then the most recently admitted (recompute: its blocks are freed and it
+restarts from its prompt plus the tokens it has produced; its prefix usually comes back from
+the cache).
+
+Overload: the waiting queue is bounded (`add` raises QueueFullError), a request never admitted
+within `queue_ttl_s` is rejected, and any request past its deadline is stopped (`expire`).
+
+The scheduler never touches tensors; it is tested with a KV manager and token ids alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.errors import QueueFullError
+from cluster.engine.fair_queue import FairQueue
+from cluster.engine.kv_cache import KVCacheManager
+from cluster.engine.kv_cache.manager import cdiv
+from cluster.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # first token position computed in this step
+    num_tokens: int
+    samples: bool  # the chunk reaches the end of the known tokens, so a token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        max_waiting: int | None = None,
+        queue_ttl_s: float | None = None,
+    ):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
+        self.queue_ttl_s = queue_ttl_s
+        self.waiting = FairQueue()
+        self.running: list[Request] = []
+        self.importing: dict[str, Request] = {}  # WAITING_FOR_KV: blocks allocated, KV arriving
+        self.leased: dict[str, Request] = {}  # finished with keep_kv: blocks held until release()
+        self.requests: dict[str, Request] = {}
+        self._num_deadlines = 0  # requests in flight with a deadline (expire() skips work without)
+        self._next_ttl_check = float("-inf")
+
+    # ---- admission and removal -------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in flight")
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests are already waiting (max_waiting {self.max_waiting})")
+        self._track(req)
+        self.waiting.append(req)
+
+    def _track(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        if req.ctx.deadline is not None:
+            self._num_deadlines += 1
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request at any moment (abort, stop string, error) and free its blocks.
+
+        A request with keep_kv that ends normally keeps its blocks, leased, until release().
+        """
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.ctx.deadline is not None:
+            self._num_deadlines -= 1
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_KV:
+            del self.importing[request_id]
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        if req.keep_kv and status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            self.leased[request_id] = req
+        else:
+            self.kv.free(request_id)
+        return req
+
+    def release(self, request_id: str) -> bool:
+        """Free a leased request's blocks (transfer done or lease expired)."""
+        if self.leased.pop(request_id, None) is None:
+            return False
+        self.kv.free(request_id)
+        return True
+
+    def add_importing(self, req: Request, hashes, num_tokens: int) -> int | None:
+        """Admit a request whose first `num_tokens` tokens' KV will be pulled from a peer.
+
+        Takes this engine's cached prefix (by hash) and allocates the rest. Returns how many
+        leading blocks were already here, or None if the pool has no room (nothing changed).
+        """
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in flight")
+        cached = self.kv.find_imported_prefix(hashes)
+        if not self.kv.allocate_slots(req, num_tokens - len(cached) * self.kv.block_size, cached):
+            return None
+        req.status = RequestStatus.WAITING_FOR_KV
+        req.num_cached_tokens = len(cached) * self.kv.block_size
+        self._track(req)
+        self.importing[req.request_id] = req
+        return len(cached)
+
+    def activate_imported(self, request_id: str, num_tokens: int, first_token: int) -> Request | None:
+        """The KV has arrived: the request joins continuous batching after its first token."""
+        req = self.importing.pop(request_id)
+        req.num_computed_tokens = num_tokens
+        self.kv.cache_blocks(req, num_tokens)
+        req.append_token(first_token)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        status = req.check_stop(self.max_model_len)
+        if status is not None:
+            self.finish(request_id, status)
+        return req
+
+    def requeue_imported(self, request_id: str, first_token: int) -> Request:
+        """The transfer failed: compute the prompt here instead (recompute), first token kept."""
+        req = self.importing.pop(request_id)
+        self.kv.free(request_id)
+        req.append_token(first_token)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def expire(self, now: float, now_mono: float) -> list[Request]:
+        """Finish requests past their deadline (`now`, wall clock; waiting or running: a request
+        importing KV is left to its transfer timeout) and requests never admitted within
+        queue_ttl_s (`now_mono`, monotonic like arrival_time). Their blocks are freed."""
+        expired = []
+        if self._num_deadlines:
+            for req in [*self.waiting, *self.running]:
+                if req.ctx.deadline is not None and now >= req.ctx.deadline:
+                    req.error = f"deadline exceeded after {req.num_output_tokens} output tokens"
+                    expired.append(self.finish(req.request_id, RequestStatus.FINISHED_DEADLINE))
+        if self.queue_ttl_s is not None and now_mono >= self._next_ttl_check:
+            self._next_ttl_check = now_mono + min(0.1, self.queue_ttl_s / 10)  # not every step: it scans the queue
+            cutoff = now_mono - self.queue_ttl_s
+            for req in [r for r in self.waiting if r.num_cached_tokens < 0 and r.arrival_time <= cutoff]:
+                req.error = f"not admitted within the queue time-to-live ({self.queue_ttl_s:g} s): overloaded"
+                expired.append(self.finish(req.request_id, RequestStatus.FINISHED_REJECTED))
+        return expired
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decoding + prefilling:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, n, scheduled, out):
+                continue
+            out.chunks.append(self._chunk(req, req.num_computed_tokens, n))
+            scheduled.add(req.request_id)
+            budget -= n
+
+        over_budget: set[str] = set()
+        held: dict[str, int] | None = None  # blocks per tenant, computed when a budget applies
+        while budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting.peek(over_budget)
+            if req is None:
+                break
+            tenant = req.ctx.tenant
+            if req.ctx.kv_budget < 1.0:
+                held = held if held is not None else self._blocks_by_tenant()
+                need = cdiv(req.num_tokens, self.kv.block_size)
+                # a tenant holding nothing may always start one request (else a small budget starves it)
+                if held.get(tenant, 0) and held[tenant] + need > req.ctx.kv_budget * self.kv.num_blocks:
+                    over_budget.add(tenant)
+                    continue
+            cached = self.kv.find_cached_prefix(req)
+            num_cached = len(cached) * self.kv.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, n, cached):
+                break
+            self.waiting.remove(req)
+            if held is not None:
+                held[tenant] = held.get(tenant, 0) + len(self.kv.block_ids(req.request_id))
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(self._chunk(req, num_cached, n))
+            scheduled.add(req.request_id)
+            budget -= n
+        for chunk in out.chunks:
+            self.waiting.charge(chunk.request.ctx, chunk.num_tokens)
+        return out
+
+    def _blocks_by_tenant(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for req in [*self.running, *self.importing.values()]:
+            held[req.ctx.tenant] = held.get(req.ctx.tenant, 0) + len(self.kv.block_ids(req.request_id))
+        return held
+
+    @staticmethod
+    def _chunk(req: Request, start: int, n: int) -> ScheduledChunk:
+        return ScheduledChunk(req, start, n, start + n == req.num_tokens)
+
+    def _allocate_or_preempt(
+        self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput
+    ) -> bool:
+        while not self.kv.allocate_slots(req, n):
+            # lowest class first, then the latest admitted; `req` itself only when its class is lowest
+            candidates = [(r.ctx.priority, i, r) for i, r in enumerate(self.running)
+                          if r.request_id not in scheduled and r is not req]
+            victim = max([*candidates, (req.ctx.priority, -1, req)], key=lambda v: v[:2])[2]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply one step's results. Returns the requests that finished in it."""
+        finished = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.status != RequestStatus.RUNNING:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if chunk.samples:
+                req.append_token(sampled[req.request_id])
+                status = req.check_stop(self.max_model_len)
+                if status is not None:
+                    self.finish(req.request_id, status)
+                    finished.append(req)
+        return finished
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        holders = self.kv.holders()
+        allowed = {r.request_id for r in self.running} | set(self.importing) | set(self.leased)
+        if not holders <= allowed:
+            raise AssertionError(f"blocks held by requests neither running, importing nor leased: "
+                                 f"{holders - allowed}")

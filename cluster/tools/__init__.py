@@ -1,0 +1,1 @@
+"""Aside: benchmarks and the load generator (`pdserve bench`). No serving code imports them."""

@@ -1,0 +1,162 @@
+"""Engine throughput against transformers on the same checkpoint, in one run.
+
+    python -m cluster.tools.bench.engine [--concurrency 1 8 32] [--output-tokens 128]
+
+For each concurrency C, C requests (prompt lengths uniform in [32, 512], 128 output tokens,
+greedy, EOS ignored) are submitted at once to each arm:
+  - pdserve: LLMEngine.generate (continuous batching, paged KV, chunked prefill)
+  - hf-cb:   transformers `generate_batch` (its continuous batching)
+  - hf:      transformers `generate` on the padded batch (left padding)
+Only generation is timed (model loading and a warm-up are not). Prints output tokens/s per arm,
+the ratios, and pdserve's fraction of the CPU matmul roofline: 2 * params FLOP per generated
+token against a measured fp32 matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.model.init_model import init_model
+from cluster.engine.sampling_params import SamplingParams
+
+MODEL_SHAPE = dict(layers=12, hidden=512, heads=8, kv_heads=2, intermediate=1408, vocab=32000,
+                   tie_embeddings=True, max_positions=1024)
+
+
+def ensure_bench_model(model_dir: str | Path, min_positions: int = 0) -> Path:
+    """The ~50M benchmark checkpoint, written once; its context stretched to min_positions."""
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        init_model(d, **MODEL_SHAPE)
+    cfg = json.loads((d / "config.json").read_text())
+    if cfg["max_position_embeddings"] < min_positions:
+        cfg["max_position_embeddings"] = min_positions
+        (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    return d
+
+
+def make_prompts(n: int, seed: int, lo: int = 32, hi: int = 512, vocab: int = 32000) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
+
+
+def run_pdserve(engine: LLMEngine, prompts, out_tokens: int) -> tuple[float, list[list[int]]]:
+    sp = SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = engine.generate(prompts, sp)
+    dt = time.perf_counter() - t
+    assert all(o.finish_reason == "length" for o in outs), {o.finish_reason for o in outs}
+    return dt, [o.token_ids for o in outs]
+
+
+def run_hf_cb(model, prompts, out_tokens: int, budget: int) -> tuple[float, list[list[int]]]:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=out_tokens, do_sample=False, eos_token_id=None)
+    cb = ContinuousBatchingConfig(num_blocks=4 * len(prompts) + 8, page_size=256, max_batch_tokens=budget)
+    t = time.perf_counter()
+    outs = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb, warmup=False)
+    dt = time.perf_counter() - t
+    return dt, [outs[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+
+def run_hf(model, prompts, out_tokens: int) -> tuple[float, list[list[int]]]:
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = 1
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=out_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    dt = time.perf_counter() - t
+    return dt, out[:, longest:].tolist()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=".bench/llama-50m")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=1024, help="tokens per step, both continuous batchers")
+    ap.add_argument("--arms", nargs="+", default=["pdserve", "hf-cb", "hf"])
+    ap.add_argument("--json", help="write results here")
+    args = ap.parse_args(argv)
+
+    d = ensure_bench_model(args.model_dir)
+    engine = LLMEngine.from_model(str(d), num_blocks=4096, max_num_batched_tokens=args.budget)
+    params = sum(p.numel() for p in engine.model.parameters())
+    hf = None
+    if {"hf-cb", "hf"} & set(args.arms):
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    peak = matmul_gflops()
+    print(f"model: {params / 1e6:.1f}M params, fp32, {torch.get_num_threads()} threads; "
+          f"matmul roofline {peak:.1f} GFLOP/s (2048^3 fp32)")
+
+    warm = make_prompts(2, seed=99)
+    run_pdserve(engine, warm, 4)
+    if hf is not None:
+        run_hf(hf, warm, 4)
+
+    results = []
+    for c in args.concurrency:
+        prompts = make_prompts(c, seed=c)
+        row = {"concurrency": c, "output_tokens": c * args.output_tokens}
+        ref = None
+        for arm in args.arms:
+            if arm == "pdserve":
+                dt, toks = run_pdserve(engine, prompts, args.output_tokens)
+            elif arm == "hf-cb":
+                dt, toks = run_hf_cb(hf, prompts, args.output_tokens, args.budget)
+            else:
+                dt, toks = run_hf(hf, prompts, args.output_tokens)
+            row[arm] = c * args.output_tokens / dt
+            ref = ref or toks
+            row[f"{arm}_matches_pdserve"] = sum(a == b for a, b in zip(toks, ref))
+        if "pdserve" in row:
+            # Output tokens only (the issue's figure), and all tokens the engine computed
+            # (prompt + output): the second says how close the engine is to the hardware.
+            prompt_tokens = sum(len(p) for p in prompts)
+            row["roofline_fraction"] = row["pdserve"] * 2 * params / (peak * 1e9)
+            row["roofline_fraction_all_tokens"] = row["roofline_fraction"] * (
+                1 + prompt_tokens / row["output_tokens"])
+            row["ceiling_tok_s"] = peak * 1e9 / (2 * params * (1 + prompt_tokens / row["output_tokens"]))
+        results.append(row)
+        line = f"C={c:>3}: " + "  ".join(f"{a} {row[a]:8.1f} tok/s" for a in args.arms if a in row)
+        for a in args.arms:
+            if a != "pdserve" and a in row and "pdserve" in row:
+                line += f"  pdserve/{a} {row['pdserve'] / row[a]:5.2f}x"
+        line += "  same tokens: " + ", ".join(
+            f"{a} {row[f'{a}_matches_pdserve']}/{c}" for a in args.arms if a != "pdserve")
+        if "roofline_fraction" in row:
+            line += (f"  roofline {100 * row['roofline_fraction']:.0f}% of output-token FLOP, "
+                     f"{100 * row['roofline_fraction_all_tokens']:.0f}% counting prompt tokens "
+                     f"(a roofline engine: {row['ceiling_tok_s']:.0f} tok/s)")
+        print(line, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""KV transfer throughput over NIXL between two OS processes, against memcpy in one process.
+
+    python -m cluster.tools.bench.kv_transfer [--lengths 128 512 1024 2048 4096] [--bulk-mib 256]
+
+Part 1 (engines): a prefill engine in a child process prefills each prompt; this process's
+decode engine pulls all of its blocks (own prefix cache emptied first) with one NIXL READ. For
+each length: bytes moved, pull time and bandwidth, a torch copy of the same number of bytes in
+this process from cold memory (the memcpy arm; see memcpy_gbps) and the ratio, the cache-hot copy
+beside it, descriptors per block, and the prefill time of the same prompt beside the transfer.
+Part 2 (bulk): one contiguous region (default 256 MiB) registered in both processes and pulled
+as one descriptor, against a torch copy of the same size.
+Only the pull is timed (post + completion), never the handshake: each peer is warmed up first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+import tempfile
+
+import torch
+
+from cluster.tools.bench.engine import ensure_bench_model
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.sampling_params import SamplingParams
+from decode.engine import DecodeEngine
+from kv_transfer.layout import engine_layout
+from cluster.tools.local_peer import PrefillProcess
+from kv_transfer.metadata_store import FileMetadataStore
+from kv_transfer.transport import NixlTransport
+from kv_transfer.transports import available_transports
+
+
+def memcpy_gbps(nbytes: int, reps: int = 7, cold: bool = False) -> float:
+    """Median torch copy of `nbytes` between two pre-touched tensors in this process.
+
+    hot: the same buffers every time (after the first copy they sit in cache when they fit).
+    cold: a different window of two 512 MiB arenas each time, so the bytes come from DRAM, as a
+    pull's do (the prefill process wrote them, not this core)."""
+    if not cold:
+        src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+        dst = torch.empty_like(src).fill_(0.0)  # touch the pages: no first-touch faults in the timing
+        dst.copy_(src)
+        return nbytes / statistics.median(_timed(lambda: dst.copy_(src)) for _ in range(reps)) / 1e9
+    arena = max(512 * 2**20, 2 * nbytes) // 4
+    src = torch.empty(arena, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty(arena, dtype=torch.float32).fill_(0.0)
+    n = nbytes // 4
+    windows = [(i * n) % (arena - n) for i in range(reps + 1)]
+    times = []
+    for i, off in enumerate(windows):
+        dt = _timed(lambda: dst[off:off + n].copy_(src[off:off + n]))
+        if i:
+            times.append(dt)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bench_engines(model_dir: str, lengths: list[int], store: Path, reps: int, threads: int) -> list[dict]:
+    max_len = max(lengths)
+    blocks = (max_len // 16 + 2) * 2
+    prefill = PrefillProcess(model_dir, store, engine_id=f"bench-prefill-{threads}", nixl_threads=threads, num_blocks=blocks,
+                             max_num_batched_tokens=1024, max_model_len=max_len + 8)
+    engine = LLMEngine.from_model(model_dir, num_blocks=blocks, max_num_batched_tokens=1024, max_model_len=max_len + 8)
+    transport = NixlTransport(f"bench-decode-{threads}", engine.kv_cache, engine_layout(engine),
+                              FileMetadataStore(store), telemetry=True, num_threads=threads)
+    decode = DecodeEngine(engine, transport, transfer_timeout_s=60)
+    sp = SamplingParams(max_tokens=1 + 1, temperature=0, ignore_eos=True)
+    rows = []
+    try:
+        _pull_once(prefill, decode, [1] * 64, sp, "warm")
+        for n in lengths:
+            samples, prefill_s = [], []
+            for r in range(reps):
+                prompt = [(n * 31 + r * 7 + i * 13) % 250 for i in range(n)]  # fresh each rep: no cache hits
+                dt_pull, dt_prefill, nbytes, nblocks, ndesc = _pull_once(prefill, decode, prompt, sp, f"{n}-{r}")
+                samples.append(dt_pull)
+                prefill_s.append(dt_prefill)
+            pull = statistics.median(samples)
+            cold, hot = memcpy_gbps(nbytes, cold=True), memcpy_gbps(nbytes)
+            rows.append({"tokens": n, "bytes": nbytes, "blocks": nblocks, "descriptors": ndesc,
+                         "pull_ms": pull * 1e3, "nixl_gbps": nbytes / pull / 1e9, "memcpy_gbps": cold,
+                         "memcpy_hot_gbps": hot, "ratio": nbytes / pull / 1e9 / cold,
+                         "prefill_ms": statistics.median(prefill_s) * 1e3})
+    finally:
+        transport.close()
+        prefill.close()
+    return rows
+
+
+def _pull_once(prefill, decode, prompt, sp, rid):
+    decode.engine.kv.pool.reset_cache()  # pull every block: nothing reused
+    t = time.perf_counter()
+    res = prefill.prefill(rid, prompt, sp)
+    dt_prefill = time.perf_counter() - t
+    st = decode.transport.stats
+    before = (st.pulls_ok, st.bytes_pulled, st.blocks_pulled, st.descriptors_used)
+    decode.submit(rid, prompt, sp, res.handle)
+    while decode.has_unfinished():
+        decode.step()
+    assert st.pulls_ok == before[0] + 1, "the pull did not complete"
+    return (st.last_pull_s, dt_prefill, st.bytes_pulled - before[1], st.blocks_pulled - before[2],
+            st.descriptors_used - before[3])
+
+
+def _bulk_peer(conn, nbytes: int, threads: int):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent("bulk-src", nixl_agent_config(backends=["UCX"], num_threads=threads))
+    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(3.0)
+    agent.register_memory(src)
+    conn.send((agent.get_agent_metadata(), src.data_ptr()))
+    conn.recv()  # until told to exit
+
+
+def bench_bulk(nbytes: int, reps: int, threads: int) -> dict:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_bulk_peer, args=(child, nbytes, threads), daemon=True)
+    proc.start()
+    md, remote_addr = parent.recv()
+    agent = nixl_agent(f"bulk-dst-{threads}", nixl_agent_config(backends=["UCX"], num_threads=threads))
+    dst = torch.zeros(nbytes // 4, dtype=torch.float32)
+    agent.register_memory(dst)
+    name = agent.add_remote_agent(md)
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(dst.data_ptr(), nbytes, 0)], "DRAM")
+    remote = agent.prep_xfer_dlist(name, [(remote_addr, nbytes, 0)], "DRAM")
+    times = []
+    dst.fill_(0.0)
+    for i in range(reps + 1):
+        t = time.perf_counter()
+        h = agent.make_prepped_xfer("READ", local, [0], remote, [0])
+        state = agent.transfer(h)
+        while state != "DONE":
+            state = agent.check_xfer_state(h)
+            assert state != "ERR"
+        dt = time.perf_counter() - t
+        agent.release_xfer_handle(h)
+        if i:  # the first one sets up the connection
+            times.append(dt)
+    assert bool((dst == 3.0).all()), "bulk READ moved the wrong bytes"
+    parent.send("exit")
+    proc.join(10)
+    nixl = nbytes / statistics.median(times) / 1e9
+    copy = memcpy_gbps(nbytes)
+    return {"bytes": nbytes, "nixl_gbps": nixl, "memcpy_gbps": copy, "ratio": nixl / copy}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=".bench/llama-50m")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096])
+    ap.add_argument("--bulk-mib", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--nixl-threads", type=int, nargs="+", default=[0],
+                    help="UCX backend progress threads (0 = NIXL's default); one run per value")
+    args = ap.parse_args(argv)
+    d = ensure_bench_model(args.model_dir, max(args.lengths) + 8)
+    print(f"UCX transports available: {', '.join(available_transports())}; torch threads {torch.get_num_threads()}")
+    for threads in args.nixl_threads:
+        with tempfile.TemporaryDirectory() as store:
+            rows = bench_engines(str(d), args.lengths, Path(store), args.reps, threads)
+        print(f"\nNIXL num_threads={threads}")
+        print(f"{'tokens':>6} {'MiB':>7} {'blocks':>6} {'desc/blk':>8} {'pull ms':>8} {'NIXL GB/s':>9} "
+              f"{'memcpy GB/s':>11} {'ratio':>6} {'hot memcpy':>10} {'prefill ms':>10}")
+        for r in rows:
+            print(f"{r['tokens']:>6} {r['bytes'] / 2**20:>7.2f} {r['blocks']:>6} "
+                  f"{r['descriptors'] / r['blocks']:>8.2f} {r['pull_ms']:>8.2f} {r['nixl_gbps']:>9.2f} "
+                  f"{r['memcpy_gbps']:>11.2f} {r['ratio']:>6.2f} {r['memcpy_hot_gbps']:>10.2f} "
+                  f"{r['prefill_ms']:>10.1f}")
+        if args.bulk_mib:
+            b = bench_bulk(args.bulk_mib * 2**20, args.reps, threads)  # 256 MiB: cache plays no part
+            print(f"bulk {args.bulk_mib} MiB, one descriptor: NIXL {b['nixl_gbps']:.2f} GB/s, "
+                  f"memcpy {b['memcpy_gbps']:.2f} GB/s, ratio {b['ratio']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""Routing on a shared-prefix workload: the cost router against round robin and power of two.
+
+    python -m cluster.tools.bench.routing [--requests 64] [--concurrency 4]
+
+One deployment per arm, fresh caches, same machine and checkpoint (the ~50M bench model): 2 prefill
+replicas + 1 decode replica. Workload: 8 system prompts of 1024 tokens, each request one of them
+(seeded order) + a fresh 64-token suffix, 8 output tokens, closed loop at --concurrency. The
+prefill pools hold 5 of the 8 prefixes each (so one replica cannot hold them all). The first 8
+requests (one per prefix) are warm-up. Control: the same number of requests with no sharing
+(unique prompts of the same length), cost router against round robin, where routing cannot help.
+Printed per arm: TTFT p50/p90, engine-observed prefix hit rate (cached prompt tokens reported in
+usage / shared prefix tokens), throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import random
+import time
+
+from cluster.tools.bench.engine import ensure_bench_model
+
+SYSTEM_TOKENS, SUFFIX_TOKENS, OUTPUT_TOKENS = 1024, 64, 8
+
+
+def workload(n: int, shared: bool, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    systems = [[rng.randrange(32000) for _ in range(SYSTEM_TOKENS)] for _ in range(8)]
+    prompts = []
+    for i in range(n):
+        head = systems[i % 8] if (shared and i < 8) else (systems[rng.randrange(8)] if shared else
+                                                             [rng.randrange(32000) for _ in range(SYSTEM_TOKENS)])
+        prompts.append(head + [rng.randrange(32000) for _ in range(SUFFIX_TOKENS)])
+    return prompts
+
+
+def _wait_for_replicas(n: int, timeout: float = 30.0) -> None:
+    import ray
+
+    from router.actor import get_router
+
+    deadline = time.monotonic() + timeout
+    while len(ray.get(get_router().live_loads.remote())) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fewer than {n} replicas reported to the router in {timeout}s")
+        time.sleep(0.1)
+
+
+def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency: int, warmup: int) -> dict:
+    import grpc
+    import ray
+    from ray import serve
+
+    import cluster.app.builder as serve_app
+    from cluster.config import AppConfig
+    from cluster.tools.netutil import free_port
+    from protos.pdserve.v1 import generation_pb2 as pb
+    from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+    blocks_per_prefix = SYSTEM_TOKENS // 16
+    cfg = AppConfig(
+        model=model_dir, http_port=free_port(), grpc_port=free_port(), graceful_shutdown_timeout_s=1.0,
+        prefill={"num_replicas": 2, "engine": {"num_blocks": 5 * blocks_per_prefix + 2 * 70,
+                                               "max_num_batched_tokens": 1024}},
+        decode={"engine": {"num_blocks": 8 * blocks_per_prefix + concurrency * 70 + 64}},
+        engine={"max_num_batched_tokens": 1024}, routing={"strategy": strategy},
+    )
+    ray.init(num_cpus=serve_app.cpus_needed(cfg) + 2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve_app.start(cfg)
+        channel = grpc.insecure_channel(f"localhost:{cfg.grpc_port}")
+        stub = pb_grpc.GenerationStub(channel)
+        _wait_for_replicas(3)  # decisions need every replica's load report
+
+        def one(p):
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
+                max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True))
+            t0 = time.perf_counter()
+            ttft, last = None, None
+            for resp in stub.Generate(req, timeout=600):
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                last = resp
+            return ttft, last.usage.cached_prompt_tokens, last.usage.completion_tokens
+
+        for p in prompts[:warmup]:
+            one(p)
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(one, prompts[warmup:]))
+        wall = time.perf_counter() - t0
+        channel.close()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    ttfts = sorted(r[0] for r in results)
+    q = lambda f: ttfts[min(len(ttfts) - 1, int(f * len(ttfts)))]  # noqa: E731
+    return {"ttft_p50": q(0.5), "ttft_p90": q(0.9),
+            "hit_rate": sum(r[1] for r in results) / (SYSTEM_TOKENS * len(results)),
+            "req_s": len(results) / wall, "tok_s": sum(r[2] for r in results) / wall}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-dir", default=".bench/llama-50m")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--arms", nargs="+", default=["cost", "round_robin", "power_of_two"])
+    ap.add_argument("--no-control", action="store_true")
+    args = ap.parse_args(argv)
+    d = str(ensure_bench_model(args.model_dir, SYSTEM_TOKENS + SUFFIX_TOKENS + OUTPUT_TOKENS + 8))
+
+    def show(label, r):
+        print(f"{label:<28} TTFT p50 {r['ttft_p50'] * 1e3:7.0f} ms  p90 {r['ttft_p90'] * 1e3:7.0f} ms  "
+              f"hit rate {100 * r['hit_rate']:5.1f}%  {r['req_s']:.2f} req/s  {r['tok_s']:.1f} tok/s", flush=True)
+
+    shared = workload(args.requests, shared=True, seed=1)
+    results = {}
+    for arm in args.arms:
+        results[arm] = run_arm(d, arm, shared, args.concurrency, warmup=8)
+        show(f"shared prefixes, {arm}", results[arm])
+    if "cost" in results:
+        for arm in results:
+            if arm != "cost":
+                print(f"TTFT p50 {arm} / cost = {results[arm]['ttft_p50'] / results['cost']['ttft_p50']:.2f}x")
+    if not args.no_control:
+        control = workload(max(16, args.requests // 4), shared=False, seed=2)
+        ctl = {arm: run_arm(d, arm, control, args.concurrency, warmup=0) for arm in ("cost", "round_robin")}
+        for arm, r in ctl.items():
+            show(f"no sharing (control), {arm}", r)
+        print(f"control: TTFT p50 cost / round robin = {ctl['cost']['ttft_p50'] / ctl['round_robin']['ttft_p50']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""Drives one run on a single asyncio loop: sessions start at their arrival offsets, at most
+`max_concurrency` requests are in flight (the rest wait on the client, and that wait is recorded),
+the turns of a session run one after another, and the whole run stops at `duration_s`: nothing
+new starts after it and requests still streaming then are cancelled and counted as incomplete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from cluster.tools.loadgen.clients import Answer, Client
+from cluster.tools.loadgen.datasets import Prompt, Session, Turn
+from cluster.tools.loadgen.records import RequestRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunOutcome:
+    records: list[RequestRecord]  # in the order they were sent
+    started_at: float  # perf_counter at the run's start (arrival offsets count from here)
+    duration_s: float  # start -> last request done, or the time bound
+    planned: int  # requests the sessions hold
+    hit_time_bound: bool
+
+    @property
+    def not_sent(self) -> int:
+        """Planned requests never sent: due after the time bound, or after a failed turn."""
+        return self.planned - len(self.records)
+
+
+def answer_as_prompt(prompt: Prompt, answer: Answer) -> Prompt:
+    """The answer in the prompt's form, to extend a conversation."""
+    if prompt.token_ids is not None:
+        if answer.token_ids is None:
+            raise ValueError("this API streams text only: multi-turn token-id sessions need the gRPC backend")
+        return Prompt(token_ids=answer.token_ids)
+    return Prompt(text=answer.text)
+
+
+class Runner:
+    def __init__(self, client: Client, max_concurrency: int | None = None, progress: bool = True):
+        self.client = client
+        self.max_concurrency = max_concurrency
+        self.progress = progress
+
+    def _limit(self):
+        return asyncio.Semaphore(self.max_concurrency) if self.max_concurrency else contextlib.nullcontext()
+
+    async def warmup(self, turns: Sequence[Turn]) -> list[RequestRecord]:
+        """Send `turns` as independent requests (all due at once, under the concurrency cap)."""
+        limit = self._limit()
+
+        async def one(i: int, turn: Turn) -> RequestRecord:
+            rec = RequestRecord(i, i, 0, time.perf_counter(), turn.max_tokens, turn.prompt.num_tokens)
+            async with limit:
+                await self.client.generate(turn.prompt, rec)
+            return rec
+
+        return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(turns))))
+
+    async def run(self, sessions: Sequence[Session], offsets: Sequence[float], duration_s: float) -> RunOutcome:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        planned = sum(s.num_requests for s in sessions)
+        records: list[RequestRecord] = []
+        limit = self._limit()
+        bar = tqdm(total=planned, disable=not self.progress, unit="req", desc="pdserve bench")
+        tasks: list[asyncio.Task] = []
+        started = time.perf_counter()
+        end = started + duration_s
+
+        async def session(sid: int, s: Session, due: float) -> None:
+            context: Prompt | None = None
+            for k, turn in enumerate(s.turns):
+                prompt = turn.prompt if context is None else context + turn.prompt
+                rec = RequestRecord(-1, sid, k, due, turn.max_tokens, prompt.num_tokens)
+                async with limit:
+                    rec.index = len(records)
+                    records.append(rec)
+                    try:
+                        answer = await self.client.generate(prompt, rec)
+                    except Exception as e:  # noqa: BLE001 — a client-side failure fails the request, not the run
+                        log.exception("request %d failed on the client", rec.index)
+                        rec.fail("CLIENT_ERROR", f"{type(e).__name__}: {e}")
+                        answer = None
+                bar.update(1)
+                if answer is None:
+                    return  # a failed turn ends its session
+                if k + 1 < len(s.turns):
+                    context = prompt + answer_as_prompt(prompt, answer)
+                due = time.perf_counter()
+
+        async def dispatch() -> None:
+            for sid, (s, offset) in enumerate(zip(sessions, offsets)):
+                due = started + offset
+                if due >= end:
+                    return
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(session(sid, s, due)))
+
+        try:
+            await asyncio.wait_for(dispatch(), timeout=max(0.0, end - time.perf_counter()))
+        except asyncio.TimeoutError:
+            pass
+        pending: set[asyncio.Task] = set()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, end - time.perf_counter()))
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        duration = min(time.perf_counter(), end) - started
+        bar.close()
+        errors = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
+        if errors:  # a bug in the load generator, not a failed request: stop loudly
+            raise errors[0]
+        for rec in records:
+            if rec.status == "pending":
+                rec.status = "incomplete"
+        return RunOutcome(records, started, duration, planned, hit_time_bound=bool(pending) or len(tasks) < len(sessions))

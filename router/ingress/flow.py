@@ -1,0 +1,324 @@
+"""One request's path through the pools, independent of the API that carried it in.
+
+    prefill replica: prompt -> first token + KVHandle      (sent to the client at once)
+    decode replica:  KVHandle -> pull missing blocks -> the rest of the tokens, streamed
+
+With no prefill replica (or a failed prefill) the decode replica prefills locally. Text is
+detokenized here, over the whole stream, so the first token's text and the rest join up.
+
+Before any of it, admission (router/ingress/admission.py) decides whether the tenant's request runs,
+and gives it the RequestContext both engines schedule it by (priority, fair share, KV budget,
+cache salt, deadline). Engines end a request at its deadline themselves ("deadline"), and
+refuse work when their queues are full or a request waited past its time-to-live ("rejected").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Sequence
+
+from cluster.config import AppConfig
+from cluster.engine.llm_engine import RequestOutput
+from cluster.errors import QueueFullError
+from cluster.engine.kv_cache import extend_salt, hash_request_blocks
+from cluster.engine.model_config import ModelConfig
+from cluster.engine.request import RequestContext
+from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from cluster.engine.validation import RequestValidator
+from router.ingress.admission import DEFAULT_TENANT, Admission, Quotas
+from router.ingress.status import Rejected, ServingError
+
+log = logging.getLogger(__name__)
+
+OVERLOAD_RETRY_S = 1.0  # retry-after for an engine's refusal (full queue, queue time-to-live)
+
+
+@dataclass
+class Delta:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+def make_validator(config: AppConfig) -> RequestValidator:
+    """What the ingress needs to reject bad input before any replica sees it (no weights)."""
+    from cluster.engine.llm_engine import kv_block_bytes  # noqa: PLC0415
+
+    model_dir = config.model
+    mc = ModelConfig.from_dir(model_dir)
+    tok = Tokenizer(model_dir)
+    max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    pools = ["prefill", "decode"] if config.has_prefill_pool else ["decode"]
+    num_blocks = min(_num_blocks(config, p, kv_block_bytes(mc, config.engine_for(p))) for p in pools)
+    eos = mc.eos_token_ids or tuple(
+        t for t in [tok.token_to_id(tok.config.get("eos_token"))] if t is not None)
+    return RequestValidator(tok, mc.vocab_size, max_len, config.engine.block_size, num_blocks, eos)
+
+
+def _num_blocks(config: AppConfig, pool: str, block_bytes: int) -> int:
+    opts = config.engine_for(pool)
+    return opts.num_blocks or int(opts.kv_cache_memory_gb * 2**30 // block_bytes)
+
+
+def _local_quotas():
+    quotas = Quotas()
+
+    async def take(*args):
+        return quotas.take(*args)
+
+    return take
+
+
+class _ReplicaDied(Exception):
+    """The decode replica serving a leg was lost (the request may migrate)."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _ended(rid: str, reason: str, error: str | None, sent: int) -> ServingError:
+    """The error for a request an engine ended without finishing it."""
+    if reason == "deadline":
+        return ServingError("DEADLINE_EXCEEDED", f"request {rid}: {error or 'deadline exceeded'}")
+    if reason == "rejected":
+        return Rejected(f"request {rid}: {error or 'overloaded'}", OVERLOAD_RETRY_S)
+    return ServingError("ABORTED" if sent else "INTERNAL", f"request {rid} failed after {sent} tokens: {error}")
+
+
+class RequestFlow:
+    def __init__(self, config: AppConfig, prefill_handle, decode_handle, router=None,
+                 route_timeout_s: float = 0.5, admission: Admission | None = None, telemetry=None):
+        self.config = config
+        self.admission = admission or Admission(config, _local_quotas())
+        self.validator = make_validator(config)
+        self.tokenizer: Tokenizer = self.validator.tokenizer
+        self.prefill = prefill_handle  # None: no prefill pool
+        self.decode = decode_handle
+        self.router = router  # None: Serve's own replica choice
+        self.route_timeout_s = route_timeout_s
+        self.telemetry = telemetry  # IngressTelemetry (router/ingress/telemetry.py): routing decisions; None: off
+        self.max_migrations = config.fault_tolerance.max_migrations
+        mc = ModelConfig.from_dir(config.model)
+        self.salt = mc.fingerprint().encode()  # the engines' block-hash salt, before a tenant's part
+        self.block_size = config.engine.block_size
+
+    async def generate(
+        self,
+        prompt: str | None,
+        prompt_token_ids: Sequence[int] | None,
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        tenant: str = DEFAULT_TENANT,
+        deadline: float | None = None,
+        trace_context: tuple[tuple[str, str], ...] = (),
+    ) -> AsyncIterator[Delta]:
+        """Raises InvalidRequestError (bad input) or Rejected (admission) before the first delta;
+        ServingError on failures. `deadline` is wall-clock time (time.time()); `trace_context` is
+        the ingress span's (router/ingress/telemetry.py), carried to both pools in the RequestContext."""
+        rid = request_id or uuid.uuid4().hex
+        req = self.validator.make_request(rid, prompt, prompt_token_ids, sampling)
+        ticket = await self.admission.admit(tenant, req.num_prompt_tokens, sampling.max_tokens, deadline)
+        ctx = replace(ticket.ctx, trace_context=trace_context) if trace_context else ticket.ctx
+        completion = 0
+        try:
+            async for d in self._run(rid, req.prompt_token_ids, sampling, ctx):
+                completion = d.completion_tokens
+                yield d
+        finally:
+            ticket.done(completion)
+
+    async def _run(self, rid: str, ids: list[int], sampling: SamplingParams,
+                   ctx: RequestContext) -> AsyncIterator[Delta]:
+        detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
+        generated: list[int] = []  # every token sent to the client, in order
+        cached = 0
+        kv_handle = None
+
+        def delta(tokens: list[int], final_reason: str | None) -> Delta:
+            for t in tokens:
+                detok.add(t)
+            generated.extend(tokens)
+            reason = "stop" if detok.stopped else final_reason
+            return Delta(rid, detok.take(final=reason is not None), tokens, reason, len(ids), len(generated), cached)
+
+        decision = await self._route(ids, ctx)
+        if decision is not None:
+            self._check_queue_wait(rid, decision.queue_wait_s, ctx)
+        decode_target = decision.decode if decision else None
+        local = decision is not None and decision.mode == "local"
+        if self.prefill is not None and not local:
+            result = await self._prefill(rid, ids, sampling, ctx, decision.prefill if decision else None)
+            if result is not None:
+                cached = result.num_cached_tokens
+                if result.handle is None:  # the first token ends it
+                    yield delta([result.first_token], result.finish_reason)
+                    return
+                kv_handle = result.handle
+                d = delta([kv_handle.first_token], None)
+                yield d
+                if d.finish_reason is not None:  # a stop string in the first token's text
+                    await self._release(rid)
+                    return
+        # The decode leg. If its replica dies, the request migrates: another decode replica gets
+        # the prompt plus every token sent so far (prefilled there) and produces the rest, so the
+        # client's stream goes on without a gap or a repeat (greedy output is identical; a seeded
+        # sampler restarts its random stream at the migration).
+        leg_rid, leg_ids, leg_sampling = rid, ids, sampling
+        for migration in range(self.max_migrations + 1):
+            if migration:
+                leg_rid = f"{rid}.m{migration}"
+                leg_ids = list(ids) + generated
+                leg_sampling = replace(sampling, max_tokens=sampling.max_tokens - len(generated),
+                                       min_tokens=max(0, sampling.min_tokens - len(generated)))
+                log.warning("decode replica of %s died after %d tokens; migrating (%d of %d)",
+                            rid, len(generated), migration, self.max_migrations)
+            try:
+                async for d in self._decode(leg_rid, leg_ids, leg_sampling, kv_handle, ctx, decode_target, delta,
+                                            len(leg_ids) - len(ids)):
+                    if kv_handle is None and migration == 0:
+                        cached = d.cached_prompt_tokens
+                    d.cached_prompt_tokens = cached  # a migrated leg's count covers tokens already sent
+                    yield d
+                    if d.finish_reason is not None:
+                        return
+            except _ReplicaDied as e:
+                kv_handle, decode_target = None, None  # the next leg prefills on its own replica
+                if not generated:
+                    # nothing sent yet: if this was the last try, it never started
+                    if migration == self.max_migrations:
+                        raise ServingError("UNAVAILABLE", f"decode failed for {rid}: {e.cause}") from e
+                    continue
+                if migration == self.max_migrations:
+                    raise ServingError("ABORTED", f"decode replica of {rid} died after {len(generated)} tokens "
+                                                  f"were sent ({self.max_migrations} migrations allowed): {e.cause}") from e
+                continue
+            raise ServingError("INTERNAL", f"decode stream for {rid} ended without a finish")
+
+    async def _decode(self, rid: str, ids: list[int], sampling: SamplingParams, kv_handle, ctx: RequestContext,
+                      target: str | None, delta, sent_before: int) -> AsyncIterator[Delta]:
+        """One decode leg: stream the replica's outputs as deltas. Raises _ReplicaDied when the
+        replica is lost (the caller migrates), ServingError for the request's own failures.
+        `sent_before`: tokens sent by earlier legs (a migrated leg's prompt carries them)."""
+        from ray.exceptions import ActorUnavailableError, RayActorError  # noqa: PLC0415
+
+        try:
+            stream = self.decode.options(stream=True).generate.remote(
+                rid, ids, sampling, kv_handle, ctx, target_replica=target)
+        except Exception as e:  # noqa: BLE001
+            raise ServingError("UNAVAILABLE", f"no decode replica: {e}") from e
+        finished = pulled = False
+        try:
+            async for out in stream:
+                out: RequestOutput
+                pulled = True
+                if out.finish_reason in ("error", "deadline", "rejected"):
+                    raise _ended(rid, out.finish_reason, out.error, sent_before + out.num_output_tokens)
+                d = delta(out.token_ids, out.finish_reason if out.finished else None)
+                if kv_handle is None:  # the prompt was computed on this replica: what its cache saved
+                    d.cached_prompt_tokens = out.num_cached_tokens
+                if d.finish_reason is not None:
+                    finished = True
+                if d.text or d.token_ids or d.finish_reason:
+                    yield d
+                if finished:
+                    return
+        except ServingError:
+            raise
+        except QueueFullError as e:  # the decode replica's queue is full (raised by its submit)
+            raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
+        except (RayActorError, ActorUnavailableError) as e:
+            raise _ReplicaDied(e) from e
+        except Exception as e:
+            raise ServingError("ABORTED" if pulled else "UNAVAILABLE", f"decode failed for {rid}: {e}") from e
+        finally:
+            if not finished:
+                stream.cancel()
+            if kv_handle is not None and not pulled:
+                await self._release(rid)  # only the first leg has a handle: its id is the request's
+
+    async def _route(self, ids: list[int], ctx: RequestContext):
+        """One router call per request; any failure (router down, slow, no replicas known yet)
+        falls back to Serve's own choice (power of two on local load)."""
+        if self.router is None:
+            return None
+        hashes = hash_request_blocks(ids, self.block_size, extend_salt(self.salt, ctx.cache_salt))
+        started = time.monotonic()
+        try:
+            decision = await asyncio.wait_for(self.router.route.remote(hashes, len(ids)), self.route_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            log.debug("routing fell back to Serve's choice: %s", e)
+            decision = None
+        if self.telemetry is not None:
+            self.telemetry.routed(decision, started, len(ids), ctx)
+        return decision
+
+    def _check_queue_wait(self, rid: str, wait_s: float, ctx: RequestContext) -> None:
+        """Refuse at once work that would wait longer than the server's bound or the request's deadline."""
+        limit = self.config.admission.max_queue_wait_s
+        remaining = ctx.remaining_s()
+        if limit is not None and wait_s > limit:
+            raise Rejected(f"request {rid}: predicted queue wait {wait_s:.2f} s exceeds max_queue_wait_s "
+                           f"{limit:g}: overloaded", wait_s - limit, reason="queue_wait")
+        if remaining is not None and wait_s > remaining:
+            raise Rejected(f"request {rid}: predicted queue wait {wait_s:.2f} s exceeds the {remaining:.2f} s "
+                           f"left before its deadline", wait_s, reason="queue_wait")
+
+    async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
+                       target: str | None):
+        call = self.prefill.prefill.remote(rid, ids, sampling, ctx, target_replica=target)
+        remaining = ctx.remaining_s()
+        try:
+            result = await (call if remaining is None else asyncio.wait_for(call, max(remaining, 0.0)))
+        except (TimeoutError, asyncio.TimeoutError) as e:  # cancelling the call aborts the prefill
+            raise ServingError("DEADLINE_EXCEEDED", f"request {rid}: deadline exceeded during prefill") from e
+        except QueueFullError as e:
+            raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
+        except Exception as e:  # noqa: BLE001 — any other prefill failure: decode prefills locally
+            log.warning("prefill of %s failed (%s); prefilling on decode", rid, e)
+            return None
+        if result.finish_reason in ("deadline", "rejected"):
+            raise _ended(rid, result.finish_reason, result.error, 0)
+        if result.finish_reason == "error":
+            log.warning("prefill of %s failed (%s); prefilling on decode", rid, result.error)
+            return None
+        return result
+
+    async def _release(self, rid: str) -> None:
+        try:
+            await self.prefill.release.remote(rid)
+        except Exception as e:  # noqa: BLE001 — the lease expires anyway
+            log.debug("release of %s: %s", rid, e)
+
+    def model_info(self) -> dict:
+        return {"id": self.config.model_name, "max_model_len": self.validator.max_model_len,
+                "vocab_size": self.validator.vocab_size}
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """Render the tokenizer's chat template (sandboxed Jinja), ready to tokenize."""
+        template = self.tokenizer.chat_template
+        if not template:
+            raise ValueError("this model has no chat template (tokenizer_config.json chat_template)")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        cfg = self.tokenizer.config
+
+        def special(name):
+            tok = cfg.get(name)
+            return tok.get("content") if isinstance(tok, dict) else (tok or "")
+
+        return env.from_string(template).render(
+            messages=messages, add_generation_prompt=True,
+            bos_token=special("bos_token"), eos_token=special("eos_token"),
+        )
+

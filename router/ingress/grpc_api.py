@@ -1,0 +1,67 @@
+"""The gRPC edge: converts between protos and the request flow. Generated code is imported here
+and in the CLI client only."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+
+from cluster.errors import InvalidRequestError
+from cluster.engine.sampling_params import SamplingParams
+from protos.pdserve.v1 import generation_pb2 as pb
+from router.ingress.flow import Delta
+
+FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+    "cancelled": pb.FINISH_REASON_CANCELLED, "error": pb.FINISH_REASON_ERROR,
+}
+
+
+def sampling_from_proto(sp: "pb.SamplingParams", default_max_tokens: int) -> SamplingParams:
+    kw = {"max_tokens": sp.max_tokens if sp.HasField("max_tokens") else default_max_tokens}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if sp.HasField(name):
+            kw[name] = getattr(sp, name)
+    if sp.HasField("max_tokens") and sp.max_tokens == 0:
+        raise InvalidRequestError("max_tokens", "must be >= 1, got 0")
+    return SamplingParams(
+        **kw, stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+    )
+
+
+def prompt_from_proto(req: "pb.GenerateRequest") -> tuple[str | None, list[int] | None]:
+    which = req.WhichOneof("prompt")
+    if which == "text":
+        return req.text, None
+    if which == "token_ids":
+        return None, list(req.token_ids.ids)
+    raise InvalidRequestError("prompt", "set text or token_ids")
+
+
+def delta_to_proto(d: Delta) -> "pb.GenerateResponse":
+    resp = pb.GenerateResponse(request_id=d.request_id, text=d.text, token_ids=d.token_ids,
+                               finish_reason=FINISH[d.finish_reason])
+    if d.finish_reason is not None:
+        resp.usage.CopyFrom(pb.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
+                                     cached_prompt_tokens=d.cached_prompt_tokens))
+    return resp
+
+
+class GrpcAbort(Exception):
+    """Raised after setting the code on Serve's gRPC context: Serve keeps a code set before a raise."""
+
+
+def fail(grpc_context, code: grpc.StatusCode, details: str, retry_after_s: float | None = None):
+    """Set the status on Serve's context, for the caller to raise. A retry-after goes in the details
+    ("retry after N s", whole seconds like HTTP's Retry-After): Serve's gRPC proxy drops trailing
+    metadata on the error path."""
+    if retry_after_s is not None:
+        details = f"{details}; retry after {retry_after_seconds(retry_after_s)} s"
+    grpc_context.set_code(code)
+    grpc_context.set_details(details)
+    return GrpcAbort(details)
+
+
+def retry_after_seconds(seconds: float) -> int:
+    return max(1, math.ceil(seconds))

@@ -1,0 +1,295 @@
+"""OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions (with SSE)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.errors import InvalidRequestError
+from cluster.engine.sampling_params import SamplingParams
+from router.ingress.status import ServingError
+from router.ingress.flow import Delta
+from router.ingress.grpc_api import retry_after_seconds
+
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "FAILED_PRECONDITION": 422,
+               "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "ABORTED": 500,
+               "INTERNAL": 500}
+ERROR_TYPE = {"NOT_FOUND": "not_found_error", "UNAUTHENTICATED": "authentication_error",
+              "RESOURCE_EXHAUSTED": "rate_limit_error", "DEADLINE_EXCEEDED": "timeout_error",
+              "FAILED_PRECONDITION": "invalid_request_error"}
+
+TIMEOUT_HEADER = "x-pdserve-timeout-s"  # the request's deadline, seconds from now (HTTP header or gRPC metadata)
+IDEMPOTENCY_HEADER = "idempotency-key"
+
+
+def parse_deadline(value: str | None) -> float | None:
+    """Wall-clock deadline from a timeout header; None without one."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise InvalidRequestError(TIMEOUT_HEADER, f"must be a positive number of seconds, got {value!r}")
+    return time.time() + seconds
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="allow")  # clients send fields we ignore (user, ...)
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+    logprobs: Any = None
+
+
+class CompletionRequest(_Req):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatRequest(_Req):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, headers=headers, content={
+        "error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+def serving_error_response(e: ServingError) -> JSONResponse:
+    retry = getattr(e, "retry_after_s", None)
+    return error_response(HTTP_STATUS.get(e.code, 500), e.message, None, ERROR_TYPE.get(e.code, "server_error"),
+                          "model_not_found" if e.code == "NOT_FOUND" else e.code.lower(),
+                          None if retry is None else {"Retry-After": str(retry_after_seconds(retry))})
+
+
+def _sampling(req: _Req, default_max_tokens: int) -> SamplingParams:
+    if req.n != 1:
+        raise InvalidRequestError("n", f"only n=1 is supported, got {req.n}")
+    if req.logprobs not in (None, False, 0):
+        raise InvalidRequestError("logprobs", "logprobs are not supported")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    kw: dict[str, Any] = {"max_tokens": default_max_tokens if max_tokens is None else max_tokens}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return SamplingParams(**kw, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
+                          ignore_eos=req.ignore_eos)
+
+
+# The replica's flow and idempotency runner. Reached through module-level functions (pickled by
+# reference), because Serve ships the ingress class, and any closure in it, to the replica by value.
+_replica: dict[str, Any] = {}
+
+
+def bind_replica(flow, idempotent, telemetry) -> None:
+    _replica["flow"], _replica["idempotent"], _replica["telemetry"] = flow, idempotent, telemetry
+
+
+def get_flow():
+    return _replica["flow"]
+
+
+def get_idempotent():
+    return _replica["idempotent"]
+
+
+def get_telemetry():
+    return _replica["telemetry"]
+
+
+def build_openai_app() -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {}
+        field = ".".join(str(p) for p in err.get("loc", ())[1:]) or "body"
+        return error_response(400, f"{field}: {err.get('msg', 'invalid')}", field)
+
+    def _check(request: Request, model: str | None):
+        """The flow and the caller's tenant; refuses an unknown key or model."""
+        flow = get_flow()  # module-level: see bind_replica
+        tenant = "unknown"
+        try:
+            tenant = flow.admission.authenticate(request.headers.get("authorization"))
+            if model and model != flow.config.model_name:
+                raise ServingError("NOT_FOUND", f"model {model!r} does not exist; this server serves "
+                                                f"{flow.config.model_name!r}")
+        except ServingError as e:
+            get_telemetry().refused(e, tenant)
+            raise
+        return flow, tenant
+
+    def _fail(e: Exception) -> JSONResponse:
+        if isinstance(e, InvalidRequestError):
+            return error_response(400, str(e), e.field)
+        if isinstance(e, ServingError):
+            return serving_error_response(e)
+        raise e
+
+    async def _serve(request: Request, body: "_Req", chat: bool):
+        """Admit, run, respond; a non-streaming request with an Idempotency-Key runs at most once."""
+        try:
+            flow, tenant = _check(request, body.model)
+            key = request.headers.get(IDEMPOTENCY_HEADER)
+            if key is None or body.stream:
+                return await _run(flow, tenant, request, body, chat)
+            fingerprint = hashlib.sha256(
+                json.dumps([request.url.path, body.model_dump(mode="json")], sort_keys=True).encode()).hexdigest()
+            result = await get_idempotent().run(
+                tenant, key, fingerprint, lambda: _run(flow, tenant, request, body, chat),
+                succeeded=lambda r: isinstance(r, dict))
+            return result
+        except Exception as e:  # noqa: BLE001
+            return _fail(e)
+
+    async def _run(flow, tenant: str, request: Request, body: "_Req", chat: bool):
+        try:
+            deadline = parse_deadline(request.headers.get(TIMEOUT_HEADER))
+            if chat:
+                messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+                try:
+                    text = flow.chat_prompt(messages)
+                except ValueError as e:
+                    raise InvalidRequestError("messages", str(e)) from e
+                prompt, ids = None, flow.tokenizer.encode(text, add_special_tokens=False)
+            else:
+                prompt, ids = _completion_prompt(body)
+                if body.echo:
+                    raise InvalidRequestError("echo", "echo is not supported")
+            sp = _sampling(body, flow.config.default_max_tokens)
+            stream = get_telemetry().generate(flow, prompt, ids, sp, tenant=tenant, deadline=deadline)
+            first = await anext(stream)  # bad input, refusals and early failures become HTTP errors here
+        except Exception as e:  # noqa: BLE001
+            return _fail(e)
+        return await _respond(flow, body, stream, first, chat=chat)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        try:
+            flow, _ = _check(request, None)
+        except Exception as e:  # noqa: BLE001
+            return _fail(e)
+        info = flow.model_info()
+        return {"object": "list", "data": [{"id": info["id"], "object": "model", "created": 0,
+                                            "owned_by": "pdserve", "max_model_len": info["max_model_len"]}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _serve(request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await _serve(request, body, chat=True)
+
+    return app
+
+
+def _text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise InvalidRequestError("messages", f"content part type {part.get('type')!r} is not supported")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def _completion_prompt(body: CompletionRequest) -> tuple[str | None, list[int] | None]:
+    p = body.prompt
+    if isinstance(p, str):
+        return p, None
+    if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+        return None, list(p)
+    if isinstance(p, list) and len(p) == 1:
+        return (p[0], None) if isinstance(p[0], str) else (None, list(p[0]))
+    raise InvalidRequestError("prompt", "give one prompt: a string or a list of token ids (batches are not supported)")
+
+
+async def _respond(flow, body: _Req, stream: AsyncIterator[Delta], first: Delta, chat: bool):
+    rid = ("chatcmpl-" if chat else "cmpl-") + first.request_id
+    created = int(time.time())
+    model = flow.config.model_name
+    if body.stream:
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(_sse(stream, first, rid, created, model, chat, include_usage),
+                                 media_type="text/event-stream")
+    text, last = first.text, first
+    try:
+        async for d in stream:
+            text += d.text
+            last = d
+    except ServingError as e:
+        return serving_error_response(e)
+    usage = _usage(last)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
+              if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice], "usage": usage}
+
+
+def _usage(d: Delta) -> dict:
+    return {"prompt_tokens": d.prompt_tokens, "completion_tokens": d.completion_tokens,
+            "total_tokens": d.prompt_tokens + d.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": d.cached_prompt_tokens}}
+
+
+async def _sse(stream, first: Delta, rid, created, model, chat: bool, include_usage: bool):
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(d: Delta, role: bool = False) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": d.text} if role else {"content": d.text}
+            choice = {"index": 0, "delta": delta, "finish_reason": d.finish_reason}
+        else:
+            choice = {"index": 0, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+        payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        if include_usage:
+            payload["usage"] = None
+        return f"data: {json.dumps(payload)}\n\n"
+
+    last = first
+    yield chunk(first, role=True)
+    try:
+        async for d in stream:
+            last = d
+            yield chunk(d)
+    except ServingError as e:
+        yield f"data: {json.dumps({'error': {'message': e.message, 'type': 'server_error', 'code': e.code}})}\n\n"
+    if include_usage and last.finish_reason is not None:
+        payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(last)}
+        yield f"data: {json.dumps(payload)}\n\n"
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,158 @@
+"""The ingress side of telemetry: what clients see, per request and per tenant.
+
+`IngressTelemetry.generate` wraps `RequestFlow.generate` (both the gRPC and the HTTP edge call it):
+it opens the request's root span ("ingress"), hands its W3C context to the flow (which puts it in
+the RequestContext both pools receive), and at the end records TTFT, time per output token,
+end-to-end latency, tokens per tenant, and the final status code, or the refusal's code and reason.
+The flow reports each routing decision through `routed` (reason, router latency, predicted cached
+tokens, and the "route" span). Metric names and labels: cluster/telemetry/metrics.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
+
+from cluster.errors import InvalidRequestError
+from router.ingress.status import ServingError
+
+if TYPE_CHECKING:
+    from cluster.config import TelemetryOptions
+    from cluster.engine.request import RequestContext
+    from cluster.engine.sampling_params import SamplingParams
+    from router.ingress.flow import Delta, RequestFlow
+    from router.policy import RouteDecision
+
+REFUSAL_CODES = frozenset({"INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "FAILED_PRECONDITION",
+                           "RESOURCE_EXHAUSTED"})
+
+
+def route_reason(decision: "RouteDecision | None") -> str:
+    """A bounded label for a decision (its `reason` text names replicas and token counts)."""
+    if decision is None:
+        return "fallback"
+    if decision.mode == "remote":
+        return "cache" if decision.predicted_cached_tokens else "load"
+    return "no_prefill_pool" if decision.reason.startswith("no prefill pool") else "local_prefill"
+
+
+def error_code(error: BaseException) -> str:
+    if isinstance(error, InvalidRequestError):
+        return "INVALID_ARGUMENT"
+    if isinstance(error, ServingError):
+        return error.code
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    return "INTERNAL"
+
+
+def refusal_reason(error: BaseException) -> str:
+    if isinstance(error, InvalidRequestError):
+        return error.field
+    return getattr(error, "reason", None) or error_code(error).lower()
+
+
+class IngressTelemetry:
+    def __init__(self, options: "TelemetryOptions"):
+        from cluster.telemetry.tracing import make_tracer  # noqa: PLC0415
+
+        self.metrics = None
+        if options.metrics:
+            from cluster.telemetry.metrics import ingress_metrics  # noqa: PLC0415
+
+            self.metrics = ingress_metrics()
+        self.tracer = make_tracer(options, "pdserve-ingress")
+
+    async def generate(self, flow: "RequestFlow", prompt: str | None, prompt_token_ids: Sequence[int] | None,
+                       sampling: "SamplingParams", request_id: str | None = None, tenant: str = "default",
+                       deadline: float | None = None) -> AsyncIterator["Delta"]:
+        """`flow.generate`, observed. Raises what it raises."""
+        start = time.monotonic()
+        span, trace_context = None, ()
+        if self.tracer is not None:
+            from cluster.telemetry.tracing import inject  # noqa: PLC0415
+
+            attrs = {"pdserve.tenant": tenant, **({"pdserve.request_id": request_id} if request_id else {})}
+            span = self.tracer.start_span("ingress", attributes=attrs)
+            trace_context = inject(span)
+        first = last_token = None
+        last = None
+        error: BaseException | None = None
+        try:
+            async for d in flow.generate(prompt, prompt_token_ids, sampling, request_id, tenant=tenant,
+                                         deadline=deadline, trace_context=trace_context):
+                if d.token_ids:
+                    last_token = time.monotonic()
+                    first = first or last_token
+                last = d
+                yield d
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            finished = last is not None and last.finish_reason is not None
+            code = "OK" if finished else error_code(error) if error is not None else "INTERNAL"
+            self._record(tenant, code, error, start, first, last_token, last, span)
+
+    def _record(self, tenant: str, code: str, error: BaseException | None, start: float, first: float | None,
+                last_token: float | None, last: "Delta | None", span) -> None:
+        end = time.monotonic()
+        refused = last is None and code in REFUSAL_CODES and error is not None
+        if self.metrics is not None:
+            m, tags = self.metrics, {"tenant": tenant}
+            m.requests.inc(1, {**tags, "code": code})
+            if refused:
+                m.rejected.inc(1, {**tags, "code": code, "reason": refusal_reason(error)})
+            if first is not None:
+                m.ttft.observe(first - start, tags)
+            if code == "OK":
+                m.e2e.observe(end - start, tags)
+                if last.completion_tokens > 1:
+                    m.tpot.observe((last_token - first) / (last.completion_tokens - 1), tags)
+            if last is not None:
+                for counter, n in ((m.prompt_tokens, last.prompt_tokens), (m.generation_tokens, last.completion_tokens),
+                                   (m.cached_prompt_tokens, last.cached_prompt_tokens)):
+                    if n > 0:
+                        counter.inc(n, tags)
+        if span is not None:
+            from opentelemetry.trace import Status, StatusCode  # noqa: PLC0415
+
+            span.set_attribute("pdserve.code", code)
+            if last is not None:
+                span.set_attribute("pdserve.request_id", last.request_id)
+                span.set_attribute("pdserve.prompt_tokens", last.prompt_tokens)
+                span.set_attribute("pdserve.completion_tokens", last.completion_tokens)
+            if code != "OK":
+                span.set_status(Status(StatusCode.ERROR, str(error) if error is not None else code))
+            span.end()
+
+    def refused(self, error: BaseException, tenant: str = "unknown") -> None:
+        """A refusal at an edge, before the flow (unknown API key, unknown model)."""
+        if self.metrics is not None:
+            code = error_code(error)
+            self.metrics.requests.inc(1, {"tenant": tenant, "code": code})
+            self.metrics.rejected.inc(1, {"tenant": tenant, "code": code, "reason": refusal_reason(error)})
+
+    def routed(self, decision: "RouteDecision | None", started: float, num_prompt_tokens: int,
+               ctx: "RequestContext") -> None:
+        """One routing decision (None: the router was unavailable; Serve chose)."""
+        ended = time.monotonic()
+        if self.metrics is not None:
+            m = self.metrics
+            m.route_decisions.inc(1, {"reason": route_reason(decision)})
+            m.route_latency.observe(ended - started)
+            if decision is not None:
+                m.route_prompt_tokens.inc(num_prompt_tokens)
+                if decision.predicted_cached_tokens:
+                    m.route_predicted_cached_tokens.inc(decision.predicted_cached_tokens)
+        if self.tracer is not None and ctx.trace_context:
+            from cluster.telemetry.tracing import extract, record_span  # noqa: PLC0415
+
+            attrs = {"pdserve.route_reason": route_reason(decision)}
+            if decision is not None:
+                attrs.update({"pdserve.mode": decision.mode, "pdserve.decode": decision.decode,
+                              "pdserve.prefill": decision.prefill or "",
+                              "pdserve.predicted_cached_tokens": decision.predicted_cached_tokens,
+                              "pdserve.reason": decision.reason})
+            record_span(self.tracer, "route", extract(ctx.trace_context), started, ended, attrs)

@@ -1,0 +1,108 @@
+"""Async streaming: tokens arrive as produced; leaving the stream early frees the blocks."""
+
+import asyncio
+
+import pytest
+
+from cluster.engine.loop import AsyncEngine
+from cluster.engine.llm_engine import LLMEngine
+from cluster.errors import InvalidRequestError
+from cluster.engine.sampling_params import SamplingParams
+from tests.reference import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def aengine(tiny_model):
+    ae = AsyncEngine(LLMEngine.from_model(tiny_model, num_blocks=64))
+    yield ae
+    ae.shutdown()
+
+
+async def wait_idle(ae: AsyncEngine, timeout=10.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while ae.engine.kv.num_free_blocks != ae.engine.kv.num_blocks or ae.engine.has_unfinished():
+        assert loop.time() < deadline, "engine did not release its blocks"
+        await asyncio.sleep(0.01)
+
+
+def test_stream_is_incremental_and_equals_the_reference(aengine, tiny_model):
+    prompt = [256] + list(range(1, 30))
+
+    async def run():
+        chunks = []
+        async for out in aengine.generate("s1", prompt_token_ids=prompt,
+                                          sampling=SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)):
+            chunks.append(out)
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert len(chunks) == 10  # one delta per token: the first arrives before the last is made
+    assert [c.finished for c in chunks] == [False] * 9 + [True]
+    assert sum((c.token_ids for c in chunks), []) == hf_greedy(tiny_model, prompt, 10)
+
+
+def test_concurrent_streams(aengine, tiny_model):
+    prompts = [[256] + list(range(i, i + 5 + 3 * i)) for i in range(8)]
+
+    async def one(i):
+        toks = []
+        async for out in aengine.generate(f"c{i}", prompt_token_ids=prompts[i],
+                                          sampling=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)):
+            toks += out.token_ids
+        return toks
+
+    async def run():
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    results = asyncio.run(run())
+    assert results == [hf_greedy(tiny_model, p, 6) for p in prompts]
+
+
+def test_leaving_the_stream_early_aborts_and_frees_blocks(aengine):
+    async def run():
+        n = 0
+        agen = aengine.generate("cancel-me", prompt_token_ids=[256] + [3] * 40,
+                                sampling=SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        async for _ in agen:
+            n += 1
+            if n == 3:
+                break
+        await agen.aclose()
+        await wait_idle(aengine)
+        return n
+
+    assert asyncio.run(run()) == 3
+    aengine.engine.check_invariants()
+    assert aengine.engine.stats.finished_by_reason.get("cancelled", 0) >= 1
+
+
+def test_cancelled_task_frees_blocks(aengine):
+    async def consume():
+        async for _ in aengine.generate("task", prompt_token_ids=[256] + [4] * 40,
+                                        sampling=SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)):
+            pass
+
+    async def run():
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_idle(aengine)
+
+    asyncio.run(run())
+    aengine.engine.check_invariants()
+
+
+def test_bad_input_raises_before_streaming_and_the_loop_survives(aengine):
+    async def run():
+        with pytest.raises(InvalidRequestError):
+            async for _ in aengine.generate("bad", prompt_token_ids=[1000]):
+                pass
+        out = [o async for o in aengine.generate("ok", prompt="hi",
+                                                 sampling=SamplingParams(max_tokens=2, ignore_eos=True))]
+        return out[-1]
+
+    last = asyncio.run(run())
+    assert last.finished and last.num_output_tokens == 2

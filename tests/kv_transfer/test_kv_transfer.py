@@ -1,0 +1,203 @@
+"""Disaggregated prefill -> decode over real NIXL between two OS processes.
+
+Process A (spawned) runs the prefill engine; this process runs the decode engine. Every test ends
+with both pools' free blocks back at their totals.
+"""
+
+import time
+
+import pytest
+
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.sampling_params import SamplingParams
+from decode.engine import DecodeEngine
+from kv_transfer.errors import IncompatiblePeerError
+from kv_transfer.layout import engine_layout
+from kv_transfer.metadata_store import FileMetadataStore
+from kv_transfer.transport import NixlTransport
+from cluster.tools.local_peer import PrefillProcess
+from tests.helpers import wait_for
+
+SP = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+PROMPTS = [[256] + [(7 * i + 3 * n) % 250 for i in range(n - 1)] for n in (1, 9, 16, 17, 40, 70)]
+
+
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return tmp_path_factory.mktemp("peers")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    eng = LLMEngine.from_model(tiny_model, num_blocks=64)
+    return {tuple(p): o.token_ids for p, o in zip(PROMPTS, eng.generate(PROMPTS, SP))}
+
+
+@pytest.fixture(scope="module")
+def prefill(tiny_model, store):
+    proc = PrefillProcess(tiny_model, store, num_blocks=48)
+    yield proc
+    proc.close()
+
+
+def make_decode(model, store, name, policy="recompute", timeout=5.0, **kw):
+    engine = LLMEngine.from_model(model, **({"num_blocks": 48} | kw))
+    transport = NixlTransport(name, engine.kv_cache, engine_layout(engine), FileMetadataStore(store))
+    return DecodeEngine(engine, transport, policy=policy, transfer_timeout_s=timeout)
+
+
+@pytest.fixture(scope="module")
+def decode(tiny_model, store):
+    d = make_decode(tiny_model, store, "decode-0")
+    yield d
+    d.transport.close()
+
+
+def run_disaggregated(prefill, decode, prompts, sp=SP, tag="r"):
+    """Prefill each prompt in A, import and decode in B. Returns full token lists and outputs."""
+    tokens, finals = {}, {}
+    for i, p in enumerate(prompts):
+        rid = f"{tag}{i}"
+        res = prefill.prefill(rid, p, sp)
+        assert res.handle is not None, res
+        tokens[rid] = [res.handle.first_token]
+        decode.submit(rid, p, sp, res.handle)
+    deadline = time.monotonic() + 60
+    while decode.has_unfinished():
+        assert time.monotonic() < deadline, "decode did not finish"
+        for out in decode.step():
+            tokens[out.request_id] += out.token_ids
+            if out.finished:
+                finals[out.request_id] = out
+    return [tokens[f"{tag}{i}"] for i in range(len(prompts))], [finals[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+def assert_pools_whole(prefill, decode):
+    decode.engine.check_invariants()
+    assert decode.engine.kv.num_free_blocks == decode.engine.kv.num_blocks
+    wait_for(lambda: (s := prefill.stats())["free"] == s["total"] and s["leases"] == 0, what="prefill blocks back")
+
+
+def test_disaggregated_output_equals_in_process(prefill, decode, reference):
+    got, finals = run_disaggregated(prefill, decode, PROMPTS)
+    assert got == [reference[tuple(p)] for p in PROMPTS]
+    assert [f.finish_reason for f in finals] == ["length"] * len(PROMPTS)
+    assert decode.transport.stats.pulls_ok == len(PROMPTS)
+    assert decode.transport.stats.fallbacks_recompute == 0
+    assert_pools_whole(prefill, decode)
+    s = prefill.stats()
+    assert s["leases_released"] >= len(PROMPTS) and s["leases_expired"] == 0  # notifications, not expiry
+
+
+def test_only_missing_blocks_are_pulled(prefill, decode, tiny_model, reference):
+    decode.engine.kv.pool.reset_cache()
+    prompt = PROMPTS[-1]  # 70 tokens: 4 full blocks + 1 partial
+    # Decode already holds the first 48 tokens (3 blocks) from a local request.
+    decode.engine.generate([prompt[:48]], SamplingParams(max_tokens=1, temperature=0))
+    before = decode.transport.stats
+    pulled0, bytes0, reused0 = before.blocks_pulled, before.bytes_pulled, before.blocks_reused
+    got, finals = run_disaggregated(prefill, decode, [prompt], tag="delta")
+    st = decode.transport.stats
+    assert st.blocks_reused - reused0 == 3
+    assert st.blocks_pulled - pulled0 == 2  # block 4 (full) and block 5 (partial)
+    assert st.bytes_pulled - bytes0 == 2 * decode.transport.block_bytes
+    assert finals[0].num_cached_tokens == 48
+    assert got[0] == reference[tuple(prompt)]
+    assert_pools_whole(prefill, decode)
+
+
+def test_lease_expiry_frees_prefill_blocks(tiny_model, store):
+    proc = PrefillProcess(tiny_model, store, engine_id="prefill-lease", lease_s=0.3, num_blocks=16)
+    try:
+        res = proc.prefill("orphan", PROMPTS[4], SP)  # nobody pulls it
+        assert len(res.handle.block_ids) == 3
+        s = proc.stats()
+        assert s["free"] == 13 and s["leases"] == 1
+        wait_for(lambda: proc.stats()["leases"] == 0, what="lease expiry")
+        s = proc.stats()
+        assert (s["free"], s["leases_expired"], s["leases_released"]) == (16, 1, 0)
+    finally:
+        proc.close()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_killed_before_the_pull(tiny_model, store, reference, policy):
+    proc = PrefillProcess(tiny_model, store, engine_id=f"prefill-doomed-{policy}", num_blocks=16)
+    dec = make_decode(tiny_model, store, f"decode-{policy}", policy=policy)
+    try:
+        prompt = PROMPTS[4]
+        res = proc.prefill("k", prompt, SP)
+        proc.kill()
+        dec.submit("k", prompt, SP, res.handle)
+        tokens, final = [res.handle.first_token], None
+        deadline = time.monotonic() + 30
+        while dec.has_unfinished():
+            assert time.monotonic() < deadline
+            for out in dec.step():
+                tokens += out.token_ids
+                final = out if out.finished else final
+        if policy == "recompute":
+            assert tokens == reference[tuple(prompt)]
+            assert final.finish_reason == "length"
+            assert dec.transport.stats.fallbacks_recompute == 1
+        else:
+            assert final.finish_reason == "error"
+            assert final.error.startswith("KV transfer failed: ")
+        assert dec.transport.stats.pulls_failed + dec.transport.stats.pulls_timed_out == 1
+        dec.engine.check_invariants()
+        assert dec.engine.kv.num_free_blocks == dec.engine.kv.num_blocks
+    finally:
+        dec.transport.close()
+
+
+def test_mismatched_block_size_or_model_is_refused(prefill, tiny_model, model_factory, store):
+    res = prefill.prefill("mm", PROMPTS[2], SP)
+    other_bs = make_decode(tiny_model, store, "decode-bs8", block_size=8)
+    with pytest.raises(IncompatiblePeerError, match="refusing KV from engine prefill-0: block_size 16 != ours 8"):
+        other_bs.submit("mm", PROMPTS[2], SP, res.handle)
+    other = model_factory("other", layers=3, hidden=64, vocab=320, max_positions=512)
+    other_model = make_decode(other, store, "decode-other")
+    with pytest.raises(IncompatiblePeerError, match="model_fingerprint"):
+        other_model.submit("mm", PROMPTS[2], SP, res.handle)
+    for d in (other_bs, other_model):
+        assert d.engine.kv.num_free_blocks == d.engine.kv.num_blocks and not d.has_unfinished()
+        d.transport.close()
+    assert prefill.stats()["leases"] == 1  # nobody pulled: the lease stands until expiry
+
+
+def test_restarted_prefill_is_a_new_incarnation(tiny_model, store, reference):
+    dec = make_decode(tiny_model, store, "decode-restart")
+    first = PrefillProcess(tiny_model, store, engine_id="prefill-restart", num_blocks=16)
+    try:
+        got, _ = run_disaggregated(first, dec, [PROMPTS[3]], tag="before")
+        assert got[0] == reference[tuple(PROMPTS[3])]
+        first.kill()
+        second = PrefillProcess(tiny_model, store, engine_id="prefill-restart", num_blocks=16)
+        assert second.incarnation != first.incarnation
+        try:
+            got, _ = run_disaggregated(second, dec, [PROMPTS[4]], tag="after")
+            assert got[0] == reference[tuple(PROMPTS[4])]
+            assert dec.transport.stats.peer_refreshes == 1
+            assert dec.transport.stats.fallbacks_recompute == 0
+            assert_pools_whole(second, dec)
+        finally:
+            second.close()
+    finally:
+        dec.transport.close()
+
+
+def test_a_required_transport_that_is_missing_refuses_to_start(tiny_model, store, monkeypatch):
+    from kv_transfer.errors import TransportUnavailableError
+    from kv_transfer.transports import available_transports
+
+    assert "tcp" in available_transports()
+    engine = LLMEngine.from_model(tiny_model, num_blocks=8)
+    with pytest.raises(TransportUnavailableError, match=r"required UCX transports \['rc'\] are not available"):
+        NixlTransport("needs-rdma", engine.kv_cache, engine_layout(engine), FileMetadataStore(store),
+                      required_transports=["tcp", "rc"])
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with pytest.raises(TransportUnavailableError, match=r"\['cma'\]"):
+        NixlTransport("needs-cma", engine.kv_cache, engine_layout(engine), FileMetadataStore(store),
+                      required_transports=["cma"])

@@ -1,0 +1,81 @@
+"""The router actor's index follows real engines' prefix caches exactly: through eviction, a lost
+event batch, and a restart of the router itself."""
+
+
+import pytest
+import ray
+
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.sampling_params import SamplingParams
+from router.actor import get_router
+from tests.helpers import wait_until
+from router.events import KVEventPublisher
+from router.policy import ReplicaLoad
+
+
+SP = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+
+
+@pytest.fixture()
+def router(ray_session):
+    actor = get_router()
+    yield actor
+    ray.kill(actor, no_restart=True)
+
+
+def in_sync(router, publisher: KVEventPublisher) -> bool:
+    publisher.publish()
+    return ray.get(router.hashes.remote(publisher.replica_id)) == set(publisher.pool.cached_hashes())
+
+
+def test_index_tracks_engines_through_eviction_gaps_and_router_restarts(router, tiny_model):
+    a = LLMEngine.from_model(tiny_model, num_blocks=12)  # small: later prompts evict earlier ones
+    b = LLMEngine.from_model(tiny_model, num_blocks=64)
+    pa = KVEventPublisher("prefill-a", a.kv.pool, router, min_resync_interval_s=0)
+    pb = KVEventPublisher("prefill-b", b.kv.pool, router, min_resync_interval_s=0)
+    system = [256] + list(range(1, 64))  # 4 full blocks
+
+    a.generate([system + [100 + i] for i in range(3)], SP)
+    b.generate([[256] + [7] * 40], SP)
+    wait_until(lambda: in_sync(router, pa) and in_sync(router, pb), "index matches both pools")
+    assert len(pa.pool.cached_hashes()) >= 4
+
+    for i in range(6):  # 12 blocks: forces evictions (removed events) on a
+        a.generate([[256] + [(i * 37 + j) % 250 for j in range(47)]], SP)
+    assert a.kv.pool.stats.evicted > 0
+    wait_until(lambda: in_sync(router, pa), "index follows evictions")
+
+    resyncs = pa.resyncs
+    pa.seq += 1  # a lost batch: the router sees a gap, refuses, and the publisher resyncs
+    a.generate([[256] + [5] * 33], SP)
+    wait_until(lambda: in_sync(router, pa) and pa.resyncs == resyncs + 1, "resync after a gap")
+
+    ray.kill(router, no_restart=False)  # Ray restarts it, empty; every replica must resync
+    wait_until(lambda: ray.get(router.stats.remote()).replicas == 0, "router restarted empty", timeout=30)
+    a.generate([[256] + [6] * 20], SP)
+    b.generate([[256] + [8] * 20], SP)
+    wait_until(lambda: in_sync(router, pa) and in_sync(router, pb), "resync after a router restart", timeout=30)
+    assert ray.get(router.stats.remote()).replicas == 2
+
+
+def test_router_routes_to_the_replica_holding_the_prefix(router, tiny_model):
+    engines = {rid: LLMEngine.from_model(tiny_model, num_blocks=64) for rid in ("prefill-x", "prefill-y")}
+    pubs = {rid: KVEventPublisher(rid, e.kv.pool, router) for rid, e in engines.items()}
+    system = [256] + list(range(1, 64))
+    engines["prefill-y"].generate([system + [1]], SP)
+    for rid, e in engines.items():
+        ray.get(router.report_load.remote(ReplicaLoad(rid, "prefill", e.kv.num_free_blocks, e.kv.num_blocks)))
+    ray.get(router.report_load.remote(ReplicaLoad("decode-0", "decode", 64, 64)))
+    wait_until(lambda: all(in_sync(router, p) for p in pubs.values()), "index in sync")
+    prompt = system + [9] * 30  # 94 tokens, 4 of its 5 full blocks cached on prefill-y
+    engine = engines["prefill-y"]
+    req = engine.make_request("probe", None, prompt, SP)
+    hashes = engine.kv.update_hashes(req)
+    d = ray.get(router.route.remote(hashes, len(prompt)))
+    assert (d.prefill, d.decode, d.mode, d.predicted_cached_tokens) == ("prefill-y", "decode-0", "remote", 64)
+    assert d.reason == "cache"
+    ray.get(router.forget.remote("prefill-y"))  # a dead replica: never named again
+    d = ray.get(router.route.remote(hashes, len(prompt)))
+    assert (d.prefill, d.predicted_cached_tokens) == ("prefill-x", 0)

@@ -1,0 +1,141 @@
+"""Prefix-aware routing in the serving cluster (2 prefill + 1 decode replicas): shared prefixes go
+where they are cached; a killed prefill replica leaves the index; a killed router degrades to
+Serve's own choice and recovers."""
+
+import time
+
+import grpc
+import pytest
+import ray
+
+from cluster.config import AppConfig
+from cluster.tools.netutil import free_port
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from cluster.engine.kv_cache import hash_request_blocks
+from cluster.engine.model_config import ModelConfig
+from router.actor import get_router
+from tests.helpers import wait_until
+
+
+SYSTEMS = [[256] + [(s * 31 + j) % 250 for j in range(63)] for s in range(2)]  # 4 blocks each
+
+
+SALT = b""
+KEY = "sk-test-1"
+
+
+class Authed:
+    """The stub with this app's API key on every call (the app has auth on)."""
+
+    def __init__(self, stub, cfg):
+        self.stub, self.cfg = stub, cfg
+
+    def Generate(self, req, timeout):  # noqa: N802
+        return self.stub.Generate(req, timeout=timeout, metadata=[("authorization", f"Bearer {KEY}")])
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, tiny_model):
+    global SALT
+    SALT = ModelConfig.from_dir(tiny_model).fingerprint().encode()  # the engines' block-hash salt
+    from ray import serve
+
+    import cluster.app.builder as serve_app
+
+    cfg = AppConfig(model=tiny_model, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": 64},
+                    prefill={"num_replicas": 2, "num_cpus": 0.5}, decode={"num_cpus": 0.5},
+                    graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
+                    api_keys=[KEY])
+    serve_app.start(cfg)
+    with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
+        yield Authed(pb_grpc.GenerationStub(channel), cfg)
+    serve.shutdown()
+
+
+def generate(stub, prompt, max_tokens=2):
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return list(stub.Generate(req, timeout=60))[-1]
+
+
+def router_state():
+    router = get_router()
+    stats = ray.get(router.stats.remote())
+    loads = ray.get(router.live_loads.remote())
+    return stats, {load.replica_id: load.pool for load in loads}
+
+
+
+
+def test_shared_prefixes_go_where_they_are_cached(cluster):
+    wait_until(lambda: sorted(router_state()[1].values()) == ["decode", "prefill", "prefill"],
+             "all three replicas report to the router")
+    for s in SYSTEMS:  # warm-up: each prefix is prefilled once somewhere
+        generate(cluster, s + [1] * 32)
+    prefills = [r for r, pool in router_state()[1].items() if pool == "prefill"]
+
+    def on_a_prefill_replica(system):
+        held = set().union(*(ray.get(get_router().hashes.remote(r)) for r in prefills))
+        return set(hash_request_blocks(system, 16, SALT)) <= held
+
+    wait_until(lambda: all(on_a_prefill_replica(s) for s in SYSTEMS), "each prefix is indexed on a prefill replica")
+    cached = []
+    for i in range(10):
+        s = SYSTEMS[i % 2]
+        last = generate(cluster, s + [(i * 7 + j) % 250 for j in range(32)])  # 32 new tokens: remote
+        cached.append(last.usage.cached_prompt_tokens)
+    hit_rate = sum(cached) / (64 * len(cached))
+    assert hit_rate >= 0.9, cached
+
+
+def test_killed_prefill_replica_leaves_the_index_and_requests_keep_flowing(cluster):
+    _, replicas = router_state()
+    victim = sorted(r for r, pool in replicas.items() if pool == "prefill")[0]
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(victim)]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    t_kill = time.monotonic()
+    # Whichever comes first: Serve's health check (every 2 s for engine pools) notices the death and
+    # the ingress's request router drops the replica, or the router finds it silent for 3 s.
+    wait_until(lambda: victim not in router_state()[1] and not ray.get(get_router().hashes.remote(victim)),
+             "the dead replica is forgotten", timeout=9.0)
+    assert time.monotonic() - t_kill < 9.0
+    last = generate(cluster, SYSTEMS[0] + [5] * 32)
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    for i in range(4):
+        assert generate(cluster, SYSTEMS[1] + [i] * 32).finish_reason == pb.FINISH_REASON_LENGTH
+
+
+@pytest.mark.parametrize("metadata", [None, [("authorization", "Bearer wrong")], [("authorization", KEY)]])
+def test_api_key_required_over_grpc(cluster, metadata):
+    with pytest.raises(grpc.RpcError) as e:
+        list(cluster.stub.Generate(pb.GenerateRequest(text="hi"), timeout=30, metadata=metadata))
+    assert (e.value.code(), e.value.details()) == (
+        grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer <key>)")
+
+
+def test_api_key_required_over_http(cluster):
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = f"http://localhost:{cluster.cfg.http_port}/v1/completions"
+    body = json.dumps({"prompt": [256, 1], "max_tokens": 2}).encode()
+    for headers, status in (({}, 401), ({"authorization": "Bearer nope"}, 401),
+                            ({"authorization": f"Bearer {KEY}"}, 200)):
+        req = urllib.request.Request(url, data=body, headers={"content-type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                code = resp.status
+        except urllib.error.HTTPError as err:
+            code = err.code
+            assert json.loads(err.read())["error"]["type"] == "authentication_error"
+        assert code == status
+
+
+def test_killed_router_degrades_to_serves_choice_and_recovers(cluster):
+    ray.kill(get_router(), no_restart=False)  # Ray restarts it empty
+    for i in range(3):  # served while the router restarts and relearns
+        assert generate(cluster, SYSTEMS[0] + [i] * 32).finish_reason == pb.FINISH_REASON_LENGTH
+    wait_until(lambda: router_state()[0].replicas >= 2, "the replicas resync the restarted router")

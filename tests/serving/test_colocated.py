@@ -1,0 +1,97 @@
+"""Colocated mode (`mode: colocated`): no prefill pool, two decode replicas that prefill locally,
+as a conventional server does. Same code and routing as the disaggregated app: output equals the
+in-process engine, and a repeated prompt goes to the replica that cached its prefix."""
+
+import concurrent.futures
+
+import grpc
+import pytest
+import ray
+
+from cluster.config import AppConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.kv_cache import extend_salt, hash_request_blocks
+from cluster.engine.model_config import ModelConfig
+from cluster.tools.netutil import free_port
+from cluster.engine.sampling_params import SamplingParams
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.actor import get_router
+from tests.helpers import serve_replica_ids, wait_until
+
+
+def live_replicas():
+    return sorted(x.replica_id for x in ray.get(get_router().live_loads.remote()))
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, tiny_model):
+    from ray import serve
+
+    import cluster.app.builder as serve_app
+
+    cfg = AppConfig(
+        mode="colocated", model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
+        engine={"num_blocks": 64}, decode={"num_replicas": 2, "num_cpus": 0.5}, graceful_shutdown_timeout_s=1.0,
+    )
+    serve_app.start(cfg)
+    # the router may still hold loads of an earlier module's replicas: wait for exactly ours
+    decodes = serve_replica_ids()["decode"]
+    assert len(decodes) == 2
+    wait_until(lambda: live_replicas() == decodes, "the router to know exactly the two decode replicas")
+    yield cfg
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    engine = LLMEngine.from_model(tiny_model, num_blocks=64)
+
+    def run(prompt_ids, max_tokens):
+        return engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                            ignore_eos=True))[0].token_ids
+    return run
+
+
+def generate(stub, ids, max_tokens):
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return list(stub.Generate(req, timeout=120))
+
+
+def test_there_is_no_prefill_deployment(server):
+    from ray import serve
+
+    assert sorted(serve.status().applications["pdserve"].deployments) == ["decode", "ingress"]
+
+
+def test_concurrent_streams_equal_the_in_process_engine(stub, reference):
+    prompts = [[256] + [(i * 11 + j) % 250 for j in range(5 + 37 * i)] for i in range(8)]  # 6 .. 265 tokens
+
+    def one(p):
+        responses = generate(stub, p, 7)
+        return [t for r in responses for t in r.token_ids], responses[-1].usage.prompt_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, prompts))
+    assert results == [(reference(p, 7), len(p)) for p in prompts]
+
+
+def test_a_repeated_prompt_goes_to_the_replica_that_cached_its_prefix(stub, tiny_model):
+    salt = extend_salt(ModelConfig.from_dir(tiny_model).fingerprint().encode(), "")
+    router = get_router()
+    for s in range(3):  # by chance, a second request would find its prefix with probability 1/2 each time
+        prefix = [256] + [(s * 31 + j) % 250 for j in range(63)]  # 4 blocks
+        prompt = prefix + [1, 2, 3, 4, 5, 6]
+        assert generate(stub, prompt, 2)[-1].usage.cached_prompt_tokens == 0
+        hashes = set(hash_request_blocks(prefix, 16, salt))
+        replicas = [x.replica_id for x in ray.get(router.live_loads.remote())]
+        wait_until(lambda: any(hashes <= ray.get(router.hashes.remote(r)) for r in replicas),
+                   "the prefix's blocks in the router's index")
+        assert generate(stub, prompt, 2)[-1].usage.cached_prompt_tokens == 64

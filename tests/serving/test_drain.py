@@ -1,0 +1,65 @@
+"""Scale-down drains: the decode pool shrinks from 2 replicas to 1 (declarative deploy, so only
+the pool's size changes) while 8 streams run; Serve stops routing to the removed replica and
+gives its streams graceful_shutdown_timeout_s; what is still running then migrates. Every stream
+ends identical to a failure-free greedy run, the surviving replica is the same one, and its
+blocks come back."""
+
+import grpc
+import pytest
+
+from cluster.config import AppConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.tools.netutil import free_port
+from cluster.engine.sampling_params import SamplingParams
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.serving.test_fault_tolerance import live_replicas, prompts, replica_load, request
+from tests.helpers import wait_until
+
+
+def deploy(cfg: AppConfig, decode_replicas: int) -> None:
+    """`serve deploy` of the app (the path deploy/serve.yaml takes): the code version hashes the
+    import path and args, so changing only a deployment's num_replicas is a light update."""
+    from ray.serve._private.api import serve_start
+    from ray.serve.schema import ServeDeploySchema
+
+    serve_start().deploy_apps(ServeDeploySchema.model_validate({"applications": [{
+        "name": "pdserve", "route_prefix": "/", "import_path": "cluster.app.builder:app_builder",
+        "args": cfg.model_dump(mode="json"),
+        "deployments": [{"name": "decode", "num_replicas": decode_replicas}]}]}), _blocking=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, tiny_model):
+    from ray import serve
+
+    from cluster.app.builder import grpc_options
+
+    cfg = AppConfig(model=tiny_model, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": 64},
+                    prefill={"num_replicas": 0}, decode={"num_replicas": 2, "num_cpus": 0.5},
+                    graceful_shutdown_timeout_s=1.0, health_check_period_s=1.0)
+    serve.start(http_options={"host": "127.0.0.1", "port": cfg.http_port}, grpc_options=grpc_options(cfg))
+    deploy(cfg, 2)
+    with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
+        yield cfg, pb_grpc.GenerationStub(channel)
+    serve.shutdown()
+
+
+def test_scale_down_drains_and_every_stream_finishes_identical(cluster, tiny_model):
+    cfg, stub = cluster
+    wait_until(lambda: len(live_replicas("decode")) == 2, "both decode replicas report")
+    before = set(live_replicas("decode"))
+    ps = prompts(8, 24, base=700)
+    expected = [o.token_ids for o in LLMEngine.from_model(tiny_model, num_blocks=256).generate(
+        ps, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))]
+    streams = [iter(stub.Generate(request(p, 200), timeout=120)) for p in ps]
+    got = [list(next(s).token_ids) for s in streams]
+    deploy(cfg, 1)
+    for i, s in enumerate(streams):
+        for r in s:
+            got[i] += r.token_ids
+    assert got == expected
+    wait_until(lambda: len(live_replicas("decode")) == 1, "one decode replica left", timeout=30)
+    [left] = live_replicas("decode")
+    assert left in before  # the survivor kept running: a light update, not a restart
+    wait_until(lambda: (lambda s: s["free_blocks"] == 64 and s["running"] == s["waiting"] == 0)(
+        replica_load("decode", left)), "the survivor's blocks are back")

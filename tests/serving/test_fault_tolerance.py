@@ -1,0 +1,209 @@
+"""Chaos tests on a real cluster (1 prefill + 2 decode replicas): a decode replica killed with 16
+streams in flight (they migrate and finish identical to a failure-free run), a prefill replica
+killed during prefill, dropped and stalled KV transfers (recompute), a slowed replica losing its
+share, a stuck engine loop replaced by Serve's health check. After each: every live replica's
+blocks back to their totals, the router's in-flight count at 0, nothing indexed for the dead."""
+
+import concurrent.futures
+
+import grpc
+import pytest
+import ray
+
+from cluster.config import AppConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.tools.netutil import free_port
+from cluster.engine.sampling_params import SamplingParams
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.actor import get_router
+from tests.helpers import wait_for, wait_until
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, tiny_model):
+    from ray import serve
+
+    import cluster.app.builder as serve_app
+
+    cfg = AppConfig(model=tiny_model, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": 64},
+                    # prefill chunks of 16 tokens: a 40-token prompt takes 3 steps (a kill can land mid-prefill)
+                    prefill={"num_cpus": 0.5, "engine": {"num_blocks": 64, "max_num_batched_tokens": 16}},
+                    decode={"num_replicas": 2, "num_cpus": 0.5},
+                    graceful_shutdown_timeout_s=1.0, health_check_period_s=1.0,
+                    kv_transfer={"timeout_s": 1.0}, routing={"local_prefill_threshold": 16},
+                    fault_tolerance={"stuck_loop_s": 1.0, "fault_injection": True})
+    serve_app.start(cfg)
+    with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
+        yield pb_grpc.GenerationStub(channel)
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    engine = LLMEngine.from_model(tiny_model, num_blocks=256)
+
+    def run(prompts, max_tokens):
+        return [o.token_ids for o in engine.generate(
+            prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))]
+    return run
+
+
+def request(ids, max_tokens):
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def handle(pool):
+    from ray import serve
+
+    return serve.get_deployment_handle(pool, "pdserve")
+
+
+def live_replicas(pool) -> list[str]:
+    loads = ray.get(get_router().live_loads.remote())
+    return sorted(load.replica_id for load in loads if load.pool == pool)
+
+
+def replica_load(pool, replica_id) -> dict:
+    return handle(pool).load.remote(target_replica=replica_id).result(timeout_s=30)
+
+
+def inject(pool, replica_id, **fault):
+    handle(pool).inject_fault.remote(**fault, target_replica=replica_id).result(timeout_s=30)
+
+
+def kill(replica_id):
+    [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(replica_id)]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+
+def wait_whole_and_forgotten(dead=(), decodes=2, timeout=30.0):
+    """Every live replica's blocks at their totals and queues empty; the router's in-flight count
+    at 0; nothing indexed for the dead replicas."""
+    router = get_router()
+
+    def whole():
+        if len(live_replicas("decode")) != decodes or len(live_replicas("prefill")) != 1:
+            return False
+        for pool in ("prefill", "decode"):
+            for rid in live_replicas(pool):
+                s = replica_load(pool, rid)
+                if s["replica_id"] != rid or not (s["free_blocks"] == s["total_blocks"] == 64 and s["running"]
+                                                  == s["waiting"] == s["importing"] == s["leased"] == 0):
+                    return False
+        return ray.get(router.pending_requests.remote()) == 0 and not any(
+            ray.get(router.hashes.remote(rid)) for rid in dead) and not set(dead) & set(live_replicas("decode"))
+
+    wait_until(whole, "pools whole, router settled, dead replicas forgotten", timeout)
+
+
+def prompts(n, length, base=0):
+    return [[256] + [(base + i * 13 + j) % 250 + 1 for j in range(length - 1)] for i in range(n)]
+
+
+def test_killed_decode_replica_mid_stream_every_stream_migrates_and_finishes_identical(cluster, reference):
+    wait_until(lambda: len(live_replicas("decode")) == 2 and len(live_replicas("prefill")) == 1, "replicas report")
+    ps = prompts(16, 24)
+    expected = reference(ps, 160)
+    calls = [cluster.Generate(request(p, 160), timeout=120) for p in ps]
+    streams = [iter(c) for c in calls]
+    got = [list(next(s).token_ids) for s in streams]  # every stream has started
+    for i, s in enumerate(streams):
+        got[i] += next(s).token_ids
+    victim = live_replicas("decode")[0]
+    kill(victim)
+    for i, s in enumerate(streams):
+        for r in s:
+            got[i] += r.token_ids
+    assert got == expected  # no token missing or repeated across the migration
+    wait_whole_and_forgotten(dead=[victim])
+
+
+def test_killed_prefill_replica_during_prefill_requests_complete(cluster, reference):
+    [victim] = live_replicas("prefill")
+    inject("prefill", victim, step_delay_s=0.5)  # 3 chunked steps of 0.5 s per prompt: time to kill
+    ps = prompts(4, 40, base=100)
+    expected = reference(ps, 12)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(lambda p: [t for r in cluster.Generate(request(p, 12), timeout=120)
+                                          for t in r.token_ids], p) for p in ps]
+        wait_for(lambda: replica_load("prefill", victim)["running"] > 0, "a prefill part-way through its prompt")
+        kill(victim)
+        assert [f.result(timeout=120) for f in futures] == expected  # prefilled on decode instead
+    wait_whole_and_forgotten(dead=[victim])
+
+
+@pytest.mark.parametrize("fault, counter", [("drop", "pulls_failed"), ("stall", "pulls_timed_out")])
+def test_dropped_or_stalled_transfer_is_recomputed_to_the_reference(cluster, reference, fault, counter):
+    decodes = live_replicas("decode")
+    for rid in decodes:
+        inject("decode", rid, pull=fault)
+    before = {rid: replica_load("decode", rid)["transfer"] for rid in decodes}
+    ps = prompts(3, 48, base=200 + len(fault))  # 47 uncached tokens >= 16: prefilled remotely, pulled
+    try:
+        outs = [[t for r in cluster.Generate(request(p, 10), timeout=60) for t in r.token_ids] for p in ps]
+    finally:
+        for rid in decodes:
+            inject("decode", rid, pull="none")
+    assert outs == reference(ps, 10)
+    after = {rid: replica_load("decode", rid)["transfer"] for rid in decodes}
+    assert sum(after[r][counter] - before[r][counter] for r in decodes) == 3
+    assert sum(after[r]["fallbacks_recompute"] - before[r]["fallbacks_recompute"] for r in decodes) == 3
+    wait_whole_and_forgotten()
+
+
+def test_a_replica_slowed_three_times_gets_fewer_new_requests(cluster):
+    fast, slow = live_replicas("decode")
+
+    def served():
+        return {rid: replica_load("decode", rid)["generation_tokens"] for rid in (fast, slow)}
+
+    def settled():
+        loads = ray.get(get_router().live_loads.remote())
+        return ray.get(get_router().pending_requests.remote()) == 0 and all(
+            load.running == load.waiting == 0 for load in loads)
+
+    def run(n, base):  # short prompts: prefilled on the decode replica the router picks
+        for p in prompts(n, 8, base=base):
+            wait_until(settled, "the router has the replicas' reports after the last request")
+            list(cluster.Generate(request(p, 4), timeout=60))
+
+    def direct(rid, name, base):  # straight to one replica (its deployment handle, target_replica)
+        gen = handle("decode").options(stream=True).generate.remote(
+            name, prompts(1, 8, base=base)[0], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+            None, target_replica=rid)
+        assert [o.finished for o in gen][-1]
+
+    for i, rid in enumerate((fast, slow)):  # past the replicas' warm-up steps: step times are measured
+        direct(rid, f"warm-{i}", 300 + i)
+    inject("decode", slow, step_delay_s=0.05)  # the tiny model steps in a few ms: this is >> 3x
+    direct(slow, "slowed", 320)  # it steps slowly and reports so
+
+    def step_times():
+        return {load.replica_id: load.step_time_s for load in ray.get(get_router().live_loads.remote())}
+
+    # its smoothed step time (over ~10 steps) is now >= 3x the other's: reported, the router sees it
+    wait_until(lambda: step_times()[slow] >= 3 * step_times()[fast] > 0, "the slow replica's step time is reported")
+    before = served()
+    try:
+        run(12, 340)
+    finally:
+        inject("decode", slow, step_delay_s=0.0)
+    after = served()
+    share = (after[slow] - before[slow]) / sum(after[r] - before[r] for r in (fast, slow))
+    # one request at a time on an idle pool, decided on settled reports: the slow replica's cost
+    # (0 x 4 + 1) loses to the fast one's (0) every time
+    assert share == 0.0
+    wait_whole_and_forgotten()
+
+
+def test_stuck_engine_loop_fails_health_and_the_replica_is_replaced(cluster, reference):
+    stuck = live_replicas("decode")[0]
+    inject("decode", stuck, stall_loop_s=30.0)  # stuck_loop_s is 1 s; Serve checks every second
+    wait_until(lambda: stuck not in live_replicas("decode") and not ray.get(get_router().hashes.remote(stuck)),
+               "the stuck replica is dropped", timeout=30)
+    p = prompts(1, 20, base=400)
+    assert [[t for r in cluster.Generate(request(p[0], 6), timeout=60) for t in r.token_ids]] == reference(p, 6)
+    wait_whole_and_forgotten(dead=[stuck], timeout=60)  # Serve starts a replacement
