@@ -8,22 +8,17 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.engine.config import EngineOptions
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class EngineOptions(_Strict):
-    block_size: int = Field(16, ge=1, le=256)
-    num_blocks: int | None = Field(None, ge=2, description="KV blocks per replica; None = from kv_cache_memory_gb")
-    kv_cache_memory_gb: float = Field(1.0, gt=0)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(512, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "torch", "flash_attn"] = "auto"
-    device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+class ServingEngineOptions(EngineOptions):
+    """The engine's options (cluster/engine/config.py), with a server's defaults for overload: an
+    in-process engine queues without bound, a replica refuses past these (429)."""
+
     max_waiting: int | None = Field(512, ge=0, description="Per replica; more waiting requests are refused (429)")
     queue_ttl_s: float | None = Field(30.0, gt=0, description="Not admitted within this long: rejected (429)")
 
@@ -66,7 +61,7 @@ class PoolOptions(_Strict):
         default_factory=dict, description="Custom Ray resources per replica, e.g. {pdserve_decode: 1}: "
         "the pool runs only on nodes that advertise them (deploy/cluster.yaml)")
     max_ongoing_requests: int = Field(256, ge=1)
-    engine: EngineOptions | None = Field(None, description="Overrides the app-wide engine options")
+    engine: ServingEngineOptions | None = Field(None, description="Overrides the app-wide engine options")
 
     @field_validator("resources")
     @classmethod
@@ -155,7 +150,7 @@ class AppConfig(_Strict):
         "KV; colocated: no prefill pool, decode replicas prefill locally (a conventional server)")
     model: str | None = Field(None, description="HF checkpoint directory; None = the demo model")
     served_model_name: str | None = Field(None, description="Model id in the APIs; default: the dir name")
-    engine: EngineOptions = EngineOptions()
+    engine: ServingEngineOptions = ServingEngineOptions()
     prefill: PoolOptions = PoolOptions()
     decode: PoolOptions = PoolOptions()
     ingress_replicas: int = Field(1, ge=1)
@@ -198,7 +193,7 @@ class AppConfig(_Strict):
     def from_yaml(cls, path: str | Path) -> "AppConfig":
         return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
 
-    def engine_for(self, pool: Literal["prefill", "decode"]) -> EngineOptions:
+    def engine_for(self, pool: Literal["prefill", "decode"]) -> ServingEngineOptions:
         return getattr(self, pool).engine or self.engine
 
     @property

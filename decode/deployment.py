@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Sequence
 
-from cluster.engine.llm_engine import RequestOutput, merge_outputs
+from cluster.engine.outputs import RequestOutput, merge_outputs
 from cluster.serving.replica import EngineReplica
 from cluster.engine.request import DEFAULT_CONTEXT, RequestContext
 from cluster.engine.sampling_params import SamplingParams
@@ -16,7 +16,7 @@ class DecodeServer(EngineReplica):
     pool = "decode"
     idle_poll_s = 1.0
 
-    def make_core(self, engine, transport, config):
+    def make_role(self, engine, transport, config) -> DecodeEngine:
         kv = config.kv_transfer
         return DecodeEngine(engine, transport, policy=kv.failure_policy, transfer_timeout_s=kv.timeout_s)
 
@@ -32,15 +32,8 @@ class DecodeServer(EngineReplica):
         """Stream a request's deltas. With a KV handle the prompt's KV is pulled from prefill
         (the first token was already sent); without one the prompt is prefilled here. Deltas that
         queue while the caller is busy are merged into one message."""
-        engine = self.core.engine
-        if kv_handle is None:
-            req = engine.make_request(request_id, None, prompt_token_ids, sampling, ctx)
-
-            def submit():
-                engine.add(req)
-        else:
-            def submit():
-                self.core.core.submit(request_id, prompt_token_ids, sampling, kv_handle, ctx)
+        def submit():
+            self.role.submit(request_id, prompt_token_ids, sampling, kv_handle, ctx)
 
         async for out in self.loop.stream(request_id, submit, merge=merge_outputs):
             yield out

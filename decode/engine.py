@@ -13,8 +13,9 @@ import logging
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from cluster.engine.llm_engine import LLMEngine, RequestOutput
-from cluster.engine.request import DEFAULT_CONTEXT, RequestContext, RequestStatus
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.request import DEFAULT_CONTEXT, RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from kv_transfer.errors import IncompatiblePeerError, KVTransferError
 from kv_transfer.handle import KVHandle
@@ -55,24 +56,26 @@ class DecodeEngine:
         request_id: str,
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams,
-        handle: KVHandle,
+        handle: KVHandle | None = None,
         ctx: RequestContext = DEFAULT_CONTEXT,
     ) -> None:
-        """Start importing. Raises InvalidRequestError (bad input), IncompatiblePeerError."""
+        """Queue a request. Without a handle its prompt is prefilled here; with one, its prompt KV
+        is imported from the prefill engine that sampled its first token. Raises
+        InvalidRequestError (bad input), IncompatiblePeerError, QueueFullError."""
         req = self.engine.make_request(request_id, None, prompt_token_ids, sampling, ctx)
+        if handle is None:
+            self.engine.add(req)
+            return
         if handle.num_prompt_tokens != req.num_prompt_tokens:
             raise ValueError(f"handle covers {handle.num_prompt_tokens} tokens, prompt has {req.num_prompt_tokens}")
         self.layout.check_compatible(handle.kv_layout, f"engine {handle.engine_id}")
-        self.engine.detokenizer_for(req, list(prompt_token_ids) + [handle.first_token])
-        n = handle.num_prompt_tokens
-        reused = self.engine.scheduler.add_importing(req, handle.block_hashes, n)
+        reused = self.engine.import_request(req, handle.block_hashes, handle.num_prompt_tokens, handle.first_token)
         if reused is None:  # no room now: queue it to be computed here when blocks free up
             log.info("no KV room to import %s; prefilling it locally", request_id)
-            req.append_token(handle.first_token)
-            self.engine.scheduler.add(req)
+            self.engine.add_after_first_token(req, handle.first_token)
             self.transport.notify_release(handle)
             return
-        local = self.engine.kv.block_ids(request_id)
+        local = self.engine.block_ids(request_id)
         self.transport.stats.blocks_reused += reused
         pull = None
         if reused < len(handle.block_ids):
@@ -81,7 +84,7 @@ class DecodeEngine:
                     handle, list(handle.block_ids[reused:]), local[reused:], self.timeout_s
                 )
             except IncompatiblePeerError:
-                self.engine.final_output(self.engine.scheduler.finish(request_id, RequestStatus.FINISHED_ERROR), [], "")
+                self.engine.fail(request_id, "incompatible KV peer")
                 raise
             except KVTransferError as e:
                 self.transport.stats.pulls_failed += 1
@@ -102,10 +105,9 @@ class DecodeEngine:
                 del self._imports[rid]
                 if imp.pull is None:
                     self.transport.notify_release(imp.handle)
-                req = self.engine.scheduler.activate_imported(rid, imp.handle.num_prompt_tokens,
-                                                               imp.handle.first_token)
-                if req.status.finished:  # max_tokens == 1 or the first token stops it
-                    outputs.append(self.engine.final_output(req, [], ""))
+                final = self.engine.activate(rid, imp.handle.num_prompt_tokens, imp.handle.first_token)
+                if final is not None:  # max_tokens == 1 or the first token stops it
+                    outputs.append(final)
         outputs += self._pending_outputs  # requests failed outside a step (policy "fail")
         self._pending_outputs = []
         return outputs + self.engine.step()
@@ -113,13 +115,11 @@ class DecodeEngine:
     def _on_failure(self, request_id: str, handle: KVHandle, why: str) -> None:
         if self.policy == "recompute":
             log.warning("KV pull for %s failed (%s); recomputing the prompt locally", request_id, why)
-            self.engine.scheduler.requeue_imported(request_id, handle.first_token)
+            self.engine.requeue(request_id, handle.first_token)
             self.transport.stats.fallbacks_recompute += 1
         else:
             log.warning("KV pull for %s failed (%s); failing the request", request_id, why)
-            req = self.engine.scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
-            req.error = f"KV transfer failed: {why}"
-            self._pending_outputs.append(self.engine.final_output(req, [], ""))
+            self._pending_outputs.append(self.engine.fail(request_id, f"KV transfer failed: {why}"))
         self.transport.notify_release(handle)
 
     def abort(self, request_id: str) -> RequestOutput | None:

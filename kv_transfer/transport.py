@@ -73,9 +73,6 @@ class NixlTransport:
         self.layout = layout
         self.store = store
         self.stats = TransferStats()
-        # Injected fault (chaos tests): "drop" fails every READ at completion, "stall" never
-        # completes one (it times out). The READs themselves still run on the real path.
-        self.fault: str = "none"
         self.block_bytes = kv_cache[0].numel() * kv_cache.element_size()
         if self.block_bytes != layout.block_bytes:
             raise ValueError(f"pool block is {self.block_bytes} bytes, layout says {layout.block_bytes}")
@@ -188,10 +185,6 @@ class NixlTransport:
             self._abandon(pull)
             self.stats.pulls_failed += 1
             raise KVTransferError(f"READ from {pull.peer} failed: {e}") from e
-        if self.fault == "drop":
-            state = "ERR"
-        elif self.fault == "stall" and state == "DONE":
-            state = "PROC"
         if state == "DONE":
             if self.telemetry:  # how many descriptors NIXL actually used (after merging)
                 self.stats.descriptors_used += self.agent.get_xfer_telemetry(pull.handle).descCount

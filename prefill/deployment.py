@@ -14,7 +14,7 @@ class PrefillServer(EngineReplica):
     pool = "prefill"
     idle_poll_s = 0.05  # idle wake-ups serve lease expiry and completion notifications
 
-    def make_core(self, engine, transport, config):
+    def make_role(self, engine, transport, config) -> PrefillEngine:
         return PrefillEngine(engine, transport, lease_s=config.kv_transfer.lease_s)
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
@@ -22,7 +22,7 @@ class PrefillServer(EngineReplica):
         """Prefill and hold the blocks; cancelling this call aborts the prefill.
         (`target_replica` is read by the request router that brought the call here.)"""
         stream = self.loop.stream(
-            request_id, lambda: self.core.core.submit(request_id, prompt_token_ids, sampling, ctx))
+            request_id, lambda: self.role.submit(request_id, prompt_token_ids, sampling, ctx))
         try:
             async for result in stream:
                 return result
@@ -32,4 +32,4 @@ class PrefillServer(EngineReplica):
 
     async def release(self, request_id: str) -> None:
         """End a lease early (the request was cancelled before decode pulled it)."""
-        await self.loop.call(lambda: self.core.abort(request_id))
+        await self.loop.call(lambda: self.role.abort(request_id))

@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.request import DEFAULT_CONTEXT, RequestContext
+from cluster.engine.outputs import FinishReason
+from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import engine_layout
@@ -51,8 +52,7 @@ class PrefillEngine:
         first_only = replace(sampling, max_tokens=1, min_tokens=0)
         req = self.engine.make_request(request_id, None, prompt_token_ids, first_only, ctx)
         self.engine.check_length(req.num_prompt_tokens, sampling.max_tokens)  # the whole request
-        req.keep_kv = True
-        self.engine.add(req)
+        self.engine.add(req, hold_kv=True)
         self._max_tokens[request_id] = sampling.max_tokens
 
     def step(self) -> list[PrefillResult]:
@@ -61,34 +61,32 @@ class PrefillEngine:
         for out in self.engine.step():
             if not out.finished:
                 continue
-            leased = self.engine.scheduler.leased.get(out.request_id)
+            held = self.engine.held(out.request_id)
             max_tokens = self._max_tokens.pop(out.request_id, 0)
-            if leased is None:  # error or abort: nothing held
+            if held is None:  # error or abort: nothing held
                 results.append(PrefillResult(out.request_id, None, out.finish_reason, out.error))
-            elif out.finish_reason == "stop" or max_tokens == 1:
+            elif out.finish_reason == FinishReason.STOP or max_tokens == 1:
                 # The first token already ends the request (EOS, stop token, max_tokens=1).
-                self.engine.scheduler.release(out.request_id)
+                self.engine.release(out.request_id)
                 results.append(PrefillResult(out.request_id, None, out.finish_reason, None,
                                              out.token_ids[0], out.num_cached_tokens))
             else:
-                handle = self._lease(out.request_id)
+                handle = self._lease(held)
                 results.append(PrefillResult(out.request_id, handle, None, None, handle.first_token,
                                              out.num_cached_tokens))
         return results
 
-    def _lease(self, request_id: str) -> KVHandle:
-        req = self.engine.scheduler.leased[request_id]
+    def _lease(self, req: Request) -> KVHandle:
         expiry = self.clock() + self.lease_s
-        self._leases[request_id] = expiry
+        self._leases[req.request_id] = expiry
         self.transport.stats.leases_granted += 1
-        full_blocks = req.num_prompt_tokens // self.engine.block_size
         return KVHandle(
-            request_id=request_id,
+            request_id=req.request_id,
             engine_id=self.transport.engine_id,
             incarnation=self.transport.incarnation,
             agent_name=self.transport.agent_name,
-            block_ids=tuple(self.engine.kv.block_ids(request_id)),
-            block_hashes=tuple(self.engine.kv.update_hashes(req)[:full_blocks]),
+            block_ids=tuple(self.engine.block_ids(req.request_id)),
+            block_hashes=tuple(self.engine.full_block_hashes(req)),
             num_prompt_tokens=req.num_prompt_tokens,
             first_token=req.output_token_ids[0],
             kv_layout=self.layout,
@@ -112,13 +110,13 @@ class PrefillEngine:
     def service_leases(self) -> None:
         """Release leases whose transfer completed, and expire overdue ones."""
         for rid in self.transport.completed_requests():
-            if self._leases.pop(rid, None) is not None and self.engine.scheduler.release(rid):
+            if self._leases.pop(rid, None) is not None and self.engine.release(rid):
                 self.transport.stats.leases_released += 1
         now = self.clock()
         for rid, expiry in list(self._leases.items()):
             if now >= expiry:
                 del self._leases[rid]
-                self.engine.scheduler.release(rid)
+                self.engine.release(rid)
                 self.transport.stats.leases_expired += 1
 
     def abort(self, request_id: str) -> PrefillResult | None:
@@ -126,8 +124,13 @@ class PrefillEngine:
         out = self.engine.abort(request_id)
         self._max_tokens.pop(request_id, None)
         if self._leases.pop(request_id, None) is not None:
-            self.engine.scheduler.release(request_id)
+            self.engine.release(request_id)
         return None if out is None else PrefillResult(request_id, None, out.finish_reason)
+
+    def release_all(self) -> None:
+        """End every lease now (benchmarks between rounds)."""
+        for rid in list(self._leases):
+            self.abort(rid)
 
     @property
     def num_leases(self) -> int:

@@ -1,4 +1,4 @@
-"""The replica side of the index feed: drains the block pool's stored/removed events and sends
+"""The replica side of the index feed: drains an engine's block stored/removed events and sends
 them to the router with a sequence number; when the router refuses a batch (a gap, a restarted
 router, a new incarnation), sends a full snapshot instead. Runs on the engine's loop thread;
 never blocks on the router (fire-and-forget, acknowledgements checked without waiting)."""
@@ -11,18 +11,28 @@ import uuid
 
 import ray
 
-from cluster.engine.kv_cache.block_pool import BlockPool
+from typing import Protocol
+
+from cluster.engine.kv_cache import BlockHash
 
 log = logging.getLogger(__name__)
 
 
+class BlockEventSource(Protocol):
+    """What the feed reads: an LLMEngine."""
+
+    def drain_block_events(self) -> list: ...
+
+    def cached_block_hashes(self) -> list[BlockHash]: ...
+
+
 class KVEventPublisher:
-    def __init__(self, replica_id: str, pool: BlockPool, router, incarnation: str | None = None,
+    def __init__(self, replica_id: str, source: BlockEventSource, router, incarnation: str | None = None,
                  min_resync_interval_s: float = 1.0):
         self.replica_id = replica_id
         self.min_resync_interval_s = min_resync_interval_s  # a dead router costs one snapshot a second
         self._last_snapshot = float("-inf")
-        self.pool = pool
+        self.source = source
         self.router = router
         self.incarnation = incarnation or uuid.uuid4().hex[:12]
         self.seq = 0
@@ -38,7 +48,7 @@ class KVEventPublisher:
             if time.monotonic() - self._last_snapshot >= self.min_resync_interval_s:
                 self._send_snapshot()
             return
-        events = self.pool.drain_events()
+        events = self.source.drain_block_events()
         if not events:
             return
         self.seq += 1
@@ -59,13 +69,13 @@ class KVEventPublisher:
         return refused
 
     def _send_snapshot(self) -> None:
-        self.pool.drain_events()  # the snapshot supersedes anything queued
+        self.source.drain_block_events()  # the snapshot supersedes anything queued
         self.seq += 1
         self.resyncs += 1
         self._acks = []
         self._resync_due = False
         self._last_snapshot = time.monotonic()
         try:
-            self.router.resync.remote(self.replica_id, self.incarnation, self.seq, self.pool.cached_hashes())
+            self.router.resync.remote(self.replica_id, self.incarnation, self.seq, self.source.cached_block_hashes())
         except Exception as e:  # noqa: BLE001 — routing falls back to load; try again next turn
             log.debug("router resync not sent: %s", e)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from cluster.engine.kv_cache.hashing import BlockHash
+from router.baselines import PowerOfTwoPolicy, RoundRobinPolicy
 from router.index import PrefixIndex
 from router.policy import PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
 
@@ -37,8 +38,6 @@ class Router:
 
     def configure(self, config: PolicyConfig, strategy: str = "cost") -> None:
         """Set the policy once (the ingress does, from the app config)."""
-        from router.baselines import PowerOfTwoPolicy, RoundRobinPolicy  # noqa: PLC0415
-
         strategies = {"cost": RoutingPolicy, "round_robin": RoundRobinPolicy, "power_of_two": PowerOfTwoPolicy}
         if strategy not in strategies:
             raise ValueError(f"routing strategy {strategy!r} is unknown (choose from {sorted(strategies)})")

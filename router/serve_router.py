@@ -11,6 +11,8 @@ from typing import List, Optional
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from router.actor import get_router
+
 log = logging.getLogger(__name__)
 
 TARGET_KWARG = "target_replica"
@@ -46,8 +48,6 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
 
 def _forget(replica_id: str) -> None:
     try:
-        from router.actor import get_router  # noqa: PLC0415
-
         get_router().forget.remote(replica_id)
     except Exception as e:  # noqa: BLE001 — the router also drops replicas that stop reporting
         log.debug("could not tell the router that %s is gone: %s", replica_id, e)

@@ -46,14 +46,14 @@ def pool_loads() -> dict[str, dict]:
 
 
 def wait_pools_whole(timeout: float = 30.0) -> dict[str, dict]:
-    """Until both pools have every block free and nothing running, waiting, importing or leased;
+    """Until both pools have every block free and nothing running, waiting, importing or held;
     returns those loads (a leak shows as a timeout naming the last loads seen)."""
     seen: dict[str, dict] = {}
 
     def whole() -> bool:
         seen.update(pool_loads())
         return all(s["free_blocks"] == s["total_blocks"] and s["running"] == s["waiting"] == s["importing"]
-                   == s["leased"] == 0 for s in seen.values())
+                   == s["held"] == 0 for s in seen.values())
 
     wait_for(whole, f"both pools back at their totals (last seen: {seen})", timeout)
     return seen

@@ -23,7 +23,7 @@ def _init_model(args) -> int:
 
 
 def _generate(args) -> int:
-    from cluster.engine.loop import AsyncEngine  # noqa: PLC0415
+    from cluster.engine.loop import EngineLoop  # noqa: PLC0415
     from cluster.engine.llm_engine import LLMEngine  # noqa: PLC0415
     from cluster.errors import InvalidRequestError  # noqa: PLC0415
     from cluster.engine.sampling_params import SamplingParams  # noqa: PLC0415
@@ -35,7 +35,7 @@ def _generate(args) -> int:
         return 2
     ids = [int(t) for t in args.prompt_token_ids.split(",")] if args.prompt_token_ids else None
     engine = LLMEngine.from_model(args.model, num_blocks=args.num_blocks, device=args.device)
-    aengine = AsyncEngine(engine)
+    aengine = EngineLoop(engine)
 
     async def run() -> dict:
         sp = SamplingParams(

@@ -1,4 +1,6 @@
-"""Engine configuration: validated where it enters (CLI, YAML), frozen inside."""
+"""Engine options, declared once: the engine reads `EngineConfig`, the app config reuses
+`EngineOptions` (cluster/config.py). Validated where they enter (CLI, YAML), frozen inside.
+No torch here: the front door sizes KV blocks with `kv_block_bytes` too."""
 
 from __future__ import annotations
 
@@ -6,32 +8,51 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.engine.model_config import ModelConfig
 
-class EngineConfig(BaseModel):
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class EngineOptions(BaseModel):
+    """What an engine replica may be tuned with; the model is chosen elsewhere."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model: str = Field(description="Path to a Hugging Face checkpoint directory.")
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
     num_blocks: int | None = Field(
-        None, ge=2, description="KV blocks in the pool; None = derived from kv_cache_memory_gb."
-    )
+        None, ge=2, description="KV blocks in the pool (per replica); None = derived from kv_cache_memory_gb.")
     kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV pool size when num_blocks is None.")
     max_num_seqs: int = Field(64, ge=1, description="Most requests running at once.")
     max_num_batched_tokens: int = Field(
-        512, ge=1, description="Token budget of one engine step (decodes + prefill chunks)."
-    )
+        512, ge=1, description="Token budget of one engine step (decodes + prefill chunks).")
     max_model_len: int | None = Field(
-        None, ge=1, description="Longest prompt + output; None = the model's max_position_embeddings."
-    )
+        None, ge=1, description="Longest prompt + output; None = the model's max_position_embeddings.")
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "torch", "flash_attn"] = "auto"
     device: str = Field("auto", description='"auto" (cuda when available), "cpu", "cuda", "cuda:N".')
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description='"auto" = the checkpoint\'s dtype (float32 on CPU for half checkpoints).'
-    )
+        "auto", description='"auto" = the checkpoint\'s dtype.')
     max_waiting: int | None = Field(
         None, ge=0, description="Most requests waiting for admission; more are refused (overload). None = unbounded.")
     queue_ttl_s: float | None = Field(
         None, gt=0, description="A request not admitted within this long is rejected (overload). None = no limit.")
+
+    def num_kv_blocks(self, block_bytes: int) -> int:
+        return self.num_blocks or int(self.kv_cache_memory_gb * 2**30 // block_bytes)
+
+
+class EngineConfig(EngineOptions):
+    """One engine: its options plus the checkpoint and what only an in-process engine sets."""
+
+    model: str = Field(description="Path to a Hugging Face checkpoint directory.")
     seed: int = 0
     cache_salt: str = Field("", description="Extra salt in every block hash (e.g. a deployment id).")
+
+
+def kv_dtype(mc: ModelConfig, opts: EngineOptions) -> str:
+    return mc.dtype if opts.dtype == "auto" else opts.dtype
+
+
+def kv_block_bytes(mc: ModelConfig, opts: EngineOptions) -> int:
+    """Bytes of one KV block (all layers, K and V) for these engine options."""
+    return mc.num_layers * 2 * opts.block_size * mc.num_kv_heads * mc.head_dim * DTYPE_BYTES[kv_dtype(mc, opts)]

@@ -4,24 +4,24 @@
     sampled = runner.execute(out.chunks, block_tables)
     finished = scheduler.update(out, sampled)
 
-Not thread-safe: AsyncEngine drives it from one thread.
+Not thread-safe: EngineLoop drives it from one thread.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from cluster.engine.attention import resolve_backend
-from cluster.engine.config import EngineConfig
-from cluster.engine.kv_cache import KVCacheManager, extend_salt
+from cluster.engine.config import EngineConfig, kv_block_bytes, kv_dtype
+from cluster.engine.kv_cache import BlockHash, KVCacheManager, extend_salt
 from cluster.engine.model.loader import load_model
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.model_runner import ModelRunner
+from cluster.engine.outputs import EngineLoad, EngineStats, RequestOutput, merge_outputs
 from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
@@ -30,52 +30,6 @@ from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from cluster.engine.validation import RequestValidator
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    """One request's progress in one step (a delta), or its whole result from generate()."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    error: str | None = None
-
-
-def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """Two consecutive deltas of one request as one."""
-    return RequestOutput(
-        b.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason,
-        b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens, b.error,
-    )
-
-
-@dataclass
-class EngineStats:
-    """Plain counters since start; telemetry turns them into metrics."""
-
-    steps: int = 0
-    tokens_computed: int = 0  # through the model: prompt chunks, recomputes and decodes
-    generation_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    preemptions: int = 0
-    step_errors: int = 0
-    last_step_s: float = 0.0
-    busy_s: float = 0.0  # time spent in steps (tokens_computed / busy_s = throughput when busy)
-    step_s_avg: float = 0.0  # step time smoothed over ~10 steps: one long prefill step barely moves it
-    finished_by_reason: dict[str, int] = field(default_factory=dict)
-
-
-def kv_block_bytes(mc: ModelConfig, opts) -> int:
-    """Bytes of one KV block (all layers, K and V) for these engine options."""
-    dtype = getattr(torch, mc.dtype if opts.dtype == "auto" else opts.dtype)
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return mc.num_layers * 2 * opts.block_size * mc.num_kv_heads * mc.head_dim * elem
 
 
 def resolve_device(name: str) -> torch.device:
@@ -91,15 +45,16 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model)
         mc = self.model_config
         self.device = resolve_device(config.device)
-        dtype = getattr(torch, mc.dtype if config.dtype == "auto" else config.dtype)
+        dtype = getattr(torch, kv_dtype(mc, config))
         self.dtype = dtype
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.validator = RequestValidator.for_model(config.model, [config])
+        self.max_model_len = self.validator.max_model_len
         self.block_size = config.block_size
         self.model = load_model(config.model, mc, self.max_model_len, dtype, self.device)
 
         # One block of all layers is one contiguous region: [L, 2, block_size, H_kv, D].
         self.block_bytes = kv_block_bytes(mc, config)
-        num_blocks = config.num_blocks or int(config.kv_cache_memory_gb * 2**30 // self.block_bytes)
+        num_blocks = self.validator.num_blocks
         self.kv_cache = torch.zeros(
             num_blocks, mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim,
             dtype=dtype, device=self.device,
@@ -110,16 +65,10 @@ class LLMEngine:
                                    config.max_waiting, config.queue_ttl_s)
         backend = resolve_backend(config.attention_backend, self.device, config.block_size)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size, self.device, config.seed)
-        self.eos_token_ids = mc.eos_token_ids or tuple(
-            t for t in [self.tokenizer.token_to_id(self.tokenizer.config.get("eos_token"))] if t is not None
-        )
-        self.validator = RequestValidator(
-            self.tokenizer, mc.vocab_size, self.max_model_len, config.block_size, num_blocks, self.eos_token_ids
-        )
+        self.eos_token_ids = self.validator.eos_token_ids
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
         self.probe: EngineProbe | None = None  # set by a replica with telemetry on (plain Python, no Ray)
-        self.step_delay_s = 0.0  # injected fault (chaos tests): every step takes this much longer
         log.info(
             "engine ready: model=%s dtype=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)",
             config.model, mc.dtype, self.device, backend.name, num_blocks, config.block_size,
@@ -146,7 +95,10 @@ class LLMEngine:
     def check_length(self, n_prompt: int, max_tokens: int) -> None:
         self.validator.check_length(n_prompt, max_tokens)
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, hold_kv: bool = False) -> None:
+        """Queue a request. With `hold_kv` its blocks outlive a normal finish, held until
+        `release()` (prefill: decode pulls them)."""
+        req.keep_kv = hold_kv
         self.scheduler.add(req)
         self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling.stop)
 
@@ -162,9 +114,87 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def detokenizer_for(self, req: Request, context: Sequence[int]) -> None:
-        """Start a request's text stream after `context` (e.g. prompt + a token sent elsewhere)."""
-        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, context, req.sampling.stop)
+    def fail(self, request_id: str, error: str) -> RequestOutput | None:
+        """End a request with an error, freeing its blocks; its terminal output, if it was here."""
+        req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
+        if req is None:
+            return None
+        req.error = error
+        return self.final_output(req, [], "")
+
+    # ---- verbs of the prefill role: blocks held for a peer -------------------------------------
+
+    def held(self, request_id: str) -> Request | None:
+        """A finished request whose blocks are held (added with hold_kv), or None."""
+        return self.scheduler.leased.get(request_id)
+
+    def release(self, request_id: str) -> bool:
+        """Free a held request's blocks (its transfer is done, or its lease ended)."""
+        return self.scheduler.release(request_id)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return self.kv.block_ids(request_id)
+
+    def full_block_hashes(self, req: Request) -> list[BlockHash]:
+        """The chained hashes of a request's full prompt blocks (what a peer may already cache)."""
+        return self.kv.update_hashes(req)[: req.num_prompt_tokens // self.block_size]
+
+    # ---- verbs of the decode role: a prompt's KV imported from a peer --------------------------
+
+    def import_request(self, req: Request, block_hashes: Sequence[BlockHash], num_tokens: int,
+                       first_token: int) -> int | None:
+        """Admit a request whose first `num_tokens` tokens' KV arrives from a peer, after which
+        it continues from `first_token` (sampled there). Takes this engine's cached prefix and
+        allocates the rest: returns how many leading blocks were cached here, or None when the
+        pool has no room (then nothing changed)."""
+        reused = self.scheduler.add_importing(req, block_hashes, num_tokens)
+        if reused is not None:
+            self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, list(req.prompt_token_ids) + [first_token], req.sampling.stop)
+        return reused
+
+    def activate(self, request_id: str, num_tokens: int, first_token: int) -> RequestOutput | None:
+        """The imported KV has arrived: the request joins continuous batching after its first
+        token. Returns its terminal output if that token already ends it (max_tokens 1, a stop)."""
+        req = self.scheduler.activate_imported(request_id, num_tokens, first_token)
+        return self.final_output(req, [], "") if req.status.finished else None
+
+    def requeue(self, request_id: str, first_token: int) -> None:
+        """The import failed: compute the prompt here instead, keeping the first token."""
+        self.scheduler.requeue_imported(request_id, first_token)
+
+    def add_after_first_token(self, req: Request, first_token: int) -> None:
+        """Queue a request whose first token was sampled elsewhere: its prompt is computed here
+        and it continues after that token (decode without room to import)."""
+        req.append_token(first_token)
+        self.add(req)
+        self._detok[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, list(req.prompt_token_ids) + [first_token], req.sampling.stop)
+
+    # ---- state for load reports, the router's feed and telemetry -------------------------------
+
+    def load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(
+            free_blocks=self.kv.num_free_blocks, total_blocks=self.kv.num_blocks,
+            running=len(s.running), waiting=len(s.waiting), importing=len(s.importing), held=len(s.leased),
+            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+        )
+
+    def queue_shape(self) -> tuple[int, int, int]:
+        """(waiting, running, importing): cheap, for noticing that the queues changed."""
+        s = self.scheduler
+        return len(s.waiting), len(s.running), len(s.importing)
+
+    def drain_block_events(self) -> list:
+        """Block stored/removed events since the last call, in order (the router's feed)."""
+        return self.kv.pool.drain_events()
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        return self.kv.pool.cached_hashes()
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.pool.reset_cache()
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -178,8 +208,6 @@ class LLMEngine:
         tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in out.chunks}
         try:
             sampled = self.runner.execute(out.chunks, tables)
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
         except Exception as e:  # a broken step fails its requests, never the loop
             log.exception("engine step failed")
             self.stats.step_errors += 1

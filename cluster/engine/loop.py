@@ -1,8 +1,10 @@
-"""Async streaming over a synchronous engine core: one background thread runs the step loop.
+"""The engine loop: async streaming over a synchronous engine core, one background thread.
 
 A core is anything with `step() -> outputs`, `has_unfinished()` and `abort(request_id)` (and
 optionally `service()`, run every iteration, idle or not): the plain LLMEngine, the prefill role,
-the decode role. Outputs carry `request_id` and `finished`.
+the decode role. Outputs carry `request_id` and `finished`. Hooks (`LoopHook`: load reports, the
+router's event feed, telemetry) are called by the loop after each step and each turn; they observe
+the engine, they do not wrap it, and a failing hook is logged and never stops the loop.
 
 Callers `async for` over `stream(...)` and receive each step's outputs as they are produced. The
 core is touched only by the loop thread; callers hand it work as closures. Leaving the iterator
@@ -18,9 +20,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from cluster.engine.latency import FirstOutputTimer
+from cluster.engine.outputs import FinishReason, RequestOutput
 from cluster.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -35,11 +38,23 @@ class _Call:
     sink: asyncio.Queue | None = None
 
 
-class AsyncEngine:
-    def __init__(self, core, idle_poll_s: float | None = None, name: str = "pdserve-engine"):
+class LoopHook(Protocol):
+    """Called on the loop thread: `after_step` after every engine step, `service` once every
+    turn (busy or idle) after the core's own service."""
+
+    def after_step(self, now: float) -> None: ...
+
+    def service(self, now: float, busy: bool) -> None: ...
+
+
+class EngineLoop:
+    def __init__(self, core, idle_poll_s: float | None = None, name: str = "pdserve-engine",
+                 hooks: Sequence[LoopHook] = ()):
         self.core = core
         self.engine = getattr(core, "engine", core)  # the LLMEngine underneath
         self.idle_poll_s = idle_poll_s
+        self.hooks = tuple(hooks)
+        self.hook_errors = 0
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -120,13 +135,29 @@ class AsyncEngine:
         return 0.0 if started is None else now - started
 
     def _run(self) -> None:
+        try:
+            self._turns()
+        except BaseException:  # a bug outside the engine step: no stream may be left waiting
+            log.exception("engine loop died; failing its requests")
+            for out in self._fail_all("engine loop died"):
+                self._deliver(out)
+            raise
+        # Shutting down (a drained replica at the end of its grace period): free the blocks of what
+        # is left but end no stream. Those callers see the replica die with it and migrate the
+        # requests; a "cancelled" finish would end their clients' streams instead.
+        for rid in list(self._sinks):
+            self.core.abort(rid)
+
+    def _turns(self) -> None:
         service = getattr(self.core, "service", None)
         while not self._stop:
             self._turn_started = time.monotonic()
             self._drain_commands()
             if service is not None:
                 service()
-            if not self.core.has_unfinished():
+            busy = self.core.has_unfinished()
+            self._call_hooks("service", self._turn_started, busy)
+            if not busy:
                 self._turn_started = None
                 self._wake.wait(self.idle_poll_s)
                 self._wake.clear()
@@ -135,14 +166,18 @@ class AsyncEngine:
                 outputs = self.core.step()
             except Exception:  # the engine step already fails its own requests; this is a bug
                 log.exception("engine loop error; failing all requests")
-                outputs = self._fail_all()
+                outputs = self._fail_all("engine loop error")
+            self._call_hooks("after_step", time.monotonic())
             for out in outputs:
                 self._deliver(out)
-        # Shutting down (a drained replica at the end of its grace period): free the blocks of what
-        # is left but end no stream. Those callers see the replica die with it and migrate the
-        # requests; a "cancelled" finish would end their clients' streams instead.
-        for rid in list(self._sinks):
-            self.core.abort(rid)
+
+    def _call_hooks(self, name: str, *args) -> None:
+        for hook in self.hooks:
+            try:
+                getattr(hook, name)(*args)
+            except Exception:  # an observer's failure never stops the engine
+                self.hook_errors += 1
+                log.exception("loop hook %s.%s failed", type(hook).__name__, name)
 
     def _drain_commands(self) -> None:
         while True:
@@ -191,16 +226,23 @@ class AsyncEngine:
         except RuntimeError:  # the caller's loop is closed; nobody is listening
             pass
 
-    def _fail_all(self) -> list:
-        from cluster.engine.request import RequestStatus  # noqa: PLC0415
-
+    def _fail_all(self, why: str) -> list:
         outs = []
         for rid in list(self._sinks):
-            req = self.engine.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
-            if req is not None:
-                req.error = "engine loop error"
-                outs.append(self.engine.final_output(req, [], ""))
+            try:
+                out = self.core.abort(rid)
+            except Exception:  # noqa: BLE001 — the core is broken: end the stream regardless
+                log.exception("abort of %s failed", rid)
+                out = None
+            outs.append(_failed(rid, why, out))
         return outs
+
+
+def _failed(request_id: str, why: str, aborted) -> RequestOutput:
+    """A terminal error output for a stream whose engine failed around it."""
+    n_prompt = getattr(aborted, "num_prompt_tokens", 0)
+    n_out = getattr(aborted, "num_output_tokens", 0)
+    return RequestOutput(request_id, [], "", True, FinishReason.ERROR, n_prompt, n_out, 0, why)
 
 
 def _settle(fut: asyncio.Future, result, error) -> None:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.engine.kv_cache.hashing import BlockHash
+from cluster.engine.outputs import FinishReason
 from cluster.engine.sampling_params import SamplingParams
 
 
@@ -26,8 +27,8 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_KV, RequestStatus.RUNNING)
 
     @property
-    def finish_reason(self) -> str | None:
-        return self.value if self.finished else None
+    def finish_reason(self) -> FinishReason | None:
+        return FinishReason(self.value) if self.finished else None
 
 
 class Priority(enum.IntEnum):

@@ -9,6 +9,8 @@ from cluster.errors import InvalidRequestError
 from cluster.engine.kv_cache.manager import cdiv
 from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.config import EngineOptions, kv_block_bytes
+from cluster.engine.model_config import ModelConfig
 from cluster.engine.tokenizer import Tokenizer
 
 
@@ -20,6 +22,21 @@ class RequestValidator:
     block_size: int
     num_blocks: int  # the KV pool a request must fit in (the smallest of the pools it visits)
     eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def for_model(cls, model_dir: str, pools: "Sequence[EngineOptions]") -> "RequestValidator":
+        """The validator of a checkpoint served by engines with these options (no weights read):
+        a request must fit the smallest KV pool and context length among them."""
+        mc = ModelConfig.from_dir(model_dir)
+        tok = Tokenizer(model_dir)
+        max_len = min(min(o.max_model_len or mc.max_position_embeddings for o in pools), mc.max_position_embeddings)
+        num_blocks = min(o.num_kv_blocks(kv_block_bytes(mc, o)) for o in pools)
+        block_sizes = {o.block_size for o in pools}
+        if len(block_sizes) != 1:
+            raise ValueError(f"pools disagree on block_size: {sorted(block_sizes)}")
+        eos = mc.eos_token_ids or tuple(
+            t for t in [tok.token_to_id(tok.config.get("eos_token"))] if t is not None)
+        return cls(tok, mc.vocab_size, max_len, block_sizes.pop(), num_blocks, eos)
 
     def make_request(
         self,

@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 
 from cluster.engine.probe import EngineProbe, ProbeBatch
 
+from cluster.telemetry.metrics import engine_metrics
+from cluster.telemetry.tracing import extract, make_tracer, record_span
+
 if TYPE_CHECKING:
     from cluster.config import TelemetryOptions
     from cluster.engine.llm_engine import LLMEngine
@@ -51,16 +54,12 @@ def phases(pool: str, req: "Request", end: float) -> list[tuple[str, float, floa
 class ReplicaTelemetry:
     def __init__(self, options: "TelemetryOptions", engine: "LLMEngine", transfer: "TransferStats",
                  pool: str, replica_id: str):
-        from cluster.telemetry.tracing import make_tracer  # noqa: PLC0415
-
         self.engine = engine
         self.transfer = transfer
         self.pool = pool
         self.interval_s = options.metrics_interval_s
         self.metrics = None
         if options.metrics:
-            from cluster.telemetry.metrics import engine_metrics  # noqa: PLC0415
-
             self.metrics = engine_metrics()
         self.tracer = make_tracer(options, f"pdserve-{pool}")
         self.tags = {"pool": pool, "replica": replica_id}
@@ -70,7 +69,12 @@ class ReplicaTelemetry:
         self._counters = CounterSync()
         self._next = 0.0
 
-    def service(self, now: float) -> None:
+    # ---- LoopHook (cluster/engine/loop.py) ----------------------------------------------------
+
+    def after_step(self, now: float) -> None:
+        pass  # the engine's probe already recorded the step
+
+    def service(self, now: float, busy: bool = True) -> None:
         """Called every loop turn; exports at most every interval."""
         if now >= self._next:
             self._next = now + self.interval_s
@@ -111,13 +115,12 @@ class ReplicaTelemetry:
         if hit:
             m.prefix_hit_tokens.inc(hit, tags)
 
-        engine, kv = self.engine, self.engine.kv
-        sched = engine.scheduler
-        m.kv_usage.set(1.0 - kv.num_free_blocks / kv.num_blocks, tags)
-        m.running.set(len(sched.running) + len(sched.importing), tags)
-        m.waiting.set(len(sched.waiting), tags)
+        load = self.engine.load()
+        m.kv_usage.set(load.kv_usage, tags)
+        m.running.set(load.running + load.importing, tags)
+        m.waiting.set(load.waiting, tags)
 
-        stats, sync = engine.stats, self._counters.sync
+        stats, sync = self.engine.stats, self._counters.sync
         sync(m.computed_tokens, tags, stats.tokens_computed)
         sync(m.generated_tokens, tags, stats.generation_tokens)
         sync(m.preemptions, tags, stats.preemptions)
@@ -137,8 +140,6 @@ class ReplicaTelemetry:
     # ---- traces -------------------------------------------------------------------------------
 
     def _export_spans(self, req: "Request", end: float) -> None:
-        from cluster.telemetry.tracing import extract, record_span  # noqa: PLC0415
-
         parent = extract(req.ctx.trace_context)
         attrs = {"pdserve.request_id": req.request_id, "pdserve.pool": self.pool,
                  "pdserve.replica": self.replica_id, "pdserve.tenant": req.ctx.tenant}

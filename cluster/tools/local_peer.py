@@ -27,12 +27,12 @@ def prefill_worker(conn, model_dir: str, store_dir: str, engine_id: str, lease_s
                 conn.send(pe.prefill(*args))
             elif cmd == "stats":
                 engine.check_invariants()
-                conn.send({"free": engine.kv.num_free_blocks, "total": engine.kv.num_blocks,
+                load = engine.load()
+                conn.send({"free": load.free_blocks, "total": load.total_blocks,
                            "leases": pe.num_leases, **asdict(transport.stats)})
             elif cmd == "release":  # stop holding everything (benchmarks between rounds)
-                for rid in list(engine.scheduler.leased):
-                    pe.abort(rid)
-                conn.send(engine.kv.num_free_blocks)
+                pe.release_all()
+                conn.send(engine.load().free_blocks)
             elif cmd == "exit":
                 transport.close()
                 conn.send("bye")

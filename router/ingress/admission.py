@@ -23,7 +23,7 @@ from typing import Awaitable, Callable
 from cluster.config import AppConfig, TenantOptions
 from cluster.errors import InvalidRequestError
 from cluster.engine.request import Priority, RequestContext
-from router.ingress.status import Rejected, ServingError
+from router.ingress.status import Code, Rejected, ServingError
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class Admission:
             if key and hmac.compare_digest(key, k):
                 tenant = name
         if tenant is None:
-            raise ServingError("UNAUTHENTICATED", "missing or unknown API key (authorization: Bearer <key>)")
+            raise ServingError(Code.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer <key>)")
         return tenant
 
     # ---- may they ---------------------------------------------------------------------------
@@ -255,11 +255,11 @@ class Idempotent:
             if state == "done":
                 return result
             if state == "conflict":
-                raise ServingError("FAILED_PRECONDITION",
+                raise ServingError(Code.FAILED_PRECONDITION,
                                    f"Idempotency-Key {key!r} was already used with a different request")
             if state == "running":
                 if time.monotonic() >= deadline:
-                    raise ServingError("ABORTED", f"the request with Idempotency-Key {key!r} is still running")
+                    raise ServingError(Code.ABORTED, f"the request with Idempotency-Key {key!r} is still running")
                 await self.actor.wait.remote(tenant, key, deadline - time.monotonic())
                 continue
             try:

@@ -12,12 +12,15 @@ from ray import serve
 from cluster.config import AppConfig
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
+from router.actor import get_router
 from router.ingress.admission import Admission, Idempotent
-from router.ingress.status import ServingError
+from router.ingress.admission_actor import get_admission
 from router.ingress.flow import RequestFlow
 from router.ingress.grpc_api import delta_to_proto, fail, prompt_from_proto, sampling_from_proto
 from router.ingress.openai_api import TIMEOUT_HEADER, bind_replica, build_openai_app, parse_deadline
+from router.ingress.status import ServingError
 from router.ingress.telemetry import IngressTelemetry
+from router.policy import PolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +35,6 @@ openai_app = build_openai_app()
 @serve.ingress(openai_app)
 class Ingress:
     def __init__(self, config: dict, prefill_handle, decode_handle):
-        from router.actor import get_admission, get_router  # noqa: PLC0415
-        from router.policy import PolicyConfig  # noqa: PLC0415
-
         self.config = AppConfig.model_validate(config)
         router = None
         if self.config.routing.enabled:
@@ -54,40 +54,23 @@ class Ingress:
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context):  # noqa: N802 — the RPC's name
         try:
-            tenant = self._admit(request.model, grpc_context)
             metadata = dict(grpc_context.invocation_metadata())
+            tenant = self.flow.authorize(metadata.get("authorization"), request.model)
             deadline = parse_deadline(metadata.get(TIMEOUT_HEADER))
             prompt, ids = prompt_from_proto(request)
             sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens)
             async for delta in self.telemetry.generate(self.flow, prompt, ids, sampling, request.request_id or None,
                                                        tenant=tenant, deadline=deadline):
                 yield delta_to_proto(delta)
-        except InvalidRequestError as e:
-            raise fail(grpc_context, grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
-        except ServingError as e:
-            raise fail(grpc_context, getattr(grpc.StatusCode, e.code), e.message,
-                       getattr(e, "retry_after_s", None)) from e
+        except (InvalidRequestError, ServingError) as e:
+            raise fail(grpc_context, e) from e
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context) -> pb.ListModelsResponse:  # noqa: N802
         try:
-            self._admit("", grpc_context)
+            self.flow.authorize(dict(grpc_context.invocation_metadata()).get("authorization"), None)
         except ServingError as e:
-            raise fail(grpc_context, getattr(grpc.StatusCode, e.code), e.message) from e
+            raise fail(grpc_context, e) from e
         return pb.ListModelsResponse(models=[pb.ModelInfo(**self.flow.model_info())])
-
-    def _admit(self, model: str, grpc_context) -> str:
-        """The caller's tenant; refuses an unknown key or model."""
-        metadata = dict(grpc_context.invocation_metadata())
-        tenant = "unknown"
-        try:
-            tenant = self.flow.admission.authenticate(metadata.get("authorization"))
-            if model and model != self.config.model_name:
-                raise ServingError("NOT_FOUND", f"model {model!r} does not exist; this server serves "
-                                                f"{self.config.model_name!r}")
-        except ServingError as e:
-            self.telemetry.refused(e, tenant)
-            raise
-        return tenant
 
     # ---- gRPC: grpc.health.v1.Health --------------------------------------------------------
 

@@ -22,16 +22,16 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Sequence
 
 from cluster.config import AppConfig
-from cluster.engine.llm_engine import RequestOutput
-from cluster.errors import QueueFullError
 from cluster.engine.kv_cache import extend_salt, hash_request_blocks
 from cluster.engine.model_config import ModelConfig
+from cluster.engine.outputs import FinishReason, RequestOutput
 from cluster.engine.request import RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from cluster.engine.validation import RequestValidator
+from cluster.errors import QueueFullError
 from router.ingress.admission import DEFAULT_TENANT, Admission, Quotas
-from router.ingress.status import Rejected, ServingError
+from router.ingress.status import Code, Rejected, ServingError
 
 log = logging.getLogger(__name__)
 
@@ -49,24 +49,29 @@ class Delta:
     cached_prompt_tokens: int = 0
 
 
+class _Stream:
+    """One request's text as the client sees it: one detokenizer over every leg's tokens."""
+
+    def __init__(self, rid: str, detok: IncrementalDetokenizer, num_prompt_tokens: int):
+        self.rid = rid
+        self.detok = detok
+        self.num_prompt_tokens = num_prompt_tokens
+        self.generated: list[int] = []  # every token sent to the client, in order
+        self.cached = 0  # prompt tokens found in a prefix cache
+
+    def delta(self, tokens: list[int], final_reason: str | None) -> Delta:
+        for t in tokens:
+            self.detok.add(t)
+        self.generated.extend(tokens)
+        reason = FinishReason.STOP if self.detok.stopped else final_reason
+        return Delta(self.rid, self.detok.take(final=reason is not None), tokens, reason, self.num_prompt_tokens,
+                     len(self.generated), self.cached)
+
+
 def make_validator(config: AppConfig) -> RequestValidator:
     """What the ingress needs to reject bad input before any replica sees it (no weights)."""
-    from cluster.engine.llm_engine import kv_block_bytes  # noqa: PLC0415
-
-    model_dir = config.model
-    mc = ModelConfig.from_dir(model_dir)
-    tok = Tokenizer(model_dir)
-    max_len = min(config.engine.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     pools = ["prefill", "decode"] if config.has_prefill_pool else ["decode"]
-    num_blocks = min(_num_blocks(config, p, kv_block_bytes(mc, config.engine_for(p))) for p in pools)
-    eos = mc.eos_token_ids or tuple(
-        t for t in [tok.token_to_id(tok.config.get("eos_token"))] if t is not None)
-    return RequestValidator(tok, mc.vocab_size, max_len, config.engine.block_size, num_blocks, eos)
-
-
-def _num_blocks(config: AppConfig, pool: str, block_bytes: int) -> int:
-    opts = config.engine_for(pool)
-    return opts.num_blocks or int(opts.kv_cache_memory_gb * 2**30 // block_bytes)
+    return RequestValidator.for_model(config.model, [config.engine_for(p) for p in pools])
 
 
 def _local_quotas():
@@ -86,13 +91,16 @@ class _ReplicaDied(Exception):
         self.cause = cause
 
 
-def _ended(rid: str, reason: str, error: str | None, sent: int) -> ServingError:
+FAILED = (FinishReason.ERROR, FinishReason.DEADLINE, FinishReason.REJECTED)  # an engine ended it unfinished
+
+
+def _ended(rid: str, reason: FinishReason, error: str | None, sent: int) -> ServingError:
     """The error for a request an engine ended without finishing it."""
-    if reason == "deadline":
-        return ServingError("DEADLINE_EXCEEDED", f"request {rid}: {error or 'deadline exceeded'}")
-    if reason == "rejected":
+    if reason == FinishReason.DEADLINE:
+        return ServingError(Code.DEADLINE_EXCEEDED, f"request {rid}: {error or 'deadline exceeded'}")
+    if reason == FinishReason.REJECTED:
         return Rejected(f"request {rid}: {error or 'overloaded'}", OVERLOAD_RETRY_S)
-    return ServingError("ABORTED" if sent else "INTERNAL", f"request {rid} failed after {sent} tokens: {error}")
+    return ServingError(Code.ABORTED if sent else "INTERNAL", f"request {rid} failed after {sent} tokens: {error}")
 
 
 class RequestFlow:
@@ -137,42 +145,63 @@ class RequestFlow:
         finally:
             ticket.done(completion)
 
+    def authorize(self, authorization: str | None, model: str | None) -> str:
+        """The caller's tenant, for both edges: refuses an unknown key (UNAUTHENTICATED) or model
+        (NOT_FOUND), counting the refusal."""
+        tenant = "unknown"
+        try:
+            tenant = self.admission.authenticate(authorization)
+            if model and model != self.config.model_name:
+                raise ServingError(Code.NOT_FOUND, f"model {model!r} does not exist; this server serves "
+                                                   f"{self.config.model_name!r}")
+        except ServingError as e:
+            if self.telemetry is not None:
+                self.telemetry.refused(e, tenant)
+            raise
+        return tenant
+
     async def _run(self, rid: str, ids: list[int], sampling: SamplingParams,
                    ctx: RequestContext) -> AsyncIterator[Delta]:
-        detok = IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
-        generated: list[int] = []  # every token sent to the client, in order
-        cached = 0
-        kv_handle = None
-
-        def delta(tokens: list[int], final_reason: str | None) -> Delta:
-            for t in tokens:
-                detok.add(t)
-            generated.extend(tokens)
-            reason = "stop" if detok.stopped else final_reason
-            return Delta(rid, detok.take(final=reason is not None), tokens, reason, len(ids), len(generated), cached)
-
+        """The first-token leg (none, local or remote prefill), then the decode legs."""
+        stream = _Stream(rid, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop), len(ids))
         decision = await self._route(ids, ctx)
         if decision is not None:
             self._check_queue_wait(rid, decision.queue_wait_s, ctx)
-        decode_target = decision.decode if decision else None
-        local = decision is not None and decision.mode == "local"
-        if self.prefill is not None and not local:
-            result = await self._prefill(rid, ids, sampling, ctx, decision.prefill if decision else None)
-            if result is not None:
-                cached = result.num_cached_tokens
-                if result.handle is None:  # the first token ends it
-                    yield delta([result.first_token], result.finish_reason)
-                    return
-                kv_handle = result.handle
-                d = delta([kv_handle.first_token], None)
+        kv_handle = None
+        if self.prefill is not None and not (decision is not None and decision.mode == "local"):
+            first = await self._first_token(rid, ids, sampling, ctx, decision.prefill if decision else None, stream)
+            if first is not None:
+                d, kv_handle = first
                 yield d
-                if d.finish_reason is not None:  # a stop string in the first token's text
-                    await self._release(rid)
+                if d.finish_reason is not None or kv_handle is None:
                     return
-        # The decode leg. If its replica dies, the request migrates: another decode replica gets
-        # the prompt plus every token sent so far (prefilled there) and produces the rest, so the
-        # client's stream goes on without a gap or a repeat (greedy output is identical; a seeded
-        # sampler restarts its random stream at the migration).
+        async for d in self._decode_legs(rid, ids, sampling, ctx, kv_handle,
+                                         decision.decode if decision else None, stream):
+            yield d
+
+    async def _first_token(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
+                           target: str | None, stream: "_Stream"):
+        """Remote prefill: the first token's delta (sent at once, before any transfer) and the
+        handle of the prompt's KV for decode to pull (None when the first token ends the
+        request). None when prefill failed: decode prefills locally."""
+        result = await self._prefill(rid, ids, sampling, ctx, target)
+        if result is None:
+            return None
+        stream.cached = result.num_cached_tokens
+        if result.handle is None:  # the first token ends it
+            return stream.delta([result.first_token], result.finish_reason), None
+        d = stream.delta([result.handle.first_token], None)
+        if d.finish_reason is not None:  # a stop string in the first token's text
+            await self._release(rid)
+        return d, result.handle
+
+    async def _decode_legs(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
+                           kv_handle, decode_target: str | None, stream: "_Stream") -> AsyncIterator[Delta]:
+        """The decode leg, and its migrations. If its replica dies, another decode replica gets
+        the prompt plus every token sent so far (prefilled there) and produces the rest, so the
+        client's stream goes on without a gap or a repeat (greedy output is identical; a seeded
+        sampler restarts its random stream at the migration)."""
+        generated = stream.generated
         leg_rid, leg_ids, leg_sampling = rid, ids, sampling
         for migration in range(self.max_migrations + 1):
             if migration:
@@ -183,29 +212,26 @@ class RequestFlow:
                 log.warning("decode replica of %s died after %d tokens; migrating (%d of %d)",
                             rid, len(generated), migration, self.max_migrations)
             try:
-                async for d in self._decode(leg_rid, leg_ids, leg_sampling, kv_handle, ctx, decode_target, delta,
-                                            len(leg_ids) - len(ids)):
+                async for d in self._decode(leg_rid, leg_ids, leg_sampling, kv_handle, ctx, decode_target,
+                                            stream, len(leg_ids) - len(ids)):
                     if kv_handle is None and migration == 0:
-                        cached = d.cached_prompt_tokens
-                    d.cached_prompt_tokens = cached  # a migrated leg's count covers tokens already sent
+                        stream.cached = d.cached_prompt_tokens
+                    d.cached_prompt_tokens = stream.cached  # a migrated leg's count covers tokens already sent
                     yield d
                     if d.finish_reason is not None:
                         return
             except _ReplicaDied as e:
                 kv_handle, decode_target = None, None  # the next leg prefills on its own replica
-                if not generated:
-                    # nothing sent yet: if this was the last try, it never started
-                    if migration == self.max_migrations:
-                        raise ServingError("UNAVAILABLE", f"decode failed for {rid}: {e.cause}") from e
+                if migration < self.max_migrations:
                     continue
-                if migration == self.max_migrations:
-                    raise ServingError("ABORTED", f"decode replica of {rid} died after {len(generated)} tokens "
-                                                  f"were sent ({self.max_migrations} migrations allowed): {e.cause}") from e
-                continue
-            raise ServingError("INTERNAL", f"decode stream for {rid} ended without a finish")
+                if not generated:  # the last try never started
+                    raise ServingError(Code.UNAVAILABLE, f"decode failed for {rid}: {e.cause}") from e
+                raise ServingError(Code.ABORTED, f"decode replica of {rid} died after {len(generated)} tokens "
+                                                 f"were sent ({self.max_migrations} migrations allowed): {e.cause}") from e
+            raise ServingError(Code.INTERNAL, f"decode stream for {rid} ended without a finish")
 
     async def _decode(self, rid: str, ids: list[int], sampling: SamplingParams, kv_handle, ctx: RequestContext,
-                      target: str | None, delta, sent_before: int) -> AsyncIterator[Delta]:
+                      target: str | None, stream: "_Stream", sent_before: int) -> AsyncIterator[Delta]:
         """One decode leg: stream the replica's outputs as deltas. Raises _ReplicaDied when the
         replica is lost (the caller migrates), ServingError for the request's own failures.
         `sent_before`: tokens sent by earlier legs (a migrated leg's prompt carries them)."""
@@ -215,15 +241,15 @@ class RequestFlow:
             stream = self.decode.options(stream=True).generate.remote(
                 rid, ids, sampling, kv_handle, ctx, target_replica=target)
         except Exception as e:  # noqa: BLE001
-            raise ServingError("UNAVAILABLE", f"no decode replica: {e}") from e
+            raise ServingError(Code.UNAVAILABLE, f"no decode replica: {e}") from e
         finished = pulled = False
         try:
             async for out in stream:
                 out: RequestOutput
                 pulled = True
-                if out.finish_reason in ("error", "deadline", "rejected"):
+                if out.finish_reason in FAILED:
                     raise _ended(rid, out.finish_reason, out.error, sent_before + out.num_output_tokens)
-                d = delta(out.token_ids, out.finish_reason if out.finished else None)
+                d = stream.delta(out.token_ids, out.finish_reason if out.finished else None)
                 if kv_handle is None:  # the prompt was computed on this replica: what its cache saved
                     d.cached_prompt_tokens = out.num_cached_tokens
                 if d.finish_reason is not None:
@@ -239,7 +265,7 @@ class RequestFlow:
         except (RayActorError, ActorUnavailableError) as e:
             raise _ReplicaDied(e) from e
         except Exception as e:
-            raise ServingError("ABORTED" if pulled else "UNAVAILABLE", f"decode failed for {rid}: {e}") from e
+            raise ServingError(Code.ABORTED if pulled else "UNAVAILABLE", f"decode failed for {rid}: {e}") from e
         finally:
             if not finished:
                 stream.cancel()
@@ -280,15 +306,15 @@ class RequestFlow:
         try:
             result = await (call if remaining is None else asyncio.wait_for(call, max(remaining, 0.0)))
         except (TimeoutError, asyncio.TimeoutError) as e:  # cancelling the call aborts the prefill
-            raise ServingError("DEADLINE_EXCEEDED", f"request {rid}: deadline exceeded during prefill") from e
+            raise ServingError(Code.DEADLINE_EXCEEDED, f"request {rid}: deadline exceeded during prefill") from e
         except QueueFullError as e:
             raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
         except Exception as e:  # noqa: BLE001 — any other prefill failure: decode prefills locally
             log.warning("prefill of %s failed (%s); prefilling on decode", rid, e)
             return None
-        if result.finish_reason in ("deadline", "rejected"):
+        if result.finish_reason in (FinishReason.DEADLINE, FinishReason.REJECTED):
             raise _ended(rid, result.finish_reason, result.error, 0)
-        if result.finish_reason == "error":
+        if result.finish_reason == FinishReason.ERROR:
             log.warning("prefill of %s failed (%s); prefilling on decode", rid, result.error)
             return None
         return result

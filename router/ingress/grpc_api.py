@@ -3,18 +3,19 @@ and in the CLI client only."""
 
 from __future__ import annotations
 
-import math
-
 import grpc
 
-from cluster.errors import InvalidRequestError
+from cluster.engine.outputs import FinishReason
 from cluster.engine.sampling_params import SamplingParams
+from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.ingress.flow import Delta
+from router.ingress.status import Code, ServingError, retry_after_seconds
 
-FINISH = {
-    None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
-    "cancelled": pb.FINISH_REASON_CANCELLED, "error": pb.FINISH_REASON_ERROR,
+FINISH = {  # the finish reasons a client sees (deadline and rejected become status codes)
+    None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
 
 
@@ -52,16 +53,16 @@ class GrpcAbort(Exception):
     """Raised after setting the code on Serve's gRPC context: Serve keeps a code set before a raise."""
 
 
-def fail(grpc_context, code: grpc.StatusCode, details: str, retry_after_s: float | None = None):
-    """Set the status on Serve's context, for the caller to raise. A retry-after goes in the details
-    ("retry after N s", whole seconds like HTTP's Retry-After): Serve's gRPC proxy drops trailing
-    metadata on the error path."""
-    if retry_after_s is not None:
-        details = f"{details}; retry after {retry_after_seconds(retry_after_s)} s"
-    grpc_context.set_code(code)
+def fail(grpc_context, error: InvalidRequestError | ServingError) -> GrpcAbort:
+    """Set the error's status on Serve's context, for the caller to raise. A retry-after goes in
+    the details ("retry after N s", whole seconds like HTTP's Retry-After): Serve's gRPC proxy
+    drops trailing metadata on the error path."""
+    if isinstance(error, InvalidRequestError):
+        code, details, retry = Code.INVALID_ARGUMENT, str(error), None
+    else:
+        code, details, retry = error.code, error.message, error.retry_after_s
+    if retry is not None:
+        details = f"{details}; retry after {retry_after_seconds(retry)} s"
+    grpc_context.set_code(getattr(grpc.StatusCode, code.grpc_name))
     grpc_context.set_details(details)
     return GrpcAbort(details)
-
-
-def retry_after_seconds(seconds: float) -> int:
-    return max(1, math.ceil(seconds))

@@ -15,16 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.errors import InvalidRequestError
 from cluster.engine.sampling_params import SamplingParams
-from router.ingress.status import ServingError
 from router.ingress.flow import Delta
-from router.ingress.grpc_api import retry_after_seconds
-
-HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "FAILED_PRECONDITION": 422,
-               "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "ABORTED": 500,
-               "INTERNAL": 500}
-ERROR_TYPE = {"NOT_FOUND": "not_found_error", "UNAUTHENTICATED": "authentication_error",
-              "RESOURCE_EXHAUSTED": "rate_limit_error", "DEADLINE_EXCEEDED": "timeout_error",
-              "FAILED_PRECONDITION": "invalid_request_error"}
+from router.ingress.status import Code, ServingError, retry_after_seconds
 
 TIMEOUT_HEADER = "x-pdserve-timeout-s"  # the request's deadline, seconds from now (HTTP header or gRPC metadata)
 IDEMPOTENCY_HEADER = "idempotency-key"
@@ -84,9 +76,9 @@ def error_response(status: int, message: str, param: str | None = None, kind: st
 
 
 def serving_error_response(e: ServingError) -> JSONResponse:
-    retry = getattr(e, "retry_after_s", None)
-    return error_response(HTTP_STATUS.get(e.code, 500), e.message, None, ERROR_TYPE.get(e.code, "server_error"),
-                          "model_not_found" if e.code == "NOT_FOUND" else e.code.lower(),
+    retry = e.retry_after_s
+    return error_response(e.code.http_status, e.message, None, e.code.error_type,
+                          "model_not_found" if e.code is Code.NOT_FOUND else e.code.grpc_name.lower(),
                           None if retry is None else {"Retry-After": str(retry_after_seconds(retry))})
 
 
@@ -139,16 +131,7 @@ def build_openai_app() -> FastAPI:
     def _check(request: Request, model: str | None):
         """The flow and the caller's tenant; refuses an unknown key or model."""
         flow = get_flow()  # module-level: see bind_replica
-        tenant = "unknown"
-        try:
-            tenant = flow.admission.authenticate(request.headers.get("authorization"))
-            if model and model != flow.config.model_name:
-                raise ServingError("NOT_FOUND", f"model {model!r} does not exist; this server serves "
-                                                f"{flow.config.model_name!r}")
-        except ServingError as e:
-            get_telemetry().refused(e, tenant)
-            raise
-        return flow, tenant
+        return flow, flow.authorize(request.headers.get("authorization"), model)
 
     def _fail(e: Exception) -> JSONResponse:
         if isinstance(e, InvalidRequestError):
@@ -288,7 +271,7 @@ async def _sse(stream, first: Delta, rid, created, model, chat: bool, include_us
             last = d
             yield chunk(d)
     except ServingError as e:
-        yield f"data: {json.dumps({'error': {'message': e.message, 'type': 'server_error', 'code': e.code}})}\n\n"
+        yield f"data: {json.dumps({'error': {'message': e.message, 'type': 'server_error', 'code': e.code.grpc_name}})}\n\n"
     if include_usage and last.finish_reason is not None:
         payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(last)}
         yield f"data: {json.dumps(payload)}\n\n"

@@ -15,7 +15,9 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from cluster.errors import InvalidRequestError
-from router.ingress.status import ServingError
+from cluster.telemetry.metrics import ingress_metrics
+from cluster.telemetry.tracing import extract, inject, make_tracer, record_span
+from router.ingress.status import Code, ServingError
 
 if TYPE_CHECKING:
     from cluster.config import TelemetryOptions
@@ -24,8 +26,8 @@ if TYPE_CHECKING:
     from router.ingress.flow import Delta, RequestFlow
     from router.policy import RouteDecision
 
-REFUSAL_CODES = frozenset({"INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "FAILED_PRECONDITION",
-                           "RESOURCE_EXHAUSTED"})
+REFUSAL_CODES = frozenset(c.grpc_name for c in (Code.INVALID_ARGUMENT, Code.UNAUTHENTICATED, Code.NOT_FOUND,
+                                                Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED))
 
 
 def route_reason(decision: "RouteDecision | None") -> str:
@@ -39,12 +41,12 @@ def route_reason(decision: "RouteDecision | None") -> str:
 
 def error_code(error: BaseException) -> str:
     if isinstance(error, InvalidRequestError):
-        return "INVALID_ARGUMENT"
+        return Code.INVALID_ARGUMENT.grpc_name
     if isinstance(error, ServingError):
-        return error.code
+        return error.code.grpc_name
     if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        return "CANCELLED"
-    return "INTERNAL"
+        return Code.CANCELLED.grpc_name
+    return Code.INTERNAL.grpc_name
 
 
 def refusal_reason(error: BaseException) -> str:
@@ -55,12 +57,8 @@ def refusal_reason(error: BaseException) -> str:
 
 class IngressTelemetry:
     def __init__(self, options: "TelemetryOptions"):
-        from cluster.telemetry.tracing import make_tracer  # noqa: PLC0415
-
         self.metrics = None
         if options.metrics:
-            from cluster.telemetry.metrics import ingress_metrics  # noqa: PLC0415
-
             self.metrics = ingress_metrics()
         self.tracer = make_tracer(options, "pdserve-ingress")
 
@@ -71,8 +69,6 @@ class IngressTelemetry:
         start = time.monotonic()
         span, trace_context = None, ()
         if self.tracer is not None:
-            from cluster.telemetry.tracing import inject  # noqa: PLC0415
-
             attrs = {"pdserve.tenant": tenant, **({"pdserve.request_id": request_id} if request_id else {})}
             span = self.tracer.start_span("ingress", attributes=attrs)
             trace_context = inject(span)
@@ -147,8 +143,6 @@ class IngressTelemetry:
                 if decision.predicted_cached_tokens:
                     m.route_predicted_cached_tokens.inc(decision.predicted_cached_tokens)
         if self.tracer is not None and ctx.trace_context:
-            from cluster.telemetry.tracing import extract, record_span  # noqa: PLC0415
-
             attrs = {"pdserve.route_reason": route_reason(decision)}
             if decision is not None:
                 attrs.update({"pdserve.mode": decision.mode, "pdserve.decode": decision.decode,

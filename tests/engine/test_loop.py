@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from cluster.engine.loop import AsyncEngine
+from cluster.engine.loop import EngineLoop
 from cluster.engine.llm_engine import LLMEngine
 from cluster.errors import InvalidRequestError
 from cluster.engine.sampling_params import SamplingParams
@@ -13,12 +13,12 @@ from tests.reference import hf_greedy
 
 @pytest.fixture(scope="module")
 def aengine(tiny_model):
-    ae = AsyncEngine(LLMEngine.from_model(tiny_model, num_blocks=64))
+    ae = EngineLoop(LLMEngine.from_model(tiny_model, num_blocks=64))
     yield ae
     ae.shutdown()
 
 
-async def wait_idle(ae: AsyncEngine, timeout=10.0):
+async def wait_idle(ae: EngineLoop, timeout=10.0):
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while ae.engine.kv.num_free_blocks != ae.engine.kv.num_blocks or ae.engine.has_unfinished():

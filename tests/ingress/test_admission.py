@@ -11,7 +11,7 @@ from cluster.config import AppConfig
 from cluster.errors import InvalidRequestError
 from cluster.engine.request import Priority
 from router.ingress.admission import Admission, IdempotencyStore, Quotas, TokenBucket
-from router.ingress.status import Rejected, ServingError
+from router.ingress.status import Code, Rejected, ServingError
 
 
 class Clock:
@@ -50,7 +50,7 @@ def test_keys_map_to_tenants_and_unknown_keys_are_refused():
     for bad in (None, "", "ka1", "Bearer", "Bearer nope", "Basic ka1"):
         with pytest.raises(ServingError) as e:
             adm.authenticate(bad)
-        assert e.value.code == "UNAUTHENTICATED"
+        assert e.value.code is Code.UNAUTHENTICATED
     assert Admission(AppConfig(), None).authenticate(None) == "default"  # no keys, no tenants: auth off
 
 
@@ -82,7 +82,7 @@ def test_requests_per_min_across_the_fast_path():
         run(adm.admit("a", 1, 1)).done(1)
     with pytest.raises(Rejected) as e:
         run(adm.admit("a", 1, 1))
-    assert e.value.code == "RESOURCE_EXHAUSTED" and e.value.retry_after_s == pytest.approx(0.1)
+    assert e.value.code is Code.RESOURCE_EXHAUSTED and e.value.retry_after_s == pytest.approx(0.1)
     assert "requests_per_min quota (600)" in e.value.message
     clock.t += 0.1
     run(adm.admit("a", 1, 1)).done(1)

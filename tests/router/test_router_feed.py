@@ -27,20 +27,20 @@ def router(ray_session):
 
 def in_sync(router, publisher: KVEventPublisher) -> bool:
     publisher.publish()
-    return ray.get(router.hashes.remote(publisher.replica_id)) == set(publisher.pool.cached_hashes())
+    return ray.get(router.hashes.remote(publisher.replica_id)) == set(publisher.source.cached_block_hashes())
 
 
 def test_index_tracks_engines_through_eviction_gaps_and_router_restarts(router, tiny_model):
     a = LLMEngine.from_model(tiny_model, num_blocks=12)  # small: later prompts evict earlier ones
     b = LLMEngine.from_model(tiny_model, num_blocks=64)
-    pa = KVEventPublisher("prefill-a", a.kv.pool, router, min_resync_interval_s=0)
-    pb = KVEventPublisher("prefill-b", b.kv.pool, router, min_resync_interval_s=0)
+    pa = KVEventPublisher("prefill-a", a, router, min_resync_interval_s=0)
+    pb = KVEventPublisher("prefill-b", b, router, min_resync_interval_s=0)
     system = [256] + list(range(1, 64))  # 4 full blocks
 
     a.generate([system + [100 + i] for i in range(3)], SP)
     b.generate([[256] + [7] * 40], SP)
     wait_until(lambda: in_sync(router, pa) and in_sync(router, pb), "index matches both pools")
-    assert len(pa.pool.cached_hashes()) >= 4
+    assert len(pa.source.cached_block_hashes()) >= 4
 
     for i in range(6):  # 12 blocks: forces evictions (removed events) on a
         a.generate([[256] + [(i * 37 + j) % 250 for j in range(47)]], SP)
@@ -62,7 +62,7 @@ def test_index_tracks_engines_through_eviction_gaps_and_router_restarts(router, 
 
 def test_router_routes_to_the_replica_holding_the_prefix(router, tiny_model):
     engines = {rid: LLMEngine.from_model(tiny_model, num_blocks=64) for rid in ("prefill-x", "prefill-y")}
-    pubs = {rid: KVEventPublisher(rid, e.kv.pool, router) for rid, e in engines.items()}
+    pubs = {rid: KVEventPublisher(rid, e, router) for rid, e in engines.items()}
     system = [256] + list(range(1, 64))
     engines["prefill-y"].generate([system + [1]], SP)
     for rid, e in engines.items():

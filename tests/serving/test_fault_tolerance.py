@@ -91,7 +91,7 @@ def wait_whole_and_forgotten(dead=(), decodes=2, timeout=30.0):
             for rid in live_replicas(pool):
                 s = replica_load(pool, rid)
                 if s["replica_id"] != rid or not (s["free_blocks"] == s["total_blocks"] == 64 and s["running"]
-                                                  == s["waiting"] == s["importing"] == s["leased"] == 0):
+                                                  == s["waiting"] == s["importing"] == s["held"] == 0):
                     return False
         return ray.get(router.pending_requests.remote()) == 0 and not any(
             ray.get(router.hashes.remote(rid)) for rid in dead) and not set(dead) & set(live_replicas("decode"))

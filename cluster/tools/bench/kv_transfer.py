@@ -97,7 +97,7 @@ def bench_engines(model_dir: str, lengths: list[int], store: Path, reps: int, th
 
 
 def _pull_once(prefill, decode, prompt, sp, rid):
-    decode.engine.kv.pool.reset_cache()  # pull every block: nothing reused
+    decode.engine.reset_prefix_cache()  # pull every block: nothing reused
     t = time.perf_counter()
     res = prefill.prefill(rid, prompt, sp)
     dt_prefill = time.perf_counter() - t

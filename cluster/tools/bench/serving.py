@@ -3,7 +3,7 @@
     python -m cluster.tools.bench.serving [--concurrency 1 8 32] [--output-tokens 128]
 
 Arms, one after the other on the same machine and checkpoint (the ~50M bench model):
-  in-process  AsyncEngine over LLMEngine in this process (the engine alone)
+  in-process  EngineLoop over LLMEngine in this process (the engine alone)
   serve       pdserve on Ray Serve with one decode replica and no prefill pool, through the gRPC
               proxy (the engine plus everything the serving path adds)
   serve-pd    the same with one prefill and one decode replica (disaggregated; on one CPU machine
@@ -33,11 +33,11 @@ def _stats(results: list[tuple[list[float], int]], wall: float) -> dict:
 
 
 def run_in_process(model_dir: str, prompts_by_c: dict, out_tokens: int, blocks: int) -> dict:
-    from cluster.engine.loop import AsyncEngine
+    from cluster.engine.loop import EngineLoop
     from cluster.engine.llm_engine import LLMEngine
     from cluster.engine.sampling_params import SamplingParams
 
-    engine = AsyncEngine(LLMEngine.from_model(model_dir, num_blocks=blocks))
+    engine = EngineLoop(LLMEngine.from_model(model_dir, num_blocks=blocks))
     sp = SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True)
 
     async def one(p):

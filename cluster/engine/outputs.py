@@ -1,0 +1,77 @@
+"""What an engine hands back: a request's output deltas, its finish reason, the engine's load and
+counters. Plain data, no torch: the front door and the serving layer import it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended: the closed set every layer (engine, flow, APIs, metrics) speaks."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    CANCELLED = "cancelled"  # aborted: the client went away or a lease ended
+    ERROR = "error"  # this request failed (its input, or a failed step): `error` says why
+    DEADLINE = "deadline"  # its deadline passed: work stopped, blocks freed
+    REJECTED = "rejected"  # waited in the queue past its time-to-live (overload)
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress in one step (a delta), or its whole result from generate()."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one."""
+    return RequestOutput(
+        b.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason,
+        b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens, b.error,
+    )
+
+
+@dataclass
+class EngineStats:
+    """Plain counters since start; telemetry turns them into metrics."""
+
+    steps: int = 0
+    tokens_computed: int = 0  # through the model: prompt chunks, recomputes and decodes
+    generation_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    preemptions: int = 0
+    step_errors: int = 0
+    last_step_s: float = 0.0
+    busy_s: float = 0.0  # time spent in steps (tokens_computed / busy_s = throughput when busy)
+    step_s_avg: float = 0.0  # step time smoothed over ~10 steps: one long prefill step barely moves it
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """An engine's queues and KV pool at one moment (for load reports, autoscaling, telemetry)."""
+
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    importing: int  # decode: KV being pulled
+    held: int  # prefill: finished prompts whose blocks are held under a lease
+    queued_prefill_tokens: int  # prompt tokens of waiting requests not yet computed
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.total_blocks

@@ -1,0 +1,63 @@
+"""Fault injection from outside (chaos tests and drills): wrappers put around a replica's NIXL
+agent and model runner only when `fault_tolerance.fault_injection` is on. The hot classes carry
+no test branches; the faults still act on the real paths (the READs run, the step is timed)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+PullFault = Literal["none", "drop", "stall"]
+
+
+@dataclass
+class Faults:
+    """What is injected now; the wrappers read it on every call."""
+
+    pull: PullFault = "none"  # drop: every READ fails at completion; stall: none completes (times out)
+    step_delay_s: float = 0.0  # added to every model step (a slow node)
+
+
+class _FaultyAgent:
+    """A NIXL agent whose transfer states lie as `faults.pull` says."""
+
+    def __init__(self, agent, faults: Faults):
+        self._agent = agent
+        self._faults = faults
+
+    def check_xfer_state(self, handle) -> str:
+        state = self._agent.check_xfer_state(handle)
+        if self._faults.pull == "drop":
+            return "ERR"
+        if self._faults.pull == "stall" and state == "DONE":
+            return "PROC"
+        return state
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+
+class _SlowRunner:
+    """A model runner whose every step takes `faults.step_delay_s` longer (inside the timed step)."""
+
+    def __init__(self, runner, faults: Faults):
+        self._runner = runner
+        self._faults = faults
+
+    def execute(self, *args, **kwargs):
+        sampled = self._runner.execute(*args, **kwargs)
+        if self._faults.step_delay_s:
+            time.sleep(self._faults.step_delay_s)
+        return sampled
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+
+def install(engine, transport) -> Faults:
+    """Wrap this replica's runner and NIXL agent; returns the switches."""
+    faults = Faults()
+    engine.runner = _SlowRunner(engine.runner, faults)
+    transport.agent = _FaultyAgent(transport.agent, faults)
+    return faults

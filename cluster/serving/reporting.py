@@ -1,0 +1,108 @@
+"""A replica's reports, as a hook of its engine loop (cluster/engine/loop.py): block events and
+load to the router, load to the registry (for `pdserve status`), and the autoscaling signals.
+It observes the engine through its verbs (`load()`, `drain_block_events()`); it wraps nothing."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+from cluster.engine.latency import TokenIntervals
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.outputs import EngineLoad
+from cluster.serving.autoscaling import ReplicaMetrics
+from kv_transfer.stats import TransferStats
+from router.events import KVEventPublisher
+from router.policy import ReplicaLoad
+
+WARMUP_STEPS = 20  # a replica's first steps carry one-time costs: not a slow-replica signal
+
+
+class LoadReporter:
+    def __init__(self, engine: LLMEngine, transfer_stats: TransferStats, replica_id: str, pool: str,
+                 registry, router=None, node_id: str | None = None, interval_s: float = 1.0,
+                 router_interval_s: float = 0.25, router_min_interval_s: float = 0.02):
+        self.engine = engine
+        self.transfer_stats = transfer_stats
+        self.replica_id = replica_id
+        self.pool = pool
+        self.node_id = node_id  # the Ray node this replica runs on (`pdserve status` shows it)
+        self.registry = registry
+        self.router = router
+        self.publisher = None if router is None else KVEventPublisher(replica_id, engine, router)
+        self.interval_s = interval_s
+        self.router_interval_s = router_interval_s
+        self.router_min_interval_s = router_min_interval_s
+        self._next = 0.0
+        self._last_router = float("-inf")
+        self._last_queue: tuple = ()
+        self._tokens_per_s = 0.0
+        self._tp_mark = (0, 0.0)  # (tokens_computed, busy_s) at the last throughput estimate
+        self.token_intervals = TokenIntervals()
+
+    # ---- LoopHook --------------------------------------------------------------------------
+
+    def after_step(self, now: float) -> None:
+        self.token_intervals.after_step(self.engine.stats.generation_tokens, now)
+
+    def service(self, now: float, busy: bool) -> None:
+        if not busy:
+            self.token_intervals.idle()
+        if self.publisher is not None:
+            self.publisher.publish()
+        load = None
+        if self.router is not None:
+            # The router counts work it sent here until our next report, so report as soon as the
+            # queues change (at most every 20 ms; at once when they empty, since the loop may then
+            # sleep up to idle_poll_s), and at least every 0.25 s.
+            queue = self.engine.queue_shape()
+            since = now - self._last_router
+            changed = queue != self._last_queue and (since >= self.router_min_interval_s or not any(queue))
+            if since >= self.router_interval_s or changed:
+                self._last_router, self._last_queue = now, queue
+                load = self.engine.load()
+                self.router.report_load.remote(self.replica_load(load))
+        if now >= self._next:
+            self._next = now + self.interval_s
+            self.registry.report.remote(self.replica_id, self.report(load or self.engine.load()))
+
+    # ---- what is reported ------------------------------------------------------------------
+
+    def replica_load(self, load: EngineLoad) -> ReplicaLoad:
+        return ReplicaLoad(self.replica_id, self.pool, load.free_blocks, load.total_blocks,
+                           load.running + load.importing, load.waiting, load.queued_prefill_tokens,
+                           self._step_time(), self._throughput())
+
+    def _step_time(self) -> float:
+        """The slow-replica signal: smoothed step time, or 0 (not measured) during the first
+        WARMUP_STEPS, whose one-time costs would mark a fresh replica slow."""
+        stats = self.engine.stats
+        return stats.step_s_avg if stats.steps >= WARMUP_STEPS else 0.0
+
+    def _throughput(self) -> float:
+        """Tokens a second while busy, smoothed over reports: the router's queue-wait predictor."""
+        stats = self.engine.stats
+        tokens, busy = stats.tokens_computed - self._tp_mark[0], stats.busy_s - self._tp_mark[1]
+        if busy > 0.05:  # enough work since the last estimate to measure
+            rate = tokens / busy
+            self._tokens_per_s = rate if self._tokens_per_s == 0 else 0.7 * self._tokens_per_s + 0.3 * rate
+            self._tp_mark = (stats.tokens_computed, stats.busy_s)
+        return self._tokens_per_s
+
+    def report(self, load: EngineLoad | None = None) -> dict:
+        """The replica's load as `pdserve status` and the tests read it."""
+        load = load or self.engine.load()
+        stats = self.engine.stats
+        return {
+            "pool": self.pool, "node_id": self.node_id, **asdict(load),
+            "last_step_ms": round(stats.last_step_s * 1e3, 3), "avg_step_ms": round(stats.step_s_avg * 1e3, 3),
+            "steps": stats.steps, "generation_tokens": stats.generation_tokens, "preemptions": stats.preemptions,
+            "transfer": asdict(self.transfer_stats),
+        }
+
+    def autoscaling_metrics(self, ttft_s: float) -> ReplicaMetrics:
+        """This replica's autoscaling signals since the previous call (`ttft_s` comes from the
+        loop, which sees streams start and produce)."""
+        load = self.engine.load()
+        return ReplicaMetrics(kv_usage=load.kv_usage, queued_prefill_tokens=float(load.queued_prefill_tokens),
+                              ttft_s=ttft_s, itl_s=self.token_intervals.drain())

@@ -1,0 +1,109 @@
+"""The layer rule, checked on every import of the project's own modules (function-local ones
+too): engine <- serving <- app; kv_transfer and router use the engine layer only; the front door
+(router.ingress) never imports torch; nothing imports the tools or the app."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("cluster", "router", "prefill", "decode", "kv_transfer", "protos")
+
+ENGINE = {"cluster.errors", "cluster.engine"}
+# layer -> the layers it may import (besides itself). The longest matching prefix names a module's layer.
+ALLOWED: dict[str, set[str]] = {
+    "protos": set(),
+    "cluster.errors": set(),
+    "cluster.engine": {"cluster.errors"},
+    "kv_transfer": ENGINE,
+    "router": ENGINE,
+    "cluster.config": ENGINE,
+    "cluster.telemetry": ENGINE | {"cluster.config", "kv_transfer"},
+    "cluster.serving": ENGINE | {"cluster.config", "cluster.telemetry", "kv_transfer", "router"},
+    "prefill": ENGINE | {"cluster.config", "cluster.serving", "kv_transfer"},
+    "decode": ENGINE | {"cluster.config", "cluster.serving", "kv_transfer"},
+    "router.ingress": ENGINE | {"cluster.config", "cluster.telemetry", "router", "protos"},
+    "cluster.app": set(ALLOWED_ALL := {"protos", "cluster.errors", "cluster.engine", "kv_transfer", "router",
+                                       "cluster.config", "cluster.telemetry", "cluster.serving", "prefill",
+                                       "decode", "router.ingress"}),
+    "cluster.tools": ALLOWED_ALL | {"cluster.app"},
+}
+
+# The one sanctioned exception: `pdserve bench` is a subcommand of the CLI, which hands it over to
+# the load generator's own parser (lazily, at start-up), so the tools stay out of every server.
+EXCEPTIONS = {("cluster.app.cli", "cluster.tools.loadgen.cli")}
+
+
+def layer_of(module: str) -> str | None:
+    best = None
+    for layer in ALLOWED:
+        if (module == layer or module.startswith(layer + ".")) and (best is None or len(layer) > len(best)):
+            best = layer
+    return best
+
+
+def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return [(line, m) for line, m in found if m.split(".")[0] in PACKAGES]
+
+
+def violations(path: str, source: str) -> list[str]:
+    module = ".".join(Path(path).with_suffix("").parts).removesuffix(".__init__")
+    own = layer_of(module)
+    if own is None and module in PACKAGES:  # a top-level package's __init__: imports nothing of ours
+        own = module
+        ALLOWED.setdefault(own, set())
+    if own is None:
+        return [f"{path}: module {module} belongs to no layer (add it to tests/test_layers.py)"]
+    bad = []
+    for line, target in imported_modules(ast.parse(source)):
+        theirs = layer_of(target)
+        if (module, target.rpartition(".")[0]) in EXCEPTIONS:
+            continue
+        if theirs is not None and theirs != own and theirs not in ALLOWED[own]:
+            bad.append(f"{path}:{line}: {own} imports {target} ({theirs})")
+    return bad
+
+
+def project_files() -> list[Path]:
+    return sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if "_pb2" not in p.name)
+
+
+def test_no_module_imports_a_higher_layer():
+    bad = [v for p in project_files() for v in violations(str(p.relative_to(ROOT)), p.read_text())]
+    assert bad == []
+
+
+@pytest.mark.parametrize("path, source, expected", [
+    ("cluster/engine/scheduler.py", "from router.policy import RouteDecision",
+     ["cluster/engine/scheduler.py:1: cluster.engine imports router.policy.RouteDecision (router)"]),
+    ("router/policy.py", "def f():\n    from router.ingress.flow import Delta",
+     ["router/policy.py:2: router imports router.ingress.flow.Delta (router.ingress)"]),
+    ("kv_transfer/handle.py", "import cluster.serving.replica",
+     ["kv_transfer/handle.py:1: kv_transfer imports cluster.serving.replica (cluster.serving)"]),
+    ("cluster/serving/replica.py", "from cluster.tools.netutil import free_port",
+     ["cluster/serving/replica.py:1: cluster.serving imports cluster.tools.netutil.free_port (cluster.tools)"]),
+    ("decode/engine.py", "from cluster.engine import llm_engine\nfrom kv_transfer.handle import KVHandle", []),
+])
+def test_the_rule_catches_an_upward_import(path, source, expected):
+    assert violations(path, source) == expected
+
+
+def test_the_front_door_never_imports_torch():
+    code = ("import sys\n"
+            "import router.ingress.deployment, router.ingress.flow, router.ingress.openai_api\n"
+            "import router.ingress.grpc_api, router.ingress.admission_actor, router.ingress.telemetry\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
