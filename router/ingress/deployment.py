@@ -48,7 +48,7 @@ class Ingress:
         self.telemetry = IngressTelemetry(self.config.telemetry)
         self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router, admission=admission,
                                 telemetry=self.telemetry)
-        bind_replica(self.flow, Idempotent(actor), self.telemetry)
+        bind_replica(self.flow, Idempotent(actor))
 
     # ---- gRPC: pdserve.v1.Generation -------------------------------------------------------
 
@@ -59,8 +59,8 @@ class Ingress:
             deadline = parse_deadline(metadata.get(TIMEOUT_HEADER))
             prompt, ids = prompt_from_proto(request)
             sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens)
-            async for delta in self.telemetry.generate(self.flow, prompt, ids, sampling, request.request_id or None,
-                                                       tenant=tenant, deadline=deadline):
+            async for delta in self.flow.generate(prompt, ids, sampling, request.request_id or None,
+                                                  tenant=tenant, deadline=deadline):
                 yield delta_to_proto(delta)
         except (InvalidRequestError, ServingError) as e:
             raise fail(grpc_context, e) from e

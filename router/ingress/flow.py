@@ -128,22 +128,34 @@ class RequestFlow:
         request_id: str | None = None,
         tenant: str = DEFAULT_TENANT,
         deadline: float | None = None,
-        trace_context: tuple[tuple[str, str], ...] = (),
     ) -> AsyncIterator[Delta]:
         """Raises InvalidRequestError (bad input) or Rejected (admission) before the first delta;
-        ServingError on failures. `deadline` is wall-clock time (time.time()); `trace_context` is
-        the ingress span's (router/ingress/telemetry.py), carried to both pools in the RequestContext."""
-        rid = request_id or uuid.uuid4().hex
-        req = self.validator.make_request(rid, prompt, prompt_token_ids, sampling)
-        ticket = await self.admission.admit(tenant, req.num_prompt_tokens, sampling.max_tokens, deadline)
-        ctx = replace(ticket.ctx, trace_context=trace_context) if trace_context else ticket.ctx
-        completion = 0
+        ServingError on failures. `deadline` is wall-clock time (time.time()). Telemetry, when on,
+        observes the whole request (refusals too); its span's context travels to both pools."""
+        observed = self.telemetry.start(tenant, request_id) if self.telemetry is not None else None
+        error: BaseException | None = None
         try:
-            async for d in self._run(rid, req.prompt_token_ids, sampling, ctx):
-                completion = d.completion_tokens
-                yield d
+            rid = request_id or uuid.uuid4().hex
+            req = self.validator.make_request(rid, prompt, prompt_token_ids, sampling)
+            ticket = await self.admission.admit(tenant, req.num_prompt_tokens, sampling.max_tokens, deadline)
+            ctx = ticket.ctx
+            if observed is not None and observed.trace_context:
+                ctx = replace(ctx, trace_context=observed.trace_context)
+            completion = 0
+            try:
+                async for d in self._run(rid, req.prompt_token_ids, sampling, ctx):
+                    completion = d.completion_tokens
+                    if observed is not None:
+                        observed.delta(d)
+                    yield d
+            finally:
+                ticket.done(completion)
+        except BaseException as e:
+            error = e
+            raise
         finally:
-            ticket.done(completion)
+            if observed is not None:
+                observed.end(error)
 
     def authorize(self, authorization: str | None, model: str | None) -> str:
         """The caller's tenant, for both edges: refuses an unknown key (UNAUTHENTICATED) or model
@@ -231,25 +243,25 @@ class RequestFlow:
             raise ServingError(Code.INTERNAL, f"decode stream for {rid} ended without a finish")
 
     async def _decode(self, rid: str, ids: list[int], sampling: SamplingParams, kv_handle, ctx: RequestContext,
-                      target: str | None, stream: "_Stream", sent_before: int) -> AsyncIterator[Delta]:
+                      target: str | None, client: "_Stream", sent_before: int) -> AsyncIterator[Delta]:
         """One decode leg: stream the replica's outputs as deltas. Raises _ReplicaDied when the
         replica is lost (the caller migrates), ServingError for the request's own failures.
         `sent_before`: tokens sent by earlier legs (a migrated leg's prompt carries them)."""
         from ray.exceptions import ActorUnavailableError, RayActorError  # noqa: PLC0415
 
         try:
-            stream = self.decode.options(stream=True).generate.remote(
+            replies = self.decode.options(stream=True).generate.remote(
                 rid, ids, sampling, kv_handle, ctx, target_replica=target)
         except Exception as e:  # noqa: BLE001
             raise ServingError(Code.UNAVAILABLE, f"no decode replica: {e}") from e
         finished = pulled = False
         try:
-            async for out in stream:
+            async for out in replies:
                 out: RequestOutput
                 pulled = True
                 if out.finish_reason in FAILED:
                     raise _ended(rid, out.finish_reason, out.error, sent_before + out.num_output_tokens)
-                d = stream.delta(out.token_ids, out.finish_reason if out.finished else None)
+                d = client.delta(out.token_ids, out.finish_reason if out.finished else None)
                 if kv_handle is None:  # the prompt was computed on this replica: what its cache saved
                     d.cached_prompt_tokens = out.num_cached_tokens
                 if d.finish_reason is not None:
@@ -265,10 +277,10 @@ class RequestFlow:
         except (RayActorError, ActorUnavailableError) as e:
             raise _ReplicaDied(e) from e
         except Exception as e:
-            raise ServingError(Code.ABORTED if pulled else "UNAVAILABLE", f"decode failed for {rid}: {e}") from e
+            raise ServingError(Code.ABORTED if pulled else Code.UNAVAILABLE, f"decode failed for {rid}: {e}") from e
         finally:
             if not finished:
-                stream.cancel()
+                replies.cancel()
             if kv_handle is not None and not pulled:
                 await self._release(rid)  # only the first leg has a handle: its id is the request's
 

@@ -103,8 +103,8 @@ def _sampling(req: _Req, default_max_tokens: int) -> SamplingParams:
 _replica: dict[str, Any] = {}
 
 
-def bind_replica(flow, idempotent, telemetry) -> None:
-    _replica["flow"], _replica["idempotent"], _replica["telemetry"] = flow, idempotent, telemetry
+def bind_replica(flow, idempotent) -> None:
+    _replica["flow"], _replica["idempotent"] = flow, idempotent
 
 
 def get_flow():
@@ -114,9 +114,6 @@ def get_flow():
 def get_idempotent():
     return _replica["idempotent"]
 
-
-def get_telemetry():
-    return _replica["telemetry"]
 
 
 def build_openai_app() -> FastAPI:
@@ -171,7 +168,7 @@ def build_openai_app() -> FastAPI:
                 if body.echo:
                     raise InvalidRequestError("echo", "echo is not supported")
             sp = _sampling(body, flow.config.default_max_tokens)
-            stream = get_telemetry().generate(flow, prompt, ids, sp, tenant=tenant, deadline=deadline)
+            stream = flow.generate(prompt, ids, sp, tenant=tenant, deadline=deadline)
             first = await anext(stream)  # bad input, refusals and early failures become HTTP errors here
         except Exception as e:  # noqa: BLE001
             return _fail(e)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 from cluster.errors import InvalidRequestError
 from cluster.telemetry.metrics import ingress_metrics
@@ -22,8 +22,7 @@ from router.ingress.status import Code, ServingError
 if TYPE_CHECKING:
     from cluster.config import TelemetryOptions
     from cluster.engine.request import RequestContext
-    from cluster.engine.sampling_params import SamplingParams
-    from router.ingress.flow import Delta, RequestFlow
+    from router.ingress.flow import Delta
     from router.policy import RouteDecision
 
 REFUSAL_CODES = frozenset(c.grpc_name for c in (Code.INVALID_ARGUMENT, Code.UNAUTHENTICATED, Code.NOT_FOUND,
@@ -62,34 +61,14 @@ class IngressTelemetry:
             self.metrics = ingress_metrics()
         self.tracer = make_tracer(options, "pdserve-ingress")
 
-    async def generate(self, flow: "RequestFlow", prompt: str | None, prompt_token_ids: Sequence[int] | None,
-                       sampling: "SamplingParams", request_id: str | None = None, tenant: str = "default",
-                       deadline: float | None = None) -> AsyncIterator["Delta"]:
-        """`flow.generate`, observed. Raises what it raises."""
-        start = time.monotonic()
+    def start(self, tenant: str, request_id: str | None) -> "RequestObservation":
+        """One request's observation; the flow feeds it every delta and ends it once."""
         span, trace_context = None, ()
         if self.tracer is not None:
             attrs = {"pdserve.tenant": tenant, **({"pdserve.request_id": request_id} if request_id else {})}
             span = self.tracer.start_span("ingress", attributes=attrs)
             trace_context = inject(span)
-        first = last_token = None
-        last = None
-        error: BaseException | None = None
-        try:
-            async for d in flow.generate(prompt, prompt_token_ids, sampling, request_id, tenant=tenant,
-                                         deadline=deadline, trace_context=trace_context):
-                if d.token_ids:
-                    last_token = time.monotonic()
-                    first = first or last_token
-                last = d
-                yield d
-        except BaseException as e:
-            error = e
-            raise
-        finally:
-            finished = last is not None and last.finish_reason is not None
-            code = "OK" if finished else error_code(error) if error is not None else "INTERNAL"
-            self._record(tenant, code, error, start, first, last_token, last, span)
+        return RequestObservation(self, tenant, span, trace_context)
 
     def _record(self, tenant: str, code: str, error: BaseException | None, start: float, first: float | None,
                 last_token: float | None, last: "Delta | None", span) -> None:
@@ -150,3 +129,30 @@ class IngressTelemetry:
                               "pdserve.predicted_cached_tokens": decision.predicted_cached_tokens,
                               "pdserve.reason": decision.reason})
             record_span(self.tracer, "route", extract(ctx.trace_context), started, ended, attrs)
+
+
+class RequestObservation:
+    """What the ingress saw of one request: called by the flow (`delta` per delta sent, `end`
+    once, with the error that ended it or None); records metrics and the ingress span at the end."""
+
+    def __init__(self, telemetry: IngressTelemetry, tenant: str, span, trace_context: tuple):
+        self.telemetry = telemetry
+        self.tenant = tenant
+        self.span = span
+        self.trace_context = trace_context  # carried to both pools in the RequestContext
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.last_token: float | None = None
+        self.last: "Delta | None" = None
+
+    def delta(self, d: "Delta") -> None:
+        if d.token_ids:
+            self.last_token = time.monotonic()
+            self.first = self.first or self.last_token
+        self.last = d
+
+    def end(self, error: BaseException | None) -> None:
+        finished = self.last is not None and self.last.finish_reason is not None
+        code = "OK" if finished else error_code(error) if error is not None else "INTERNAL"
+        self.telemetry._record(self.tenant, code, error, self.start, self.first, self.last_token, self.last,
+                               self.span)
