@@ -7,11 +7,15 @@ from dataclasses import dataclass
 
 from cluster.errors import InvalidRequestError
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by less is numerically
+# meaningless, and by a tiny enough positive number it overflows to inf.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # below SAMPLING_EPS (0 included) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
@@ -42,7 +46,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 def _check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> None:
