@@ -8,6 +8,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.engine.config import RequestLimits
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -26,6 +28,7 @@ class EngineOptions(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_waiting: int | None = Field(512, ge=0, description="Per replica; more waiting requests are refused (429)")
     queue_ttl_s: float | None = Field(30.0, gt=0, description="Not admitted within this long: rejected (429)")
+    limits: RequestLimits = Field(default_factory=RequestLimits, description="Caps on one request's input (400)")
 
 
 class AutoscalingOptions(_Strict):

@@ -7,6 +7,28 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+PROMPT_CHARS_PER_TOKEN = 8  # max_prompt_chars' default, per token of the context length
+
+
+class RequestLimits(BaseModel):
+    """Caps on one request's input, checked before any per-item work (tokenizing, per-id loops),
+    so a hostile request costs no more than its refusal. Each refusal names the field and the cap."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_request_id_len: int = Field(
+        128, ge=1, description="Longest request_id (printable ASCII without whitespace).")
+    max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
+    max_stop_string_len: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    max_stop_token_ids: int = Field(64, ge=0, description="Most stop_token_ids per request.")
+    max_prompt_chars: int | None = Field(
+        None, ge=1, description=f"Longest text prompt in characters, checked before tokenizing; "
+        f"None = {PROMPT_CHARS_PER_TOKEN} per token of the context length.")
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -35,3 +57,4 @@ class EngineConfig(BaseModel):
         None, gt=0, description="A request not admitted within this long is rejected (overload). None = no limit.")
     seed: int = 0
     cache_salt: str = Field("", description="Extra salt in every block hash (e.g. a deployment id).")
+    limits: RequestLimits = Field(default_factory=RequestLimits, description="Caps on one request's input.")

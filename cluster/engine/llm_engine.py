@@ -117,7 +117,8 @@ class LLMEngine:
             t for t in [self.tokenizer.token_to_id(self.tokenizer.config.get("eos_token"))] if t is not None
         )
         self.validator = RequestValidator(
-            self.tokenizer, mc.vocab_size, self.max_model_len, config.block_size, num_blocks, self.eos_token_ids
+            self.tokenizer, mc.vocab_size, self.max_model_len, config.block_size, num_blocks, self.eos_token_ids,
+            config.limits,
         )
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
