@@ -61,7 +61,8 @@ def make_validator(config: AppConfig) -> RequestValidator:
     num_blocks = min(_num_blocks(config, p, kv_block_bytes(mc, config.engine_for(p))) for p in pools)
     eos = mc.eos_token_ids or tuple(
         t for t in [tok.token_to_id(tok.config.get("eos_token"))] if t is not None)
-    return RequestValidator(tok, mc.vocab_size, max_len, config.engine.block_size, num_blocks, eos)
+    return RequestValidator(tok, mc.vocab_size, max_len, config.engine.block_size, num_blocks, eos,
+                            config.engine.limits)
 
 
 def _num_blocks(config: AppConfig, pool: str, block_bytes: int) -> int:
