@@ -13,6 +13,28 @@ from cluster.engine.model_config import ModelConfig
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+PROMPT_CHARS_PER_TOKEN = 8  # max_prompt_chars' default, per token of the context length
+
+
+class RequestLimits(BaseModel):
+    """Caps on one request's input, checked before any per-item work (tokenizing, per-id loops),
+    so a hostile request costs no more than its refusal. Each refusal names the field and the cap."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_request_id_len: int = Field(
+        128, ge=1, description="Longest request_id (printable ASCII without whitespace).")
+    max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
+    max_stop_string_len: int = Field(256, ge=1, description="Longest stop string, in characters.")
+    max_stop_token_ids: int = Field(64, ge=0, description="Most stop_token_ids per request.")
+    max_prompt_chars: int | None = Field(
+        None, ge=1, description=f"Longest text prompt in characters, checked before tokenizing; "
+        f"None = {PROMPT_CHARS_PER_TOKEN} per token of the context length.")
+
+    def prompt_chars(self, max_model_len: int) -> int:
+        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+
+
 class EngineOptions(BaseModel):
     """What an engine replica may be tuned with; the model is chosen elsewhere."""
 
@@ -36,6 +58,7 @@ class EngineOptions(BaseModel):
         None, ge=0, description="Most requests waiting for admission; more are refused (overload). None = unbounded.")
     queue_ttl_s: float | None = Field(
         None, gt=0, description="A request not admitted within this long is rejected (overload). None = no limit.")
+    limits: RequestLimits = Field(default_factory=RequestLimits, description="Caps on one request's input (400).")
 
     def num_kv_blocks(self, block_bytes: int) -> int:
         return self.num_blocks or int(self.kv_cache_memory_gb * 2**30 // block_bytes)

@@ -23,11 +23,13 @@ from cluster.engine.model_config import ModelConfig
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.outputs import EngineLoad, EngineStats, RequestOutput, merge_outputs
 from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext, RequestStatus
+from cluster.engine.sampler import RequestFailure
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.probe import EngineProbe
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from cluster.engine.validation import RequestValidator
+from cluster.errors import ErrorKind
 
 log = logging.getLogger(__name__)
 
@@ -211,14 +213,11 @@ class LLMEngine:
         except Exception as e:  # a broken step fails its requests, never the loop
             log.exception("engine step failed")
             self.stats.step_errors += 1
-            outputs = expired
-            for c in out.chunks:
-                req = self.scheduler.finish(c.request.request_id, RequestStatus.FINISHED_ERROR)
-                if req is not None:
-                    req.error = f"engine step failed: {type(e).__name__}: {e}"
-                    outputs.append(self.final_output(req, [], ""))
-            return outputs
-        self.scheduler.update(out, sampled)
+            failure = RequestFailure(ErrorKind.INTERNAL, f"engine step failed: {type(e).__name__}: {e}")
+            return expired + self._fail({c.request.request_id: failure for c in out.chunks})
+        # Requests whose own numbers failed end alone, before update(), which then skips them.
+        outputs = expired + self._fail(sampled.failed)
+        self.scheduler.update(out, sampled.tokens)
         self.stats.steps += 1
         self.stats.last_step_s = time.perf_counter() - t0
         self.stats.busy_s += self.stats.last_step_s
@@ -228,10 +227,9 @@ class LLMEngine:
             self.probe.step(out, time.monotonic(), self.stats.last_step_s)
 
         self.stats.tokens_computed += out.num_tokens
-        outputs = expired
         for c in out.chunks:
             req = c.request
-            if not c.samples:
+            if req.request_id not in sampled.tokens:  # nothing to sample yet, or failed
                 continue
             if req.num_output_tokens == 1:  # its prompt is done: count what the cache saved once
                 self.stats.cached_prompt_tokens += req.num_cached_tokens
@@ -249,6 +247,18 @@ class LLMEngine:
                 outputs.append(self._delta(req, [token], text))
         return outputs
 
+    def _fail(self, failures: dict[str, RequestFailure]) -> list[RequestOutput]:
+        """End these requests with finish reason "error" (blocks freed); their terminal outputs."""
+        outputs = []
+        for rid, failure in failures.items():
+            req = self.scheduler.finish(rid, RequestStatus.FINISHED_ERROR)
+            if req is None:
+                continue
+            log.warning("request %s failed (%s): %s", rid, failure.kind.value, failure.reason)
+            req.error, req.error_kind = failure.reason, failure.kind
+            outputs.append(self.final_output(req, [], ""))
+        return outputs
+
     def _delta(self, req: Request, tokens: list[int], text: str) -> RequestOutput:
         return RequestOutput(
             req.request_id, tokens, text, False, None,
@@ -262,9 +272,10 @@ class LLMEngine:
         self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
         if self.probe is not None:
             self.probe.finished(req)
+        kind = req.error_kind or (ErrorKind.INTERNAL if req.status == RequestStatus.FINISHED_ERROR else None)
         return RequestOutput(
             req.request_id, tokens, text, True, reason,
-            req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), req.error,
+            req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), req.error, kind,
         )
 
     # ---- convenience -------------------------------------------------------------------------

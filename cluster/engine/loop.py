@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from cluster.engine.latency import FirstOutputTimer
 from cluster.engine.outputs import FinishReason, RequestOutput
+from cluster.errors import ErrorKind
 from cluster.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -242,7 +243,7 @@ def _failed(request_id: str, why: str, aborted) -> RequestOutput:
     """A terminal error output for a stream whose engine failed around it."""
     n_prompt = getattr(aborted, "num_prompt_tokens", 0)
     n_out = getattr(aborted, "num_output_tokens", 0)
-    return RequestOutput(request_id, [], "", True, FinishReason.ERROR, n_prompt, n_out, 0, why)
+    return RequestOutput(request_id, [], "", True, FinishReason.ERROR, n_prompt, n_out, 0, why, ErrorKind.INTERNAL)
 
 
 def _settle(fut: asyncio.Future, result, error) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from cluster.engine.attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSpan
 from cluster.engine.model.llama import LlamaForCausalLM
-from cluster.engine.sampler import Sampler
+from cluster.engine.sampler import Sampler, SamplerOutput
 from cluster.engine.scheduler import ScheduledChunk
 
 
@@ -59,8 +59,9 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(seed)
 
-    def execute(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]) -> dict[str, int]:
-        """Run one step. Returns the sampled token of every chunk that reaches its request's end."""
+    def execute(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]) -> SamplerOutput:
+        """Run one step. Every chunk that reaches its request's end gets a sampled token, or a
+        failure of its own (the others are unaffected); raises only when the step as a whole fails."""
         # Longest context first, so length groups are contiguous runs of the decode tokens.
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.start)
         prefills = [c for c in chunks if c.num_tokens > 1]
@@ -74,9 +75,7 @@ class ModelRunner:
             self.kv_cache, meta, self.backend,
             torch.tensor(logits_idx, dtype=torch.long, device=dev),
         )
-        requests = [c.request for c in samplers]
-        tokens = self.sampler.sample(logits, requests)
-        return {r.request_id: t for r, t in zip(requests, tokens)}
+        return self.sampler.sample(logits, [c.request for c in samplers])
 
     @staticmethod
     def _flatten(chunks: list[ScheduledChunk]):

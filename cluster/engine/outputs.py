@@ -6,6 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from cluster.errors import ErrorKind
+
 
 class FinishReason(str, enum.Enum):
     """Why a request ended: the closed set every layer (engine, flow, APIs, metrics) speaks."""
@@ -34,13 +36,14 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    error_kind: ErrorKind | None = None  # set when finish_reason is "error": whose fault it was
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive deltas of one request as one."""
     return RequestOutput(
         b.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason,
-        b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens, b.error,
+        b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens, b.error, b.error_kind,
     )
 
 

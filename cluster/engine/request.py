@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from cluster.engine.kv_cache.hashing import BlockHash
 from cluster.engine.outputs import FinishReason
 from cluster.engine.sampling_params import SamplingParams
+from cluster.errors import ErrorKind
 
 
 class RequestStatus(enum.Enum):
@@ -73,6 +74,7 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     error: str | None = None
+    error_kind: ErrorKind | None = None  # set with FINISHED_ERROR: whose fault `error` was
     keep_kv: bool = False  # prefill side: on a normal finish, hold the blocks for a KV transfer
     ctx: RequestContext = DEFAULT_CONTEXT
     # Phase times (monotonic), set only while an EngineProbe watches the engine (telemetry on).

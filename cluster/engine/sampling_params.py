@@ -7,11 +7,15 @@ from dataclasses import dataclass
 
 from cluster.errors import InvalidRequestError
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by less is numerically
+# meaningless, and by a tiny enough positive number it overflows to inf.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # below SAMPLING_EPS (0 included) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
@@ -32,8 +36,10 @@ class SamplingParams:
             )
         if self.seed is not None:
             _check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop))
+        object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids))
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop", f"stop strings must be non-empty strings, got {s!r}")
@@ -42,7 +48,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+def _as_tuple(name: str, value) -> tuple:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(name, f"must be a list, got {type(value).__name__}")
+    return tuple(value)
 
 
 def _check_int(name: str, value, lo: int | None = None, hi: int | None = None) -> None:

@@ -1,17 +1,24 @@
-"""Request validation and tokenization without model weights (the ingress uses it too)."""
+"""Request validation and tokenization without model weights (the ingress uses it too).
+
+Cheap checks run first: every cap in RequestLimits is checked on sizes alone before any
+per-item work (tokenizing, a loop over ids), so a hostile request costs about its refusal.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Sequence
 
-from cluster.errors import InvalidRequestError
 from cluster.engine.kv_cache.manager import cdiv
 from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext
 from cluster.engine.sampling_params import SamplingParams
-from cluster.engine.config import EngineOptions, kv_block_bytes
+from cluster.engine.config import EngineOptions, RequestLimits, kv_block_bytes
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.tokenizer import Tokenizer
+from cluster.errors import InvalidRequestError
+
+_REQUEST_ID = re.compile(r"[!-~]+")  # printable ASCII, no whitespace: safe in logs, metrics and headers
 
 
 @dataclass(frozen=True)
@@ -22,6 +29,7 @@ class RequestValidator:
     block_size: int
     num_blocks: int  # the KV pool a request must fit in (the smallest of the pools it visits)
     eos_token_ids: tuple[int, ...]
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     @classmethod
     def for_model(cls, model_dir: str, pools: "Sequence[EngineOptions]") -> "RequestValidator":
@@ -36,7 +44,10 @@ class RequestValidator:
             raise ValueError(f"pools disagree on block_size: {sorted(block_sizes)}")
         eos = mc.eos_token_ids or tuple(
             t for t in [tok.token_to_id(tok.config.get("eos_token"))] if t is not None)
-        return cls(tok, mc.vocab_size, max_len, block_sizes.pop(), num_blocks, eos)
+        limits = {o.limits for o in pools}
+        if len(limits) != 1:  # every engine a request visits checks it: one set of caps, or the ingress lies
+            raise ValueError("pools disagree on engine limits: set them once in the app's engine section")
+        return cls(tok, mc.vocab_size, max_len, block_sizes.pop(), num_blocks, eos, limits.pop())
 
     def make_request(
         self,
@@ -47,36 +58,71 @@ class RequestValidator:
         ctx: RequestContext = DEFAULT_CONTEXT,
     ) -> Request:
         sampling = sampling or SamplingParams()
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id", "must be a non-empty string")
+        self.check_request_id(request_id)
+        self.check_sampling(sampling)
         if (prompt is None) == (prompt_token_ids is None):
             raise InvalidRequestError("prompt", "give exactly one of prompt or prompt_token_ids")
-        vocab = self.vocab_size
-        if prompt is not None:
-            if not isinstance(prompt, str) or not prompt:
-                raise InvalidRequestError("prompt", "must be a non-empty string")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt_token_ids)
-            if not ids:
-                raise InvalidRequestError("prompt_token_ids", "must not be empty")
-            for i, t in enumerate(ids):
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise InvalidRequestError(
-                        "prompt_token_ids", f"token id {t!r} at index {i} is outside the vocabulary [0, {vocab})"
-                    )
-        for t in sampling.stop_token_ids:
-            if t >= vocab:
-                raise InvalidRequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab})")
+        ids = self.tokenize(prompt) if prompt is not None else self.check_token_ids(prompt_token_ids)
         self.check_length(len(ids), sampling.max_tokens)
         return Request(request_id, ids, sampling, self.eos_token_ids, ctx=ctx)
 
+    def check_request_id(self, request_id: str) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
+        cap = self.limits.max_request_id_len
+        if len(request_id) > cap:
+            raise InvalidRequestError("request_id", f"has {len(request_id)} characters; at most {cap} are accepted")
+        if not _REQUEST_ID.fullmatch(request_id):
+            raise InvalidRequestError("request_id", "must be printable ASCII without whitespace")
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """The caps on a request's stop conditions, and its stop token ids against the vocabulary."""
+        lim = self.limits
+        if len(sampling.stop) > lim.max_stop_strings:
+            raise InvalidRequestError(
+                "stop", f"has {len(sampling.stop)} stop strings; at most {lim.max_stop_strings} are accepted")
+        for s in sampling.stop:
+            if len(s) > lim.max_stop_string_len:
+                raise InvalidRequestError(
+                    "stop", f"a stop string has {len(s)} characters; at most {lim.max_stop_string_len} are accepted")
+            _check_utf8("stop", s)
+        n_ids = len(sampling.stop_token_ids)
+        if n_ids > lim.max_stop_token_ids:
+            raise InvalidRequestError(
+                "stop_token_ids", f"has {n_ids} token ids; at most {lim.max_stop_token_ids} are accepted")
+        vocab = self.vocab_size
+        for t in sampling.stop_token_ids:
+            if t >= vocab:
+                raise InvalidRequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab})")
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's token ids; its size is checked first, so the tokenizer never sees a huge one."""
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequestError("prompt", "must be a non-empty string")
+        cap = self.limits.prompt_chars(self.max_model_len)
+        if len(prompt) > cap:
+            raise InvalidRequestError("prompt", f"has {len(prompt)} characters; at most {cap} are accepted")
+        _check_utf8("prompt", prompt)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def check_token_ids(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+            raise InvalidRequestError("prompt_token_ids", "must be a list of token ids")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt_token_ids", "must not be empty")
+        self._check_prompt_len(len(prompt_token_ids))  # before the per-id loop below
+        vocab = self.vocab_size
+        ids = list(prompt_token_ids)
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequestError(
+                    "prompt_token_ids", f"token id {t!r} at index {i} is outside the vocabulary [0, {vocab})"
+                )
+        return ids
+
     def check_length(self, n_prompt: int, max_tokens: int) -> None:
         limit = self.max_model_len
-        if n_prompt >= limit:
-            raise InvalidRequestError(
-                "prompt", f"has {n_prompt} tokens; the context length is {limit}, so at most {limit - 1} fit"
-            )
+        self._check_prompt_len(n_prompt)
         if n_prompt + max_tokens > limit:
             raise InvalidRequestError(
                 "max_tokens",
@@ -88,3 +134,22 @@ class RequestValidator:
             raise InvalidRequestError(
                 "max_tokens", f"prompt + max_tokens needs {blocks} KV blocks; the pool has {self.num_blocks}"
             )
+
+    def _check_prompt_len(self, n_prompt: int) -> None:
+        limit = self.max_model_len
+        if n_prompt >= limit:
+            raise InvalidRequestError(
+                "prompt", f"has {n_prompt} tokens; the context length is {limit}, so at most {limit - 1} fit"
+            )
+
+
+def _check_utf8(name: str, text: str) -> None:
+    """Python strings may hold lone surrogates (JSON "\\ud800" decodes to one); UTF-8 has no form for
+    them, so the tokenizer would fail on them as a server error."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(
+            name, f"is not valid Unicode: a lone surrogate {text[e.start]!r} at index {e.start}") from None

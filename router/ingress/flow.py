@@ -29,7 +29,7 @@ from cluster.engine.request import RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from cluster.engine.validation import RequestValidator
-from cluster.errors import QueueFullError
+from cluster.errors import ErrorKind, QueueFullError
 from router.ingress.admission import DEFAULT_TENANT, Admission, Quotas
 from router.ingress.status import Code, Rejected, ServingError
 
@@ -94,8 +94,11 @@ class _ReplicaDied(Exception):
 FAILED = (FinishReason.ERROR, FinishReason.DEADLINE, FinishReason.REJECTED)  # an engine ended it unfinished
 
 
-def _ended(rid: str, reason: FinishReason, error: str | None, sent: int) -> ServingError:
+def _ended(rid: str, reason: FinishReason, error: str | None, sent: int,
+           kind: ErrorKind | None = None) -> ServingError:
     """The error for a request an engine ended without finishing it."""
+    if kind == ErrorKind.INVALID_INPUT:  # its own numbers failed it (e.g. sampling overflow): a 400
+        return ServingError(Code.INVALID_ARGUMENT, f"request {rid}: {error}")
     if reason == FinishReason.DEADLINE:
         return ServingError(Code.DEADLINE_EXCEEDED, f"request {rid}: {error or 'deadline exceeded'}")
     if reason == FinishReason.REJECTED:
@@ -260,7 +263,7 @@ class RequestFlow:
                 out: RequestOutput
                 pulled = True
                 if out.finish_reason in FAILED:
-                    raise _ended(rid, out.finish_reason, out.error, sent_before + out.num_output_tokens)
+                    raise _ended(rid, out.finish_reason, out.error, sent_before + out.num_output_tokens, out.error_kind)
                 d = client.delta(out.token_ids, out.finish_reason if out.finished else None)
                 if kv_handle is None:  # the prompt was computed on this replica: what its cache saved
                     d.cached_prompt_tokens = out.num_cached_tokens

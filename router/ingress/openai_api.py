@@ -162,7 +162,10 @@ def build_openai_app() -> FastAPI:
                     text = flow.chat_prompt(messages)
                 except ValueError as e:
                     raise InvalidRequestError("messages", str(e)) from e
-                prompt, ids = None, flow.tokenizer.encode(text, add_special_tokens=False)
+                try:  # the rendered text meets the prompt caps (characters, valid Unicode) before tokenizing
+                    prompt, ids = None, flow.validator.tokenize(text, add_special_tokens=False)
+                except InvalidRequestError as e:
+                    raise InvalidRequestError("messages", e.message) from e
             else:
                 prompt, ids = _completion_prompt(body)
                 if body.echo:

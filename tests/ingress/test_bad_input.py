@@ -83,3 +83,58 @@ def test_engine_keeps_serving_after_bad_input(engine):
     out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert out.num_output_tokens == 4
     assert not engine.has_unfinished()
+
+
+def test_the_ingress_validates_with_the_configured_limits(tiny_model):
+    from cluster.config import AppConfig
+    from router.ingress.flow import RequestFlow
+
+    flow = RequestFlow(AppConfig(model=tiny_model, engine={"limits": {"max_prompt_chars": 10}}), None, None)
+    with pytest.raises(InvalidRequestError) as e:
+        flow.validator.make_request("r", "x" * 11)
+    assert (e.value.field, e.value.message) == ("prompt", "has 11 characters; at most 10 are accepted")
+
+
+def _post(app, path: str, body: dict) -> tuple[int, dict]:
+    """One HTTP request straight through the ASGI app (no server, no client library)."""
+    import asyncio
+    import json
+
+    inbox = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    sent = []
+
+    async def receive():
+        return inbox.pop(0) if inbox else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "server": ("test", 80), "client": ("test", 1)}
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("hi \ud800", "messages: is not valid Unicode: a lone surrogate '\\ud800' at index"),
+        ("x" * 200, "messages: has"),
+    ],
+)
+def test_a_chat_prompt_meets_the_prompt_caps_before_tokenizing(tiny_model, content, message):
+    from cluster.config import AppConfig
+    from router.ingress import openai_api
+    from router.ingress.flow import RequestFlow
+
+    flow = RequestFlow(AppConfig(model=tiny_model, engine={"limits": {"max_prompt_chars": 150}}), None, None)
+    openai_api.bind_replica(flow, None, None)
+    try:
+        status, body = _post(openai_api.build_openai_app(), "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": content}], "max_tokens": 4})
+    finally:
+        openai_api._replica.clear()
+    assert status == 400 and body["error"]["param"] == "messages"
+    assert body["error"]["message"].startswith(message)
+
