@@ -27,7 +27,7 @@ from cluster.engine.sampler import RequestFailure
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.probe import EngineProbe
-from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from cluster.engine.tokenizer import IncrementalDetokenizer
 from cluster.engine.validation import RequestValidator
 from cluster.errors import ErrorKind
 
@@ -44,12 +44,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
-        self.tokenizer = Tokenizer(config.model)
         mc = self.model_config
         self.device = resolve_device(config.device)
         dtype = getattr(torch, kv_dtype(mc, config))
         self.dtype = dtype
         self.validator = RequestValidator.for_model(config.model, [config])
+        self.tokenizer = self.validator.tokenizer
         self.max_model_len = self.validator.max_model_len
         self.block_size = config.block_size
         self.model = load_model(config.model, mc, self.max_model_len, dtype, self.device)

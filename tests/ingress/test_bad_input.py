@@ -129,7 +129,7 @@ def test_a_chat_prompt_meets_the_prompt_caps_before_tokenizing(tiny_model, conte
     from router.ingress.flow import RequestFlow
 
     flow = RequestFlow(AppConfig(model=tiny_model, engine={"limits": {"max_prompt_chars": 150}}), None, None)
-    openai_api.bind_replica(flow, None, None)
+    openai_api.bind_replica(flow, None)
     try:
         status, body = _post(openai_api.build_openai_app(), "/v1/chat/completions",
                              {"messages": [{"role": "user", "content": content}], "max_tokens": 4})
