@@ -2,7 +2,7 @@
 
     out = scheduler.schedule()
     sampled = runner.execute(out.chunks, block_tables)
-    finished = scheduler.update(out, sampled)
+    finished = scheduler.update(out, sampled.tokens)  # sampled.failed: ended alone first
 
 Not thread-safe: EngineLoop drives it from one thread.
 """

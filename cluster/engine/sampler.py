@@ -49,7 +49,7 @@ class Sampler:
         finite = torch.isfinite(logits.amax(dim=-1))
         greedy = torch.where(finite, logits.argmax(dim=-1), -1).tolist()  # -1: not finite (one sync)
         out = SamplerOutput()
-        rows = None
+        cpu_logits = None  # copied once, and only when a row is sampled
         for i, (req, g_tok) in enumerate(zip(requests, greedy)):
             rid = req.request_id
             if g_tok < 0:
@@ -57,8 +57,9 @@ class Sampler:
             elif req.sampling.greedy:
                 out.tokens[rid] = g_tok
             else:
-                rows = logits.cpu() if rows is None else rows
-                token = self._draw(rows[i], req)
+                if cpu_logits is None:
+                    cpu_logits = logits.cpu()
+                token = self._draw(cpu_logits[i], req)
                 if isinstance(token, RequestFailure):
                     out.failed[rid] = token
                 else:

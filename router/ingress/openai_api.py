@@ -6,12 +6,12 @@ import hashlib
 import json
 import math
 import time
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from cluster.errors import InvalidRequestError
 from cluster.engine.sampling_params import SamplingParams
@@ -35,27 +35,37 @@ def parse_deadline(value: str | None) -> float | None:
     return time.time() + seconds
 
 
+def _not_bool(value):
+    if isinstance(value, bool):  # pydantic would take true as 1
+        raise ValueError("a boolean is not a number")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+
+
 class _Req(BaseModel):
     model_config = ConfigDict(extra="allow")  # clients send fields we ignore (user, ...)
 
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: Int = 1
     stream: bool = False
     stream_options: dict | None = None
     logprobs: Any = None
 
 
 class CompletionRequest(_Req):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Int] | list[str] | list[list[Int]]
     echo: bool = False
 
 

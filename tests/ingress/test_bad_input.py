@@ -138,3 +138,13 @@ def test_a_chat_prompt_meets_the_prompt_caps_before_tokenizing(tiny_model, conte
     assert status == 400 and body["error"]["param"] == "messages"
     assert body["error"]["message"].startswith(message)
 
+
+@pytest.mark.parametrize("field, value, param", [
+    ("max_tokens", True, "max_tokens"), ("temperature", False, "temperature"), ("top_k", True, "top_k"),
+    ("seed", True, "seed"), ("stop_token_ids", [5, True], "stop_token_ids.1")])
+def test_a_boolean_is_not_a_number_in_the_http_body(field, value, param):
+    from router.ingress import openai_api
+
+    status, body = _post(openai_api.build_openai_app(), "/v1/completions", {"prompt": "hi", field: value})
+    assert (status, body["error"]["param"]) == (400, param)
+    assert body["error"]["message"] == f"{param}: Value error, a boolean is not a number"
