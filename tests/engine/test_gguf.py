@@ -118,6 +118,16 @@ def test_config_and_tokenizer_come_from_the_file(converted):
     assert ours.encode(SPECIALS[2], add_special_tokens=False) == [tokens()[0].index(SPECIALS[2])]
 
 
+def test_llama_cpp_sampling_metadata_becomes_generation_defaults(tmp_path):
+    from cluster.engine.model_config import GenerationDefaults
+
+    f = write_gguf(tmp_path / "s.gguf", "F16", sampling={"temp": 0.7, "top_k": 40, "top_p": 0.95})
+    mc = ModelConfig.from_dir(convert_gguf(f, tmp_path / "s"))
+    assert mc.generation_defaults == GenerationDefaults(temperature=0.7, top_p=0.95, top_k=40)
+    plain = convert_gguf(write_gguf(tmp_path / "p.gguf", "F16"), tmp_path / "p")
+    assert ModelConfig.from_dir(plain).generation_defaults == GenerationDefaults()
+
+
 def test_sharded_and_bfloat16_outputs(tmp_path, converted):
     f, d = converted("Q8_0")
     sharded = convert_gguf(f, tmp_path / "sharded", max_shard_bytes=600_000)

@@ -77,6 +77,7 @@ def _field(reader, key: str, default=None):
 
 
 def _write_config_and_tokenizer(gguf_path: Path, out: Path, dtype: str, reader):
+    import numpy as np  # noqa: PLC0415
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # noqa: PLC0415
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: PLC0415
 
@@ -88,7 +89,9 @@ def _write_config_and_tokenizer(gguf_path: Path, out: Path, dtype: str, reader):
     AutoTokenizer.from_pretrained(src, gguf_file=name).save_pretrained(out)
     generation = GenerationConfig.from_model_config(config)
     sampling = {hf: _field(reader, f"general.sampling.{key}") for key, hf in _SAMPLING_KEYS.items()}
-    sampling = {k: v for k, v in sampling.items() if v is not None}
+    # GGUF stores floats as float32: write 0.7, not 0.699999988079071
+    sampling = {k: float(str(np.float32(v))) if isinstance(v, float) else v
+                for k, v in sampling.items() if v is not None}
     if sampling:
         generation.update(do_sample=True, **sampling)
     generation.save_pretrained(out)
