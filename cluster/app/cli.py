@@ -11,6 +11,16 @@ import uuid
 
 
 def _init_model(args) -> int:
+    if args.from_gguf:
+        from cluster.engine.model.gguf import convert_gguf  # noqa: PLC0415
+
+        try:
+            out = convert_gguf(args.from_gguf, args.dir, dtype=args.dtype)
+        except (OSError, ValueError) as e:
+            print(f"pdserve init-model: {e}", file=sys.stderr)
+            return 2
+        print(f"converted {args.from_gguf} to a {args.dtype} checkpoint in {out}")
+        return 0
     from cluster.engine.model.init_model import init_model  # noqa: PLC0415
 
     out = init_model(
@@ -212,8 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="WARNING")
     sub = p.add_subparsers(dest="command", required=True)
 
-    im = sub.add_parser("init-model", help="write a small random HF-format Llama checkpoint (the demo model)")
+    im = sub.add_parser("init-model", help="write a small random HF-format Llama checkpoint (the demo model), "
+                                           "or convert a GGUF file (--from-gguf)")
     im.add_argument("dir")
+    im.add_argument("--from-gguf", metavar="FILE", help="convert this GGUF file into DIR, dequantized to --dtype")
     im.add_argument("--layers", type=int, default=2)
     im.add_argument("--hidden", type=int, default=64)
     im.add_argument("--heads", type=int, default=4)

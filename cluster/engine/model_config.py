@@ -1,7 +1,10 @@
-"""The parts of a Hugging Face `config.json` that the engine needs, parsed once.
+"""The parts of a Hugging Face `config.json` (and `generation_config.json`) that the engine needs,
+parsed once.
 
 Handles both the legacy keys (`rope_theta`, `rope_scaling`, `torch_dtype`) and the
-transformers-5 ones (`rope_parameters`, `dtype`).
+transformers-5 ones (`rope_parameters`, `dtype`). From `generation_config.json`: every EOS id
+(it often lists more than config.json, e.g. Llama 3's <|eot_id|>) and the model's recommended
+sampling, which the app may use where a request gives none.
 """
 
 from __future__ import annotations
@@ -26,6 +29,20 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class GenerationDefaults:
+    """The sampling generation_config.json recommends; None where it says nothing. As vLLM, the
+    values are taken whether or not it also says do_sample."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+
+    @classmethod
+    def from_hf_dict(cls, gen: dict) -> "GenerationDefaults":
+        return cls(temperature=gen.get("temperature"), top_p=gen.get("top_p"), top_k=gen.get("top_k"))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -43,9 +60,11 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict, generation: dict | None = None) -> "ModelConfig":
+        """`cfg`: config.json; `generation`: generation_config.json, if the checkpoint has one."""
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -57,8 +76,9 @@ class ModelConfig:
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         if dtype not in DTYPES:
             raise ValueError(f"config.json dtype={dtype!r} is not one of {DTYPES}")
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        generation = generation or {}
+        # generation_config's EOS ids first (transformers stops on those), then config.json's.
+        eos_ids = tuple(dict.fromkeys(_ids(generation.get("eos_token_id")) + _ids(cfg.get("eos_token_id"))))
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -76,6 +96,7 @@ class ModelConfig:
             rope=_parse_rope(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            generation_defaults=GenerationDefaults.from_hf_dict(generation),
         )
 
     @classmethod
@@ -83,12 +104,23 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in model directory {model_dir}")
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        gen_path = Path(model_dir) / "generation_config.json"
+        generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+        return cls.from_hf_dict(json.loads(path.read_text()), generation)
 
     def fingerprint(self) -> str:
-        """Stable id of the architecture (not the weights): part of every block-hash salt."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        """Stable id of the architecture (not the weights): part of every block-hash salt.
+        Sampling defaults do not change what a KV block holds, so they are left out."""
+        parts = asdict(self)
+        del parts["generation_defaults"]
+        blob = json.dumps(parts, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
 
 
 def _parse_rope(cfg: dict) -> RopeConfig:

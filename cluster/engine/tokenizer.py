@@ -1,4 +1,9 @@
-"""Tokenizer over `tokenizer.json` (the `tokenizers` library), with streaming detokenization."""
+"""Tokenizer over `tokenizer.json` (the `tokenizers` library), with streaming detokenization.
+
+Reads a checkpoint as transformers (5) does: the tokens tokenizer_config.json's `added_tokens_decoder`
+(or the legacy added_tokens.json) adds beyond tokenizer.json, the named special tokens (which a chat
+template sees), and the chat templates (cluster/engine/chat_template.py).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,13 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
+
+from cluster.engine.chat_template import DEFAULT, load_chat_templates
+
+# The named special tokens a chat template sees as variables (transformers' SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class Tokenizer:
@@ -16,14 +27,38 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in model directory {model_dir}")
         self._tok = _HFTokenizer.from_file(str(path))
-        cfg_path = model_dir / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template: str | None = self.config.get("chat_template")
+        self.config = _read_json(model_dir / "tokenizer_config.json")
+        added = self.config.get("added_tokens_decoder")
+        # A checkpoint without added_tokens_decoder is legacy: transformers then reads
+        # special_tokens_map.json (which wins over tokenizer_config.json) and added_tokens.json.
+        legacy = _read_json(model_dir / "special_tokens_map.json") if added is None else {}
+        named = {name: _content(legacy.get(name) or self.config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+        self.special_tokens: dict[str, str] = {name: tok for name, tok in named.items() if tok}
+        if added is None:
+            added = {str(i): {"content": tok, "special": tok in self.special_tokens.values()}
+                     for tok, i in _read_json(model_dir / "added_tokens.json").items()}
+        self._add_missing_tokens(added)
+        self.chat_templates: dict[str, str] = load_chat_templates(model_dir, self.config)
+        self.chat_template: str | None = self.chat_templates.get(DEFAULT)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
-    def token_to_id(self, token: str | None) -> int | None:
-        if isinstance(token, dict):  # tokenizer_config may hold AddedToken dicts
-            token = token.get("content")
+    def _add_missing_tokens(self, added: dict[str, dict]) -> None:
+        """Add what `added_tokens_decoder` lists and tokenizer.json lacks, at the ids it states."""
+        for token_id, spec in sorted(added.items(), key=lambda kv: int(kv[0])):
+            content = spec["content"]
+            if self._tok.token_to_id(content) is not None:
+                continue
+            special = spec.get("special", False)
+            token = AddedToken(content, single_word=spec.get("single_word", False), lstrip=spec.get("lstrip", False),
+                               rstrip=spec.get("rstrip", False), normalized=spec.get("normalized", not special),
+                               special=special)
+            (self._tok.add_special_tokens if special else self._tok.add_tokens)([token])
+            if self._tok.token_to_id(content) != int(token_id):
+                raise ValueError(f"tokenizer_config.json adds {content!r} as id {token_id}, but the tokenizer "
+                                 f"gives it id {self._tok.token_to_id(content)}")
+
+    def token_to_id(self, token: str | dict | None) -> int | None:
+        token = _content(token)
         return None if token is None else self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -33,6 +68,15 @@ class Tokenizer:
         # Ids past the tokenizer's vocabulary (padded model vocabularies) decode to nothing.
         ids = [i for i in ids if i < self.vocab_size]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _content(token: str | dict | None) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as an AddedToken dict."""
+    return token.get("content") if isinstance(token, dict) else token
 
 
 class IncrementalDetokenizer:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Sequence
 
 from cluster.config import AppConfig
+from cluster.engine.chat_template import render_chat
 from cluster.engine.kv_cache import extend_salt, hash_request_blocks
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.outputs import FinishReason, RequestOutput
@@ -345,21 +346,6 @@ class RequestFlow:
                 "vocab_size": self.validator.vocab_size}
 
     def chat_prompt(self, messages: list[dict]) -> str:
-        """Render the tokenizer's chat template (sandboxed Jinja), ready to tokenize."""
-        template = self.tokenizer.chat_template
-        if not template:
-            raise ValueError("this model has no chat template (tokenizer_config.json chat_template)")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        cfg = self.tokenizer.config
-
-        def special(name):
-            tok = cfg.get(name)
-            return tok.get("content") if isinstance(tok, dict) else (tok or "")
-
-        return env.from_string(template).render(
-            messages=messages, add_generation_prompt=True,
-            bos_token=special("bos_token"), eos_token=special("eos_token"),
-        )
+        """Render the model's chat template (cluster/engine/chat_template.py), ready to tokenize."""
+        return render_chat(self.tokenizer, messages)
 

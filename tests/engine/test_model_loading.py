@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.model_config import ModelConfig
+from cluster.engine.model_config import GenerationDefaults, ModelConfig
 from cluster.engine.sampling_params import SamplingParams
 from tests.reference import hf_greedy, hf_last_logits
 
@@ -74,3 +74,22 @@ def test_missing_tensor_is_a_clear_error(model_factory, tmp_path):
 def test_unsupported_architecture_is_refused():
     with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
         ModelConfig.from_hf_dict({"model_type": "gpt2"})
+
+
+def test_generation_config_adds_eos_ids_and_sampling_defaults(model_factory):
+    d = Path(model_factory("gen"))
+    plain = ModelConfig.from_dir(d)
+    assert plain.eos_token_ids == (257,) and plain.generation_defaults == GenerationDefaults()
+    # Llama 3 style: config.json names one EOS, generation_config.json a list (ends of turn too).
+    (d / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [256, 257], "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    mc = ModelConfig.from_dir(d)
+    assert mc.eos_token_ids == (256, 257)
+    assert mc.generation_defaults == GenerationDefaults(temperature=0.6, top_p=0.9, top_k=None)
+    assert mc.fingerprint() == ModelConfig.from_hf_dict(json.loads((d / "config.json").read_text()),
+                                                         {"eos_token_id": [256, 257]}).fingerprint()
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 258, "top_k": 20}))
+    mc = ModelConfig.from_dir(d)
+    assert mc.eos_token_ids == (258, 257) and mc.generation_defaults.top_k == 20
+    eng = LLMEngine.from_model(str(d), num_blocks=8)
+    assert eng.eos_token_ids == (258, 257)

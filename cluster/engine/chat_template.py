@@ -1,0 +1,126 @@
+"""Chat templates: where a checkpoint keeps them, and rendering one exactly as transformers does.
+
+A checkpoint keeps its default template in `chat_template.jinja` and named ones in
+`additional_chat_templates/NAME.jinja`, or (older) in tokenizer_config.json's `chat_template`: one
+string, or a list of {"name", "template"}. As in transformers, template files replace the config's.
+
+The render is transformers' `apply_chat_template(..., tokenize=False)`: a sandboxed Jinja
+environment with trim_blocks/lstrip_blocks, loop controls, a JSON `tojson`, `raise_exception`,
+`strftime_now`, the `{% generation %}` tag, and the tokenizer's special tokens as variables.
+No torch and no transformers here: the front door renders with this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from cluster.engine.tokenizer import Tokenizer
+
+DEFAULT = "default"
+TOOL_USE = "tool_use"  # transformers picks this named template when tools are given
+
+
+class ChatTemplateError(jinja2.TemplateError, ValueError):
+    """The conversation cannot be rendered: the template refused it (its `raise_exception`), or the
+    model has no (such) template. The client's fault: the front door answers 400 / INVALID_ARGUMENT."""
+
+
+def load_chat_templates(model_dir: str | Path, tokenizer_config: dict) -> dict[str, str]:
+    """name -> template source; the unnamed one is "default"."""
+    model_dir = Path(model_dir)
+    files = {}
+    default = model_dir / "chat_template.jinja"
+    if default.is_file():
+        files[DEFAULT] = default.read_text(encoding="utf-8")
+    for path in sorted((model_dir / "additional_chat_templates").glob("*.jinja")):
+        files[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    if files:
+        return files
+    in_config = tokenizer_config.get("chat_template")
+    if isinstance(in_config, str):
+        return {DEFAULT: in_config}
+    if isinstance(in_config, list):
+        return {t["name"]: t["template"] for t in in_config}
+    return {}
+
+
+def render_chat(
+    tokenizer: "Tokenizer",
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    *,
+    template: str | None = None,
+    tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
+    **kwargs,
+) -> str:
+    """The prompt text for `messages` (tokenize it without adding special tokens: the template has).
+
+    `template` names one of the model's templates; extra keyword arguments reach the template as
+    variables (e.g. `enable_thinking=False`), overriding the special tokens of the same name.
+    """
+    source = select_template(tokenizer.chat_templates, template, tools)
+    variables = {**tokenizer.special_tokens, **kwargs}
+    return _compile(source).render(messages=messages, tools=tools, documents=documents,
+                                   add_generation_prompt=add_generation_prompt, **variables)
+
+
+def select_template(templates: dict[str, str], name: str | None, tools: list[dict] | None) -> str:
+    if not templates:
+        raise ChatTemplateError("this model has no chat template (chat_template.jinja or tokenizer_config.json)")
+    if name is not None:
+        if name not in templates:
+            raise ChatTemplateError(f"this model has no chat template named {name!r} (it has {sorted(templates)})")
+        return templates[name]
+    if tools is not None and TOOL_USE in templates:
+        return templates[TOOL_USE]
+    if DEFAULT not in templates:
+        raise ChatTemplateError(f"this model has no default chat template; name one of {sorted(templates)}")
+    return templates[DEFAULT]
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering
+    keeps its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise ChatTemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # Jinja's own tojson escapes HTML characters and sorts keys; templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    return env.from_string(source)
