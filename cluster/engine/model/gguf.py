@@ -42,7 +42,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float
                  max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write `out_dir` (which must not exist yet) from a GGUF file; returns it.
 
-    Weights are dequantized to `dtype` (float32 by default: the same numbers llama.cpp computes with).
+    Weights are dequantized to `dtype` (float32 by default, which holds every dequantized value
+    exactly; bfloat16 or float16 round them).
     """
     from gguf import GGUFReader  # noqa: PLC0415
 
@@ -71,9 +72,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float
     return out
 
 
-def _field(reader, key: str, default=None):
+def _field(reader, key: str):
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    return None if field is None else field.contents()
 
 
 def _write_config_and_tokenizer(gguf_path: Path, out: Path, dtype: str, reader):
