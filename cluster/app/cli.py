@@ -45,6 +45,11 @@ def _generate(args) -> int:
         return 2
     ids = [int(t) for t in args.prompt_token_ids.split(",")] if args.prompt_token_ids else None
     engine = LLMEngine.from_model(args.model, num_blocks=args.num_blocks, device=args.device)
+    if args.chat is not None:  # rendered as the server renders a chat: template, then no extra special tokens
+        from cluster.engine.chat_template import render_chat  # noqa: PLC0415
+
+        text = render_chat(engine.tokenizer, [{"role": "user", "content": args.chat}])
+        ids = engine.validator.tokenize(text, add_special_tokens=False)
     aengine = EngineLoop(engine)
 
     async def run() -> dict:
@@ -90,6 +95,8 @@ def _generate_remote(args) -> int:
     req = pb.GenerateRequest(sampling=sp, model=args.served_model or "")
     if args.prompt is not None:
         req.text = args.prompt
+    elif args.chat is not None:
+        req.chat.messages.add(role="user", content=args.chat)
     else:
         req.token_ids.ids.extend(int(t) for t in args.prompt_token_ids.split(","))
     metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
@@ -243,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="HF checkpoint directory, run in-process")
     g.add_argument("--prompt")
     g.add_argument("--prompt-token-ids", help="comma-separated token ids instead of a text prompt")
+    g.add_argument("--chat", help="a user message, rendered with the model's chat template (as the chat API does)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -261,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start (or join RAY_ADDRESS) a Ray cluster, deploy, serve until Ctrl-C")
     up.add_argument("--config", help="app config YAML (see deploy/pdserve.yaml)")
-    up.add_argument("--model", help="HF checkpoint directory (default: the demo model)")
+    up.add_argument("--model", help="HF checkpoint directory (default: SmolLM2-135M-Instruct, fetched and converted once)")
     up.add_argument("--mode", choices=["disaggregated", "colocated"],
                     help="colocated: no prefill pool, decode replicas prefill locally (default: disaggregated)")
     up.add_argument("--prefill-replicas", type=int)
@@ -293,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             print("pdserve generate: give the prompt once (positional or --prompt)", file=sys.stderr)
             return 2
         args.prompt = args.prompt_text
-    if args.command == "generate" and (args.prompt is None) == (args.prompt_token_ids is None):
-        print("pdserve generate: give exactly one of PROMPT/--prompt or --prompt-token-ids", file=sys.stderr)
+    if args.command == "generate" and [args.prompt, args.prompt_token_ids, args.chat].count(None) != 2:
+        print("pdserve generate: give exactly one of PROMPT/--prompt, --prompt-token-ids or --chat", file=sys.stderr)
         return 2
     return args.func(args)
 

@@ -57,7 +57,7 @@ class Ingress:
             metadata = dict(grpc_context.invocation_metadata())
             tenant = self.flow.authorize(metadata.get("authorization"), request.model)
             deadline = parse_deadline(metadata.get(TIMEOUT_HEADER))
-            prompt, ids = prompt_from_proto(request)
+            prompt, ids = prompt_from_proto(request, self.flow)
             sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens)
             async for delta in self.flow.generate(prompt, ids, sampling, request.request_id or None,
                                                   tenant=tenant, deadline=deadline):

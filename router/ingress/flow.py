@@ -30,7 +30,7 @@ from cluster.engine.request import RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from cluster.engine.validation import RequestValidator
-from cluster.errors import ErrorKind, QueueFullError
+from cluster.errors import ErrorKind, InvalidRequestError, QueueFullError
 from router.ingress.admission import DEFAULT_TENANT, Admission, Quotas
 from router.ingress.status import Code, Rejected, ServingError
 
@@ -348,4 +348,19 @@ class RequestFlow:
     def chat_prompt(self, messages: list[dict]) -> str:
         """Render the model's chat template (cluster/engine/chat_template.py), ready to tokenize."""
         return render_chat(self.tokenizer, messages)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """A chat's prompt token ids, for both edges: the template rendered (a template's own error
+        is the client's: 400 on `messages`), then the rendered text meets the prompt caps before it
+        is tokenized without adding special tokens again."""
+        if not messages:
+            raise InvalidRequestError("messages", "must hold at least one message")
+        try:
+            text = self.chat_prompt(messages)
+        except ValueError as e:
+            raise InvalidRequestError("messages", str(e)) from e
+        try:
+            return self.validator.tokenize(text, add_special_tokens=False)
+        except InvalidRequestError as e:
+            raise InvalidRequestError("messages", e.message) from e
 

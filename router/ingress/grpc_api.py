@@ -31,13 +31,19 @@ def sampling_from_proto(sp: "pb.SamplingParams", default_max_tokens: int) -> Sam
     )
 
 
-def prompt_from_proto(req: "pb.GenerateRequest") -> tuple[str | None, list[int] | None]:
+def prompt_from_proto(req: "pb.GenerateRequest", flow) -> tuple[str | None, list[int] | None]:
+    """The request's prompt as text or token ids; a chat is rendered with the model's template
+    (as /v1/chat/completions renders it) and tokenized without adding special tokens again."""
+    if req.priority:
+        raise InvalidRequestError("priority", "is set by the tenant's configuration; leave it 0")
     which = req.WhichOneof("prompt")
     if which == "text":
         return req.text, None
     if which == "token_ids":
         return None, list(req.token_ids.ids)
-    raise InvalidRequestError("prompt", "set text or token_ids")
+    if which == "chat":
+        return None, flow.chat_ids([{"role": m.role, "content": m.content} for m in req.chat.messages])
+    raise InvalidRequestError("prompt", "set text, token_ids or chat")
 
 
 def delta_to_proto(d: Delta) -> "pb.GenerateResponse":

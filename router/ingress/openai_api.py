@@ -168,14 +168,7 @@ def build_openai_app() -> FastAPI:
             deadline = parse_deadline(request.headers.get(TIMEOUT_HEADER))
             if chat:
                 messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-                try:
-                    text = flow.chat_prompt(messages)
-                except ValueError as e:
-                    raise InvalidRequestError("messages", str(e)) from e
-                try:  # the rendered text meets the prompt caps (characters, valid Unicode) before tokenizing
-                    prompt, ids = None, flow.validator.tokenize(text, add_special_tokens=False)
-                except InvalidRequestError as e:
-                    raise InvalidRequestError("messages", e.message) from e
+                prompt, ids = None, flow.chat_ids(messages)
             else:
                 prompt, ids = _completion_prompt(body)
                 if body.echo:

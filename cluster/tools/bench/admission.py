@@ -156,7 +156,7 @@ def main() -> None:
     args = ap.parse_args()
 
     ray.init(num_cpus=8, include_dashboard=False, namespace="pdserve", log_to_driver=False)
-    base = ensure_model(AppConfig(http_port=free_port(), grpc_port=free_port(), prefill={"num_cpus": 0.5},
+    base = ensure_model(default="random", config=AppConfig(http_port=free_port(), grpc_port=free_port(), prefill={"num_cpus": 0.5},
                                   decode={"num_cpus": 0.5}, graceful_shutdown_timeout_s=1.0))
     if args.only in (None, "burst"):
         r = bench_burst(base, args.capacity, args.burst_s, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
