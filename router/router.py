@@ -4,6 +4,7 @@ thin shell over it). Replicas feed it block events and load; the ingress asks it
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -35,6 +36,8 @@ class Router:
         self._pending_requests: dict[str, int] = {}
         self._decisions = 0
         self._resyncs = 0
+        # The last decisions with the loads they saw (pending work included): why a prompt went where.
+        self._recent: deque[tuple[RouteDecision, tuple[ReplicaLoad, ...]]] = deque(maxlen=32)
 
     def configure(self, config: PolicyConfig, strategy: str = "cost") -> None:
         """Set the policy once (the ingress does, from the app config)."""
@@ -78,12 +81,17 @@ class Router:
                          waiting=load.waiting + self._pending_requests.get(load.replica_id, 0))
                  for load in self.live_loads()]
         d = self.policy.route(hashes, num_prompt_tokens, self.index, loads)
+        self._recent.append((d, tuple(loads)))
         computed_at = d.prefill if d.mode == "remote" else d.decode
         self._pending_tokens[computed_at] = (self._pending_tokens.get(computed_at, 0)
                                              + num_prompt_tokens - d.predicted_cached_tokens)
         for rid in {computed_at, d.decode}:
             self._pending_requests[rid] = self._pending_requests.get(rid, 0) + 1
         return d
+
+    def recent_decisions(self) -> list[tuple[RouteDecision, tuple[ReplicaLoad, ...]]]:
+        """The last decisions, oldest first, each with the replica loads it was made on."""
+        return list(self._recent)
 
     def pending_requests(self) -> int:
         """Requests sent to replicas since their last load report (0 once every replica reported)."""

@@ -94,4 +94,6 @@ def test_a_repeated_prompt_goes_to_the_replica_that_cached_its_prefix(stub, tiny
         replicas = [x.replica_id for x in ray.get(router.live_loads.remote())]
         wait_until(lambda: any(hashes <= ray.get(router.hashes.remote(r)) for r in replicas),
                    "the prefix's blocks in the router's index")
-        assert generate(stub, prompt, 2)[-1].usage.cached_prompt_tokens == 64
+        cached = generate(stub, prompt, 2)[-1].usage.cached_prompt_tokens
+        decision, loads = ray.get(router.recent_decisions.remote())[-1]
+        assert cached == 64, f"routed by {decision} on loads {loads}"
