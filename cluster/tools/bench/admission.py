@@ -61,7 +61,13 @@ async def _run(address: str, key: str | None, rate_phases: list[tuple[float, flo
         await client.close()
     for rec in outcome.records:
         rec.start = rec.arrival_at - outcome.started_at
-    return outcome.records
+    return outcome
+
+
+def _client(outcome) -> dict:
+    """The load generator's own figures: a run it could not keep up with measures nothing."""
+    return {"client_cpu_cores": outcome.client_cpu_share, "send_lag_p99_ms": outcome.send_lag_s(99) * 1e3,
+            "kept_up": outcome.kept_up()}
 
 
 def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: float, slo_tpot_s: float) -> dict:
@@ -82,7 +88,8 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
         serve_app.start(cfg)
         address = f"localhost:{cfg.grpc_port}"
         asyncio.run(_run(address, None, [(capacity, 5.0)], seed=1))  # warm-up: replicas measure their pace
-        recs = asyncio.run(_run(address, None, [(10 * capacity, burst_s), (capacity / 2, 20.0)], seed=2))
+        outcome = asyncio.run(_run(address, None, [(10 * capacity, burst_s), (capacity / 2, 20.0)], seed=2))
+        recs = outcome.records
         serve.delete("pdserve")
         burst = [r for r in recs if r.start < burst_s]
         good = [r for r in burst if _meets(r, slo_ttft_s, slo_tpot_s)]
@@ -97,11 +104,16 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
         codes: dict[str, int] = {}
         for r in recs:
             codes[r.code or r.status] = codes.get(r.code or r.status, 0) + 1
+        served = [r for r in burst if r.status == "ok"]
+        tpots = [r.tpot_s for r in served if r.tpot_s is not None]
         results[name] = {
-            "sent": len(burst), "goodput_rps": len(good) / burst_s, "good": len(good),
-            "rejected": len(rejected), "reject_p99_ms": _pct(rejected, 99) * 1e3,
-            "reject_p50_ms": _pct(rejected, 50) * 1e3, "recovery_s": recovery, "outcomes": codes,
-            "ttft_p50_ms": _pct([r.ttft_s for r in burst if r.status == "ok"], 50) * 1e3,
+            "sent": len(burst), "offered_rps": len(burst) / burst_s, "goodput_rps": len(good) / burst_s,
+            "good": len(good), "rejected": len(rejected), "reject_p50_ms": _pct(rejected, 50) * 1e3,
+            "reject_p99_ms": _pct(rejected, 99) * 1e3, "reject_max_ms": max(rejected, default=float("nan")) * 1e3,
+            "recovery_s": recovery, "outcomes": codes,
+            "ttft_p50_ms": _pct([r.ttft_s for r in served], 50) * 1e3,
+            "ttft_p99_ms": _pct([r.ttft_s for r in served], 99) * 1e3,
+            "tpot_p50_ms": _pct(tpots, 50) * 1e3, "tpot_p99_ms": _pct(tpots, 99) * 1e3, **_client(outcome),
         }
     return results
 
@@ -122,9 +134,10 @@ def bench_noisy(base: AppConfig, seconds: float) -> dict:
         return await asyncio.gather(_run(address, KEY_B, [(2.0, seconds)], seed=3),
                                     _run(address, KEY_A, [(50.0, seconds)], seed=4))
 
-    solo = asyncio.run(_run(address, KEY_B, [(2.0, seconds)], seed=3))
-    with_a, flood = asyncio.run(both())
+    solo_run = asyncio.run(_run(address, KEY_B, [(2.0, seconds)], seed=3))
+    with_a_run, flood_run = asyncio.run(both())
     serve.delete("pdserve")
+    solo, with_a, flood = solo_run.records, with_a_run.records, flood_run.records
 
     def ttfts(recs):
         return [r.ttft_s for r in recs if r.status == "ok"]
@@ -137,7 +150,9 @@ def bench_noisy(base: AppConfig, seconds: float) -> dict:
             "noisy": {"ok": len(ttfts(with_a)), "of": len(with_a), "p50_ms": _pct(ttfts(with_a), 50) * 1e3,
                       "p99_ms": _pct(ttfts(with_a), 99) * 1e3},
             "flood": a_codes,
-            "flood_reject_p99_ms": _pct([r.latency_s for r in flood if r.code == "RESOURCE_EXHAUSTED"], 99) * 1e3}
+            "flood_reject_p99_ms": _pct([r.latency_s for r in flood if r.code == "RESOURCE_EXHAUSTED"], 99) * 1e3,
+            # both tenants' clients share one process and loop: this covers the flood run
+            "client": _client(flood_run), "client_solo": _client(solo_run)}
 
 
 def main() -> None:
@@ -163,9 +178,13 @@ def main() -> None:
         print(f"\nburst: {10 * args.capacity:g} req/s for {args.burst_s:g} s, then {args.capacity / 2:g} req/s for "
               f"20 s; SLO TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms")
         for name, m in r.items():
-            print(f"  {name:<12} sent {m['sent']:5d}  goodput {m['goodput_rps']:6.2f} req/s ({m['good']} good)  "
-                  f"rejected {m['rejected']:5d} (p50 {m['reject_p50_ms']:.1f} ms, p99 {m['reject_p99_ms']:.1f} ms)  "
-                  f"recovery {m['recovery_s']:.1f} s  TTFT p50 of served {m['ttft_p50_ms']:.0f} ms  {m['outcomes']}")
+            print(f"  {name:<12} offered {m['offered_rps']:6.1f} req/s ({m['sent']} sent)  goodput {m['goodput_rps']:6.2f} "
+                  f"req/s ({m['good']} good)  rejected {m['rejected']:5d} (p50 {m['reject_p50_ms']:.1f} / p99 "
+                  f"{m['reject_p99_ms']:.1f} / max {m['reject_max_ms']:.1f} ms)  recovery {m['recovery_s']:.1f} s")
+            print(f"  {'':<12} served TTFT p50 {m['ttft_p50_ms']:.0f} / p99 {m['ttft_p99_ms']:.0f} ms, TPOT p50 "
+                  f"{m['tpot_p50_ms']:.1f} / p99 {m['tpot_p99_ms']:.1f} ms  {m['outcomes']}")
+            print(f"  {'':<12} load generator: {m['client_cpu_cores']:.2f} cores busy, p99 send lag "
+                  f"{m['send_lag_p99_ms']:.1f} ms -> {'kept up' if m['kept_up'] else 'FELL BEHIND: this arm is invalid'}")
         u, p = r["unprotected"]["goodput_rps"], r["protected"]["goodput_rps"]
         print(f"  goodput protected / unprotected = {p / u if u else float('inf'):.2f}x (goal >= 2x); "
               f"rejection p99 {r['protected']['reject_p99_ms']:.1f} ms (goal < 50 ms)")
@@ -178,6 +197,9 @@ def main() -> None:
         print(f"  B with A      {n['ok']}/{n['of']} ok  TTFT p50 {n['p50_ms']:.0f} ms  p99 {n['p99_ms']:.0f} ms")
         print(f"  A's requests  {r['flood']}  (rejection p99 {r['flood_reject_p99_ms']:.1f} ms)")
         print(f"  B's p99 TTFT with A / alone = {n['p99_ms'] / s['p99_ms']:.2f}x (goal <= 1.5x)")
+        for label, c in (("alone", r["client_solo"]), ("with the flood", r["client"])):
+            print(f"  load generator ({label}): {c['client_cpu_cores']:.2f} cores busy, p99 send lag "
+                  f"{c['send_lag_p99_ms']:.1f} ms -> {'kept up' if c['kept_up'] else 'FELL BEHIND: invalid run'}")
     ray.shutdown()
 
 

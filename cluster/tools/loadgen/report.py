@@ -172,6 +172,11 @@ def format_report(result: dict, percentiles: Sequence[float]) -> str:
     for code, n in result["errors_by_code"].items():
         row(f"  errors {code}:", n)
     row("Benchmark duration (s):", result["duration"], "{:.2f}")
+    if "client_cpu_cores" in result:
+        row("Load generator CPU (cores busy):", result["client_cpu_cores"], "{:.2f}")
+        kept = result.get("client_kept_up")
+        row("Load generator p99 send lag (ms):",
+            f"{result['client_send_lag_p99_ms']:.1f}" + ("" if kept is None else " (kept up)" if kept else " (FELL BEHIND)"))
     row("Total input tokens:", result["total_input_tokens"])
     row("Total cached prompt tokens:", result["total_cached_prompt_tokens"])
     row("Total generated tokens:", result["total_output_tokens"])

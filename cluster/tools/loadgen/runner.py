@@ -27,11 +27,28 @@ class RunOutcome:
     duration_s: float  # start -> last request done, or the time bound
     planned: int  # requests the sessions hold
     hit_time_bound: bool
+    client_cpu_s: float = 0.0  # CPU time this process (the load generator) used during the run
 
     @property
     def not_sent(self) -> int:
         """Planned requests never sent: due after the time bound, or after a failed turn."""
         return self.planned - len(self.records)
+
+    @property
+    def client_cpu_share(self) -> float:
+        """The load generator's CPU use over the run, in cores (1.0 = one core busy throughout)."""
+        return self.client_cpu_s / self.duration_s if self.duration_s > 0 else 0.0
+
+    def send_lag_s(self, p: float) -> float:
+        """Percentile p of how late requests left after they were due: the client's own delay (with
+        a concurrency cap, also the deliberate wait for a free slot)."""
+        lags = sorted(r.queue_s for r in self.records)
+        return lags[min(len(lags) - 1, int(p / 100 * len(lags)))] if lags else 0.0
+
+    def kept_up(self, max_lag_s: float = 0.05) -> bool:
+        """False when an open-loop load generator fell behind its schedule: p99 send lag over
+        `max_lag_s`. Then the offered rate was not what was planned and the run proves nothing."""
+        return self.send_lag_s(99) <= max_lag_s
 
 
 def answer_as_prompt(prompt: Prompt, answer: Answer) -> Prompt:
@@ -73,6 +90,7 @@ class Runner:
         bar = tqdm(total=planned, disable=not self.progress, unit="req", desc="pdserve bench")
         tasks: list[asyncio.Task] = []
         started = time.perf_counter()
+        cpu_started = time.process_time()
         end = started + duration_s
 
         async def session(sid: int, s: Session, due: float) -> None:
@@ -124,4 +142,5 @@ class Runner:
         for rec in records:
             if rec.status == "pending":
                 rec.status = "incomplete"
-        return RunOutcome(records, started, duration, planned, hit_time_bound=bool(pending) or len(tasks) < len(sessions))
+        return RunOutcome(records, started, duration, planned, hit_time_bound=bool(pending) or len(tasks) < len(sessions),
+                          client_cpu_s=time.process_time() - cpu_started)
