@@ -3,7 +3,10 @@
     python -m cluster.tools.bench.serving [--concurrency 1 8 32] [--output-tokens 128]
 
 Arms, one after the other on the same machine and checkpoint (the ~50M bench model):
-  in-process  EngineLoop over LLMEngine in this process (the engine alone)
+  in-process     EngineLoop over LLMEngine in this process (the engine alone), torch's default
+                 threads (one per core)
+  in-process-1t  the same with one torch thread: what a replica with num_cpus 1 runs with (Ray sets
+                 OMP_NUM_THREADS from num_cpus), so the like-for-like baseline of the serve arms
   serve       pdserve on Ray Serve with one decode replica and no prefill pool, through the gRPC
               proxy (the engine plus everything the serving path adds)
   serve-pd    the same with one prefill and one decode replica (disaggregated; on one CPU machine
@@ -25,27 +28,37 @@ import uuid
 from cluster.tools.bench.engine import ensure_bench_model, make_prompts
 
 
-def _stats(results: list[tuple[list[float], int]], wall: float) -> dict:
+def _stats(results: list[tuple[list[float], list[int]]], wall: float) -> dict:
+    """`results`: per request, the arrival time of each chunk and the tokens it carried."""
     gaps = [b - a for times, _ in results for a, b in zip(times, times[1:])]
-    tokens = sum(n for _, n in results)
+    # per token: after the first chunk, a chunk of k tokens that took g since the previous one is k
+    # intervals of g / k each (merged deltas must not look like faster tokens)
+    decode_time = sum(times[-1] - times[0] for times, _ in results if len(times) > 1)
+    decode_tokens = sum(sum(sizes[1:]) for times, sizes in results if len(times) > 1)
+    tokens = sum(sum(sizes) for _, sizes in results)
     return {"tok_s": tokens / wall, "tokens": tokens,
-            "chunk_gap_ms": statistics.mean(gaps) * 1e3 if gaps else float("nan")}
+            "chunk_gap_ms": statistics.mean(gaps) * 1e3 if gaps else float("nan"),
+            "token_gap_ms": decode_time / decode_tokens * 1e3 if decode_tokens else float("nan")}
 
 
-def run_in_process(model_dir: str, prompts_by_c: dict, out_tokens: int, blocks: int) -> dict:
+def run_in_process(model_dir: str, prompts_by_c: dict, out_tokens: int, blocks: int, threads: int | None = None) -> dict:
+    import torch
+
     from cluster.engine.loop import EngineLoop
     from cluster.engine.llm_engine import LLMEngine
     from cluster.engine.sampling_params import SamplingParams
 
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or default_threads)
     engine = EngineLoop(LLMEngine.from_model(model_dir, num_blocks=blocks))
     sp = SamplingParams(max_tokens=out_tokens, temperature=0, ignore_eos=True)
 
     async def one(p):
-        times, n = [], 0
+        times, sizes = [], []
         async for out in engine.generate(uuid.uuid4().hex, prompt_token_ids=p, sampling=sp):
             times.append(time.perf_counter())
-            n += len(out.token_ids)
-        return times, n
+            sizes.append(len(out.token_ids))
+        return times, sizes
 
     async def batch(prompts):
         t = time.perf_counter()
@@ -57,6 +70,7 @@ def run_in_process(model_dir: str, prompts_by_c: dict, out_tokens: int, blocks: 
         return {c: asyncio.run(batch(prompts)) for c, prompts in prompts_by_c.items()}
     finally:
         engine.shutdown()
+        torch.set_num_threads(default_threads)
 
 
 def run_served(model_dir: str, prompts_by_c: dict, out_tokens: int, blocks: int, prefill_replicas: int) -> dict:
@@ -81,11 +95,11 @@ def run_served(model_dir: str, prompts_by_c: dict, out_tokens: int, blocks: int,
         def one(p):
             req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
                 max_tokens=out_tokens, temperature=0, ignore_eos=True))
-            times, n = [], 0
+            times, sizes = [], []
             for resp in stub.Generate(req, timeout=600):
                 times.append(time.perf_counter())
-                n += len(resp.token_ids)
-            return times, n
+                sizes.append(len(resp.token_ids))
+            return times, sizes
 
         def batch(prompts):
             with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -108,31 +122,32 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--blocks", type=int, default=2048)
-    ap.add_argument("--arms", nargs="+", default=["in-process", "serve", "serve-pd"])
+    ap.add_argument("--arms", nargs="+", default=["in-process", "in-process-1t", "serve", "serve-pd"])
     args = ap.parse_args(argv)
     d = ensure_bench_model(args.model_dir)
     prompts_by_c = {c: make_prompts(c, seed=c) for c in args.concurrency}
     results = {}
     for arm in args.arms:
-        if arm == "in-process":
-            results[arm] = run_in_process(str(d), prompts_by_c, args.output_tokens, args.blocks)
+        if arm.startswith("in-process"):
+            results[arm] = run_in_process(str(d), prompts_by_c, args.output_tokens, args.blocks,
+                                          threads=1 if arm == "in-process-1t" else None)
         else:
             results[arm] = run_served(str(d), prompts_by_c, args.output_tokens, args.blocks,
                                       prefill_replicas=1 if arm == "serve-pd" else 0)
         print(f"{arm}: " + "  ".join(f"C={c} {r['tok_s']:.1f} tok/s" for c, r in results[arm].items()), flush=True)
-    base = results.get("in-process")
+    bases = [a for a in results if a.startswith("in-process")]
+    served = [a for a in results if not a.startswith("in-process")]
     for c in args.concurrency:
         line = f"C={c:>3}: " + "  ".join(f"{a} {results[a][c]['tok_s']:7.1f} tok/s" for a in results)
-        if base:
-            line += "  " + "  ".join(f"{a}/in-process {results[a][c]['tok_s'] / base[c]['tok_s']:.2f}"
-                                     for a in results if a != "in-process")
+        line += "".join(f"  {a}/{b} {results[a][c]['tok_s'] / results[b][c]['tok_s']:.2f}"
+                        for a in served for b in bases)
         print(line)
-    if base and 1 in args.concurrency:
-        for a in results:
-            if a != "in-process":
-                added = results[a][1]["chunk_gap_ms"] - base[1]["chunk_gap_ms"]
-                print(f"C=1 mean inter-chunk interval: in-process {base[1]['chunk_gap_ms']:.2f} ms, "
-                      f"{a} {results[a][1]['chunk_gap_ms']:.2f} ms -> added per chunk {added:+.2f} ms")
+    if 1 in args.concurrency:
+        for b in bases:
+            for a in served:
+                added = results[a][1]["token_gap_ms"] - results[b][1]["token_gap_ms"]
+                print(f"C=1 mean interval per token: {b} {results[b][1]['token_gap_ms']:.2f} ms, "
+                      f"{a} {results[a][1]['token_gap_ms']:.2f} ms -> added per token {added:+.2f} ms")
     return 0
 
 
