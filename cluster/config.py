@@ -82,6 +82,9 @@ class KVTransferOptions(_Strict):
     nixl_threads: int = Field(0, ge=0)
     progress_thread: bool = Field(
         False, description="NIXL's progress thread: lower transfer latency, but it spins one core per replica")
+    registry_timeout_s: float = Field(
+        2.0, gt=0, description="Longest the engine loop waits for the registry actor (a handshake's peer "
+        "lookup); no answer = a failed pull, which the failure policy handles")
 
 
 class RoutingOptions(_Strict):

@@ -70,10 +70,10 @@ class EngineReplica:
         self.stuck_loop_s = cfg.fault_tolerance.stuck_loop_s
         self.replica_id = _serve_replica_id() or f"{self.pool}-{uuid.uuid4().hex[:8]}"
         self.engine = engine = build_engine(cfg, self.pool)
-        registry = get_registry()
         kv = cfg.kv_transfer
+        registry = RayMetadataStore(get_registry(), kv.registry_timeout_s)
         transport = NixlTransport(
-            self.replica_id, engine.kv_cache, engine_layout(engine), RayMetadataStore(registry),
+            self.replica_id, engine.kv_cache, engine_layout(engine), registry,
             required_transports=kv.required_transports, num_threads=kv.nixl_threads,
             progress_thread=kv.progress_thread,
         )

@@ -19,6 +19,8 @@ WARMUP_STEPS = 20  # a replica's first steps carry one-time costs: not a slow-re
 
 
 class LoadReporter:
+    """`registry`: a RayMetadataStore (its `report()` is fire-and-forget); `router`: the router actor."""
+
     def __init__(self, engine: LLMEngine, transfer_stats: TransferStats, replica_id: str, pool: str,
                  registry, router=None, node_id: str | None = None, interval_s: float = 1.0,
                  router_interval_s: float = 0.25, router_min_interval_s: float = 0.02):
@@ -64,7 +66,7 @@ class LoadReporter:
                 self.router.report_load.remote(self.replica_load(load))
         if now >= self._next:
             self._next = now + self.interval_s
-            self.registry.report.remote(self.replica_id, self.report(load or self.engine.load()))
+            self.registry.report(self.replica_id, self.report(load or self.engine.load()))
 
     # ---- what is reported ------------------------------------------------------------------
 
