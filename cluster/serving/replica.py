@@ -68,6 +68,7 @@ class EngineReplica:
     def __init__(self, config: dict):
         cfg = AppConfig.model_validate(config)
         self.stuck_loop_s = cfg.fault_tolerance.stuck_loop_s
+        self.max_consecutive_step_errors = cfg.fault_tolerance.max_consecutive_step_errors
         self.replica_id = _serve_replica_id() or f"{self.pool}-{uuid.uuid4().hex[:8]}"
         self.engine = engine = build_engine(cfg, self.pool)
         kv = cfg.kv_transfer
@@ -111,6 +112,10 @@ class EngineReplica:
         if stalled > self.stuck_loop_s:
             raise RuntimeError(f"{self.pool} engine loop has made no progress for {stalled:.1f} s "
                                f"(stuck_loop_s {self.stuck_loop_s:g})")
+        failed = self.engine.stats.consecutive_step_errors  # an int the loop thread writes: read as is
+        if failed >= self.max_consecutive_step_errors:
+            raise RuntimeError(f"{self.pool} engine: the last {failed} steps failed "
+                               f"(max_consecutive_step_errors {self.max_consecutive_step_errors})")
 
     async def inject_fault(self, pull: faults.PullFault | None = None, step_delay_s: float | None = None,
                            stall_loop_s: float | None = None, target_replica: str | None = None) -> None:
