@@ -50,11 +50,12 @@ def make_replica_telemetry(options: TelemetryOptions, engine: LLMEngine, transfe
 
 def _serve_replica_id() -> str | None:
     """Serve's id of this replica: routing decisions name replicas by it."""
-    try:
-        from ray import serve  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+    from ray.serve.exceptions import RayServeException  # noqa: PLC0415
 
+    try:
         return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 — not running as a Serve replica
+    except RayServeException:  # not running as a Serve replica
         return None
 
 
