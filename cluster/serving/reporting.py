@@ -105,6 +105,7 @@ class LoadReporter:
             "last_step_ms": round(stats.last_step_s * 1e3, 3), "avg_step_ms": round(stats.step_s_avg * 1e3, 3),
             "steps": stats.steps, "step_errors": stats.step_errors, "generation_tokens": stats.generation_tokens, "preemptions": stats.preemptions,
             "transfer": asdict(self.transfer_stats),
+            "router_feed_failures": {} if self.publisher is None else dict(self.publisher.failures),
         }
 
     def autoscaling_metrics(self, ttft_s: float) -> ReplicaMetrics:
