@@ -82,6 +82,9 @@ class KVTransferOptions(_Strict):
     nixl_threads: int = Field(0, ge=0)
     progress_thread: bool = Field(
         False, description="NIXL's progress thread: lower transfer latency, but it spins one core per replica")
+    registry_timeout_s: float = Field(
+        2.0, gt=0, description="Longest the engine loop waits for the registry actor (a handshake's peer "
+        "lookup); no answer = a failed pull, which the failure policy handles")
 
 
 class RoutingOptions(_Strict):
@@ -126,6 +129,9 @@ class FaultToleranceOptions(_Strict):
         2, ge=0, description="Times a request may move to another decode replica when its replica dies")
     stuck_loop_s: float = Field(
         30.0, gt=0, description="An engine loop turn running this long fails the replica's health check")
+    max_consecutive_step_errors: int = Field(
+        8, ge=1, description="This many engine steps failing in a row (none ran since) fails the replica's "
+        "health check; the router avoids a replica whose last step failed")
     fault_injection: bool = Field(
         False, description="Allow inject_fault() on replicas (chaos tests and drills; off in production)")
 

@@ -39,6 +39,7 @@ class KVEventPublisher:
         self._acks: list = []  # refs of batches not yet acknowledged
         self._resync_due = False
         self.resyncs = 0
+        self.failures = {"unavailable": 0, "error": 0}  # router calls that failed, by reason
         self._send_snapshot()  # the router learns of this incarnation from a full snapshot
 
     def publish(self) -> None:
@@ -62,8 +63,13 @@ class KVEventPublisher:
         for ref in done:
             try:
                 refused |= not ray.get(ref)
-            except Exception as e:  # noqa: BLE001 — the router died: its successor needs a snapshot
+            except ray.exceptions.RayActorError as e:  # the router died: its successor needs a snapshot
                 log.debug("router unavailable (%s); will resync", e)
+                self.failures["unavailable"] += 1
+                refused = True
+            except ray.exceptions.RayTaskError as e:  # the router raised on our batch: a bug there
+                log.warning("router refused a batch with an error; resyncing: %s", e)
+                self.failures["error"] += 1
                 refused = True
         self._acks = pending
         return refused
@@ -77,5 +83,6 @@ class KVEventPublisher:
         self._last_snapshot = time.monotonic()
         try:
             self.router.resync.remote(self.replica_id, self.incarnation, self.seq, self.source.cached_block_hashes())
-        except Exception as e:  # noqa: BLE001 — routing falls back to load; try again next turn
+        except ray.exceptions.RayError as e:  # routing falls back to load; try again next turn
             log.debug("router resync not sent: %s", e)
+            self.failures["unavailable"] += 1

@@ -37,6 +37,7 @@ class ReplicaLoad:
     queued_prefill_tokens: int = 0
     step_time_s: float = 0.0  # smoothed over recent steps (the slow-replica signal)
     tokens_per_s: float = 0.0  # recent throughput while busy (0: not measured yet)
+    failing: bool = False  # its last engine step failed: chosen only when every replica of its pool is
 
     def queue_wait_s(self) -> float:
         """Predicted wait before a new prompt starts here: its queued prompt tokens at its pace."""
@@ -150,6 +151,11 @@ class RoutingPolicy:
         return slow
 
     def _pick(self, pool: Sequence[ReplicaLoad], cost, slow: set[str]) -> tuple[ReplicaLoad, list[str]]:
+        working = [r for r in pool if not r.failing]
+        failing = sorted(r.replica_id for r in pool if r.failing)
+        if working and failing:  # an idle replica whose steps fail would otherwise look cheapest
+            choice, reasons = self._pick(working, cost, slow)
+            return choice, [*reasons, f"failing replica avoided: {', '.join(failing)}"]
         raw = {r.replica_id: cost(r) for r in pool}
         costs = {rid: c * self.config.slow_penalty + 1.0 if rid in slow else c for rid, c in raw.items()}
         choice = self._argmin(costs)

@@ -14,6 +14,9 @@ from router.index import PrefixIndex
 from router.policy import PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
 
 
+STRATEGIES = {"cost": RoutingPolicy, "round_robin": RoundRobinPolicy, "power_of_two": PowerOfTwoPolicy}
+
+
 @dataclass(frozen=True)
 class RouterStats:
     replicas: int
@@ -40,11 +43,15 @@ class Router:
         self._recent: deque[tuple[RouteDecision, tuple[ReplicaLoad, ...]]] = deque(maxlen=32)
 
     def configure(self, config: PolicyConfig, strategy: str = "cost") -> None:
-        """Set the policy once (the ingress does, from the app config)."""
-        strategies = {"cost": RoutingPolicy, "round_robin": RoundRobinPolicy, "power_of_two": PowerOfTwoPolicy}
-        if strategy not in strategies:
-            raise ValueError(f"routing strategy {strategy!r} is unknown (choose from {sorted(strategies)})")
-        self.policy = strategies[strategy](config, self.policy.rng)
+        """Set the policy (the ingress does, from the app config). Idempotent: the same
+        arguments again give the same policy."""
+        if strategy not in STRATEGIES:
+            raise ValueError(f"routing strategy {strategy!r} is unknown (choose from {sorted(STRATEGIES)})")
+        self.policy = STRATEGIES[strategy](config, self.policy.rng)
+
+    def policy_settings(self) -> tuple[PolicyConfig, str]:
+        """(config, strategy) of the policy in use."""
+        return self.policy.config, next(k for k, cls in STRATEGIES.items() if type(self.policy) is cls)
 
     def events(self, replica_id: str, incarnation: str, seq: int,
                events: Sequence[tuple[str, BlockHash]]) -> bool:

@@ -9,6 +9,7 @@ import logging
 import random
 from typing import List, Optional
 
+import ray
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router.actor import get_router
@@ -49,5 +50,5 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
 def _forget(replica_id: str) -> None:
     try:
         get_router().forget.remote(replica_id)
-    except Exception as e:  # noqa: BLE001 — the router also drops replicas that stop reporting
+    except ray.exceptions.RayError as e:  # the router also drops replicas that stop reporting
         log.debug("could not tell the router that %s is gone: %s", replica_id, e)

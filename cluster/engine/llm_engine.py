@@ -213,12 +213,15 @@ class LLMEngine:
         except Exception as e:  # a broken step fails its requests, never the loop
             log.exception("engine step failed")
             self.stats.step_errors += 1
+            self.stats.consecutive_step_errors += 1
+            self.stats.last_step_error_at = time.monotonic()
             failure = RequestFailure(ErrorKind.INTERNAL, f"engine step failed: {type(e).__name__}: {e}")
             return expired + self._fail({c.request.request_id: failure for c in out.chunks})
         # Requests whose own numbers failed end alone, before update(), which then skips them.
         outputs = expired + self._fail(sampled.failed)
         self.scheduler.update(out, sampled.tokens)
         self.stats.steps += 1
+        self.stats.consecutive_step_errors = 0
         self.stats.last_step_s = time.perf_counter() - t0
         self.stats.busy_s += self.stats.last_step_s
         avg = self.stats.step_s_avg

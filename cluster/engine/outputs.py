@@ -56,7 +56,9 @@ class EngineStats:
     generation_tokens: int = 0
     cached_prompt_tokens: int = 0
     preemptions: int = 0
-    step_errors: int = 0
+    step_errors: int = 0  # steps that failed as a whole (the forward raised)
+    consecutive_step_errors: int = 0  # since the last step that ran: the replica's health reads it
+    last_step_error_at: float = 0.0  # time.monotonic() of the latest failed step
     last_step_s: float = 0.0
     busy_s: float = 0.0  # time spent in steps (tokens_computed / busy_s = throughput when busy)
     step_s_avg: float = 0.0  # step time smoothed over ~10 steps: one long prefill step barely moves it

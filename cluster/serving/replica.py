@@ -50,11 +50,12 @@ def make_replica_telemetry(options: TelemetryOptions, engine: LLMEngine, transfe
 
 def _serve_replica_id() -> str | None:
     """Serve's id of this replica: routing decisions name replicas by it."""
-    try:
-        from ray import serve  # noqa: PLC0415
+    from ray import serve  # noqa: PLC0415
+    from ray.serve.exceptions import RayServeException  # noqa: PLC0415
 
+    try:
         return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 — not running as a Serve replica
+    except RayServeException:  # not running as a Serve replica
         return None
 
 
@@ -68,12 +69,13 @@ class EngineReplica:
     def __init__(self, config: dict):
         cfg = AppConfig.model_validate(config)
         self.stuck_loop_s = cfg.fault_tolerance.stuck_loop_s
+        self.max_consecutive_step_errors = cfg.fault_tolerance.max_consecutive_step_errors
         self.replica_id = _serve_replica_id() or f"{self.pool}-{uuid.uuid4().hex[:8]}"
         self.engine = engine = build_engine(cfg, self.pool)
-        registry = get_registry()
         kv = cfg.kv_transfer
+        registry = RayMetadataStore(get_registry(), kv.registry_timeout_s)
         transport = NixlTransport(
-            self.replica_id, engine.kv_cache, engine_layout(engine), RayMetadataStore(registry),
+            self.replica_id, engine.kv_cache, engine_layout(engine), registry,
             required_transports=kv.required_transports, num_threads=kv.nixl_threads,
             progress_thread=kv.progress_thread,
         )
@@ -111,6 +113,10 @@ class EngineReplica:
         if stalled > self.stuck_loop_s:
             raise RuntimeError(f"{self.pool} engine loop has made no progress for {stalled:.1f} s "
                                f"(stuck_loop_s {self.stuck_loop_s:g})")
+        failed = self.engine.stats.consecutive_step_errors  # an int the loop thread writes: read as is
+        if failed >= self.max_consecutive_step_errors:
+            raise RuntimeError(f"{self.pool} engine: the last {failed} steps failed "
+                               f"(max_consecutive_step_errors {self.max_consecutive_step_errors})")
 
     async def inject_fault(self, pull: faults.PullFault | None = None, step_delay_s: float | None = None,
                            stall_loop_s: float | None = None, target_replica: str | None = None) -> None:

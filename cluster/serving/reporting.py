@@ -16,9 +16,14 @@ from router.events import KVEventPublisher
 from router.policy import ReplicaLoad
 
 WARMUP_STEPS = 20  # a replica's first steps carry one-time costs: not a slow-replica signal
+# A replica whose last step failed is reported failing (the router avoids it) for this long; then it
+# gets requests again: a step that runs clears it, one that fails counts towards its health check.
+FAILING_HOLD_S = 5.0
 
 
 class LoadReporter:
+    """`registry`: a RayMetadataStore (its `report()` is fire-and-forget); `router`: the router actor."""
+
     def __init__(self, engine: LLMEngine, transfer_stats: TransferStats, replica_id: str, pool: str,
                  registry, router=None, node_id: str | None = None, interval_s: float = 1.0,
                  router_interval_s: float = 0.25, router_min_interval_s: float = 0.02):
@@ -61,17 +66,19 @@ class LoadReporter:
             if since >= self.router_interval_s or changed:
                 self._last_router, self._last_queue = now, queue
                 load = self.engine.load()
-                self.router.report_load.remote(self.replica_load(load))
+                self.router.report_load.remote(self.replica_load(load, now))
         if now >= self._next:
             self._next = now + self.interval_s
-            self.registry.report.remote(self.replica_id, self.report(load or self.engine.load()))
+            self.registry.report(self.replica_id, self.report(load or self.engine.load()))
 
     # ---- what is reported ------------------------------------------------------------------
 
-    def replica_load(self, load: EngineLoad) -> ReplicaLoad:
+    def replica_load(self, load: EngineLoad, now: float) -> ReplicaLoad:
+        stats = self.engine.stats
+        failing = stats.consecutive_step_errors > 0 and now - stats.last_step_error_at < FAILING_HOLD_S
         return ReplicaLoad(self.replica_id, self.pool, load.free_blocks, load.total_blocks,
                            load.running + load.importing, load.waiting, load.queued_prefill_tokens,
-                           self._step_time(), self._throughput())
+                           self._step_time(), self._throughput(), failing)
 
     def _step_time(self) -> float:
         """The slow-replica signal: smoothed step time, or 0 (not measured) during the first
@@ -96,8 +103,9 @@ class LoadReporter:
         return {
             "pool": self.pool, "node_id": self.node_id, **asdict(load),
             "last_step_ms": round(stats.last_step_s * 1e3, 3), "avg_step_ms": round(stats.step_s_avg * 1e3, 3),
-            "steps": stats.steps, "generation_tokens": stats.generation_tokens, "preemptions": stats.preemptions,
+            "steps": stats.steps, "step_errors": stats.step_errors, "generation_tokens": stats.generation_tokens, "preemptions": stats.preemptions,
             "transfer": asdict(self.transfer_stats),
+            "router_feed_failures": {} if self.publisher is None else dict(self.publisher.failures),
         }
 
     def autoscaling_metrics(self, ttft_s: float) -> ReplicaMetrics:

@@ -78,32 +78,45 @@ def test_unknown_key_is_unauthenticated_and_the_server_keeps_serving(stub):
     assert outcome(stub, [256, 1], "calm") == ("OK", 8)
 
 
+NOISY_PER_MIN = 4
+
+
+def most_admitted(elapsed_s: float) -> float:
+    """What the noisy tenant's bucket can have given in elapsed_s: a minute of burst, what refilled
+    meanwhile, and the local credit of one lease (rate_limit_lease 0.05 of a minute). A bound that
+    holds on any machine, however slow: the refill is counted, not assumed away."""
+    return NOISY_PER_MIN * (1 + elapsed_s / 60 + 0.05)
+
+
 def test_noisy_neighbour_is_refused_while_every_request_of_the_other_tenant_succeeds(stub):
     jobs = [(t, i) for i in range(12) for t in ("noisy", "calm")]
+    started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda j: (j[0], outcome(stub, [256, 10 + j[1]] * 4, j[0])), jobs))
+    elapsed = time.monotonic() - started
     noisy = [r for t, r in results if t == "noisy"]
     calm = [r for t, r in results if t == "calm"]
     assert calm == [("OK", 8)] * 12
-    assert noisy.count(("OK", 8)) == 4  # requests_per_min 4: the bucket's minute of burst
+    admitted = noisy.count(("OK", 8))
+    assert NOISY_PER_MIN <= admitted <= most_admitted(elapsed)  # the bucket starts full (a fresh actor)
     refused = [r for r in noisy if r[0] != "OK"]
-    assert len(refused) == 8 and {code for code, _ in refused} == {"RESOURCE_EXHAUSTED"}
+    assert len(refused) == 12 - admitted and {code for code, _ in refused} == {"RESOURCE_EXHAUSTED"}
     assert all(retry >= 1 for _, retry in refused)
     wait_pools_whole()
 
 
 def test_a_burst_of_ten_times_capacity_is_answered_and_nothing_hangs(stub):
     n = 10 * MAX_INFLIGHT
-    started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         futures = [pool.submit(outcome, stub, [256, 3, i % 200 + 1] * 5, "calm", 24) for i in range(n)]
         results = [f.result(timeout=120) for f in futures]  # every request ends: none hangs
     ok = [r for r in results if r[0] == "OK"]
     refused = [r for r in results if r[0] != "OK"]
-    assert ok and refused and len(ok) + len(refused) == n
-    assert all(r == ("OK", 24) for r in ok)  # accepted requests finish with their whole output
-    assert {code for code, _ in refused} == {"RESOURCE_EXHAUSTED"} and all(s >= 1 for _, s in refused)
-    assert time.monotonic() - started < 120
+    # How many are refused depends on how fast the admitted ones finish; what holds on any machine:
+    # every request ends, the admitted with their whole output, the others with a retry-after.
+    assert ok and len(ok) + len(refused) == n
+    assert all(r == ("OK", 24) for r in ok)
+    assert all(code == "RESOURCE_EXHAUSTED" and s >= 1 for code, s in refused)
     wait_pools_whole()
 
 
@@ -127,15 +140,21 @@ def test_cancellation_storm_leaves_both_pools_whole(stub):
 
 
 def test_deadline_mid_decode_is_deadline_exceeded_and_work_stops(stub):
+    started = time.monotonic()
     call = stub.Generate(request([256, 9, 9, 9], max_tokens=480), metadata=meta("calm", **{"x-pdserve-timeout-s": "0.6"}),
                          timeout=60)  # the client's own deadline is far: the server's must end it
-    got = 0
-    with pytest.raises(grpc.RpcError) as e:
+    got, error = 0, None
+    try:
         for r in call:
             got += len(r.token_ids)
-    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "deadline exceeded" in e.value.details()
-    assert 0 < got < 480
+    except grpc.RpcError as e:
+        error = e
+    if error is None:  # all 480 tokens inside 0.6 s: nothing to expire on a machine this fast
+        assert got == 480
+        pytest.skip("the whole stream finished before the deadline")
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "deadline exceeded" in error.details()
+    assert got < 480  # on a slow machine the deadline may come before the first token: still 504
+    assert time.monotonic() - started >= 0.6  # ended by the deadline, not before it
     wait_pools_whole()
 
 
@@ -178,17 +197,22 @@ def test_the_same_idempotency_key_runs_once(server):
 
 
 def test_rate_limited_http_request_gets_429_with_retry_after(server):
-    codes = []
-    for _ in range(2):  # the noisy tenant spent its minute above
+    # The noisy tenant spent its minute above, but the bucket refills while tests run: send until
+    # it refuses twice, and bound the admissions by what it can have held meanwhile.
+    started, admitted, refusals = time.monotonic(), 0, []
+    while len(refusals) < 2:
         req = urllib.request.Request(
             f"http://localhost:{server.http_port}/v1/completions",
             data=json.dumps({"prompt": [256, 1], "max_tokens": 2}).encode(),
             headers={"content-type": "application/json", "authorization": f"Bearer {KEYS['noisy']}"})
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(req, timeout=30)
-        codes.append((e.value.code, int(e.value.headers["Retry-After"]) >= 1,
-                      json.loads(e.value.read())["error"]["type"]))
-    assert codes == [(429, True, "rate_limit_error")] * 2
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                assert resp.status == 200
+            admitted += 1
+            assert admitted <= most_admitted(time.monotonic() - started)
+        except urllib.error.HTTPError as e:
+            refusals.append((e.code, int(e.headers["Retry-After"]) >= 1, json.loads(e.read())["error"]["type"]))
+    assert refusals == [(429, True, "rate_limit_error")] * 2
 
 
 def test_tenants_never_share_cached_prefixes_unless_they_share_a_cache_group(stub):

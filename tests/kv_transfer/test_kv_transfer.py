@@ -192,12 +192,46 @@ def test_a_required_transport_that_is_missing_refuses_to_start(tiny_model, store
     from kv_transfer.errors import TransportUnavailableError
     from kv_transfer.transports import available_transports
 
+    monkeypatch.delenv("UCX_TLS", raising=False)
     assert "tcp" in available_transports()
     engine = LLMEngine.from_model(tiny_model, num_blocks=8)
-    with pytest.raises(TransportUnavailableError, match=r"required UCX transports \['rc'\] are not available"):
-        NixlTransport("needs-rdma", engine.kv_cache, engine_layout(engine), FileMetadataStore(store),
-                      required_transports=["tcp", "rc"])
+    # One this host lacks (InfiniBand hosts have rc, GPU hosts cuda_ipc): checked by device.
+    absent = [tl for tl in ("rc", "dc", "cuda_ipc", "gdr_copy") if tl not in available_transports()]
+    if absent:
+        with pytest.raises(TransportUnavailableError, match=rf"required UCX transports \['{absent[0]}'\] are not"):
+            NixlTransport("needs-rdma", engine.kv_cache, engine_layout(engine), FileMetadataStore(store),
+                          required_transports=["tcp", absent[0]])
+    # UCX_TLS narrows what any host offers, InfiniBand or not.
     monkeypatch.setenv("UCX_TLS", "tcp")
-    with pytest.raises(TransportUnavailableError, match=r"\['cma'\]"):
-        NixlTransport("needs-cma", engine.kv_cache, engine_layout(engine), FileMetadataStore(store),
-                      required_transports=["cma"])
+    for required, missing in ((["tcp", "rc"], "rc"), (["cma"], "cma"), (["ib"], "ib")):
+        with pytest.raises(TransportUnavailableError, match=rf"\['{missing}'\]"):
+            NixlTransport("needs-" + missing, engine.kv_cache, engine_layout(engine), FileMetadataStore(store),
+                          required_transports=required)
+
+
+class UnansweredLookups(FileMetadataStore):
+    """The real store, with its lookups failing as RayMetadataStore's do when the registry actor
+    is dead, restarting or too slow (an injected fault, not a fake: publishing still works)."""
+
+    def lookup(self, engine_id):
+        from kv_transfer.errors import KVTransferError
+
+        raise KVTransferError(f"registry did not answer a lookup of {engine_id} within 2 s (GetTimeoutError)")
+
+
+def test_a_registry_that_does_not_answer_is_a_failed_pull(tiny_model, store, reference):
+    # Without the peer's info decode cannot tell prefill it is done: the lease frees those blocks.
+    proc = PrefillProcess(tiny_model, store, engine_id="prefill-noreg", lease_s=0.5, num_blocks=16)
+    engine = LLMEngine.from_model(tiny_model, num_blocks=48)
+    transport = NixlTransport("decode-no-registry", engine.kv_cache, engine_layout(engine), UnansweredLookups(store))
+    dec = DecodeEngine(engine, transport, policy="recompute", transfer_timeout_s=5.0)
+    try:
+        got, finals = run_disaggregated(proc, dec, PROMPTS[3:5], tag="noreg")
+        assert got == [reference[tuple(p)] for p in PROMPTS[3:5]]  # recomputed here, same tokens
+        assert [f.finish_reason for f in finals] == ["length", "length"]
+        assert (transport.stats.pulls_failed, transport.stats.fallbacks_recompute, transport.stats.pulls_ok) == (2, 2, 0)
+        assert_pools_whole(proc, dec)
+        assert proc.stats()["leases_expired"] == 2
+    finally:
+        transport.close()
+        proc.close()

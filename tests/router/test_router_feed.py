@@ -10,7 +10,7 @@ from cluster.engine.sampling_params import SamplingParams
 from router.actor import get_router
 from tests.helpers import wait_until
 from router.events import KVEventPublisher
-from router.policy import ReplicaLoad
+from router.policy import PolicyConfig, ReplicaLoad
 
 
 SP = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -79,3 +79,23 @@ def test_router_routes_to_the_replica_holding_the_prefix(router, tiny_model):
     ray.get(router.forget.remote("prefill-y"))  # a dead replica: never named again
     d = ray.get(router.route.remote(hashes, len(prompt)))
     assert (d.prefill, d.predicted_cached_tokens) == ("prefill-x", 0)
+
+
+def actor_pid(actor) -> int:
+    import os
+
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def test_restarted_router_keeps_its_configured_policy(router):
+    """Ray re-runs __init__ on a restart: the policy configure() set must come back, exactly."""
+    configured = PolicyConfig(block_size=32, local_prefill_threshold=7, hot_load_cap=5, slow_factor=3.5)
+    ray.get(router.configure.remote(configured, "round_robin"))
+    assert ray.get(router.policy_settings.remote()) == (configured, "round_robin")
+    before = actor_pid(router)
+    try:
+        ray.kill(router, no_restart=False)
+        wait_until(lambda: actor_pid(router) != before, "the router restarts in a new process", timeout=30)
+        assert ray.get(router.policy_settings.remote()) == (configured, "round_robin")
+    finally:  # the cluster's default policy again for the next test module's router
+        ray.get(router.configure.remote(PolicyConfig(), "cost"))

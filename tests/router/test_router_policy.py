@@ -212,3 +212,12 @@ def test_colocated_decode_choice_counts_the_prompt_work_and_the_cache():
     # 100 prompt tokens queued on d-1: 16 + 100 > 80
     d = pol.route(hashes(PROMPT), len(PROMPT), idx, [load("d-0", "decode"), load("d-1", "decode", queued=100)])
     assert (d.decode, d.predicted_cached_tokens) == ("d-0", 0)
+
+
+def test_a_failing_replica_is_avoided_unless_its_whole_pool_fails():
+    failing = ReplicaLoad("d-broken", "decode", 1000, 1000, failing=True)  # idle: the cheapest by cost
+    busy = load("d-busy", "decode", running=5)
+    d = policy().route(hashes(PROMPT), len(PROMPT), index_with({}), [load("p-a", "prefill"), failing, busy])
+    assert d.decode == "d-busy" and "failing replica avoided: d-broken" in d.reason
+    alone = policy().route(hashes(PROMPT), len(PROMPT), index_with({}), [load("p-a", "prefill"), failing])
+    assert alone.decode == "d-broken"  # better a replica that may recover than no answer

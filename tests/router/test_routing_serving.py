@@ -134,8 +134,19 @@ def test_api_key_required_over_http(cluster):
         assert code == status
 
 
+def router_pid() -> int:
+    import os
+
+    return ray.get(get_router().__ray_call__.remote(lambda self: os.getpid()))
+
+
 def test_killed_router_degrades_to_serves_choice_and_recovers(cluster):
+    policy = ray.get(get_router().policy_settings.remote())
+    assert policy[1] == "cost" and policy[0].local_prefill_threshold == 16  # the app's, not the default 64
+    before = router_pid()
     ray.kill(get_router(), no_restart=False)  # Ray restarts it empty
     for i in range(3):  # served while the router restarts and relearns
         assert generate(cluster, SYSTEMS[0] + [i] * 32).finish_reason == pb.FINISH_REASON_LENGTH
+    wait_until(lambda: router_pid() != before, "the router restarted")
+    assert ray.get(get_router().policy_settings.remote()) == policy  # configured before the restart
     wait_until(lambda: router_state()[0].replicas >= 2, "the replicas resync the restarted router")

@@ -53,6 +53,8 @@ def test_scale_down_drains_and_every_stream_finishes_identical(cluster, tiny_mod
         ps, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))]
     streams = [iter(stub.Generate(request(p, 200), timeout=120)) for p in ps]
     got = [list(next(s).token_ids) for s in streams]
+    carried = {rid: replica_load("decode", rid)["running"] for rid in before}  # every stream has 199 to go
+    assert sum(carried.values()) == len(ps)
     deploy(cfg, 1)
     for i, s in enumerate(streams):
         for r in s:
@@ -61,5 +63,7 @@ def test_scale_down_drains_and_every_stream_finishes_identical(cluster, tiny_mod
     wait_until(lambda: len(live_replicas("decode")) == 1, "one decode replica left", timeout=30)
     [left] = live_replicas("decode")
     assert left in before  # the survivor kept running: a light update, not a restart
+    [removed] = before - {left}
+    assert carried[removed] >= 1  # the removed replica had streams to drain or migrate
     wait_until(lambda: (lambda s: s["free_blocks"] == 64 and s["running"] == s["waiting"] == 0)(
         replica_load("decode", left)), "the survivor's blocks are back")
