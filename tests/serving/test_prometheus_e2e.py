@@ -4,9 +4,10 @@ The test starts Prometheus on a free loopback port with a generated config (scra
 second; targets: every alive node's Ray metrics agent) and the rules of `pdserve slo-rules` shortened
 by TIME_SCALE (1/12: the "5m" window reads 25 s, "1h" 5 min, the page alert's 2 m hold 10 s), so an
 hour of burn fits the test. After a bounded load, every query of deploy/grafana/pdserve.json and
-every recording rule returns a series; then the decode replica is slowed by fault injection
-(0.15 s per step against the ITL objective's 0.1 s) and PdserveITLBudgetBurn goes pending, then
-firing. Ray's agents export every 10 s (metrics_report_interval_ms), which sets the pace.
+every recording rule returns a series; then fault injection slows the decode replica (0.15 s per
+step against the ITL objective's 0.1 s) and the prefill replica (1.2 s per step against TTFT's 1 s),
+and PdserveITLBudgetBurn and PdserveTTFTBudgetBurn each go pending, then firing. Ray's agents
+export every 10 s (metrics_report_interval_ms), which sets the pace.
 """
 
 import json
@@ -131,7 +132,7 @@ def recording_rules() -> list[str]:
                    for g in groups for r in g["rules"] if "record" in r})
 
 
-def test_dashboard_and_rules_return_series_and_a_slowed_decode_replica_fires_the_itl_alert(app, prometheus):
+def test_dashboard_and_rules_return_series_and_slowed_replicas_fire_the_itl_and_ttft_alerts(app, prometheus):
     started = time.monotonic()
     cfg, stub = app
     # a bounded load: 24 requests, 4 at a time, and one refused as bad input (a refusal series)
@@ -153,11 +154,13 @@ def test_dashboard_and_rules_return_series_and_a_slowed_decode_replica_fires_the
     except AssertionError:
         assert empty == []
 
-    # the fault: every decode step 0.15 s (ITL objective: 99% of intervals <= 0.1 s), under 16 streams
+    # the faults, under 16 streams: every decode step 0.15 s (ITL objective: 99% of intervals <= 0.1 s),
+    # every prefill step 1.2 s (TTFT objective: 99% of first tokens <= 1 s; these prompts prefill remotely)
     from ray import serve
 
-    decode = serve.get_deployment_handle("decode", "pdserve")
-    decode.inject_fault.remote(step_delay_s=0.15).result(timeout_s=30)
+    faults = {"decode": 0.15, "prefill": 1.2}
+    for pool, delay in faults.items():
+        serve.get_deployment_handle(pool, "pdserve").inject_fault.remote(step_delay_s=delay).result(timeout_s=30)
     stop = threading.Event()
 
     def load(k: int) -> None:
@@ -166,26 +169,30 @@ def test_dashboard_and_rules_return_series_and_a_slowed_decode_replica_fires_the
             generate(stub, i)
             i += 16
 
-    seen: list[tuple[float, frozenset]] = []
-    alert = slo.ALERT_NAMES["itl"] + "BudgetBurn"
+    alerts = [slo.ALERT_NAMES["itl"] + "BudgetBurn", slo.ALERT_NAMES["ttft"] + "BudgetBurn"]
+    seen: dict[str, list[tuple[float, frozenset]]] = {name: [] for name in alerts}
     workers = ThreadPoolExecutor(16)
     try:
         futures = [workers.submit(load, k) for k in range(16)]
 
         def firing() -> bool:
-            states = prometheus.alert_states(alert)
-            if not seen or seen[-1][1] != states:
-                seen.append((round(time.monotonic() - started, 1), frozenset(states)))
-            return "firing" in states
+            for name in alerts:
+                states = frozenset(prometheus.alert_states(name))
+                if not seen[name] or seen[name][-1][1] != states:
+                    seen[name].append((round(time.monotonic() - started, 1), states))
+            return all(seen[name][-1][1] == {"firing"} for name in alerts)
 
-        wait_for(firing, f"{alert} to fire (states seen: {seen})", timeout=60)
+        wait_for(firing, f"{alerts} to fire (states seen: {seen})", timeout=60)
     finally:
         stop.set()
         workers.shutdown(wait=True)
-        decode.inject_fault.remote(step_delay_s=0.0).result(timeout_s=30)
+        for pool in faults:
+            serve.get_deployment_handle(pool, "pdserve").inject_fault.remote(step_delay_s=0.0).result(timeout_s=30)
     for f in futures:
         f.result()
-    print(f"{alert} states (s since the load began): {seen}")
-    states = [s for _, s in seen]
-    assert frozenset({"pending"}) in states and states.index(frozenset({"pending"})) < len(states) - 1, seen
+    print(f"alert states (s since the load began): {seen}")
+    for name in alerts:
+        states = [s for _, s in seen[name]]
+        pending, firing = frozenset({"pending"}), frozenset({"firing"})
+        assert pending in states and states.index(pending) < states.index(firing), (name, seen[name])
     assert prometheus.alert_states(slo.ALERT_NAMES["availability"] + "BudgetBurn") == set()  # slow, not failing
