@@ -29,6 +29,7 @@ def test_the_committed_rules_are_what_the_default_objectives_generate(capsys):
 def test_every_status_code_is_the_client_s_or_the_server_s():
     assert set(slo.CLIENT_CODES) | set(slo.SERVER_CODES) == {c.grpc_name for c in Code}
     assert not set(slo.CLIENT_CODES) & set(slo.SERVER_CODES)
+    assert not set(slo.OVERLOAD_REASONS) & set(slo.QUOTA_REASONS)  # a 429 is the server's only for overload
 
 
 def test_latency_thresholds_must_be_bucket_bounds():
