@@ -136,6 +136,31 @@ class FaultToleranceOptions(_Strict):
         False, description="Allow inject_fault() on replicas (chaos tests and drills; off in production)")
 
 
+class SLOOptions(_Strict):
+    """Service-level objectives, turned into Prometheus recording and alerting rules by
+    `pdserve slo-rules` (cluster/telemetry/slo.py; the defaults are deploy/prometheus/pdserve-rules.yml).
+    A latency objective counts the fraction of events at or under a threshold, which must be one of
+    the histogram's bucket bounds (cluster/telemetry/metrics.py) so the rules read it exactly."""
+
+    availability: float = Field(
+        0.999, gt=0, lt=1, description="Requests that succeed, over those not refused for the client's own fault")
+    ttft_threshold_s: float = Field(1.0, gt=0, description="Time to first token at the ingress (a LATENCY_S bound)")
+    ttft: float = Field(0.99, gt=0, lt=1, description="Fraction of requests whose TTFT is <= ttft_threshold_s")
+    itl_threshold_s: float = Field(0.1, gt=0, description="Interval between tokens on a replica (a TOKEN_INTERVAL_S bound)")
+    itl: float = Field(0.99, gt=0, lt=1, description="Fraction of token intervals <= itl_threshold_s")
+    period_days: float = Field(30.0, gt=0, description="The window the error budget is spent over")
+
+    @model_validator(mode="after")
+    def _thresholds_are_bucket_bounds(self) -> "SLOOptions":
+        from cluster.telemetry.metrics import LATENCY_S, TOKEN_INTERVAL_S  # noqa: PLC0415
+
+        for name, value, bounds in (("ttft_threshold_s", self.ttft_threshold_s, LATENCY_S),
+                                    ("itl_threshold_s", self.itl_threshold_s, TOKEN_INTERVAL_S)):
+            if value not in bounds:
+                raise ValueError(f"{name} {value:g} is not a bucket bound of its histogram: one of {bounds}")
+        return self
+
+
 class TelemetryOptions(_Strict):
     """Metrics (Ray's metrics API: the Ray dashboard and its Prometheus endpoint) and traces
     (OpenTelemetry, one trace per request across the deployments). cluster/telemetry/."""
@@ -148,6 +173,7 @@ class TelemetryOptions(_Strict):
     otlp_endpoint: str = Field("localhost:4317", description="OTLP/gRPC collector (traces: otlp)")
     otlp_insecure: bool = Field(True, description="Plain-text gRPC to the collector (no TLS)")
     trace_export_delay_s: float = Field(1.0, gt=0, description="Longest a finished span waits for export")
+    slo: SLOOptions = SLOOptions()
 
 
 class AppConfig(_Strict):

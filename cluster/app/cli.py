@@ -224,6 +224,15 @@ def _status(args) -> int:
     return 0
 
 
+def _slo_rules(args) -> int:
+    from cluster.config import AppConfig  # noqa: PLC0415
+    from cluster.telemetry.slo import render  # noqa: PLC0415
+
+    cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
+    sys.stdout.write(render(cfg.telemetry.slo, args.time_scale))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray")
     p.add_argument("--log-level", default="WARNING")
@@ -286,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local cluster)")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_status)
+
+    sr = sub.add_parser("slo-rules", help="print Prometheus recording and alerting rules for the config's SLOs "
+                                          "(telemetry.slo; the defaults are deploy/prometheus/pdserve-rules.yml)")
+    sr.add_argument("--config", help="app config YAML (default: the built-in defaults)")
+    sr.add_argument("--time-scale", type=float, default=1.0,
+                    help="shrink every window and `for` by this factor (tests and drills; names stay nominal)")
+    sr.set_defaults(func=_slo_rules)
 
     from cluster.tools.loadgen.cli import add_bench_parser  # noqa: PLC0415 — `pdserve bench` lives in cluster/loadgen
 

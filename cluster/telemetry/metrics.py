@@ -30,6 +30,7 @@ class IngressMetrics:
 
     requests: object
     rejected: object
+    streams: object
     ttft: object
     tpot: object
     e2e: object
@@ -79,6 +80,9 @@ def ingress_metrics() -> IngressMetrics:
                          "(OK, or the gRPC code the client got)", ("tenant", "code")),
         rejected=Counter("pdserve_requests_rejected", "Requests refused before they ran (bad input, auth, "
                          "quotas, overload), by code and reason", ("tenant", "code", "reason")),
+        streams=Counter("pdserve_streams", "Requests that started (not refused), by outcome: completed (ended "
+                        "with a finish reason: stop or length), cancelled (by the client), failed (anything else)",
+                        ("tenant", "outcome")),
         ttft=Histogram("pdserve_ttft_seconds", "Time to first token at the ingress (request in -> first token "
                        "out)", LATENCY_S, t),
         tpot=Histogram("pdserve_tpot_seconds", "Time per output token after the first, per successful request "

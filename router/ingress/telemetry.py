@@ -48,6 +48,11 @@ def error_code(error: BaseException) -> str:
     return Code.INTERNAL.grpc_name
 
 
+def stream_outcome(code: str) -> str:
+    """How a request that started ended (the stream-completion SLI's numerator and denominator)."""
+    return {"OK": "completed", Code.CANCELLED.grpc_name: "cancelled"}.get(code, "failed")
+
+
 def refusal_reason(error: BaseException) -> str:
     if isinstance(error, InvalidRequestError):
         return error.field
@@ -79,6 +84,8 @@ class IngressTelemetry:
             m.requests.inc(1, {**tags, "code": code})
             if refused:
                 m.rejected.inc(1, {**tags, "code": code, "reason": refusal_reason(error)})
+            else:
+                m.streams.inc(1, {**tags, "outcome": stream_outcome(code)})
             if first is not None:
                 m.ttft.observe(first - start, tags)
             if code == "OK":

@@ -179,6 +179,9 @@ def test_counters_and_histogram_counts_grow_by_exactly_what_the_requests_did(sce
         key("requests_rejected_total", **b, code="INVALID_ARGUMENT", reason="max_tokens"): 1,
         key("requests_total", **unknown, code="UNAUTHENTICATED"): 1,
         key("requests_rejected_total", **unknown, code="UNAUTHENTICATED", reason="unauthenticated"): 1,
+        key("streams_total", **a, outcome="completed"): 3,  # refusals never start a stream
+        key("streams_total", **b, outcome="completed"): 1,
+        key("streams_total", **b, outcome="failed"): 0,
         key("prompt_tokens_total", **a): 70 + 70 + 94,
         key("prompt_tokens_total", **b): 8,
         key("generation_tokens_total", **a): 18,
@@ -299,6 +302,6 @@ def test_the_grafana_dashboard_queries_what_the_catalogue_exports():
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
     queried = {m for e in exprs for m in re.findall(r"ray_pdserve_\w+", e)}
-    assert len(catalogue) == 33
+    assert len(catalogue) == 34
     assert queried - set(exported) == set()
     assert set(catalogue) - {exported[m] for m in queried} == set()

@@ -1,0 +1,198 @@
+"""The rules and the dashboard against a real Prometheus scraping a real cluster (1 prefill + 1 decode).
+
+The test starts Prometheus on a free loopback port with a generated config (scrape and evaluate every
+second; targets: every alive node's Ray metrics agent) and the rules of `pdserve slo-rules` shortened
+by TIME_SCALE (1/12: the "5m" window reads 25 s, "1h" 5 min, the page alert's 2 m hold 10 s), so an
+hour of burn fits the test. After a bounded load, every query of deploy/grafana/pdserve.json and
+every recording rule returns a series; then fault injection slows the decode replica (0.15 s per
+step against the ITL objective's 0.1 s) and the prefill replica (1.2 s per step against TTFT's 1 s),
+and PdserveITLBudgetBurn and PdserveTTFTBudgetBurn each go pending, then firing. Ray's agents
+export every 10 s (metrics_report_interval_ms), which sets the pace.
+"""
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import ray
+import yaml
+
+from cluster.config import AppConfig
+from cluster.telemetry import slo
+from cluster.tools.netutil import free_port
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.helpers import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMETHEUS = shutil.which("prometheus")
+TIME_SCALE = 1 / 12
+RATE_INTERVAL = "30s"  # Grafana's $__rate_interval: at least two of Ray's 10 s exports
+
+pytestmark = pytest.mark.skipif(
+    PROMETHEUS is None, reason="prometheus is not installed: apt-get install -y prometheus (README, Observability)")
+
+
+@pytest.fixture(scope="module")
+def app(ray_session, tiny_model):
+    from ray import serve
+
+    import cluster.app.builder as serve_app
+
+    cfg = AppConfig(
+        model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
+        engine={"num_blocks": 128}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
+        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
+        fault_tolerance={"fault_injection": True}, telemetry={"metrics_interval_s": 0.2})
+    serve_app.start(cfg)
+    with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
+        yield cfg, pb_grpc.GenerationStub(channel)
+    serve.shutdown()
+
+
+class Prometheus:
+    def __init__(self, url: str):
+        self.url = url
+
+    def get(self, path: str, **params) -> dict:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        with urllib.request.urlopen(f"{self.url}{path}{query}", timeout=10) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def series(self, expr: str) -> list:
+        return self.get("/api/v1/query", query=expr)["result"]
+
+    def alert_states(self, name: str) -> set[str]:
+        return {a["state"] for a in self.get("/api/v1/alerts")["alerts"] if a["labels"]["alertname"] == name}
+
+
+@pytest.fixture(scope="module")
+def prometheus(app, tmp_path_factory):
+    home = tmp_path_factory.mktemp("prometheus")
+    (home / "rules.yml").write_text(slo.render(app[0].telemetry.slo, TIME_SCALE))
+    targets = [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes() if n["Alive"]]
+    (home / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(home / "rules.yml")],
+        "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": targets}]}]}))
+    port = free_port()
+    log = (home / "prometheus.log").open("w")
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={home / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={home / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        prom = Prometheus(f"http://127.0.0.1:{port}")
+        wait_for(lambda: urllib.request.urlopen(f"{prom.url}/-/ready", timeout=2).status == 200,
+                 f"Prometheus to be ready (log: {home / 'prometheus.log'})", timeout=30, retry_on=(OSError,))
+        yield prom
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+
+
+PREFIX = [256] + [(j * 7) % 250 for j in range(47)]  # 3 blocks shared by every prompt: prefix-cache hits
+
+
+def generate(stub, i: int, max_tokens: int = 12) -> None:
+    ids = PREFIX + [(i * 13 + j) % 250 for j in range(24)]  # 24 new tokens > 16: prefilled remotely
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    list(stub.Generate(req, timeout=60))
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    board = json.loads((ROOT / "deploy" / "grafana" / "pdserve.json").read_text())
+    found = [(p["title"], t["expr"]) for p in board["panels"] for t in p.get("targets", [])]
+    found += [(f"variable {v['name']}", v["definition"].removeprefix("label_values(").rsplit(",", 1)[0])
+              for v in board["templating"]["list"] if "definition" in v]
+    subst = {"$__rate_interval": RATE_INTERVAL, "$SessionName": ".*", "$tenant": ".*", "$pool": ".*"}
+    for old, new in subst.items():
+        found = [(title, expr.replace(old, new)) for title, expr in found]
+    return found
+
+
+def recording_rules() -> list[str]:
+    groups = slo.rules(AppConfig().telemetry.slo)["groups"]
+    return sorted({r["record"] + (f'{{slo="{r["labels"]["slo"]}"}}' if "slo" in r.get("labels", {}) else "")
+                   for g in groups for r in g["rules"] if "record" in r})
+
+
+def test_dashboard_and_rules_return_series_and_slowed_replicas_fire_the_itl_and_ttft_alerts(app, prometheus):
+    started = time.monotonic()
+    cfg, stub = app
+    # a bounded load: 24 requests, 4 at a time, and one refused as bad input (a refusal series)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: generate(stub, i), range(24)))
+    with pytest.raises(grpc.RpcError):
+        list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingParams(
+            max_tokens=5000)), timeout=60))
+
+    queries = dashboard_queries() + [(name, name) for name in recording_rules()]
+    empty: list[str] = []
+
+    def all_have_series() -> bool:
+        empty[:] = [f"{title}: {expr}" for title, expr in queries if not prometheus.series(expr)]
+        return not empty
+
+    try:
+        wait_for(all_have_series, "every dashboard query and recording rule to return a series", timeout=45)
+    except AssertionError:
+        assert empty == []
+
+    # the faults, under 16 streams: every decode step 0.15 s (ITL objective: 99% of intervals <= 0.1 s),
+    # every prefill step 1.2 s (TTFT objective: 99% of first tokens <= 1 s; these prompts prefill remotely)
+    from ray import serve
+
+    faults = {"decode": 0.15, "prefill": 1.2}
+    for pool, delay in faults.items():
+        serve.get_deployment_handle(pool, "pdserve").inject_fault.remote(step_delay_s=delay).result(timeout_s=30)
+    stop = threading.Event()
+
+    def load(k: int) -> None:
+        i = 1000 + k
+        while not stop.is_set():
+            generate(stub, i)
+            i += 16
+
+    alerts = [slo.ALERT_NAMES["itl"] + "BudgetBurn", slo.ALERT_NAMES["ttft"] + "BudgetBurn"]
+    seen: dict[str, list[tuple[float, frozenset]]] = {name: [] for name in alerts}
+    workers = ThreadPoolExecutor(16)
+    try:
+        futures = [workers.submit(load, k) for k in range(16)]
+
+        def firing() -> bool:
+            for name in alerts:
+                states = frozenset(prometheus.alert_states(name))
+                if not seen[name] or seen[name][-1][1] != states:
+                    seen[name].append((round(time.monotonic() - started, 1), states))
+            return all(seen[name][-1][1] == {"firing"} for name in alerts)
+
+        wait_for(firing, f"{alerts} to fire (states seen: {seen})", timeout=60)
+    finally:
+        stop.set()
+        workers.shutdown(wait=True)
+        for pool in faults:
+            serve.get_deployment_handle(pool, "pdserve").inject_fault.remote(step_delay_s=0.0).result(timeout_s=30)
+    for f in futures:
+        f.result()
+    print(f"alert states (s since the load began): {seen}")
+    for name in alerts:
+        states = [s for _, s in seen[name]]
+        pending, firing = frozenset({"pending"}), frozenset({"firing"})
+        assert pending in states and states.index(pending) < states.index(firing), (name, seen[name])
+    assert prometheus.alert_states(slo.ALERT_NAMES["availability"] + "BudgetBurn") == set()  # slow, not failing
