@@ -15,7 +15,8 @@ class PrefillServer(EngineReplica):
     idle_poll_s = 0.05  # idle wake-ups serve lease expiry and completion notifications
 
     def make_role(self, engine, transport, config) -> PrefillEngine:
-        return PrefillEngine(engine, transport, lease_s=config.kv_transfer.lease_s)
+        kv = config.kv_transfer
+        return PrefillEngine(engine, transport, lease_s=kv.lease_s, release_grace_s=kv.release_grace_s)
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                       ctx: RequestContext = DEFAULT_CONTEXT, target_replica: str | None = None) -> PrefillResult:
