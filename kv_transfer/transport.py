@@ -254,6 +254,12 @@ class NixlTransport:
     def poll_abandoned(self) -> list[int]:
         """Tokens of abandoned READs that settled since the last call (their quarantine may end):
         NIXL reported them done or failed, or their deadline passed and NIXL cancelled them."""
+        # Also progress UCX: a notification sent with nothing else to progress it (a release
+        # after a fallback) would otherwise sit in the worker until the next transfer.
+        try:
+            self.agent.get_new_notifs()  # decode receives none; this only makes progress
+        except Exception as e:  # noqa: BLE001
+            log.debug("UCX progress: %s", e)
         settled = []
         now = time.monotonic()
         for token, pull in list(self._abandoned.items()):
