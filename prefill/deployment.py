@@ -31,6 +31,8 @@ class PrefillServer(EngineReplica):
             await stream.aclose()
         raise RuntimeError(f"prefill stream for {request_id} ended without a result")
 
-    async def release(self, request_id: str) -> None:
-        """End a lease early (the request was cancelled before decode pulled it)."""
+    async def release(self, request_id: str, target_replica: str | None = None) -> None:
+        """End a lease early (the request was cancelled before decode pulled it); its blocks
+        wait out kv_transfer.release_grace_s. The ingress sends it to the replica holding the
+        lease (`target_replica`, read by the request router)."""
         await self.loop.call(lambda: self.role.abort(request_id))
