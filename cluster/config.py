@@ -77,6 +77,12 @@ class PoolOptions(_Strict):
 class KVTransferOptions(_Strict):
     lease_s: float = Field(30.0, gt=0, description="How long prefill holds a request's blocks for decode")
     timeout_s: float = Field(10.0, gt=0, description="Decode gives up on a pull after this long")
+    min_lease_left_s: float | None = Field(
+        None, ge=0, description="Decode pulls only while the handle's lease has this long left, else it "
+        "recomputes the prompt (prefill's wall clock: nodes need NTP); None = timeout_s")
+    release_grace_s: float = Field(
+        2.0, ge=0, description="Prefill keeps the blocks of a lease that expired or was released without a "
+        "completed READ this much longer before reusing them (a decode may still be reading)")
     failure_policy: Literal["recompute", "fail"] = "recompute"
     required_transports: list[str] = Field(default_factory=list, description='e.g. ["cuda_ipc", "rc"]')
     nixl_threads: int = Field(0, ge=0)
@@ -85,6 +91,14 @@ class KVTransferOptions(_Strict):
     registry_timeout_s: float = Field(
         2.0, gt=0, description="Longest the engine loop waits for the registry actor (a handshake's peer "
         "lookup); no answer = a failed pull, which the failure policy handles")
+
+    @model_validator(mode="after")
+    def _lease_outlasts_margin(self) -> "KVTransferOptions":
+        margin = self.timeout_s if self.min_lease_left_s is None else self.min_lease_left_s
+        if margin >= self.lease_s:
+            raise ValueError(f"min_lease_left_s ({margin:g}; default timeout_s) must be below lease_s "
+                             f"({self.lease_s:g}), or every pull is refused")
+        return self
 
 
 class RoutingOptions(_Strict):

@@ -18,7 +18,8 @@ class DecodeServer(EngineReplica):
 
     def make_role(self, engine, transport, config) -> DecodeEngine:
         kv = config.kv_transfer
-        return DecodeEngine(engine, transport, policy=kv.failure_policy, transfer_timeout_s=kv.timeout_s)
+        return DecodeEngine(engine, transport, policy=kv.failure_policy, transfer_timeout_s=kv.timeout_s,
+                            min_lease_left_s=kv.min_lease_left_s)
 
     async def generate(
         self,

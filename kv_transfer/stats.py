@@ -20,7 +20,11 @@ class TransferStats:
     pull_seconds_max: float = 0.0
     last_pull_s: float = 0.0
     peer_refreshes: int = 0  # cached remote agent replaced (peer restarted)
+    pulls_refused_lease: int = 0  # handle's lease too close to expiry to pull: recomputed instead
+    pulls_abandoned: int = 0  # READs left in flight by an abort or failure: their blocks quarantined
+    abandoned_settled: int = 0  # of those, settled since (quarantine released)
     # prefill side
     leases_granted: int = 0
     leases_released: int = 0
     leases_expired: int = 0
+    grace_blocks_released: int = 0  # blocks returned to the pool after a release/expiry grace period

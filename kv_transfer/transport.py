@@ -6,6 +6,13 @@ every block is one descriptor (a block of all layers is one contiguous region). 
 release the lease. Remote agents are cached per engine id and replaced when the peer comes back
 as a new incarnation.
 
+A READ that its request no longer waits for (aborted, failed, timed out) may still be writing
+the local blocks, on RDMA long after the request is gone. Such a pull is *abandoned*: the caller
+quarantines its local blocks (engine.quarantine) and hands the pull here with the quarantine's
+token; `poll_abandoned` keeps polling it and returns the token once NIXL says the transfer is
+done or failed, or once its deadline passed and NIXL agreed to cancel it (release_xfer_handle
+succeeds only when the transfer is over or cancelled). Only then may the blocks be reused.
+
 Not thread-safe (NIXL agents are not): one engine loop thread owns it.
 """
 
@@ -35,6 +42,16 @@ class _Remote:
     dlist: object  # prepared descriptor list over all of the peer's blocks
 
 
+@dataclass(frozen=True)
+class LeaseNotices:
+    """Prefill side: request ids whose READ completed (`done`: the blocks may be reused now), and
+    ids a decode engine let go of while a READ of its may still be reading (`released`: reuse
+    only after the grace period)."""
+
+    done: list[str]
+    released: list[str]
+
+
 @dataclass
 class PendingPull:
     request_id: str
@@ -44,6 +61,7 @@ class PendingPull:
     num_bytes: int
     started: float
     deadline: float
+    settled: bool = False  # NIXL is done with it (done, failed, or cancelled and released)
 
 
 class NixlTransport:
@@ -91,6 +109,7 @@ class NixlTransport:
         self.base_addr = kv_cache.data_ptr()
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._block_descs(self.base_addr, self.num_blocks), self.mem_type)
         self._remotes: dict[str, _Remote] = {}
+        self._abandoned: dict[int, PendingPull] = {}  # quarantine token -> unsettled READ
         store.publish(self.info())
         log.info(
             "NIXL agent %s: %s pool of %d blocks x %d bytes registered; UCX transports available: %s",
@@ -178,7 +197,9 @@ class NixlTransport:
                            len(local_blocks) * self.block_bytes, started, started + timeout_s)
 
     def poll(self, pull: PendingPull) -> bool:
-        """True when done; raises KVTransferError on failure or past the deadline."""
+        """True when done; raises KVTransferError on failure or past the deadline. After a raise,
+        `pull.settled` says whether NIXL let go of the transfer; if not, the caller must
+        quarantine its blocks and `abandon` it."""
         try:
             state = self.agent.check_xfer_state(pull.handle)
         except Exception as e:
@@ -207,35 +228,81 @@ class NixlTransport:
             raise KVTransferError(f"READ from {pull.peer} timed out")
         return False
 
-    def _release(self, pull: PendingPull) -> None:
+    def _release(self, pull: PendingPull) -> bool:
+        """Free the NIXL handle (cancelling the transfer if it is still active). False when NIXL
+        refuses: the transfer may still be running."""
         try:
             self.agent.release_xfer_handle(pull.handle)
         except Exception as e:
-            log.debug("release of transfer for %s: %s", pull.request_id, e)
+            log.warning("transfer for %s could not be released (still active?): %s", pull.request_id, e)
+            return False
+        pull.settled = True
+        return True
 
     def _abandon(self, pull: PendingPull) -> None:
-        self._release(pull)
-        self._forget(pull.peer)  # a failed peer is re-validated from the store next time
+        if self._release(pull):
+            self._forget(pull.peer)  # a failed peer is re-validated from the store next time
 
-    def notify_release(self, handle: KVHandle) -> None:
-        """Best effort: tell prefill we will not pull (fallback), so it frees the lease early."""
+    def abandon(self, pull: PendingPull, token: int) -> None:
+        """The request no longer waits for this READ, whose local blocks are quarantined under
+        `token`: keep polling it until it settles (see poll_abandoned)."""
+        if pull.settled:
+            raise ValueError(f"pull of {pull.request_id} already settled")
+        self._abandoned[token] = pull
+        self.stats.pulls_abandoned += 1
+
+    def poll_abandoned(self) -> list[int]:
+        """Tokens of abandoned READs that settled since the last call (their quarantine may end):
+        NIXL reported them done or failed, or their deadline passed and NIXL cancelled them."""
+        # Also progress UCX: a notification sent with nothing else to progress it (a release
+        # after a fallback) would otherwise sit in the worker until the next transfer.
+        try:
+            self.agent.get_new_notifs()  # decode receives none; this only makes progress
+        except Exception as e:  # noqa: BLE001
+            log.debug("UCX progress: %s", e)
+        settled = []
+        now = time.monotonic()
+        for token, pull in list(self._abandoned.items()):
+            try:
+                state = self.agent.check_xfer_state(pull.handle)
+            except Exception as e:  # noqa: BLE001 — unknown: only a successful release settles it
+                log.debug("state of abandoned READ for %s: %s", pull.request_id, e)
+                state = "ERR"
+            if state in ("DONE", "ERR") or now > pull.deadline:
+                if self._release(pull):
+                    del self._abandoned[token]
+                    settled.append(token)
+        self.stats.abandoned_settled += len(settled)
+        return settled
+
+    @property
+    def num_abandoned(self) -> int:
+        return len(self._abandoned)
+
+    def notify_release(self, handle: KVHandle, read_settled: bool = True) -> None:
+        """Best effort: tell prefill we will not pull (fallback, abort), so it ends the lease
+        early. `read_settled` False: a READ of ours may still be reading those blocks (abandoned),
+        so prefill keeps them for its grace period before reuse."""
+        kind = "done" if read_settled else "release"
         try:
             remote = self._remote(handle)
-            self.agent.send_notif(remote.agent_name, f"done:{handle.request_id}".encode())
+            self.agent.send_notif(remote.agent_name, f"{kind}:{handle.request_id}".encode())
         except Exception as e:
             log.debug("release notification to %s not sent: %s", handle.engine_id, e)
 
     # ---- prefill side ------------------------------------------------------------------------
 
-    def completed_requests(self) -> list[str]:
-        """Request ids whose KV the decode side has finished with (from notifications)."""
-        done = []
+    def lease_notices(self) -> LeaseNotices:
+        """What decode engines said about leases since the last call (from notifications)."""
+        done, released = [], []
         for msgs in self.agent.get_new_notifs().values():
             for m in msgs:
-                text = m.decode(errors="replace")
-                if text.startswith("done:"):
-                    done.append(text[5:])
-        return done
+                kind, _, rid = m.decode(errors="replace").partition(":")
+                if kind == "done":
+                    done.append(rid)
+                elif kind == "release":
+                    released.append(rid)
+        return LeaseNotices(done, released)
 
     def close(self) -> None:
         for engine_id in list(self._remotes):

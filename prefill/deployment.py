@@ -15,7 +15,8 @@ class PrefillServer(EngineReplica):
     idle_poll_s = 0.05  # idle wake-ups serve lease expiry and completion notifications
 
     def make_role(self, engine, transport, config) -> PrefillEngine:
-        return PrefillEngine(engine, transport, lease_s=config.kv_transfer.lease_s)
+        kv = config.kv_transfer
+        return PrefillEngine(engine, transport, lease_s=kv.lease_s, release_grace_s=kv.release_grace_s)
 
     async def prefill(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                       ctx: RequestContext = DEFAULT_CONTEXT, target_replica: str | None = None) -> PrefillResult:
@@ -30,6 +31,8 @@ class PrefillServer(EngineReplica):
             await stream.aclose()
         raise RuntimeError(f"prefill stream for {request_id} ended without a result")
 
-    async def release(self, request_id: str) -> None:
-        """End a lease early (the request was cancelled before decode pulled it)."""
+    async def release(self, request_id: str, target_replica: str | None = None) -> None:
+        """End a lease early (the request was cancelled before decode pulled it); its blocks
+        wait out kv_transfer.release_grace_s. The ingress sends it to the replica holding the
+        lease (`target_replica`, read by the request router)."""
         await self.loop.call(lambda: self.role.abort(request_id))

@@ -1,7 +1,11 @@
 """The prefill role: compute a prompt, sample its first token, hold its blocks under a lease.
 
-The lease ends when the decode side's READ completes (its notification arrives), or when it
-expires; either way the blocks go back to the pool (and stay in the prefix cache until reused).
+The lease ends when the decode side's READ completes (its "done" notification arrives): the
+blocks go back to the pool at once (and stay in the prefix cache until reused). A lease that ends
+any other way (it expired, the ingress released it, a decode engine gave up on a READ that may
+still be running) keeps its blocks quarantined for `release_grace_s` more: a decode may still be
+reading them, and must never read blocks already given to another request. Quarantined blocks
+stay in the prefix cache (a hit only reads them); they are just not allocated.
 """
 
 from __future__ import annotations
@@ -37,13 +41,16 @@ class PrefillEngine:
         transport: NixlTransport,
         lease_s: float = 30.0,
         clock: Callable[[], float] = time.time,
+        release_grace_s: float = 2.0,
     ):
         self.engine = engine
         self.transport = transport
         self.lease_s = lease_s
+        self.release_grace_s = release_grace_s
         self.clock = clock
         self.layout = engine_layout(engine)
         self._leases: dict[str, float] = {}  # request id -> expiry (clock time)
+        self._grace: dict[int, float] = {}  # quarantine token -> when its blocks may be reused (clock time)
         self._max_tokens: dict[str, int] = {}  # the whole request's, while its prefill runs
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
@@ -77,6 +84,9 @@ class PrefillEngine:
         return results
 
     def _lease(self, req: Request) -> KVHandle:
+        # Wall-clock time, read by decode on another node: clocks must be synchronised (NTP), and
+        # decode keeps a margin (kv_transfer.min_lease_left_s) on top; the grace after expiry
+        # covers what skew is left.
         expiry = self.clock() + self.lease_s
         self._leases[req.request_id] = expiry
         self.transport.stats.leases_granted += 1
@@ -108,30 +118,56 @@ class PrefillEngine:
         self.service_leases()
 
     def service_leases(self) -> None:
-        """Release leases whose transfer completed, and expire overdue ones."""
-        for rid in self.transport.completed_requests():
+        """Release leases whose transfer completed, expire overdue ones, end finished graces."""
+        notices = self.transport.lease_notices()
+        for rid in notices.done:
             if self._leases.pop(rid, None) is not None and self.engine.release(rid):
+                self.transport.stats.leases_released += 1
+        for rid in notices.released:
+            if self._leases.pop(rid, None) is not None:
+                self._end_lease(rid)
                 self.transport.stats.leases_released += 1
         now = self.clock()
         for rid, expiry in list(self._leases.items()):
             if now >= expiry:
                 del self._leases[rid]
-                self.engine.release(rid)
+                self._end_lease(rid)
                 self.transport.stats.leases_expired += 1
+        for token, until in list(self._grace.items()):
+            if now >= until:
+                del self._grace[token]
+                self.transport.stats.grace_blocks_released += self.engine.release_quarantine(token)
+
+    def _end_lease(self, rid: str) -> None:
+        """A lease ended without a completed READ: its blocks wait out the grace period."""
+        token = self.engine.quarantine(rid)
+        self.engine.release(rid)
+        if token:
+            self._grace[token] = self.clock() + self.release_grace_s
 
     def abort(self, request_id: str) -> PrefillResult | None:
-        """Stop a prefill, or end its lease early. Returns the terminal result if it was running."""
+        """Stop a prefill, or end its lease early (with the grace period: a decode may already be
+        reading). Returns the terminal result if it was running."""
         out = self.engine.abort(request_id)
         self._max_tokens.pop(request_id, None)
         if self._leases.pop(request_id, None) is not None:
-            self.engine.release(request_id)
+            self._end_lease(request_id)
         return None if out is None else PrefillResult(request_id, None, out.finish_reason)
 
     def release_all(self) -> None:
-        """End every lease now (benchmarks between rounds)."""
+        """End every lease and grace now (benchmarks between rounds, with no transfer in flight)."""
         for rid in list(self._leases):
-            self.abort(rid)
+            del self._leases[rid]
+            self.engine.release(rid)
+        for token in list(self._grace):
+            del self._grace[token]
+            self.engine.release_quarantine(token)
 
     @property
     def num_leases(self) -> int:
         return len(self._leases)
+
+    @property
+    def num_in_grace(self) -> int:
+        """Ended leases whose blocks are still quarantined."""
+        return len(self._grace)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -137,6 +137,18 @@ class LLMEngine:
     def block_ids(self, request_id: str) -> list[int]:
         return self.kv.block_ids(request_id)
 
+    # ---- quarantine: blocks an unsettled transfer may still write or read ----------------------
+
+    def quarantine(self, request_id: str, block_ids: Collection[int] | None = None) -> int:
+        """Keep the request's blocks in `block_ids` (all when None) out of the pool until
+        `release_quarantine(token)`, whatever happens to the request. Call it just before ending
+        the request (abort, requeue, release), which frees its other blocks. Token 0: none moved."""
+        return self.kv.quarantine(request_id, block_ids)
+
+    def release_quarantine(self, token: int) -> int:
+        """The transfer settled (done, failed, cancelled or past its grace): the blocks go back."""
+        return self.kv.release_quarantine(token)
+
     def full_block_hashes(self, req: Request) -> list[BlockHash]:
         """The chained hashes of a request's full prompt blocks (what a peer may already cache)."""
         return self.kv.update_hashes(req)[: req.num_prompt_tokens // self.block_size]
@@ -181,6 +193,7 @@ class LLMEngine:
             free_blocks=self.kv.num_free_blocks, total_blocks=self.kv.num_blocks,
             running=len(s.running), waiting=len(s.waiting), importing=len(s.importing), held=len(s.leased),
             queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+            quarantined_blocks=self.kv.num_quarantined_blocks,
         )
 
     def queue_shape(self) -> tuple[int, int, int]:

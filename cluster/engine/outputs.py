@@ -76,6 +76,7 @@ class EngineLoad:
     importing: int  # decode: KV being pulled
     held: int  # prefill: finished prompts whose blocks are held under a lease
     queued_prefill_tokens: int  # prompt tokens of waiting requests not yet computed
+    quarantined_blocks: int = 0  # held by unsettled transfers: neither free nor used by a request
 
     @property
     def kv_usage(self) -> float:

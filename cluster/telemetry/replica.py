@@ -130,7 +130,8 @@ class ReplicaTelemetry:
         sync(m.transfer_bytes, tags, t["bytes_pulled"])
         sync(m.transfer_blocks, {**tags, "kind": "pulled"}, t["blocks_pulled"])
         sync(m.transfer_blocks, {**tags, "kind": "reused"}, t["blocks_reused"])
-        for result, field in (("ok", "pulls_ok"), ("failed", "pulls_failed"), ("timed_out", "pulls_timed_out")):
+        for result, field in (("ok", "pulls_ok"), ("failed", "pulls_failed"), ("timed_out", "pulls_timed_out"),
+                              ("refused_lease", "pulls_refused_lease")):
             sync(m.transfer_pulls, {**tags, "result": result}, t[field])
         sync(m.transfer_pull_seconds, tags, t["pull_seconds_sum"])
         sync(m.transfer_fallbacks, tags, t["fallbacks_recompute"])

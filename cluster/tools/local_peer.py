@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 
 def prefill_worker(conn, model_dir: str, store_dir: str, engine_id: str, lease_s: float, engine_kwargs: dict,
-                   nixl_threads: int = 0):
+                   nixl_threads: int = 0, release_grace_s: float = 2.0):
     from cluster.engine.llm_engine import LLMEngine
     from kv_transfer.layout import engine_layout
     from kv_transfer.metadata_store import FileMetadataStore
@@ -18,7 +18,7 @@ def prefill_worker(conn, model_dir: str, store_dir: str, engine_id: str, lease_s
     engine = LLMEngine.from_model(model_dir, **engine_kwargs)
     transport = NixlTransport(engine_id, engine.kv_cache, engine_layout(engine), FileMetadataStore(store_dir),
                               num_threads=nixl_threads)
-    pe = PrefillEngine(engine, transport, lease_s=lease_s)
+    pe = PrefillEngine(engine, transport, lease_s=lease_s, release_grace_s=release_grace_s)
     conn.send(("ready", transport.incarnation))
     while True:
         if conn.poll(0.002):
@@ -28,8 +28,11 @@ def prefill_worker(conn, model_dir: str, store_dir: str, engine_id: str, lease_s
             elif cmd == "stats":
                 engine.check_invariants()
                 load = engine.load()
-                conn.send({"free": load.free_blocks, "total": load.total_blocks,
-                           "leases": pe.num_leases, **asdict(transport.stats)})
+                conn.send({"free": load.free_blocks, "total": load.total_blocks, "leases": pe.num_leases,
+                           "quarantined": load.quarantined_blocks, "in_grace": pe.num_in_grace,
+                           **asdict(transport.stats)})
+            elif cmd == "abort":  # the ingress's early release of one lease
+                conn.send(pe.abort(*args))
             elif cmd == "release":  # stop holding everything (benchmarks between rounds)
                 pe.release_all()
                 conn.send(engine.load().free_blocks)
@@ -41,11 +44,13 @@ def prefill_worker(conn, model_dir: str, store_dir: str, engine_id: str, lease_s
 
 
 class PrefillProcess:
-    def __init__(self, model_dir, store_dir, engine_id="prefill-0", lease_s=30.0, nixl_threads=0, **engine_kwargs):
+    def __init__(self, model_dir, store_dir, engine_id="prefill-0", lease_s=30.0, nixl_threads=0,
+                 release_grace_s=2.0, **engine_kwargs):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=prefill_worker, daemon=True,
-                                args=(child, model_dir, str(store_dir), engine_id, lease_s, engine_kwargs, nixl_threads))
+                                args=(child, model_dir, str(store_dir), engine_id, lease_s, engine_kwargs, nixl_threads,
+                                      release_grace_s))
         self.proc.start()
         msg = self._recv(120)
         assert msg[0] == "ready", msg
@@ -66,6 +71,9 @@ class PrefillProcess:
 
     def prefill(self, request_id, prompt, sampling):
         return self.call("prefill", request_id, prompt, sampling)
+
+    def abort(self, request_id):
+        return self.call("abort", request_id)
 
     def stats(self):
         return self.call("stats")

@@ -6,6 +6,10 @@
 With no prefill replica (or a failed prefill) the decode replica prefills locally. Text is
 detokenized here, over the whole stream, so the first token's text and the rest join up.
 
+Request identity: every request gets its own id here (a uuid), which engines, leases, KV
+notifications, migrations and releases use; the client's `request_id` is only a label, echoed
+in the responses. Two clients with the same request_id never meet inside a replica.
+
 Before any of it, admission (router/ingress/admission.py) decides whether the tenant's request runs,
 and gives it the RequestContext both engines schedule it by (priority, fair share, KV budget,
 cache salt, deadline). Engines end a request at its deadline themselves ("deadline"), and
@@ -139,7 +143,8 @@ class RequestFlow:
         observed = self.telemetry.start(tenant, request_id) if self.telemetry is not None else None
         error: BaseException | None = None
         try:
-            rid = request_id or uuid.uuid4().hex
+            rid = uuid.uuid4().hex  # ours: the engines' id; the client's request_id only labels replies
+            label = request_id or rid
             req = self.validator.make_request(rid, prompt, prompt_token_ids, sampling)
             ticket = await self.admission.admit(tenant, req.num_prompt_tokens, sampling.max_tokens, deadline)
             ctx = ticket.ctx
@@ -147,7 +152,7 @@ class RequestFlow:
                 ctx = replace(ctx, trace_context=observed.trace_context)
             completion = 0
             try:
-                async for d in self._run(rid, req.prompt_token_ids, sampling, ctx):
+                async for d in self._run(rid, label, req.prompt_token_ids, sampling, ctx):
                     completion = d.completion_tokens
                     if observed is not None:
                         observed.delta(d)
@@ -176,10 +181,11 @@ class RequestFlow:
             raise
         return tenant
 
-    async def _run(self, rid: str, ids: list[int], sampling: SamplingParams,
+    async def _run(self, rid: str, label: str, ids: list[int], sampling: SamplingParams,
                    ctx: RequestContext) -> AsyncIterator[Delta]:
-        """The first-token leg (none, local or remote prefill), then the decode legs."""
-        stream = _Stream(rid, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop), len(ids))
+        """The first-token leg (none, local or remote prefill), then the decode legs. `rid` is
+        the internal id, `label` what the client's deltas carry."""
+        stream = _Stream(label, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop), len(ids))
         decision = await self._route(ids, ctx)
         if decision is not None:
             self._check_queue_wait(rid, decision.queue_wait_s, ctx)
@@ -188,7 +194,12 @@ class RequestFlow:
             first = await self._first_token(rid, ids, sampling, ctx, decision.prefill if decision else None, stream)
             if first is not None:
                 d, kv_handle = first
-                yield d
+                try:
+                    yield d
+                except BaseException:  # the client left before decode took the handle
+                    if kv_handle is not None and d.finish_reason is None:
+                        await self._release(rid, kv_handle.engine_id)
+                    raise
                 if d.finish_reason is not None or kv_handle is None:
                     return
         async for d in self._decode_legs(rid, ids, sampling, ctx, kv_handle,
@@ -208,7 +219,7 @@ class RequestFlow:
             return stream.delta([result.first_token], result.finish_reason), None
         d = stream.delta([result.handle.first_token], None)
         if d.finish_reason is not None:  # a stop string in the first token's text
-            await self._release(rid)
+            await self._release(rid, result.handle.engine_id)
         return d, result.handle
 
     async def _decode_legs(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
@@ -286,7 +297,7 @@ class RequestFlow:
             if not finished:
                 replies.cancel()
             if kv_handle is not None and not pulled:
-                await self._release(rid)  # only the first leg has a handle: its id is the request's
+                await self._release(rid, kv_handle.engine_id)  # only the first leg has a handle
 
     async def _route(self, ids: list[int], ctx: RequestContext):
         """One router call per request; any failure (router down, slow, no replicas known yet)
@@ -335,11 +346,14 @@ class RequestFlow:
             return None
         return result
 
-    async def _release(self, rid: str) -> None:
+    async def _release(self, rid: str, holder: str) -> None:
+        """End a lease early, on the prefill replica that holds it (the handle's engine id is its
+        Serve replica id; the request router honours target_replica). If that replica is gone
+        the router picks another, which holds nothing of `rid` (ids are ours and unique): a no-op."""
         try:
-            await self.prefill.release.remote(rid)
+            await self.prefill.release.remote(rid, target_replica=holder)
         except Exception as e:  # noqa: BLE001 — the lease expires anyway
-            log.debug("release of %s: %s", rid, e)
+            log.warning("release of %s on %s failed (its lease will expire): %s", rid, holder, e)
 
     def model_info(self) -> dict:
         return {"id": self.config.model_name, "max_model_len": self.validator.max_model_len,

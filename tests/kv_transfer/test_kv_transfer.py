@@ -109,15 +109,19 @@ def test_only_missing_blocks_are_pulled(prefill, decode, tiny_model, reference):
 
 
 def test_lease_expiry_frees_prefill_blocks(tiny_model, store):
-    proc = PrefillProcess(tiny_model, store, engine_id="prefill-lease", lease_s=0.3, num_blocks=16)
+    proc = PrefillProcess(tiny_model, store, engine_id="prefill-lease", lease_s=0.3, num_blocks=16,
+                          release_grace_s=0.3)
     try:
         res = proc.prefill("orphan", PROMPTS[4], SP)  # nobody pulls it
         assert len(res.handle.block_ids) == 3
         s = proc.stats()
         assert s["free"] == 13 and s["leases"] == 1
         wait_for(lambda: proc.stats()["leases"] == 0, what="lease expiry")
+        # expired, but a decode may still be reading: the blocks wait out the grace period
+        wait_for(lambda: proc.stats()["in_grace"] == 0, what="grace period")
         s = proc.stats()
-        assert (s["free"], s["leases_expired"], s["leases_released"]) == (16, 1, 0)
+        assert (s["free"], s["quarantined"], s["leases_expired"], s["leases_released"]) == (16, 0, 1, 0)
+        assert s["grace_blocks_released"] == 3
     finally:
         proc.close()
 

@@ -6,6 +6,10 @@ Rules:
   LRU of evictable cached blocks. Allocation takes from the head and evicts that block's hash.
 - Freed blocks go to the tail, in the order the caller gives (callers free a request's blocks
   tail-first, so the end of a prompt is evicted before its shared prefix).
+- A quarantined block is held by an unsettled transfer (a NIXL READ that may still write it, or a
+  peer that may still read it): the quarantine keeps the reference its request had, so the block
+  cannot be allocated until `unquarantine`. A block is free, used (referenced by a request) or
+  quarantined (referenced only by quarantines): free + used + quarantined == total.
 """
 
 from __future__ import annotations
@@ -45,12 +49,21 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        self._quarantine: dict[int, int] = {}  # block id -> references held by unsettled transfers
         self.stats = PoolStats()
 
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated now (free, whether or not still cached)."""
         return len(self._free)
+
+    @property
+    def num_quarantined(self) -> int:
+        """Blocks referenced only by quarantines: neither free nor used by a request."""
+        return sum(1 for b, n in self._quarantine.items() if self.blocks[b].ref_cnt == n)
+
+    def quarantined_block_ids(self) -> list[int]:
+        return sorted(self._quarantine)
 
     def free_block_ids(self) -> list[int]:
         """The free queue, head (next evicted) first."""
@@ -99,6 +112,27 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 
+    def quarantine(self, blocks: Iterable[Block]) -> None:
+        """Hand one reference of each block (its caller's) to a quarantine: the block stays out of
+        the free queue until `unquarantine` drops that reference."""
+        for block in blocks:
+            if block.ref_cnt <= self._quarantine.get(block.block_id, 0):
+                raise RuntimeError(f"block {block.block_id} has no reference to quarantine")
+            self._quarantine[block.block_id] = self._quarantine.get(block.block_id, 0) + 1
+
+    def unquarantine(self, blocks: Iterable[Block]) -> None:
+        """The transfer settled: drop the quarantine's reference (the block may become free)."""
+        blocks = list(blocks)
+        for block in blocks:
+            n = self._quarantine.get(block.block_id, 0)
+            if n <= 0:
+                raise RuntimeError(f"block {block.block_id} is not quarantined")
+            if n == 1:
+                del self._quarantine[block.block_id]
+            else:
+                self._quarantine[block.block_id] = n - 1
+        self.free(blocks)
+
     def cache(self, block: Block, block_hash: BlockHash) -> bool:
         """Register a full block under its hash. False if another block already holds it."""
         if not self.enable_caching or block.block_hash is not None:
@@ -139,6 +173,9 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         referenced = 0
+        for block_id, n in self._quarantine.items():
+            if not 0 < n <= self.blocks[block_id].ref_cnt:
+                raise AssertionError(f"block {block_id}: {n} quarantine refs, ref_cnt {self.blocks[block_id].ref_cnt}")
         for block in self.blocks:
             if block.ref_cnt < 0:
                 raise AssertionError(f"block {block.block_id} has ref_cnt {block.ref_cnt}")
@@ -150,9 +187,11 @@ class BlockPool:
             referenced += block.ref_cnt > 0
             if block.block_hash is not None and self._cached.get(block.block_hash) != block.block_id:
                 raise AssertionError(f"block {block.block_id} hash not indexed")
-        if referenced + len(self._free) != self.num_blocks:
+        quarantined = self.num_quarantined
+        used = referenced - quarantined
+        if used + quarantined + len(self._free) != self.num_blocks:
             raise AssertionError(
-                f"referenced {referenced} + free {len(self._free)} != total {self.num_blocks}"
+                f"used {used} + quarantined {quarantined} + free {len(self._free)} != total {self.num_blocks}"
             )
         for h, block_id in self._cached.items():
             if self.blocks[block_id].block_hash != h:

@@ -6,7 +6,8 @@ The scheduler talks to this class only; it never sees blocks' internals. Two-pha
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+import itertools
+from typing import Collection, Protocol, Sequence
 
 from cluster.engine.kv_cache.block_pool import Block, BlockPool
 from cluster.engine.kv_cache.hashing import BlockHash, extend_salt, hash_request_blocks
@@ -40,6 +41,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self._blocks: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of the request already in the index
+        self._quarantines: dict[int, list[Block]] = {}  # token -> blocks an unsettled transfer holds
+        self._tokens = itertools.count(1)
 
     @property
     def num_blocks(self) -> int:
@@ -125,6 +128,35 @@ class KVCacheManager:
         if blocks:
             self.pool.free(reversed(blocks))
 
+    def quarantine(self, request_id: str, block_ids: Collection[int] | None = None) -> int:
+        """Move the request's blocks in `block_ids` (all of them when None) out of its table into a
+        quarantine, with the reference the request had: no allocation can take them until
+        `release_quarantine(token)`. Call it just before the request ends (abort, requeue,
+        release), which frees its other blocks. Returns the token (0: nothing was moved)."""
+        blocks = self._blocks.get(request_id, [])
+        moved = [b for b in blocks if block_ids is None or b.block_id in block_ids]
+        if not moved:
+            return 0
+        moved_ids = {b.block_id for b in moved}
+        self._blocks[request_id] = [b for b in blocks if b.block_id not in moved_ids]
+        self._num_cached.pop(request_id, None)  # the table no longer starts with its cached run
+        self.pool.quarantine(moved)
+        token = next(self._tokens)
+        self._quarantines[token] = moved
+        return token
+
+    def release_quarantine(self, token: int) -> int:
+        """The transfer settled: the quarantined blocks drop their reference. Returns how many."""
+        blocks = self._quarantines.pop(token, None)
+        if not blocks:
+            return 0
+        self.pool.unquarantine(reversed(blocks))
+        return len(blocks)
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return self.pool.num_quarantined
+
     def num_requests(self) -> int:
         return len(self._blocks)
 
@@ -138,7 +170,7 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         self.pool.check_invariants()
         refs: dict[int, int] = {}
-        for blocks in self._blocks.values():
+        for blocks in [*self._blocks.values(), *self._quarantines.values()]:
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
