@@ -111,10 +111,30 @@ class RoutingOptions(_Strict):
     slow_factor: float = Field(2.0, gt=1, description="Step time this many times the pool median: deprioritised")
 
 
-class TenantOptions(_Strict):
-    """One tenant: its API keys, scheduling class and quotas (None = unlimited)."""
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
-    api_keys: list[str] = Field(min_length=1)
+
+class KeySources(_Strict):
+    """Where a tenant's API keys come from: inline, an environment variable or a secret file (one
+    key a line, `#` comments; several keys in the variable are separated by commas or newlines).
+    Only the ingress reads them, and keeps only their SHA-256; the engine replicas' config carries
+    none of them (cluster/app/builder.py strips them)."""
+
+    api_keys: list[str] = Field(default_factory=list, description="Keys in clear (prefer the env or file)")
+    api_keys_env: str | None = Field(None, description="Environment variable holding the keys (read by the ingress)")
+    api_keys_file: str | None = Field(None, description="Secret file holding the keys, one a line (read by the ingress)")
+
+    @property
+    def has_keys(self) -> bool:
+        return bool(self.api_keys) or self.api_keys_env is not None or self.api_keys_file is not None
+
+    def without_keys(self):
+        return self.model_copy(update={"api_keys": [], "api_keys_env": None, "api_keys_file": None})
+
+
+class TenantOptions(KeySources):
+    """One tenant: its API keys (at least one source), scheduling class and quotas (None = unlimited)."""
+
     priority: Literal["interactive", "batch"] = "interactive"
     weight: float = Field(1.0, gt=0, description="Share of compute against tenants of the same priority")
     requests_per_min: float | None = Field(None, gt=0)
@@ -136,6 +156,30 @@ class AdmissionOptions(_Strict):
     rate_limit_lease: float = Field(
         0.05, gt=0, le=1, description="Share of a tenant's per-minute budget an ingress takes per actor call")
     idempotency_ttl_s: float = Field(600.0, gt=0, description="How long a non-streaming result is kept by key")
+    idempotency_max_keys: int = Field(
+        1024, ge=1, description="Idempotency records kept per tenant (least recently used finished ones go first; "
+        "a tenant with this many still running gets 429 for a new key)")
+    idempotency_max_waiters: int = Field(
+        8, ge=0, description="Duplicates that may wait for one running Idempotency-Key; more get 429")
+    idempotency_wait_s: float = Field(300.0, gt=0, description="Longest a duplicate waits for the running request")
+    actor_timeout_s: float = Field(
+        1.0, gt=0, description="Bound on each admission-actor call on the request path (rate limits fail "
+        "open, idempotency fails closed: docs/architecture.md)")
+
+
+class IngressLimits(_Strict):
+    """Caps checked at the edges before any work: the body before it is parsed, headers before
+    they are used. The engine's RequestLimits (engine.limits) cap stop strings, ids and prompts."""
+
+    max_body_bytes: int = Field(
+        4 * 2**20, ge=1024, description="HTTP request body, counted as it streams in; more -> 413")
+    max_chat_messages: int = Field(256, ge=1, description="Messages in one chat request; more -> 400 (messages)")
+    max_authorization_chars: int = Field(512, ge=16, description="Longest authorization header/metadata; more -> 401")
+    max_timeout_header_chars: int = Field(32, ge=4, description="Longest x-pdserve-timeout-s value; more -> 400")
+    grpc_max_receive_bytes: int = Field(
+        4 * 2**20, ge=1024, description="gRPC request message size. Serve's gRPC proxy reads it only from "
+        "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE in its environment (`pdserve up` sets it for the Ray it starts; "
+        "a cluster sets it on its nodes); the ingress refuses larger messages itself too")
 
 
 class FaultToleranceOptions(_Strict):
@@ -202,16 +246,23 @@ class AppConfig(_Strict):
     ingress_replicas: int = Field(1, ge=1)
     kv_transfer: KVTransferOptions = KVTransferOptions()
     routing: RoutingOptions = RoutingOptions()
-    host: str = "0.0.0.0"
+    host: str = Field(
+        "127.0.0.1", description="HTTP bind address. Not loopback: API keys are required unless "
+        "allow_unauthenticated (Serve's gRPC proxy binds all interfaces whatever this says)")
+    allow_unauthenticated: bool = Field(
+        False, description="Serve on a non-loopback host with no API keys (a trusted network only)")
     http_port: int = Field(8000, ge=1, le=65535)
     grpc_port: int = Field(9000, ge=1, le=65535)
     default_max_tokens: int = Field(16, ge=1)
     api_keys: list[str] = Field(
         default_factory=list, description="Bearer keys of the 'default' tenant (no quotas); no keys and no tenants = no auth")
+    api_keys_env: str | None = Field(None, description="Env var with the 'default' tenant's keys (ingress only)")
+    api_keys_file: str | None = Field(None, description="Secret file with the 'default' tenant's keys (ingress only)")
     tenants: dict[str, TenantOptions] = Field(default_factory=dict)
     tenant_cache_isolation: bool = Field(
         True, description="Salt block hashes per tenant (cache_group), so tenants never share cached prefixes")
     admission: AdmissionOptions = AdmissionOptions()
+    ingress_limits: IngressLimits = IngressLimits()
     fault_tolerance: FaultToleranceOptions = FaultToleranceOptions()
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="How long a stopping replica drains")
     health_check_period_s: float = Field(2.0, gt=0, description="How often Serve checks engine replicas")
@@ -228,6 +279,30 @@ class AppConfig(_Strict):
                     raise ValueError(f"an API key of tenant {name!r} is also a key of tenant {seen[key]!r}")
                 seen[key] = name
         return self
+
+    @property
+    def default_keys(self) -> KeySources:
+        return KeySources(api_keys=self.api_keys, api_keys_env=self.api_keys_env, api_keys_file=self.api_keys_file)
+
+    @property
+    def has_keys(self) -> bool:
+        return self.default_keys.has_keys or any(t.has_keys for t in self.tenants.values())
+
+    def check_startable(self) -> None:
+        """Refuse to serve what would be open to anyone: a non-loopback bind with no API keys
+        (unless allow_unauthenticated), or a tenant no key leads to. Checked by the builder and
+        the ingress, not on every AppConfig: engine replicas get a config without keys."""
+        for name, t in self.tenants.items():
+            if not t.has_keys:
+                raise ValueError(f"tenant {name!r} has no API keys (api_keys, api_keys_env or api_keys_file)")
+        if self.host not in LOOPBACK_HOSTS and not self.has_keys and not self.allow_unauthenticated:
+            raise ValueError(f"host {self.host!r} is not loopback and no API keys are configured: set api_keys_file, "
+                             f"api_keys_env, api_keys or tenants, or allow_unauthenticated: true on a trusted network")
+
+    def without_keys(self) -> "AppConfig":
+        """This config with every API key source removed: what the engine replicas get."""
+        return self.model_copy(update={"api_keys": [], "api_keys_env": None, "api_keys_file": None,
+                                       "tenants": {n: t.without_keys() for n, t in self.tenants.items()}})
 
     @property
     def has_prefill_pool(self) -> bool:

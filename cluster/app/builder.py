@@ -77,17 +77,24 @@ def build_app(config: AppConfig):
     from prefill.deployment import PrefillServer  # noqa: PLC0415
     from router.ingress.deployment import Ingress  # noqa: PLC0415
 
+    config.check_startable()  # an open non-loopback bind, a tenant without keys: refuse here
     config = ensure_model(config)
-    cfg = config.model_dump()
-    decode = serve.deployment(DecodeServer, name="decode", **_pool_options("decode", config)).bind(cfg)
+    engine_cfg = engine_config(config)
+    decode = serve.deployment(DecodeServer, name="decode", **_pool_options("decode", config)).bind(engine_cfg)
     prefill = None  # colocated: decode replicas prefill locally
     if config.has_prefill_pool:
-        prefill = serve.deployment(PrefillServer, name="prefill", **_pool_options("prefill", config)).bind(cfg)
+        prefill = serve.deployment(PrefillServer, name="prefill", **_pool_options("prefill", config)).bind(engine_cfg)
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=config.ingress_replicas,
                                ray_actor_options={"num_cpus": INGRESS_CPUS}, max_ongoing_requests=1024,
                                graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
                                graceful_shutdown_wait_loop_s=min(2.0, config.graceful_shutdown_timeout_s))
-    return ingress.bind(cfg, prefill, decode)
+    return ingress.bind(config.model_dump(), prefill, decode)
+
+
+def engine_config(config: AppConfig) -> dict:
+    """What the prefill and decode replicas are built from: the app config without any API key or
+    key source (keys go to the ingress only)."""
+    return config.without_keys().model_dump()
 
 
 def app_builder(args: dict):
@@ -95,6 +102,9 @@ def app_builder(args: dict):
     if "config_file" in args:
         return build_app(AppConfig.from_yaml(args["config_file"]))
     return build_app(AppConfig.model_validate(args))
+
+
+GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # the only knob of Serve's gRPC proxy (Ray 2.60)
 
 
 def grpc_options(config: AppConfig) -> gRPCOptions:

@@ -152,6 +152,7 @@ def _up(args) -> int:
     import cluster.app.builder as serve_app  # noqa: PLC0415
 
     config = serve_app.ensure_model(_load_app_config(args))
+    config.check_startable()  # before Ray starts: an open non-loopback bind is refused
     address = os.environ.get("RAY_ADDRESS")
     joined = address is not None
 
@@ -165,8 +166,11 @@ def _up(args) -> int:
     else:
         # Ray's CPUs are scheduling slots: give the local instance enough for every replica
         # even on a small machine (the engines share the real cores through torch's threads).
+        # Serve's gRPC proxy reads its message cap from its environment only: the Ray started
+        # here (and so its proxy) inherits it. The dashboard runs jobs: loopback only (README).
+        os.environ[serve_app.GRPC_MAX_MESSAGE_ENV] = str(config.ingress_limits.grpc_max_receive_bytes)
         ray.init(namespace="pdserve", num_cpus=max(os.cpu_count() or 1, serve_app.cpus_needed(config)),
-                 include_dashboard=args.dashboard, dashboard_host="0.0.0.0", dashboard_port=8265)
+                 include_dashboard=args.dashboard, dashboard_host="127.0.0.1", dashboard_port=8265)
     stop = threading.Event()
     try:
         serve_app.start(config)
@@ -178,7 +182,7 @@ def _up(args) -> int:
         print(f"  gRPC    {host}:{config.grpc_port}   (pdserve.v1.Generation, grpc.health.v1.Health)", flush=True)
         print(f"  HTTP    http://{host}:{config.http_port}/v1   (OpenAI-compatible)", flush=True)
         if not joined and args.dashboard:
-            print(f"  Ray dashboard   http://{host}:8265", flush=True)
+            print("  Ray dashboard   http://127.0.0.1:8265   (this machine only: README, \"Exposure\")", flush=True)
         print("Ctrl-C to stop.", flush=True)
         stop.wait()
     except KeyboardInterrupt:

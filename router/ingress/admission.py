@@ -13,14 +13,19 @@ actor in router/actor.py is a thin shell over Quotas + IdempotencyStore.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import hmac
 import logging
 import math
+import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Awaitable, Callable
 
-from cluster.config import AppConfig, TenantOptions
+from cluster.config import AppConfig, KeySources, TenantOptions
 from cluster.errors import InvalidRequestError
 from cluster.engine.request import Priority, RequestContext
 from router.ingress.status import Code, Rejected, ServingError
@@ -72,42 +77,80 @@ class _Record:
     expires: float
     result: object = None
     done: bool = False
+    waiters: int = 0
 
 
 class IdempotencyStore:
     """Results of non-streaming requests by (tenant, key), kept for a TTL. The first request with
     a key runs; a duplicate gets the stored result, or waits for the running one (`begin` says which).
-    A failed run forgets its key, so a retry runs again."""
+    A failed run forgets its key, so a retry runs again.
 
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+    Bounded: at most `max_keys` records per tenant (the least recently used finished record makes
+    room; a tenant whose records are all still running gets "full") and `max_waiters` duplicates
+    waiting on one running key (`join` refuses the next)."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, max_keys: int = 1024,
+                 max_waiters: int = 8):
         self.ttl_s = ttl_s
         self.clock = clock
-        self._records: dict[tuple[str, str], _Record] = {}
+        self.max_keys = max_keys
+        self.max_waiters = max_waiters
+        self._tenants: dict[str, OrderedDict[str, _Record]] = {}  # per tenant, least recently used first
 
     def begin(self, tenant: str, key: str, fingerprint: str) -> tuple[str, object]:
         """("run", None): execute it; ("done", result); ("running", None): wait and ask again;
-        ("conflict", None): the key was used with a different request."""
-        self._expire()
-        rec = self._records.get((tenant, key))
+        ("conflict", None): the key was used with a different request; ("full", None): the
+        tenant has max_keys requests running under keys."""
+        records = self._tenants.setdefault(tenant, OrderedDict())
+        self._expire(records)
+        rec = records.get(key)
         if rec is not None and rec.fingerprint != fingerprint:
             return "conflict", None
         if rec is None:
-            self._records[(tenant, key)] = _Record(fingerprint, self.clock() + self.ttl_s)
+            if len(records) >= self.max_keys and not self._evict_one(records):
+                return "full", None
+            records[key] = _Record(fingerprint, self.clock() + self.ttl_s)
             return "run", None
+        records.move_to_end(key)
         return ("done", rec.result) if rec.done else ("running", None)
 
     def finish(self, tenant: str, key: str, result: object) -> None:
-        rec = self._records.get((tenant, key))
+        rec = self._tenants.get(tenant, {}).get(key)
         if rec is not None:
             rec.result, rec.done, rec.expires = result, True, self.clock() + self.ttl_s
 
     def abandon(self, tenant: str, key: str) -> None:
-        self._records.pop((tenant, key), None)
+        self._tenants.get(tenant, {}).pop(key, None)
 
-    def _expire(self) -> None:
+    def join(self, tenant: str, key: str) -> bool:
+        """One more duplicate waits on a running key; False when max_waiters already do."""
+        rec = self._tenants.get(tenant, {}).get(key)
+        if rec is None or rec.done:
+            return True  # nothing to wait for: the caller asks again at once
+        if rec.waiters >= self.max_waiters:
+            return False
+        rec.waiters += 1
+        return True
+
+    def leave(self, tenant: str, key: str) -> None:
+        rec = self._tenants.get(tenant, {}).get(key)
+        if rec is not None and rec.waiters > 0:
+            rec.waiters -= 1
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self._tenants.values())
+
+    def _evict_one(self, records: "OrderedDict[str, _Record]") -> bool:
+        for k, r in records.items():  # oldest use first; a running record is never dropped
+            if r.done:
+                del records[k]
+                return True
+        return False
+
+    def _expire(self, records: "OrderedDict[str, _Record]") -> None:
         now = self.clock()
-        for k in [k for k, r in self._records.items() if r.expires <= now]:
-            del self._records[k]
+        for k in [k for k, r in records.items() if r.expires <= now]:
+            del records[k]
 
 
 @dataclass
@@ -129,16 +172,47 @@ class Ticket:
 TakeFn = Callable[[str, str, float, float, float], Awaitable[tuple[float, float]]]
 
 
+def key_digest(key: str) -> bytes:
+    """What the ingress keeps of a key. Any string hashes (a non-ASCII or lone-surrogate key
+    simply matches nothing)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def read_keys(source: KeySources, environ=os.environ) -> list[str]:
+    """A tenant's keys from all its sources. A named variable or file that is missing is an error:
+    a server that silently started with no keys would be open."""
+    keys = list(source.api_keys)
+    if source.api_keys_env is not None:
+        if source.api_keys_env not in environ:
+            raise ValueError(f"api_keys_env: the environment variable {source.api_keys_env!r} is not set")
+        keys += [k.strip() for k in environ[source.api_keys_env].replace(",", "\n").splitlines()]
+    if source.api_keys_file is not None:
+        lines = Path(source.api_keys_file).read_text().splitlines()
+        keys += [line.strip() for line in lines if not line.lstrip().startswith("#")]
+    return [k for k in keys if k]
+
+
+def load_key_digests(config: AppConfig, environ=os.environ) -> dict[bytes, str]:
+    """SHA-256 of every configured key -> its tenant ('default' for the flat keys)."""
+    digests: dict[bytes, str] = {}
+    for name, source in [(DEFAULT_TENANT, config.default_keys), *config.tenants.items()]:
+        for key in read_keys(source, environ):
+            d = key_digest(key)
+            if digests.get(d, name) != name:
+                raise ValueError(f"an API key of tenant {name!r} is also a key of tenant {digests[d]!r}")
+            digests[d] = name
+    return digests
+
+
 class Admission:
     """One ingress replica's admission control. `take` reaches the shared buckets: the quota
     actor's `take` (or a local Quotas in tests), async, same arguments as Quotas.take."""
 
-    def __init__(self, config: AppConfig, take: TakeFn):
+    def __init__(self, config: AppConfig, take: TakeFn, key_digests: dict[bytes, str] | None = None):
         self.config = config
         self._take = take
-        self._keys: list[tuple[str, str]] = [(k, DEFAULT_TENANT) for k in config.api_keys]
-        for name, t in config.tenants.items():
-            self._keys += [(k, name) for k in t.api_keys]
+        # Only the keys' SHA-256 stays in memory (load_key_digests reads env and files).
+        self._keys = list((key_digests if key_digests is not None else load_key_digests(config)).items())
         self.auth_enabled = bool(self._keys)
         self._options = dict(config.tenants)
         self._options.setdefault(DEFAULT_TENANT, None)
@@ -152,11 +226,15 @@ class Admission:
         """The caller's tenant. Unknown or missing key -> UNAUTHENTICATED (auth off: 'default')."""
         if not self.auth_enabled:
             return DEFAULT_TENANT
+        cap = self.config.ingress_limits.max_authorization_chars
+        if authorization is not None and len(authorization) > cap:
+            raise ServingError(Code.UNAUTHENTICATED, f"authorization: longer than {cap} characters")
         value = (authorization or "").strip()
         key = value[len("Bearer "):].strip() if value.lower().startswith("bearer ") else ""
+        digest = key_digest(key)
         tenant = None
-        for k, name in self._keys:  # compare every key: the time taken does not say which matched
-            if key and hmac.compare_digest(key, k):
+        for d, name in self._keys:  # compare every key: the time taken does not say which matched
+            if key and hmac.compare_digest(digest, d):
                 tenant = name
         if tenant is None:
             raise ServingError(Code.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer <key>)")
@@ -164,10 +242,14 @@ class Admission:
 
     # ---- may they ---------------------------------------------------------------------------
 
-    async def admit(self, tenant: str, num_prompt_tokens: int, max_tokens: int,
-                    deadline: float | None = None) -> Ticket:
+    # A request's admission is three steps, so no work is done for a request that may not run:
+    #   reserve (sync: its in-flight slot is taken before any await, so N concurrent callers can
+    #   never all pass a check of the same count) -> start (requests_per_min) -> [tokenize] ->
+    #   charge (size limits, tokens_per_min). The caller releases the ticket on any refusal.
+
+    def reserve(self, tenant: str, deadline: float | None = None) -> Ticket:
+        """Take an in-flight slot (per ingress, and the tenant's share of max_concurrent) or refuse."""
         opts = self._options.get(tenant)
-        self._check_size(tenant, opts, num_prompt_tokens, max_tokens)
         cap = self.config.admission.max_inflight
         if self.total_inflight >= cap:
             raise Rejected(f"the server is at capacity ({cap} requests in flight on this ingress)", 1.0,
@@ -177,16 +259,38 @@ class Admission:
             if self._inflight.get(tenant, 0) >= share:
                 raise Rejected(f"tenant {tenant!r} has {share} requests in flight (max_concurrent "
                                f"{opts.max_concurrent})", 1.0, reason="concurrency")
-        tokens = num_prompt_tokens + max_tokens
-        if opts is not None:
-            if opts.requests_per_min is not None:
-                await self._spend(tenant, "requests", opts.requests_per_min, 1)
-            if opts.tokens_per_min is not None:
-                await self._spend(tenant, "tokens", opts.tokens_per_min, tokens)
         self._inflight[tenant] = self._inflight.get(tenant, 0) + 1
         self.total_inflight += 1
-        charged = max_tokens if opts is not None and opts.tokens_per_min is not None else 0
-        return Ticket(tenant, self.context(tenant, deadline), charged, self)
+        return Ticket(tenant, self.context(tenant, deadline), 0, self)
+
+    async def start(self, ticket: Ticket) -> None:
+        """The per-request rate limit (requests_per_min): local credit, else one actor call."""
+        opts = self._options.get(ticket.tenant)
+        if opts is not None and opts.requests_per_min is not None:
+            await self._spend(ticket.tenant, "requests", opts.requests_per_min, 1)
+
+    async def charge(self, ticket: Ticket, num_prompt_tokens: int, max_tokens: int) -> None:
+        """The size limits and tokens_per_min, once the prompt's length is known."""
+        opts = self._options.get(ticket.tenant)
+        self._check_size(ticket.tenant, opts, num_prompt_tokens, max_tokens)
+        if opts is not None and opts.tokens_per_min is not None:
+            await self._spend(ticket.tenant, "tokens", opts.tokens_per_min, num_prompt_tokens + max_tokens)
+            ticket.charged_output_tokens = max_tokens
+
+    async def admit(self, tenant: str, num_prompt_tokens: int, max_tokens: int,
+                    deadline: float | None = None) -> Ticket:
+        """All three steps at once (a request whose length is already known)."""
+        ticket = self.reserve(tenant, deadline)
+        try:
+            await self.start(ticket)
+            await self.charge(ticket, num_prompt_tokens, max_tokens)
+        except BaseException:
+            ticket.done()
+            raise
+        return ticket
+
+    def inflight_by_tenant(self) -> dict[str, int]:
+        return dict(self._inflight)
 
     def context(self, tenant: str, deadline: float | None = None) -> RequestContext:
         opts = self._options.get(tenant)
@@ -219,10 +323,11 @@ class Admission:
         self._credits[key] = 0.0
         need = n - have
         try:
-            granted, retry_after = await self._take(
-                tenant, kind, per_min, need, need + self.config.admission.rate_limit_lease * per_min)
-        except Exception as e:  # noqa: BLE001 — the quota actor is down: fail open, keep serving
-            log.warning("quota actor unavailable (%s); admitting a request of %s", e, tenant)
+            granted, retry_after = await asyncio.wait_for(self._take(
+                tenant, kind, per_min, need, need + self.config.admission.rate_limit_lease * per_min),
+                self.config.admission.actor_timeout_s)
+        except Exception as e:  # noqa: BLE001 — quota actor down or slow: fail open, keep serving
+            log.warning("quota actor unavailable (%r); admitting a request of %s", e, tenant)
             return
         if granted <= 0:
             self._credits[key] += have
@@ -241,34 +346,73 @@ class Admission:
 
 class Idempotent:
     """Runs a non-streaming request at most once per (tenant, key) within the TTL, across ingress
-    replicas, through the admission actor's IdempotencyStore."""
+    replicas, through the admission actor's IdempotencyStore.
 
-    def __init__(self, actor, wait_s: float = 300.0):
+    A duplicate that waits holds one of its tenant's in-flight slots (admission.reserve) and is one
+    of at most `idempotency_max_waiters` on its key. Every actor call is bounded by
+    `actor_timeout_s`: `begin` fails closed (UNAVAILABLE: without the store, running could run
+    twice); `finish`/`abandon` failing is logged (the record expires, waiters time out)."""
+
+    def __init__(self, actor, admission: Admission):
         self.actor = actor
-        self.wait_s = wait_s
+        self.admission = admission
+        opts = admission.config.admission
+        self.wait_s = opts.idempotency_wait_s
+        self.timeout_s = opts.actor_timeout_s
+
+    async def _call(self, method, *args, timeout_s: float | None = None):
+        return await asyncio.wait_for(method.remote(*args), timeout_s or self.timeout_s)
 
     async def run(self, tenant: str, key: str, fingerprint: str, execute: Callable[[], Awaitable[object]],
                   succeeded: Callable[[object], bool]) -> object:
         deadline = time.monotonic() + self.wait_s
         while True:
-            state, result = await self.actor.begin.remote(tenant, key, fingerprint)
+            try:
+                state, result = await self._call(self.actor.begin, tenant, key, fingerprint)
+            except Exception as e:  # noqa: BLE001 — fail closed
+                raise ServingError(Code.UNAVAILABLE, f"the idempotency store is unavailable ({e!r}); "
+                                                     f"retry with the same Idempotency-Key", 1.0) from e
             if state == "done":
                 return result
             if state == "conflict":
                 raise ServingError(Code.FAILED_PRECONDITION,
                                    f"Idempotency-Key {key!r} was already used with a different request")
+            if state == "full":
+                raise Rejected(f"tenant {tenant!r} has {self.admission.config.admission.idempotency_max_keys} "
+                               f"requests with an Idempotency-Key running", 1.0, reason="concurrency")
             if state == "running":
                 if time.monotonic() >= deadline:
                     raise ServingError(Code.ABORTED, f"the request with Idempotency-Key {key!r} is still running")
-                await self.actor.wait.remote(tenant, key, deadline - time.monotonic())
+                await self._wait(tenant, key, deadline)
                 continue
             try:
                 result = await execute()
             except BaseException:
-                await self.actor.abandon.remote(tenant, key)
+                await self._settle(self.actor.abandon, tenant, key)
                 raise
             if succeeded(result):
-                await self.actor.finish.remote(tenant, key, result)
+                await self._settle(self.actor.finish, tenant, key, result)
             else:  # an error is not stored: the client may retry with the same key
-                await self.actor.abandon.remote(tenant, key)
+                await self._settle(self.actor.abandon, tenant, key)
             return result
+
+    async def _wait(self, tenant: str, key: str, deadline: float) -> None:
+        """Wait for the running request, holding an in-flight slot of the tenant's."""
+        ticket = self.admission.reserve(tenant)  # Rejected: the tenant is at its cap
+        try:
+            left = max(deadline - time.monotonic(), 0.0)
+            try:
+                joined = await self._call(self.actor.wait, tenant, key, left, timeout_s=left + self.timeout_s)
+            except Exception as e:  # noqa: BLE001
+                raise ServingError(Code.UNAVAILABLE, f"the idempotency store is unavailable ({e!r})", 1.0) from e
+            if not joined:
+                raise Rejected(f"{self.admission.config.admission.idempotency_max_waiters} requests already wait "
+                               f"for Idempotency-Key {key!r}", 1.0, reason="concurrency")
+        finally:
+            ticket.done()
+
+    async def _settle(self, method, *args) -> None:
+        try:
+            await self._call(method, *args)
+        except Exception as e:  # noqa: BLE001
+            log.warning("idempotency store: %s failed (%r); the record expires after its TTL", method, e)

@@ -7,6 +7,7 @@ import asyncio
 
 import ray
 
+from cluster.config import AdmissionOptions
 from router.actor import ROUTER_NAMESPACE
 from router.ingress.admission import IdempotencyStore, Quotas
 
@@ -16,11 +17,12 @@ ADMISSION_NAME = "pdserve-admission"
 @ray.remote(num_cpus=0, max_restarts=-1)
 class AdmissionActor:
     """Cluster-wide rate-limit buckets and idempotency records (router/ingress/admission.py), shared by
-    every ingress replica. Restarted by Ray if it dies (buckets start full again)."""
+    every ingress replica. Restarted by Ray if it dies, with its constructor's arguments: buckets
+    start full again and idempotency records are lost (a retry after a restart runs again)."""
 
-    def __init__(self, idempotency_ttl_s: float = 600.0):
+    def __init__(self, idempotency_ttl_s: float = 600.0, max_keys: int = 1024, max_waiters: int = 8):
         self.quotas = Quotas()
-        self.results = IdempotencyStore(idempotency_ttl_s)
+        self.results = IdempotencyStore(idempotency_ttl_s, max_keys=max_keys, max_waiters=max_waiters)
         self._settled: dict[tuple[str, str], asyncio.Event] = {}
 
     async def take(self, tenant: str, kind: str, per_min: float, need: float, want: float):
@@ -40,14 +42,21 @@ class AdmissionActor:
         self.results.abandon(tenant, key)
         self._settle(tenant, key)
 
-    async def wait(self, tenant: str, key: str, timeout_s: float) -> None:
-        """Until the running request with this key finishes or is abandoned (or timeout_s)."""
+    async def wait(self, tenant: str, key: str, timeout_s: float) -> bool:
+        """Until the running request with this key finishes or is abandoned (or timeout_s).
+        False at once when max_waiters duplicates already wait on it."""
         event = self._settled.get((tenant, key))
-        if event is not None:
-            try:
-                await asyncio.wait_for(event.wait(), max(timeout_s, 0.0))
-            except (TimeoutError, asyncio.TimeoutError):
-                pass
+        if event is None:
+            return True
+        if not self.results.join(tenant, key):
+            return False
+        try:
+            await asyncio.wait_for(event.wait(), max(timeout_s, 0.0))
+        except (TimeoutError, asyncio.TimeoutError):
+            pass
+        finally:
+            self.results.leave(tenant, key)
+        return True
 
     def _settle(self, tenant: str, key: str) -> None:
         event = self._settled.pop((tenant, key), None)
@@ -55,8 +64,9 @@ class AdmissionActor:
             event.set()
 
 
-def get_admission(idempotency_ttl_s: float = 600.0):
-    """The cluster's admission actor, created by whoever asks first."""
+def get_admission(options: AdmissionOptions | None = None):
+    """The cluster's admission actor, created by whoever asks first (with that caller's options)."""
+    o = options or AdmissionOptions()
     return AdmissionActor.options(
         name=ADMISSION_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True, lifetime="detached"
-    ).remote(idempotency_ttl_s)
+    ).remote(o.idempotency_ttl_s, o.idempotency_max_keys, o.idempotency_max_waiters)

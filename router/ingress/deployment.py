@@ -18,7 +18,8 @@ from router.ingress.admission_actor import get_admission
 from router.ingress.flow import RequestFlow
 from router.ingress.grpc_api import delta_to_proto, fail, prompt_from_proto, sampling_from_proto
 from router.ingress.openai_api import TIMEOUT_HEADER, bind_replica, build_openai_app, parse_deadline
-from router.ingress.status import ServingError
+from router.ingress import probes
+from router.ingress.status import Code, ServingError
 from router.ingress.telemetry import IngressTelemetry
 from router.policy import PolicyConfig
 
@@ -29,6 +30,8 @@ GRPC_SERVICERS = [
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
 ]
 
+HEALTH_SERVICES = ("", "pdserve.v1.Generation")
+
 openai_app = build_openai_app()
 
 
@@ -36,6 +39,7 @@ openai_app = build_openai_app()
 class Ingress:
     def __init__(self, config: dict, prefill_handle, decode_handle):
         self.config = AppConfig.model_validate(config)
+        self.config.check_startable()
         router = None
         if self.config.routing.enabled:
             r = self.config.routing
@@ -43,12 +47,12 @@ class Ingress:
             router.configure.remote(PolicyConfig(
                 block_size=self.config.engine.block_size, local_prefill_threshold=r.local_prefill_threshold,
                 hot_load_cap=r.hot_load_cap, slow_factor=r.slow_factor), r.strategy)
-        actor = get_admission(self.config.admission.idempotency_ttl_s)
-        admission = Admission(self.config, actor.take.remote)
+        actor = get_admission(self.config.admission)
+        admission = Admission(self.config, actor.take.remote)  # reads the keys (env, file) and keeps their hashes
         self.telemetry = IngressTelemetry(self.config.telemetry)
         self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router, admission=admission,
                                 telemetry=self.telemetry)
-        bind_replica(self.flow, Idempotent(actor))
+        bind_replica(self.flow, Idempotent(actor, admission))
 
     # ---- gRPC: pdserve.v1.Generation -------------------------------------------------------
 
@@ -56,11 +60,16 @@ class Ingress:
         try:
             metadata = dict(grpc_context.invocation_metadata())
             tenant = self.flow.authorize(metadata.get("authorization"), request.model)
-            deadline = parse_deadline(metadata.get(TIMEOUT_HEADER))
-            prompt, ids = prompt_from_proto(request, self.flow)
+            limits = self.config.ingress_limits
+            size = request.ByteSize()  # Serve's proxy may take more (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE)
+            if size > limits.grpc_max_receive_bytes:
+                raise InvalidRequestError("request", f"message of {size} bytes exceeds grpc_max_receive_bytes "
+                                                     f"{limits.grpc_max_receive_bytes}")
+            deadline = parse_deadline(metadata.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
+            prompt, ids, messages = prompt_from_proto(request, limits.max_chat_messages)
             sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens)
             async for delta in self.flow.generate(prompt, ids, sampling, request.request_id or None,
-                                                  tenant=tenant, deadline=deadline):
+                                                  tenant=tenant, deadline=deadline, messages=messages):
                 yield delta_to_proto(delta)
         except (InvalidRequestError, ServingError) as e:
             raise fail(grpc_context, e) from e
@@ -75,4 +84,10 @@ class Ingress:
     # ---- gRPC: grpc.health.v1.Health --------------------------------------------------------
 
     async def Check(self, request: health_pb2.HealthCheckRequest, grpc_context):  # noqa: N802
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        """SERVING for the server ("") and pdserve.v1.Generation while a decode replica answers
+        (bounded), NOT_SERVING otherwise; NOT_FOUND for any other service, as the protocol says."""
+        if request.service not in HEALTH_SERVICES:
+            raise fail(grpc_context, ServingError(Code.NOT_FOUND, f"unknown service {request.service!r}"))
+        live = await probes.decode_live(self.flow)
+        status = health_pb2.HealthCheckResponse.SERVING if live else health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)

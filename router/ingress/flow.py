@@ -22,6 +22,7 @@ import asyncio
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Sequence
 
@@ -41,6 +42,7 @@ from router.ingress.status import Code, Rejected, ServingError
 log = logging.getLogger(__name__)
 
 OVERLOAD_RETRY_S = 1.0  # retry-after for an engine's refusal (full queue, queue time-to-live)
+TOKENIZE_THREADS = 2  # chat rendering and tokenizing run here, never on the event loop
 
 
 @dataclass
@@ -127,6 +129,7 @@ class RequestFlow:
         mc = ModelConfig.from_dir(config.model)
         self.salt = mc.fingerprint().encode()  # the engines' block-hash salt, before a tenant's part
         self.block_size = config.engine.block_size
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
 
     async def generate(
         self,
@@ -136,22 +139,31 @@ class RequestFlow:
         request_id: str | None = None,
         tenant: str = DEFAULT_TENANT,
         deadline: float | None = None,
+        messages: list[dict] | None = None,
     ) -> AsyncIterator[Delta]:
         """Raises InvalidRequestError (bad input) or Rejected (admission) before the first delta;
-        ServingError on failures. `deadline` is wall-clock time (time.time()). Telemetry, when on,
-        observes the whole request (refusals too); its span's context travels to both pools."""
+        ServingError on failures. `deadline` is wall-clock time (time.time()). `messages` (chat)
+        replace the prompt: rendered with the model's chat template. Telemetry, when on, observes
+        the whole request (refusals too); its span's context travels to both pools.
+
+        Order: an in-flight slot is reserved before any await, then the request rate; only then
+        is the prompt rendered and tokenized (in a worker thread), and the size and token quotas
+        checked: an over-limit caller costs no tokenizing, and the loop never tokenizes."""
         observed = self.telemetry.start(tenant, request_id) if self.telemetry is not None else None
         error: BaseException | None = None
         try:
             rid = uuid.uuid4().hex  # ours: the engines' id; the client's request_id only labels replies
             label = request_id or rid
-            req = self.validator.make_request(rid, prompt, prompt_token_ids, sampling)
-            ticket = await self.admission.admit(tenant, req.num_prompt_tokens, sampling.max_tokens, deadline)
-            ctx = ticket.ctx
-            if observed is not None and observed.trace_context:
-                ctx = replace(ctx, trace_context=observed.trace_context)
+            ticket = self.admission.reserve(tenant, deadline)
             completion = 0
             try:
+                await self.admission.start(ticket)
+                req = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize_pool, self._make_request, rid, prompt, prompt_token_ids, sampling, messages)
+                await self.admission.charge(ticket, req.num_prompt_tokens, sampling.max_tokens)
+                ctx = ticket.ctx
+                if observed is not None and observed.trace_context:
+                    ctx = replace(ctx, trace_context=observed.trace_context)
                 async for d in self._run(rid, label, req.prompt_token_ids, sampling, ctx):
                     completion = d.completion_tokens
                     if observed is not None:
@@ -165,6 +177,15 @@ class RequestFlow:
         finally:
             if observed is not None:
                 observed.end(error)
+
+    def _make_request(self, rid: str, prompt: str | None, ids: Sequence[int] | None, sampling: SamplingParams,
+                      messages: list[dict] | None):
+        """Validate and tokenize (a worker thread: never on the event loop). Chat messages are
+        rendered first; the rendered text meets the prompt caps (characters, valid Unicode)
+        before it is tokenized, and errors name `messages`."""
+        if messages is not None:
+            prompt, ids = None, self.chat_ids(messages)
+        return self.validator.make_request(rid, prompt, ids, sampling)
 
     def authorize(self, authorization: str | None, model: str | None) -> str:
         """The caller's tenant, for both edges: refuses an unknown key (UNAUTHENTICATED) or model

@@ -31,18 +31,22 @@ def sampling_from_proto(sp: "pb.SamplingParams", default_max_tokens: int) -> Sam
     )
 
 
-def prompt_from_proto(req: "pb.GenerateRequest", flow) -> tuple[str | None, list[int] | None]:
-    """The request's prompt as text or token ids; a chat is rendered with the model's template
-    (as /v1/chat/completions renders it) and tokenized without adding special tokens again."""
+def prompt_from_proto(req: "pb.GenerateRequest", max_chat_messages: int) -> tuple[
+        str | None, list[int] | None, list[dict] | None]:
+    """The request's prompt: text, token ids, or chat messages (which the flow renders with the
+    model's template after admission, off the event loop, as it does for /v1/chat/completions)."""
     if req.priority:
         raise InvalidRequestError("priority", "is set by the tenant's configuration; leave it 0")
     which = req.WhichOneof("prompt")
     if which == "text":
-        return req.text, None
+        return req.text, None, None
     if which == "token_ids":
-        return None, list(req.token_ids.ids)
+        return None, list(req.token_ids.ids), None
     if which == "chat":
-        return None, flow.chat_ids([{"role": m.role, "content": m.content} for m in req.chat.messages])
+        n = len(req.chat.messages)
+        if n > max_chat_messages:
+            raise InvalidRequestError("messages", f"has {n} messages; at most {max_chat_messages} are accepted")
+        return None, None, [{"role": m.role, "content": m.content} for m in req.chat.messages]
     raise InvalidRequestError("prompt", "set text, token_ids or chat")
 
 

@@ -6,15 +6,18 @@ import hashlib
 import json
 import math
 import time
-from typing import Annotated, Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+from cluster.config import IngressLimits
 
 from cluster.errors import InvalidRequestError
 from cluster.engine.sampling_params import SamplingParams
+from router.ingress import probes
 from router.ingress.flow import Delta
 from router.ingress.status import Code, ServingError, retry_after_seconds
 
@@ -22,10 +25,12 @@ TIMEOUT_HEADER = "x-pdserve-timeout-s"  # the request's deadline, seconds from n
 IDEMPOTENCY_HEADER = "idempotency-key"
 
 
-def parse_deadline(value: str | None) -> float | None:
+def parse_deadline(value: str | None, max_chars: int = 32) -> float | None:
     """Wall-clock deadline from a timeout header; None without one."""
     if value is None:
         return None
+    if len(value) > max_chars:
+        raise InvalidRequestError(TIMEOUT_HEADER, f"longer than {max_chars} characters")
     try:
         seconds = float(value)
     except ValueError:
@@ -45,8 +50,21 @@ Int = Annotated[int, BeforeValidator(_not_bool)]
 Float = Annotated[float, BeforeValidator(_not_bool)]
 
 
+def _neutral(*allowed):
+    """A field we do not implement, accepted only at the value that changes nothing."""
+    def check(value):
+        if value not in allowed:
+            raise ValueError(f"is not supported (only {' or '.join(map(json.dumps, allowed))} is accepted)")
+        return value
+    return AfterValidator(check)
+
+
+# Fields outside these models are refused (400 naming the field: `extra="forbid"`). Accepted but
+# not implemented, at a value that changes nothing: n 1, best_of 1, echo false, logprobs
+# null/false/0, penalties 0, logit_bias {}, response_format {"type": "text"}. Accepted and ignored
+# (they never change the output): user, metadata. README: "OpenAI fields".
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="allow")  # clients send fields we ignore (user, ...)
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: Int | None = None
@@ -58,25 +76,42 @@ class _Req(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
-    n: Int = 1
     stream: bool = False
-    stream_options: dict | None = None
-    logprobs: Any = None
+    stream_options: "StreamOptions | None" = None
+    user: str | None = Field(None, max_length=256)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    n: Annotated[Int, _neutral(1)] = 1
+    best_of: Annotated[Int | None, _neutral(None, 1)] = None
+    logprobs: Annotated[Any, _neutral(None, False, 0)] = None
+    presence_penalty: Annotated[Float | None, _neutral(None, 0, 0.0)] = None
+    frequency_penalty: Annotated[Float | None, _neutral(None, 0, 0.0)] = None
+    logit_bias: Annotated[dict | None, _neutral(None, {})] = None
+    response_format: Annotated[dict | None, _neutral(None, {"type": "text"})] = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
 
 
 class CompletionRequest(_Req):
     prompt: str | list[Int] | list[str] | list[list[Int]]
-    echo: bool = False
+    echo: Annotated[bool, _neutral(False)] = False
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict] | None = None
 
 
 class ChatRequest(_Req):
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+_Req.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatRequest.model_rebuild()
 
 
 def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -93,10 +128,6 @@ def serving_error_response(e: ServingError) -> JSONResponse:
 
 
 def _sampling(req: _Req, default_max_tokens: int) -> SamplingParams:
-    if req.n != 1:
-        raise InvalidRequestError("n", f"only n=1 is supported, got {req.n}")
-    if req.logprobs not in (None, False, 0):
-        raise InvalidRequestError("logprobs", "logprobs are not supported")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     kw: dict[str, Any] = {"max_tokens": default_max_tokens if max_tokens is None else max_tokens}
     for name in ("temperature", "top_p", "top_k", "seed"):
@@ -126,14 +157,65 @@ def get_idempotent():
 
 
 
+def _limits() -> IngressLimits:
+    flow = _replica.get("flow")
+    return flow.config.ingress_limits if flow is not None else IngressLimits()
+
+
+class BodyLimit:
+    """ASGI middleware: a request body larger than `max_body_bytes` is refused with 413 before
+    anything parses it: at once by its Content-Length, else as the streamed bytes pass the cap.
+    The (bounded) body is then replayed to the app."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        cap = _limits().max_body_bytes
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > cap):
+            return await _too_large(scope, receive, send, cap)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            size += len(message.get("body", b""))
+            if size > cap:
+                return await _too_large(scope, receive, send, cap)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+
+async def _too_large(scope, receive, send, cap: int):
+    await error_response(413, f"body: the request body is larger than {cap} bytes (max_body_bytes)", "body",
+                         code="request_too_large")(scope, receive, send)
+
+
+def _validation_message(err: dict, field: str) -> str:
+    if err.get("type") == "extra_forbidden":
+        return f"{field}: is not supported by this server"
+    return f"{field}: {err.get('msg', 'invalid')}"
+
+
 def build_openai_app() -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
         field = ".".join(str(p) for p in err.get("loc", ())[1:]) or "body"
-        return error_response(400, f"{field}: {err.get('msg', 'invalid')}", field)
+        return error_response(400, _validation_message(err, field), field)
 
     def _check(request: Request, model: str | None):
         """The flow and the caller's tenant; refuses an unknown key or model."""
@@ -165,20 +247,45 @@ def build_openai_app() -> FastAPI:
 
     async def _run(flow, tenant: str, request: Request, body: "_Req", chat: bool):
         try:
-            deadline = parse_deadline(request.headers.get(TIMEOUT_HEADER))
-            if chat:
-                messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
-                prompt, ids = None, flow.chat_ids(messages)
+            limits = flow.config.ingress_limits
+            deadline = parse_deadline(request.headers.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
+            messages = None
+            if chat:  # rendered and tokenized by the flow, after admission, off the event loop
+                if len(body.messages) > limits.max_chat_messages:
+                    raise InvalidRequestError("messages", f"has {len(body.messages)} messages; at most "
+                                                          f"{limits.max_chat_messages} are accepted")
+                messages = [{"role": m.role, "content": _text(m.content, i)} for i, m in enumerate(body.messages)]
+                prompt, ids = None, None
             else:
                 prompt, ids = _completion_prompt(body)
-                if body.echo:
-                    raise InvalidRequestError("echo", "echo is not supported")
             sp = _sampling(body, flow.config.default_max_tokens)
-            stream = flow.generate(prompt, ids, sp, tenant=tenant, deadline=deadline)
+            stream = flow.generate(prompt, ids, sp, tenant=tenant, deadline=deadline, messages=messages)
             first = await anext(stream)  # bad input, refusals and early failures become HTTP errors here
         except Exception as e:  # noqa: BLE001
             return _fail(e)
         return await _respond(flow, body, stream, first, chat=chat)
+
+    @app.get("/health")
+    async def health():
+        """200 when a decode replica of the model answers within a short bound, else 503."""
+        flow = get_flow()
+        if await probes.decode_live(flow):
+            return {"status": "serving", "model": flow.config.model_name}
+        return error_response(503, "no live decode replica", None, Code.UNAVAILABLE.error_type, "unavailable")
+
+    @app.get("/version")
+    async def version():
+        return probes.version_info(get_flow())
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        """This ingress's own gauges in Prometheus text (the pdserve_* catalogue is Ray's endpoint).
+        Needs an API key when auth is on: it names tenants."""
+        try:
+            flow, _ = _check(request, None)
+        except Exception as e:  # noqa: BLE001
+            return _fail(e)
+        return PlainTextResponse(probes.metrics_text(flow), media_type=probes.METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -201,16 +308,23 @@ def build_openai_app() -> FastAPI:
     return app
 
 
-def _text(content) -> str:
+def _text(content, index: int) -> str:
+    """A message's text: a string, or text parts (other part types are refused, naming the part)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     parts = []
-    for part in content:
+    for j, part in enumerate(content):
+        field = f"messages.{index}.content.{j}"
         if part.get("type") != "text":
-            raise InvalidRequestError("messages", f"content part type {part.get('type')!r} is not supported")
-        parts.append(part.get("text", ""))
+            raise InvalidRequestError(f"{field}.type", f"content part type {part.get('type')!r} is not supported")
+        if set(part) - {"type", "text"}:
+            raise InvalidRequestError(field, f"{sorted(set(part) - {'type', 'text'})} is not supported")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"{field}.text", f"must be a string, got {type(text).__name__}")
+        parts.append(text)
     return "".join(parts)
 
 
@@ -230,7 +344,7 @@ async def _respond(flow, body: _Req, stream: AsyncIterator[Delta], first: Delta,
     created = int(time.time())
     model = flow.config.model_name
     if body.stream:
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_sse(stream, first, rid, created, model, chat, include_usage),
                                  media_type="text/event-stream")
     text, last = first.text, first

@@ -1,5 +1,5 @@
-"""The gRPC edge's prompt forms: text, token ids, a chat rendered with the model's template (the
-same ids /v1/chat/completions computes), and refusals that name the field."""
+"""The gRPC edge's prompt forms: text, token ids, chat messages (which the flow renders with the
+model's template into the same ids /v1/chat/completions computes), and refusals naming the field."""
 
 import pytest
 
@@ -17,23 +17,37 @@ def flow(smollm2):
 
 
 def test_each_prompt_form(flow):
-    assert prompt_from_proto(pb.GenerateRequest(text="Hi"), flow) == ("Hi", None)
-    assert prompt_from_proto(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])), flow) == (None, [5, 6])
+    assert prompt_from_proto(pb.GenerateRequest(text="Hi"), 8) == ("Hi", None, None)
+    assert prompt_from_proto(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])), 8) == (None, [5, 6], None)
     req = pb.GenerateRequest()
     req.chat.messages.add(role="system", content="Be brief.")
     req.chat.messages.add(role="user", content="What is the capital of France?")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+    assert prompt_from_proto(req, 8) == (None, None, messages)
     text = render_chat(flow.tokenizer, messages)
     assert text.endswith("<|im_start|>assistant\n")
-    assert prompt_from_proto(req, flow) == (None, flow.tokenizer.encode(text, add_special_tokens=False))
+    assert flow.chat_ids(messages) == flow.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _chat(n: int) -> pb.GenerateRequest:
+    req = pb.GenerateRequest()
+    for _ in range(n):
+        req.chat.messages.add(role="user", content="hi")
+    return req
 
 
 @pytest.mark.parametrize("req, field, message", [
     (pb.GenerateRequest(), "prompt", "set text, token_ids or chat"),
     (pb.GenerateRequest(text="Hi", priority=3), "priority", "is set by the tenant's configuration; leave it 0"),
-    (pb.GenerateRequest(chat=pb.Chat()), "messages", "must hold at least one message"),
+    (_chat(3), "messages", "has 3 messages; at most 2 are accepted"),
 ])
-def test_refusals_name_the_field(flow, req, field, message):
+def test_refusals_name_the_field(req, field, message):
     with pytest.raises(InvalidRequestError) as e:
-        prompt_from_proto(req, flow)
+        prompt_from_proto(req, 2)
     assert (e.value.field, e.value.message) == (field, message)
+
+
+def test_an_empty_chat_is_refused(flow):
+    with pytest.raises(InvalidRequestError) as e:
+        flow.chat_ids([])
+    assert (e.value.field, e.value.message) == ("messages", "must hold at least one message")

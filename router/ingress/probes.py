@@ -1,0 +1,55 @@
+"""What probes ask the ingress: is a decode replica of the model live (gRPC health Check, HTTP
+/health), which version serves (/version), and this ingress's own gauges (/metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from importlib import metadata
+
+log = logging.getLogger(__name__)
+
+LIVE_TIMEOUT_S = 1.0  # a decode replica that cannot answer its load within this is not serving
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+async def decode_live(flow, timeout_s: float = LIVE_TIMEOUT_S) -> bool:
+    """One bounded call to a decode replica (Serve picks a live one; with none it waits: the bound
+    answers). Any failure is "not live"."""
+    if flow.decode is None:
+        return False
+    try:
+        await asyncio.wait_for(flow.decode.load.remote(), timeout_s)
+        return True
+    except Exception as e:  # noqa: BLE001
+        log.info("health: no live decode replica (%r)", e)
+        return False
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("pdserve")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def version_info(flow) -> dict:
+    return {"version": package_version(), "model": flow.config.model_name, "mode": flow.config.mode}
+
+
+def metrics_text(flow) -> bytes:
+    """In-flight requests per tenant and on this ingress, as a Prometheus scrape (prometheus_client,
+    a registry of its own, so nothing global is touched)."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest  # noqa: PLC0415
+
+    registry = CollectorRegistry()
+    adm = flow.admission
+    Gauge("pdserve_ingress_inflight", "Requests in flight on this ingress", registry=registry).set(adm.total_inflight)
+    cap = Gauge("pdserve_ingress_max_inflight", "max_inflight of this ingress", registry=registry)
+    cap.set(flow.config.admission.max_inflight)
+    per = Gauge("pdserve_ingress_tenant_inflight", "Requests in flight per tenant", ["tenant"], registry=registry)
+    for tenant, n in adm.inflight_by_tenant().items():
+        per.labels(tenant).set(n)
+    info = Gauge("pdserve_ingress_info", "Version and model", ["version", "model"], registry=registry)
+    info.labels(package_version(), flow.config.model_name).set(1)
+    return generate_latest(registry)
