@@ -228,7 +228,8 @@ def test_a_registry_that_does_not_answer_is_a_failed_pull(tiny_model, store, ref
     proc = PrefillProcess(tiny_model, store, engine_id="prefill-noreg", lease_s=0.5, num_blocks=16)
     engine = LLMEngine.from_model(tiny_model, num_blocks=48)
     transport = NixlTransport("decode-no-registry", engine.kv_cache, engine_layout(engine), UnansweredLookups(store))
-    dec = DecodeEngine(engine, transport, policy="recompute", transfer_timeout_s=5.0)
+    # the short lease frees prefill's blocks quickly; decode must still try the pull (not refuse the lease)
+    dec = DecodeEngine(engine, transport, policy="recompute", transfer_timeout_s=5.0, min_lease_left_s=0.1)
     try:
         got, finals = run_disaggregated(proc, dec, PROMPTS[3:5], tag="noreg")
         assert got == [reference[tuple(p)] for p in PROMPTS[3:5]]  # recomputed here, same tokens
