@@ -5,9 +5,10 @@ second; targets: every alive node's Ray metrics agent) and the rules of `pdserve
 by TIME_SCALE (1/12: the "5m" window reads 25 s, "1h" 5 min, the page alert's 2 m hold 10 s), so an
 hour of burn fits the test. After a bounded load, every query of deploy/grafana/pdserve.json and
 every recording rule returns a series; then fault injection slows the decode replica (0.15 s per
-step against the ITL objective's 0.1 s) and the prefill replica (1.2 s per step against TTFT's 1 s),
-and PdserveITLBudgetBurn and PdserveTTFTBudgetBurn each go pending, then firing. Ray's agents
-export every 10 s (metrics_report_interval_ms), which sets the pace.
+step against the ITL objective's 0.1 s), slows the prefill replica (1.2 s per step against TTFT's
+1 s) and drops every KV pull (failure policy "fail": requests fail, against availability), and
+PdserveITLBudgetBurn, PdserveTTFTBudgetBurn and PdserveAvailabilityBudgetBurn each go pending, then
+firing. Ray's agents export every 10 s (metrics_report_interval_ms), which sets the pace.
 """
 
 import json
@@ -51,7 +52,8 @@ def app(ray_session, tiny_model):
         model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
         engine={"num_blocks": 128}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
         graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
-        fault_tolerance={"fault_injection": True}, telemetry={"metrics_interval_s": 0.2})
+        kv_transfer={"failure_policy": "fail"}, fault_tolerance={"fault_injection": True},
+        telemetry={"metrics_interval_s": 0.2})
     serve_app.start(cfg)
     with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
         yield cfg, pb_grpc.GenerationStub(channel)
@@ -108,8 +110,10 @@ def prometheus(app, tmp_path_factory):
 PREFIX = [256] + [(j * 7) % 250 for j in range(47)]  # 3 blocks shared by every prompt: prefix-cache hits
 
 
-def generate(stub, i: int, max_tokens: int = 12) -> None:
-    ids = PREFIX + [(i * 13 + j) % 250 for j in range(24)]  # 24 new tokens > 16: prefilled remotely
+def generate(stub, i: int, new_tokens: int = 24, max_tokens: int = 12) -> None:
+    """24 new tokens after the shared prefix are prefilled remotely (> 16); 8 on the decode replica
+    that holds the prefix (imported by earlier requests)."""
+    ids = PREFIX + [(i * 13 + j) % 250 for j in range(new_tokens)]
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
         max_tokens=max_tokens, temperature=0, ignore_eos=True))
     list(stub.Generate(req, timeout=60))
@@ -132,7 +136,7 @@ def recording_rules() -> list[str]:
                    for g in groups for r in g["rules"] if "record" in r})
 
 
-def test_dashboard_and_rules_return_series_and_slowed_replicas_fire_the_itl_and_ttft_alerts(app, prometheus):
+def test_dashboard_and_rules_return_series_and_injected_faults_fire_the_page_alerts(app, prometheus):
     started = time.monotonic()
     cfg, stub = app
     # a bounded load: 24 requests, 4 at a time, and one refused as bad input (a refusal series)
@@ -154,22 +158,29 @@ def test_dashboard_and_rules_return_series_and_slowed_replicas_fire_the_itl_and_
     except AssertionError:
         assert empty == []
 
-    # the faults, under 16 streams: every decode step 0.15 s (ITL objective: 99% of intervals <= 0.1 s),
-    # every prefill step 1.2 s (TTFT objective: 99% of first tokens <= 1 s; these prompts prefill remotely)
+    # three faults at once, under 16 streams (half prefilled remotely, half on decode):
+    # - every decode step 0.15 s: the decode-prefilled requests break ITL (99% of intervals <= 0.1 s);
+    # - every prefill step 1.2 s: the remote requests' first tokens break TTFT (99% <= 1 s);
+    # - every KV pull dropped, with kv_transfer.failure_policy "fail": the remote requests then fail
+    #   (availability 99.9%).
     from ray import serve
 
-    faults = {"decode": 0.15, "prefill": 1.2}
-    for pool, delay in faults.items():
-        serve.get_deployment_handle(pool, "pdserve").inject_fault.remote(step_delay_s=delay).result(timeout_s=30)
+    handles = {pool: serve.get_deployment_handle(pool, "pdserve") for pool in ("prefill", "decode")}
+    handles["decode"].inject_fault.remote(step_delay_s=0.15, pull="drop").result(timeout_s=30)
+    handles["prefill"].inject_fault.remote(step_delay_s=1.2).result(timeout_s=30)
     stop = threading.Event()
+    failed: list[grpc.StatusCode] = []
 
     def load(k: int) -> None:
         i = 1000 + k
         while not stop.is_set():
-            generate(stub, i)
+            try:
+                generate(stub, i, new_tokens=24 if k % 2 else 8)
+            except grpc.RpcError as e:
+                failed.append(e.code())
             i += 16
 
-    alerts = [slo.ALERT_NAMES["itl"] + "BudgetBurn", slo.ALERT_NAMES["ttft"] + "BudgetBurn"]
+    alerts = [slo.ALERT_NAMES[name] + "BudgetBurn" for name in ("itl", "ttft", "availability")]
     seen: dict[str, list[tuple[float, frozenset]]] = {name: [] for name in alerts}
     workers = ThreadPoolExecutor(16)
     try:
@@ -186,13 +197,13 @@ def test_dashboard_and_rules_return_series_and_slowed_replicas_fire_the_itl_and_
     finally:
         stop.set()
         workers.shutdown(wait=True)
-        for pool in faults:
-            serve.get_deployment_handle(pool, "pdserve").inject_fault.remote(step_delay_s=0.0).result(timeout_s=30)
+        handles["decode"].inject_fault.remote(step_delay_s=0.0, pull="none").result(timeout_s=30)
+        handles["prefill"].inject_fault.remote(step_delay_s=0.0).result(timeout_s=30)
     for f in futures:
         f.result()
-    print(f"alert states (s since the load began): {seen}")
+    print(f"alert states (s since the load began): {seen}; failed requests: {len(failed)} {set(failed)}")
+    assert failed  # the dropped pulls failed requests (the clients saw it)
     for name in alerts:
         states = [s for _, s in seen[name]]
         pending, firing = frozenset({"pending"}), frozenset({"firing"})
         assert pending in states and states.index(pending) < states.index(firing), (name, seen[name])
-    assert prometheus.alert_states(slo.ALERT_NAMES["availability"] + "BudgetBurn") == set()  # slow, not failing
