@@ -16,8 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0]
-TOKEN_INTERVAL_S = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0]
+from cluster.config import LATENCY_BUCKETS_S, TOKEN_INTERVAL_BUCKETS_S
+
+LATENCY_S = list(LATENCY_BUCKETS_S)
+TOKEN_INTERVAL_S = list(TOKEN_INTERVAL_BUCKETS_S)
 BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 STEP_TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 

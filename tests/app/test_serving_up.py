@@ -42,8 +42,8 @@ def test_pdserve_up_serves_and_stops_cleanly(ray_session, tiny_model):
     threading.Thread(target=read, daemon=True).start()
     try:
         assert ready.wait(180), "pdserve up did not come up:\n" + "".join(lines[-40:])
-        assert any(f"localhost:{grpc_port}" in line for line in lines)
-        out = subprocess.run([PDSERVE, "generate", "--address", f"localhost:{grpc_port}",
+        assert any(f"127.0.0.1:{grpc_port}" in line for line in lines)
+        out = subprocess.run([PDSERVE, "generate", "--address", f"127.0.0.1:{grpc_port}",
                               "--prompt-token-ids", "256,11,12,13", "--max-tokens", "6", "--ignore-eos", "--json"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
@@ -51,7 +51,7 @@ def test_pdserve_up_serves_and_stops_cleanly(ray_session, tiny_model):
             [[256, 11, 12, 13]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
         assert json.loads(out.stdout)["token_ids"] == expected.token_ids
 
-        bad = subprocess.run([PDSERVE, "generate", "--address", f"localhost:{grpc_port}", "--prompt", "",
+        bad = subprocess.run([PDSERVE, "generate", "--address", f"127.0.0.1:{grpc_port}", "--prompt", "",
                               "--max-tokens", "3"], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "INVALID_ARGUMENT: prompt: must be a non-empty string" in bad.stderr
 

@@ -103,15 +103,28 @@ def test_list_models_and_health(stub, server):
     models = stub.ListModels(pb.ListModelsRequest(), timeout=30)
     assert [(m.id, m.max_model_len, m.vocab_size) for m in models.models] == [("tiny", 512, 320)]
     with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
-        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
-    assert health.status == health_pb2.HealthCheckResponse.SERVING
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "pdserve.v1.Generation"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    base = f"http://localhost:{server.http_port}"
+    with urllib.request.urlopen(f"{base}/health", timeout=30) as resp:
+        assert (resp.status, json.loads(resp.read())) == (200, {"status": "serving", "model": "tiny"})
+    with urllib.request.urlopen(f"{base}/version", timeout=30) as resp:
+        assert json.loads(resp.read()) == {"version": "0.1.0", "model": "tiny", "mode": "disaggregated"}
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    assert "pdserve_ingress_inflight 0.0" in text and 'pdserve_ingress_info{model="tiny",version="0.1.0"} 1.0' in text
 
 
 @pytest.mark.parametrize(
     "req, code, details",
     [
         (pb.GenerateRequest(text=""), "INVALID_ARGUMENT", "prompt: must be a non-empty string"),
-        (pb.GenerateRequest(), "INVALID_ARGUMENT", "prompt: set text or token_ids"),
+        (pb.GenerateRequest(), "INVALID_ARGUMENT", "prompt: set text, token_ids or chat"),
         (request([5] * 512, 1), "INVALID_ARGUMENT",
          "prompt: has 512 tokens; the context length is 512, so at most 511 fit"),
         (request([5] * 500, 13), "INVALID_ARGUMENT",
