@@ -10,6 +10,7 @@ from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -214,8 +215,18 @@ def build_openai_app() -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
+        if err.get("type") == "json_invalid":  # loc is ("body", <byte offset>)
+            error = (err.get("ctx") or {}).get("error", "JSON decode error")
+            return error_response(400, f"body: is not valid JSON ({error})", "body")
         field = ".".join(str(p) for p in err.get("loc", ())[1:]) or "body"
         return error_response(400, _validation_message(err, field), field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        """FastAPI's own refusals (an unparsable body, an unknown path or method) in the OpenAI shape."""
+        param = "body" if exc.status_code == 400 else None
+        message = f"body: {exc.detail}" if param else str(exc.detail)
+        return error_response(exc.status_code, message, param, headers=getattr(exc, "headers", None))
 
     def _check(request: Request, model: str | None):
         """The flow and the caller's tenant; refuses an unknown key or model."""

@@ -355,3 +355,16 @@ def test_a_long_timeout_header_is_400_naming_it(app):
     status, err = asgi(app, "/v1/completions", json.dumps({"prompt": "hi"}).encode(),
                        headers=[("x-pdserve-timeout-s", "1" * 40)])
     assert (status, err["error"]["param"]) == (400, "x-pdserve-timeout-s")
+
+
+@pytest.mark.parametrize("path, body, method, status, param", [
+    ("/v1/completions", b'{"prompt": "hi",', "POST", 400, "body"),       # not JSON
+    ("/v1/completions", b'\xff\xfe{}', "POST", 400, "body"),             # not UTF-8
+    ("/v1/no-such-thing", b"{}", "POST", 404, None),
+    ("/v1/completions", b"", "GET", 405, None),
+])
+def test_fastapis_own_refusals_carry_the_openai_error_object(app, path, body, method, status, param):
+    got, err = asgi(app, path, body, method=method)
+    assert (got, set(err), set(err["error"]), err["error"]["param"]) == (
+        status, {"error"}, {"message", "type", "param", "code"}, param), err
+    assert err["error"]["message"]
