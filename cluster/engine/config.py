@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cluster.errors import InvalidRequestError
+
 from cluster.engine.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -33,6 +35,15 @@ class RequestLimits(BaseModel):
 
     def prompt_chars(self, max_model_len: int) -> int:
         return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
+
+    def check_counts(self, stop_strings: int, stop_token_ids: int) -> None:
+        """The count caps, for the edges to check before building a request's lists."""
+        if stop_strings > self.max_stop_strings:
+            raise InvalidRequestError(
+                "stop", f"has {stop_strings} stop strings; at most {self.max_stop_strings} are accepted")
+        if stop_token_ids > self.max_stop_token_ids:
+            raise InvalidRequestError(
+                "stop_token_ids", f"has {stop_token_ids} token ids; at most {self.max_stop_token_ids} are accepted")
 
 
 class EngineOptions(BaseModel):

@@ -78,18 +78,12 @@ class RequestValidator:
     def check_sampling(self, sampling: SamplingParams) -> None:
         """The caps on a request's stop conditions, and its stop token ids against the vocabulary."""
         lim = self.limits
-        if len(sampling.stop) > lim.max_stop_strings:
-            raise InvalidRequestError(
-                "stop", f"has {len(sampling.stop)} stop strings; at most {lim.max_stop_strings} are accepted")
+        lim.check_counts(len(sampling.stop), len(sampling.stop_token_ids))
         for s in sampling.stop:
             if len(s) > lim.max_stop_string_len:
                 raise InvalidRequestError(
                     "stop", f"a stop string has {len(s)} characters; at most {lim.max_stop_string_len} are accepted")
             _check_utf8("stop", s)
-        n_ids = len(sampling.stop_token_ids)
-        if n_ids > lim.max_stop_token_ids:
-            raise InvalidRequestError(
-                "stop_token_ids", f"has {n_ids} token ids; at most {lim.max_stop_token_ids} are accepted")
         vocab = self.vocab_size
         for t in sampling.stop_token_ids:
             if t >= vocab:

@@ -34,12 +34,26 @@ HEALTH_SERVICES = ("", "pdserve.v1.Generation")
 
 openai_app = build_openai_app()
 
+CLIENT_FAULT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.NOT_FOUND,
+                      grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class _QuietClientErrors(logging.Filter):
+    """Serve logs a traceback for every gRPC request that ends in an exception, which is how a
+    status reaches its proxy. A refusal for the client's own fault is counted in pdserve's
+    metrics by code instead: a flood of bad requests must not become a flood of tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        return getattr(err, "grpc_code", None) not in CLIENT_FAULT_CODES
+
 
 @serve.ingress(openai_app)
 class Ingress:
     def __init__(self, config: dict, prefill_handle, decode_handle):
         self.config = AppConfig.model_validate(config)
         self.config.check_startable()
+        logging.getLogger("ray.serve").addFilter(_QuietClientErrors())
         router = None
         if self.config.routing.enabled:
             r = self.config.routing
@@ -67,6 +81,7 @@ class Ingress:
                                                      f"{limits.grpc_max_receive_bytes}")
             deadline = parse_deadline(metadata.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
             prompt, ids, messages = prompt_from_proto(request, limits.max_chat_messages)
+            self.config.engine.limits.check_counts(len(request.sampling.stop), len(request.sampling.stop_token_ids))
             sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens)
             async for delta in self.flow.generate(prompt, ids, sampling, request.request_id or None,
                                                   tenant=tenant, deadline=deadline, messages=messages):

@@ -149,6 +149,13 @@ class RequestFlow:
         Order: an in-flight slot is reserved before any await, then the request rate; only then
         is the prompt rendered and tokenized (in a worker thread), and the size and token quotas
         checked: an over-limit caller costs no tokenizing, and the loop never tokenizes."""
+        if request_id is not None:  # the client's label: echoed and traced, so capped like any input
+            try:
+                self.validator.check_request_id(request_id)
+            except InvalidRequestError as e:
+                if self.telemetry is not None:
+                    self.telemetry.start(tenant, None).end(e)
+                raise
         observed = self.telemetry.start(tenant, request_id) if self.telemetry is not None else None
         error: BaseException | None = None
         try:

@@ -269,6 +269,8 @@ def build_openai_app() -> FastAPI:
                 prompt, ids = None, None
             else:
                 prompt, ids = _completion_prompt(body)
+            stop = body.stop if isinstance(body.stop, list) else ()
+            flow.config.engine.limits.check_counts(len(stop), len(body.stop_token_ids or ()))
             sp = _sampling(body, flow.config.default_max_tokens)
             stream = flow.generate(prompt, ids, sp, tenant=tenant, deadline=deadline, messages=messages)
             first = await anext(stream)  # bad input, refusals and early failures become HTTP errors here

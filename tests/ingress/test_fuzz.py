@@ -24,8 +24,8 @@ from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import wait_pools_whole
 
-HTTP_EXAMPLES = 60  # per operation and generation mode (6 operations, positive + negative)
-GRPC_EXAMPLES = 300
+HTTP_EXAMPLES = 150  # per operation and generation mode (6 operations, positive + negative)
+GRPC_EXAMPLES = 2500
 FUZZ = settings(deadline=None, database=None, derandomize=True, print_blob=False,
                 suppress_health_check=list(HealthCheck))
 
