@@ -258,6 +258,9 @@ class AppConfig(_Strict):
     http_port: int = Field(8000, ge=1, le=65535)
     grpc_port: int = Field(9000, ge=1, le=65535)
     default_max_tokens: int = Field(16, ge=1)
+    generation_config: Literal["auto", "none"] = Field(
+        "auto", description="auto: a request's unset temperature, top_p and top_k come from the checkpoint's "
+        "generation_config.json, as in vLLM; none: pdserve's defaults (1.0, 1.0, off)")
     api_keys: list[str] = Field(
         default_factory=list, description="Bearer keys of the 'default' tenant (no quotas); no keys and no tenants = no auth")
     api_keys_env: str | None = Field(None, description="Env var with the 'default' tenant's keys (ingress only)")

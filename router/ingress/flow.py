@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import AsyncIterator, Sequence
 
 from cluster.config import AppConfig
@@ -128,6 +128,9 @@ class RequestFlow:
         self.max_migrations = config.fault_tolerance.max_migrations
         mc = ModelConfig.from_dir(config.model)
         self.salt = mc.fingerprint().encode()  # the engines' block-hash salt, before a tenant's part
+        # what a request that leaves temperature/top_p/top_k unset gets (both edges apply it)
+        self.sampling_defaults = {} if config.generation_config == "none" else {
+            k: v for k, v in asdict(mc.generation_defaults).items() if v is not None}
         self.block_size = config.engine.block_size
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
 

@@ -19,8 +19,9 @@ FINISH = {  # the finish reasons a client sees (deadline and rejected become sta
 }
 
 
-def sampling_from_proto(sp: "pb.SamplingParams", default_max_tokens: int) -> SamplingParams:
-    kw = {"max_tokens": sp.max_tokens if sp.HasField("max_tokens") else default_max_tokens}
+def sampling_from_proto(sp: "pb.SamplingParams", default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+    """`defaults`: the model's sampling defaults (RequestFlow.sampling_defaults) for unset fields."""
+    kw = {**(defaults or {}), "max_tokens": sp.max_tokens if sp.HasField("max_tokens") else default_max_tokens}
     for name in ("temperature", "top_p", "top_k", "seed"):
         if sp.HasField(name):
             kw[name] = getattr(sp, name)

@@ -128,9 +128,10 @@ def serving_error_response(e: ServingError) -> JSONResponse:
                           None if retry is None else {"Retry-After": str(retry_after_seconds(retry))})
 
 
-def _sampling(req: _Req, default_max_tokens: int) -> SamplingParams:
+def _sampling(req: _Req, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+    """`defaults`: the model's sampling defaults (RequestFlow.sampling_defaults) for unset fields."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    kw: dict[str, Any] = {"max_tokens": default_max_tokens if max_tokens is None else max_tokens}
+    kw: dict[str, Any] = {**(defaults or {}), "max_tokens": default_max_tokens if max_tokens is None else max_tokens}
     for name in ("temperature", "top_p", "top_k", "seed"):
         value = getattr(req, name)
         if value is not None:
@@ -271,7 +272,7 @@ def build_openai_app() -> FastAPI:
                 prompt, ids = _completion_prompt(body)
             stop = body.stop if isinstance(body.stop, list) else ()
             flow.config.engine.limits.check_counts(len(stop), len(body.stop_token_ids or ()))
-            sp = _sampling(body, flow.config.default_max_tokens)
+            sp = _sampling(body, flow.config.default_max_tokens, flow.sampling_defaults)
             stream = flow.generate(prompt, ids, sp, tenant=tenant, deadline=deadline, messages=messages)
             first = await anext(stream)  # bad input, refusals and early failures become HTTP errors here
         except Exception as e:  # noqa: BLE001
