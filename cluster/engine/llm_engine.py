@@ -25,7 +25,7 @@ from cluster.engine.outputs import EngineLoad, EngineStats, RequestOutput, merge
 from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext, RequestStatus
 from cluster.engine.sampler import RequestFailure
 from cluster.engine.sampling_params import SamplingParams
-from cluster.engine.scheduler import Scheduler
+from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.probe import EngineProbe
 from cluster.engine.tokenizer import IncrementalDetokenizer
 from cluster.engine.validation import RequestValidator
@@ -213,6 +213,16 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------------
 
+    def _time_step(self, out: SchedulerOutput, seconds: float) -> None:
+        st = self.stats
+        st.step_s_avg = _smooth(st.step_s_avg, seconds)
+        if all(c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens for c in out.chunks):
+            st.decode_steps += 1
+            st.decode_step_s_avg = _smooth(st.decode_step_s_avg, seconds)
+        else:
+            st.prompt_steps += 1
+            st.prompt_s_per_token_avg = _smooth(st.prompt_s_per_token_avg, seconds / out.num_tokens)
+
     def step(self) -> list[RequestOutput]:
         expired = [self.final_output(r, [], "") for r in self.scheduler.expire(time.time(), time.monotonic())]
         out = self.scheduler.schedule()
@@ -237,8 +247,7 @@ class LLMEngine:
         self.stats.consecutive_step_errors = 0
         self.stats.last_step_s = time.perf_counter() - t0
         self.stats.busy_s += self.stats.last_step_s
-        avg = self.stats.step_s_avg
-        self.stats.step_s_avg = self.stats.last_step_s if avg == 0 else 0.9 * avg + 0.1 * self.stats.last_step_s
+        self._time_step(out, self.stats.last_step_s)
         if self.probe is not None:
             self.probe.step(out, time.monotonic(), self.stats.last_step_s)
 
@@ -320,3 +329,8 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+
+def _smooth(avg: float, value: float) -> float:
+    """An EWMA over about ten values (the first value starts it)."""
+    return value if avg == 0 else 0.9 * avg + 0.1 * value

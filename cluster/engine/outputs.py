@@ -62,6 +62,13 @@ class EngineStats:
     last_step_s: float = 0.0
     busy_s: float = 0.0  # time spent in steps (tokens_computed / busy_s = throughput when busy)
     step_s_avg: float = 0.0  # step time smoothed over ~10 steps: one long prefill step barely moves it
+    # The slow-replica signals, each over one kind of work, so a replica is not "slow" for having
+    # been given the long prompts: decode-only steps (smoothed step time), and steps computing
+    # prompt tokens (smoothed seconds per token computed).
+    decode_steps: int = 0
+    decode_step_s_avg: float = 0.0
+    prompt_steps: int = 0
+    prompt_s_per_token_avg: float = 0.0
     finished_by_reason: dict[str, int] = field(default_factory=dict)
 
 

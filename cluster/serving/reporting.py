@@ -81,10 +81,16 @@ class LoadReporter:
                            self._step_time(), self._throughput(), failing)
 
     def _step_time(self) -> float:
-        """The slow-replica signal: smoothed step time, or 0 (not measured) during the first
-        WARMUP_STEPS, whose one-time costs would mark a fresh replica slow."""
-        stats = self.engine.stats
-        return stats.step_s_avg if stats.steps >= WARMUP_STEPS else 0.0
+        """The slow-replica signal, compared within a pool: a decode replica's smoothed time of a
+        decode-only step, a prefill replica's smoothed seconds per prompt token. Neither moves
+        when a replica is handed the long prompts (a mixed average did: the replica that had just
+        computed a prompt, and so held its cache, looked slow and lost the next request for it).
+        0 (not measured) during the first WARMUP_STEPS of that kind, whose one-time costs would
+        mark a fresh replica slow."""
+        st = self.engine.stats
+        steps, value = ((st.prompt_steps, st.prompt_s_per_token_avg) if self.pool == "prefill"
+                        else (st.decode_steps, st.decode_step_s_avg))
+        return value if steps >= WARMUP_STEPS else 0.0
 
     def _throughput(self) -> float:
         """Tokens a second while busy, smoothed over reports: the router's queue-wait predictor."""

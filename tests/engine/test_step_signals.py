@@ -1,0 +1,30 @@
+"""The slow-replica signals count one kind of work each: a step that computes prompt tokens
+never moves the decode step average, and a decode-only step never moves the per-prompt-token one
+(a mixed average made the replica that had just computed a prompt, and so held its cache, look
+slow, and the router sent the prompt's next request elsewhere)."""
+
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.sampling_params import SamplingParams
+
+SP = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+
+def test_prompt_steps_and_decode_steps_are_timed_apart(tiny_model):
+    engine = LLMEngine.from_model(tiny_model, num_blocks=32)
+    st = engine.stats
+    engine.add_request("a", prompt_token_ids=[256] + list(range(1, 40)), sampling=SP)
+    engine.step()  # the whole 40-token prompt in one step, which samples the first token
+    assert (st.prompt_steps, st.decode_steps, st.decode_step_s_avg) == (1, 0, 0.0)
+    assert st.prompt_s_per_token_avg == st.last_step_s / 40
+    for _ in range(2):
+        engine.step()
+    per_token, decode_avg = st.prompt_s_per_token_avg, st.decode_step_s_avg
+    assert (st.prompt_steps, st.decode_steps) == (1, 2) and decode_avg > 0
+
+    engine.add_request("b", prompt_token_ids=[256] + list(range(50, 80)), sampling=SP)
+    engine.step()  # b's prompt with a's decode: a prompt step
+    assert (st.prompt_steps, st.decode_steps, st.decode_step_s_avg) == (2, 2, decode_avg)
+    assert st.prompt_s_per_token_avg == 0.9 * per_token + 0.1 * st.last_step_s / 32  # 31 + a decode
+    while engine.has_unfinished():
+        engine.step()
+    assert (st.prompt_steps, st.decode_steps, st.steps) == (2, 5, 7)
