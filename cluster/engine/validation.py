@@ -76,7 +76,8 @@ class RequestValidator:
             raise InvalidRequestError("request_id", "must be printable ASCII without whitespace")
 
     def check_sampling(self, sampling: SamplingParams) -> None:
-        """The caps on a request's stop conditions, and its stop token ids against the vocabulary."""
+        """The caps on a request's stop conditions, logit_bias and logprobs, and its token ids
+        (stop_token_ids, logit_bias keys) against the vocabulary."""
         lim = self.limits
         if len(sampling.stop) > lim.max_stop_strings:
             raise InvalidRequestError(
@@ -90,10 +91,23 @@ class RequestValidator:
         if n_ids > lim.max_stop_token_ids:
             raise InvalidRequestError(
                 "stop_token_ids", f"has {n_ids} token ids; at most {lim.max_stop_token_ids} are accepted")
+        self.check_logit_bias_size(len(sampling.logit_bias))
+        if sampling.logprobs is not None and sampling.logprobs > lim.max_logprobs:
+            raise InvalidRequestError(
+                "logprobs", f"asks for {sampling.logprobs} top logprobs; at most {lim.max_logprobs} are accepted")
         vocab = self.vocab_size
         for t in sampling.stop_token_ids:
             if t >= vocab:
                 raise InvalidRequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab})")
+        for t, _ in sampling.logit_bias:
+            if t >= vocab:
+                raise InvalidRequestError("logit_bias", f"token id {t} is outside the vocabulary [0, {vocab})")
+
+    def check_logit_bias_size(self, n: int) -> None:
+        """The entry cap; the edges call it before converting a client's logit_bias entry by entry."""
+        cap = self.limits.max_logit_bias
+        if n > cap:
+            raise InvalidRequestError("logit_bias", f"has {n} entries; at most {cap} are accepted")
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's token ids; its size is checked first, so the tokenizer never sees a huge one."""
