@@ -67,7 +67,7 @@ class Ingress:
                                                      f"{limits.grpc_max_receive_bytes}")
             deadline = parse_deadline(metadata.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
             prompt, ids, messages = prompt_from_proto(request, limits.max_chat_messages)
-            sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens)
+            sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens, self.flow.validator)
             async for delta in self.flow.generate(prompt, ids, sampling, request.request_id or None,
                                                   tenant=tenant, deadline=deadline, messages=messages):
                 yield delta_to_proto(delta)
