@@ -206,3 +206,12 @@ def test_a_plain_request_is_plain_and_options_are_not():
     assert not SamplingParams(presence_penalty=0.1).plain and SamplingParams(presence_penalty=0.1).penalized
     assert not SamplingParams(logit_bias={1: 1}).plain and not SamplingParams(logit_bias={1: 1}).penalized
     assert not SamplingParams(logprobs=0).plain
+
+
+def test_token_bytes_are_each_tokens_own_bytes(engine):
+    tok = engine.tokenizer
+    text = "héllo wörld ✓"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(t) for t in ids) == text.encode("utf-8")
+    assert tok.token_text(ord("A")) == "A" and tok.token_bytes(0xC3) == b"\xc3" and tok.token_text(0xC3) == "\ufffd"
+    assert tok.token_bytes(300) == b""  # past the tokenizer's vocabulary (the model's is padded)
