@@ -109,14 +109,12 @@ class Sampler:
             idx = torch.tensor([i for i, _ in penalized], device=dev)
             pen = [r for _, r in penalized]
             counts, in_prompt = self._counts.rows(pen, logits.shape[1], dev)  # [P, V] float32, [P, V] bool
-            column = lambda name: torch.tensor([getattr(r.sampling, name) for r in pen], device=dev)[:, None]  # noqa: E731
-            rep, freq, pres = column("repetition_penalty"), column("frequency_penalty"), column("presence_penalty")
-            rows_ = logits[idx]
+            rep, freq, pres = (_column(pen, name, dev)
+                               for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+            x = logits[idx]  # [P, V]
             occurred = counts > 0
-            seen = in_prompt | occurred
-            rows_ = torch.where(seen, torch.where(rows_ > 0, rows_ / rep, rows_ * rep), rows_)
-            rows_ = rows_ - freq * counts - pres * occurred.to(rows_.dtype)
-            logits[idx] = rows_
+            x = torch.where(in_prompt | occurred, torch.where(x > 0, x / rep, x * rep), x)
+            logits[idx] = x - freq * counts - pres * occurred.to(x.dtype)
         return logits, torch.isfinite(logits.amax(dim=-1))
 
     def _bias_of(self, req: Request, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,6 +153,11 @@ class Sampler:
 
 def _is_distribution(probs: torch.Tensor) -> bool:
     return bool(torch.isfinite(probs).all() and (probs >= 0).all() and probs.sum() > 0)
+
+
+def _column(reqs: list[Request], name: str, device: torch.device) -> torch.Tensor:
+    """One sampling parameter of each request, as a [P, 1] column."""
+    return torch.tensor([getattr(r.sampling, name) for r in reqs], device=device)[:, None]
 
 
 def _logprobs(raw: torch.Tensor, reqs: list[Request], rows: list[int],

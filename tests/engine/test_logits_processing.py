@@ -215,3 +215,25 @@ def test_token_bytes_are_each_tokens_own_bytes(engine):
     assert b"".join(tok.token_bytes(t) for t in ids) == text.encode("utf-8")
     assert tok.token_text(ord("A")) == "A" and tok.token_bytes(0xC3) == b"\xc3" and tok.token_text(0xC3) == "\ufffd"
     assert tok.token_bytes(300) == b""  # past the tokenizer's vocabulary (the model's is padded)
+
+
+def test_a_row_its_own_penalty_makes_non_finite_fails_alone():
+    from cluster.engine.request import Request
+    from cluster.engine.sampler import Sampler
+    from cluster.errors import ErrorKind
+
+    logits = torch.zeros(3, 8)
+    logits[0, 2] = 3e38  # finite, but / 0.01 is not: the request's own repetition_penalty breaks it
+    logits[1, 5] = 1.0
+    logits[2, 6] = 1.0
+    reqs = [Request("bad", [2], greedy(repetition_penalty=0.01)), Request("plain", [1], greedy()),
+            Request("biased", [1], greedy(logit_bias={3: 2.0}, logprobs=1))]
+    sampler = Sampler(0)
+    out = sampler.sample(logits, reqs)
+    assert out.tokens == {"plain": 5, "biased": 3}
+    assert out.failed["bad"].kind == ErrorKind.INVALID_INPUT
+    assert out.failed["bad"].reason == "logit_bias and penalties made the logits not finite"
+    assert out.logprobs["biased"].token_id == 3 and out.logprobs["biased"].top[0][0] == 6  # raw: before the bias
+    for r in reqs:
+        sampler.release(r.request_id)
+    assert len(sampler._counts) == 0
