@@ -29,12 +29,14 @@ class DecodeServer(EngineReplica):
         kv_handle: KVHandle | None,
         ctx: RequestContext = DEFAULT_CONTEXT,
         target_replica: str | None = None,  # read by the request router that brought the call here
+        generated: Sequence[int] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas. With a KV handle the prompt's KV is pulled from prefill
-        (the first token was already sent); without one the prompt is prefilled here. Deltas that
-        queue while the caller is busy are merged into one message."""
+        (the first token was already sent); without one the prompt is prefilled here, after it
+        the `generated` tokens (a migrated request's, already sent). Deltas that queue while the
+        caller is busy are merged into one message."""
         def submit():
-            self.role.submit(request_id, prompt_token_ids, sampling, kv_handle, ctx)
+            self.role.submit(request_id, prompt_token_ids, sampling, kv_handle, ctx, generated)
 
         async for out in self.loop.stream(request_id, submit, merge=merge_outputs):
             yield out

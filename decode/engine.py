@@ -72,13 +72,21 @@ class DecodeEngine:
         sampling: SamplingParams,
         handle: KVHandle | None = None,
         ctx: RequestContext = DEFAULT_CONTEXT,
+        generated: Sequence[int] = (),
     ) -> None:
         """Queue a request. Without a handle its prompt is prefilled here; with one, its prompt KV
-        is imported from the prefill engine that sampled its first token. Raises
+        is imported from the prefill engine that sampled its first token. `generated`: output
+        tokens already sent to the client (a migrated request; no handle then): computed here
+        after the prompt, and counted as the request's output (max_tokens, penalties). Raises
         InvalidRequestError (bad input), IncompatiblePeerError, QueueFullError."""
         req = self.engine.make_request(request_id, None, prompt_token_ids, sampling, ctx)
         if handle is None:
-            self.engine.add(req)
+            if generated:
+                if len(generated) >= sampling.max_tokens:
+                    raise ValueError(f"{len(generated)} tokens already generated of max_tokens {sampling.max_tokens}")
+                self.engine.add_after_tokens(req, self.engine.validator.check_token_ids(list(generated)))
+            else:
+                self.engine.add(req)
             return
         if handle.num_prompt_tokens != req.num_prompt_tokens:
             raise ValueError(f"handle covers {handle.num_prompt_tokens} tokens, prompt has {req.num_prompt_tokens}")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.outputs import FinishReason
+from cluster.engine.outputs import FinishReason, TokenLogprob
 from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle
@@ -32,6 +32,7 @@ class PrefillResult:
     first_token: int | None = None
     num_cached_tokens: int = 0  # prompt tokens this prefill engine found in its prefix cache
     finished: bool = True  # one result per request (the async loop's contract)
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs: the first token's
 
 
 class PrefillEngine:
@@ -70,17 +71,18 @@ class PrefillEngine:
                 continue
             held = self.engine.held(out.request_id)
             max_tokens = self._max_tokens.pop(out.request_id, 0)
+            first_lp = out.logprobs[0] if out.logprobs else None
             if held is None:  # error or abort: nothing held
                 results.append(PrefillResult(out.request_id, None, out.finish_reason, out.error))
             elif out.finish_reason == FinishReason.STOP or max_tokens == 1:
                 # The first token already ends the request (EOS, stop token, max_tokens=1).
                 self.engine.release(out.request_id)
                 results.append(PrefillResult(out.request_id, None, out.finish_reason, None,
-                                             out.token_ids[0], out.num_cached_tokens))
+                                             out.token_ids[0], out.num_cached_tokens, first_logprob=first_lp))
             else:
                 handle = self._lease(held)
                 results.append(PrefillResult(out.request_id, handle, None, None, handle.first_token,
-                                             out.num_cached_tokens))
+                                             out.num_cached_tokens, first_logprob=first_lp))
         return results
 
     def _lease(self, req: Request) -> KVHandle:

@@ -29,6 +29,9 @@ class RequestLimits(BaseModel):
     max_stop_strings: int = Field(16, ge=0, description="Most stop strings per request.")
     max_stop_string_len: int = Field(256, ge=1, description="Longest stop string, in characters.")
     max_stop_token_ids: int = Field(64, ge=0, description="Most stop_token_ids per request.")
+    max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries per request.")
+    max_logprobs: int = Field(
+        20, ge=0, description="Most top logprobs per token (chat top_logprobs; completions' own cap is 5).")
     max_prompt_chars: int | None = Field(
         None, ge=1, description=f"Longest text prompt in characters, checked before tokenizing; "
         f"None = {PROMPT_CHARS_PER_TOKEN} per token of the context length.")

@@ -21,7 +21,7 @@ from cluster.engine.kv_cache import BlockHash, KVCacheManager, extend_salt
 from cluster.engine.model.loader import load_model
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.model_runner import ModelRunner
-from cluster.engine.outputs import EngineLoad, EngineStats, RequestOutput, merge_outputs
+from cluster.engine.outputs import EngineLoad, EngineStats, RequestOutput, TokenLogprob, merge_outputs
 from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext, RequestStatus
 from cluster.engine.sampler import RequestFailure
 from cluster.engine.sampling_params import SamplingParams
@@ -180,10 +180,18 @@ class LLMEngine:
     def add_after_first_token(self, req: Request, first_token: int) -> None:
         """Queue a request whose first token was sampled elsewhere: its prompt is computed here
         and it continues after that token (decode without room to import)."""
-        req.append_token(first_token)
+        self.add_after_tokens(req, [first_token])
+
+    def add_after_tokens(self, req: Request, generated: Sequence[int]) -> None:
+        """Queue a request whose first output tokens were produced elsewhere (a first token from
+        prefill, or a migrated request's tokens already sent): prompt and those tokens are
+        computed here, and it continues after them. They count as its output: max_tokens,
+        min_tokens and the penalties see them as the request's own."""
+        for t in generated:
+            req.append_token(t)
         self.add(req)
         self._detok[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, list(req.prompt_token_ids) + [first_token], req.sampling.stop)
+            self.tokenizer, list(req.prompt_token_ids) + list(generated), req.sampling.stop)
 
     # ---- state for load reports, the router's feed and telemetry -------------------------------
 
@@ -266,10 +274,12 @@ class LLMEngine:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             finished = req.status.finished
             text = detok.take(final=finished)
+            lp = sampled.logprobs.get(req.request_id)
+            logprobs = None if lp is None else [lp]
             if finished:
-                outputs.append(self.final_output(req, [token], text))
+                outputs.append(self.final_output(req, [token], text, logprobs))
             else:
-                outputs.append(self._delta(req, [token], text))
+                outputs.append(self._delta(req, [token], text, logprobs))
         return outputs
 
     def _fail(self, failures: dict[str, RequestFailure]) -> list[RequestOutput]:
@@ -284,13 +294,14 @@ class LLMEngine:
             outputs.append(self.final_output(req, [], ""))
         return outputs
 
-    def _delta(self, req: Request, tokens: list[int], text: str) -> RequestOutput:
+    def _delta(self, req: Request, tokens: list[int], text: str, logprobs=None) -> RequestOutput:
         return RequestOutput(
             req.request_id, tokens, text, False, None,
-            req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0),
+            req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), logprobs=logprobs,
         )
 
-    def final_output(self, req: Request, tokens: list[int], text: str) -> RequestOutput:
+    def final_output(self, req: Request, tokens: list[int], text: str,
+                     logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         self._detok.pop(req.request_id, None)
         self.runner.sampler.release(req.request_id)
         reason = req.status.finish_reason
@@ -300,7 +311,7 @@ class LLMEngine:
         kind = req.error_kind or (ErrorKind.INTERNAL if req.status == RequestStatus.FINISHED_ERROR else None)
         return RequestOutput(
             req.request_id, tokens, text, True, reason,
-            req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), req.error, kind,
+            req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), req.error, kind, logprobs,
         )
 
     # ---- convenience -------------------------------------------------------------------------

@@ -23,6 +23,16 @@ class FinishReason(str, enum.Enum):
     __format__ = str.__format__
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model's raw distribution (log-softmax of the
+    logits before bias, penalties and temperature) and the top-k tokens of that distribution."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
 @dataclass
 class RequestOutput:
     """One request's progress in one step (a delta), or its whole result from generate()."""
@@ -37,13 +47,15 @@ class RequestOutput:
     num_cached_tokens: int
     error: str | None = None
     error_kind: ErrorKind | None = None  # set when finish_reason is "error": whose fault it was
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive deltas of one request as one."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
     return RequestOutput(
         b.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason,
-        b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens, b.error, b.error_kind,
+        b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens, b.error, b.error_kind, logprobs,
     )
 
 

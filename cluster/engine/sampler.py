@@ -1,7 +1,15 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a generator per seeded request.
+"""Token sampling: logit bias and penalties, greedy, temperature, min-p, top-k, top-p, logprobs,
+with a generator per seeded request.
 
 A seeded request draws from its own torch.Generator, so its tokens do not depend on what else
 is in the batch: same seed, same tokens.
+
+A step whose requests ask for none of bias, penalties or logprobs (`SamplingParams.plain`) takes
+the plain path, untouched by them. Otherwise bias and penalties are applied to the rows that ask,
+batched: one index_put_ for every row's bias, one gather of the penalised rows' token counts
+(kept per request in one table and updated with the tokens added since the last step), one
+where/sub over them. Logprobs are of the raw logits (before any processing), one log_softmax and
+one topk over the rows that ask.
 
 One request's numbers never fail another: a row whose logits are not finite, or whose
 sampling gives no valid distribution, is reported in `SamplerOutput.failed` and the other rows
@@ -14,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.engine.outputs import TokenLogprob
 from cluster.engine.request import Request
 from cluster.errors import ErrorKind
 
@@ -30,30 +39,44 @@ class RequestFailure:
 class SamplerOutput:
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
     failed: dict[str, RequestFailure] = field(default_factory=dict)  # request id -> why none
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # request id -> its token's, if asked
 
 
 NON_FINITE_LOGITS = RequestFailure(ErrorKind.INTERNAL, "the model's logits are not finite (nan or inf)")
+NON_FINITE_PROCESSED = RequestFailure(
+    ErrorKind.INVALID_INPUT, "logit_bias and penalties made the logits not finite")
 
 
 class Sampler:
     def __init__(self, seed: int):
         self._shared = torch.Generator().manual_seed(seed)
         self._per_request: dict[str, torch.Generator] = {}
+        self._counts = TokenCounts()
+        self._bias: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (ids, biases)
 
     def release(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
+        self._bias.pop(request_id, None)
+        self._counts.release(request_id)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [S, vocab] float32, one row per request -> a token or a failure each."""
         # amax propagates nan, so one reduction finds rows with nan, +inf, or nothing finite.
         finite = torch.isfinite(logits.amax(dim=-1))
-        greedy = torch.where(finite, logits.argmax(dim=-1), -1).tolist()  # -1: not finite (one sync)
+        raw = logits
+        extra = [i for i, r in enumerate(requests) if not r.sampling.plain]
+        if not extra:
+            greedy = torch.where(finite, logits.argmax(dim=-1), -1).tolist()  # -1: not finite (one sync)
+        else:
+            logits, processed_ok = self._process(logits, [requests[i] for i in extra], extra)
+            # -2: the raw row was finite, this request's own bias or penalties broke it
+            greedy = torch.where(finite, torch.where(processed_ok, logits.argmax(dim=-1), -2), -1).tolist()
         out = SamplerOutput()
         cpu_logits = None  # copied once, and only when a row is sampled
         for i, (req, g_tok) in enumerate(zip(requests, greedy)):
             rid = req.request_id
             if g_tok < 0:
-                out.failed[rid] = NON_FINITE_LOGITS
+                out.failed[rid] = NON_FINITE_LOGITS if g_tok == -1 else NON_FINITE_PROCESSED
             elif req.sampling.greedy:
                 out.tokens[rid] = g_tok
             else:
@@ -64,20 +87,57 @@ class Sampler:
                     out.failed[rid] = token
                 else:
                     out.tokens[rid] = token
+        if extra:
+            out.logprobs = _logprobs(raw, [requests[i] for i in extra], extra, out.tokens)
         return out
+
+    def _process(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]):
+        """Bias, then penalties, on the rows that ask (`rows[j]` is `reqs[j]`'s). Returns the
+        processed logits (a copy when any row changed) and which rows are still finite."""
+        biased = [(i, r) for i, r in zip(rows, reqs) if r.sampling.logit_bias]
+        penalized = [(i, r) for i, r in zip(rows, reqs) if r.sampling.penalized]
+        if not biased and not penalized:  # logprobs only
+            return logits, torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+        logits = logits.clone()
+        dev = logits.device
+        if biased:
+            parts = [(i, *self._bias_of(r, dev)) for i, r in biased]
+            index = torch.cat([torch.full_like(ids, i) for i, ids, _ in parts])
+            logits.index_put_((index, torch.cat([ids for _, ids, _ in parts])),
+                              torch.cat([b for _, _, b in parts]), accumulate=True)
+        if penalized:
+            idx = torch.tensor([i for i, _ in penalized], device=dev)
+            pen = [r for _, r in penalized]
+            counts, in_prompt = self._counts.rows(pen, logits.shape[1], dev)  # [P, V] float32, [P, V] bool
+            rep, freq, pres = (_column(pen, name, dev)
+                               for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+            x = logits[idx]  # [P, V]
+            occurred = counts > 0
+            x = torch.where(in_prompt | occurred, torch.where(x > 0, x / rep, x * rep), x)
+            logits[idx] = x - freq * counts - pres * occurred.to(x.dtype)
+        return logits, torch.isfinite(logits.amax(dim=-1))
+
+    def _bias_of(self, req: Request, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._bias.get(req.request_id)
+        if cached is None:
+            ids, biases = zip(*req.sampling.logit_bias)
+            cached = self._bias[req.request_id] = (
+                torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(biases, device=device))
+        return cached
 
     def _draw(self, row: torch.Tensor, req: Request) -> int | RequestFailure:
         sp = req.sampling
         probs = None
         try:
-            probs = _filtered_probs(row, sp.temperature, sp.top_k, sp.top_p)
+            probs = _filtered_probs(row, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
             return int(torch.multinomial(probs, 1, generator=self._generator(req)).item())
         except Exception as e:  # noqa: BLE001 — this request's failure, never the batch's
             if probs is not None and not _is_distribution(probs):
                 # The logits were finite, so the request's own sampling numbers broke them.
                 return RequestFailure(
                     ErrorKind.INVALID_INPUT,
-                    f"sampling parameters (temperature={sp.temperature!r}, top_k={sp.top_k}, top_p={sp.top_p!r}) "
+                    f"sampling parameters (temperature={sp.temperature!r}, top_k={sp.top_k}, top_p={sp.top_p!r}, "
+                    f"min_p={sp.min_p!r}) "
                     f"give no valid probability distribution",
                 )
             return RequestFailure(ErrorKind.INTERNAL, f"sampling failed: {type(e).__name__}: {e}")
@@ -95,10 +155,98 @@ def _is_distribution(probs: torch.Tensor) -> bool:
     return bool(torch.isfinite(probs).all() and (probs >= 0).all() and probs.sum() > 0)
 
 
-def _filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def _column(reqs: list[Request], name: str, device: torch.device) -> torch.Tensor:
+    """One sampling parameter of each request, as a [P, 1] column."""
+    return torch.tensor([getattr(r.sampling, name) for r in reqs], device=device)[:, None]
+
+
+def _logprobs(raw: torch.Tensor, reqs: list[Request], rows: list[int],
+              tokens: dict[str, int]) -> dict[str, TokenLogprob]:
+    """The sampled tokens' raw logprobs and top-k, for the rows that ask: one log_softmax, one
+    gather, one topk (the largest k among them) and one sync."""
+    asks = [(i, r) for i, r in zip(rows, reqs) if r.sampling.logprobs is not None and r.request_id in tokens]
+    if not asks:
+        return {}
+    dev = raw.device
+    lp = torch.log_softmax(raw[torch.tensor([i for i, _ in asks], device=dev)].float(), dim=-1)
+    chosen = torch.tensor([tokens[r.request_id] for _, r in asks], device=dev)
+    k = min(max(r.sampling.logprobs for _, r in asks), lp.shape[1])
+    top_lp, top_ids = lp.topk(k, dim=-1)
+    chosen_lp = lp.gather(1, chosen[:, None])[:, 0].tolist()
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    return {r.request_id: TokenLogprob(tokens[r.request_id], chosen_lp[j],
+                                       tuple(zip(top_ids[j][:r.sampling.logprobs], top_lp[j][:r.sampling.logprobs])))
+            for j, (_, r) in enumerate(asks)}
+
+
+class TokenCounts:
+    """Each penalised request's output-token counts and prompt-token mask, rows of two [slots, V]
+    tables: a request gets a slot when first seen, its counts grow by the tokens it gained since
+    the last step (one accumulate for the whole batch), and release() frees the slot. Output
+    tokens persist through preemption (recompute), so the counts stay right."""
+
+    def __init__(self):
+        self.counts: torch.Tensor | None = None  # [slots, V] float32
+        self.prompt: torch.Tensor | None = None  # [slots, V] bool: token in the prompt
+        self._slot: dict[str, int] = {}
+        self._seen: dict[str, int] = {}  # request id -> output tokens already counted
+        self._free: list[int] = []
+
+    def rows(self, reqs: list[Request], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        slots, new_slots, new_tokens = [], [], []
+        for r in reqs:
+            rid = r.request_id
+            slot = self._slot.get(rid)
+            if slot is None:
+                slot = self._admit(r, vocab, device)
+            out, seen = r.output_token_ids, self._seen[rid]
+            if len(out) > seen:
+                new_tokens += out[seen:]
+                new_slots += [slot] * (len(out) - seen)
+                self._seen[rid] = len(out)
+            slots.append(slot)
+        if new_tokens:
+            self.counts.index_put_(
+                (torch.tensor(new_slots, device=device), torch.tensor(new_tokens, device=device)),
+                torch.ones(len(new_tokens), device=device), accumulate=True)
+        idx = torch.tensor(slots, device=device)
+        return self.counts[idx], self.prompt[idx]
+
+    def _admit(self, req: Request, vocab: int, device: torch.device) -> int:
+        if not self._free:
+            old = 0 if self.counts is None else self.counts.shape[0]
+            size = max(8, 2 * old)
+            counts = torch.zeros(size, vocab, device=device)
+            prompt = torch.zeros(size, vocab, dtype=torch.bool, device=device)
+            if old:
+                counts[:old], prompt[:old] = self.counts, self.prompt
+            self.counts, self.prompt = counts, prompt
+            self._free = list(range(size - 1, old - 1, -1))
+        slot = self._free.pop()
+        self.counts[slot].zero_()
+        self.prompt[slot].zero_()
+        self.prompt[slot, torch.tensor(req.prompt_token_ids, device=device)] = True
+        self._slot[req.request_id], self._seen[req.request_id] = slot, 0
+        return slot
+
+    def release(self, request_id: str) -> None:
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            del self._seen[request_id]
+            self._free.append(slot)
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+
+def _filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                    min_p: float = 0.0) -> torch.Tensor:
     # Shift before scaling: (x - max) / t <= 0 and the top token's is 0, so no temperature can
     # overflow the row (x / t could: 30 / 1e-38 is inf). Softmax is shift-invariant.
     logits = (logits - logits.max()) / temperature
+    if min_p > 0:  # vLLM: drop tokens less likely than min_p x the most likely one
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if 0 < top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

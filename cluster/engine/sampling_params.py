@@ -1,9 +1,18 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters, validated on construction.
+
+Logits processing (vLLM's order): logit_bias is added, then repetition_penalty (over prompt and
+output tokens: positive logits divided, negative multiplied), then frequency and presence
+penalties (OpenAI: over output tokens only, `count * frequency + (count > 0) * presence`
+subtracted); then temperature, min_p (tokens below min_p * the top token's probability dropped),
+top_k, top_p. Logprobs are the model's raw log-softmax, before any of it (vLLM's default).
+Sizes (logit_bias entries, top logprobs) are capped by RequestLimits, checked by the validator.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from cluster.errors import InvalidRequestError
 
@@ -23,6 +32,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # (0, 2]; 1 = off
+    # (token id, bias in [-100, 100]) sorted by id; a dict is accepted and converted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0  # [0, 1]; 0 = off
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
+    # Derived once here, read per row per step by the sampler: "no logits processing and no
+    # logprobs" (the sampler's fast path) and "needs token counts" (penalties).
+    penalized: bool = field(init=False, repr=False, compare=False, default=False)
+    plain: bool = field(init=False, repr=False, compare=False, default=True)
 
     def __post_init__(self):
         _check_int("max_tokens", self.max_tokens, lo=1)
@@ -45,10 +65,41 @@ class SamplingParams:
                 raise InvalidRequestError("stop", f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, lo=0)
+        _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, hi=2.0, lo_open=True)
+        _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        penalized = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+        object.__setattr__(self, "penalized", penalized)
+        object.__setattr__(self, "plain", not penalized and not self.logit_bias and self.logprobs is None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+
+def _bias_pairs(value) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs; ids are checked against the vocabulary and the
+    entry count against RequestLimits by the validator (the edges check the count before this loop)."""
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, Mapping) else _as_tuple("logit_bias", value)
+    pairs = []
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise InvalidRequestError("logit_bias", f"must map token ids to biases, got {item!r}")
+        token, bias = item
+        _check_int("logit_bias", token, lo=0)
+        _check_float("logit_bias", bias, lo=-100.0, hi=100.0)
+        pairs.append((token, float(bias)))
+    pairs.sort()
+    for (a, _), (b, _) in zip(pairs, pairs[1:]):
+        if a == b:
+            raise InvalidRequestError("logit_bias", f"token id {a} appears twice")
+    return tuple(pairs)
 
 
 def _as_tuple(name: str, value) -> tuple:

@@ -41,6 +41,7 @@ class Tokenizer:
         self.chat_templates: dict[str, str] = load_chat_templates(model_dir, self.config)
         self.chat_template: str | None = self.chat_templates.get(DEFAULT)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._byte_level = _is_byte_level(json.loads(path.read_text(encoding="utf-8")).get("decoder"))
 
     def _add_missing_tokens(self, added: dict[str, dict]) -> None:
         """Add what `added_tokens_decoder` lists and tokenizer.json lacks, at the ids it states."""
@@ -64,10 +65,54 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (OpenAI's logprobs `bytes`): a byte-level BPE piece mapped back
+        to its bytes, a byte-fallback piece <0xNN> as that byte, any other piece as UTF-8 with
+        SentencePiece's word mark as a space. Ids the tokenizer lacks (a padded vocabulary): b""."""
+        piece = self._tok.id_to_token(token_id) if token_id < self.vocab_size else None
+        if piece is None:
+            return b""
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (OpenAI's logprobs `token`): its bytes, a partial character as U+FFFD."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # Ids past the tokenizer's vocabulary (padded model vocabularies) decode to nothing.
         ids = [i for i in ids if i < self.vocab_size]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte, inverted."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(
+        range(ord("\xae"), ord("\xff") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_OF_CHAR = _bytes_to_unicode()
+
+
+def _is_byte_level(decoder: dict | None) -> bool:
+    if not decoder:
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    return any(_is_byte_level(d) for d in decoder.get("decoders") or ())
 
 
 def _read_json(path: Path) -> dict:

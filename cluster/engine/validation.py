@@ -76,7 +76,8 @@ class RequestValidator:
             raise InvalidRequestError("request_id", "must be printable ASCII without whitespace")
 
     def check_sampling(self, sampling: SamplingParams) -> None:
-        """The caps on a request's stop conditions, and its stop token ids against the vocabulary."""
+        """The caps on a request's stop conditions, logit_bias and logprobs, and its token ids
+        (stop_token_ids, logit_bias keys) against the vocabulary."""
         lim = self.limits
         lim.check_counts(len(sampling.stop), len(sampling.stop_token_ids))
         for s in sampling.stop:
@@ -84,10 +85,23 @@ class RequestValidator:
                 raise InvalidRequestError(
                     "stop", f"a stop string has {len(s)} characters; at most {lim.max_stop_string_len} are accepted")
             _check_utf8("stop", s)
+        self.check_logit_bias_size(len(sampling.logit_bias))
+        if sampling.logprobs is not None and sampling.logprobs > lim.max_logprobs:
+            raise InvalidRequestError(
+                "logprobs", f"asks for {sampling.logprobs} top logprobs; at most {lim.max_logprobs} are accepted")
         vocab = self.vocab_size
         for t in sampling.stop_token_ids:
             if t >= vocab:
                 raise InvalidRequestError("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab})")
+        for t, _ in sampling.logit_bias:
+            if t >= vocab:
+                raise InvalidRequestError("logit_bias", f"token id {t} is outside the vocabulary [0, {vocab})")
+
+    def check_logit_bias_size(self, n: int) -> None:
+        """The entry cap; the edges call it before converting a client's logit_bias entry by entry."""
+        cap = self.limits.max_logit_bias
+        if n > cap:
+            raise InvalidRequestError("logit_bias", f"has {n} entries; at most {cap} are accepted")
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's token ids; its size is checked first, so the tokenizer never sees a huge one."""

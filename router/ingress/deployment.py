@@ -82,7 +82,8 @@ class Ingress:
             deadline = parse_deadline(metadata.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
             prompt, ids, messages = prompt_from_proto(request, limits.max_chat_messages)
             self.config.engine.limits.check_counts(len(request.sampling.stop), len(request.sampling.stop_token_ids))
-            sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens, self.flow.sampling_defaults)
+            sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens, self.flow.validator,
+                                           self.flow.sampling_defaults)
             async for delta in self.flow.generate(prompt, ids, sampling, request.request_id or None,
                                                   tenant=tenant, deadline=deadline, messages=messages):
                 yield delta_to_proto(delta)

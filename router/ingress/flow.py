@@ -30,7 +30,7 @@ from cluster.config import AppConfig
 from cluster.engine.chat_template import render_chat
 from cluster.engine.kv_cache import extend_salt, hash_request_blocks
 from cluster.engine.model_config import ModelConfig
-from cluster.engine.outputs import FinishReason, RequestOutput
+from cluster.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from cluster.engine.request import RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -54,6 +54,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 class _Stream:
@@ -66,13 +67,14 @@ class _Stream:
         self.generated: list[int] = []  # every token sent to the client, in order
         self.cached = 0  # prompt tokens found in a prefix cache
 
-    def delta(self, tokens: list[int], final_reason: str | None) -> Delta:
+    def delta(self, tokens: list[int], final_reason: str | None,
+              logprobs: list[TokenLogprob] | None = None) -> Delta:
         for t in tokens:
             self.detok.add(t)
         self.generated.extend(tokens)
         reason = FinishReason.STOP if self.detok.stopped else final_reason
         return Delta(self.rid, self.detok.take(final=reason is not None), tokens, reason, self.num_prompt_tokens,
-                     len(self.generated), self.cached)
+                     len(self.generated), self.cached, logprobs)
 
 
 def make_validator(config: AppConfig) -> RequestValidator:
@@ -246,9 +248,10 @@ class RequestFlow:
         if result is None:
             return None
         stream.cached = result.num_cached_tokens
+        first_lp = None if result.first_logprob is None else [result.first_logprob]
         if result.handle is None:  # the first token ends it
-            return stream.delta([result.first_token], result.finish_reason), None
-        d = stream.delta([result.handle.first_token], None)
+            return stream.delta([result.first_token], result.finish_reason, first_lp), None
+        d = stream.delta([result.handle.first_token], None, first_lp)
         if d.finish_reason is not None:  # a stop string in the first token's text
             await self._release(rid, result.handle.engine_id)
         return d, result.handle
@@ -256,22 +259,20 @@ class RequestFlow:
     async def _decode_legs(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
                            kv_handle, decode_target: str | None, stream: "_Stream") -> AsyncIterator[Delta]:
         """The decode leg, and its migrations. If its replica dies, another decode replica gets
-        the prompt plus every token sent so far (prefilled there) and produces the rest, so the
+        the prompt and every token sent so far, as the request's output (prefilled there: max_tokens,
+        min_tokens and the penalties count them as before), and produces the rest, so the
         client's stream goes on without a gap or a repeat (greedy output is identical; a seeded
         sampler restarts its random stream at the migration)."""
         generated = stream.generated
-        leg_rid, leg_ids, leg_sampling = rid, ids, sampling
+        leg_rid, leg_generated = rid, []
         for migration in range(self.max_migrations + 1):
             if migration:
-                leg_rid = f"{rid}.m{migration}"
-                leg_ids = list(ids) + generated
-                leg_sampling = replace(sampling, max_tokens=sampling.max_tokens - len(generated),
-                                       min_tokens=max(0, sampling.min_tokens - len(generated)))
+                leg_rid, leg_generated = f"{rid}.m{migration}", list(generated)
                 log.warning("decode replica of %s died after %d tokens; migrating (%d of %d)",
                             rid, len(generated), migration, self.max_migrations)
             try:
-                async for d in self._decode(leg_rid, leg_ids, leg_sampling, kv_handle, ctx, decode_target,
-                                            stream, len(leg_ids) - len(ids)):
+                async for d in self._decode(leg_rid, ids, sampling, kv_handle, ctx, decode_target,
+                                            stream, leg_generated):
                     if kv_handle is None and migration == 0:
                         stream.cached = d.cached_prompt_tokens
                     d.cached_prompt_tokens = stream.cached  # a migrated leg's count covers tokens already sent
@@ -289,15 +290,15 @@ class RequestFlow:
             raise ServingError(Code.INTERNAL, f"decode stream for {rid} ended without a finish")
 
     async def _decode(self, rid: str, ids: list[int], sampling: SamplingParams, kv_handle, ctx: RequestContext,
-                      target: str | None, client: "_Stream", sent_before: int) -> AsyncIterator[Delta]:
+                      target: str | None, client: "_Stream", generated: list[int]) -> AsyncIterator[Delta]:
         """One decode leg: stream the replica's outputs as deltas. Raises _ReplicaDied when the
         replica is lost (the caller migrates), ServingError for the request's own failures.
-        `sent_before`: tokens sent by earlier legs (a migrated leg's prompt carries them)."""
+        `generated`: tokens sent by earlier legs (the replica's output counts include them)."""
         from ray.exceptions import ActorUnavailableError, RayActorError  # noqa: PLC0415
 
         try:
             replies = self.decode.options(stream=True).generate.remote(
-                rid, ids, sampling, kv_handle, ctx, target_replica=target)
+                rid, ids, sampling, kv_handle, ctx, target_replica=target, generated=generated)
         except Exception as e:  # noqa: BLE001
             raise ServingError(Code.UNAVAILABLE, f"no decode replica: {e}") from e
         finished = pulled = False
@@ -306,8 +307,8 @@ class RequestFlow:
                 out: RequestOutput
                 pulled = True
                 if out.finish_reason in FAILED:
-                    raise _ended(rid, out.finish_reason, out.error, sent_before + out.num_output_tokens, out.error_kind)
-                d = client.delta(out.token_ids, out.finish_reason if out.finished else None)
+                    raise _ended(rid, out.finish_reason, out.error, out.num_output_tokens, out.error_kind)
+                d = client.delta(out.token_ids, out.finish_reason if out.finished else None, out.logprobs)
                 if kv_handle is None:  # the prompt was computed on this replica: what its cache saved
                     d.cached_prompt_tokens = out.num_cached_tokens
                 if d.finish_reason is not None:

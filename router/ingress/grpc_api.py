@@ -7,6 +7,7 @@ import grpc
 
 from cluster.engine.outputs import FinishReason
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.validation import RequestValidator
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.ingress.flow import Delta
@@ -19,16 +20,20 @@ FINISH = {  # the finish reasons a client sees (deadline and rejected become sta
 }
 
 
-def sampling_from_proto(sp: "pb.SamplingParams", default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+def sampling_from_proto(sp: "pb.SamplingParams", default_max_tokens: int, validator: RequestValidator,
+                        defaults: dict | None = None) -> SamplingParams:
     """`defaults`: the model's sampling defaults (RequestFlow.sampling_defaults) for unset fields."""
     kw = {**(defaults or {}), "max_tokens": sp.max_tokens if sp.HasField("max_tokens") else default_max_tokens}
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_p", "logprobs"):
         if sp.HasField(name):
             kw[name] = getattr(sp, name)
     if sp.HasField("max_tokens") and sp.max_tokens == 0:
         raise InvalidRequestError("max_tokens", "must be >= 1, got 0")
+    validator.check_logit_bias_size(len(sp.logit_bias))  # before the entries are looked at
     return SamplingParams(
         **kw, stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        logit_bias=dict(sp.logit_bias),
     )
 
 
@@ -54,6 +59,9 @@ def prompt_from_proto(req: "pb.GenerateRequest", max_chat_messages: int) -> tupl
 def delta_to_proto(d: Delta) -> "pb.GenerateResponse":
     resp = pb.GenerateResponse(request_id=d.request_id, text=d.text, token_ids=d.token_ids,
                                finish_reason=FINISH[d.finish_reason])
+    for lp in d.logprobs or ():
+        resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                          top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
     if d.finish_reason is not None:
         resp.usage.CopyFrom(pb.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
                                      cached_prompt_tokens=d.cached_prompt_tokens))

@@ -61,9 +61,10 @@ def _neutral(*allowed):
 
 
 # Fields outside these models are refused (400 naming the field: `extra="forbid"`). Accepted but
-# not implemented, at a value that changes nothing: n 1, best_of 1, echo false, logprobs
-# null/false/0, penalties 0, logit_bias {}, response_format {"type": "text"}. Accepted and ignored
-# (they never change the output): user, metadata. README: "OpenAI fields".
+# not implemented, at a value that changes nothing: n 1, best_of 1, echo false,
+# response_format {"type": "text"}. Accepted and ignored (they never change the output): user,
+# metadata. README: "OpenAI fields".
+COMPLETIONS_MAX_LOGPROBS = 5  # OpenAI's bound on /v1/completions `logprobs` (chat: RequestLimits.max_logprobs)
 class _Req(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -83,10 +84,12 @@ class _Req(BaseModel):
     metadata: dict[str, str] | None = Field(None, max_length=16)
     n: Annotated[Int, _neutral(1)] = 1
     best_of: Annotated[Int | None, _neutral(None, 1)] = None
-    logprobs: Annotated[Any, _neutral(None, False, 0)] = None
-    presence_penalty: Annotated[Float | None, _neutral(None, 0, 0.0)] = None
-    frequency_penalty: Annotated[Float | None, _neutral(None, 0, 0.0)] = None
-    logit_bias: Annotated[dict | None, _neutral(None, {})] = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None  # vLLM's extension
+    min_p: Float | None = None  # vLLM's extension
+    # Token id (a decimal string, as JSON keys are) -> bias; checked by _logit_bias, count first.
+    logit_bias: dict | None = None
     response_format: Annotated[dict | None, _neutral(None, {"type": "text"})] = None
 
 
@@ -98,6 +101,7 @@ class StreamOptions(BaseModel):
 class CompletionRequest(_Req):
     prompt: str | list[Int] | list[str] | list[list[Int]]
     echo: Annotated[bool, _neutral(False)] = False
+    logprobs: Int | None = None  # top logprobs per token, 0..5 (and the sampled token's)
 
 
 class ChatMessage(BaseModel):
@@ -108,6 +112,8 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Req):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: Int | None = None  # 0..max_logprobs, with logprobs true
 
 
 _Req.model_rebuild()
@@ -128,17 +134,49 @@ def serving_error_response(e: ServingError) -> JSONResponse:
                           None if retry is None else {"Retry-After": str(retry_after_seconds(retry))})
 
 
-def _sampling(req: _Req, default_max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+def _sampling(req: _Req, default_max_tokens: int, validator, defaults: dict | None = None) -> SamplingParams:
     """`defaults`: the model's sampling defaults (RequestFlow.sampling_defaults) for unset fields."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     kw: dict[str, Any] = {**(defaults or {}), "max_tokens": default_max_tokens if max_tokens is None else max_tokens}
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_p"):
         value = getattr(req, name)
         if value is not None:
             kw[name] = value
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return SamplingParams(**kw, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
-                          ignore_eos=req.ignore_eos)
+                          ignore_eos=req.ignore_eos, logit_bias=_logit_bias(req.logit_bias, validator),
+                          logprobs=_logprobs_k(req, validator.limits.max_logprobs))
+
+
+def _logit_bias(raw: dict | None, validator) -> dict[int, Any]:
+    """OpenAI's logit_bias (keys are token ids as strings): the entry count is checked before
+    any entry is looked at; SamplingParams and the validator check the biases and ids."""
+    if not raw:
+        return {}
+    validator.check_logit_bias_size(len(raw))
+    out = {}
+    for key, bias in raw.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise InvalidRequestError("logit_bias", f"key {key[:32]!r} is not a token id (a non-negative integer)")
+        out[int(key)] = bias
+    return out
+
+
+def _logprobs_k(req: _Req, max_logprobs: int) -> int | None:
+    """How many top logprobs per token the request asks for; None when it asks for none."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+            if not 0 <= req.top_logprobs <= max_logprobs:
+                raise InvalidRequestError("top_logprobs", f"must be in [0, {max_logprobs}], got {req.top_logprobs}")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    k = req.logprobs
+    cap = min(COMPLETIONS_MAX_LOGPROBS, max_logprobs)
+    if k is not None and not 0 <= k <= cap:
+        raise InvalidRequestError("logprobs", f"must be in [0, {cap}], got {k}")
+    return k
 
 
 # The replica's flow and idempotency runner. Reached through module-level functions (pickled by
@@ -272,7 +310,7 @@ def build_openai_app() -> FastAPI:
                 prompt, ids = _completion_prompt(body)
             stop = body.stop if isinstance(body.stop, list) else ()
             flow.config.engine.limits.check_counts(len(stop), len(body.stop_token_ids or ()))
-            sp = _sampling(body, flow.config.default_max_tokens, flow.sampling_defaults)
+            sp = _sampling(body, flow.config.default_max_tokens, flow.validator, flow.sampling_defaults)
             stream = flow.generate(prompt, ids, sp, tenant=tenant, deadline=deadline, messages=messages)
             first = await anext(stream)  # bad input, refusals and early failures become HTTP errors here
         except Exception as e:  # noqa: BLE001
@@ -357,20 +395,24 @@ async def _respond(flow, body: _Req, stream: AsyncIterator[Delta], first: Delta,
     rid = ("chatcmpl-" if chat else "cmpl-") + first.request_id
     created = int(time.time())
     model = flow.config.model_name
+    shaper = _Logprobs(flow.tokenizer, chat) if _asks_logprobs(body) else None
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_sse(stream, first, rid, created, model, chat, include_usage),
+        return StreamingResponse(_sse(stream, first, rid, created, model, chat, include_usage, shaper),
                                  media_type="text/event-stream")
-    text, last = first.text, first
+    text, last, logprobs = first.text, first, list(first.logprobs or ())
     try:
         async for d in stream:
             text += d.text
             last = d
+            logprobs += d.logprobs or ()
     except ServingError as e:
         return serving_error_response(e)
     usage = _usage(last)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
-              if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason})
+    lp = None if shaper is None else shaper.shape(logprobs)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+               "finish_reason": last.finish_reason}
+              if chat else {"index": 0, "text": text, "logprobs": lp, "finish_reason": last.finish_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": [choice], "usage": usage}
 
@@ -381,15 +423,53 @@ def _usage(d: Delta) -> dict:
             "prompt_tokens_details": {"cached_tokens": d.cached_prompt_tokens}}
 
 
-async def _sse(stream, first: Delta, rid, created, model, chat: bool, include_usage: bool):
+def _asks_logprobs(body: _Req) -> bool:
+    return bool(body.logprobs) if isinstance(body, ChatRequest) else body.logprobs is not None
+
+
+class _Logprobs:
+    """Engine logprobs (token ids) -> OpenAI's shapes. Chat: `{"content": [{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}]}`; completions: `{tokens, token_logprobs,
+    top_logprobs: [{token: logprob}] (the top k and the sampled token), text_offset}`. Offsets
+    count the tokens' text from the start of the completion, across a stream's chunks."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tok = tokenizer
+        self.chat = chat
+        self.offset = 0
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        raw = self.tok.token_bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def shape(self, logprobs) -> dict | None:
+        if self.chat:
+            return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                                 "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in logprobs]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in logprobs:
+            text = self.tok.token_text(lp.token_id)
+            top = {self.tok.token_text(t): v for t, v in lp.top}
+            top.setdefault(text, lp.logprob)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+async def _sse(stream, first: Delta, rid, created, model, chat: bool, include_usage: bool,
+               shaper: "_Logprobs | None" = None):
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(d: Delta, role: bool = False) -> str:
+        lp = None if shaper is None or not d.logprobs else shaper.shape(d.logprobs)
         if chat:
             delta = {"role": "assistant", "content": d.text} if role else {"content": d.text}
-            choice = {"index": 0, "delta": delta, "finish_reason": d.finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
         else:
-            choice = {"index": 0, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+            choice = {"index": 0, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
         payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
         if include_usage:
             payload["usage"] = None

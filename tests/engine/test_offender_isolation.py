@@ -170,8 +170,8 @@ def test_sampler_blames_the_request_when_its_own_sampling_breaks_finite_logits(m
     # transform that does is the request's fault, so simulate one from outside.
     filtered = sampler_module._filtered_probs
 
-    def broken_for_temperature_0_77(logits, temperature, top_k, top_p):
-        probs = filtered(logits, temperature, top_k, top_p)
+    def broken_for_temperature_0_77(logits, temperature, top_k, top_p, min_p):
+        probs = filtered(logits, temperature, top_k, top_p, min_p)
         return torch.full_like(probs, float("nan")) if temperature == 0.77 else probs
 
     monkeypatch.setattr(sampler_module, "_filtered_probs", broken_for_temperature_0_77)
@@ -180,4 +180,4 @@ def test_sampler_blames_the_request_when_its_own_sampling_breaks_finite_logits(m
     assert set(out.tokens) == {"good"}
     assert out.failed["bad"].kind == ErrorKind.INVALID_INPUT
     assert out.failed["bad"].reason == (
-        "sampling parameters (temperature=0.77, top_k=0, top_p=1.0) give no valid probability distribution")
+        "sampling parameters (temperature=0.77, top_k=0, top_p=1.0, min_p=0.0) give no valid probability distribution")

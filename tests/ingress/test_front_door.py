@@ -326,12 +326,9 @@ def test_a_bad_content_part_is_400_naming_it(app, content, param):
     ("/v1/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "auto"),
-    ("/v1/completions", "logit_bias", {"5": 10}),
-    ("/v1/completions", "presence_penalty", 0.5),
-    ("/v1/completions", "frequency_penalty", 1.0),
     ("/v1/completions", "best_of", 2),
-    ("/v1/completions", "logprobs", 2),
     ("/v1/completions", "n", 2),
+    ("/v1/chat/completions", "n", 3),
     ("/v1/completions", "echo", True),
     ("/v1/completions", "suffix", "x"),
     ("/v1/chat/completions", "parallel_tool_calls", True),
@@ -349,6 +346,54 @@ def test_neutral_values_and_harmless_fields_are_accepted(app):
             "metadata": {"k": "v"}, "response_format": {"type": "text"}, "stream_options": {"include_usage": True}}
     status, err = asgi(app, "/v1/completions", json.dumps(body).encode())
     assert status == 503, err  # past validation and admission: this test has no decode pool
+
+
+@pytest.mark.parametrize("path, fields", [
+    ("/v1/completions", {"logit_bias": {"5": 10, "319": -100}, "presence_penalty": 0.5, "frequency_penalty": -1.0,
+                         "repetition_penalty": 1.2, "min_p": 0.1, "logprobs": 5}),
+    ("/v1/chat/completions", {"logit_bias": {"0": 100}, "presence_penalty": 2, "logprobs": True, "top_logprobs": 20}),
+    ("/v1/chat/completions", {"logprobs": False}),
+])
+def test_the_sampling_fields_we_implement_are_accepted(app, path, fields):
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    status, err = asgi(app, path, json.dumps({**body, **fields}).encode())
+    assert status == 503, err  # past validation (engine validator included) and admission; no decode pool
+
+
+@pytest.mark.parametrize("path, fields, param, message", [
+    ("/v1/completions", {"logit_bias": {"5": 1000}}, "logit_bias", "must be in [-100.0, 100.0], got 1000"),
+    ("/v1/completions", {"logit_bias": {"x5": 1}}, "logit_bias", "key 'x5' is not a token id (a non-negative integer)"),
+    ("/v1/completions", {"logit_bias": {"-5": 1}}, "logit_bias", "key '-5' is not a token id (a non-negative integer)"),
+    ("/v1/completions", {"logit_bias": {"5": "a"}}, "logit_bias", "must be a number, got 'a'"),
+    ("/v1/completions", {"logit_bias": {"320": 1}}, "logit_bias", "token id 320 is outside the vocabulary [0, 320)"),
+    ("/v1/completions", {"presence_penalty": 3}, "presence_penalty", "must be in [-2.0, 2.0], got 3.0"),
+    ("/v1/chat/completions", {"frequency_penalty": -2.01}, "frequency_penalty", "must be in [-2.0, 2.0], got -2.01"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty", "must be in (0.0, 2.0], got 0.0"),
+    ("/v1/completions", {"min_p": 1.5}, "min_p", "must be in [0.0, 1.0], got 1.5"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs", "must be in [0, 5], got 6"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs", "must be in [0, 5], got -1"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20], got 21"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+])
+def test_bad_sampling_values_are_400_naming_the_field_and_the_limit(app, path, fields, param, message):
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    status, err = asgi(app, path, json.dumps({**body, **fields}).encode())
+    assert (status, err["error"]["param"], err["error"]["message"]) == (400, param, f"{param}: {message}"), err
+
+
+def test_ten_thousand_logit_bias_entries_are_refused_by_their_count(tiny_model):
+    from router.ingress import openai_api
+    from router.ingress.flow import RequestFlow
+
+    cfg = AppConfig.model_validate({"model": tiny_model})  # the default body cap (4 MiB) lets it in
+    openai_api.bind_replica(RequestFlow(cfg, None, None), None)
+    try:
+        body = {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(10_000)}}
+        status, err = asgi(openai_api.build_openai_app(), "/v1/completions", json.dumps(body).encode())
+    finally:
+        openai_api._replica.clear()
+    assert (status, err["error"]["param"]) == (400, "logit_bias")
+    assert err["error"]["message"] == "logit_bias: has 10000 entries; at most 300 are accepted"
 
 
 def test_a_long_timeout_header_is_400_naming_it(app):

@@ -33,15 +33,16 @@ def test_the_flow_reads_the_checkpoints_defaults_or_none(model, tiny_model):
 
 
 def test_both_edges_fill_only_the_unset_fields(model):
-    defaults = flow(model).sampling_defaults
-    unset = sampling_from_proto(pb.SamplingParams(max_tokens=4), 16, defaults)
+    f = flow(model)
+    defaults, v = f.sampling_defaults, f.validator
+    unset = sampling_from_proto(pb.SamplingParams(max_tokens=4), 16, v, defaults)
     assert (unset.temperature, unset.top_p, unset.top_k, unset.max_tokens) == (0.6, 0.9, 20, 4)
-    chosen = sampling_from_proto(pb.SamplingParams(temperature=0.0, top_k=0), 16, defaults)
+    chosen = sampling_from_proto(pb.SamplingParams(temperature=0.0, top_k=0), 16, v, defaults)
     assert (chosen.temperature, chosen.top_p, chosen.top_k, chosen.max_tokens) == (0.0, 0.9, 0, 16)
 
-    unset = _sampling(CompletionRequest(prompt="hi"), 16, defaults)
+    unset = _sampling(CompletionRequest(prompt="hi"), 16, v, defaults)
     assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.9, 20)
-    chosen = _sampling(CompletionRequest(prompt="hi", temperature=1.0, top_p=0.5), 16, defaults)
+    chosen = _sampling(CompletionRequest(prompt="hi", temperature=1.0, top_p=0.5), 16, v, defaults)
     assert (chosen.temperature, chosen.top_p, chosen.top_k) == (1.0, 0.5, 20)
-    plain = _sampling(CompletionRequest(prompt="hi"), 16, {})
+    plain = _sampling(CompletionRequest(prompt="hi"), 16, v, {})
     assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)

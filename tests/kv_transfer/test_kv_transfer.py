@@ -240,3 +240,37 @@ def test_a_registry_that_does_not_answer_is_a_failed_pull(tiny_model, store, ref
     finally:
         transport.close()
         proc.close()
+
+
+def test_penalties_bias_and_logprobs_span_prefill_and_decode(prefill, decode, tiny_model):
+    """The first token is sampled in the prefill process (bias and repetition penalty apply to it;
+    its logprobs come back in the result), the rest on decode, whose penalty counts start from
+    that first token; a migrated leg (the tokens already sent, no handle) goes on identically."""
+    import torch
+
+    from tests.engine.test_logits_processing import PROMPT, reference_greedy
+    from tests.reference import hf_last_logits
+
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3, presence_penalty=0.3,
+                        frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={65: -100.0, 223: 1.5})
+    expected = reference_greedy(tiny_model, PROMPT, sp, 12)
+    res = prefill.prefill("pen", PROMPT, sp)
+    tokens, logprobs = [res.handle.first_token], [res.first_logprob]
+    decode.submit("pen", PROMPT, sp, res.handle)
+    while decode.has_unfinished():
+        for out in decode.step():
+            tokens += out.token_ids
+            logprobs += out.logprobs or []
+    assert tokens == expected
+    assert [lp.token_id for lp in logprobs] == tokens
+    for i, lp in enumerate(logprobs):
+        ref = torch.log_softmax(hf_last_logits(tiny_model, PROMPT + tokens[:i]), dim=-1)
+        assert abs(lp.logprob - float(ref[tokens[i]])) < 1e-4, i
+        assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist(), i
+
+    decode.submit("pen.m1", PROMPT, sp, None, generated=tokens[:5])
+    rest = []
+    while decode.has_unfinished():
+        rest += [t for out in decode.step() for t in out.token_ids]
+    assert rest == expected[5:]
+    assert_pools_whole(prefill, decode)

@@ -1,0 +1,156 @@
+"""Penalties, logit_bias and logprobs through the real app in disaggregated mode, with the official
+`openai` client: every request is prefilled remotely (local_prefill_threshold 0), so the first
+token is sampled on the prefill replica and the rest on decode. Tokens equal the engine-level
+reference over transformers' logits (tests/engine/test_logits_processing.py); logprobs equal
+transformers' log_softmax within 1e-4, the first token's included."""
+
+import grpc
+import openai
+import pytest
+import torch
+
+from cluster.config import AppConfig
+from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.tokenizer import Tokenizer
+from cluster.tools.netutil import free_port
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.ingress.flow import RequestFlow
+from tests.engine.test_logits_processing import PROMPT, reference_greedy
+from tests.helpers import pool_loads, wait_pools_whole
+from tests.reference import hf_last_logits
+
+N = 12
+PENALISED = dict(presence_penalty=0.3, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={65: -100.0, 223: 1.5})
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, tiny_model):
+    from ray import serve
+
+    import cluster.app.builder as serve_app
+
+    cfg = AppConfig(
+        model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
+        engine={"num_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
+        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 0},
+    )
+    serve_app.start(cfg)
+    yield cfg
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://localhost:{server.http_port}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return Tokenizer(tiny_model)
+
+
+def reference_logprobs(model: str, prompt: list[int], tokens: list[int], k: int):
+    """Per token: (its logprob, the top k (id, logprob)) under transformers' raw distribution."""
+    out = []
+    for i, t in enumerate(tokens):
+        lp = torch.log_softmax(hf_last_logits(model, prompt + tokens[:i]), dim=-1)
+        top = lp.topk(k)
+        out.append((float(lp[t]), list(zip(top.indices.tolist(), top.values.tolist()))))
+    return out
+
+
+def test_penalties_and_logit_bias_change_the_output_as_the_reference_does(server, client, tiny_model, tok):
+    pulls = pool_loads()["decode"]["transfer"]["pulls_ok"]
+    sp = SamplingParams(max_tokens=N, temperature=0, ignore_eos=True, **PENALISED)
+    expected = reference_greedy(tiny_model, PROMPT, sp, N)
+    plain = reference_greedy(tiny_model, PROMPT, SamplingParams(max_tokens=N, temperature=0), N)
+    assert expected[0] != plain[0]  # the bias changes the first token: the one prefill samples
+
+    got = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=N, temperature=0, presence_penalty=0.3, frequency_penalty=0.4,
+        logit_bias={"65": -100, "223": 1.5}, extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+    assert got.choices[0].text == tok.decode(expected) != tok.decode(plain)
+    assert (got.usage.completion_tokens, got.choices[0].finish_reason) == (N, "length")
+
+    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
+        responses = list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(
+                max_tokens=N, temperature=0, ignore_eos=True, presence_penalty=0.3, frequency_penalty=0.4,
+                repetition_penalty=1.3, logit_bias={65: -100.0, 223: 1.5})), timeout=60))
+    assert [t for r in responses for t in r.token_ids] == expected  # float32 on the wire: same tokens
+    assert pool_loads()["decode"]["transfer"]["pulls_ok"] >= pulls + 2  # both prefilled remotely
+    wait_pools_whole()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_logprobs_equal_transformers(client, tiny_model, tok, stream):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0, logprobs=5, extra_body={"ignore_eos": True})
+    if stream:
+        lps = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for chunk in client.completions.create(stream=True, **kw):
+            if chunk.choices and chunk.choices[0].logprobs is not None:
+                for key in lps:
+                    lps[key] += getattr(chunk.choices[0].logprobs, key)
+    else:
+        lp = client.completions.create(**kw).choices[0].logprobs
+        lps = {key: getattr(lp, key) for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    tokens = reference_greedy(tiny_model, PROMPT, SamplingParams(max_tokens=N, temperature=0), N)
+    ref = reference_logprobs(tiny_model, PROMPT, tokens, 5)
+    assert lps["tokens"] == [tok.token_text(t) for t in tokens]
+    texts = [tok.token_text(t) for t in tokens]
+    assert lps["text_offset"] == [sum(len(x) for x in texts[:i]) for i in range(N)]
+    for i, ((lp, top), got_lp, got_top) in enumerate(zip(ref, lps["token_logprobs"], lps["top_logprobs"])):
+        assert abs(got_lp - lp) < 1e-4, i
+        want = {tok.token_text(t): v for t, v in top}  # the top 5 and the sampled token, keyed by text
+        want.setdefault(tok.token_text(tokens[i]), lp)
+        assert set(got_top) == set(want), i
+        assert max(abs(got_top[key] - want[key]) for key in want) < 1e-4, i
+    wait_pools_whole()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_equal_transformers(client, server, tiny_model, tok, stream):
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=N, temperature=0, logprobs=True, top_logprobs=3,
+              extra_body={"ignore_eos": True})
+    if stream:
+        content = []
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            if chunk.choices and chunk.choices[0].logprobs is not None:
+                content += chunk.choices[0].logprobs.content
+    else:
+        content = client.chat.completions.create(**kw).choices[0].logprobs.content
+    prompt = RequestFlow(AppConfig(model=tiny_model), None, None).chat_ids(MESSAGES)
+    tokens = reference_greedy(tiny_model, prompt, SamplingParams(max_tokens=N, temperature=0), N)
+    ref = reference_logprobs(tiny_model, prompt, tokens, 3)
+    assert [(c.token, c.bytes) for c in content] == [(tok.token_text(t), list(tok.token_bytes(t))) for t in tokens]
+    for i, (c, (lp, top)) in enumerate(zip(content, ref)):
+        assert abs(c.logprob - lp) < 1e-4, i
+        assert [(e.token, e.bytes) for e in c.top_logprobs] == [(tok.token_text(t), list(tok.token_bytes(t)))
+                                                              for t, _ in top], i
+        assert max(abs(e.logprob - v) for e, (_, v) in zip(c.top_logprobs, top)) < 1e-4, i
+    wait_pools_whole()
+
+
+@pytest.mark.parametrize("path_kw, param", [
+    (dict(prompt=PROMPT, logit_bias={str(i): 1 for i in range(10_000)}), "logit_bias"),
+    (dict(prompt=PROMPT, logit_bias={"5": 1000}), "logit_bias"),
+    (dict(prompt=PROMPT, logit_bias={"five": 1}), "logit_bias"),
+    (dict(prompt=PROMPT, presence_penalty=3), "presence_penalty"),
+    (dict(messages=MESSAGES, logprobs=True, top_logprobs=21), "top_logprobs"),
+])
+def test_bad_values_are_400_naming_the_field(client, path_kw, param):
+    create = client.chat.completions.create if "messages" in path_kw else client.completions.create
+    with pytest.raises(openai.BadRequestError) as e:
+        create(model="tiny", max_tokens=2, **path_kw)
+    assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+def test_a_bad_value_over_grpc_is_invalid_argument(server):
+    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(logprobs=21)), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "logprobs: asks for 21 top logprobs; at most 20 are accepted"
