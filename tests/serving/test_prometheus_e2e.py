@@ -156,7 +156,11 @@ def test_dashboard_and_rules_return_series_and_injected_faults_fire_the_page_ale
     try:
         wait_for(all_have_series, "every dashboard query and recording rule to return a series", timeout=45)
     except AssertionError:
-        assert empty == []
+        # say why: the scrape targets' health and what Prometheus holds of pdserve at all
+        targets = [(t["scrapeUrl"], t["health"], t["lastError"])
+                   for t in prometheus.get("/api/v1/targets")["activeTargets"]]
+        names = sorted({r["metric"]["__name__"] for r in prometheus.series('{__name__=~"ray_pdserve_.*"}')})
+        assert empty == [], f"targets {targets}; pdserve series held: {names}"
 
     # three faults at once, under 16 streams (half prefilled remotely, half on decode):
     # - every decode step 0.15 s: the decode-prefilled requests break ITL (99% of intervals <= 0.1 s);
