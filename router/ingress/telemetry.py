@@ -54,8 +54,8 @@ def stream_outcome(code: str) -> str:
 
 
 def refusal_reason(error: BaseException) -> str:
-    if isinstance(error, InvalidRequestError):
-        return error.field
+    if isinstance(error, InvalidRequestError):  # the top-level field: "messages.3.content.0.text" -> "messages"
+        return error.field.split(".", 1)[0]
     return getattr(error, "reason", None) or error_code(error).lower()
 
 

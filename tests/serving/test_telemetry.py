@@ -305,3 +305,12 @@ def test_the_grafana_dashboard_queries_what_the_catalogue_exports():
     assert len(catalogue) == 34
     assert queried - set(exported) == set()
     assert set(catalogue) - {exported[m] for m in queried} == set()
+
+
+def test_a_refusal_reason_is_the_top_level_field_so_its_label_stays_bounded():
+    from cluster.errors import InvalidRequestError
+    from router.ingress.telemetry import refusal_reason
+
+    reasons = {refusal_reason(InvalidRequestError(field, "x"))
+               for field in ("messages.3.content.0.text", "messages.255.content", "messages", "max_tokens")}
+    assert reasons == {"messages", "max_tokens"}
