@@ -23,10 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.config import AppConfig
 from cluster.engine.kv_cache import extend_salt, hash_request_blocks
 from cluster.engine.model_config import ModelConfig
+from cluster.errors import InvalidRequestError
 from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.actor import get_router
+from router.ingress.telemetry import refusal_reason
 from tests.helpers import serve_replica_ids, wait_for, wait_until
 
 KEYS = {"tele-a": "sk-tele-a", "tele-b": "sk-tele-b"}
@@ -308,9 +310,6 @@ def test_the_grafana_dashboard_queries_what_the_catalogue_exports():
 
 
 def test_a_refusal_reason_is_the_top_level_field_so_its_label_stays_bounded():
-    from cluster.errors import InvalidRequestError
-    from router.ingress.telemetry import refusal_reason
-
     reasons = {refusal_reason(InvalidRequestError(field, "x"))
                for field in ("messages.3.content.0.text", "messages.255.content", "messages", "max_tokens")}
     assert reasons == {"messages", "max_tokens"}
