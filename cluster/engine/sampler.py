@@ -135,31 +135,26 @@ class Sampler:
 
     def _constrain(self, logits: torch.Tensor, raw: torch.Tensor,
                    requests: list[Request]) -> tuple[torch.Tensor, dict[int, RequestFailure]]:
-        """The grammar rows' disallowed tokens set to -inf (on a copy, never on `raw`), and the
-        rows whose grammar state broke."""
+        """The grammar rows' disallowed tokens set to -inf (a new tensor, never `raw` changed), and
+        the rows whose grammar state broke. One [S, V] mask for the whole step, rows without a
+        grammar all allowed: a gather and scatter of the grammar rows costs more than that."""
         rows = [i for i, r in enumerate(requests) if r.sampling.response_format is not None]
         if not rows:
             return logits, {}
         if self.grammars is None:
             raise RuntimeError("a request with response_format reached an engine without grammars")
-        bitmask = torch.zeros(len(rows), self.grammars.words, dtype=torch.int32)  # CPU: the matchers write it
+        bitmask = torch.full((len(requests), self.grammars.words), -1, dtype=torch.int32)  # CPU: matchers write it
         failed: dict[int, RequestFailure] = {}
-        for j, i in enumerate(rows):
+        for i in rows:
             req = requests[i]
             try:
-                self.grammars.fill(req.request_id, req.sampling.response_format, req.output_token_ids, bitmask[j])
+                self.grammars.fill(req.request_id, req.sampling.response_format, req.output_token_ids, bitmask[i])
             except GrammarFailure as e:
                 failed[i] = RequestFailure(ErrorKind.INTERNAL, str(e))
-        for j in (~(bitmask != 0).any(dim=1)).nonzero().flatten().tolist():
-            failed.setdefault(rows[j], GRAMMAR_EMPTY)
-        if logits is raw:
-            logits = logits.clone()
-        # Unpack [G, words] int32 -> [G, words * 32] bool, one bit per token id (little-endian bits).
-        bits = torch.arange(32, dtype=torch.int32)
-        allowed = ((bitmask[:, :, None] >> bits) & 1).bool().view(len(rows), -1)[:, :logits.shape[1]]
-        idx = torch.tensor(rows, device=logits.device)
-        logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
-        return logits, failed
+        for i in (~(bitmask != 0).any(dim=1)).nonzero().flatten().tolist():
+            failed.setdefault(i, GRAMMAR_EMPTY)
+        refused = _refused(bitmask.to(logits.device, non_blocking=True))[:, :logits.shape[1]]
+        return logits.masked_fill(refused, float("-inf")), failed
 
     def _bias_of(self, req: Request, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         cached = self._bias.get(req.request_id)
@@ -193,6 +188,16 @@ class Sampler:
         if g is None:
             g = self._per_request[req.request_id] = torch.Generator().manual_seed(req.sampling.seed)
         return g
+
+
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _refused(bitmask: torch.Tensor) -> torch.Tensor:
+    """[S, W] int32 bitmask (bit b of word w: token 32w + b allowed) -> [S, 32W] bool, True where
+    refused. Read as little-endian bytes, byte k bit j of word w is token 32w + 8k + j: the same order."""
+    u8 = bitmask.contiguous().view(torch.uint8)  # [S, 4W]
+    return (u8[:, :, None] & _BITS.to(u8.device)).eq(0).view(bitmask.shape[0], -1)
 
 
 def _is_distribution(probs: torch.Tensor) -> bool:
