@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import lru_cache
 from threading import Lock
 
 import llguidance as llg
@@ -29,6 +30,9 @@ from cluster.errors import InvalidRequestError
 
 FIELD = "response_format"
 _DEFAULTS = {"whitespace_flexible": False}
+# Not strict: keywords llguidance does not implement (uniqueItems, not, contains, ...) are ignored
+# (lenient); strict: they refuse the schema, since the output could not be guaranteed to follow it.
+_LENIENT = _DEFAULTS | {"lenient": True}
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 
@@ -41,18 +45,22 @@ class ResponseFormat:
     strict: bool = False
 
     def grammar(self) -> str:
-        """The llguidance grammar (a JSON string); raises InvalidRequestError naming response_format."""
-        try:
-            g = llg.LLMatcher.grammar_from_json_schema(self.schema, defaults=_DEFAULTS)
-        except (ValueError, TypeError) as e:
-            raise InvalidRequestError(FIELD, f"the JSON schema does not compile: {e}") from None
-        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(g)
-        if failed:
-            raise InvalidRequestError(FIELD, f"the JSON schema does not compile: {'; '.join(messages)[:500]}")
-        if messages and self.strict:
-            raise InvalidRequestError(
-                FIELD, f"strict: the JSON schema uses what cannot be enforced: {'; '.join(messages)[:500]}")
-        return g
+        """The llguidance grammar (a JSON string); raises InvalidRequestError naming response_format.
+        Cached per format: the ingress and every engine the request visits ask for it."""
+        return _grammar(self)
+
+
+@lru_cache(maxsize=64)  # refusals are not cached: they raise
+def _grammar(fmt: ResponseFormat) -> str:
+    try:
+        g = llg.LLMatcher.grammar_from_json_schema(fmt.schema, defaults=_DEFAULTS if fmt.strict else _LENIENT)
+    except (ValueError, TypeError) as e:
+        raise InvalidRequestError(FIELD, f"the JSON schema does not compile: {e}") from None
+    failed, messages = llg.LLMatcher.validate_grammar_with_warnings(g)
+    if failed:
+        why = "strict: the JSON schema cannot be enforced" if fmt.strict else "the JSON schema does not compile"
+        raise InvalidRequestError(FIELD, f"{why}: {'; '.join(messages)[:500]}")
+    return g
 
 
 def schema_depth(value) -> int:

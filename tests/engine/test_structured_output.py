@@ -120,8 +120,16 @@ def nested(depth: int) -> dict:
     return s
 
 
+def test_without_strict_unimplemented_keywords_are_ignored(tiny_model):
+    v = RequestValidator.for_model(tiny_model, [EngineOptions()])
+    v.check_sampling(SamplingParams(response_format=v.response_format(
+        "json_schema", {"type": "array", "uniqueItems": True}, False)))
+
+
 @pytest.mark.parametrize("kind,schema,strict,says", [
     ("json_schema", {"type": "strin"}, False, "does not compile"),
+    ("json_schema", {"type": "array", "uniqueItems": True}, True,
+     'strict: the JSON schema cannot be enforced: Unimplemented keys: ["uniqueItems"]'),
     ("json_schema", {"type": "string", "pattern": "("}, False, "does not compile"),
     ("json_schema", {"properties": {"a": {"$ref": "#/nope"}}}, False, "does not compile"),
     ("json_schema", [1], False, "must be a JSON object"),
