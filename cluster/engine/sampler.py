@@ -80,7 +80,7 @@ class Sampler:
             greedy = torch.where(finite, logits.argmax(dim=-1), -1).tolist()  # -1: not finite (one sync)
         else:
             logits, processed_ok = self._process(logits, [requests[i] for i in extra], extra)
-            logits, grammar_failed = self._constrain(logits, raw, requests)
+            logits, grammar_failed = self._constrain(logits, requests)
             # -2: the raw row was finite, this request's own bias or penalties broke it
             greedy = torch.where(finite, torch.where(processed_ok, logits.argmax(dim=-1), -2), -1).tolist()
             for i in grammar_failed:
@@ -133,9 +133,9 @@ class Sampler:
             logits[idx] = x - freq * counts - pres * occurred.to(x.dtype)
         return logits, torch.isfinite(logits.amax(dim=-1))
 
-    def _constrain(self, logits: torch.Tensor, raw: torch.Tensor,
+    def _constrain(self, logits: torch.Tensor,
                    requests: list[Request]) -> tuple[torch.Tensor, dict[int, RequestFailure]]:
-        """The grammar rows' disallowed tokens set to -inf (a new tensor, never `raw` changed), and
+        """The grammar rows' disallowed tokens set to -inf (a new tensor: the raw logits stay), and
         the rows whose grammar state broke. One [S, V] mask for the whole step, rows without a
         grammar all allowed: a gather and scatter of the grammar rows costs more than that."""
         rows = [i for i, r in enumerate(requests) if r.sampling.response_format is not None]
@@ -151,7 +151,7 @@ class Sampler:
                 self.grammars.fill(req.request_id, req.sampling.response_format, req.output_token_ids, bitmask[i])
             except GrammarFailure as e:
                 failed[i] = RequestFailure(ErrorKind.INTERNAL, str(e))
-        for i in (~(bitmask != 0).any(dim=1)).nonzero().flatten().tolist():
+        for i in (bitmask == 0).all(dim=1).nonzero().flatten().tolist():
             failed.setdefault(i, GRAMMAR_EMPTY)
         refused = _refused(bitmask.to(logits.device, non_blocking=True))[:, :logits.shape[1]]
         return logits.masked_fill(refused, float("-inf")), failed
