@@ -52,13 +52,17 @@ class ResponseFormat:
 
 @lru_cache(maxsize=64)  # refusals are not cached: they raise
 def _grammar(fmt: ResponseFormat) -> str:
+    g = _checked(fmt.schema, _LENIENT, "the JSON schema does not compile")
+    return _checked(fmt.schema, _DEFAULTS, "strict: the JSON schema cannot be enforced") if fmt.strict else g
+
+
+def _checked(schema: str, defaults: dict, why: str) -> str:
     try:
-        g = llg.LLMatcher.grammar_from_json_schema(fmt.schema, defaults=_DEFAULTS if fmt.strict else _LENIENT)
+        g = llg.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
     except (ValueError, TypeError) as e:
-        raise InvalidRequestError(FIELD, f"the JSON schema does not compile: {e}") from None
+        raise InvalidRequestError(FIELD, f"{why}: {e}") from None
     failed, messages = llg.LLMatcher.validate_grammar_with_warnings(g)
     if failed:
-        why = "strict: the JSON schema cannot be enforced" if fmt.strict else "the JSON schema does not compile"
         raise InvalidRequestError(FIELD, f"{why}: {'; '.join(messages)[:500]}")
     return g
 

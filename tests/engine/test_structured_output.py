@@ -127,7 +127,8 @@ def test_without_strict_unimplemented_keywords_are_ignored(tiny_model):
 
 
 @pytest.mark.parametrize("kind,schema,strict,says", [
-    ("json_schema", {"type": "strin"}, False, "does not compile"),
+    ("json_schema", {"type": "strin"}, False, "the JSON schema does not compile: Invalid type: strin"),
+    ("json_schema", {"type": "strin"}, True, "the JSON schema does not compile: Invalid type: strin"),
     ("json_schema", {"type": "array", "uniqueItems": True}, True,
      'strict: the JSON schema cannot be enforced: Unimplemented keys: ["uniqueItems"]'),
     ("json_schema", {"type": "string", "pattern": "("}, False, "does not compile"),

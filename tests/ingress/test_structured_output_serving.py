@@ -93,6 +93,9 @@ def test_json_object_over_completions_and_grpc_json_schema(server, client, engin
     assert got.choices[0].text.startswith("{")
     if got.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(got.choices[0].text), dict)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=0, stream=True,
+                                            extra_body={"response_format": {"type": "json_object"}}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == got.choices[0].text
 
     request = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=N, temperature=0, response_format=pb.ResponseFormat(
         type="json_schema", json_schema=json.dumps(COLOR), strict=True)))
