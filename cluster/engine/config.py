@@ -32,6 +32,10 @@ class RequestLimits(BaseModel):
     max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries per request.")
     max_logprobs: int = Field(
         20, ge=0, description="Most top logprobs per token (chat top_logprobs; completions' own cap is 5).")
+    max_schema_bytes: int = Field(
+        32768, ge=2, description="Largest response_format JSON schema, in bytes (compact JSON).")
+    max_schema_depth: int = Field(
+        16, ge=1, description="Deepest nesting of a response_format JSON schema (objects and arrays).")
     max_prompt_chars: int | None = Field(
         None, ge=1, description=f"Longest text prompt in characters, checked before tokenizing; "
         f"None = {PROMPT_CHARS_PER_TOKEN} per token of the context length.")

@@ -17,6 +17,7 @@ import torch
 
 from cluster.engine.attention import resolve_backend
 from cluster.engine.config import EngineConfig, kv_block_bytes, kv_dtype
+from cluster.engine.grammar import Grammars
 from cluster.engine.kv_cache import BlockHash, KVCacheManager, extend_salt
 from cluster.engine.model.loader import load_model
 from cluster.engine.model_config import ModelConfig
@@ -66,8 +67,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_waiting, config.queue_ttl_s)
         backend = resolve_backend(config.attention_backend, self.device, config.block_size)
-        self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size, self.device, config.seed)
         self.eos_token_ids = self.validator.eos_token_ids
+        grammars = Grammars(self.tokenizer.to_json(), max(mc.vocab_size, self.tokenizer.vocab_size),
+                            tuple(t for t in self.eos_token_ids if t < self.tokenizer.vocab_size))
+        self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size, self.device, config.seed,
+                                  grammars)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
         self.probe: EngineProbe | None = None  # set by a replica with telemetry on (plain Python, no Ray)

@@ -9,6 +9,7 @@ import torch
 
 from cluster.engine.attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSpan
 from cluster.engine.model.llama import LlamaForCausalLM
+from cluster.engine.grammar import Grammars
 from cluster.engine.sampler import Sampler, SamplerOutput
 from cluster.engine.scheduler import ScheduledChunk
 
@@ -51,13 +52,14 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int,
+        grammars: Grammars | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, grammars)
 
     def execute(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]) -> SamplerOutput:
         """Run one step. Every chunk that reaches its request's end gets a sampled token, or a

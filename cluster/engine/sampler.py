@@ -11,6 +11,10 @@ batched: one index_put_ for every row's bias, one gather of the penalised rows' 
 where/sub over them. Logprobs are of the raw logits (before any processing), one log_softmax and
 one topk over the rows that ask.
 
+A request with a response_format has its grammar's token bitmask applied after bias and
+penalties (cluster/engine/grammar.py: the matcher replays the request's output first, so the
+state follows it to decode and across a migration); a broken grammar state fails that request.
+
 One request's numbers never fail another: a row whose logits are not finite, or whose
 sampling gives no valid distribution, is reported in `SamplerOutput.failed` and the other rows
 are sampled as if it were not there. `sample` raises only for what no row explains.
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.engine.grammar import GrammarFailure, Grammars
 from cluster.engine.outputs import TokenLogprob
 from cluster.engine.request import Request
 from cluster.errors import ErrorKind
@@ -46,9 +51,12 @@ NON_FINITE_LOGITS = RequestFailure(ErrorKind.INTERNAL, "the model's logits are n
 NON_FINITE_PROCESSED = RequestFailure(
     ErrorKind.INVALID_INPUT, "logit_bias and penalties made the logits not finite")
 
+GRAMMAR_EMPTY = RequestFailure(ErrorKind.INTERNAL, "response_format: the grammar allows no token here")
+
 
 class Sampler:
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, grammars: Grammars | None = None):
+        self.grammars = grammars  # None: the engine serves no response_format (refused before here)
         self._shared = torch.Generator().manual_seed(seed)
         self._per_request: dict[str, torch.Generator] = {}
         self._counts = TokenCounts()
@@ -58,6 +66,8 @@ class Sampler:
         self._per_request.pop(request_id, None)
         self._bias.pop(request_id, None)
         self._counts.release(request_id)
+        if self.grammars is not None:
+            self.grammars.release(request_id)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [S, vocab] float32, one row per request -> a token or a failure each."""
@@ -65,17 +75,23 @@ class Sampler:
         finite = torch.isfinite(logits.amax(dim=-1))
         raw = logits
         extra = [i for i, r in enumerate(requests) if not r.sampling.plain]
+        grammar_failed: dict[int, RequestFailure] = {}
         if not extra:
             greedy = torch.where(finite, logits.argmax(dim=-1), -1).tolist()  # -1: not finite (one sync)
         else:
             logits, processed_ok = self._process(logits, [requests[i] for i in extra], extra)
+            logits, grammar_failed = self._constrain(logits, requests)
             # -2: the raw row was finite, this request's own bias or penalties broke it
             greedy = torch.where(finite, torch.where(processed_ok, logits.argmax(dim=-1), -2), -1).tolist()
+            for i in grammar_failed:
+                greedy[i] = -3  # its grammar state broke (reported below)
         out = SamplerOutput()
         cpu_logits = None  # copied once, and only when a row is sampled
         for i, (req, g_tok) in enumerate(zip(requests, greedy)):
             rid = req.request_id
-            if g_tok < 0:
+            if g_tok == -3:
+                out.failed[rid] = grammar_failed[i]
+            elif g_tok < 0:
                 out.failed[rid] = NON_FINITE_LOGITS if g_tok == -1 else NON_FINITE_PROCESSED
             elif req.sampling.greedy:
                 out.tokens[rid] = g_tok
@@ -117,6 +133,29 @@ class Sampler:
             logits[idx] = x - freq * counts - pres * occurred.to(x.dtype)
         return logits, torch.isfinite(logits.amax(dim=-1))
 
+    def _constrain(self, logits: torch.Tensor,
+                   requests: list[Request]) -> tuple[torch.Tensor, dict[int, RequestFailure]]:
+        """The grammar rows' disallowed tokens set to -inf (a new tensor: the raw logits stay), and
+        the rows whose grammar state broke. One [S, V] mask for the whole step, rows without a
+        grammar all allowed: a gather and scatter of the grammar rows costs more than that."""
+        rows = [i for i, r in enumerate(requests) if r.sampling.response_format is not None]
+        if not rows:
+            return logits, {}
+        if self.grammars is None:
+            raise RuntimeError("a request with response_format reached an engine without grammars")
+        bitmask = torch.full((len(requests), self.grammars.words), -1, dtype=torch.int32)  # CPU: matchers write it
+        failed: dict[int, RequestFailure] = {}
+        for i in rows:
+            req = requests[i]
+            try:
+                self.grammars.fill(req.request_id, req.sampling.response_format, req.output_token_ids, bitmask[i])
+            except GrammarFailure as e:
+                failed[i] = RequestFailure(ErrorKind.INTERNAL, str(e))
+        for i in (bitmask == 0).all(dim=1).nonzero().flatten().tolist():
+            failed.setdefault(i, GRAMMAR_EMPTY)
+        refused = _refused(bitmask.to(logits.device, non_blocking=True))[:, :logits.shape[1]]
+        return logits.masked_fill(refused, float("-inf")), failed
+
     def _bias_of(self, req: Request, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         cached = self._bias.get(req.request_id)
         if cached is None:
@@ -149,6 +188,16 @@ class Sampler:
         if g is None:
             g = self._per_request[req.request_id] = torch.Generator().manual_seed(req.sampling.seed)
         return g
+
+
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _refused(bitmask: torch.Tensor) -> torch.Tensor:
+    """[S, W] int32 bitmask (bit b of word w: token 32w + b allowed) -> [S, 32W] bool, True where
+    refused. Read as little-endian bytes, byte k bit j of word w is token 32w + 8k + j: the same order."""
+    u8 = bitmask.contiguous().view(torch.uint8)  # [S, 4W]
+    return (u8[:, :, None] & _BITS.to(u8.device)).eq(0).view(bitmask.shape[0], -1)
 
 
 def _is_distribution(probs: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from cluster.engine.grammar import ResponseFormat
 from cluster.errors import InvalidRequestError
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by less is numerically
@@ -39,6 +40,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0  # [0, 1]; 0 = off
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
+    # Constrained output (cluster/engine/grammar.py): the sampler masks every token the grammar
+    # refuses; EOS is allowed only once the JSON is complete.
+    response_format: ResponseFormat | None = None
     # Derived once here, read per row per step by the sampler: "no logits processing and no
     # logprobs" (the sampler's fast path) and "needs token counts" (penalties).
     penalized: bool = field(init=False, repr=False, compare=False, default=False)
@@ -74,7 +78,14 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         penalized = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
         object.__setattr__(self, "penalized", penalized)
-        object.__setattr__(self, "plain", not penalized and not self.logit_bias and self.logprobs is None)
+        if self.response_format is not None:
+            if not isinstance(self.response_format, ResponseFormat):
+                raise InvalidRequestError("response_format", f"must be a ResponseFormat, got {self.response_format!r}")
+            if self.ignore_eos or self.min_tokens:
+                # The grammar ends the output with EOS; ignoring it (or before min_tokens) leaves nothing to sample.
+                raise InvalidRequestError("response_format", "cannot be combined with ignore_eos or min_tokens")
+        object.__setattr__(self, "plain", not penalized and not self.logit_bias and self.logprobs is None
+                           and self.response_format is None)
 
     @property
     def greedy(self) -> bool:

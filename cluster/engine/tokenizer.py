@@ -58,6 +58,10 @@ class Tokenizer:
                 raise ValueError(f"tokenizer_config.json adds {content!r} as id {token_id}, but the tokenizer "
                                  f"gives it id {self._tok.token_to_id(content)}")
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text, with the tokens tokenizer_config.json added."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str | dict | None) -> int | None:
         token = _content(token)
         return None if token is None else self._tok.token_to_id(token)

@@ -6,10 +6,12 @@ per-item work (tokenizing, a loop over ids), so a hostile request costs about it
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from cluster.engine.grammar import ResponseFormat, response_format, schema_depth
 from cluster.engine.kv_cache.manager import cdiv
 from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext
 from cluster.engine.sampling_params import SamplingParams
@@ -89,6 +91,8 @@ class RequestValidator:
         if sampling.logprobs is not None and sampling.logprobs > lim.max_logprobs:
             raise InvalidRequestError(
                 "logprobs", f"asks for {sampling.logprobs} top logprobs; at most {lim.max_logprobs} are accepted")
+        if sampling.response_format is not None:
+            self.check_response_format(sampling.response_format)
         vocab = self.vocab_size
         for t in sampling.stop_token_ids:
             if t >= vocab:
@@ -96,6 +100,28 @@ class RequestValidator:
         for t, _ in sampling.logit_bias:
             if t >= vocab:
                 raise InvalidRequestError("logit_bias", f"token id {t} is outside the vocabulary [0, {vocab})")
+
+    def check_response_format(self, fmt: ResponseFormat) -> None:
+        """The schema within the caps (again: a ResponseFormat may be built without them) and
+        compiling, with the library the engines use (about a millisecond; off the event loop at
+        the ingress, which validates in an executor)."""
+        lim = self.limits
+        if len(fmt.schema.encode()) > lim.max_schema_bytes:
+            raise InvalidRequestError("response_format", f"the JSON schema has {len(fmt.schema.encode())} bytes; "
+                                      f"at most {lim.max_schema_bytes} are accepted")
+        try:
+            depth = schema_depth(json.loads(fmt.schema))
+        except (ValueError, RecursionError):
+            raise InvalidRequestError("response_format", "the JSON schema is not JSON, or nests too deep") from None
+        if depth > lim.max_schema_depth:
+            raise InvalidRequestError(
+                "response_format", f"the JSON schema nests {depth} deep; at most {lim.max_schema_depth} is accepted")
+        fmt.grammar()
+
+    def response_format(self, kind: str, schema=None, strict: bool = False) -> ResponseFormat:
+        """A client's response_format (the schema parsed from JSON), within this validator's caps."""
+        return response_format(kind, schema, strict, max_bytes=self.limits.max_schema_bytes,
+                               max_depth=self.limits.max_schema_depth)
 
     def check_logit_bias_size(self, n: int) -> None:
         """The entry cap; the edges call it before converting a client's logit_bias entry by entry."""

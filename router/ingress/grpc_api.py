@@ -3,6 +3,8 @@ and in the CLI client only."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 
 from cluster.engine.outputs import FinishReason
@@ -34,7 +36,24 @@ def sampling_from_proto(sp: "pb.SamplingParams", default_max_tokens: int, valida
     return SamplingParams(
         **kw, stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
         logit_bias=dict(sp.logit_bias),
+        response_format=_response_format(sp.response_format, validator) if sp.HasField("response_format") else None,
     )
+
+
+def _response_format(rf: "pb.ResponseFormat", validator: RequestValidator):
+    if rf.type in ("", "text"):
+        return None
+    if rf.type != "json_schema":
+        return validator.response_format(rf.type)
+    cap = validator.limits.max_schema_bytes
+    n = len(rf.json_schema.encode())
+    if n > cap:  # before parsing it
+        raise InvalidRequestError("response_format", f"the JSON schema has {n} bytes; at most {cap} are accepted")
+    try:
+        schema = json.loads(rf.json_schema)
+    except (ValueError, RecursionError):
+        raise InvalidRequestError("response_format", "json_schema is not JSON text, or nests too deep") from None
+    return validator.response_format("json_schema", schema, rf.strict)
 
 
 def prompt_from_proto(req: "pb.GenerateRequest", max_chat_messages: int) -> tuple[

@@ -61,8 +61,7 @@ def _neutral(*allowed):
 
 
 # Fields outside these models are refused (400 naming the field: `extra="forbid"`). Accepted but
-# not implemented, at a value that changes nothing: n 1, best_of 1, echo false,
-# response_format {"type": "text"}. Accepted and ignored (they never change the output): user,
+# not implemented, at a value that changes nothing: n 1, best_of 1, echo false. Accepted and ignored (they never change the output): user,
 # metadata. README: "OpenAI fields".
 COMPLETIONS_MAX_LOGPROBS = 5  # OpenAI's bound on /v1/completions `logprobs` (chat: RequestLimits.max_logprobs)
 class _Req(BaseModel):
@@ -90,7 +89,22 @@ class _Req(BaseModel):
     min_p: Float | None = None  # vLLM's extension
     # Token id (a decimal string, as JSON keys are) -> bias; checked by _logit_bias, count first.
     logit_bias: dict | None = None
-    response_format: Annotated[dict | None, _neutral(None, {"type": "text"})] = None
+    response_format: "ResponseFormatSpec | None" = None
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(max_length=64)
+    description: str | None = Field(None, max_length=4096)
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatSpec(BaseModel):
+    """OpenAI's response_format: text, json_object, or json_schema ({name, schema, strict})."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
 
 
 class StreamOptions(BaseModel):
@@ -116,6 +130,7 @@ class ChatRequest(_Req):
     top_logprobs: Int | None = None  # 0..max_logprobs, with logprobs true
 
 
+ResponseFormatSpec.model_rebuild()
 _Req.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatRequest.model_rebuild()
@@ -146,7 +161,20 @@ def _sampling(req: _Req, default_max_tokens: int, validator, defaults: dict | No
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return SamplingParams(**kw, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
                           ignore_eos=req.ignore_eos, logit_bias=_logit_bias(req.logit_bias, validator),
-                          logprobs=_logprobs_k(req, validator.limits.max_logprobs))
+                          logprobs=_logprobs_k(req, validator.limits.max_logprobs),
+                          response_format=_response_format(req.response_format, validator))
+
+
+def _response_format(spec: "ResponseFormatSpec | None", validator):
+    """None for free text; the schema's caps are checked here, its compiling by the validator
+    (in the flow's executor, off the event loop)."""
+    if spec is None or spec.type == "text":
+        return None
+    if spec.type == "json_object":
+        return validator.response_format("json_object")
+    if spec.json_schema is None or spec.json_schema.schema_ is None:
+        raise InvalidRequestError("response_format", "type json_schema needs json_schema: {name, schema}")
+    return validator.response_format("json_schema", spec.json_schema.schema_, bool(spec.json_schema.strict))
 
 
 def _logit_bias(raw: dict | None, validator) -> dict[int, Any]:

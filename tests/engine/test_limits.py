@@ -48,7 +48,8 @@ def tokenizer_calls(engine, monkeypatch):
 def test_defaults():
     assert RequestLimits().model_dump() == {
         "max_request_id_len": 128, "max_stop_strings": 16, "max_stop_string_len": 256, "max_stop_token_ids": 64,
-        "max_logit_bias": 300, "max_logprobs": 20, "max_prompt_chars": None}
+        "max_logit_bias": 300, "max_logprobs": 20, "max_schema_bytes": 32768, "max_schema_depth": 16,
+        "max_prompt_chars": None}
     assert RequestLimits().prompt_chars(256) == 2048
     assert RequestLimits(max_prompt_chars=10).prompt_chars(256) == 10
 

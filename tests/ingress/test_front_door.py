@@ -323,7 +323,6 @@ def test_a_bad_content_part_is_400_naming_it(app, content, param):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "auto"),
     ("/v1/completions", "best_of", 2),
@@ -353,6 +352,9 @@ def test_neutral_values_and_harmless_fields_are_accepted(app):
                          "repetition_penalty": 1.2, "min_p": 0.1, "logprobs": 5}),
     ("/v1/chat/completions", {"logit_bias": {"0": 100}, "presence_penalty": 2, "logprobs": True, "top_logprobs": 20}),
     ("/v1/chat/completions", {"logprobs": False}),
+    ("/v1/completions", {"response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "strict": True, "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}),
 ])
 def test_the_sampling_fields_we_implement_are_accepted(app, path, fields):
     body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
@@ -374,6 +376,18 @@ def test_the_sampling_fields_we_implement_are_accepted(app, path, fields):
     ("/v1/completions", {"logprobs": -1}, "logprobs", "must be in [0, 5], got -1"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20], got 21"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "strin"}}}}, "response_format", "the JSON schema does not compile: Invalid type: strin"),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "string", "pattern": "("}}}}, "response_format", "the JSON schema does not compile: regex parse error:\n"
+     "    (\n    ^\nerror: unclosed group"),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": json.loads(
+        '{"type": "array", "items": ' * 16 + '{"type": "string"}' + '}' * 16)}}}, "response_format",
+     "the JSON schema nests 17 deep; at most 16 is accepted"),
+    ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "p"}}},
+     "response_format", "type json_schema needs json_schema: {name, schema}"),
+    ("/v1/completions", {"response_format": {"type": "json_object"}, "ignore_eos": True},
+     "response_format", "cannot be combined with ignore_eos or min_tokens"),
 ])
 def test_bad_sampling_values_are_400_naming_the_field_and_the_limit(app, path, fields, param, message):
     body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}

@@ -1,6 +1,8 @@
 """The gRPC edge's prompt forms: text, token ids, chat messages (which the flow renders with the
 model's template into the same ids /v1/chat/completions computes), and refusals naming the field."""
 
+import json
+
 import pytest
 
 from cluster.config import AppConfig
@@ -9,6 +11,7 @@ from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
 from cluster.engine.outputs import TokenLogprob
 from router.ingress.flow import Delta, RequestFlow
+from cluster.engine.grammar import ResponseFormat
 from router.ingress.grpc_api import delta_to_proto, prompt_from_proto, sampling_from_proto
 
 
@@ -83,6 +86,41 @@ def test_bad_sampling_fields_name_the_field_and_the_limit(tiny_flow, sp, field, 
     with pytest.raises(InvalidRequestError) as e:
         sampling_from_proto(sp, 16, tiny_flow.validator)
     assert (e.value.field, e.value.message) == (field, message)
+
+
+def test_a_response_format_reaches_sampling_params(tiny_flow):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    got = sampling_from_proto(pb.SamplingParams(response_format=pb.ResponseFormat(
+        type="json_schema", json_schema=json.dumps(schema, indent=2), strict=True)), 16, tiny_flow.validator)
+    assert got.response_format == ResponseFormat("json_schema", json.dumps(schema, separators=(",", ":"),
+                                                                           sort_keys=True), True)
+    obj = sampling_from_proto(pb.SamplingParams(response_format=pb.ResponseFormat(type="json_object")), 16,
+                              tiny_flow.validator)
+    assert obj.response_format == ResponseFormat("json_object") and not obj.plain
+    text = sampling_from_proto(pb.SamplingParams(response_format=pb.ResponseFormat(type="text")), 16,
+                               tiny_flow.validator)
+    assert text.response_format is None and text.plain
+
+
+def _schema(text: str) -> pb.SamplingParams:
+    return pb.SamplingParams(response_format=pb.ResponseFormat(type="json_schema", json_schema=text))
+
+
+@pytest.mark.parametrize("sp, message", [
+    (_schema('{"type": "strin"}'), "the JSON schema does not compile: Invalid type: strin"),
+    (_schema('{"type": '), "json_schema is not JSON text, or nests too deep"),
+    (_schema("[" * 20000 + "]" * 20000), "the JSON schema has 40000 bytes; at most 32768 are accepted"),
+    (_schema("[" * 16000 + "]" * 16000), "json_schema is not JSON text, or nests too deep"),
+    (_schema('{"items": ' * 20 + "{}" + "}" * 20), "the JSON schema nests 21 deep; at most 16 is accepted"),
+    (pb.SamplingParams(response_format=pb.ResponseFormat(type="yaml")),
+     "type must be text, json_object or json_schema, got 'yaml'"),
+    (pb.SamplingParams(ignore_eos=True, response_format=pb.ResponseFormat(type="json_object")),
+     "cannot be combined with ignore_eos or min_tokens"),
+])
+def test_a_bad_response_format_is_refused_naming_it(tiny_flow, sp, message):
+    with pytest.raises(InvalidRequestError) as e:
+        tiny_flow.validator.make_request("r", None, [1, 2], sampling_from_proto(sp, 16, tiny_flow.validator))
+    assert (e.value.field, e.value.message) == ("response_format", message)
 
 
 @pytest.mark.parametrize("sp, field, message", [

@@ -87,8 +87,8 @@ HTTP_CASES = [  # (name, [path,] body, headers, expected status, expected error 
         {"type": "text", "text": 5}]}]}), {}, 400, "messages.0.content.0.text"),
     ("max_tokens: true", json.dumps({"prompt": "hi", "max_tokens": True}), {}, 400, "max_tokens"),
     ("100k stop strings", json.dumps({"prompt": "hi", "stop": ["x"] * 100_000}), {}, 400, "stop"),
-    ("response_format json", json.dumps({"prompt": "hi", "response_format": {"type": "json_object"}}),
-     {}, 400, "response_format"),
+    ("response_format schema that does not compile", json.dumps({"prompt": "hi", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}), {}, 400, "response_format"),
     ("5 MB body", json.dumps({"prompt": "a" * 5_000_000}), {}, 413, "body"),
     ("unparsable JSON", '{"prompt": "hi",', {}, 400, "body"),
 ]

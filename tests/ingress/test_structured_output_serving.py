@@ -1,0 +1,124 @@
+"""response_format through the real app in disaggregated mode (every prompt prefilled remotely:
+local_prefill_threshold 0), SmolLM2-135M-Instruct, with the official `openai` client and gRPC:
+json_schema (strict) and json_object, streamed and not; each output equals the in-process
+engine's and validates against its schema (jsonschema); a bad schema is 400 / INVALID_ARGUMENT
+naming response_format; the pools end whole."""
+
+import json
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from cluster.config import AppConfig
+from cluster.engine.chat_template import render_chat
+from cluster.engine.grammar import ResponseFormat
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.sampling_params import SamplingParams
+from cluster.tools.netutil import free_port
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.engine.test_structured_output import ASK, COLOR, PERSON
+from tests.helpers import pool_loads, wait_pools_whole
+
+MODEL = "smol"
+N = 48
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, smollm2):
+    from ray import serve
+
+    import cluster.app.builder as builder
+
+    cfg = AppConfig(model=smollm2, served_model_name=MODEL, http_port=free_port(), grpc_port=free_port(),
+                    engine={"num_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
+                    graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 0})
+    builder.start(cfg)
+    yield cfg
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://localhost:{server.http_port}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    return LLMEngine.from_model(smollm2, num_blocks=64)
+
+
+def reference(engine, text: str, fmt: ResponseFormat) -> str:
+    ids = engine.tokenizer.encode(render_chat(engine.tokenizer, [{"role": "user", "content": text}]),
+                                  add_special_tokens=False)
+    [out] = engine.generate([ids], SamplingParams(max_tokens=N, temperature=0, response_format=fmt))
+    return engine.tokenizer.decode(out.token_ids)
+
+
+def schema_format(name: str, schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_strict_over_the_openai_client(server, client, engine, stream):
+    pulls = pool_loads()["decode"]["transfer"]["pulls_ok"]
+    for name, schema in (("person", PERSON), ("color", COLOR)):
+        messages = [{"role": "user", "content": ASK[name]}]
+        kw = dict(model=MODEL, messages=messages, max_tokens=N, temperature=0,
+                  response_format=schema_format(name, schema))
+        if stream:
+            chunks = list(client.chat.completions.create(**kw, stream=True))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            reply = client.chat.completions.create(**kw)
+            text, finish = reply.choices[0].message.content, [reply.choices[0].finish_reason]
+        assert text == reference(engine, ASK[name], engine.validator.response_format("json_schema", schema, True))
+        assert finish == ["stop"]
+        jsonschema.validate(json.loads(text), schema)
+    assert pool_loads()["decode"]["transfer"]["pulls_ok"] == pulls + 2  # both prefilled on the prefill pool
+    wait_pools_whole()
+
+
+def test_json_object_over_completions_and_grpc_json_schema(server, client, engine):
+    prompt = render_chat(engine.tokenizer, [{"role": "user", "content": "Describe a cat as a JSON object."}])
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    ids = engine.validator.tokenize(prompt)
+    [ref] = engine.generate([ids], SamplingParams(max_tokens=N, temperature=0,
+                                                  response_format=ResponseFormat("json_object")))
+    assert got.choices[0].text == engine.tokenizer.decode(ref.token_ids)
+    assert got.choices[0].text.startswith("{")
+    if got.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(got.choices[0].text), dict)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=0, stream=True,
+                                            extra_body={"response_format": {"type": "json_object"}}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == got.choices[0].text
+
+    request = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=N, temperature=0, response_format=pb.ResponseFormat(
+        type="json_schema", json_schema=json.dumps(COLOR), strict=True)))
+    request.chat.messages.add(role="user", content=ASK["color"])
+    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
+        replies = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=120))
+    text = "".join(r.text for r in replies)
+    assert text == reference(engine, ASK["color"], engine.validator.response_format("json_schema", COLOR, True))
+    assert replies[-1].finish_reason == pb.FINISH_REASON_STOP
+    jsonschema.validate(json.loads(text), COLOR)
+    wait_pools_whole()
+
+
+def test_a_bad_schema_is_refused_naming_response_format(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       response_format=schema_format("bad", {"type": "strin"}))
+    assert e.value.body["param"] == "response_format"
+    assert e.value.body["message"] == "response_format: the JSON schema does not compile: Invalid type: strin"
+    request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=4, response_format=pb.ResponseFormat(
+        type="json_schema", json_schema='{"items": ' * 20 + "{}" + "}" * 20)))
+    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
+        with pytest.raises(grpc.RpcError) as g:
+            list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
+    assert g.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "response_format" in g.value.details() and "at most 16" in g.value.details()
