@@ -106,6 +106,7 @@ class LLMEngine:
         `release()` (prefill: decode pulls them)."""
         req.keep_kv = hold_kv
         self.scheduler.add(req)
+        self.stats.requests_received += 1
         self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling.stop)
 
     def add_request(self, request_id: str, prompt=None, prompt_token_ids=None, sampling=None) -> Request:
@@ -167,6 +168,7 @@ class LLMEngine:
         pool has no room (then nothing changed)."""
         reused = self.scheduler.add_importing(req, block_hashes, num_tokens)
         if reused is not None:
+            self.stats.requests_received += 1
             self._detok[req.request_id] = IncrementalDetokenizer(
                 self.tokenizer, list(req.prompt_token_ids) + [first_token], req.sampling.stop)
         return reused

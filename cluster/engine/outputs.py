@@ -64,6 +64,7 @@ class EngineStats:
     """Plain counters since start; telemetry turns them into metrics."""
 
     steps: int = 0
+    requests_received: int = 0  # queued or imported: with the queues, what tells a load report is due
     tokens_computed: int = 0  # through the model: prompt chunks, recomputes and decodes
     generation_tokens: int = 0
     cached_prompt_tokens: int = 0

@@ -60,9 +60,13 @@ class LoadReporter:
             # The router counts work it sent here until our next report, so report as soon as the
             # queues change (at most every 20 ms; at once when they empty, since the loop may then
             # sleep up to idle_poll_s), and at least every 0.25 s.
-            queue = self.engine.queue_shape()
+            # A request that came and went within router_min_interval_s leaves the queues as they
+            # were, but the router still counts it as pending here until a report: the count of
+            # requests received tells those apart (an idle loop may not turn again for a long time).
+            shape = self.engine.queue_shape()
+            queue = (*shape, self.engine.stats.requests_received)
             since = now - self._last_router
-            changed = queue != self._last_queue and (since >= self.router_min_interval_s or not any(queue))
+            changed = queue != self._last_queue and (since >= self.router_min_interval_s or not any(shape))
             if since >= self.router_interval_s or changed:
                 self._last_router, self._last_queue = now, queue
                 load = self.engine.load()

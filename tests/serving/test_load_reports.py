@@ -1,0 +1,56 @@
+"""Load reports to the router: the router counts work it sent to a replica as pending until that
+replica's next report, so a replica must report after every request it received, even one that
+came and went within router_min_interval_s and left its queues as they were. Otherwise the idle
+replica (whose loop may not turn again) keeps a phantom request and its prompt tokens at the
+router, and the router sends that prompt's next request elsewhere, missing its cache (the colocated
+prefix test's intermittent miss: `waiting=1, queued_prefill_tokens=70` on an idle replica)."""
+
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.sampling_params import SamplingParams
+from cluster.serving.reporting import LoadReporter
+from kv_transfer.stats import TransferStats
+from router.policy import PolicyConfig, RoutingPolicy
+from router.router import Router
+
+SP = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class RouterFeed:
+    """The router actor as a replica calls it, delivering each call to a real Router at once."""
+
+    def __init__(self, router: Router):
+        self.report_load = _Remote(router.report_load)
+        self.events = _Remote(lambda *a: True)
+        self.resync = _Remote(lambda *a: None)
+
+
+class Registry:
+    """The replica registry's report() (fire-and-forget there): the last report kept."""
+
+    def report(self, replica_id: str, report: dict) -> None:
+        self.last = report
+
+
+def test_a_request_within_the_min_interval_is_still_reported_so_no_phantom_stays(tiny_model):
+    engine = LLMEngine.from_model(tiny_model, num_blocks=32)
+    router = Router(RoutingPolicy(PolicyConfig()))
+    reporter = LoadReporter(engine, TransferStats(), "decode-a", "decode", registry=Registry(),
+                            router=RouterFeed(router), router_min_interval_s=10.0, router_interval_s=100.0)
+    reporter.service(0.0, busy=False)  # the first report: idle
+    decision = router.route([], 70)  # the router sends a request here: pending until the next report
+    assert (decision.decode, router.pending_requests()) == ("decode-a", 1)
+
+    engine.add_request("r", prompt_token_ids=[256] + list(range(1, 70)), sampling=SP)
+    reporter.service(0.001, busy=True)  # within the min interval: no report
+    assert router.pending_requests() == 1
+    while engine.has_unfinished():
+        engine.step()
+    reporter.service(0.002, busy=False)  # idle again, queues as at the last report: it must report
+    assert router.pending_requests() == 0
+    load = router.live_loads()[0]
+    assert (load.waiting, load.running, load.queued_prefill_tokens) == (0, 0, 0)
