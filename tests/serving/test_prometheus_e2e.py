@@ -1,14 +1,16 @@
 """The rules and the dashboard against a real Prometheus scraping a real cluster (1 prefill + 1 decode).
 
-The test starts Prometheus on a free loopback port with a generated config (scrape and evaluate every
-second; targets: every alive node's Ray metrics agent) and the rules of `pdserve slo-rules` shortened
+The test starts Prometheus on a free loopback port with a generated config (scrape every 5 s with a
+5 s timeout, evaluate every second; targets: every alive node's Ray metrics agent) and the rules of `pdserve slo-rules` shortened
 by TIME_SCALE (1/12: the "5m" window reads 25 s, "1h" 5 min, the page alert's 2 m hold 10 s), so an
 hour of burn fits the test. After a bounded load, every query of deploy/grafana/pdserve.json and
 every recording rule returns a series; then fault injection slows the decode replica (0.15 s per
 step against the ITL objective's 0.1 s), slows the prefill replica (1.2 s per step against TTFT's
 1 s) and drops every KV pull (failure policy "fail": requests fail, against availability), and
 PdserveITLBudgetBurn, PdserveTTFTBudgetBurn and PdserveAvailabilityBudgetBurn each go pending, then
-firing. Ray's agents export every 10 s (metrics_report_interval_ms), which sets the pace.
+firing. Ray's agents export every 10 s (metrics_report_interval_ms), which sets the pace. (A 1 s
+scrape, whose timeout is then 1 s, lost the head node's target after a full suite run: its metrics
+page had grown with every Serve replica of the session, and it answered too slowly under load.)
 """
 
 import json
@@ -84,7 +86,7 @@ def prometheus(app, tmp_path_factory):
     (home / "rules.yml").write_text(slo.render(app[0].telemetry.slo, TIME_SCALE))
     targets = [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes() if n["Alive"]]
     (home / "prometheus.yml").write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "global": {"scrape_interval": "5s", "scrape_timeout": "5s", "evaluation_interval": "1s"},
         "rule_files": [str(home / "rules.yml")],
         "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": targets}]}]}))
     port = free_port()
