@@ -6,20 +6,18 @@ import hashlib
 import json
 import math
 import time
-from typing import Annotated, Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config import IngressLimits
-
 from cluster.errors import InvalidRequestError
-from cluster.engine.sampling_params import SamplingParams
 from router.ingress import probes
 from router.ingress.flow import Delta
+from router.ingress.openai_schema import ChatRequest, CompletionRequest, RequestBody, to_sampling_params
 from router.ingress.status import Code, ServingError, retry_after_seconds
 
 TIMEOUT_HEADER = "x-pdserve-timeout-s"  # the request's deadline, seconds from now (HTTP header or gRPC metadata)
@@ -41,100 +39,6 @@ def parse_deadline(value: str | None, max_chars: int = 32) -> float | None:
     return time.time() + seconds
 
 
-def _not_bool(value):
-    if isinstance(value, bool):  # pydantic would take true as 1
-        raise ValueError("a boolean is not a number")
-    return value
-
-
-Int = Annotated[int, BeforeValidator(_not_bool)]
-Float = Annotated[float, BeforeValidator(_not_bool)]
-
-
-def _neutral(*allowed):
-    """A field we do not implement, accepted only at the value that changes nothing."""
-    def check(value):
-        if value not in allowed:
-            raise ValueError(f"is not supported (only {' or '.join(map(json.dumps, allowed))} is accepted)")
-        return value
-    return AfterValidator(check)
-
-
-# Fields outside these models are refused (400 naming the field: `extra="forbid"`). Accepted but
-# not implemented, at a value that changes nothing: n 1, best_of 1, echo false. Accepted and ignored (they never change the output): user,
-# metadata. README: "OpenAI fields".
-COMPLETIONS_MAX_LOGPROBS = 5  # OpenAI's bound on /v1/completions `logprobs` (chat: RequestLimits.max_logprobs)
-class _Req(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    max_tokens: Int | None = None
-    max_completion_tokens: Int | None = None
-    temperature: Float | None = None
-    top_p: Float | None = None
-    top_k: Int | None = None
-    seed: Int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Int] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
-    stream_options: "StreamOptions | None" = None
-    user: str | None = Field(None, max_length=256)
-    metadata: dict[str, str] | None = Field(None, max_length=16)
-    n: Annotated[Int, _neutral(1)] = 1
-    best_of: Annotated[Int | None, _neutral(None, 1)] = None
-    presence_penalty: Float | None = None
-    frequency_penalty: Float | None = None
-    repetition_penalty: Float | None = None  # vLLM's extension
-    min_p: Float | None = None  # vLLM's extension
-    # Token id (a decimal string, as JSON keys are) -> bias; checked by _logit_bias, count first.
-    logit_bias: dict | None = None
-    response_format: "ResponseFormatSpec | None" = None
-
-
-class JsonSchemaSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = Field(max_length=64)
-    description: str | None = Field(None, max_length=4096)
-    schema_: dict | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormatSpec(BaseModel):
-    """OpenAI's response_format: text, json_object, or json_schema ({name, schema, strict})."""
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaSpec | None = None
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
-
-
-class CompletionRequest(_Req):
-    prompt: str | list[Int] | list[str] | list[list[Int]]
-    echo: Annotated[bool, _neutral(False)] = False
-    logprobs: Int | None = None  # top logprobs per token, 0..5 (and the sampled token's)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict] | None = None
-
-
-class ChatRequest(_Req):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool | None = None
-    top_logprobs: Int | None = None  # 0..max_logprobs, with logprobs true
-
-
-ResponseFormatSpec.model_rebuild()
-_Req.model_rebuild()
-CompletionRequest.model_rebuild()
-ChatRequest.model_rebuild()
-
 
 def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
                    code: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -147,64 +51,6 @@ def serving_error_response(e: ServingError) -> JSONResponse:
     return error_response(e.code.http_status, e.message, None, e.code.error_type,
                           "model_not_found" if e.code is Code.NOT_FOUND else e.code.grpc_name.lower(),
                           None if retry is None else {"Retry-After": str(retry_after_seconds(retry))})
-
-
-def _sampling(req: _Req, default_max_tokens: int, validator, defaults: dict | None = None) -> SamplingParams:
-    """`defaults`: the model's sampling defaults (RequestFlow.sampling_defaults) for unset fields."""
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    kw: dict[str, Any] = {**(defaults or {}), "max_tokens": default_max_tokens if max_tokens is None else max_tokens}
-    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_p"):
-        value = getattr(req, name)
-        if value is not None:
-            kw[name] = value
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    return SamplingParams(**kw, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
-                          ignore_eos=req.ignore_eos, logit_bias=_logit_bias(req.logit_bias, validator),
-                          logprobs=_logprobs_k(req, validator.limits.max_logprobs),
-                          response_format=_response_format(req.response_format, validator))
-
-
-def _response_format(spec: "ResponseFormatSpec | None", validator):
-    """None for free text; the schema's caps are checked here, its compiling by the validator
-    (in the flow's executor, off the event loop)."""
-    if spec is None or spec.type == "text":
-        return None
-    if spec.type == "json_object":
-        return validator.response_format("json_object")
-    if spec.json_schema is None or spec.json_schema.schema_ is None:
-        raise InvalidRequestError("response_format", "type json_schema needs json_schema: {name, schema}")
-    return validator.response_format("json_schema", spec.json_schema.schema_, bool(spec.json_schema.strict))
-
-
-def _logit_bias(raw: dict | None, validator) -> dict[int, Any]:
-    """OpenAI's logit_bias (keys are token ids as strings): the entry count is checked before
-    any entry is looked at; SamplingParams and the validator check the biases and ids."""
-    if not raw:
-        return {}
-    validator.check_logit_bias_size(len(raw))
-    out = {}
-    for key, bias in raw.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= 10):
-            raise InvalidRequestError("logit_bias", f"key {key[:32]!r} is not a token id (a non-negative integer)")
-        out[int(key)] = bias
-    return out
-
-
-def _logprobs_k(req: _Req, max_logprobs: int) -> int | None:
-    """How many top logprobs per token the request asks for; None when it asks for none."""
-    if isinstance(req, ChatRequest):
-        if req.top_logprobs is not None:
-            if not req.logprobs:
-                raise InvalidRequestError("top_logprobs", "needs logprobs: true")
-            if not 0 <= req.top_logprobs <= max_logprobs:
-                raise InvalidRequestError("top_logprobs", f"must be in [0, {max_logprobs}], got {req.top_logprobs}")
-        return (req.top_logprobs or 0) if req.logprobs else None
-    k = req.logprobs
-    cap = min(COMPLETIONS_MAX_LOGPROBS, max_logprobs)
-    if k is not None and not 0 <= k <= cap:
-        raise InvalidRequestError("logprobs", f"must be in [0, {cap}], got {k}")
-    return k
 
 
 # The replica's flow and idempotency runner. Reached through module-level functions (pickled by
@@ -307,7 +153,7 @@ def build_openai_app() -> FastAPI:
             return serving_error_response(e)
         raise e
 
-    async def _serve(request: Request, body: "_Req", chat: bool):
+    async def _serve(request: Request, body: "RequestBody", chat: bool):
         """Admit, run, respond; a non-streaming request with an Idempotency-Key runs at most once."""
         try:
             flow, tenant = _check(request, body.model)
@@ -323,7 +169,7 @@ def build_openai_app() -> FastAPI:
         except Exception as e:  # noqa: BLE001
             return _fail(e)
 
-    async def _run(flow, tenant: str, request: Request, body: "_Req", chat: bool):
+    async def _run(flow, tenant: str, request: Request, body: "RequestBody", chat: bool):
         try:
             limits = flow.config.ingress_limits
             deadline = parse_deadline(request.headers.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
@@ -338,7 +184,7 @@ def build_openai_app() -> FastAPI:
                 prompt, ids = _completion_prompt(body)
             stop = body.stop if isinstance(body.stop, list) else ()
             flow.config.engine.limits.check_counts(len(stop), len(body.stop_token_ids or ()))
-            sp = _sampling(body, flow.config.default_max_tokens, flow.validator, flow.sampling_defaults)
+            sp = to_sampling_params(body, flow.config.default_max_tokens, flow.validator, flow.sampling_defaults)
             stream = flow.generate(prompt, ids, sp, tenant=tenant, deadline=deadline, messages=messages)
             first = await anext(stream)  # bad input, refusals and early failures become HTTP errors here
         except Exception as e:  # noqa: BLE001
@@ -419,7 +265,7 @@ def _completion_prompt(body: CompletionRequest) -> tuple[str | None, list[int] |
     raise InvalidRequestError("prompt", "give one prompt: a string or a list of token ids (batches are not supported)")
 
 
-async def _respond(flow, body: _Req, stream: AsyncIterator[Delta], first: Delta, chat: bool):
+async def _respond(flow, body: RequestBody, stream: AsyncIterator[Delta], first: Delta, chat: bool):
     rid = ("chatcmpl-" if chat else "cmpl-") + first.request_id
     created = int(time.time())
     model = flow.config.model_name
@@ -451,7 +297,7 @@ def _usage(d: Delta) -> dict:
             "prompt_tokens_details": {"cached_tokens": d.cached_prompt_tokens}}
 
 
-def _asks_logprobs(body: _Req) -> bool:
+def _asks_logprobs(body: RequestBody) -> bool:
     return bool(body.logprobs) if isinstance(body, ChatRequest) else body.logprobs is not None
 
 

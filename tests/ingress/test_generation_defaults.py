@@ -11,7 +11,7 @@ from cluster.config import AppConfig
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.ingress.flow import RequestFlow
 from router.ingress.grpc_api import sampling_from_proto
-from router.ingress.openai_api import CompletionRequest, _sampling
+from router.ingress.openai_schema import CompletionRequest, to_sampling_params
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +40,9 @@ def test_both_edges_fill_only_the_unset_fields(model):
     chosen = sampling_from_proto(pb.SamplingParams(temperature=0.0, top_k=0), 16, v, defaults)
     assert (chosen.temperature, chosen.top_p, chosen.top_k, chosen.max_tokens) == (0.0, 0.9, 0, 16)
 
-    unset = _sampling(CompletionRequest(prompt="hi"), 16, v, defaults)
+    unset = to_sampling_params(CompletionRequest(prompt="hi"), 16, v, defaults)
     assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.9, 20)
-    chosen = _sampling(CompletionRequest(prompt="hi", temperature=1.0, top_p=0.5), 16, v, defaults)
+    chosen = to_sampling_params(CompletionRequest(prompt="hi", temperature=1.0, top_p=0.5), 16, v, defaults)
     assert (chosen.temperature, chosen.top_p, chosen.top_k) == (1.0, 0.5, 20)
-    plain = _sampling(CompletionRequest(prompt="hi"), 16, v, {})
+    plain = to_sampling_params(CompletionRequest(prompt="hi"), 16, v, {})
     assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)
