@@ -88,12 +88,11 @@ def assert_pools_whole(prefill, decode):
         seen.update(prefill.stats())
         return seen["free"] == seen["total"] and seen["leases"] == 0
 
-    # The bound a lease guarantees: blocks are back by its expiry plus the grace period at the
-    # latest (30 s + 2 s for the module's prefill), even if a done notice never arrives. In two
-    # full-suite runs one did not for test_penalties_bias_and_logprobs_span_prefill_and_decode
-    # (cause not found; the stats below say which path freed them when this fails).
+    # Blocks come back by a done/release notice (or a grace period after an abort), never by
+    # waiting out a lease: a test that leaves a lease standing must end it itself (see
+    # test_mismatched_block_size_or_model_is_refused), or the next test waits for its expiry.
     try:
-        wait_for(prefill_whole, what="prefill blocks back", timeout=40)
+        wait_for(prefill_whole, what="prefill blocks back", timeout=15)
     except AssertionError as e:
         raise AssertionError(f"{e}; prefill: {seen}; decode: {decode.transport.stats}") from None
 
@@ -186,7 +185,9 @@ def test_mismatched_block_size_or_model_is_refused(prefill, tiny_model, model_fa
     for d in (other_bs, other_model):
         assert d.engine.kv.num_free_blocks == d.engine.kv.num_blocks and not d.has_unfinished()
         d.transport.close()
-    assert prefill.stats()["leases"] == 1  # nobody pulled: the lease stands until expiry
+    assert prefill.stats()["leases"] == 1  # nobody pulled: the lease stands until expiry...
+    prefill.abort("mm")  # ...or until the ingress, told decode refused, ends it (as flow._decode does)
+    assert prefill.stats()["leases"] == 0
 
 
 def test_restarted_prefill_is_a_new_incarnation(tiny_model, store, reference):
@@ -272,6 +273,7 @@ def test_penalties_bias_and_logprobs_span_prefill_and_decode(prefill, decode, ti
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3, presence_penalty=0.3,
                         frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={65: -100.0, 223: 1.5})
     expected = reference_greedy(tiny_model, PROMPT, sp, 12)
+    expired = prefill.stats()["leases_expired"]
     res = prefill.prefill("pen", PROMPT, sp)
     tokens, logprobs = [res.handle.first_token], [res.first_logprob]
     decode.submit("pen", PROMPT, sp, res.handle)
@@ -292,3 +294,4 @@ def test_penalties_bias_and_logprobs_span_prefill_and_decode(prefill, decode, ti
         rest += [t for out in decode.step() for t in out.token_ids]
     assert rest == expected[5:]
     assert_pools_whole(prefill, decode)
+    assert prefill.stats()["leases_expired"] == expired  # the READ's done notice ended the lease
