@@ -23,14 +23,15 @@ ALLOWED: dict[str, set[str]] = {
     "kv_transfer": ENGINE,
     "router": ENGINE,
     "cluster.config": ENGINE,
+    "cluster.manifest": ENGINE | {"cluster.config"},
     "cluster.telemetry": ENGINE | {"cluster.config", "kv_transfer"},
     "cluster.serving": ENGINE | {"cluster.config", "cluster.telemetry", "kv_transfer", "router"},
     "prefill": ENGINE | {"cluster.config", "cluster.serving", "kv_transfer"},
     "decode": ENGINE | {"cluster.config", "cluster.serving", "kv_transfer"},
     "router.ingress": ENGINE | {"cluster.config", "cluster.telemetry", "router", "protos"},
     "cluster.app": set(ALLOWED_ALL := {"protos", "cluster.errors", "cluster.engine", "kv_transfer", "router",
-                                       "cluster.config", "cluster.telemetry", "cluster.serving", "prefill",
-                                       "decode", "router.ingress"}),
+                                       "cluster.config", "cluster.manifest", "cluster.telemetry", "cluster.serving",
+                                       "prefill", "decode", "router.ingress"}),
     "cluster.tools": ALLOWED_ALL | {"cluster.app"},
 }
 
