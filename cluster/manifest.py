@@ -27,15 +27,15 @@ import yaml
 from pydantic import Field, field_validator
 
 from cluster.config import PoolOptions, ServingEngineOptions, _Strict
+from cluster.engine.model.identity import WEIGHT_SUFFIXES, file_sha256
 
 # The files that decide a model's behaviour. Anything else in a checkpoint directory (a README,
 # a licence, a .cache) neither changes the version nor needs to be present.
 VERSIONED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                    "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json",
                    "merges.txt", "chat_template.jinja", "chat_template.json")
-VERSIONED_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+VERSIONED_SUFFIXES = WEIGHT_SUFFIXES
 VERSION_HEX = 16  # 64 bits of SHA-256: a collision between two real versions is not a concern
-_CHUNK = 1 << 20
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -54,14 +54,6 @@ def versioned_files(model_dir: str | Path) -> list[Path]:
     if not any(p.suffix in VERSIONED_SUFFIXES for p in files):
         raise ManifestError(f"no weights ({', '.join(VERSIONED_SUFFIXES)}) in model directory {model_dir}")
     return files
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def hash_files(model_dir: str | Path) -> dict[str, str]:

@@ -7,7 +7,7 @@ from kv_transfer.handle import KVLayout
 def engine_layout(engine: LLMEngine) -> KVLayout:
     mc = engine.model_config
     return KVLayout(
-        model_fingerprint=mc.fingerprint(),
+        model_fingerprint=engine.model_identity,  # architecture + weights
         block_size=engine.block_size,
         dtype=str(engine.dtype).removeprefix("torch."),
         num_layers=mc.num_layers,

@@ -20,6 +20,7 @@ from cluster.engine.config import EngineConfig, kv_block_bytes, kv_dtype
 from cluster.engine.grammar import Grammars
 from cluster.engine.kv_cache import BlockHash, KVCacheManager, extend_salt
 from cluster.engine.model.loader import load_model
+from cluster.engine.model.identity import model_identity
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.outputs import EngineLoad, EngineStats, RequestOutput, TokenLogprob, merge_outputs
@@ -62,7 +63,8 @@ class LLMEngine:
             num_blocks, mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim,
             dtype=dtype, device=self.device,
         )
-        salt = extend_salt(mc.fingerprint().encode(), config.cache_salt)
+        self.model_identity = model_identity(config.model, mc)  # architecture + weights: the KV's identity
+        salt = extend_salt(self.model_identity.encode(), config.cache_salt)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_waiting, config.queue_ttl_s)

@@ -29,6 +29,7 @@ from typing import AsyncIterator, Sequence
 from cluster.config import AppConfig
 from cluster.engine.chat_template import render_chat
 from cluster.engine.kv_cache import extend_salt, hash_request_blocks
+from cluster.engine.model.identity import model_identity
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from cluster.engine.request import RequestContext
@@ -129,7 +130,7 @@ class RequestFlow:
         self.telemetry = telemetry  # IngressTelemetry (router/ingress/telemetry.py): routing decisions; None: off
         self.max_migrations = config.fault_tolerance.max_migrations
         mc = ModelConfig.from_dir(config.model)
-        self.salt = mc.fingerprint().encode()  # the engines' block-hash salt, before a tenant's part
+        self.salt = model_identity(config.model, mc).encode()  # the engines' block-hash salt, before a tenant's part
         # what a request that leaves temperature/top_p/top_k unset gets (both edges apply it)
         self.sampling_defaults = {} if config.generation_config == "none" else {
             k: v for k, v in asdict(mc.generation_defaults).items() if v is not None}

@@ -13,7 +13,7 @@ from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.engine.kv_cache import hash_request_blocks
-from cluster.engine.model_config import ModelConfig
+from cluster.engine.model.identity import model_identity
 from router.actor import get_router
 from tests.helpers import wait_until
 
@@ -38,7 +38,7 @@ class Authed:
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_model):
     global SALT
-    SALT = ModelConfig.from_dir(tiny_model).fingerprint().encode()  # the engines' block-hash salt
+    SALT = model_identity(tiny_model).encode()  # the engines' block-hash salt
     from ray import serve
 
     import cluster.app.builder as serve_app

@@ -11,7 +11,7 @@ import ray
 from cluster.config import AppConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.kv_cache import extend_salt, hash_request_blocks
-from cluster.engine.model_config import ModelConfig
+from cluster.engine.model.identity import model_identity
 from cluster.tools.netutil import free_port
 from cluster.engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
@@ -84,7 +84,7 @@ def test_concurrent_streams_equal_the_in_process_engine(stub, reference):
 
 
 def test_a_repeated_prompt_goes_to_the_replica_that_cached_its_prefix(stub, tiny_model):
-    salt = extend_salt(ModelConfig.from_dir(tiny_model).fingerprint().encode(), "")
+    salt = extend_salt(model_identity(tiny_model).encode(), "")
     router = get_router()
     for s in range(3):  # by chance, a second request would find its prefix with probability 1/2 each time
         prefix = [256] + [(s * 31 + j) % 250 for j in range(63)]  # 4 blocks

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import AppConfig
 from cluster.engine.kv_cache import extend_salt, hash_request_blocks
-from cluster.engine.model_config import ModelConfig
+from cluster.engine.model.identity import model_identity
 from cluster.errors import InvalidRequestError
 from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
@@ -136,7 +136,7 @@ def scenario(server, tiny_model):
     pool), one refused as bad input, one with an unknown key. Returns the scrapes around them."""
     cfg, replicas = server
     router = get_router()
-    salt = extend_salt(ModelConfig.from_dir(tiny_model).fingerprint().encode(), "tele-a")
+    salt = extend_salt(model_identity(tiny_model).encode(), "tele-a")
     prefix_hashes = set(hash_request_blocks(PREFIX, 16, salt))
 
     def router_holds_prefix(pool):
