@@ -174,6 +174,7 @@ class IngressLimits(_Strict):
     max_body_bytes: int = Field(
         4 * 2**20, ge=1024, description="HTTP request body, counted as it streams in; more -> 413")
     max_chat_messages: int = Field(256, ge=1, description="Messages in one chat request; more -> 400 (messages)")
+    max_choices: int = Field(8, ge=1, le=128, description="OpenAI `n`: choices per request (each one a request); more -> 400 (n)")
     max_authorization_chars: int = Field(512, ge=16, description="Longest authorization header/metadata; more -> 401")
     max_timeout_header_chars: int = Field(32, ge=4, description="Longest x-pdserve-timeout-s value; more -> 400")
     grpc_max_receive_bytes: int = Field(

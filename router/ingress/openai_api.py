@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -184,12 +186,13 @@ def build_openai_app() -> FastAPI:
                 prompt, ids = _completion_prompt(body)
             stop = body.stop if isinstance(body.stop, list) else ()
             flow.config.engine.limits.check_counts(len(stop), len(body.stop_token_ids or ()))
+            if not 1 <= body.n <= limits.max_choices:
+                raise InvalidRequestError("n", f"must be in [1, {limits.max_choices}] (max_choices), got {body.n}")
             sp = to_sampling_params(body, flow.config.default_max_tokens, flow.validator, flow.sampling_defaults)
-            stream = flow.generate(prompt, ids, sp, tenant=tenant, deadline=deadline, messages=messages)
-            first = await anext(stream)  # bad input, refusals and early failures become HTTP errors here
+            choices = await _start_choices(flow, body.n, prompt, ids, sp, tenant, deadline, messages)
         except Exception as e:  # noqa: BLE001
             return _fail(e)
-        return await _respond(flow, body, stream, first, chat=chat)
+        return await _respond(flow, body, choices, chat=chat)
 
     @app.get("/health")
     async def health():
@@ -265,36 +268,87 @@ def _completion_prompt(body: CompletionRequest) -> tuple[str | None, list[int] |
     raise InvalidRequestError("prompt", "give one prompt: a string or a list of token ids (batches are not supported)")
 
 
-async def _respond(flow, body: RequestBody, stream: AsyncIterator[Delta], first: Delta, chat: bool):
-    rid = ("chatcmpl-" if chat else "cmpl-") + first.request_id
+Choice = tuple[AsyncIterator[Delta], Delta]  # a running request's stream and its first delta
+
+
+async def _start_choices(flow, n: int, prompt, ids, sp, tenant: str, deadline, messages) -> list[Choice]:
+    """Start the request's n choices; return once each has its first delta. Bad input, refusals
+    and early failures raise here (and stop every choice started), so they become HTTP errors.
+
+    As vLLM does for n > 1, each choice is a request of its own (choice i samples with seed + i
+    when a seed is given). Choice 0 runs first: once it has its first token its prompt's blocks
+    are in a prefix cache, and the others find them there instead of computing the prompt again
+    (the router sends them where those blocks are)."""
+    def start(i: int) -> AsyncIterator[Delta]:
+        child = sp if i == 0 or sp.seed is None else replace(sp, seed=sp.seed + i)
+        return flow.generate(prompt, ids, child, tenant=tenant, deadline=deadline, messages=messages)
+
+    streams = [start(0)]
+    try:
+        firsts = [await anext(streams[0])]
+        if n > 1:
+            streams += [start(i) for i in range(1, n)]
+            rest = await asyncio.gather(*(anext(s) for s in streams[1:]), return_exceptions=True)
+            if failed := next((r for r in rest if isinstance(r, BaseException)), None):
+                raise failed
+            firsts += rest
+    except BaseException:
+        await _close(streams)
+        raise
+    return list(zip(streams, firsts))
+
+
+async def _close(streams) -> None:
+    for s in streams:
+        try:
+            await s.aclose()  # the flow's cleanup: cancels the request on both legs
+        except Exception:  # noqa: BLE001 — a stream that already failed has nothing to close
+            pass
+
+
+async def _collect(stream: AsyncIterator[Delta], first: Delta) -> tuple[str, Delta, list]:
+    text, last, logprobs = first.text, first, list(first.logprobs or ())
+    async for d in stream:
+        text += d.text
+        last = d
+        logprobs += d.logprobs or ()
+    return text, last, logprobs
+
+
+async def _respond(flow, body: RequestBody, choices: list[Choice], chat: bool):
+    rid = ("chatcmpl-" if chat else "cmpl-") + choices[0][1].request_id
     created = int(time.time())
     model = flow.config.model_name
-    shaper = _Logprobs(flow.tokenizer, chat) if _asks_logprobs(body) else None
+    shapers = [_Logprobs(flow.tokenizer, chat) if _asks_logprobs(body) else None for _ in choices]
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_sse(stream, first, rid, created, model, chat, include_usage, shaper),
+        return StreamingResponse(_sse(choices, rid, created, model, chat, include_usage, shapers),
                                  media_type="text/event-stream")
-    text, last, logprobs = first.text, first, list(first.logprobs or ())
+    tasks = [asyncio.ensure_future(_collect(s, first)) for s, first in choices]
     try:
-        async for d in stream:
-            text += d.text
-            last = d
-            logprobs += d.logprobs or ()
+        results = await asyncio.gather(*tasks)
     except ServingError as e:
         return serving_error_response(e)
-    usage = _usage(last)
-    lp = None if shaper is None else shaper.shape(logprobs)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-               "finish_reason": last.finish_reason}
-              if chat else {"index": 0, "text": text, "logprobs": lp, "finish_reason": last.finish_reason})
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close([s for s, _ in choices])
+    out = []
+    for i, ((text, last, logprobs), shaper) in enumerate(zip(results, shapers)):
+        lp = None if shaper is None else shaper.shape(logprobs)
+        out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                    "finish_reason": last.finish_reason}
+                   if chat else {"index": i, "text": text, "logprobs": lp, "finish_reason": last.finish_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice], "usage": usage}
+            "model": model, "choices": out, "usage": _usage([last for _, last, _ in results])}
 
 
-def _usage(d: Delta) -> dict:
-    return {"prompt_tokens": d.prompt_tokens, "completion_tokens": d.completion_tokens,
-            "total_tokens": d.prompt_tokens + d.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": d.cached_prompt_tokens}}
+def _usage(lasts: list[Delta]) -> dict:
+    """The prompt once (every choice has the same), the completions summed, as OpenAI bills n > 1."""
+    prompt, completion = lasts[0].prompt_tokens, sum(d.completion_tokens for d in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": lasts[0].cached_prompt_tokens}}
 
 
 def _asks_logprobs(body: RequestBody) -> bool:
@@ -333,31 +387,60 @@ class _Logprobs:
         return out
 
 
-async def _sse(stream, first: Delta, rid, created, model, chat: bool, include_usage: bool,
-               shaper: "_Logprobs | None" = None):
+async def _sse(choices: list[Choice], rid, created, model, chat: bool, include_usage: bool,
+               shapers: list["_Logprobs | None"]):
+    """Server-sent events: every choice's deltas as they come (each chunk names its choice's
+    index; a choice's first chunk carries the role), then usage (if asked) and [DONE]. A failure
+    of any choice ends the stream with an error event and stops the other choices."""
     obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(d: Delta, role: bool = False) -> str:
+    def chunk(i: int, d: Delta, role: bool = False) -> str:
+        shaper = shapers[i]
         lp = None if shaper is None or not d.logprobs else shaper.shape(d.logprobs)
         if chat:
             delta = {"role": "assistant", "content": d.text} if role else {"content": d.text}
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
         else:
-            choice = {"index": 0, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+            choice = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
         payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
         if include_usage:
             payload["usage"] = None
         return f"data: {json.dumps(payload)}\n\n"
 
-    last = first
-    yield chunk(first, role=True)
+    lasts = [first for _, first in choices]
+    for i, first in enumerate(lasts):
+        yield chunk(i, first, role=True)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Delta]):
+        try:
+            async for d in stream:
+                await queue.put((i, d))
+            await queue.put((i, None))
+        except ServingError as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, (s, _) in enumerate(choices)]
+    failed = False
     try:
-        async for d in stream:
-            last = d
-            yield chunk(d)
-    except ServingError as e:
-        yield f"data: {json.dumps({'error': {'message': e.message, 'type': 'server_error', 'code': e.code.grpc_name}})}\n\n"
-    if include_usage and last.finish_reason is not None:
-        payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(last)}
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, ServingError):
+                failed = True
+                yield f"data: {json.dumps({'error': {'message': item.message, 'type': 'server_error', 'code': item.code.grpc_name}})}\n\n"
+                break
+            else:
+                lasts[i] = item
+                yield chunk(i, item)
+    finally:  # also when the client goes away: every choice stops at its source
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close([s for s, _ in choices])
+    if include_usage and not failed and all(d.finish_reason is not None for d in lasts):
+        payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": _usage(lasts)}
         yield f"data: {json.dumps(payload)}\n\n"
     yield "data: [DONE]\n\n"

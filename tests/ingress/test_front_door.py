@@ -326,8 +326,8 @@ def test_a_bad_content_part_is_400_naming_it(app, content, param):
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "auto"),
     ("/v1/completions", "best_of", 2),
-    ("/v1/completions", "n", 2),
-    ("/v1/chat/completions", "n", 3),
+    ("/v1/completions", "n", 9),  # 1..max_choices (8)
+    ("/v1/chat/completions", "n", 0),
     ("/v1/completions", "echo", True),
     ("/v1/completions", "suffix", "x"),
     ("/v1/chat/completions", "parallel_tool_calls", True),

@@ -154,3 +154,47 @@ def test_a_bad_value_over_grpc_is_invalid_argument(server):
                 token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(logprobs=21)), timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details() == "logprobs: asks for 21 top logprobs; at most 20 are accepted"
+
+
+def test_n_choices_greedy_equal_the_reference_and_usage_bills_the_prompt_once(client, tiny_model, tok):
+    expected = tok.decode(reference_greedy(tiny_model, PROMPT, SamplingParams(max_tokens=N, temperature=0), N))
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0, n=3,
+                                    extra_body={"ignore_eos": True})
+    assert [(c.index, c.text, c.finish_reason) for c in got.choices] == [(i, expected, "length") for i in range(3)]
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens, got.usage.total_tokens) == (
+        len(PROMPT), 3 * N, len(PROMPT) + 3 * N)
+    wait_pools_whole()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_sampled_choices_are_requests_with_seed_plus_index(client, stream):
+    """Choice i of a seeded request is the request with seed + i: reproducible, and not n copies."""
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=N, temperature=1.0, extra_body={"ignore_eos": True})
+    singles = [client.chat.completions.create(seed=40 + i, **kw).choices[0].message.content for i in range(3)]
+    assert len(set(singles)) > 1
+    if not stream:
+        got = client.chat.completions.create(seed=40, n=3, **kw)
+        assert [c.message.content for c in got.choices] == singles
+        assert got.usage.completion_tokens == 3 * N
+    else:
+        texts, roles, finishes, usage = ["", "", ""], [0, 0, 0], [None] * 3, None
+        for chunk in client.chat.completions.create(seed=40, n=3, stream=True, stream_options={"include_usage": True},
+                                                    **kw):
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                roles[c.index] += c.delta.role == "assistant"
+                finishes[c.index] = c.finish_reason or finishes[c.index]
+        assert texts == singles
+        assert roles == [1, 1, 1] and finishes == ["length"] * 3
+        assert usage.completion_tokens == 3 * N
+    wait_pools_whole()
+
+
+@pytest.mark.parametrize("n", [0, 9])
+def test_n_outside_its_limit_is_400_naming_it(client, n):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=n)
+    assert e.value.status_code == 400 and e.value.body["param"] == "n"
+    assert e.value.body["message"] == f"n: must be in [1, 8] (max_choices), got {n}"

@@ -234,7 +234,7 @@ def post(server, path, body):
         ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ({"prompt": "hi", "top_k": -3}, 400, "top_k"),
         ({"prompt": [1, 99999]}, 400, "prompt_token_ids"),
-        ({"prompt": "hi", "n": 2}, 400, "n"),
+        ({"prompt": "hi", "n": 9}, 400, "n"),
         ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
         ({"prompt": "hi", "model": "nope"}, 404, None),
     ],
