@@ -146,11 +146,13 @@ class RequestFlow:
         tenant: str = DEFAULT_TENANT,
         deadline: float | None = None,
         messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
     ) -> AsyncIterator[Delta]:
         """Raises InvalidRequestError (bad input) or Rejected (admission) before the first delta;
         ServingError on failures. `deadline` is wall-clock time (time.time()). `messages` (chat)
-        replace the prompt: rendered with the model's chat template. Telemetry, when on, observes
-        the whole request (refusals too); its span's context travels to both pools.
+        replace the prompt: rendered with the model's chat template (and `tools`, for templates
+        that render them). Telemetry, when on, observes the whole request (refusals too); its
+        span's context travels to both pools.
 
         Order: an in-flight slot is reserved before any await, then the request rate; only then
         is the prompt rendered and tokenized (in a worker thread), and the size and token quotas
@@ -172,7 +174,7 @@ class RequestFlow:
             try:
                 await self.admission.start(ticket)
                 req = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenize_pool, self._make_request, rid, prompt, prompt_token_ids, sampling, messages)
+                    self._tokenize_pool, self._make_request, rid, prompt, prompt_token_ids, sampling, messages, tools)
                 await self.admission.charge(ticket, req.num_prompt_tokens, sampling.max_tokens)
                 ctx = ticket.ctx
                 if observed is not None and observed.trace_context:
@@ -192,12 +194,12 @@ class RequestFlow:
                 observed.end(error)
 
     def _make_request(self, rid: str, prompt: str | None, ids: Sequence[int] | None, sampling: SamplingParams,
-                      messages: list[dict] | None):
+                      messages: list[dict] | None, tools: list[dict] | None = None):
         """Validate and tokenize (a worker thread: never on the event loop). Chat messages are
         rendered first; the rendered text meets the prompt caps (characters, valid Unicode)
         before it is tokenized, and errors name `messages`."""
         if messages is not None:
-            prompt, ids = None, self.chat_ids(messages)
+            prompt, ids = None, self.chat_ids(messages, tools)
         return self.validator.make_request(rid, prompt, ids, sampling)
 
     def authorize(self, authorization: str | None, model: str | None) -> str:
@@ -392,18 +394,18 @@ class RequestFlow:
         return {"id": self.config.model_name, "max_model_len": self.validator.max_model_len,
                 "vocab_size": self.validator.vocab_size}
 
-    def chat_prompt(self, messages: list[dict]) -> str:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """Render the model's chat template (cluster/engine/chat_template.py), ready to tokenize."""
-        return render_chat(self.tokenizer, messages)
+        return render_chat(self.tokenizer, messages, tools=tools)
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """A chat's prompt token ids, for both edges: the template rendered (a template's own error
         is the client's: 400 on `messages`), then the rendered text meets the prompt caps before it
         is tokenized without adding special tokens again."""
         if not messages:
             raise InvalidRequestError("messages", "must hold at least one message")
         try:
-            text = self.chat_prompt(messages)
+            text = self.chat_prompt(messages, tools)
         except ValueError as e:
             raise InvalidRequestError("messages", str(e)) from e
         try:

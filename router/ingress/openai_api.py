@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import time
+import uuid
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
@@ -19,7 +20,8 @@ from cluster.config import IngressLimits
 from cluster.errors import InvalidRequestError
 from router.ingress import probes
 from router.ingress.flow import Delta
-from router.ingress.openai_schema import ChatRequest, CompletionRequest, RequestBody, to_sampling_params
+from router.ingress.openai_schema import (ChatRequest, CompletionRequest, RequestBody, ToolUse, check_messages,
+                                          to_sampling_params, tool_use)
 from router.ingress.status import Code, ServingError, retry_after_seconds
 
 TIMEOUT_HEADER = "x-pdserve-timeout-s"  # the request's deadline, seconds from now (HTTP header or gRPC metadata)
@@ -175,12 +177,14 @@ def build_openai_app() -> FastAPI:
         try:
             limits = flow.config.ingress_limits
             deadline = parse_deadline(request.headers.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
-            messages = None
+            messages, tools, use = None, None, tool_use(body)
             if chat:  # rendered and tokenized by the flow, after admission, off the event loop
                 if len(body.messages) > limits.max_chat_messages:
                     raise InvalidRequestError("messages", f"has {len(body.messages)} messages; at most "
                                                           f"{limits.max_chat_messages} are accepted")
-                messages = [{"role": m.role, "content": _text(m.content, i)} for i, m in enumerate(body.messages)]
+                check_messages(body.messages)
+                messages = [_message(m, i) for i, m in enumerate(body.messages)]
+                tools = [t.model_dump(exclude_none=True) for t in body.tools] if use.active else None
                 prompt, ids = None, None
             else:
                 prompt, ids = _completion_prompt(body)
@@ -188,11 +192,16 @@ def build_openai_app() -> FastAPI:
             flow.config.engine.limits.check_counts(len(stop), len(body.stop_token_ids or ()))
             if not 1 <= body.n <= limits.max_choices:
                 raise InvalidRequestError("n", f"must be in [1, {limits.max_choices}] (max_choices), got {body.n}")
-            sp = to_sampling_params(body, flow.config.default_max_tokens, flow.validator, flow.sampling_defaults)
-            choices = await _start_choices(flow, body.n, prompt, ids, sp, tenant, deadline, messages)
+            try:
+                sp = to_sampling_params(body, flow.config.default_max_tokens, flow.validator, flow.sampling_defaults)
+                choices = await _start_choices(flow, body.n, prompt, ids, sp, tenant, deadline, messages, tools)
+            except InvalidRequestError as e:
+                if use.active and e.field == "response_format":  # the tools' grammar: name what the client sent
+                    raise InvalidRequestError("tools", e.message) from e
+                raise
         except Exception as e:  # noqa: BLE001
             return _fail(e)
-        return await _respond(flow, body, choices, chat=chat)
+        return await _respond(flow, body, choices, chat=chat, use=use)
 
     @app.get("/health")
     async def health():
@@ -271,7 +280,8 @@ def _completion_prompt(body: CompletionRequest) -> tuple[str | None, list[int] |
 Choice = tuple[AsyncIterator[Delta], Delta]  # a running request's stream and its first delta
 
 
-async def _start_choices(flow, n: int, prompt, ids, sp, tenant: str, deadline, messages) -> list[Choice]:
+async def _start_choices(flow, n: int, prompt, ids, sp, tenant: str, deadline, messages,
+                         tools: list[dict] | None = None) -> list[Choice]:
     """Start the request's n choices; return once each has its first delta. Bad input, refusals
     and early failures raise here (and stop every choice started), so they become HTTP errors.
 
@@ -281,7 +291,7 @@ async def _start_choices(flow, n: int, prompt, ids, sp, tenant: str, deadline, m
     (the router sends them where those blocks are)."""
     def start(i: int) -> AsyncIterator[Delta]:
         child = sp if i == 0 or sp.seed is None else replace(sp, seed=sp.seed + i)
-        return flow.generate(prompt, ids, child, tenant=tenant, deadline=deadline, messages=messages)
+        return flow.generate(prompt, ids, child, tenant=tenant, deadline=deadline, messages=messages, tools=tools)
 
     streams = [start(0)]
     try:
@@ -315,14 +325,45 @@ async def _collect(stream: AsyncIterator[Delta], first: Delta) -> tuple[str, Del
     return text, last, logprobs
 
 
-async def _respond(flow, body: RequestBody, choices: list[Choice], chat: bool):
+def _message(m, index: int) -> dict:
+    """A chat message as the template sees it (tool calls and their results as OpenAI sends them)."""
+    out = {"role": m.role, "content": _text(m.content, index)}
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+    for key in ("tool_call_id", "name"):
+        if getattr(m, key) is not None:
+            out[key] = getattr(m, key)
+    return out
+
+
+def _tool_result(use: ToolUse, text: str, finish_reason: str | None) -> tuple[list[dict] | None, str | None, str | None]:
+    """A forced tool call's output -> (tool_calls, content, finish_reason). The grammar makes the
+    text valid JSON of the call's schema once it stopped; cut short (length), the text is
+    returned as content, with its finish reason, and no call."""
+    if finish_reason != "stop":
+        return None, text, finish_reason
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return None, text, finish_reason
+    if use.forced == "named":
+        calls = [(use.name, text)]
+    else:
+        calls = [(c["name"], json.dumps(c["parameters"], separators=(",", ":"))) for c in parsed]
+    tool_calls = [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+                   "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
+    # OpenAI: "tool_calls" when the model chose to call ("required"); "stop" for a named function
+    return tool_calls, None, "tool_calls" if use.forced == "required" else "stop"
+
+
+async def _respond(flow, body: RequestBody, choices: list[Choice], chat: bool, use: ToolUse = ToolUse()):
     rid = ("chatcmpl-" if chat else "cmpl-") + choices[0][1].request_id
     created = int(time.time())
     model = flow.config.model_name
     shapers = [_Logprobs(flow.tokenizer, chat) if _asks_logprobs(body) else None for _ in choices]
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_sse(choices, rid, created, model, chat, include_usage, shapers),
+        return StreamingResponse(_sse(choices, rid, created, model, chat, include_usage, shapers, use),
                                  media_type="text/event-stream")
     tasks = [asyncio.ensure_future(_collect(s, first)) for s, first in choices]
     try:
@@ -337,9 +378,13 @@ async def _respond(flow, body: RequestBody, choices: list[Choice], chat: bool):
     out = []
     for i, ((text, last, logprobs), shaper) in enumerate(zip(results, shapers)):
         lp = None if shaper is None else shaper.shape(logprobs)
-        out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                    "finish_reason": last.finish_reason}
-                   if chat else {"index": i, "text": text, "logprobs": lp, "finish_reason": last.finish_reason})
+        if not chat:
+            out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": last.finish_reason})
+            continue
+        calls, content, finish = _tool_result(use, text, last.finish_reason) if use.active else (
+            None, text, last.finish_reason)
+        message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+        out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": out, "usage": _usage([last for _, last, _ in results])}
 
@@ -388,28 +433,42 @@ class _Logprobs:
 
 
 async def _sse(choices: list[Choice], rid, created, model, chat: bool, include_usage: bool,
-               shapers: list["_Logprobs | None"]):
+               shapers: list["_Logprobs | None"], use: ToolUse = ToolUse()):
     """Server-sent events: every choice's deltas as they come (each chunk names its choice's
     index; a choice's first chunk carries the role), then usage (if asked) and [DONE]. A failure
-    of any choice ends the stream with an error event and stops the other choices."""
+    of any choice ends the stream with an error event and stops the other choices. A forced tool
+    call is held back and sent whole (its tool_calls delta, with the finish reason) once the
+    grammar completed it."""
     obj = "chat.completion.chunk" if chat else "text_completion"
+    held_text, held_lps = [""] * len(choices), [[] for _ in choices]
 
-    def chunk(i: int, d: Delta, role: bool = False) -> str:
+    def payload(i: int, body: dict, finish: str | None, logprobs) -> str:
         shaper = shapers[i]
-        lp = None if shaper is None or not d.logprobs else shaper.shape(d.logprobs)
-        if chat:
-            delta = {"role": "assistant", "content": d.text} if role else {"content": d.text}
-            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
-        else:
-            choice = {"index": i, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
-        payload = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        lp = None if shaper is None or not logprobs else shaper.shape(logprobs)
+        choice = ({"index": i, "delta": body, "logprobs": lp, "finish_reason": finish} if chat
+                  else {"index": i, "text": body["content"], "logprobs": lp, "finish_reason": finish})
+        out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
         if include_usage:
-            payload["usage"] = None
-        return f"data: {json.dumps(payload)}\n\n"
+            out["usage"] = None
+        return f"data: {json.dumps(out)}\n\n"
+
+    def chunk(i: int, d: Delta, role: bool = False) -> str | None:
+        head = {"role": "assistant"} if role else {}
+        if not (chat and use.active):
+            return payload(i, head | {"content": d.text}, d.finish_reason, d.logprobs)
+        held_text[i] += d.text
+        held_lps[i] += d.logprobs or ()
+        if d.finish_reason is None:
+            return payload(i, head | {"content": None}, None, None) if role else None
+        calls, content, finish = _tool_result(use, held_text[i], d.finish_reason)
+        body = head | ({"content": None, "tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+                       if calls else {"content": content})
+        return payload(i, body, finish, held_lps[i])
 
     lasts = [first for _, first in choices]
     for i, first in enumerate(lasts):
-        yield chunk(i, first, role=True)
+        if (c := chunk(i, first, role=True)) is not None:
+            yield c
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[Delta]):
@@ -434,7 +493,8 @@ async def _sse(choices: list[Choice], rid, created, model, chat: bool, include_u
                 break
             else:
                 lasts[i] = item
-                yield chunk(i, item)
+                if (c := chunk(i, item)) is not None:
+                    yield c
     finally:  # also when the client goes away: every choice stops at its source
         for t in tasks:
             t.cancel()

@@ -5,6 +5,7 @@ neutral values of unsupported fields are accepted (they never change the output)
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
@@ -32,7 +33,8 @@ def _neutral(*allowed):
     return AfterValidator(check)
 
 
-# Fields outside these models are refused (400 naming the field: `extra="forbid"`). Accepted but
+# Fields outside these models are refused (400 naming the field: `extra="forbid"`). Tools: see
+# tool_use (forced calls by grammar; "auto" is refused: no tool-call parser). Accepted but
 # not implemented, at a value that changes nothing: best_of 1, echo false. Accepted and ignored (they
 # never change the output): user, metadata. n: 1..IngressLimits.max_choices (checked in openai_api).
 # README: "OpenAI fields".
@@ -91,16 +93,135 @@ class CompletionRequest(RequestBody):
     logprobs: Int | None = None  # top logprobs per token, 0..5 (and the sampled token's)
 
 
+MAX_TOOLS = 128  # tools per request (their schemas together also meet engine.limits.max_schema_bytes)
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = Field(None, max_length=4096)
+    parameters: dict | None = None  # a JSON schema of the arguments (None: any object)
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=TOOL_NAME)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=TOOL_NAME)
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A call in the history (an assistant message's tool_calls)."""
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(max_length=64)
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
+    name: str | None = Field(None, max_length=64)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant messages only
+    tool_call_id: str | None = Field(None, max_length=64)  # tool messages only (and required there)
 
 
 class ChatRequest(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: Int | None = None  # 0..max_logprobs, with logprobs true
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How a chat request uses its tools. `forced`: the output is a tool call, enforced by a
+    grammar (tool_choice "required": a JSON array of {name, parameters}; a named function: its
+    arguments object); None: tools play no part (none given, or tool_choice "none")."""
+
+    forced: Literal["required", "named"] | None = None
+    name: str | None = None  # the named function
+
+    @property
+    def active(self) -> bool:
+        return self.forced is not None
+
+
+def tool_use(req: RequestBody) -> ToolUse:
+    """Checks tools, tool_choice and parallel_tool_calls together (400 naming the field).
+    tool_choice "auto" (OpenAI's default when tools are given) needs a parser that finds tool
+    calls in free text, in the model's own format: none is configured, so it is refused rather
+    than answered as if the tools were not there."""
+    if not isinstance(req, ChatRequest):
+        return ToolUse()
+    tools, choice = req.tools or [], req.tool_choice
+    if choice is not None and not tools and choice != "none":
+        raise InvalidRequestError("tool_choice", "needs tools")
+    if req.parallel_tool_calls is not None and not tools:
+        raise InvalidRequestError("parallel_tool_calls", "needs tools")
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("tools", "two tools have the same function name")
+    if not tools or choice == "none":
+        return ToolUse()
+    if choice is None or choice == "auto":
+        raise InvalidRequestError("tool_choice", "'auto' (the default with tools) needs a tool-call parser for this "
+                                                 "model, and none is configured: give 'required', 'none' or "
+                                                 '{"type": "function", "function": {"name": ...}}')
+    if req.response_format is not None and req.response_format.type != "text":
+        raise InvalidRequestError("tool_choice", "a forced tool call cannot be combined with response_format")
+    if choice == "required":
+        return ToolUse("required")
+    if choice.function.name not in names:
+        raise InvalidRequestError("tool_choice", f"names function {choice.function.name!r}, which is not in tools")
+    return ToolUse("named", choice.function.name)
+
+
+def tool_schema(req: "ChatRequest", use: ToolUse) -> tuple[dict, bool]:
+    """The JSON schema a forced tool call's output must match, and whether it is strict."""
+    by_name = {t.function.name: t.function for t in req.tools or []}
+    if use.forced == "named":
+        f = by_name[use.name]
+        return (f.parameters if f.parameters is not None else {"type": "object"}), bool(f.strict)
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+              "properties": {"name": {"enum": [name]},
+                             "parameters": f.parameters if f.parameters is not None else {"type": "object"}}}
+             for name, f in by_name.items()]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if req.parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return schema, any(bool(f.strict) for f in by_name.values())
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    for i, m in enumerate(messages):
+        if m.tool_calls is not None and m.role != "assistant":
+            raise InvalidRequestError(f"messages.{i}.tool_calls", "only an assistant message has tool_calls")
+        if m.role == "tool" and m.tool_call_id is None:
+            raise InvalidRequestError(f"messages.{i}.tool_call_id", "a tool message needs the id of the call it answers")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise InvalidRequestError(f"messages.{i}.tool_call_id", "only a tool message has a tool_call_id")
 
 
 ResponseFormatSpec.model_rebuild()
@@ -120,10 +241,17 @@ def to_sampling_params(req: RequestBody, default_max_tokens: int, validator,
         if value is not None:
             kw[name] = value
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    use = tool_use(req)
+    if use.active:  # the call is enforced like a json_schema response_format (its caps, its compiling)
+        if req.ignore_eos:
+            raise InvalidRequestError("tool_choice", "a forced tool call cannot be combined with ignore_eos")
+        schema, strict = tool_schema(req, use)
+        fmt = validator.response_format("json_schema", schema, strict)
+    else:
+        fmt = _response_format(req.response_format, validator)
     return SamplingParams(**kw, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
                           ignore_eos=req.ignore_eos, logit_bias=_logit_bias(req.logit_bias, validator),
-                          logprobs=_logprobs_k(req, validator.limits.max_logprobs),
-                          response_format=_response_format(req.response_format, validator))
+                          logprobs=_logprobs_k(req, validator.limits.max_logprobs), response_format=fmt)
 
 
 def _response_format(spec: "ResponseFormatSpec | None", validator):

@@ -323,20 +323,52 @@ def test_a_bad_content_part_is_400_naming_it(app, content, param):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "auto"),
     ("/v1/completions", "best_of", 2),
     ("/v1/completions", "n", 9),  # 1..max_choices (8)
     ("/v1/chat/completions", "n", 0),
     ("/v1/completions", "echo", True),
     ("/v1/completions", "suffix", "x"),
-    ("/v1/chat/completions", "parallel_tool_calls", True),
 ])
 def test_unsupported_openai_fields_are_refused_naming_them(app, path, field, value):
     body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     status, err = asgi(app, path, json.dumps({**body, field: value}).encode())
     assert (status, err["error"]["param"]) == (400, field), err
     assert err["error"]["message"].startswith(f"{field}: ")
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"tools": [TOOL]}, "tool_choice", "'auto' (the default with tools) needs a tool-call parser"),
+    ({"tools": [TOOL], "tool_choice": "auto"}, "tool_choice", "needs a tool-call parser"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"parallel_tool_calls": True}, "parallel_tool_calls", "needs tools"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+     "names function 'g', which is not in tools"),
+    ({"tools": [TOOL, TOOL], "tool_choice": "required"}, "tools", "two tools have the same function name"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined with response_format"),
+    ({"tools": [TOOL], "tool_choice": "required", "ignore_eos": True}, "tool_choice", "cannot be combined with ignore_eos"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}], "tool_choice": "none"},
+     "tools.0.function.name", "String should match pattern"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id", "needs the id of the call"),
+    ({"messages": [USER | {"tool_call_id": "c"}]}, "messages.0.tool_call_id", "only a tool message"),
+    ({"messages": [USER | {"tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages.0.tool_calls", "only an assistant message"),
+])
+def test_tool_fields_are_checked_together_and_refused_naming_the_field(app, extra, param, message):
+    status, err = asgi(app, "/v1/chat/completions", json.dumps({"messages": [USER], **extra}).encode())
+    assert (status, err["error"]["param"]) == (400, param), err
+    assert err["error"]["message"].startswith(f"{param}: ") and message in err["error"]["message"], err
+
+
+@pytest.mark.parametrize("extra", [{"tools": [TOOL], "tool_choice": "none"}, {"tools": [TOOL], "tool_choice": "required"},
+                                   {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}])
+def test_usable_tool_choices_pass_validation(app, extra):
+    status, err = asgi(app, "/v1/chat/completions", json.dumps({"messages": [USER], "max_tokens": 2, **extra}).encode())
+    assert status == 503, err  # past validation and admission: this test has no decode pool
 
 
 def test_neutral_values_and_harmless_fields_are_accepted(app):

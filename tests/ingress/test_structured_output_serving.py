@@ -122,3 +122,61 @@ def test_a_bad_schema_is_refused_naming_response_format(server, client):
             list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
     assert g.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "response_format" in g.value.details() and "at most 16" in g.value.details()
+
+
+TOOLS = [{"type": "function", "function": {"name": "set_color", "description": "Set a color and a digit.",
+                                           "parameters": COLOR, "strict": True}},
+         {"type": "function", "function": {"name": "add_person", "parameters": PERSON, "strict": True}}]
+
+
+def tool_reference(engine, text: str, schema: dict) -> str:
+    ids = engine.tokenizer.encode(render_chat(engine.tokenizer, [{"role": "user", "content": text}], tools=TOOLS),
+                                  add_special_tokens=False)
+    fmt = engine.validator.response_format("json_schema", schema, True)
+    [out] = engine.generate([ids], SamplingParams(max_tokens=N, temperature=0, response_format=fmt))
+    return engine.tokenizer.decode(out.token_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_call_is_its_arguments_by_grammar(server, client, engine, stream):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": ASK["color"]}], max_tokens=N, temperature=0,
+              tools=TOOLS, tool_choice={"type": "function", "function": {"name": "set_color"}})
+    if stream:
+        chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
+        calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    else:
+        reply = client.chat.completions.create(**kw)
+        calls, finish = reply.choices[0].message.tool_calls, reply.choices[0].finish_reason
+        assert (reply.choices[0].message.content, finish) == (None, "stop")
+    [call] = calls
+    assert (call.type, call.function.name) == ("function", "set_color") and call.id.startswith("call_")
+    assert call.function.arguments == tool_reference(engine, ASK["color"], COLOR)
+    jsonschema.validate(json.loads(call.function.arguments), COLOR)
+    wait_pools_whole()
+
+
+def test_required_tool_calls_name_known_tools_with_valid_arguments(server, client, engine):
+    messages = [{"role": "user", "content": ASK["person"]}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=N, temperature=0,
+                                           tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    choice = reply.choices[0]
+    assert (choice.message.content, choice.finish_reason) == (None, "tool_calls")
+    [call] = choice.message.tool_calls  # parallel_tool_calls false: one call
+    schema = {"set_color": COLOR, "add_person": PERSON}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    # the history as a client sends it back: the call and its result render, and the chat goes on
+    follow = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "done"}])
+    assert follow.choices[0].finish_reason in ("stop", "length") and follow.usage.completion_tokens >= 1
+    wait_pools_whole()
+
+
+def test_tool_choice_auto_is_refused_rather_than_ignored(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       tools=TOOLS)
+    assert e.value.body["param"] == "tool_choice" and "needs a tool-call parser" in e.value.body["message"]
