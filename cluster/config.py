@@ -274,7 +274,8 @@ class GuardrailPolicy(_Strict):
         64, ge=1, le=4096, description="Hold-back window, in characters of output text: at least every "
         "output rule's longest match plus its lookahead (one character for word boundaries)")
     rule_timeout_s: float = Field(
-        0.005, gt=0, le=1, description="Bound on one rule's search (the `regex` module's timeout)")
+        0.05, gt=0, le=1, description="Bound on one rule's scan of an output delta (the `regex` module's timeout, "
+        "wall clock: a loaded machine needs slack); a prompt's scan gets 20 times this")
     on_error: Literal["closed", "open"] = Field(
         "closed", description="A check that times out or fails: closed = treat as flagged, open = pass (counted)")
 

@@ -19,7 +19,7 @@ from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import pool_loads, wait_pools_whole
 
-KEYS = {"guarded": "k-guarded", "plain": "k-plain"}
+KEYS = {"guarded": "k-guarded", "plain": "k-plain", "early": "k-early"}
 PROMPT = [256] + list(range(1, 40))  # 40 tokens: prefilled remotely (threshold 16), so both legs hold blocks
 MAX_TOKENS = 120
 WINDOW = 16
@@ -45,7 +45,7 @@ def flagged(reference):
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, tiny_model, flagged):
+def server(ray_session, tiny_model, flagged, reference):
     import ray
     from ray import serve
 
@@ -58,8 +58,10 @@ def server(ray_session, tiny_model, flagged):
         model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
         engine={"num_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
         graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
-        guardrail_policies={"strict": policy},
+        guardrail_policies={"strict": policy, "early": {"rules": [  # the output's first two characters
+            {"name": "first", "pattern": re.escape(reference.text[:2]), "applies_to": "output"}]}},
         tenants={"guarded": {"api_keys": [KEYS["guarded"]], "guardrail_policy": "strict"},
+                 "early": {"api_keys": [KEYS["early"]], "guardrail_policy": "early"},
                  "plain": {"api_keys": [KEYS["plain"]], "response_cache": True}},
     )
     serve_app.start(cfg)
@@ -106,6 +108,14 @@ def test_grpc_output_flag_delivers_no_flagged_text_and_frees_both_pools(stub, re
     assert len(tokens) < last.usage.completion_tokens < MAX_TOKENS  # stopped at the source, held tokens unsent
     loads = wait_pools_whole()
     assert loads["decode"]["free_blocks"] == loads["prefill"]["free_blocks"] == 64
+
+
+def test_a_flag_before_any_release_ends_the_stream_with_no_text(stub):
+    responses = list(stub.Generate(request(), metadata=meta("early"), timeout=120))
+    assert [(r.text, list(r.token_ids), r.finish_reason) for r in responses] == [
+        ("", [], pb.FINISH_REASON_CONTENT_FILTER)]
+    assert 1 <= responses[0].usage.completion_tokens < MAX_TOKENS
+    wait_pools_whole()
 
 
 def test_the_unguarded_tenant_gets_the_whole_output(stub, reference, flagged):
