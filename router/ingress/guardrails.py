@@ -156,6 +156,18 @@ class HoldBack:
         return len(self.text) - self.released
 
 
+def _merge(deltas: list["Delta"]) -> "Delta":
+    """Deltas released together as one (as the flow merges what queued up): one message per
+    release, so the client's token intervals stay the engine's, and the window's text at the
+    end goes out in one piece."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    logprobs = None if all(d.logprobs is None for d in deltas) else [lp for d in deltas for lp in d.logprobs or ()]
+    return replace(last, text="".join(d.text for d in deltas), token_ids=[t for d in deltas for t in d.token_ids],
+                   logprobs=logprobs)
+
+
 class GuardrailRejected(ServingError):
     """A prompt flagged by the tenant's policy: 400 / INVALID_ARGUMENT, OpenAI error code
     `content_filter` (as OpenAI answers a prompt its content filter refuses), naming the policy and check."""
@@ -278,7 +290,9 @@ class RequestGuard:
                     yield replace(d, text="", token_ids=[], logprobs=None, finish_reason=FinishReason.CONTENT_FILTER,
                                   guardrail_interventions=tuple(self.interventions))
                     return
-                for r in hold.release(final):
-                    if r.finish_reason is not None:
-                        r.guardrail_interventions = tuple(self.interventions)
-                    yield r
+                released = hold.release(final)
+                if released:
+                    merged = _merge(released)
+                    if merged.finish_reason is not None:
+                        merged.guardrail_interventions = tuple(self.interventions)
+                    yield merged

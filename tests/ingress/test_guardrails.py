@@ -147,7 +147,9 @@ def test_a_clean_stream_is_released_whole_and_in_order():
     pieces = ["The ", "skill", "ed ", "killer", "s ", "sang"]  # "kill" only inside other words
     source = Source(pieces)
     out = run(guard_for(), source)
-    assert [d.text for d in out] == pieces and out[-1].finish_reason == "length"
+    assert "".join(d.text for d in out) == "".join(pieces) and out[-1].finish_reason == "length"
+    assert [t for d in out for t in d.token_ids] == [1, 2, 3, 4, 5, 6]  # deltas released together are merged
+    assert [d.text for d in out] == ["The ", "skill", "ed ", "killers sang"]  # the window's text, at the end
     assert out[-1].guardrail_interventions == () and not source.closed_early
 
 
