@@ -264,12 +264,36 @@ class GuardrailRule(_Strict):
         return self
 
 
+class ClassifierCheckOptions(_Strict):
+    """A policy's call to the guardrail classifier deployment (AppConfig.guardrail_classifier):
+    flagged when its score is >= threshold. A call that fails or runs past timeout_s follows the
+    policy's on_error. On output it is called once per release (each delta), over the window."""
+
+    name: str = Field("classifier", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Metric label and audit name")
+    threshold: float = Field(0.5, gt=0, le=1)
+    timeout_s: float = Field(0.5, gt=0, le=30, description="Bound on one call (input and output alike)")
+    applies_to: Literal["input", "output", "both"] = "both"
+
+
+class ClassifierDeploymentOptions(_Strict):
+    """The guardrail classifier, its own Serve deployment with its own resources (never an engine's
+    step). Deployed when a policy names a classifier. kind keyword_stand_in: a RULE-BASED STAND-IN
+    for a classifier model (cluster/serving/classifier.py), scoring 1.0 when one of `words` occurs."""
+
+    kind: Literal["keyword_stand_in"] = "keyword_stand_in"
+    words: list[str] = Field(default_factory=list, max_length=10_000)
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.25, ge=0)
+    max_text_chars: int = Field(200_000, ge=1, description="Longer texts are refused by the deployment (an error)")
+
+
 class GuardrailPolicy(_Strict):
     """Checks on a tenant's prompt (before any engine work) and output stream. Output reaches
     the client only after the checks covering it passed: the last `holdback_chars` characters
     are held back until more text (or the end) comes."""
 
     rules: list[GuardrailRule] = Field(default_factory=list, max_length=256)
+    classifier: ClassifierCheckOptions | None = Field(None, description="Also ask the classifier deployment")
     holdback_chars: int = Field(
         64, ge=1, le=4096, description="Hold-back window, in characters of output text: at least every "
         "output rule's longest match plus its lookahead (one character for word boundaries)")
@@ -281,7 +305,7 @@ class GuardrailPolicy(_Strict):
 
     @model_validator(mode="after")
     def _rules_fit(self) -> "GuardrailPolicy":
-        names = [r.name for r in self.rules]
+        names = [r.name for r in self.rules] + ([self.classifier.name] if self.classifier else [])
         if len(set(names)) != len(names):
             raise ValueError("guardrail rule names must be unique within a policy")
         from cluster.guardrail_rules import compile_rule, RuleError  # noqa: PLC0415
@@ -351,6 +375,7 @@ class AppConfig(_Strict):
     telemetry: TelemetryOptions = TelemetryOptions()
     guardrail_policies: dict[str, GuardrailPolicy] = Field(default_factory=dict, max_length=64)
     guardrail_policy: str | None = Field(None, description="The 'default' tenant's policy (a guardrail_policies name)")
+    guardrail_classifier: ClassifierDeploymentOptions = ClassifierDeploymentOptions()
     response_cache: ResponseCacheOptions = ResponseCacheOptions()
 
     @model_validator(mode="after")
@@ -392,6 +417,11 @@ class AppConfig(_Strict):
         """This config with every API key source removed: what the engine replicas get."""
         return self.model_copy(update={"api_keys": [], "api_keys_env": None, "api_keys_file": None,
                                        "tenants": {n: t.without_keys() for n, t in self.tenants.items()}})
+
+    @property
+    def uses_classifier(self) -> bool:
+        """A guardrail policy calls the classifier: the app deploys it."""
+        return any(p.classifier is not None for p in self.guardrail_policies.values())
 
     @property
     def has_prefill_pool(self) -> bool:

@@ -51,7 +51,7 @@ class _QuietClientErrors(logging.Filter):
 
 @serve.ingress(openai_app)
 class Ingress:
-    def __init__(self, config: dict, prefill_handle, decode_handle):
+    def __init__(self, config: dict, prefill_handle, decode_handle, classifier_handle=None):
         self.config = AppConfig.model_validate(config)
         self.config.check_startable()
         logging.getLogger("ray.serve").addFilter(_QuietClientErrors())
@@ -67,7 +67,8 @@ class Ingress:
         self.telemetry = IngressTelemetry(self.config.telemetry)
         self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router, admission=admission,
                                 telemetry=self.telemetry,
-                                guard_metrics=guardrail_metrics() if self.config.telemetry.metrics else None)
+                                guard_metrics=guardrail_metrics() if self.config.telemetry.metrics else None,
+                                classifier=classifier_handle)
         bind_replica(self.flow, Idempotent(actor, admission))
 
     # ---- gRPC: pdserve.v1.Generation -------------------------------------------------------

@@ -125,7 +125,7 @@ def _ended(rid: str, reason: FinishReason, error: str | None, sent: int,
 class RequestFlow:
     def __init__(self, config: AppConfig, prefill_handle, decode_handle, router=None,
                  route_timeout_s: float = 0.5, admission: Admission | None = None, telemetry=None,
-                 guard_metrics=None):
+                 guard_metrics=None, classifier=None):
         self.config = config
         self.admission = admission or Admission(config, _local_quotas())
         self.validator = make_validator(config)
@@ -143,7 +143,7 @@ class RequestFlow:
             k: v for k, v in asdict(mc.generation_defaults).items() if v is not None}
         self.block_size = config.engine.block_size
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
-        self.guardrails = Guardrails(config, guard_metrics)
+        self.guardrails = Guardrails(config, guard_metrics, classifier)  # classifier: its deployment's handle
         self.response_cache = ResponseCache.from_config(config, mc.fingerprint(), guard_metrics)
 
     async def generate(

@@ -23,6 +23,7 @@ final delta (`Delta.guardrail_interventions`) or, for a refused prompt, on the e
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from collections import deque
@@ -30,7 +31,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
-from cluster.config import AppConfig, GuardrailPolicy, GuardrailRule
+from cluster.config import AppConfig, ClassifierCheckOptions, GuardrailPolicy, GuardrailRule
 from cluster.engine.outputs import FinishReason
 from cluster.guardrail_rules import compile_rule
 from router.ingress.status import Code, ServingError
@@ -92,8 +93,7 @@ class RuleCheck:
 
     def __init__(self, rule: GuardrailRule, timeout_s: float, input_timeout_s: float):
         self.name = rule.name
-        self.stages = frozenset({"input": [Stage.INPUT], "output": [Stage.OUTPUT],
-                                 "both": [Stage.INPUT, Stage.OUTPUT]}[rule.applies_to])
+        self.stages = STAGES[rule.applies_to]
         compiled = compile_rule(rule.words, rule.pattern)
         self.pattern = compiled.pattern
         self.lookahead = compiled.lookahead
@@ -121,6 +121,41 @@ class RuleCheck:
                 return True
             pos = m.start() + 1  # not settled yet: the text is held; look for a settled one after it
         return False
+
+
+STAGES = {"input": frozenset({Stage.INPUT}), "output": frozenset({Stage.OUTPUT}),
+          "both": frozenset({Stage.INPUT, Stage.OUTPUT})}
+
+
+class ClassifierCheck:
+    """The classifier deployment (cluster/serving/classifier.py), called through its Serve handle:
+    flagged when its score is >= threshold; a failed call or one past `timeout_s` is CheckFailed.
+    On output it sees the text from `start` (the window's context and what is held)."""
+
+    def __init__(self, options: ClassifierCheckOptions, handle):
+        self.name = options.name
+        self.stages = STAGES[options.applies_to]
+        self.threshold = options.threshold
+        self.timeout_s = options.timeout_s
+        self.handle = handle
+
+    def flags_input(self, text: str) -> bool:
+        try:
+            score = self.handle.classify.remote(text).result(timeout_s=self.timeout_s)
+        except TimeoutError as e:
+            raise CheckFailed(Cause.TIMEOUT, f"classifier {self.name} timed out") from e
+        except Exception as e:  # noqa: BLE001 — down, dying, refusing: the policy decides
+            raise CheckFailed(Cause.ERROR, f"classifier {self.name} failed: {e}") from e
+        return score >= self.threshold
+
+    async def flags_output(self, text: str, start: int, final: bool) -> bool:
+        try:
+            score = await asyncio.wait_for(self.handle.classify.remote(text[start:]), self.timeout_s)
+        except (TimeoutError, asyncio.TimeoutError) as e:
+            raise CheckFailed(Cause.TIMEOUT, f"classifier {self.name} timed out") from e
+        except Exception as e:  # noqa: BLE001
+            raise CheckFailed(Cause.ERROR, f"classifier {self.name} failed: {e}") from e
+        return score >= self.threshold
 
 
 class HoldBack:
@@ -194,8 +229,13 @@ class CompiledPolicy:
         return tuple(c for c in self.checks if stage in c.stages)
 
 
-def compile_policy(name: str, policy: GuardrailPolicy, input_timeout_s: float) -> CompiledPolicy:
-    checks = tuple(RuleCheck(r, policy.rule_timeout_s, input_timeout_s) for r in policy.rules)
+def compile_policy(name: str, policy: GuardrailPolicy, input_timeout_s: float, classifier=None) -> CompiledPolicy:
+    """Rules first (cheap), then the classifier; `classifier` is its deployment's handle."""
+    checks: tuple = tuple(RuleCheck(r, policy.rule_timeout_s, input_timeout_s) for r in policy.rules)
+    if policy.classifier is not None:
+        if classifier is None:
+            raise ValueError(f"guardrail policy {name!r} names a classifier, and no classifier deployment is given")
+        checks += (ClassifierCheck(policy.classifier, classifier),)
     return CompiledPolicy(name, checks, policy.holdback_chars, policy.on_error)
 
 
@@ -204,8 +244,8 @@ class Guardrails:
 
     INPUT_TIMEOUT_FACTOR = 20  # a prompt is up to the prompt cap long; its bound is this x the rule's
 
-    def __init__(self, config: AppConfig, metrics=None):
-        compiled = {name: compile_policy(name, p, p.rule_timeout_s * self.INPUT_TIMEOUT_FACTOR)
+    def __init__(self, config: AppConfig, metrics=None, classifier=None):
+        compiled = {name: compile_policy(name, p, p.rule_timeout_s * self.INPUT_TIMEOUT_FACTOR, classifier)
                     for name, p in config.guardrail_policies.items()}
         self.by_tenant = {t: compiled[o.guardrail_policy] for t, o in config.tenants.items() if o.guardrail_policy}
         if config.guardrail_policy is not None:

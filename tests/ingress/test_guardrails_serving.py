@@ -1,10 +1,13 @@
 """Guardrails and the response cache through the real cluster (1 prefill + 1 decode replica):
 an output that trips a rule mid-generation over gRPC, HTTP streaming and non-streaming (no flagged
-text delivered, content_filter, both pools back to their totals), a refused prompt, and a
-repeated temperature-0 request served from the cache without reaching an engine."""
+text delivered, content_filter, both pools back to their totals), a refused prompt, the classifier
+deployment (the rule-based stand-in) flagging, stalled and killed under fail-closed and fail-open
+policies, and a repeated temperature-0 request served from the cache without reaching an engine."""
 
+import concurrent.futures
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 
@@ -17,9 +20,11 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers import pool_loads, wait_pools_whole
+from tests.helpers import pool_loads, serve_replica_ids, wait_for, wait_pools_whole
 
-KEYS = {"guarded": "k-guarded", "plain": "k-plain", "early": "k-early"}
+KEYS = {"guarded": "k-guarded", "plain": "k-plain", "early": "k-early", "cls-closed": "k-cls-closed",
+        "cls-open": "k-cls-open"}
+CLASSIFIER_TIMEOUT_S = 0.5
 PROMPT = [256] + list(range(1, 40))  # 40 tokens: prefilled remotely (threshold 16), so both legs hold blocks
 MAX_TOKENS = 120
 WINDOW = 16
@@ -59,9 +64,14 @@ def server(ray_session, tiny_model, flagged, reference):
         engine={"num_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
         graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
         guardrail_policies={"strict": policy, "early": {"rules": [  # the output's first two characters
-            {"name": "first", "pattern": re.escape(reference.text[:2]), "applies_to": "output"}]}},
+            {"name": "first", "pattern": re.escape(reference.text[:2]), "applies_to": "output"}]},
+            "cls-closed": {"classifier": {"timeout_s": CLASSIFIER_TIMEOUT_S}, "on_error": "closed"},
+            "cls-open": {"classifier": {"timeout_s": CLASSIFIER_TIMEOUT_S, "applies_to": "input"}, "on_error": "open"}},
+        guardrail_classifier={"words": ["classified"]}, fault_tolerance={"fault_injection": True},
         tenants={"guarded": {"api_keys": [KEYS["guarded"]], "guardrail_policy": "strict"},
                  "early": {"api_keys": [KEYS["early"]], "guardrail_policy": "early"},
+                 "cls-closed": {"api_keys": [KEYS["cls-closed"]], "guardrail_policy": "cls-closed"},
+                 "cls-open": {"api_keys": [KEYS["cls-open"]], "guardrail_policy": "cls-open"},
                  "plain": {"api_keys": [KEYS["plain"]], "response_cache": True}},
     )
     serve_app.start(cfg)
@@ -170,6 +180,70 @@ def test_a_flagged_prompt_is_refused_before_any_engine_work(stub, server):
         "message": "messages: refused by guardrail policy 'strict', check 'banned-prompt'",
         "type": "invalid_request_error", "param": "messages", "code": "content_filter"}
     assert generated_tokens() == before
+    wait_pools_whole()
+
+
+def outcome(stub, tenant, req):
+    """("OK", tokens) or (code, details) of one stream, and how long it took."""
+    started = time.monotonic()
+    try:
+        tokens = [t for r in stub.Generate(req, metadata=meta(tenant), timeout=60) for t in r.token_ids]
+        result = ("OK", tokens)
+    except grpc.RpcError as e:
+        result = (e.code().name, e.details())
+    return result, time.monotonic() - started
+
+
+def short(text=None):
+    if text is not None:
+        return pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    return request(PROMPT, 6)
+
+
+def test_the_classifier_deployment_flags_a_prompt_and_checks_the_output(stub, reference):
+    assert outcome(stub, "cls-closed", short("this is Classified material"))[0] == (
+        "INVALID_ARGUMENT", "prompt: refused by guardrail policy 'cls-closed', check 'classifier'")
+    # its output is classified on every release too (applies_to both); the stand-in passes noise
+    assert outcome(stub, "cls-closed", short())[0] == ("OK", reference.token_ids[:6])
+    wait_pools_whole()
+
+
+def classifier():
+    from ray import serve
+
+    return serve.get_deployment_handle("guardrail-classifier", "pdserve")
+
+
+FAILED_CLOSED = "prompt: refused by guardrail policy 'cls-closed', check 'classifier' (the check {}; policy fails closed)"
+
+
+def test_a_stalled_classifier_fails_closed_or_open_within_its_timeout(stub, reference):
+    classifier().stall.remote(4.0).result(timeout_s=30)
+    (closed, took_closed), (opened, took_open) = (outcome(stub, "cls-closed", short()),
+                                                  outcome(stub, "cls-open", short()))
+    assert closed == ("INVALID_ARGUMENT", FAILED_CLOSED.format("timeout"))
+    assert opened == ("OK", reference.token_ids[:6])  # passed, and the pass recorded as an intervention
+    assert took_closed < CLASSIFIER_TIMEOUT_S + 2.0 and took_open < CLASSIFIER_TIMEOUT_S + 2.0
+    wait_pools_whole()
+
+
+def test_a_killed_classifier_fails_closed_or_open_within_its_timeout(stub, reference):
+    import ray
+
+    (replica,) = serve_replica_ids()["guardrail-classifier"]
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::pdserve#guardrail-classifier#{replica}", namespace="serve"),
+             no_restart=True)
+    wait_for(lambda: replica not in serve_replica_ids().get("guardrail-classifier", []), "the replica's death")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        closed = pool.submit(outcome, stub, "cls-closed", short())
+        opened = pool.submit(outcome, stub, "cls-open", short())
+        (closed, took_closed), (opened, took_open) = closed.result(), opened.result()
+    assert opened == ("OK", reference.token_ids[:6])
+    # Serve replaces the replica within seconds: a call after the replacement is answered
+    assert closed in (("INVALID_ARGUMENT", FAILED_CLOSED.format("timeout")),
+                      ("INVALID_ARGUMENT", FAILED_CLOSED.format("error")), ("OK", reference.token_ids[:6]))
+    assert took_closed < CLASSIFIER_TIMEOUT_S + 2.0 and took_open < CLASSIFIER_TIMEOUT_S + 2.0
+    wait_for(lambda: len(serve_replica_ids().get("guardrail-classifier", [])) == 1, "a new classifier replica", 60)
     wait_pools_whole()
 
 
