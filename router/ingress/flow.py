@@ -183,6 +183,8 @@ class RequestFlow:
                 await self.admission.start(ticket)
                 req = await asyncio.get_running_loop().run_in_executor(
                     self._tokenize_pool, self._make_request, rid, prompt, prompt_token_ids, sampling, messages, guard)
+                if guard is not None:
+                    await guard.check_input_remote()  # a classifier: on the loop, bounded by its timeout
                 await self.admission.charge(ticket, req.num_prompt_tokens, sampling.max_tokens)
                 ctx = ticket.ctx
                 if observed is not None and observed.trace_context:

@@ -75,13 +75,15 @@ class CheckFailed(Exception):
 
 
 class Check(Protocol):
-    """A guardrail check. `flags_input` runs in a worker thread on the whole prompt text;
-    `flags_output` on the event loop, on `text[start:]` (with `text[:start]` as context for
-    boundaries and lookbehind), `final` when no more text will come. True = flagged; raise
-    CheckFailed when the check could not decide (timeout, a classifier down)."""
+    """A guardrail check. `flags_input` gets the whole prompt text: in a worker thread for a local
+    check, awaited on the event loop for a `remote` one (a coroutine function then, so a slow
+    classifier never holds a tokenize thread); `flags_output` on the event loop, on `text[start:]`
+    (with `text[:start]` as context for boundaries and lookbehind), `final` when no more text will
+    come. True = flagged; raise CheckFailed when the check could not decide (timeout, a classifier down)."""
 
     name: str
     stages: frozenset[Stage]
+    remote: bool
 
     def flags_input(self, text: str) -> bool: ...
 
@@ -94,6 +96,7 @@ class RuleCheck:
     def __init__(self, rule: GuardrailRule, timeout_s: float, input_timeout_s: float):
         self.name = rule.name
         self.stages = STAGES[rule.applies_to]
+        self.remote = False
         compiled = compile_rule(rule.words, rule.pattern)
         self.pattern = compiled.pattern
         self.lookahead = compiled.lookahead
@@ -135,25 +138,23 @@ class ClassifierCheck:
     def __init__(self, options: ClassifierCheckOptions, handle):
         self.name = options.name
         self.stages = STAGES[options.applies_to]
+        self.remote = True
         self.threshold = options.threshold
         self.timeout_s = options.timeout_s
         self.handle = handle
 
-    def flags_input(self, text: str) -> bool:
-        try:
-            score = self.handle.classify.remote(text).result(timeout_s=self.timeout_s)
-        except TimeoutError as e:
-            raise CheckFailed(Cause.TIMEOUT, f"classifier {self.name} timed out") from e
-        except Exception as e:  # noqa: BLE001 — down, dying, refusing: the policy decides
-            raise CheckFailed(Cause.ERROR, f"classifier {self.name} failed: {e}") from e
-        return score >= self.threshold
+    async def flags_input(self, text: str) -> bool:
+        return await self._classify(text)
 
     async def flags_output(self, text: str, start: int, final: bool) -> bool:
+        return await self._classify(text[start:])
+
+    async def _classify(self, text: str) -> bool:
         try:
-            score = await asyncio.wait_for(self.handle.classify.remote(text[start:]), self.timeout_s)
+            score = await asyncio.wait_for(self.handle.classify.remote(text), self.timeout_s)
         except (TimeoutError, asyncio.TimeoutError) as e:
             raise CheckFailed(Cause.TIMEOUT, f"classifier {self.name} timed out") from e
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 — down, dying, refusing: the policy decides
             raise CheckFailed(Cause.ERROR, f"classifier {self.name} failed: {e}") from e
         return score >= self.threshold
 
@@ -269,6 +270,7 @@ class RequestGuard:
         self.tenant = tenant
         self.metrics = metrics
         self.interventions: list[Intervention] = []
+        self._input: tuple[str, str] | None = None  # (prompt text, param) for the remote input checks
 
     def _record(self, check: str, stage: Stage, action: Action, cause: Cause) -> Intervention:
         iv = Intervention(self.policy.name, check, stage, action, cause)
@@ -287,16 +289,37 @@ class RequestGuard:
         return False
 
     def check_input(self, text: str, param: str) -> None:
-        """Raises GuardrailRejected naming the policy and check (a worker thread: never the loop)."""
+        """The local checks (a worker thread: never the loop); the text is kept for the remote
+        ones (`check_input_remote`). Raises GuardrailRejected naming the policy and check."""
+        self._input = (text, param)
         for check in self.policy.for_stage(Stage.INPUT):
-            try:
-                flagged = check.flags_input(text)
-                if flagged:
-                    self._record(check.name, Stage.INPUT, Action.REFUSED, Cause.FLAGGED)
-            except CheckFailed as e:
-                flagged = self._failed(check.name, Stage.INPUT, e, Action.REFUSED)
-            if flagged:
-                raise GuardrailRejected(self.interventions[-1], param, tuple(self.interventions))
+            if not check.remote:
+                try:
+                    flagged = check.flags_input(text)
+                except CheckFailed as e:
+                    flagged = e
+                self._input_verdict(check.name, flagged, param)
+
+    async def check_input_remote(self) -> None:
+        """The remote checks (a classifier) on the prompt given to check_input, on the loop."""
+        if self._input is None:
+            return
+        text, param = self._input
+        for check in self.policy.for_stage(Stage.INPUT):
+            if check.remote:
+                try:
+                    flagged = await check.flags_input(text)
+                except CheckFailed as e:
+                    flagged = e
+                self._input_verdict(check.name, flagged, param)
+
+    def _input_verdict(self, check: str, flagged: "bool | CheckFailed", param: str) -> None:
+        if isinstance(flagged, CheckFailed):
+            flagged = self._failed(check, Stage.INPUT, flagged, Action.REFUSED)
+        elif flagged:
+            self._record(check, Stage.INPUT, Action.REFUSED, Cause.FLAGGED)
+        if flagged:
+            raise GuardrailRejected(self.interventions[-1], param, tuple(self.interventions))
 
     async def _flagged(self, hold: HoldBack, final: bool) -> bool:
         for check in self.policy.for_stage(Stage.OUTPUT):
