@@ -264,3 +264,13 @@ def test_a_repeated_greedy_request_is_served_from_the_cache(stub, reference):
         max_tokens=12, temperature=0.7, seed=1, ignore_eos=True)), metadata=meta("plain"), timeout=60))
     assert not hot[-1].usage.response_cache_hit and generated_tokens() == after_first + 12  # not temperature 0
     wait_pools_whole()
+
+
+def test_an_http_request_equal_to_a_cached_one_is_a_marked_hit(server, reference):
+    ids = [256] + list(range(50, 80))  # the previous test's request, cached
+    before = generated_tokens()
+    c = openai_client(server, "plain").completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
+                                                          extra_body={"ignore_eos": True})
+    assert c.usage.model_extra["pdserve_response_cache_hit"] is True
+    assert (c.usage.prompt_tokens, c.usage.prompt_tokens_details.cached_tokens, c.usage.completion_tokens) == (31, 31, 12)
+    assert c.choices[0].finish_reason == "length" and generated_tokens() == before
