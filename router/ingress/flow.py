@@ -144,7 +144,7 @@ class RequestFlow:
         self.block_size = config.engine.block_size
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
         self.guardrails = Guardrails(config, guard_metrics, classifier)  # classifier: its deployment's handle
-        self.response_cache = ResponseCache.from_config(config, mc.fingerprint(), guard_metrics)
+        self.response_cache = ResponseCache.from_config(config, self.salt.decode(), guard_metrics)
 
     async def generate(
         self,

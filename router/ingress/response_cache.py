@@ -5,13 +5,14 @@ Per ingress replica, in memory: a short TTL, at most `max_entries` entries and `
 stored text, token ids and logprobs (least recently used go first; a completion larger than
 `max_entry_bytes` is not stored). A redeploy (new model, new config) starts an empty cache.
 
-The key is a SHA-256 over the model's version (served name, architecture fingerprint, and the
-checkpoint files' names, sizes and modification times), the tenant (tenants never see each
-other's entries, nor learn by a hit what another asked), the prompt's token ids, and every field
-of the SamplingParams (max_tokens, stop strings and ids, penalties, logit_bias, logprobs, the
-response format, seed...). What is cached and what is not:
+The key is a SHA-256 over the model (served name and its identity: architecture fingerprint and
+weights digest, the block-hash salt), the tenant (tenants never see each other's entries, nor
+learn by a hit what another asked), the prompt's token ids, and every field of the
+SamplingParams (max_tokens, stop strings and ids, penalties, logit_bias, logprobs, the response
+format, seed...). What is cached and what is not:
   - temperature exactly 0 only (after the model's defaults are applied); other requests pass by;
-  - n and best_of are accepted only at 1 by the API, so one choice is what is stored;
+  - n > 1 (HTTP) runs each choice as a request of its own (choice i with seed + i): each is
+    cached and replayed on its own; usage marks a hit when every choice was one;
   - logprobs are stored with the tokens and replayed (the key includes how many were asked for);
   - only completions that ended with `stop` or `length`: an error, a cancel or a guardrail's
     `content_filter` is never stored. What is stored is what the client got, after the tenant's
@@ -30,7 +31,6 @@ import time
 from collections import OrderedDict
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 
 from cluster.config import AppConfig, ResponseCacheOptions
@@ -42,17 +42,6 @@ if TYPE_CHECKING:
 
 CACHED_FINISH = (FinishReason.STOP, FinishReason.LENGTH)
 DELTA_OVERHEAD_BYTES = 64
-
-
-def model_version(config: AppConfig, fingerprint: str) -> str:
-    """What names the weights a completion came from, until model versions carry a content hash."""
-    parts = [config.model_name, fingerprint]
-    if config.model is not None:
-        for f in sorted(Path(config.model).iterdir()):
-            if f.is_file():
-                st = f.stat()
-                parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def delta_bytes(d: "Delta") -> int:
@@ -79,12 +68,12 @@ class ResponseCache:
         self.nbytes = 0
 
     @classmethod
-    def from_config(cls, config: AppConfig, fingerprint: str, metrics=None) -> "ResponseCache":
+    def from_config(cls, config: AppConfig, identity: str, metrics=None) -> "ResponseCache":
+        """`identity`: the model's (cluster/engine/model/identity.py: architecture + weights digest)."""
         tenants = {n for n, t in config.tenants.items() if t.response_cache}
         if config.response_cache.default_tenant:
             tenants.add("default")
-        return cls(config.response_cache, tenants, model_version(config, fingerprint) if tenants else "",
-                   metrics=metrics)
+        return cls(config.response_cache, tenants, f"{config.model_name}:{identity}", metrics=metrics)
 
     def __len__(self) -> int:
         return len(self._entries)
