@@ -69,7 +69,9 @@ def cpus_needed(config: AppConfig) -> int:
         return n * p.num_cpus
 
     prefill = pool(config.prefill) if config.has_prefill_pool else 0.0
-    return int(-(-(prefill + pool(config.decode) + INGRESS_CPUS * config.ingress_replicas) // 1))
+    c = config.guardrail_classifier
+    classifier = c.num_replicas * c.num_cpus if config.uses_classifier else 0.0
+    return int(-(-(prefill + pool(config.decode) + INGRESS_CPUS * config.ingress_replicas + classifier) // 1))
 
 
 def build_app(config: AppConfig):
@@ -88,7 +90,16 @@ def build_app(config: AppConfig):
                                ray_actor_options={"num_cpus": INGRESS_CPUS}, max_ongoing_requests=1024,
                                graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
                                graceful_shutdown_wait_loop_s=min(2.0, config.graceful_shutdown_timeout_s))
-    return ingress.bind(config.model_dump(), prefill, decode)
+    classifier = None  # the guardrail classifier: its own deployment and CPUs, when a policy asks for it
+    if config.uses_classifier:
+        from cluster.serving.classifier import KeywordClassifierStandIn  # noqa: PLC0415
+
+        c = config.guardrail_classifier
+        classifier = serve.deployment(
+            KeywordClassifierStandIn, name="guardrail-classifier", num_replicas=c.num_replicas,
+            ray_actor_options={"num_cpus": c.num_cpus}, health_check_period_s=config.health_check_period_s,
+        ).bind(engine_cfg)
+    return ingress.bind(config.model_dump(), prefill, decode, classifier)
 
 
 def engine_config(config: AppConfig) -> dict:

@@ -18,6 +18,7 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # this request failed (its input, or a failed step): `error` says why
     DEADLINE = "deadline"  # its deadline passed: work stopped, blocks freed
     REJECTED = "rejected"  # waited in the queue past its time-to-live (overload)
+    CONTENT_FILTER = "content_filter"  # a guardrail flagged the output (set by the ingress, never an engine)
 
     __str__ = str.__str__
     __format__ = str.__format__

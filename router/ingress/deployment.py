@@ -15,6 +15,7 @@ from protos.pdserve.v1 import generation_pb2 as pb
 from router.actor import get_router
 from router.ingress.admission import Admission, Idempotent
 from router.ingress.admission_actor import get_admission
+from cluster.telemetry.guardrail_metrics import guardrail_metrics
 from router.ingress.flow import RequestFlow
 from router.ingress.grpc_api import delta_to_proto, fail, prompt_from_proto, sampling_from_proto
 from router.ingress.openai_api import TIMEOUT_HEADER, bind_replica, build_openai_app, parse_deadline
@@ -50,7 +51,7 @@ class _QuietClientErrors(logging.Filter):
 
 @serve.ingress(openai_app)
 class Ingress:
-    def __init__(self, config: dict, prefill_handle, decode_handle):
+    def __init__(self, config: dict, prefill_handle, decode_handle, classifier_handle=None):
         self.config = AppConfig.model_validate(config)
         self.config.check_startable()
         logging.getLogger("ray.serve").addFilter(_QuietClientErrors())
@@ -65,7 +66,9 @@ class Ingress:
         admission = Admission(self.config, actor.take.remote)  # reads the keys (env, file) and keeps their hashes
         self.telemetry = IngressTelemetry(self.config.telemetry)
         self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router, admission=admission,
-                                telemetry=self.telemetry)
+                                telemetry=self.telemetry,
+                                guard_metrics=guardrail_metrics() if self.config.telemetry.metrics else None,
+                                classifier=classifier_handle)
         bind_replica(self.flow, Idempotent(actor, admission))
 
     # ---- gRPC: pdserve.v1.Generation -------------------------------------------------------

@@ -23,6 +23,7 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, replace
 from typing import AsyncIterator, Sequence
 
@@ -38,6 +39,8 @@ from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from cluster.engine.validation import RequestValidator
 from cluster.errors import ErrorKind, InvalidRequestError, QueueFullError
 from router.ingress.admission import DEFAULT_TENANT, Admission, Quotas
+from router.ingress.guardrails import Guardrails, Intervention, RequestGuard
+from router.ingress.response_cache import ResponseCache
 from router.ingress.status import Code, Rejected, ServingError
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,9 @@ class Delta:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    # The final delta's record of the request's guardrail events (router/ingress/guardrails.py): the audit reads it
+    guardrail_interventions: tuple[Intervention, ...] = ()
+    response_cache_hit: bool = False  # replayed from the response cache: no engine saw the request
 
 
 class _Stream:
@@ -118,7 +124,8 @@ def _ended(rid: str, reason: FinishReason, error: str | None, sent: int,
 
 class RequestFlow:
     def __init__(self, config: AppConfig, prefill_handle, decode_handle, router=None,
-                 route_timeout_s: float = 0.5, admission: Admission | None = None, telemetry=None):
+                 route_timeout_s: float = 0.5, admission: Admission | None = None, telemetry=None,
+                 guard_metrics=None, classifier=None):
         self.config = config
         self.admission = admission or Admission(config, _local_quotas())
         self.validator = make_validator(config)
@@ -136,6 +143,8 @@ class RequestFlow:
             k: v for k, v in asdict(mc.generation_defaults).items() if v is not None}
         self.block_size = config.engine.block_size
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
+        self.guardrails = Guardrails(config, guard_metrics, classifier)  # classifier: its deployment's handle
+        self.response_cache = ResponseCache.from_config(config, self.salt.decode(), guard_metrics)
 
     async def generate(
         self,
@@ -171,15 +180,22 @@ class RequestFlow:
             label = request_id or rid
             ticket = self.admission.reserve(tenant, deadline)
             completion = 0
+            guard = self.guardrails.for_request(tenant)  # None: the tenant has no policy
             try:
                 await self.admission.start(ticket)
                 req = await asyncio.get_running_loop().run_in_executor(
-                    self._tokenize_pool, self._make_request, rid, prompt, prompt_token_ids, sampling, messages, tools)
+                    self._tokenize_pool, self._make_request, rid, prompt, prompt_token_ids, sampling, messages, guard,
+                    tools)
+                if guard is not None:
+                    await guard.check_input_remote()  # a classifier: on the loop, bounded by its timeout
                 await self.admission.charge(ticket, req.num_prompt_tokens, sampling.max_tokens)
                 ctx = ticket.ctx
                 if observed is not None and observed.trace_context:
                     ctx = replace(ctx, trace_context=observed.trace_context)
-                async for d in self._run(rid, label, req.prompt_token_ids, sampling, ctx):
+                deltas = self._run(rid, label, req.prompt_token_ids, sampling, ctx)  # not started: a cache hit never starts it
+                if guard is not None:
+                    deltas = guard.output(deltas)
+                async for d in self.response_cache.through(tenant, req.prompt_token_ids, sampling, label, deltas):
                     completion = d.completion_tokens
                     if observed is not None:
                         observed.delta(d)
@@ -194,13 +210,19 @@ class RequestFlow:
                 observed.end(error)
 
     def _make_request(self, rid: str, prompt: str | None, ids: Sequence[int] | None, sampling: SamplingParams,
-                      messages: list[dict] | None, tools: list[dict] | None = None):
+                      messages: list[dict] | None, guard: RequestGuard | None = None,
+                      tools: list[dict] | None = None):
         """Validate and tokenize (a worker thread: never on the event loop). Chat messages are
         rendered first; the rendered text meets the prompt caps (characters, valid Unicode)
-        before it is tokenized, and errors name `messages`."""
+        before it is tokenized, and errors name `messages`. Then the tenant's guardrail checks
+        the prompt's text (the text given, or the capped token ids decoded)."""
+        param = "prompt" if messages is None else "messages"
         if messages is not None:
             prompt, ids = None, self.chat_ids(messages, tools)
-        return self.validator.make_request(rid, prompt, ids, sampling)
+        req = self.validator.make_request(rid, prompt, ids, sampling)
+        if guard is not None:
+            guard.check_input(prompt if prompt is not None else self.tokenizer.decode(req.prompt_token_ids), param)
+        return req
 
     def authorize(self, authorization: str | None, model: str | None) -> str:
         """The caller's tenant, for both edges: refuses an unknown key (UNAUTHENTICATED) or model
@@ -225,7 +247,7 @@ class RequestFlow:
         decision = await self._route(ids, ctx)
         if decision is not None:
             self._check_queue_wait(rid, decision.queue_wait_s, ctx)
-        kv_handle = None
+        kv_handle = None  # closing this generator closes the legs' at once (aclosing): a guardrail's stop frees both pools
         if self.prefill is not None and not (decision is not None and decision.mode == "local"):
             first = await self._first_token(rid, ids, sampling, ctx, decision.prefill if decision else None, stream)
             if first is not None:
@@ -238,9 +260,10 @@ class RequestFlow:
                     raise
                 if d.finish_reason is not None or kv_handle is None:
                     return
-        async for d in self._decode_legs(rid, ids, sampling, ctx, kv_handle,
-                                         decision.decode if decision else None, stream):
-            yield d
+        async with aclosing(self._decode_legs(rid, ids, sampling, ctx, kv_handle,
+                                              decision.decode if decision else None, stream)) as legs:
+            async for d in legs:
+                yield d
 
     async def _first_token(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
                            target: str | None, stream: "_Stream"):
@@ -274,14 +297,15 @@ class RequestFlow:
                 log.warning("decode replica of %s died after %d tokens; migrating (%d of %d)",
                             rid, len(generated), migration, self.max_migrations)
             try:
-                async for d in self._decode(leg_rid, ids, sampling, kv_handle, ctx, decode_target,
-                                            stream, leg_generated):
-                    if kv_handle is None and migration == 0:
-                        stream.cached = d.cached_prompt_tokens
-                    d.cached_prompt_tokens = stream.cached  # a migrated leg's count covers tokens already sent
-                    yield d
-                    if d.finish_reason is not None:
-                        return
+                async with aclosing(self._decode(leg_rid, ids, sampling, kv_handle, ctx, decode_target,
+                                                 stream, leg_generated)) as leg:
+                    async for d in leg:
+                        if kv_handle is None and migration == 0:
+                            stream.cached = d.cached_prompt_tokens
+                        d.cached_prompt_tokens = stream.cached  # a migrated leg's count covers tokens already sent
+                        yield d
+                        if d.finish_reason is not None:
+                            return
             except _ReplicaDied as e:
                 kv_handle, decode_target = None, None  # the next leg prefills on its own replica
                 if migration < self.max_migrations:

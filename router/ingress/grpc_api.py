@@ -18,7 +18,7 @@ from router.ingress.status import Code, ServingError, retry_after_seconds
 FINISH = {  # the finish reasons a client sees (deadline and rejected become status codes)
     None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
-    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR, FinishReason.CONTENT_FILTER: pb.FINISH_REASON_CONTENT_FILTER,
 }
 
 
@@ -83,7 +83,8 @@ def delta_to_proto(d: Delta) -> "pb.GenerateResponse":
                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
     if d.finish_reason is not None:
         resp.usage.CopyFrom(pb.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
-                                     cached_prompt_tokens=d.cached_prompt_tokens))
+                                     cached_prompt_tokens=d.cached_prompt_tokens,
+                                     response_cache_hit=d.response_cache_hit))
     return resp
 
 

@@ -52,8 +52,9 @@ def error_response(status: int, message: str, param: str | None = None, kind: st
 
 def serving_error_response(e: ServingError) -> JSONResponse:
     retry = e.retry_after_s
-    return error_response(e.code.http_status, e.message, None, e.code.error_type,
-                          "model_not_found" if e.code is Code.NOT_FOUND else e.code.grpc_name.lower(),
+    code = getattr(e, "openai_code", None) or (  # a guardrail's refusal: "content_filter", as OpenAI's
+        "model_not_found" if e.code is Code.NOT_FOUND else e.code.grpc_name.lower())
+    return error_response(e.code.http_status, e.message, getattr(e, "param", None), e.code.error_type, code,
                           None if retry is None else {"Retry-After": str(retry_after_seconds(retry))})
 
 
@@ -392,8 +393,11 @@ async def _respond(flow, body: RequestBody, choices: list[Choice], chat: bool, u
 def _usage(lasts: list[Delta]) -> dict:
     """The prompt once (every choice has the same), the completions summed, as OpenAI bills n > 1."""
     prompt, completion = lasts[0].prompt_tokens, sum(d.completion_tokens for d in lasts)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": lasts[0].cached_prompt_tokens}}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": lasts[0].cached_prompt_tokens}}
+    if all(d.response_cache_hit for d in lasts):  # pdserve's field: every choice replayed from the response cache
+        usage["pdserve_response_cache_hit"] = True
+    return usage
 
 
 def _asks_logprobs(body: RequestBody) -> bool:

@@ -90,7 +90,7 @@ class IngressTelemetry:
                 m.ttft.observe(first - start, tags)
             if code == "OK":
                 m.e2e.observe(end - start, tags)
-                if last.completion_tokens > 1:
+                if last.completion_tokens > 1 and first is not None:  # a guardrail may stop one before any token went out
                     m.tpot.observe((last_token - first) / (last.completion_tokens - 1), tags)
             if last is not None:
                 for counter, n in ((m.prompt_tokens, last.prompt_tokens), (m.generation_tokens, last.completion_tokens),

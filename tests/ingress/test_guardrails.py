@@ -1,0 +1,287 @@
+"""Guardrails without Ray: rule compilation and its bounds, the hold-back window, the output
+stream's release and stop, the input check, and the response cache's keys and bounds."""
+
+import asyncio
+import random
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.config import AppConfig, GuardrailPolicy, ResponseCacheOptions
+from cluster.engine.outputs import FinishReason, TokenLogprob
+from cluster.engine.sampling_params import SamplingParams
+from cluster.guardrail_rules import RuleError, compile_rule
+from router.ingress.flow import Delta
+from router.ingress.guardrails import (Action, Cause, GuardrailRejected, Guardrails, HoldBack, Intervention,
+                                       RuleCheck, Stage)
+from router.ingress.response_cache import ResponseCache
+
+# ---- rules and their bounds ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("words, pattern, span, lookahead", [
+    (["kill"], None, 4 + 1, 1),  # the word, plus the character (?!\w) reads
+    (["bad word", "kill"], None, 8 + 1, 1),
+    ([], r"\d{3}-\d{4}", 8 + 1, 1),  # \d may be followed by more: a settled match waits for one character
+    ([], r"ab(?=cd)e{2,3}", 5 + 2, 2),
+    ([], r"(?<=x)abc", 3 + 1, 1),  # lookbehind reads released text: no extra span
+])
+def test_a_rule_knows_its_span(words, pattern, span, lookahead):
+    rule = compile_rule(words, pattern)
+    assert (rule.span, rule.lookahead) == (span, lookahead)
+
+
+@pytest.mark.parametrize("pattern, why", [
+    ("a+b", "a repetition without an upper bound"),
+    ("x(?=a*)", "a repetition without an upper bound"),
+    (r"\p{L}{3}", "not in Python re syntax (bad escape \\p at position 0)"),
+])
+def test_an_unbounded_rule_has_no_span(pattern, why):
+    rule = compile_rule([], pattern)
+    assert (rule.span, rule.why_unbounded) == (None, why)
+
+
+@pytest.mark.parametrize("pattern, message", [
+    ("a?", "matches the empty string"),
+    (r"\b", "matches the empty string"),
+    ("(", "does not compile: missing ) at position 1"),
+])
+def test_a_bad_rule_is_refused(pattern, message):
+    with pytest.raises(RuleError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        compile_rule([], pattern)
+
+
+@pytest.mark.parametrize("rule, window, error", [
+    ({"name": "r", "pattern": "a+"}, 64,
+     "rule 'r': an output rule needs a bounded match length (no *, + or {n,}): a repetition without an upper bound"),
+    ({"name": "r", "pattern": "a{70}"}, 64,
+     "rule 'r': a match and its lookahead span up to 71 characters, more than holdback_chars 64"),
+    ({"name": "w", "words": ["kill"]}, 4, "rule 'w': a match and its lookahead span up to 5 characters, more than "
+                                          "holdback_chars 4"),
+    ({"name": "w", "words": ["kill"], "pattern": "x"}, 64, "rule 'w': give words or pattern (exactly one)"),
+])
+def test_the_config_refuses_an_output_rule_that_does_not_fit_the_window(rule, window, error):
+    with pytest.raises(ValidationError) as e:
+        GuardrailPolicy(rules=[rule], holdback_chars=window)
+    assert e.value.errors()[0]["msg"] == f"Value error, {error}"
+
+
+def test_an_input_only_rule_may_be_unbounded_and_a_tenant_must_name_a_known_policy():
+    GuardrailPolicy(rules=[{"name": "r", "pattern": "a+b", "applies_to": "input"}])
+    with pytest.raises(ValidationError, match="tenant 'x': guardrail_policy 'nope' is not in guardrail_policies"):
+        AppConfig(tenants={"x": {"api_keys": ["k"], "guardrail_policy": "nope"}})
+
+
+def test_catastrophic_backtracking_is_bounded_by_the_rule_timeout():
+    rule = RuleCheck(GuardrailPolicy(rules=[{"name": "evil", "pattern": "(a|aa){1,30}b"}]).rules[0],
+                     timeout_s=0.005, input_timeout_s=0.02)
+    text = "a" * 60  # without the bound this search takes far longer than a second
+    started = time.monotonic()
+    with pytest.raises(Exception) as e:
+        rule.flags_input(text)
+    assert type(e.value).__name__ == "CheckFailed" and e.value.cause is Cause.TIMEOUT
+    with pytest.raises(Exception):
+        rule.scan(text, 0, final=True)
+    assert time.monotonic() - started < 0.5
+
+
+# ---- the hold-back window --------------------------------------------------------------------
+
+
+def D(text, finish=None, n=0):  # noqa: N802
+    return Delta("r", text, [n], finish, prompt_tokens=3, completion_tokens=n)
+
+
+def test_holdback_releases_a_delta_once_window_characters_follow_it():
+    hold = HoldBack(5)
+    hold.add(D("abc"))
+    assert hold.release(False) == [] and hold.held == 3
+    hold.add(D("de"))
+    assert hold.release(False) == []  # 5 characters, none of them 5 behind the end
+    hold.add(D("f"))
+    assert [d.text for d in hold.release(False)] == []  # "abc" ends at 3 > 6 - 5
+    hold.add(D("gh"))
+    assert [d.text for d in hold.release(False)] == ["abc"]  # ends at 3 <= 8 - 5
+    assert (hold.released, hold.scan_from, hold.held) == (3, 0, 5)
+    hold.add(D("ijklm"))
+    assert [d.text for d in hold.release(False)] == ["de", "f", "gh"]
+    assert (hold.released, hold.scan_from) == (8, 3)
+    hold.add(D("", finish="length"))
+    assert [d.text for d in hold.release(True)] == ["ijklm", ""]
+
+
+def guard_for(words=("kill",), window=8, on_error="closed", pattern=None, applies_to="both"):
+    rule = {"name": "r1", "applies_to": applies_to, **({"pattern": pattern} if pattern else {"words": list(words)})}
+    cfg = AppConfig(guardrail_policies={"p": {"rules": [rule], "holdback_chars": window, "on_error": on_error}},
+                    guardrail_policy="p")
+    return Guardrails(cfg).for_request("default")
+
+
+class Source:
+    """The flow's side: an async generator of deltas that records whether it was closed early."""
+
+    def __init__(self, pieces, finish="length"):
+        self.pieces = pieces
+        self.finish = finish
+        self.pulled = 0
+        self.closed_early = False
+
+    async def gen(self):
+        try:
+            for i, text in enumerate(self.pieces):
+                self.pulled = i + 1
+                yield D(text, self.finish if i == len(self.pieces) - 1 else None, n=i + 1)
+        except GeneratorExit:
+            self.closed_early = True
+            raise
+
+
+def run(guard, source):
+    async def collect():
+        return [d async for d in guard.output(source.gen())]
+    return asyncio.run(collect())
+
+
+def test_a_clean_stream_is_released_whole_and_in_order():
+    pieces = ["The ", "skill", "ed ", "killer", "s ", "sang"]  # "kill" only inside other words
+    source = Source(pieces)
+    out = run(guard_for(), source)
+    assert "".join(d.text for d in out) == "".join(pieces) and out[-1].finish_reason == "length"
+    assert [t for d in out for t in d.token_ids] == [1, 2, 3, 4, 5, 6]  # deltas released together are merged
+    assert [d.text for d in out] == ["The ", "skill", "ed ", "killers sang"]  # the window's text, at the end
+    assert out[-1].guardrail_interventions == () and not source.closed_early
+
+
+def test_a_flagged_word_is_never_released_and_the_source_is_closed():
+    pieces = ["I ", "said ", "that ", "I ", "will ", "ki", "ll ", "them ", "all ", "now"]
+    source = Source(pieces)
+    out = run(guard_for(window=8), source)
+    released = "".join(d.text for d in out)
+    assert released == "I said that "  # each piece once 8 characters followed it; "I will kill " held
+    assert out[-1].finish_reason == FinishReason.CONTENT_FILTER and out[-1].text == "" and out[-1].token_ids == []
+    assert out[-1].completion_tokens == 7  # "ll " settled "kill": its tokens were generated, never delivered
+    assert source.closed_early and source.pulled == 7
+    assert out[-1].guardrail_interventions == (Intervention("p", "r1", Stage.OUTPUT, Action.STOPPED, Cause.FLAGGED),)
+
+
+def test_a_match_at_the_end_of_the_stream_is_caught_by_the_final_check():
+    source = Source(["you ", "really ", "should ", "kill"], finish="stop")
+    out = run(guard_for(window=8), source)
+    assert "".join(d.text for d in out) == "you "
+    assert out[-1].finish_reason == FinishReason.CONTENT_FILTER
+
+
+def test_random_splits_never_release_any_character_of_a_match():
+    rng = random.Random(0)
+    text = "the quick brown fox said 555-1234 loudly and then went home to sleep"
+    start = text.index("555-1234")
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 20)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        out = run(guard_for(pattern=r"\d{3}-\d{4}", window=9), Source(pieces))
+        released = "".join(d.text for d in out)
+        assert out[-1].finish_reason == FinishReason.CONTENT_FILTER
+        assert len(released) <= start and text.startswith(released)
+
+
+def test_a_failing_check_follows_the_policy():
+    evil = r"(a|aa){1,30}b"
+    out = run(guard_for(pattern=evil, window=64), Source(["a" * 40, "a" * 20, "c"]))
+    assert out[-1].finish_reason == FinishReason.CONTENT_FILTER
+    assert out[-1].guardrail_interventions[0].cause is Cause.TIMEOUT
+    out = run(guard_for(pattern=evil, window=64, on_error="open"), Source(["a" * 40, "a" * 20, "c"]))
+    assert "".join(d.text for d in out) == "a" * 60 + "c" and out[-1].finish_reason == "length"
+    assert {iv.action for iv in out[-1].guardrail_interventions} == {Action.PASSED_ON_ERROR}
+
+
+def test_the_input_check_refuses_naming_the_policy_and_check():
+    guard = guard_for(words=["forbidden topic"], window=32)
+    guard.check_input("a harmless prompt", "prompt")
+    with pytest.raises(GuardrailRejected) as e:
+        guard.check_input("tell me about the Forbidden  topic and the FORBIDDEN TOPIC", "messages")
+    assert e.value.message == "messages: refused by guardrail policy 'p', check 'r1'"
+    assert (e.value.code.http_status, e.value.param, e.value.openai_code) == (400, "messages", "content_filter")
+    assert e.value.interventions == (Intervention("p", "r1", Stage.INPUT, Action.REFUSED, Cause.FLAGGED),)
+
+
+def test_an_output_only_rule_does_not_check_the_prompt():
+    guard_for(words=["kill"], applies_to="output").check_input("kill", "prompt")
+
+
+# ---- the response cache ----------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def cache(clock, **options):
+    return ResponseCache(ResponseCacheOptions(**options), {"t"}, "v1", clock=clock)
+
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+@pytest.mark.parametrize("other", [
+    SamplingParams(max_tokens=5, temperature=0.0), SamplingParams(max_tokens=4, temperature=0.0, stop=("x",)),
+    SamplingParams(max_tokens=4, temperature=0.0, logprobs=1), SamplingParams(max_tokens=4, temperature=0.0, seed=7),
+    SamplingParams(max_tokens=4, temperature=0.0, logit_bias={3: 1.0}),
+    SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.1),
+])
+def test_every_sampling_field_is_in_the_key(other):
+    c = cache(Clock())
+    assert c.key("t", [1, 2], GREEDY) == c.key("t", [1, 2], SamplingParams(max_tokens=4, temperature=0.0))
+    assert c.key("t", [1, 2], GREEDY) != c.key("t", [1, 2], other)
+    assert c.key("t", [1, 2], GREEDY) != c.key("t", [1, 3], GREEDY)
+    other_model = ResponseCache(ResponseCacheOptions(), {"t"}, "v2")
+    assert c.key("t", [1, 2], GREEDY) != other_model.key("t", [1, 2], GREEDY)
+
+
+def test_only_opted_in_tenants_and_temperature_zero_are_cached():
+    c = ResponseCache(ResponseCacheOptions(), {"t", "u"}, "v1")
+    assert c.key("other", [1], GREEDY) is None
+    assert c.key("t", [1], SamplingParams(temperature=0.5)) is None
+    assert c.key("t", [1], GREEDY) != c.key("u", [1], GREEDY)  # tenants never share entries
+
+
+def test_entries_expire_and_the_cache_is_bounded_by_entries_and_bytes():
+    clock = Clock()
+    c = cache(clock, ttl_s=10, max_entries=2, max_bytes=1024, max_entry_bytes=300)
+    one = [D("x" * 100, "length", 1)]  # 64 + 100 + 4 bytes
+    c.put(b"a", one), c.put(b"b", one)
+    assert c.get(b"a") is not None  # a is now the most recently used
+    c.put(b"c", one)
+    assert (c.get(b"b"), len(c), c.nbytes) == (None, 2, 2 * 168)
+    assert c.put(b"big", [D("x" * 300, "length")]) is False  # over max_entry_bytes
+    clock.t = 10.0
+    assert c.get(b"a") is None and c.get(b"c") is None and c.nbytes == 0
+    small = ResponseCache(ResponseCacheOptions(max_bytes=1024, max_entry_bytes=300), {"t"}, "v1", clock=clock)
+    for k in range(8):
+        small.put(bytes([k]), [D("y" * 200, "stop")])
+    assert small.nbytes <= 1024 and len(small) == 1024 // 268
+
+
+def test_a_hit_replays_the_stored_deltas_without_starting_the_source():
+    c = cache(Clock())
+    lp = [TokenLogprob(5, -0.5, ((5, -0.5),))]
+
+    async def flow(pieces, started):
+        started.append(True)
+        for i, t in enumerate(pieces):
+            yield Delta("r1", t, [i], "stop" if i == len(pieces) - 1 else None, 2, i + 1, 0, lp)
+
+    async def go(label, started):
+        return [d async for d in c.through("t", [1, 2], GREEDY, label, flow(["a", "b"], started))]
+
+    first_started, second_started = [], []
+    first = asyncio.run(go("r1", first_started))
+    second = asyncio.run(go("r2", second_started))
+    assert first_started == [True] and second_started == []
+    assert [(d.text, d.token_ids, d.finish_reason, d.logprobs) for d in second] == \
+        [(d.text, d.token_ids, d.finish_reason, d.logprobs) for d in first]
+    assert [(d.request_id, d.response_cache_hit, d.cached_prompt_tokens) for d in second] == [("r2", True, 2)] * 2

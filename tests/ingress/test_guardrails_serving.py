@@ -1,0 +1,276 @@
+"""Guardrails and the response cache through the real cluster (1 prefill + 1 decode replica):
+an output that trips a rule mid-generation over gRPC, HTTP streaming and non-streaming (no flagged
+text delivered, content_filter, both pools back to their totals), a refused prompt, the classifier
+deployment (the rule-based stand-in) flagging, stalled and killed under fail-closed and fail-open
+policies, and a repeated temperature-0 request served from the cache without reaching an engine."""
+
+import concurrent.futures
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from cluster.config import AppConfig
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.sampling_params import SamplingParams
+from cluster.tools.netutil import free_port
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from tests.helpers import pool_loads, serve_replica_ids, wait_for, wait_pools_whole
+
+KEYS = {"guarded": "k-guarded", "plain": "k-plain", "early": "k-early", "cls-closed": "k-cls-closed",
+        "cls-open": "k-cls-open"}
+CLASSIFIER_TIMEOUT_S = 0.5
+PROMPT = [256] + list(range(1, 40))  # 40 tokens: prefilled remotely (threshold 16), so both legs hold blocks
+MAX_TOKENS = 120
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    engine = LLMEngine.from_model(tiny_model, num_blocks=64)
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def flagged(reference):
+    """A 3-character piece of the reference output first seen past its 24th character (of 85, about a
+    third into the output: the random model repeats itself later): the rule."""
+    text = reference.text
+    for p in range(24, len(text) - 20):
+        piece = text[p:p + 3]
+        if piece not in text[:p + 2] and piece.isprintable() and "\ufffd" not in piece:
+            return p, piece
+    pytest.fail("no piece of the reference output fits")
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, tiny_model, flagged, reference):
+    import ray
+    from ray import serve
+
+    import cluster.app.builder as serve_app
+
+    policy = {"rules": [{"name": "secret", "pattern": re.escape(flagged[1]), "applies_to": "output"},
+                        {"name": "banned-prompt", "words": ["forbidden topic"], "applies_to": "input"}],
+              "holdback_chars": WINDOW}
+    cfg = AppConfig(
+        model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
+        engine={"num_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
+        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
+        guardrail_policies={"strict": policy, "early": {"rules": [  # the output's first two characters
+            {"name": "first", "pattern": re.escape(reference.text[:2]), "applies_to": "output"}]},
+            "cls-closed": {"classifier": {"timeout_s": CLASSIFIER_TIMEOUT_S}, "on_error": "closed"},
+            "cls-open": {"classifier": {"timeout_s": CLASSIFIER_TIMEOUT_S, "applies_to": "input"}, "on_error": "open"}},
+        guardrail_classifier={"words": ["classified"]}, fault_tolerance={"fault_injection": True},
+        tenants={"guarded": {"api_keys": [KEYS["guarded"]], "guardrail_policy": "strict"},
+                 "early": {"api_keys": [KEYS["early"]], "guardrail_policy": "early"},
+                 "cls-closed": {"api_keys": [KEYS["cls-closed"]], "guardrail_policy": "cls-closed"},
+                 "cls-open": {"api_keys": [KEYS["cls-open"]], "guardrail_policy": "cls-open"},
+                 "plain": {"api_keys": [KEYS["plain"]], "response_cache": True}},
+    )
+    serve_app.start(cfg)
+    yield cfg
+    serve.shutdown()
+    ray.kill(ray.get_actor("pdserve-admission", namespace="pdserve"))  # its buckets belong to this module
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+def request(ids=PROMPT, max_tokens=MAX_TOKENS):
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def meta(tenant):
+    return [("authorization", f"Bearer {KEYS[tenant]}")]
+
+
+def check_released(text, tokens, reference, flagged):
+    """What the client got is the reference's beginning, ending before the flagged piece."""
+    start, piece = flagged
+    assert piece not in text and len(text) <= start
+    assert tokens == reference.token_ids[:len(tokens)] and text == reference.text[:len(text)]
+    assert len(tokens) >= 1  # text before the flag, at least the window back from it, was delivered
+
+
+def generated_tokens() -> int:
+    return sum(load["generation_tokens"] for load in pool_loads().values())
+
+
+def test_grpc_output_flag_delivers_no_flagged_text_and_frees_both_pools(stub, reference, flagged):
+    responses = list(stub.Generate(request(), metadata=meta("guarded"), timeout=120))
+    text = "".join(r.text for r in responses)
+    tokens = [t for r in responses for t in r.token_ids]
+    check_released(text, tokens, reference, flagged)
+    last = responses[-1]
+    assert last.finish_reason == pb.FINISH_REASON_CONTENT_FILTER and not last.text and not last.token_ids
+    assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+    assert len(tokens) < last.usage.completion_tokens < MAX_TOKENS  # stopped at the source, held tokens unsent
+    loads = wait_pools_whole()
+    assert loads["decode"]["free_blocks"] == loads["prefill"]["free_blocks"] == 64
+
+
+def test_a_flag_before_any_release_ends_the_stream_with_no_text(stub):
+    responses = list(stub.Generate(request(), metadata=meta("early"), timeout=120))
+    assert [(r.text, list(r.token_ids), r.finish_reason) for r in responses] == [
+        ("", [], pb.FINISH_REASON_CONTENT_FILTER)]
+    assert 1 <= responses[0].usage.completion_tokens < MAX_TOKENS
+    wait_pools_whole()
+
+
+def test_the_unguarded_tenant_gets_the_whole_output(stub, reference, flagged):
+    responses = list(stub.Generate(request(), metadata=meta("plain"), timeout=120))
+    assert "".join(r.text for r in responses) == reference.text and flagged[1] in reference.text
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    wait_pools_whole()
+
+
+def openai_client(server, tenant):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://localhost:{server.http_port}/v1", api_key=KEYS[tenant], max_retries=0)
+
+
+def test_http_streaming_ends_with_a_content_filter_chunk(server, reference, flagged):
+    chunks = list(openai_client(server, "guarded").completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert flagged[1] not in text and text == reference.text[:len(text)] and len(text) <= flagged[0]
+    assert chunks[-1].choices[0].finish_reason == "content_filter" and chunks[-1].choices[0].text == ""
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    wait_pools_whole()
+
+
+def test_http_non_streaming_finishes_with_content_filter(server, reference, flagged):
+    c = openai_client(server, "guarded").completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    text = c.choices[0].text
+    assert c.choices[0].finish_reason == "content_filter"
+    assert flagged[1] not in text and text == reference.text[:len(text)] and len(text) <= flagged[0]
+    assert c.usage.completion_tokens < MAX_TOKENS
+    wait_pools_whole()
+
+
+def test_a_flagged_prompt_is_refused_before_any_engine_work(stub, server):
+    before = generated_tokens()
+    prompt = pb.GenerateRequest(text="tell me about the Forbidden Topic", sampling=pb.SamplingParams(max_tokens=4))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(prompt, metadata=meta("guarded"), timeout=30))
+    assert (e.value.code(), e.value.details()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "prompt: refused by guardrail policy 'strict', check 'banned-prompt'")
+    req = urllib.request.Request(
+        f"http://localhost:{server.http_port}/v1/chat/completions", headers={
+            "content-type": "application/json", "authorization": f"Bearer {KEYS['guarded']}"},
+        data=json.dumps({"messages": [{"role": "user", "content": "the forbidden topic"}], "max_tokens": 4}).encode())
+    with pytest.raises(urllib.error.HTTPError) as http:
+        urllib.request.urlopen(req, timeout=30)
+    assert http.value.code == 400
+    assert json.loads(http.value.read())["error"] == {
+        "message": "messages: refused by guardrail policy 'strict', check 'banned-prompt'",
+        "type": "invalid_request_error", "param": "messages", "code": "content_filter"}
+    assert generated_tokens() == before
+    wait_pools_whole()
+
+
+def outcome(stub, tenant, req):
+    """("OK", tokens) or (code, details) of one stream, and how long it took."""
+    started = time.monotonic()
+    try:
+        tokens = [t for r in stub.Generate(req, metadata=meta(tenant), timeout=60) for t in r.token_ids]
+        result = ("OK", tokens)
+    except grpc.RpcError as e:
+        result = (e.code().name, e.details())
+    return result, time.monotonic() - started
+
+
+def short(text=None):
+    if text is not None:
+        return pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    return request(PROMPT, 6)
+
+
+def test_the_classifier_deployment_flags_a_prompt_and_checks_the_output(stub, reference):
+    assert outcome(stub, "cls-closed", short("this is Classified material"))[0] == (
+        "INVALID_ARGUMENT", "prompt: refused by guardrail policy 'cls-closed', check 'classifier'")
+    # its output is classified on every release too (applies_to both); the stand-in passes noise
+    assert outcome(stub, "cls-closed", short())[0] == ("OK", reference.token_ids[:6])
+    wait_pools_whole()
+
+
+def classifier():
+    from ray import serve
+
+    return serve.get_deployment_handle("guardrail-classifier", "pdserve")
+
+
+FAILED_CLOSED = "prompt: refused by guardrail policy 'cls-closed', check 'classifier' (the check {}; policy fails closed)"
+
+
+def test_a_stalled_classifier_fails_closed_or_open_within_its_timeout(stub, reference):
+    classifier().stall.remote(4.0).result(timeout_s=30)
+    (closed, took_closed), (opened, took_open) = (outcome(stub, "cls-closed", short()),
+                                                  outcome(stub, "cls-open", short()))
+    assert closed == ("INVALID_ARGUMENT", FAILED_CLOSED.format("timeout"))
+    assert opened == ("OK", reference.token_ids[:6])  # passed, and the pass recorded as an intervention
+    assert took_closed < CLASSIFIER_TIMEOUT_S + 2.0 and took_open < CLASSIFIER_TIMEOUT_S + 2.0
+    wait_pools_whole()
+
+
+def test_a_killed_classifier_fails_closed_or_open_within_its_timeout(stub, reference):
+    import ray
+
+    (replica,) = serve_replica_ids()["guardrail-classifier"]
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::pdserve#guardrail-classifier#{replica}", namespace="serve"),
+             no_restart=True)
+    wait_for(lambda: replica not in serve_replica_ids().get("guardrail-classifier", []), "the replica's death")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        closed = pool.submit(outcome, stub, "cls-closed", short())
+        opened = pool.submit(outcome, stub, "cls-open", short())
+        (closed, took_closed), (opened, took_open) = closed.result(), opened.result()
+    assert opened == ("OK", reference.token_ids[:6])
+    # Serve replaces the replica within seconds: a call after the replacement is answered
+    assert closed in (("INVALID_ARGUMENT", FAILED_CLOSED.format("timeout")),
+                      ("INVALID_ARGUMENT", FAILED_CLOSED.format("error")), ("OK", reference.token_ids[:6]))
+    assert took_closed < CLASSIFIER_TIMEOUT_S + 2.0 and took_open < CLASSIFIER_TIMEOUT_S + 2.0
+    wait_for(lambda: len(serve_replica_ids().get("guardrail-classifier", [])) == 1, "a new classifier replica", 60)
+    wait_pools_whole()
+
+
+def test_a_repeated_greedy_request_is_served_from_the_cache(stub, reference):
+    ids = [256] + list(range(50, 80))
+    first_before = generated_tokens()
+    first = list(stub.Generate(request(ids, 12), metadata=meta("plain"), timeout=60))
+    after_first = generated_tokens()
+    second = list(stub.Generate(request(ids, 12), metadata=meta("plain"), timeout=60))
+    assert generated_tokens() == after_first == first_before + 12  # the engines saw the first request only
+    assert [t for r in second for t in r.token_ids] == [t for r in first for t in r.token_ids]
+    assert "".join(r.text for r in second) == "".join(r.text for r in first)
+    assert [len(r.token_ids) for r in second] == [len(r.token_ids) for r in first]  # the same stream shape
+    assert (first[-1].usage.response_cache_hit, second[-1].usage.response_cache_hit) == (False, True)
+    assert (second[-1].usage.prompt_tokens, second[-1].usage.cached_prompt_tokens,
+            second[-1].usage.completion_tokens, second[-1].finish_reason) == (31, 31, 12, pb.FINISH_REASON_LENGTH)
+    hot = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        max_tokens=12, temperature=0.7, seed=1, ignore_eos=True)), metadata=meta("plain"), timeout=60))
+    assert not hot[-1].usage.response_cache_hit and generated_tokens() == after_first + 12  # not temperature 0
+    wait_pools_whole()
+
+
+def test_an_http_request_equal_to_a_cached_one_is_a_marked_hit(server, reference):
+    ids = [256] + list(range(50, 80))  # the previous test's request, cached
+    before = generated_tokens()
+    c = openai_client(server, "plain").completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
+                                                          extra_body={"ignore_eos": True})
+    assert c.usage.model_extra["pdserve_response_cache_hit"] is True
+    assert (c.usage.prompt_tokens, c.usage.prompt_tokens_details.cached_tokens, c.usage.completion_tokens) == (31, 31, 12)
+    assert c.choices[0].finish_reason == "length" and generated_tokens() == before
