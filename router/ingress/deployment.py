@@ -15,6 +15,10 @@ from protos.pdserve.v1 import generation_pb2 as pb
 from router.actor import get_router
 from router.ingress.admission import Admission, Idempotent
 from router.ingress.admission_actor import get_admission
+from router.ingress.audit import AuditShipper
+from router.ingress.audit_actor import get_audit_writer
+from router.ingress.budget import Budget
+from router.ingress.budget_actor import get_ledger
 from router.ingress.flow import RequestFlow
 from router.ingress.grpc_api import delta_to_proto, fail, prompt_from_proto, sampling_from_proto
 from router.ingress.openai_api import TIMEOUT_HEADER, bind_replica, build_openai_app, parse_deadline
@@ -64,8 +68,13 @@ class Ingress:
         actor = get_admission(self.config.admission)
         admission = Admission(self.config, actor.take.remote)  # reads the keys (env, file) and keeps their hashes
         self.telemetry = IngressTelemetry(self.config.telemetry)
+        cfg, metrics = self.config, self.telemetry.metrics
+        audit = AuditShipper(cfg.audit, lambda: get_audit_writer(cfg.audit), metrics) if cfg.audit.enabled else None
+        budget = None
+        if cfg.budgets.prices or any(t.monthly_budget_usd is not None for t in cfg.tenants.values()):
+            budget = Budget(cfg, lambda: get_ledger(cfg.budgets), metrics)
         self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router, admission=admission,
-                                telemetry=self.telemetry)
+                                telemetry=self.telemetry, audit=audit, budget=budget)
         bind_replica(self.flow, Idempotent(actor, admission))
 
     # ---- gRPC: pdserve.v1.Generation -------------------------------------------------------

@@ -37,6 +37,8 @@ from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from cluster.engine.validation import RequestValidator
 from cluster.errors import ErrorKind, InvalidRequestError, QueueFullError
 from router.ingress.admission import DEFAULT_TENANT, Admission, Quotas
+from router.ingress.audit import AuditShipper, AuditTrail
+from router.ingress.budget import Budget
 from router.ingress.status import Code, Rejected, ServingError
 
 log = logging.getLogger(__name__)
@@ -117,7 +119,8 @@ def _ended(rid: str, reason: FinishReason, error: str | None, sent: int,
 
 class RequestFlow:
     def __init__(self, config: AppConfig, prefill_handle, decode_handle, router=None,
-                 route_timeout_s: float = 0.5, admission: Admission | None = None, telemetry=None):
+                 route_timeout_s: float = 0.5, admission: Admission | None = None, telemetry=None,
+                 audit: AuditShipper | None = None, budget: Budget | None = None):
         self.config = config
         self.admission = admission or Admission(config, _local_quotas())
         self.validator = make_validator(config)
@@ -127,9 +130,12 @@ class RequestFlow:
         self.router = router  # None: Serve's own replica choice
         self.route_timeout_s = route_timeout_s
         self.telemetry = telemetry  # IngressTelemetry (router/ingress/telemetry.py): routing decisions; None: off
+        self.audit = audit  # router/ingress/audit.py: one record per request; None: off
+        self.budget = budget  # router/ingress/budget.py: cost, reservations against monthly budgets; None: off
         self.max_migrations = config.fault_tolerance.max_migrations
         mc = ModelConfig.from_dir(config.model)
-        self.salt = mc.fingerprint().encode()  # the engines' block-hash salt, before a tenant's part
+        self.fingerprint = mc.fingerprint()
+        self.salt = self.fingerprint.encode()  # the engines' block-hash salt, before a tenant's part
         # what a request that leaves temperature/top_p/top_k unset gets (both edges apply it)
         self.sampling_defaults = {} if config.generation_config == "none" else {
             k: v for k, v in asdict(mc.generation_defaults).items() if v is not None}
@@ -163,16 +169,23 @@ class RequestFlow:
                 raise
         observed = self.telemetry.start(tenant, request_id) if self.telemetry is not None else None
         error: BaseException | None = None
+        rid = uuid.uuid4().hex  # ours: the engines' id; the client's request_id only labels replies
+        trail = self._audit_trail(rid, request_id, tenant, prompt, prompt_token_ids, messages)
+        hold = None
         try:
-            rid = uuid.uuid4().hex  # ours: the engines' id; the client's request_id only labels replies
+            if self.audit is not None:
+                self.audit.check_room()  # audit buffer full and `when_full: refuse`: nothing runs unaudited
             label = request_id or rid
             ticket = self.admission.reserve(tenant, deadline)
-            completion = 0
+            completion = prompt_tokens = 0
             try:
                 await self.admission.start(ticket)
                 req = await asyncio.get_running_loop().run_in_executor(
                     self._tokenize_pool, self._make_request, rid, prompt, prompt_token_ids, sampling, messages)
+                prompt_tokens = req.num_prompt_tokens
                 await self.admission.charge(ticket, req.num_prompt_tokens, sampling.max_tokens)
+                if self.budget is not None:
+                    hold = await self.budget.reserve(tenant, rid, req.num_prompt_tokens, sampling.max_tokens)
                 ctx = ticket.ctx
                 if observed is not None and observed.trace_context:
                     ctx = replace(ctx, trace_context=observed.trace_context)
@@ -180,15 +193,36 @@ class RequestFlow:
                     completion = d.completion_tokens
                     if observed is not None:
                         observed.delta(d)
+                    if trail is not None:  # the final delta's record is spooled before the client gets it
+                        trail.delta(d, None if d.finish_reason is None else self._cost(d.prompt_tokens, d.completion_tokens))
                     yield d
             finally:
                 ticket.done(completion)
+                if hold is not None:
+                    hold.settle(prompt_tokens, completion)
         except BaseException as e:
             error = e
             raise
         finally:
+            if trail is not None:
+                trail.end(error, None if hold is None else hold.cost / 1e6)
             if observed is not None:
                 observed.end(error)
+
+    def _audit_trail(self, rid: str, request_id: str | None, tenant: str, prompt, ids, messages) -> AuditTrail | None:
+        if self.audit is None:
+            return None
+        opts = self.config.tenants.get(tenant)
+        keep_text = opts is not None and opts.audit_text
+        prompt_input = None
+        if keep_text:
+            prompt_input = messages if messages is not None else prompt if prompt is not None else list(ids or ())
+        return AuditTrail(self.audit, rid, request_id, tenant, self.config.model_name, self.fingerprint, keep_text,
+                          prompt_input)
+
+    def _cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return 0.0 if self.budget is None or not completion_tokens else self.budget.cost_usd(prompt_tokens,
+                                                                                           completion_tokens)
 
     def _make_request(self, rid: str, prompt: str | None, ids: Sequence[int] | None, sampling: SamplingParams,
                       messages: list[dict] | None):
