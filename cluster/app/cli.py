@@ -233,7 +233,7 @@ def _slo_rules(args) -> int:
     from cluster.telemetry.slo import render  # noqa: PLC0415
 
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
-    sys.stdout.write(render(cfg.telemetry.slo, args.time_scale))
+    sys.stdout.write(render(cfg.telemetry.slo, args.time_scale, cfg.budgets.alert_fraction))
     return 0
 
 
