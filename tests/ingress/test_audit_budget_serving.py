@@ -9,6 +9,7 @@ import shutil
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -106,6 +107,8 @@ def test_a_thousand_requests_through_a_killed_writer_and_ingress_are_each_audite
         return ok <= {r["client_request_id"] for r in read_records(audit_dir)}
 
     wait_for(all_ok_audited, "every completed request in the audit log", timeout=30)
+    spool = Path(audit_dir) / "spool"  # the killed ingress's spool was adopted: only the two live owners remain
+    wait_for(lambda: len(list(spool.glob("*.lock"))) == 2, "the dead ingress's spool adopted", timeout=15)
     result = verify(audit_dir)
     assert result.ok, result.error
     records = [r for r in read_records(audit_dir) if r["tenant"] == "audited"]
