@@ -12,7 +12,8 @@ spool behind; any ingress on the node adopts it (its lock file is free once its 
 and resends what it holds; the writer drops records whose request id it already wrote.
 
 Writer down for long: records pile up (memory + spool) to `audit.max_buffered` per ingress; then
-`when_full: refuse` refuses new requests with UNAVAILABLE (fail closed: nothing runs unaudited),
+`when_full: refuse` refuses new requests with UNAVAILABLE (fail closed: nothing runs unaudited;
+the records of requests already running are still kept, so the bound is max_buffered + max_inflight),
 `when_full: drop` runs them and drops their records, counted in pdserve_audit_dropped_total.
 
 A record holds ids, tenant, model and fingerprint, token counts, finish reason, the final status
@@ -171,14 +172,18 @@ class AuditShipper:
     def full(self) -> bool:
         return len(self.spool) >= self.options.max_buffered
 
-    def check_room(self) -> None:
-        """Fail closed before any work when the buffer is full (`when_full: refuse`)."""
+    def refusal(self) -> ServingError | None:
+        """With `when_full: refuse` and the buffer full: the error that refuses a request before
+        any work (fail closed); None when it may run."""
         if self.options.when_full == "refuse" and self.full:
-            raise ServingError(Code.UNAVAILABLE, f"the audit log is unavailable ({len(self.spool)} records wait for "
-                                                 f"its writer): requests are refused until it catches up", 1.0)
+            return ServingError(Code.UNAVAILABLE, f"the audit log is unavailable ({len(self.spool)} records wait for "
+                                                  f"its writer): requests are refused until it catches up", 1.0)
+        return None
 
     def submit(self, record: dict) -> bool:
-        if self.full:
+        """Spool a record. Full: `drop` drops it (counted); `refuse` keeps it (the requests already
+        running when the buffer filled: at most admission.max_inflight more, new ones are refused)."""
+        if self.full and self.options.when_full == "drop":
             self.dropped += 1
             if self.metrics is not None:
                 self.metrics.audit_dropped.inc(1)
@@ -223,13 +228,17 @@ class AuditShipper:
                 log.warning("audit: the writer did not take %d records (%r); retrying in %.2f s", len(batch), e,
                             backoff)
                 self._writer = None
+                self._export()
                 await asyncio.sleep(backoff)  # backoff between retries of a failed call
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             backoff = 0.05
             self.spool.ack(len(batch))
-            if self.metrics is not None:
-                self.metrics.audit_unacked.set(len(self.spool))
+            self._export()
+
+    def _export(self) -> None:
+        if self.metrics is not None:
+            self.metrics.audit_unacked.set(len(self.spool))
 
 
 class AuditTrail:

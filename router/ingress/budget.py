@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MICROS = 1_000_000
-CHARGED_IDS_KEPT = 10_000  # ids of end-of-request charges remembered, so a retried charge counts once
+CHARGED_IDS_KEPT = 2048  # ids of end-of-request charges remembered (and saved), so a retried charge counts once
 HISTORY_MONTHS = 24
 SETTLE_TRIES = 8
 

@@ -173,8 +173,10 @@ class RequestFlow:
         trail = self._audit_trail(rid, request_id, tenant, prompt, prompt_token_ids, messages)
         hold = None
         try:
-            if self.audit is not None:
-                self.audit.check_room()  # audit buffer full and `when_full: refuse`: nothing runs unaudited
+            refusal = None if self.audit is None else self.audit.refusal()
+            if refusal is not None:  # the audit buffer is full (`when_full: refuse`): nothing runs unaudited
+                trail = None  # its record could not be kept either; the refusal is counted in the metrics
+                raise refusal
             label = request_id or rid
             ticket = self.admission.reserve(tenant, deadline)
             completion = prompt_tokens = 0

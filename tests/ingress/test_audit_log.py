@@ -164,3 +164,28 @@ def test_a_dead_owners_spool_is_adopted_and_a_live_one_is_not(tmp_path):
     assert me.batch(10) == [rec(0), rec(1), rec(2)]
     assert not list(tmp_path.glob(f"{dead.owner}.*")) and list(tmp_path.glob(f"{alive.owner}.*"))
     assert me.adopt() == 0
+
+
+def test_a_full_buffer_refuses_requests_or_drops_their_records_as_configured(tmp_path):
+    import asyncio
+
+    from cluster.config import AuditOptions
+    from router.ingress.audit import AuditShipper
+    from router.ingress.status import Code
+
+    def down():
+        raise ConnectionError("the writer is down")
+
+    async def scenario(when_full):
+        shipper = AuditShipper(AuditOptions(enabled=True, dir=str(tmp_path / when_full), max_buffered=2,
+                                            when_full=when_full), down)
+        results = [shipper.submit(rec(i)) for i in range(3)]
+        refusal = shipper.refusal()
+        shipper._task.cancel()
+        return results, shipper.dropped, refusal, len(shipper.spool)
+
+    results, dropped, refusal, held = asyncio.run(scenario("refuse"))
+    assert (results, dropped, held) == ([True, True, True], 0, 3)  # a request already running keeps its record
+    assert refusal.code is Code.UNAVAILABLE and "audit log is unavailable (3 records" in refusal.message
+    results, dropped, refusal, held = asyncio.run(scenario("drop"))
+    assert (results, dropped, refusal, held) == ([True, True, False], 1, None, 2)
