@@ -31,6 +31,7 @@ import os
 import time
 import uuid
 from collections import deque
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -260,7 +261,7 @@ class AuditTrail:
             self.rec["output"] = ""
         self.submitted = False
 
-    def delta(self, d: "Delta", cost_usd: float | None = None, interventions: list | None = None) -> None:
+    def delta(self, d: "Delta", cost_usd: float | None = None) -> None:
         rec = self.rec
         if rec["ttft_s"] is None and d.token_ids:
             rec["ttft_s"] = round(time.monotonic() - self.started, 6)
@@ -270,21 +271,23 @@ class AuditTrail:
         rec["cached_prompt_tokens"] = d.cached_prompt_tokens
         if d.finish_reason is not None:
             rec["finish_reason"] = str(d.finish_reason)
-            self._submit("OK", cost_usd, interventions)
+            if getattr(d, "response_cache_hit", False):
+                rec["response_cache_hit"] = True
+            self._submit("OK", cost_usd, getattr(d, "guardrail_interventions", None))
 
-    def end(self, error: BaseException | None, cost_usd: float | None = None,
-            interventions: list | None = None) -> None:
+    def end(self, error: BaseException | None, cost_usd: float | None = None) -> None:
         if not self.submitted:
             # the code only: an error's message may quote the client's input
-            self._submit("INTERNAL" if error is None else error_code(error), cost_usd, interventions)
+            self._submit("INTERNAL" if error is None else error_code(error), cost_usd,
+                         getattr(error, "guardrail_interventions", None))
 
-    def _submit(self, code: str, cost_usd: float | None, interventions: list | None) -> None:
+    def _submit(self, code: str, cost_usd: float | None, interventions) -> None:
         self.submitted = True
         rec = self.rec
         rec["code"] = code
         rec["duration_s"] = round(time.monotonic() - self.started, 6)
         if cost_usd is not None:
             rec["cost_usd"] = cost_usd
-        if interventions:
-            rec["interventions"] = list(interventions)
+        if interventions:  # the guardrails' events (router/ingress/guardrails.py): never any text
+            rec["interventions"] = [asdict(i) if is_dataclass(i) else str(i) for i in interventions]
         self.shipper.submit(rec)

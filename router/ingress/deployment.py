@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+import ray
 from grpc_health.v1 import health_pb2
 from ray import serve
 
@@ -35,6 +36,7 @@ GRPC_SERVICERS = [
 ]
 
 HEALTH_SERVICES = ("", "pdserve.v1.Generation")
+LEDGER_START_TIMEOUT_S = 60.0
 
 openai_app = build_openai_app()
 
@@ -69,9 +71,14 @@ class Ingress:
         admission = Admission(self.config, actor.take.remote)  # reads the keys (env, file) and keeps their hashes
         self.telemetry = IngressTelemetry(self.config.telemetry)
         cfg, metrics = self.config, self.telemetry.metrics
-        audit = AuditShipper(cfg.audit, lambda: get_audit_writer(cfg.audit), metrics) if cfg.audit.enabled else None
-        budget = None
+        audit = budget = None
+        if cfg.audit.enabled:
+            get_audit_writer(cfg.audit)  # created now, not by the first request (the shipper retries anyway)
+            audit = AuditShipper(cfg.audit, lambda: get_audit_writer(cfg.audit), metrics)
         if cfg.budgets.prices or any(t.monthly_budget_usd is not None for t in cfg.tenants.values()):
+            # ready before this replica takes traffic: a ledger still starting would refuse the first
+            # requests (when_unreachable: closed)
+            ray.get(get_ledger(cfg.budgets).snapshot.remote(), timeout=LEDGER_START_TIMEOUT_S)
             budget = Budget(cfg, lambda: get_ledger(cfg.budgets), metrics)
         self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router, admission=admission,
                                 telemetry=self.telemetry, audit=audit, budget=budget)

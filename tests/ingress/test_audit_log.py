@@ -189,3 +189,46 @@ def test_a_full_buffer_refuses_requests_or_drops_their_records_as_configured(tmp
     assert refusal.code is Code.UNAVAILABLE and "audit log is unavailable (3 records" in refusal.message
     results, dropped, refusal, held = asyncio.run(scenario("drop"))
     assert (results, dropped, refusal, held) == ([True, True, False], 1, None, 2)
+
+
+def test_a_trail_records_counts_code_and_interventions_and_text_only_when_the_tenant_asks(tmp_path):
+    import asyncio
+    from dataclasses import dataclass, replace
+
+    from cluster.config import AuditOptions
+    from router.ingress.audit import AuditShipper, AuditTrail
+    from router.ingress.flow import Delta
+    from router.ingress.status import Code, ServingError
+
+    @dataclass(frozen=True)
+    class Intervention:  # the guardrails' record (router/ingress/guardrails.py) as the final delta carries it
+        policy: str
+        action: str
+
+    @dataclass
+    class GuardedDelta(Delta):
+        guardrail_interventions: tuple = ()
+
+    async def scenario():
+        shipper = AuditShipper(AuditOptions(enabled=True, dir=str(tmp_path)), lambda: None)
+        shipper._ensure_task = lambda: None  # the spool only: no writer here
+        plain = AuditTrail(shipper, "r1", "mine", "t", "m", "fp", keep_text=False)
+        first = GuardedDelta("mine", "secret", [5], None, 3, 1)
+        plain.delta(first)
+        plain.delta(replace(first, text=" text", token_ids=[6], finish_reason="content_filter", completion_tokens=2,
+                            guardrail_interventions=(Intervention("p", "stopped"),)), cost_usd=0.25)
+        plain.end(None)  # already submitted at the final delta: nothing more
+        kept = AuditTrail(shipper, "r2", None, "t", "m", "fp", keep_text=True, prompt_input="hello")
+        kept.delta(Delta("r2", "out", [7], None, 1, 1))
+        kept.end(ServingError(Code.ABORTED, "lost the replica after 1 tokens"))
+        return [rec for _, rec in shipper.spool.pending]
+
+    one, two = asyncio.run(scenario())
+    assert {k: one[k] for k in ("request_id", "client_request_id", "prompt_tokens", "completion_tokens",
+                                "finish_reason", "code", "interventions", "cost_usd")} == {
+        "request_id": "r1", "client_request_id": "mine", "prompt_tokens": 3, "completion_tokens": 2,
+        "finish_reason": "content_filter", "code": "OK", "interventions": [{"policy": "p", "action": "stopped"}],
+        "cost_usd": 0.25}
+    assert "secret" not in json.dumps(one) and "prompt" not in one and "output" not in one
+    assert (two["code"], two["finish_reason"], two["prompt"], two["output"]) == ("ABORTED", None, "hello", "out")
+    assert "lost the replica" not in json.dumps(two)  # error messages may quote input: never recorded
