@@ -226,4 +226,5 @@ def render(opts: SLOOptions, time_scale: float = 1.0, budget_alert_fraction: flo
               "# regenerate, never this file. See README, Observability.\n")
     if time_scale != 1.0:
         header += f"# time_scale {time_scale:g}: every window and `for` is shortened by it; names keep the nominal ones.\n"
-    return header + yaml.dump(rules(opts, time_scale, budget_alert_fraction), Dumper=_Dumper, sort_keys=False, width=120)
+    return header + yaml.dump(rules(opts, time_scale, budget_alert_fraction), Dumper=_Dumper, sort_keys=False,
+                              width=120)

@@ -214,7 +214,8 @@ def verify(path: str | Path) -> VerifyResult:
         elif rec.get("hash") != record_hash(rec):
             error = f"{where}: {label}: its hash does not match its content (edited)"
         elif head is not None and rec["prev"] != head:
-            error = f"{where}: {label}: prev does not match the hash of record seq {seq} (a record before it was edited or removed)"
+            error = (f"{where}: {label}: prev does not match the hash of record seq {seq} "
+                     f"(a record before it was edited or removed)")
         else:
             error = None
         if error is not None:

@@ -279,7 +279,8 @@ class Budget:
         for attempt in range(SETTLE_TRIES):
             try:
                 method = self.ledger.settle if hold.reserved else self.ledger.charge
-                await asyncio.wait_for(method.remote(hold.tenant, hold.rid, hold.cost), max(self.options.timeout_s, 5.0))
+                await asyncio.wait_for(method.remote(hold.tenant, hold.rid, hold.cost),
+                                       max(self.options.timeout_s, 5.0))
                 break
             except Exception as e:  # noqa: BLE001
                 self._ledger = None

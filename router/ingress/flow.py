@@ -196,7 +196,8 @@ class RequestFlow:
                     if observed is not None:
                         observed.delta(d)
                     if trail is not None:  # the final delta's record is spooled before the client gets it
-                        trail.delta(d, None if d.finish_reason is None else self._cost(d.prompt_tokens, d.completion_tokens))
+                        final = d.finish_reason is not None
+                        trail.delta(d, self._cost(d.prompt_tokens, d.completion_tokens) if final else None)
                     yield d
             finally:
                 ticket.done(completion)

@@ -20,7 +20,7 @@ from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.ingress.audit_log import canonical, log_files, read_records, verify
-from tests.helpers import serve_replica_ids, wait_for, wait_pools_whole, wait_until
+from tests.helpers import kill_app_actors, serve_replica_ids, wait_for, wait_pools_whole, wait_until
 
 KEYS = {"audited": "k-audited", "capped": "k-capped"}
 PRICE = {"prompt_per_1k": 1.0, "completion_per_1k": 10.0}  # USD
@@ -31,7 +31,6 @@ BUDGET = 1.0
 
 @pytest.fixture(scope="module")
 def server(ray_session, tiny_model, tmp_path_factory):
-    import ray
     from ray import serve
 
     import cluster.app.builder as serve_app
@@ -49,11 +48,7 @@ def server(ray_session, tiny_model, tmp_path_factory):
     serve_app.start(cfg)
     yield cfg
     serve.shutdown()
-    for name in ("pdserve-admission", "pdserve-audit-writer", "pdserve-ledger"):  # detached: this module's own
-        try:
-            ray.kill(ray.get_actor(name, namespace="pdserve"))
-        except ValueError:
-            pass
+    kill_app_actors()
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from cluster.telemetry import slo
 from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers import wait_for
+from tests.helpers import kill_app_actors, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus")
@@ -51,7 +51,6 @@ METADATA = [("authorization", "Bearer k-metered")]
 
 @pytest.fixture(scope="module")
 def app(ray_session, tiny_model, tmp_path_factory):
-    import ray
     from ray import serve
 
     import cluster.app.builder as serve_app
@@ -71,11 +70,7 @@ def app(ray_session, tiny_model, tmp_path_factory):
     with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
         yield cfg, pb_grpc.GenerationStub(channel)
     serve.shutdown()
-    for name in ("pdserve-admission", "pdserve-audit-writer", "pdserve-ledger"):  # detached: this module's own
-        try:
-            ray.kill(ray.get_actor(name, namespace="pdserve"))
-        except ValueError:
-            pass
+    kill_app_actors()
 
 
 class Prometheus:
