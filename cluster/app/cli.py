@@ -262,8 +262,9 @@ def _budget(args) -> int:
         from router.actor import ROUTER_NAMESPACE  # noqa: PLC0415
         from router.ingress.budget_actor import LEDGER_NAME  # noqa: PLC0415
 
-        ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="pdserve",
-                 log_to_driver=False)
+        if not ray.is_initialized():
+            ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="pdserve",
+                     log_to_driver=False)
         try:
             snap = ray.get(ray.get_actor(LEDGER_NAME, namespace=ROUTER_NAMESPACE).snapshot.remote(), timeout=30)
         except ValueError:

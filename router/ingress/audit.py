@@ -166,6 +166,7 @@ class AuditShipper:
         self.metrics = metrics  # (dropped counter, unacked gauge) or None
         self.dropped = 0
         self._wake = asyncio.Event()
+        self._empty = asyncio.Event()  # set while nothing waits for the writer
         self._task: asyncio.Task | None = None
         self._adopt_at = 0.0
 
@@ -192,6 +193,7 @@ class AuditShipper:
                       record.get("request_id"))
             return False
         self.spool.add(record)
+        self._empty.clear()
         self._ensure_task()
         if len(self.spool) >= self.options.batch_records:
             self._wake.set()
@@ -235,7 +237,22 @@ class AuditShipper:
                 continue
             backoff = 0.05
             self.spool.ack(len(batch))
+            if not self.spool.pending:
+                self._empty.set()
             self._export()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Until every spooled record is acknowledged, or timeout_s (a replica shutting down).
+        What is left stays in the spool, for the next ingress on this node to adopt."""
+        if self.spool.pending:
+            self._ensure_task()
+            self._wake.set()
+            try:
+                await asyncio.wait_for(self._empty.wait(), timeout_s)
+            except (TimeoutError, asyncio.TimeoutError):
+                log.warning("audit: %d records not acknowledged at shutdown: left in %s for adoption",
+                            len(self.spool), self.spool.dir)
+        return not self.spool.pending
 
     def _export(self) -> None:
         if self.metrics is not None:

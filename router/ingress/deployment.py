@@ -84,6 +84,12 @@ class Ingress:
                                 telemetry=self.telemetry, audit=audit, budget=budget)
         bind_replica(self.flow, Idempotent(actor, admission))
 
+    async def __del__(self):
+        """Serve's graceful shutdown: send the audit records still spooled (bounded); a replica
+        killed instead leaves its spool to be adopted."""
+        if self.flow.audit is not None:
+            await self.flow.audit.drain(min(5.0, self.config.graceful_shutdown_timeout_s))
+
     # ---- gRPC: pdserve.v1.Generation -------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context):  # noqa: N802 — the RPC's name

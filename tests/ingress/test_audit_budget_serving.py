@@ -155,7 +155,7 @@ def ledger_state():
 
 
 def test_twenty_concurrent_requests_against_a_nearly_spent_budget_overspend_nothing_and_a_restart_keeps_spend(
-        server, stub):
+        server, stub, capsys):
     for _ in range(9):  # 9 x 0.084 = 0.756 spent: 0.244 left, room for exactly 2 more
         assert generate(stub, "capped", PROMPT, MAX_TOKENS) == ("OK", MAX_TOKENS)
     wait_until(lambda: ledger_state()["tenants"]["capped"]["spent_usd"] == pytest.approx(9 * COST),
@@ -188,5 +188,7 @@ def test_twenty_concurrent_requests_against_a_nearly_spent_budget_overspend_noth
                "the restarted ledger's state")
     code, details = generate(stub, "capped", PROMPT, MAX_TOKENS)
     assert code == "RESOURCE_EXHAUSTED" and "monthly budget" in details
-    assert main(["budget", "--file", server.budgets.ledger_path]) == 0
+    assert main(["budget", "--json"]) == 0  # the live ledger, as `pdserve budget` shows it
+    shown = json.loads(capsys.readouterr().out)["tenants"]["capped"]
+    assert (shown["spent_usd"], shown["budget_usd"]) == (pytest.approx(11 * COST), BUDGET)
     wait_pools_whole()

@@ -232,3 +232,34 @@ def test_a_trail_records_counts_code_and_interventions_and_text_only_when_the_te
     assert "secret" not in json.dumps(one) and "prompt" not in one and "output" not in one
     assert (two["code"], two["finish_reason"], two["prompt"], two["output"]) == ("ABORTED", None, "hello", "out")
     assert "lost the replica" not in json.dumps(two)  # error messages may quote input: never recorded
+
+
+def test_drain_waits_for_the_writers_acknowledgement_and_is_bounded(tmp_path):
+    import asyncio
+
+    from cluster.config import AuditOptions
+    from router.ingress.audit import AuditShipper
+
+    log = AuditLog(tmp_path / "log")
+
+    class Writer:  # the writer actor's `append`, in process: the shipper awaits what `.remote` returns
+        class append:  # noqa: N801
+            @staticmethod
+            async def remote(batch):
+                return log.append(batch)
+
+    def down():
+        raise ConnectionError("the writer is down")
+
+    async def scenario(writer):
+        shipper = AuditShipper(AuditOptions(enabled=True, dir=str(tmp_path / "spools"), flush_interval_s=0.01),
+                               writer)
+        for i in range(5):
+            shipper.submit(rec(i))
+        drained = await shipper.drain(0.5)
+        shipper._task.cancel()
+        return drained, len(shipper.spool)
+
+    assert asyncio.run(scenario(lambda: Writer)) == (True, 0)
+    assert [r["request_id"] for r in read_records(tmp_path / "log")] == [f"r{i:04d}" for i in range(5)]
+    assert asyncio.run(scenario(down)) == (False, 5)  # left in the spool for adoption
