@@ -151,6 +151,11 @@ class TenantOptions(KeySources):
         None, description="Name of a policy in guardrail_policies checking this tenant's prompts and output")
     response_cache: bool = Field(
         False, description="Serve repeated temperature-0 requests from the response cache (response_cache options)")
+    monthly_budget_usd: float | None = Field(
+        None, ge=0, description="Spend cap per calendar month (UTC) at budgets.prices; None = no cap "
+        "(spend is still counted). Enforced across every ingress replica by the ledger actor")
+    audit_text: bool = Field(
+        False, description="Audit records carry the prompt and the output text (default: counts and ids only)")
 
 
 class AdmissionOptions(_Strict):
@@ -169,6 +174,49 @@ class AdmissionOptions(_Strict):
     actor_timeout_s: float = Field(
         1.0, gt=0, description="Bound on each admission-actor call on the request path (rate limits fail "
         "open, idempotency fails closed: docs/architecture.md)")
+
+
+class AuditOptions(_Strict):
+    """The audit log (router/ingress/audit*.py): one hash-chained JSON line per request, written by
+    one writer actor on the head node; each ingress spools its records locally and resends until
+    the writer acknowledges them (at-least-once; the writer drops duplicates by request id)."""
+
+    enabled: bool = Field(False, description="Write an audit record for every request that reaches the flow")
+    dir: str = Field("/tmp/pdserve-audit", description="The log's directory, on the head node (the writer's)")
+    spool_dir: str | None = Field(
+        None, description="Each ingress's local spool of unacknowledged records; default: <dir>/spool (same node)")
+    max_file_bytes: int = Field(64 * 2**20, ge=4096, description="Rotate to a new file past this size (and each UTC day)")
+    batch_records: int = Field(512, ge=1, description="Most records an ingress sends the writer in one call")
+    flush_interval_s: float = Field(0.05, gt=0, description="How long an ingress gathers records before sending")
+    max_buffered: int = Field(
+        100_000, ge=1, description="Unacknowledged records an ingress holds (writer down); past it: when_full")
+    when_full: Literal["drop", "refuse"] = Field(
+        "refuse", description="Buffer full: refuse new requests (503, fail closed) or drop their records (counted)")
+    dedup_window: int = Field(
+        200_000, ge=1, description="Recent request ids the writer remembers (read back from the log's tail at start)")
+    writer_timeout_s: float = Field(5.0, gt=0, description="Bound on one writer call; on failure the ingress retries")
+
+
+class ModelPrice(_Strict):
+    prompt_per_1k: float = Field(0.0, ge=0, description="USD per 1,000 prompt tokens")
+    completion_per_1k: float = Field(0.0, ge=0, description="USD per 1,000 completion tokens")
+
+
+class BudgetOptions(_Strict):
+    """Prices and the spend ledger (router/ingress/budget*.py). A request of a tenant with a
+    monthly budget reserves its worst case (prompt + max_tokens at the model's prices) before it
+    runs and settles the actual cost at its end; the ledger refuses a reservation that would pass
+    the budget, so spend never exceeds it (docs/architecture.md, Budgets)."""
+
+    prices: dict[str, ModelPrice] = Field(
+        default_factory=dict, description="Per served model name; a model without a price costs 0")
+    ledger_path: str = Field("/tmp/pdserve-ledger.json", description="The ledger's file, on the head node")
+    when_unreachable: Literal["closed", "open"] = Field(
+        "closed", description="Ledger unreachable at admission: refuse (503) or admit unchecked (charged later)")
+    timeout_s: float = Field(1.0, gt=0, description="Bound on the ledger call at admission")
+    reservation_ttl_s: float = Field(
+        3600.0, gt=0, description="A reservation never settled (its ingress died) is charged in full after this")
+    alert_fraction: float = Field(0.8, gt=0, le=1, description="The spend alert fires past this share of a budget")
 
 
 class IngressLimits(_Strict):
@@ -368,6 +416,8 @@ class AppConfig(_Strict):
     tenant_cache_isolation: bool = Field(
         True, description="Salt block hashes per tenant (cache_group), so tenants never share cached prefixes")
     admission: AdmissionOptions = AdmissionOptions()
+    audit: AuditOptions = AuditOptions()
+    budgets: BudgetOptions = BudgetOptions()
     ingress_limits: IngressLimits = IngressLimits()
     fault_tolerance: FaultToleranceOptions = FaultToleranceOptions()
     graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="How long a stopping replica drains")

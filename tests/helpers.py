@@ -57,3 +57,18 @@ def wait_pools_whole(timeout: float = 30.0) -> dict[str, dict]:
 
     wait_for(whole, f"both pools back at their totals (last seen: {seen})", timeout)
     return seen
+
+
+APP_ACTORS = ("pdserve-admission", "pdserve-audit-writer", "pdserve-ledger")
+
+
+def kill_app_actors() -> None:
+    """The detached actors an app creates (admission buckets, audit writer, ledger): a test module's
+    own state, so the next module's app starts them with its own config."""
+    import ray
+
+    for name in APP_ACTORS:
+        try:
+            ray.kill(ray.get_actor(name, namespace="pdserve"))
+        except ValueError:  # never created by this module
+            pass

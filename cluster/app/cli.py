@@ -233,7 +233,54 @@ def _slo_rules(args) -> int:
     from cluster.telemetry.slo import render  # noqa: PLC0415
 
     cfg = AppConfig.from_yaml(args.config) if args.config else AppConfig()
-    sys.stdout.write(render(cfg.telemetry.slo, args.time_scale))
+    sys.stdout.write(render(cfg.telemetry.slo, args.time_scale, cfg.budgets.alert_fraction))
+    return 0
+
+
+def _audit_verify(args) -> int:
+    from router.ingress.audit_log import verify  # noqa: PLC0415
+
+    result = verify(args.path)
+    if not result.ok:
+        print(f"FAIL after {result.records} good records: {result.error}", file=sys.stderr)
+        return 1
+    print(f"OK: {result.records} records in {result.files} file(s); chain head {result.head}")
+    return 0
+
+
+def _budget(args) -> int:
+    """Each tenant's spend this month: from the running cluster's ledger actor, or its file."""
+    if args.file:
+        from router.ingress.budget import Ledger  # noqa: PLC0415
+
+        snap = Ledger(args.file).snapshot()
+    else:
+        import os  # noqa: PLC0415
+
+        import ray  # noqa: PLC0415
+
+        from router.actor import ROUTER_NAMESPACE  # noqa: PLC0415
+        from router.ingress.budget_actor import LEDGER_NAME  # noqa: PLC0415
+
+        if not ray.is_initialized():
+            ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="pdserve",
+                     log_to_driver=False)
+        try:
+            snap = ray.get(ray.get_actor(LEDGER_NAME, namespace=ROUTER_NAMESPACE).snapshot.remote(), timeout=30)
+        except ValueError:
+            print("pdserve budget: no ledger in this cluster (no prices or budgets configured, or no request yet)",
+                  file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(snap))
+        return 0
+    print(f"month {snap['month']} (UTC)")
+    print(f"{'tenant':<20} {'spent $':>14} {'in flight $':>14} {'budget $':>12} {'used':>7}")
+    for tenant, s in snap["tenants"].items():
+        budget = s["budget_usd"]
+        used = "" if not budget else f"{(s['spent_usd'] + s['reserved_usd']) / budget:.1%}"
+        print(f"{tenant:<20} {s['spent_usd']:>14.6f} {s['reserved_usd']:>14.6f} "
+              f"{'-' if budget is None else f'{budget:.2f}':>12} {used:>7}")
     return 0
 
 
@@ -345,6 +392,19 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local cluster)")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_status)
+
+    au = sub.add_parser("audit", help="the audit log (audit.dir)")
+    au_sub = au.add_subparsers(dest="audit_command", required=True)
+    av = au_sub.add_parser("verify", help="check the hash chain of an audit log directory (or one file); "
+                                          "names the first record that was edited, removed or cut off")
+    av.add_argument("path")
+    av.set_defaults(func=_audit_verify)
+
+    bu = sub.add_parser("budget", help="each tenant's spend this month (the ledger actor, or --file)")
+    bu.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local cluster)")
+    bu.add_argument("--file", help="read the ledger's file (budgets.ledger_path) instead of the running cluster")
+    bu.add_argument("--json", action="store_true")
+    bu.set_defaults(func=_budget)
 
     sr = sub.add_parser("slo-rules", help="print Prometheus recording and alerting rules for the config's SLOs "
                                           "(telemetry.slo; the defaults are deploy/prometheus/pdserve-rules.yml)")

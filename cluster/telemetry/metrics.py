@@ -43,6 +43,9 @@ class IngressMetrics:
     route_latency: object
     route_prompt_tokens: object
     route_predicted_cached_tokens: object
+    audit_dropped: object
+    audit_unacked: object
+    spend: object
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class EngineMetrics:
 
 @lru_cache(maxsize=None)
 def ingress_metrics() -> IngressMetrics:
-    from ray.util.metrics import Counter, Histogram  # noqa: PLC0415
+    from ray.util.metrics import Counter, Gauge, Histogram  # noqa: PLC0415
 
     t = ("tenant",)
     return IngressMetrics(
@@ -103,7 +106,44 @@ def ingress_metrics() -> IngressMetrics:
         route_predicted_cached_tokens=Counter(
             "pdserve_route_predicted_cached_tokens", "Prompt tokens the router predicted cached on the replica "
             "that computes the prompt (RouteDecision.predicted_cached_tokens)", ()),
+        audit_dropped=Counter("pdserve_audit_dropped", "Audit records dropped because the ingress's buffer of "
+                              "unacknowledged records was full (audit.when_full: drop)", ()),
+        audit_unacked=Gauge("pdserve_audit_unacked", "Audit records an ingress holds that the writer has not "
+                            "acknowledged yet (grows while the writer is down)", ()),
+        spend=Counter("pdserve_spend_usd", "Settled cost of requests in USD at budgets.prices", t),
     )
+
+
+@dataclass(frozen=True)
+class LedgerMetrics:
+    """Recorded by the ledger actor (one process): each tenant's month so far."""
+
+    spent: object
+    budget: object
+
+
+@lru_cache(maxsize=None)
+def ledger_metrics() -> LedgerMetrics:
+    from ray.util.metrics import Gauge  # noqa: PLC0415
+
+    return LedgerMetrics(
+        spent=Gauge("pdserve_budget_spent_usd", "A tenant's spend this month (settled + reserved), USD", ("tenant",)),
+        budget=Gauge("pdserve_budget_limit_usd", "A tenant's monthly budget, USD (tenants with a budget)", ("tenant",)),
+    )
+
+
+@dataclass(frozen=True)
+class AuditWriterMetrics:
+    records: object
+
+
+@lru_cache(maxsize=None)
+def audit_writer_metrics() -> AuditWriterMetrics:
+    from ray.util.metrics import Counter  # noqa: PLC0415
+
+    return AuditWriterMetrics(records=Counter(
+        "pdserve_audit_records", "Audit records the writer received, by result: written (chained, fsynced) "
+        "or duplicate (a resend of a request id already in the log)", ("result",)))
 
 
 @lru_cache(maxsize=None)

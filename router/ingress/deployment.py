@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+import ray
 from grpc_health.v1 import health_pb2
 from ray import serve
 
@@ -16,6 +17,10 @@ from router.actor import get_router
 from router.ingress.admission import Admission, Idempotent
 from router.ingress.admission_actor import get_admission
 from cluster.telemetry.guardrail_metrics import guardrail_metrics
+from router.ingress.audit import AuditShipper
+from router.ingress.audit_actor import get_audit_writer
+from router.ingress.budget import Budget
+from router.ingress.budget_actor import get_ledger
 from router.ingress.flow import RequestFlow
 from router.ingress.grpc_api import delta_to_proto, fail, prompt_from_proto, sampling_from_proto
 from router.ingress.openai_api import TIMEOUT_HEADER, bind_replica, build_openai_app, parse_deadline
@@ -32,6 +37,7 @@ GRPC_SERVICERS = [
 ]
 
 HEALTH_SERVICES = ("", "pdserve.v1.Generation")
+LEDGER_START_TIMEOUT_S = 60.0
 
 openai_app = build_openai_app()
 
@@ -65,11 +71,27 @@ class Ingress:
         actor = get_admission(self.config.admission)
         admission = Admission(self.config, actor.take.remote)  # reads the keys (env, file) and keeps their hashes
         self.telemetry = IngressTelemetry(self.config.telemetry)
+        cfg, metrics = self.config, self.telemetry.metrics
+        audit = budget = None
+        if cfg.audit.enabled:
+            get_audit_writer(cfg.audit)  # created now, not by the first request (the shipper retries anyway)
+            audit = AuditShipper(cfg.audit, lambda: get_audit_writer(cfg.audit), metrics)
+        if cfg.budgets.prices or any(t.monthly_budget_usd is not None for t in cfg.tenants.values()):
+            # ready before this replica takes traffic: a ledger still starting would refuse the first
+            # requests (when_unreachable: closed)
+            ray.get(get_ledger(cfg.budgets).snapshot.remote(), timeout=LEDGER_START_TIMEOUT_S)
+            budget = Budget(cfg, lambda: get_ledger(cfg.budgets), metrics)
         self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router, admission=admission,
                                 telemetry=self.telemetry,
                                 guard_metrics=guardrail_metrics() if self.config.telemetry.metrics else None,
-                                classifier=classifier_handle)
+                                classifier=classifier_handle, audit=audit, budget=budget)
         bind_replica(self.flow, Idempotent(actor, admission))
+
+    async def __del__(self):
+        """Serve's graceful shutdown: send the audit records still spooled (bounded); a replica
+        killed instead leaves its spool to be adopted."""
+        if self.flow.audit is not None:
+            await self.flow.audit.drain(min(5.0, self.config.graceful_shutdown_timeout_s))
 
     # ---- gRPC: pdserve.v1.Generation -------------------------------------------------------
 

@@ -39,6 +39,8 @@ from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from cluster.engine.validation import RequestValidator
 from cluster.errors import ErrorKind, InvalidRequestError, QueueFullError
 from router.ingress.admission import DEFAULT_TENANT, Admission, Quotas
+from router.ingress.audit import AuditShipper, AuditTrail
+from router.ingress.budget import Budget
 from router.ingress.guardrails import Guardrails, Intervention, RequestGuard
 from router.ingress.response_cache import ResponseCache
 from router.ingress.status import Code, Rejected, ServingError
@@ -125,7 +127,8 @@ def _ended(rid: str, reason: FinishReason, error: str | None, sent: int,
 class RequestFlow:
     def __init__(self, config: AppConfig, prefill_handle, decode_handle, router=None,
                  route_timeout_s: float = 0.5, admission: Admission | None = None, telemetry=None,
-                 guard_metrics=None, classifier=None):
+                 guard_metrics=None, classifier=None, audit: AuditShipper | None = None,
+                 budget: Budget | None = None):
         self.config = config
         self.admission = admission or Admission(config, _local_quotas())
         self.validator = make_validator(config)
@@ -135,9 +138,12 @@ class RequestFlow:
         self.router = router  # None: Serve's own replica choice
         self.route_timeout_s = route_timeout_s
         self.telemetry = telemetry  # IngressTelemetry (router/ingress/telemetry.py): routing decisions; None: off
+        self.audit = audit  # router/ingress/audit.py: one record per request; None: off
+        self.budget = budget  # router/ingress/budget.py: cost, reservations against monthly budgets; None: off
         self.max_migrations = config.fault_tolerance.max_migrations
         mc = ModelConfig.from_dir(config.model)
-        self.salt = model_identity(config.model, mc).encode()  # the engines' block-hash salt, before a tenant's part
+        self.fingerprint = model_identity(config.model, mc)  # architecture + weights digest
+        self.salt = self.fingerprint.encode()  # the engines' block-hash salt, before a tenant's part
         # what a request that leaves temperature/top_p/top_k unset gets (both edges apply it)
         self.sampling_defaults = {} if config.generation_config == "none" else {
             k: v for k, v in asdict(mc.generation_defaults).items() if v is not None}
@@ -175,20 +181,29 @@ class RequestFlow:
                 raise
         observed = self.telemetry.start(tenant, request_id) if self.telemetry is not None else None
         error: BaseException | None = None
+        rid = uuid.uuid4().hex  # ours: the engines' id; the client's request_id only labels replies
+        trail = self._audit_trail(rid, request_id, tenant, prompt, prompt_token_ids, messages)
+        hold = None
         try:
-            rid = uuid.uuid4().hex  # ours: the engines' id; the client's request_id only labels replies
+            refusal = None if self.audit is None else self.audit.refusal()
+            if refusal is not None:  # the audit buffer is full (`when_full: refuse`): nothing runs unaudited
+                trail = None  # its record could not be kept either; the refusal is counted in the metrics
+                raise refusal
             label = request_id or rid
             ticket = self.admission.reserve(tenant, deadline)
-            completion = 0
+            completion = prompt_tokens = 0
             guard = self.guardrails.for_request(tenant)  # None: the tenant has no policy
             try:
                 await self.admission.start(ticket)
                 req = await asyncio.get_running_loop().run_in_executor(
                     self._tokenize_pool, self._make_request, rid, prompt, prompt_token_ids, sampling, messages, guard,
                     tools)
+                prompt_tokens = req.num_prompt_tokens
                 if guard is not None:
                     await guard.check_input_remote()  # a classifier: on the loop, bounded by its timeout
                 await self.admission.charge(ticket, req.num_prompt_tokens, sampling.max_tokens)
+                if self.budget is not None:
+                    hold = await self.budget.reserve(tenant, rid, req.num_prompt_tokens, sampling.max_tokens)
                 ctx = ticket.ctx
                 if observed is not None and observed.trace_context:
                     ctx = replace(ctx, trace_context=observed.trace_context)
@@ -199,15 +214,37 @@ class RequestFlow:
                     completion = d.completion_tokens
                     if observed is not None:
                         observed.delta(d)
+                    if trail is not None:  # the final delta's record is spooled before the client gets it
+                        final = d.finish_reason is not None
+                        trail.delta(d, self._cost(d.prompt_tokens, d.completion_tokens) if final else None)
                     yield d
             finally:
                 ticket.done(completion)
+                if hold is not None:
+                    hold.settle(prompt_tokens, completion)
         except BaseException as e:
             error = e
             raise
         finally:
+            if trail is not None:
+                trail.end(error, None if hold is None else hold.cost / 1e6)
             if observed is not None:
                 observed.end(error)
+
+    def _audit_trail(self, rid: str, request_id: str | None, tenant: str, prompt, ids, messages) -> AuditTrail | None:
+        if self.audit is None:
+            return None
+        opts = self.config.tenants.get(tenant)
+        keep_text = opts is not None and opts.audit_text
+        prompt_input = None
+        if keep_text:
+            prompt_input = messages if messages is not None else prompt if prompt is not None else list(ids or ())
+        return AuditTrail(self.audit, rid, request_id, tenant, self.config.model_name, self.fingerprint, keep_text,
+                          prompt_input)
+
+    def _cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return 0.0 if self.budget is None or not completion_tokens else self.budget.cost_usd(prompt_tokens,
+                                                                                           completion_tokens)
 
     def _make_request(self, rid: str, prompt: str | None, ids: Sequence[int] | None, sampling: SamplingParams,
                       messages: list[dict] | None, guard: RequestGuard | None = None,

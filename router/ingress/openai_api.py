@@ -52,9 +52,11 @@ def error_response(status: int, message: str, param: str | None = None, kind: st
 
 def serving_error_response(e: ServingError) -> JSONResponse:
     retry = e.retry_after_s
+    kind = getattr(e, "error_type", None) or e.code.error_type  # a budget refusal: insufficient_quota
     code = getattr(e, "openai_code", None) or (  # a guardrail's refusal: "content_filter", as OpenAI's
-        "model_not_found" if e.code is Code.NOT_FOUND else e.code.grpc_name.lower())
-    return error_response(e.code.http_status, e.message, getattr(e, "param", None), e.code.error_type, code,
+        "model_not_found" if e.code is Code.NOT_FOUND else kind if kind != e.code.error_type
+        else e.code.grpc_name.lower())
+    return error_response(e.code.http_status, e.message, getattr(e, "param", None), kind, code,
                           None if retry is None else {"Retry-After": str(retry_after_seconds(retry))})
 
 

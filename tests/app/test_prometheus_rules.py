@@ -126,6 +126,15 @@ CASES = [
          {I + PAGE: [("1m", False), ("10m", True)], I + TICKET: [("30m", True)]}),
     case(latency("inter_token_latency_seconds", "0.1", 9950, 10000),
          {I + PAGE: [("3h", False)]}),
+    # a tenant at 85% of its budget for 10 minutes: the spend alert; one at 50%: none
+    case([{"series": 'ray_pdserve_budget_spent_usd{tenant="a"}', "values": "85x20"},
+          {"series": 'ray_pdserve_budget_limit_usd{tenant="a"}', "values": "100x20"},
+          {"series": 'ray_pdserve_budget_spent_usd{tenant="b"}', "values": "50x20"},
+          {"series": 'ray_pdserve_budget_limit_usd{tenant="b"}', "values": "100x20"}],
+         {}) | {"alert_rule_test": [
+             {"eval_time": "3m", "alertname": slo.BUDGET_ALERT, "exp_alerts": []},
+             {"eval_time": "10m", "alertname": slo.BUDGET_ALERT, "exp_alerts": [
+                 {**alert(slo.BUDGET_ALERT), "exp_labels": {**alert(slo.BUDGET_ALERT)["exp_labels"], "tenant": "a"}}]}]},
     # nothing at all: no alert (NaN ratios compare false)
     case([requests("OK", 0)], {name + suffix: [("1h", False)] for name in (A, T, I) for suffix in (PAGE, TICKET)}),
 ]

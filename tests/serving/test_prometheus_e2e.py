@@ -33,7 +33,7 @@ from cluster.telemetry import slo
 from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers import wait_for
+from tests.helpers import kill_app_actors, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus")
@@ -44,22 +44,33 @@ pytestmark = pytest.mark.skipif(
     PROMETHEUS is None, reason="prometheus is not installed: apt-get install -y prometheus (README, Observability)")
 
 
+# The load runs as tenant "metered" (a monthly budget, so the budget panels have series); the
+# audit log is on (its panel's series).
+METADATA = [("authorization", "Bearer k-metered")]
+
+
 @pytest.fixture(scope="module")
-def app(ray_session, tiny_model):
+def app(ray_session, tiny_model, tmp_path_factory):
     from ray import serve
 
     import cluster.app.builder as serve_app
 
+    state = tmp_path_factory.mktemp("state")
     cfg = AppConfig(
         model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
         engine={"num_blocks": 128}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
         graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
         kv_transfer={"failure_policy": "fail"}, fault_tolerance={"fault_injection": True},
-        telemetry={"metrics_interval_s": 0.2})
+        telemetry={"metrics_interval_s": 0.2},
+        tenants={"metered": {"api_keys": ["k-metered"], "monthly_budget_usd": 1000.0}},
+        audit={"enabled": True, "dir": str(state / "audit")},
+        budgets={"prices": {"tiny": {"prompt_per_1k": 0.01, "completion_per_1k": 0.03}},
+                 "ledger_path": str(state / "ledger.json")})
     serve_app.start(cfg)
     with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
         yield cfg, pb_grpc.GenerationStub(channel)
     serve.shutdown()
+    kill_app_actors()
 
 
 class Prometheus:
@@ -118,7 +129,7 @@ def generate(stub, i: int, new_tokens: int = 24, max_tokens: int = 12) -> None:
     ids = PREFIX + [(i * 13 + j) % 250 for j in range(new_tokens)]
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
         max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    list(stub.Generate(req, timeout=60))
+    list(stub.Generate(req, metadata=METADATA, timeout=60))
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
@@ -146,7 +157,7 @@ def test_dashboard_and_rules_return_series_and_injected_faults_fire_the_page_ale
         list(pool.map(lambda i: generate(stub, i), range(24)))
     with pytest.raises(grpc.RpcError):
         list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingParams(
-            max_tokens=5000)), timeout=60))
+            max_tokens=5000)), metadata=METADATA, timeout=60))
 
     queries = dashboard_queries() + [(name, name) for name in recording_rules()]
     empty: list[str] = []

@@ -1,0 +1,310 @@
+"""The ingress side of the audit log: one record per request that reached the flow, spooled
+locally before the client sees the request end, and shipped to the writer actor off the request path.
+
+    flow ──AuditTrail.delta/end──▶ Spool (this node's disk, no fsync) ──Shipper task──▶ writer actor
+                                                                                      (chain + fsync per batch)
+
+Delivery is at-least-once. A record is appended to this process's spool (one small write(), so it
+survives the process being killed, not the node) before the final delta is yielded or the error
+raised, and it stays in memory and in the spool until the writer acknowledges the batch that
+carried it. A failed or timed-out call is retried with backoff. An ingress that dies leaves its
+spool behind; any ingress on the node adopts it (its lock file is free once its owner is dead)
+and resends what it holds; the writer drops records whose request id it already wrote.
+
+Writer down for long: records pile up (memory + spool) to `audit.max_buffered` per ingress; then
+`when_full: refuse` refuses new requests with UNAVAILABLE (fail closed: nothing runs unaudited;
+the records of requests already running are still kept, so the bound is max_buffered + max_inflight),
+`when_full: drop` runs them and drops their records, counted in pdserve_audit_dropped_total.
+
+A record holds ids, tenant, model and fingerprint, token counts, finish reason, the final status
+code, guardrail interventions, timings and cost; the prompt and output text only for a tenant
+with `audit_text: true`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import time
+import uuid
+from collections import deque
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from router.ingress.audit_log import canonical
+from router.ingress.status import Code, ServingError
+from router.ingress.telemetry import error_code
+
+if TYPE_CHECKING:
+    from cluster.config import AuditOptions
+    from router.ingress.flow import Delta
+
+log = logging.getLogger(__name__)
+
+SEGMENT_BYTES = 1 << 20  # a spool segment is deleted once every record in it is acknowledged
+ADOPT_INTERVAL_S = 5.0
+MAX_BACKOFF_S = 2.0
+
+
+class Spool:
+    """This process's unacknowledged records: in memory (in order) and in segment files
+    `<owner>.<n>.jsonl` under `directory`, owned through a flock on `<owner>.lock`."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._lock_fd = os.open(self.dir / f"{self.owner}.lock", os.O_RDWR | os.O_CREAT, 0o640)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        self.pending: deque[tuple[int, dict]] = deque()  # (segment, record), oldest first
+        self._unacked: dict[int, int] = {}
+        self._segment = -1
+        self._fd: int | None = None
+        self._size = 0
+        self._new_segment()
+
+    def _path(self, segment: int, owner: str | None = None) -> Path:
+        return self.dir / f"{owner or self.owner}.{segment}.jsonl"
+
+    def _new_segment(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._drop_if_done(self._segment)
+        self._segment += 1
+        self._unacked[self._segment] = 0
+        self._fd = os.open(self._path(self._segment), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        self._size = 0
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def add(self, record: dict) -> None:
+        line = canonical(record) + b"\n"
+        os.write(self._fd, line)  # one write of a short line: whole in the page cache, or not at all
+        self._size += len(line)
+        self.pending.append((self._segment, record))
+        self._unacked[self._segment] += 1
+        if self._size >= SEGMENT_BYTES:
+            self._new_segment()
+
+    def batch(self, n: int) -> list[dict]:
+        return [rec for _, rec in list(self._peek(n))]
+
+    def _peek(self, n: int):
+        for i, item in enumerate(self.pending):
+            if i >= n:
+                return
+            yield item
+
+    def ack(self, n: int) -> None:
+        for _ in range(n):
+            segment, _rec = self.pending.popleft()
+            self._unacked[segment] -= 1
+            self._drop_if_done(segment)
+
+    def _drop_if_done(self, segment: int) -> None:
+        if self._unacked.get(segment) != 0:
+            return
+        if segment == self._segment:
+            if self._size:  # all acknowledged: empty the current segment (O_APPEND writes go to the new end)
+                os.ftruncate(self._fd, 0)
+                self._size = 0
+            return
+        del self._unacked[segment]
+        self._path(segment).unlink(missing_ok=True)
+
+    def adopt(self) -> int:
+        """Take over the spools of dead owners on this node (their lock is free): their records
+        join this spool (resent; the writer drops any it already has), then their files go."""
+        adopted = 0
+        for lock in self.dir.glob("*.lock"):
+            owner = lock.stem
+            if owner == self.owner:
+                continue
+            try:
+                fd = os.open(lock, os.O_RDWR)
+            except FileNotFoundError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # alive
+                segments = sorted(self.dir.glob(f"{owner}.*.jsonl"), key=lambda p: int(p.name.split(".")[-2]))
+                for seg in segments:
+                    for line in seg.read_bytes().splitlines():
+                        try:
+                            rec = json.loads(line)
+                        except ValueError:  # a line its owner was killed in the middle of writing
+                            log.error("audit spool %s: an unreadable line was skipped", seg)
+                            continue
+                        self.add(rec)
+                        adopted += 1
+                for seg in segments:
+                    seg.unlink(missing_ok=True)
+                lock.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
+        if adopted:
+            log.warning("audit: adopted %d unacknowledged records from dead ingress spools in %s", adopted, self.dir)
+        return adopted
+
+
+class AuditShipper:
+    """Owns the spool and the background task that sends batches to the writer actor.
+    `writer()` returns the writer actor's handle (looked up again after a failure)."""
+
+    def __init__(self, options: "AuditOptions", writer: Callable[[], object], metrics=None):
+        self.options = options
+        self._writer_fn = writer
+        self._writer = None
+        self.spool = Spool(options.spool_dir or os.path.join(options.dir, "spool"))
+        self.metrics = metrics  # (dropped counter, unacked gauge) or None
+        self.dropped = 0
+        self._wake = asyncio.Event()
+        self._empty = asyncio.Event()  # set while nothing waits for the writer
+        self._task: asyncio.Task | None = None
+        self._adopt_at = 0.0
+
+    @property
+    def full(self) -> bool:
+        return len(self.spool) >= self.options.max_buffered
+
+    def refusal(self) -> ServingError | None:
+        """With `when_full: refuse` and the buffer full: the error that refuses a request before
+        any work (fail closed); None when it may run."""
+        if self.options.when_full == "refuse" and self.full:
+            return ServingError(Code.UNAVAILABLE, f"the audit log is unavailable ({len(self.spool)} records wait for "
+                                                  f"its writer): requests are refused until it catches up", 1.0)
+        return None
+
+    def submit(self, record: dict) -> bool:
+        """Spool a record. Full: `drop` drops it (counted); `refuse` keeps it (the requests already
+        running when the buffer filled: at most admission.max_inflight more, new ones are refused)."""
+        if self.full and self.options.when_full == "drop":
+            self.dropped += 1
+            if self.metrics is not None:
+                self.metrics.audit_dropped.inc(1)
+            log.error("audit: buffer full (%d records): record of request %s dropped", len(self.spool),
+                      record.get("request_id"))
+            return False
+        self.spool.add(record)
+        self._empty.clear()
+        self._ensure_task()
+        if len(self.spool) >= self.options.batch_records:
+            self._wake.set()
+        return True
+
+    def _ensure_task(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def start(self) -> None:
+        """Start shipping (adopting dead spools first): called once the event loop runs."""
+        self._ensure_task()
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            now = time.monotonic()
+            if now >= self._adopt_at:
+                self._adopt_at = now + ADOPT_INTERVAL_S
+                self.spool.adopt()
+            if not self.spool.pending:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), ADOPT_INTERVAL_S)
+                except (TimeoutError, asyncio.TimeoutError):
+                    continue
+            if len(self.spool) < self.options.batch_records:
+                await asyncio.sleep(self.options.flush_interval_s)  # gather a batch: one writer call, one fsync
+            batch = self.spool.batch(self.options.batch_records)
+            try:
+                if self._writer is None:
+                    self._writer = self._writer_fn()
+                await asyncio.wait_for(self._writer.append.remote(batch), self.options.writer_timeout_s)
+            except Exception as e:  # noqa: BLE001 — kept, and sent again
+                log.warning("audit: the writer did not take %d records (%r); retrying in %.2f s", len(batch), e,
+                            backoff)
+                self._writer = None
+                self._export()
+                await asyncio.sleep(backoff)  # backoff between retries of a failed call
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                continue
+            backoff = 0.05
+            self.spool.ack(len(batch))
+            if not self.spool.pending:
+                self._empty.set()
+            self._export()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Until every spooled record is acknowledged, or timeout_s (a replica shutting down).
+        What is left stays in the spool, for the next ingress on this node to adopt."""
+        if self.spool.pending:
+            self._ensure_task()
+            self._wake.set()
+            try:
+                await asyncio.wait_for(self._empty.wait(), timeout_s)
+            except (TimeoutError, asyncio.TimeoutError):
+                log.warning("audit: %d records not acknowledged at shutdown: left in %s for adoption",
+                            len(self.spool), self.spool.dir)
+        return not self.spool.pending
+
+    def _export(self) -> None:
+        if self.metrics is not None:
+            self.metrics.audit_unacked.set(len(self.spool))
+
+
+class AuditTrail:
+    """One request's audit record, built as the flow runs and submitted once: on the final delta
+    (before it is yielded) or at the end (before the error reaches the client)."""
+
+    def __init__(self, shipper: AuditShipper, rid: str, client_request_id: str | None, tenant: str, model: str,
+                 fingerprint: str, keep_text: bool, prompt_input=None):
+        self.shipper = shipper
+        self.started = time.monotonic()
+        self.rec: dict = {"request_id": rid, "client_request_id": client_request_id, "tenant": tenant,
+                          "model": model, "model_fingerprint": fingerprint, "received_at": round(time.time(), 6),
+                          "prompt_tokens": 0, "completion_tokens": 0, "cached_prompt_tokens": 0,
+                          "finish_reason": None, "code": None, "interventions": [], "ttft_s": None,
+                          "duration_s": None, "cost_usd": 0.0}
+        self.keep_text = keep_text
+        if keep_text:
+            self.rec["prompt"] = prompt_input
+            self.rec["output"] = ""
+        self.submitted = False
+
+    def delta(self, d: "Delta", cost_usd: float | None = None) -> None:
+        rec = self.rec
+        if rec["ttft_s"] is None and d.token_ids:
+            rec["ttft_s"] = round(time.monotonic() - self.started, 6)
+        if self.keep_text:
+            rec["output"] += d.text
+        rec["prompt_tokens"], rec["completion_tokens"] = d.prompt_tokens, d.completion_tokens
+        rec["cached_prompt_tokens"] = d.cached_prompt_tokens
+        if d.finish_reason is not None:
+            rec["finish_reason"] = str(d.finish_reason)
+            if getattr(d, "response_cache_hit", False):
+                rec["response_cache_hit"] = True
+            self._submit("OK", cost_usd, getattr(d, "guardrail_interventions", None))
+
+    def end(self, error: BaseException | None, cost_usd: float | None = None) -> None:
+        if not self.submitted:
+            # the code only: an error's message may quote the client's input
+            self._submit("INTERNAL" if error is None else error_code(error), cost_usd,
+                         getattr(error, "guardrail_interventions", None))
+
+    def _submit(self, code: str, cost_usd: float | None, interventions) -> None:
+        self.submitted = True
+        rec = self.rec
+        rec["code"] = code
+        rec["duration_s"] = round(time.monotonic() - self.started, 6)
+        if cost_usd is not None:
+            rec["cost_usd"] = cost_usd
+        if interventions:  # the guardrails' events (router/ingress/guardrails.py): never any text
+            rec["interventions"] = [asdict(i) if is_dataclass(i) else str(i) for i in interventions]
+        self.shipper.submit(rec)

@@ -1,0 +1,49 @@
+"""The audit writer actor: the one process that appends to the audit log (a thin Ray shell over
+router/ingress/audit_log.py's AuditLog). Detached, named, restarted by Ray when it dies, and
+pinned to the head node, where the log's directory is. A restarted writer reads the chain's head
+and the last `dedup_window` request ids back from the log's tail, so a batch resent because its
+acknowledgement was lost is not written twice."""
+
+from __future__ import annotations
+
+import ray
+
+from cluster.config import AuditOptions
+from router.actor import ROUTER_NAMESPACE
+from router.ingress.audit_log import AuditLog
+
+AUDIT_WRITER_NAME = "pdserve-audit-writer"
+HEAD_NODE = {"node:__internal_head__": 0.001}
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, resources=HEAD_NODE)
+class AuditWriter:
+    def __init__(self, directory: str, max_file_bytes: int, dedup_window: int):
+        self.log = AuditLog(directory, max_file_bytes, dedup_window)
+        self._metrics = None
+        try:
+            from cluster.telemetry.metrics import audit_writer_metrics  # noqa: PLC0415
+
+            self._metrics = audit_writer_metrics()
+        except Exception:  # noqa: BLE001 — metrics are optional here (no Ray metrics agent)
+            pass
+
+    def append(self, records: list[dict]) -> tuple[int, int]:
+        """Durable (fsync) when it returns: (written, duplicates skipped)."""
+        result = self.log.append(records)
+        if self._metrics is not None:
+            for result_name, n in (("written", result.written), ("duplicate", result.duplicates)):
+                if n:
+                    self._metrics.records.inc(n, {"result": result_name})
+        return result.written, result.duplicates
+
+    def head(self) -> tuple[int, str]:
+        """(records written so far, the chain's head hash)."""
+        return self.log.next_seq, self.log.head
+
+
+def get_audit_writer(options: AuditOptions):
+    """The cluster's audit writer, created by whoever asks first (with that caller's options)."""
+    return AuditWriter.options(
+        name=AUDIT_WRITER_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True, lifetime="detached"
+    ).remote(options.dir, options.max_file_bytes, options.dedup_window)

@@ -1,0 +1,296 @@
+"""Budgets and cost: what a request costs at the model's prices, and each tenant's monthly spend.
+
+Money is counted in integer micro-dollars (µUSD); a request's cost is rounded up to the next µUSD.
+
+A tenant with `monthly_budget_usd` reserves its request's worst case at admission:
+    prompt tokens x prompt price + max_tokens x completion price
+in the ledger actor (one for the cluster, so every ingress replica sees the same month). The
+ledger refuses a reservation that would take settled + reserved spend past the budget (429 with an
+`insufficient_quota` error), so concurrent requests can never together pass it: with the ledger
+reachable the overspend is 0 (each request may pay up to 1 µUSD of rounding up). At its end the
+request settles its actual cost (prompt + completion tokens sent; nothing when no token was
+sent) and the rest of the reservation is refunded. A reservation whose ingress died before
+settling is charged in full after `reservation_ttl_s` (never less than was used).
+
+Ledger unreachable (down, or slower than `budgets.timeout_s`) at admission: `when_unreachable:
+closed` refuses with UNAVAILABLE (overspend stays 0); `open` admits the request unchecked and
+charges its actual cost when the ledger answers again (overspend bounded only by the traffic
+admitted while it is down). Tenants without a budget are charged at the end, off the request path.
+
+The ledger persists to one JSON file (written to a temporary file, fsynced, renamed) before it
+answers any call that changed it, so a restart keeps the month's spend and open reservations.
+
+`Ledger` is plain Python with an injected clock; budget_actor.py is its Ray shell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import json
+import logging
+import os
+import time
+from decimal import Decimal
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from router.ingress.status import Code, Rejected, ServingError
+
+if TYPE_CHECKING:
+    from cluster.config import AppConfig, ModelPrice
+
+log = logging.getLogger(__name__)
+
+MICROS = 1_000_000
+CHARGED_IDS_KEPT = 2048  # ids of end-of-request charges remembered (and saved), so a retried charge counts once
+HISTORY_MONTHS = 24
+SETTLE_TRIES = 8
+
+
+def to_micros(usd: float) -> int:
+    return int((Decimal(str(usd)) * MICROS).to_integral_value(rounding="ROUND_HALF_UP"))
+
+
+def usd(micros: int) -> float:
+    return micros / MICROS
+
+
+def cost_micros(price: "ModelPrice | None", prompt_tokens: int, completion_tokens: int) -> int:
+    """Exact in decimal, rounded up to a whole µUSD (prices are per 1,000 tokens)."""
+    if price is None:
+        return 0
+    exact = (Decimal(str(price.prompt_per_1k)) * prompt_tokens
+             + Decimal(str(price.completion_per_1k)) * completion_tokens) * MICROS / 1000
+    return int(exact.to_integral_value(rounding="ROUND_CEILING"))
+
+
+def month_of(t: float) -> str:
+    return time.strftime("%Y-%m", time.gmtime(t))
+
+
+def next_month_start(t: float) -> float:
+    y, m = time.gmtime(t)[:2]
+    y, m = (y + 1, 1) if m == 12 else (y, m + 1)
+    return float(calendar.timegm((y, m, 1, 0, 0, 0)))
+
+
+class Ledger:
+    """Each tenant's month: settled spend, open reservations (id -> [µUSD, created]) and the
+    budget it was last checked against. Every method that changes it marks it dirty; the owner
+    saves it (`save`) before answering."""
+
+    def __init__(self, path: str | Path, reservation_ttl_s: float = 3600.0, clock: Callable[[], float] = time.time):
+        self.path = Path(path)
+        self.ttl_s = reservation_ttl_s
+        self.clock = clock
+        self.month = month_of(clock())
+        self.tenants: dict[str, dict] = {}
+        self.history: dict[str, dict[str, int]] = {}
+        self.charged: list[str] = []
+        self._charged: set[str] = set()
+        if self.path.exists():
+            self._load(json.loads(self.path.read_text()))
+
+    def _load(self, data: dict) -> None:
+        self.month, self.tenants, self.history = data["month"], data["tenants"], data.get("history", {})
+        self.charged = data.get("charged", [])
+        self._charged = set(self.charged)
+
+    def to_json(self) -> str:
+        return json.dumps({"month": self.month, "tenants": self.tenants, "history": self.history,
+                           "charged": self.charged}, sort_keys=True)
+
+    def save(self, data: str | None = None) -> None:
+        """Atomically replace the file (tmp + fsync + rename + directory fsync)."""
+        data = self.to_json() if data is None else data
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # ---- the month ------------------------------------------------------------------------------
+
+    def _tenant(self, tenant: str) -> dict:
+        now = self.clock()
+        month = month_of(now)
+        if month != self.month:  # a new month: spend starts again; open reservations carry over
+            self.history[self.month] = {t: s["spent"] for t, s in self.tenants.items()}
+            for old in sorted(self.history)[:-HISTORY_MONTHS]:
+                del self.history[old]
+            for s in self.tenants.values():
+                s["spent"] = 0
+            self.month = month
+        state = self.tenants.setdefault(tenant, {"spent": 0, "reserved": {}, "budget": None})
+        for rid, (amount, created) in list(state["reserved"].items()):
+            if now - created > self.ttl_s:  # its ingress never settled it: charged in full
+                del state["reserved"][rid]
+                state["spent"] += amount
+                log.warning("budget: reservation %s of tenant %r expired unsettled: charged in full", rid, tenant)
+        return state
+
+    @staticmethod
+    def _reserved(state: dict) -> int:
+        return sum(amount for amount, _ in state["reserved"].values())
+
+    # ---- the verbs --------------------------------------------------------------------------
+
+    def reserve(self, tenant: str, rid: str, amount: int, budget: int) -> tuple[bool, int, int]:
+        """Hold `amount` µUSD for request `rid` if settled + reserved + amount <= budget.
+        (granted, spent, reserved) in µUSD, after the call. A repeated id is granted again."""
+        state = self._tenant(tenant)
+        state["budget"] = budget
+        if rid in state["reserved"]:
+            return True, state["spent"], self._reserved(state)
+        reserved = self._reserved(state)
+        if state["spent"] + reserved + amount > budget:
+            return False, state["spent"], reserved
+        state["reserved"][rid] = [amount, self.clock()]
+        return True, state["spent"], reserved + amount
+
+    def settle(self, tenant: str, rid: str, actual: int) -> bool:
+        """Replace the reservation by the actual cost. False (and nothing changes) when it is not
+        open: settled already, or expired and charged in full."""
+        state = self._tenant(tenant)
+        if state["reserved"].pop(rid, None) is None:
+            return False
+        state["spent"] += actual
+        return True
+
+    def charge(self, tenant: str, rid: str, actual: int) -> bool:
+        """Add a cost with no reservation (no budget, or admitted while the ledger was
+        unreachable). Once per id (the last CHARGED_IDS_KEPT ids are remembered)."""
+        if rid in self._charged:
+            return False
+        state = self._tenant(tenant)
+        state["spent"] += actual
+        self.charged.append(rid)
+        self._charged.add(rid)
+        if len(self.charged) > CHARGED_IDS_KEPT:
+            self._charged.discard(self.charged.pop(0))
+        return True
+
+    def snapshot(self) -> dict:
+        """Each tenant's month in USD, for `pdserve budget` and the metrics."""
+        for t in list(self.tenants):
+            self._tenant(t)
+        return {"month": self.month, "tenants": {
+            t: {"spent_usd": usd(s["spent"]), "reserved_usd": usd(self._reserved(s)),
+                "open_reservations": len(s["reserved"]),
+                "budget_usd": None if s["budget"] is None else usd(s["budget"])}
+            for t, s in sorted(self.tenants.items())}}
+
+
+# ---- the ingress side -------------------------------------------------------------------------------
+
+class BudgetExhausted(Rejected):
+    """429 with OpenAI's `insufficient_quota` error type (RESOURCE_EXHAUSTED on gRPC)."""
+
+    error_type = "insufficient_quota"
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message, retry_after_s, reason="budget")
+
+
+class Hold:
+    """One request's place in the ledger; `settle` once at its end (off the request path)."""
+
+    def __init__(self, budget: "Budget", tenant: str, rid: str, reserved: bool):
+        self.budget, self.tenant, self.rid, self.reserved = budget, tenant, rid, reserved
+        self.cost = 0
+
+    def settle(self, prompt_tokens: int, completion_tokens: int) -> float:
+        """The request's cost in USD (0 when it sent no token); the ledger is told in the background."""
+        b = self.budget
+        self.cost = cost_micros(b.price, prompt_tokens, completion_tokens) if completion_tokens else 0
+        if self.reserved or self.cost:
+            b.background(self)
+        return usd(self.cost)
+
+
+class Budget:
+    """One ingress replica's view: prices and budgets from the config, the ledger actor for the rest."""
+
+    def __init__(self, config: "AppConfig", ledger: Callable[[], object], metrics=None):
+        self.options = config.budgets
+        self.model = config.model_name
+        self.price = self.options.prices.get(config.model_name)
+        self.budgets = {t: to_micros(o.monthly_budget_usd) for t, o in config.tenants.items()
+                        if o.monthly_budget_usd is not None}
+        self._ledger_fn = ledger
+        self._ledger = None
+        self.metrics = metrics
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def ledger(self):
+        if self._ledger is None:
+            self._ledger = self._ledger_fn()
+        return self._ledger
+
+    def cost_usd(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return usd(cost_micros(self.price, prompt_tokens, completion_tokens))
+
+    async def reserve(self, tenant: str, rid: str, prompt_tokens: int, max_tokens: int) -> Hold:
+        """Refuses with BudgetExhausted, or UNAVAILABLE when the ledger cannot answer and the
+        policy is `closed`."""
+        budget = self.budgets.get(tenant)
+        if budget is None:
+            return Hold(self, tenant, rid, reserved=False)
+        amount = cost_micros(self.price, prompt_tokens, max_tokens)
+        try:
+            granted, spent, reserved = await asyncio.wait_for(
+                self.ledger.reserve.remote(tenant, rid, amount, budget), self.options.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            self._ledger = None
+            if self.options.when_unreachable == "closed":
+                raise ServingError(Code.UNAVAILABLE, f"the budget ledger is unavailable ({type(e).__name__}); "
+                                                     f"retry later", 1.0) from e
+            log.warning("budget ledger unreachable (%r): request %s of %r admitted unchecked", e, rid, tenant)
+            return Hold(self, tenant, rid, reserved=False)
+        if not granted:
+            now = time.time()
+            renews = next_month_start(now)
+            raise BudgetExhausted(
+                f"tenant {tenant!r} has used ${usd(spent + reserved):.6f} (settled ${usd(spent):.6f}, in flight "
+                f"${usd(reserved):.6f}) of its monthly budget of ${usd(budget):.2f}; this request may cost up to "
+                f"${usd(amount):.6f} ({prompt_tokens} prompt tokens + max_tokens {max_tokens} at {self.model}'s "
+                f"prices). The budget renews on {time.strftime('%Y-%m-%d', time.gmtime(renews))} (UTC); a smaller "
+                f"max_tokens may fit the ${usd(max(budget - spent - reserved, 0)):.6f} left", renews - now)
+        return Hold(self, tenant, rid, reserved=True)
+
+    def background(self, hold: Hold) -> None:
+        task = asyncio.get_running_loop().create_task(self._tell(hold))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _tell(self, hold: Hold) -> None:
+        """Settle (or charge) with retries; if every try fails, an open reservation is charged in
+        full when it expires, and an unreserved cost is lost (logged)."""
+        delay = 0.1
+        for attempt in range(SETTLE_TRIES):
+            try:
+                method = self.ledger.settle if hold.reserved else self.ledger.charge
+                await asyncio.wait_for(method.remote(hold.tenant, hold.rid, hold.cost),
+                                       max(self.options.timeout_s, 5.0))
+                break
+            except Exception as e:  # noqa: BLE001
+                self._ledger = None
+                if attempt == SETTLE_TRIES - 1:
+                    log.error("budget: %s of request %s (tenant %r, $%.6f) failed %d times: %r",
+                              "settling" if hold.reserved else "charging", hold.rid, hold.tenant, usd(hold.cost),
+                              SETTLE_TRIES, e)
+                    return
+                await asyncio.sleep(delay)  # backoff between retries of a failed call
+                delay = min(delay * 2, 5.0)
+        if self.metrics is not None and hold.cost:
+            self.metrics.spend.inc(usd(hold.cost), {"tenant": hold.tenant})
+

@@ -1,0 +1,265 @@
+"""The audit log's file format without Ray: the hash chain across rotated files, `verify` naming
+the first bad record, deduplication by request id that survives a restart, and the ingress spool
+(acknowledgement, adoption of a dead owner's records)."""
+
+import json
+import os
+
+from cluster.app.cli import main
+from router.ingress.audit import Spool
+from router.ingress.audit_log import GENESIS, AuditLog, canonical, log_files, read_records, record_hash, verify
+
+DAY = 86400.0
+T0 = 1_795_000_000.0  # 2026-11-18 UTC
+
+
+class Clock:
+    def __init__(self, t=T0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def rec(i: int) -> dict:
+    return {"request_id": f"r{i:04d}", "tenant": "t", "completion_tokens": i, "code": "OK"}
+
+
+def write(tmp_path, n=100, max_file_bytes=4096, clock=None, batch=7):
+    log = AuditLog(tmp_path, max_file_bytes=max_file_bytes, clock=clock or Clock())
+    for start in range(0, n, batch):
+        log.append([rec(i) for i in range(start, min(n, start + batch))])
+    return log
+
+
+def edit(path, line_no, change):
+    lines = path.read_bytes().splitlines(keepends=True)
+    r = json.loads(lines[line_no - 1])
+    change(r)
+    lines[line_no - 1] = canonical(r) + b"\n"
+    path.write_bytes(b"".join(lines))
+    return r
+
+
+def test_the_chain_runs_through_rotated_files_and_verifies(tmp_path):
+    log = write(tmp_path)
+    files = log_files(tmp_path)
+    records = list(read_records(tmp_path))
+    assert [r["seq"] for r in records] == list(range(100))
+    assert [r["request_id"] for r in records] == [f"r{i:04d}" for i in range(100)]
+    assert records[0]["prev"] == GENESIS
+    assert all(b["prev"] == a["hash"] == record_hash(a) for a, b in zip(records, records[1:]))
+    longest = max(len(canonical(r)) + 1 for r in records)
+    assert len(files) == 6 and all(f.stat().st_size < 4096 + longest for f in files)  # past the size: next file
+    # each file is named by the seq it starts at, and its first record chains to the file before
+    starts = [int(f.stem.rsplit("-", 1)[1]) for f in files]
+    assert [json.loads(f.read_bytes().splitlines()[0])["seq"] for f in files] == starts
+    result = verify(tmp_path)
+    assert (result.ok, result.records, result.files, result.head) == (True, 100, len(files), log.head)
+    assert main(["audit", "verify", str(tmp_path)]) == 0
+
+
+def test_a_new_utc_day_starts_a_new_file_and_the_chain_continues(tmp_path):
+    clock = Clock()
+    log = AuditLog(tmp_path, clock=clock)
+    log.append([rec(0), rec(1)])
+    clock.t += DAY
+    log.append([rec(2)])
+    assert [f.name for f in log_files(tmp_path)] == ["audit-20261118-000000000000.jsonl",
+                                                     "audit-20261119-000000000002.jsonl"]
+    assert verify(tmp_path).ok and verify(tmp_path).records == 3
+
+
+def test_an_edited_record_is_named(tmp_path, capsys):
+    write(tmp_path)
+    second = log_files(tmp_path)[1]
+    edited = edit(second, 3, lambda r: r.update(completion_tokens=999))
+    result = verify(tmp_path)
+    assert not result.ok and result.records == edited["seq"]
+    assert result.error == (f"{second}:3: record seq {edited['seq']} (request_id {edited['request_id']}): "
+                            f"its hash does not match its content (edited)")
+    assert main(["audit", "verify", str(tmp_path)]) == 1
+    assert f"record seq {edited['seq']} (request_id {edited['request_id']})" in capsys.readouterr().err
+
+
+def test_an_edit_that_recomputes_its_own_hash_breaks_the_next_record(tmp_path):
+    write(tmp_path, n=20, max_file_bytes=1 << 20)
+    [path] = log_files(tmp_path)
+
+    def forge(r):
+        r["completion_tokens"] = 0
+        r["hash"] = record_hash(r)
+
+    edit(path, 5, forge)
+    result = verify(tmp_path)
+    assert result.error == (f"{path}:6: record seq 5 (request_id r0005): prev does not match the hash of record "
+                            f"seq 4 (a record before it was edited or removed)")
+
+
+def test_a_removed_record_is_named_by_the_one_after_it(tmp_path):
+    write(tmp_path, n=20, max_file_bytes=1 << 20)
+    [path] = log_files(tmp_path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:7] + lines[8:]))
+    assert verify(tmp_path).error == (f"{path}:8: record seq 8 (request_id r0008): expected seq 7 "
+                                      f"(a record is missing or out of order)")
+    first = log_files(tmp_path)[0]
+    first.write_bytes(b"".join(lines[1:]))  # the head of the log cut away
+    assert "does not start at seq 0" in verify(tmp_path).error
+
+
+def test_duplicates_are_skipped_and_dedup_survives_a_restart_from_the_log_tail(tmp_path):
+    log = write(tmp_path, n=30)
+    assert log.append([rec(29), rec(5), rec(30)]) == (1, 2)  # a resent batch: only r0030 is new
+    head = (log.next_seq, log.head)
+    log.close()
+    again = AuditLog(tmp_path, max_file_bytes=4096, clock=Clock())
+    assert (again.next_seq, again.head) == head
+    assert again.append([rec(0), rec(30), rec(31)]) == (1, 2)
+    ids = [r["request_id"] for r in read_records(tmp_path)]
+    assert len(ids) == len(set(ids)) == 32 and verify(tmp_path).ok
+
+
+def test_the_dedup_window_is_bounded(tmp_path):
+    write(tmp_path, n=30).close()
+    log = AuditLog(tmp_path, max_file_bytes=4096, dedup_window=5, clock=Clock())
+    assert [log.seen(f"r{i:04d}") for i in (24, 25, 29)] == [False, True, True]
+    assert len(log._seen) == 5
+
+
+def test_a_batch_cut_off_by_a_crash_is_truncated_at_restart(tmp_path):
+    write(tmp_path, n=10, max_file_bytes=1 << 20).close()
+    [path] = log_files(tmp_path)
+    with open(path, "ab") as f:
+        f.write(b'{"request_id": "r0010", "seq": 10, "pre')
+    assert verify(tmp_path).error == f"{path}:11: the last line is cut off"
+    log = AuditLog(tmp_path, clock=Clock())
+    assert log.append([rec(10)]) == (1, 0)  # the resend
+    assert verify(tmp_path).ok and verify(tmp_path).records == 11
+
+
+def test_the_spool_keeps_records_until_acknowledged_and_deletes_finished_segments(tmp_path, monkeypatch):
+    monkeypatch.setattr("router.ingress.audit.SEGMENT_BYTES", 200)
+    spool = Spool(tmp_path)
+    for i in range(10):
+        spool.add(rec(i))
+    segments = sorted(tmp_path.glob(f"{spool.owner}.*.jsonl"))
+    assert len(segments) >= 3
+    assert spool.batch(4) == [rec(i) for i in range(4)] and len(spool) == 10
+    spool.ack(10)
+    assert len(spool) == 0
+    left = list(tmp_path.glob(f"{spool.owner}.*.jsonl"))
+    assert len(left) == 1 and left[0].stat().st_size == 0  # only the current one, emptied
+
+
+def test_a_dead_owners_spool_is_adopted_and_a_live_one_is_not(tmp_path):
+    dead, alive, me = Spool(tmp_path), Spool(tmp_path), None
+    for i in range(3):
+        dead.add(rec(i))
+    alive.add(rec(50))
+    dead.ack(1)  # acknowledged records are still in a segment file until it is finished: resent, deduplicated
+    os.close(dead._lock_fd)  # its process died: the flock is released
+    me = Spool(tmp_path)
+    assert me.adopt() == 3
+    assert me.batch(10) == [rec(0), rec(1), rec(2)]
+    assert not list(tmp_path.glob(f"{dead.owner}.*")) and list(tmp_path.glob(f"{alive.owner}.*"))
+    assert me.adopt() == 0
+
+
+def test_a_full_buffer_refuses_requests_or_drops_their_records_as_configured(tmp_path):
+    import asyncio
+
+    from cluster.config import AuditOptions
+    from router.ingress.audit import AuditShipper
+    from router.ingress.status import Code
+
+    def down():
+        raise ConnectionError("the writer is down")
+
+    async def scenario(when_full):
+        shipper = AuditShipper(AuditOptions(enabled=True, dir=str(tmp_path / when_full), max_buffered=2,
+                                            when_full=when_full), down)
+        results = [shipper.submit(rec(i)) for i in range(3)]
+        refusal = shipper.refusal()
+        shipper._task.cancel()
+        return results, shipper.dropped, refusal, len(shipper.spool)
+
+    results, dropped, refusal, held = asyncio.run(scenario("refuse"))
+    assert (results, dropped, held) == ([True, True, True], 0, 3)  # a request already running keeps its record
+    assert refusal.code is Code.UNAVAILABLE and "audit log is unavailable (3 records" in refusal.message
+    results, dropped, refusal, held = asyncio.run(scenario("drop"))
+    assert (results, dropped, refusal, held) == ([True, True, False], 1, None, 2)
+
+
+def test_a_trail_records_counts_code_and_interventions_and_text_only_when_the_tenant_asks(tmp_path):
+    import asyncio
+    from dataclasses import dataclass, replace
+
+    from cluster.config import AuditOptions
+    from router.ingress.audit import AuditShipper, AuditTrail
+    from router.ingress.flow import Delta
+    from router.ingress.status import Code, ServingError
+
+    @dataclass(frozen=True)
+    class Intervention:  # the guardrails' record (router/ingress/guardrails.py) as the final delta carries it
+        policy: str
+        action: str
+
+    @dataclass
+    class GuardedDelta(Delta):
+        guardrail_interventions: tuple = ()
+
+    async def scenario():
+        shipper = AuditShipper(AuditOptions(enabled=True, dir=str(tmp_path)), lambda: None)
+        shipper._ensure_task = lambda: None  # the spool only: no writer here
+        plain = AuditTrail(shipper, "r1", "mine", "t", "m", "fp", keep_text=False)
+        first = GuardedDelta("mine", "secret", [5], None, 3, 1)
+        plain.delta(first)
+        plain.delta(replace(first, text=" text", token_ids=[6], finish_reason="content_filter", completion_tokens=2,
+                            guardrail_interventions=(Intervention("p", "stopped"),)), cost_usd=0.25)
+        plain.end(None)  # already submitted at the final delta: nothing more
+        kept = AuditTrail(shipper, "r2", None, "t", "m", "fp", keep_text=True, prompt_input="hello")
+        kept.delta(Delta("r2", "out", [7], None, 1, 1))
+        kept.end(ServingError(Code.ABORTED, "lost the replica after 1 tokens"))
+        return [rec for _, rec in shipper.spool.pending]
+
+    one, two = asyncio.run(scenario())
+    assert {k: one[k] for k in ("request_id", "client_request_id", "prompt_tokens", "completion_tokens",
+                                "finish_reason", "code", "interventions", "cost_usd")} == {
+        "request_id": "r1", "client_request_id": "mine", "prompt_tokens": 3, "completion_tokens": 2,
+        "finish_reason": "content_filter", "code": "OK", "interventions": [{"policy": "p", "action": "stopped"}],
+        "cost_usd": 0.25}
+    assert "secret" not in json.dumps(one) and "prompt" not in one and "output" not in one
+    assert (two["code"], two["finish_reason"], two["prompt"], two["output"]) == ("ABORTED", None, "hello", "out")
+    assert "lost the replica" not in json.dumps(two)  # error messages may quote input: never recorded
+
+
+def test_drain_waits_for_the_writers_acknowledgement_and_is_bounded(tmp_path):
+    import asyncio
+
+    from cluster.config import AuditOptions
+    from router.ingress.audit import AuditShipper
+
+    log = AuditLog(tmp_path / "log")
+
+    class Writer:  # the writer actor's `append`, in process: the shipper awaits what `.remote` returns
+        class append:  # noqa: N801
+            @staticmethod
+            async def remote(batch):
+                return log.append(batch)
+
+    def down():
+        raise ConnectionError("the writer is down")
+
+    async def scenario(writer):
+        shipper = AuditShipper(AuditOptions(enabled=True, dir=str(tmp_path / "spools"), flush_interval_s=0.01),
+                               writer)
+        for i in range(5):
+            shipper.submit(rec(i))
+        drained = await shipper.drain(0.5)
+        shipper._task.cancel()
+        return drained, len(shipper.spool)
+
+    assert asyncio.run(scenario(lambda: Writer)) == (True, 0)
+    assert [r["request_id"] for r in read_records(tmp_path / "log")] == [f"r{i:04d}" for i in range(5)]
+    assert asyncio.run(scenario(down)) == (False, 5)  # left in the spool for adoption
