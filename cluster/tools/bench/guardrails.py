@@ -93,6 +93,41 @@ def _stats(records: list[dict], window: int) -> dict:
             "chars_per_token": chars / tokens, "n": len(records)}
 
 
+def scan_cost(window: int, rounds: int = 20) -> None:
+    """The rules' own cost on the ingress's event loop, in process (no server): README.md's text
+    streamed as 4-character deltas through RequestGuard.output, against the same stream with no
+    policy; microseconds per delta."""
+    from pathlib import Path
+
+    from router.ingress.flow import Delta
+    from router.ingress.guardrails import Guardrails
+
+    text = (Path(__file__).resolve().parents[3] / "README.md").read_text()[:20_000]
+    pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
+    cfg = AppConfig(guardrail_policies={"builtin": policy(window)}, guardrail_policy="builtin")
+    guardrails = Guardrails(cfg)
+
+    async def source():
+        for i, t in enumerate(pieces):
+            yield Delta("r", t, [i], "length" if i == len(pieces) - 1 else None, 1, i + 1)
+
+    async def run(guarded: bool) -> float:
+        started = time.perf_counter()
+        stream = guardrails.for_request("default").output(source()) if guarded else source()
+        out = [d async for d in stream]
+        assert "".join(d.text for d in out) == text, "a rule flagged the README"
+        return (time.perf_counter() - started) / len(pieces) * 1e6
+
+    arms = {"plain": [], "guarded": []}
+    for _ in range(rounds):
+        for arm in arms:
+            arms[arm].append(asyncio.run(run(arm == "guarded")))
+    p, g = float(np.median(arms["plain"])), float(np.median(arms["guarded"]))
+    print(f"\nscan cost: {len(pieces)} deltas of 4 characters (README.md), window {window}, 200 words + "
+          f"{len(REGEXES)} regexes; median of {rounds} rounds")
+    print(f"  plain {p:.1f} us/delta   guarded {g:.1f} us/delta   the rules: {g - p:.1f} us per delta per stream")
+
+
 def main() -> None:
     import ray
     from ray import serve
@@ -109,7 +144,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--window", type=int, default=64, help="hold-back window, characters")
     ap.add_argument("--model", choices=["smollm2", "random"], default="smollm2")
+    ap.add_argument("--scan-only", action="store_true", help="only the rules' cost per delta, in process")
     args = ap.parse_args()
+    if args.scan_only:
+        return scan_cost(args.window)
 
     ray.init(num_cpus=8, include_dashboard=False, namespace="pdserve", log_to_driver=False)
     cfg = ensure_model(default=args.model, config=AppConfig(
