@@ -206,7 +206,10 @@ class LLMEngine:
         return EngineLoad(
             free_blocks=self.kv.num_free_blocks, total_blocks=self.kv.num_blocks,
             running=len(s.running), waiting=len(s.waiting), importing=len(s.importing), held=len(s.leased),
-            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+            # The router weighs a replica's queue against a cache hit, so a waiting request counts
+            # only the tokens its cached prefix does not cover (else one queued hit reads as a miss).
+            queued_prefill_tokens=sum(r.num_tokens - max(r.num_computed_tokens, self.kv.cached_prefix_tokens(r))
+                                      for r in s.waiting),
             quarantined_blocks=self.kv.num_quarantined_blocks,
         )
 
