@@ -17,6 +17,7 @@ from cluster.config import IngressLimits
 from cluster.errors import InvalidRequestError
 from router.ingress import probes
 from router.ingress.flow import Delta
+from router.ingress.session import SESSION_HEADER, session_key
 from router.ingress.openai_schema import ChatRequest, CompletionRequest, RequestBody, to_sampling_params
 from router.ingress.status import Code, ServingError, retry_after_seconds
 
@@ -173,6 +174,8 @@ def build_openai_app() -> FastAPI:
         try:
             limits = flow.config.ingress_limits
             deadline = parse_deadline(request.headers.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
+            session = session_key(request.headers.get(SESSION_HEADER), body.prompt_cache_key, body.user,
+                                  limits.max_session_id_chars)
             messages = None
             if chat:  # rendered and tokenized by the flow, after admission, off the event loop
                 if len(body.messages) > limits.max_chat_messages:
@@ -185,7 +188,8 @@ def build_openai_app() -> FastAPI:
             stop = body.stop if isinstance(body.stop, list) else ()
             flow.config.engine.limits.check_counts(len(stop), len(body.stop_token_ids or ()))
             sp = to_sampling_params(body, flow.config.default_max_tokens, flow.validator, flow.sampling_defaults)
-            stream = flow.generate(prompt, ids, sp, tenant=tenant, deadline=deadline, messages=messages)
+            stream = flow.generate(prompt, ids, sp, tenant=tenant, deadline=deadline, messages=messages,
+                                   session=session)
             first = await anext(stream)  # bad input, refusals and early failures become HTTP errors here
         except Exception as e:  # noqa: BLE001
             return _fail(e)
