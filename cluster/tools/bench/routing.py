@@ -1,7 +1,7 @@
 """Routing on a capacity-bound shared-prefix workload: the cost router against round robin and
 power of two.
 
-    python -m cluster.tools.bench.routing [--requests 64] [--concurrency 4]
+    python -m cluster.tools.bench.routing [--requests 64] [--concurrency 4] [--arms cost ...] [--no-control]
 
 One deployment per arm, fresh caches, same machine and checkpoint (the ~50M bench model): 2 prefill
 replicas + 1 decode replica. Workload: 8 system prompts of 1024 tokens, each request one of them
@@ -55,7 +55,9 @@ def _wait_for_replicas(n: int, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency: int, warmup: int) -> dict:
+def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency: int, warmup: int,
+            routing: dict | None = None) -> dict:
+    """`routing`: further `routing` options of the app config (an ablation, e.g. evict_block_cost=0)."""
     import grpc
     import ray
     from ray import serve
@@ -71,7 +73,7 @@ def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency
         model=model_dir, http_port=free_port(), grpc_port=free_port(), graceful_shutdown_timeout_s=1.0,
         prefill={"num_replicas": 2, "engine": {"num_blocks": PREFILL_BLOCKS, "max_num_batched_tokens": 1024}},
         decode={"engine": {"num_blocks": NUM_PREFIXES * blocks_per_prompt + concurrency * 70 + 64}},
-        engine={"max_num_batched_tokens": 1024}, routing={"strategy": strategy},
+        engine={"max_num_batched_tokens": 1024}, routing={"strategy": strategy, **(routing or {})},
     )
     ray.init(num_cpus=serve_app.cpus_needed(cfg) + 2, include_dashboard=False, log_to_driver=False)
     try:
@@ -113,10 +115,14 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir", default=".bench/llama-50m")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--arms", nargs="+", default=["cost", "round_robin", "power_of_two"])
+    ap.add_argument("--arms", nargs="*", default=["cost", "round_robin", "power_of_two"],
+                    help="shared-prefix arms to run (none: the control alone)")
     ap.add_argument("--no-control", action="store_true")
     ap.add_argument("--control-requests", type=int, default=32)
+    ap.add_argument("--routing-option", action="append", default=[], metavar="NAME=VALUE",
+                    help="a routing option for every arm, e.g. evict_block_cost=0 (an ablation)")
     args = ap.parse_args(argv)
+    routing = dict(opt.split("=", 1) for opt in args.routing_option)
     d = str(ensure_bench_model(args.model_dir, SYSTEM_TOKENS + SUFFIX_TOKENS + OUTPUT_TOKENS + 8))
 
     def show(label, r):
@@ -127,7 +133,7 @@ def main(argv=None) -> int:
     shared = workload(args.requests, shared=True, seed=1)
     results = {}
     for arm in args.arms:
-        results[arm] = run_arm(d, arm, shared, args.concurrency, warmup=NUM_PREFIXES)
+        results[arm] = run_arm(d, arm, shared, args.concurrency, warmup=NUM_PREFIXES, routing=routing)
         show(f"shared prefixes, {arm}", results[arm])
     if "cost" in results:
         for arm in results:
@@ -137,7 +143,7 @@ def main(argv=None) -> int:
                       f"p90 {r['ttft_p90'] / c['ttft_p90']:.2f}x  (goal: p50 >= 3x; cost hit rate >= 90%)")
     if not args.no_control:
         control = workload(args.control_requests, shared=False, seed=2)
-        ctl = {arm: run_arm(d, arm, control, args.concurrency, warmup=0) for arm in ("cost", "round_robin")}
+        ctl = {arm: run_arm(d, arm, control, args.concurrency, warmup=0, routing=routing) for arm in ("cost", "round_robin")}
         for arm, r in ctl.items():
             show(f"no sharing (control), {arm}", r)
         ratio = ctl['cost']['ttft_p50'] / ctl['round_robin']['ttft_p50']
