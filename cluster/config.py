@@ -109,6 +109,17 @@ class RoutingOptions(_Strict):
         64, ge=0, description="Fewer uncached prompt tokens than this on the decode replica: prefill there")
     hot_load_cap: int = Field(32, ge=1, description="Requests on a replica past which its cache earns no credit")
     slow_factor: float = Field(2.0, gt=1, description="Step time this many times the pool median: deprioritised")
+    pull_block_cost: float | None = Field(
+        None, ge=0, description="Tokens of work one KV block a decode replica lacks costs its pull (on top of the "
+        "block itself); None: measured (decode's seconds per pulled block x the prefill pool's tokens/s)")
+    evict_block_cost: float = Field(
+        4.0, ge=0, description="Tokens charged for each cached block a prompt would push out of a replica's cache "
+        "(what makes prefixes spread over the pool instead of thrashing one replica)")
+    session_bonus: float = Field(
+        256.0, ge=0, description="Tokens of work by which the replicas that served a session last are preferred "
+        "(a soft preference: more load than this moves the session; 0 turns affinity off)")
+    max_sessions: int = Field(100_000, ge=1, description="Sessions the router remembers (least recently used go first)")
+    session_ttl_s: float = Field(600.0, gt=0, description="A session idle this long is forgotten by the router")
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -229,6 +240,8 @@ class IngressLimits(_Strict):
     max_choices: int = Field(8, ge=1, le=128, description="OpenAI `n`: choices per request (each one a request); more -> 400 (n)")
     max_authorization_chars: int = Field(512, ge=16, description="Longest authorization header/metadata; more -> 401")
     max_timeout_header_chars: int = Field(32, ge=4, description="Longest x-pdserve-timeout-s value; more -> 400")
+    max_session_id_chars: int = Field(
+        128, ge=8, description="Longest session key (x-session-id header/metadata, prompt_cache_key); more -> 400")
     grpc_max_receive_bytes: int = Field(
         4 * 2**20, ge=1024, description="gRPC request message size. Serve's gRPC proxy reads it only from "
         "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE in its environment (`pdserve up` sets it for the Ray it starts; "

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from cluster.engine.kv_cache.hashing import BlockHash
 from router.index import PrefixIndex
-from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RouteDecision
+from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RouteDecision, SessionHint
 
 
 class _Baseline:
@@ -19,7 +19,8 @@ class _Baseline:
         self.rng = rng or random.Random()
 
     def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, index: PrefixIndex,
-              loads: Sequence[ReplicaLoad]) -> RouteDecision:
+              loads: Sequence[ReplicaLoad], session: SessionHint | None = None) -> RouteDecision:
+        """`session` is not used: a baseline knows nothing of caches, sessions included."""
         decodes = sorted((r for r in loads if r.pool == "decode"), key=lambda r: r.replica_id)
         prefills = sorted((r for r in loads if r.pool == "prefill"), key=lambda r: r.replica_id)
         if not decodes:
@@ -30,7 +31,9 @@ class _Baseline:
         prefill = self.pick("prefill", prefills)
         blocks = index.prefix_blocks(hashes, [prefill.replica_id])[prefill.replica_id]
         cached = min(blocks * self.config.block_size, num_prompt_tokens - 1)
-        return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached, self.name)
+        dec_blocks = index.prefix_blocks(hashes, [decode.replica_id])[decode.replica_id]
+        return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached, self.name,
+                             decode_cached_tokens=min(dec_blocks * self.config.block_size, num_prompt_tokens - 1))
 
     def pick(self, pool: str, replicas: list[ReplicaLoad]) -> ReplicaLoad:
         raise NotImplementedError

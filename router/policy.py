@@ -1,7 +1,16 @@
 """The routing policy: one cost per candidate replica, in tokens of work; lowest wins.
 
     prefill cost(r) = uncached prompt tokens on r + r's queued prefill tokens
+                      + evict_block_cost * cached blocks the miss would evict on r
     decode cost(r)  = decode_request_cost * requests on r + decode_block_cost * blocks in use on r
+                      + (decode_block_cost + pull cost of a block) * prompt blocks r lacks
+
+The decode term counts the decode replica's own cache: it pulls (and allocates) only the blocks it
+lacks. A pulled block costs the pull (measured: the decode replica's seconds per pulled block x the
+prefill pool's prompt tokens a second, unless pull_block_cost is set) and the block it occupies,
+which a cached prefix shares instead. The eviction term is what makes the router capacity-aware:
+a replica whose free blocks are all cached prefixes pays for pushing one out, so a new prefix
+goes where there is room, and the pool holds more distinct prefixes than one replica can.
 
 Adjustments, each visible in the decision's reason:
 - a replica whose recent step time is >= slow_factor x the median of the rest of its pool is
@@ -12,6 +21,9 @@ Adjustments, each visible in the decision's reason:
   tokens (or there is no prefill pool), the decode replica prefills them itself.
 - colocated (no prefill pool): every decode replica would compute the prompt, so its cost adds the
   prefill cost: uncached prompt tokens on it + its queued prefill tokens (prefix-aware routing).
+- session affinity: the replicas that served the request's session last (router/sessions.py) are
+  preferred by session_bonus tokens (the others pay it): a soft preference that load outweighs,
+  and none past hot_load_cap.
 Ties are broken at random (an injected RNG). Plain Python: no Ray, no clock of its own.
 """
 
@@ -38,6 +50,7 @@ class ReplicaLoad:
     step_time_s: float = 0.0  # smoothed over recent steps (the slow-replica signal)
     tokens_per_s: float = 0.0  # recent throughput while busy (0: not measured yet)
     failing: bool = False  # its last engine step failed: chosen only when every replica of its pool is
+    pull_s_per_block: float = 0.0  # decode: mean seconds per block of its recent KV pulls (0: none yet)
 
     def queue_wait_s(self) -> float:
         """Predicted wait before a new prompt starts here: its queued prompt tokens at its pace."""
@@ -61,6 +74,23 @@ class PolicyConfig:
     slow_factor: float = 2.0
     slow_penalty: float = 4.0
     hot_load_cap: int = 32  # requests on a replica past which its cache earns no credit
+    # Tokens of work one pulled block costs a decode replica on top of the block it occupies.
+    # None: measured (decode's pull_s_per_block x the prefill pool's median tokens_per_s).
+    pull_block_cost: float | None = None
+    # Tokens: expected recompute of a cached block that a miss pushes out (block_size x the chance
+    # it is asked for again). Only blocks beyond the replica's never-cached free ones count.
+    evict_block_cost: float = 4.0
+    session_bonus: float = 256.0  # tokens the replicas that served a session last are preferred by
+    max_sessions: int = 100_000  # sessions remembered (least recently used forgotten first)
+    session_ttl_s: float = 600.0  # a session idle this long is forgotten
+
+
+@dataclass(frozen=True)
+class SessionHint:
+    """The replicas that served a session's last request."""
+
+    prefill: str | None
+    decode: str
 
 
 @dataclass(frozen=True)
@@ -71,6 +101,7 @@ class RouteDecision:
     predicted_cached_tokens: int
     reason: str
     queue_wait_s: float = 0.0  # predicted wait before the prompt starts on the replica computing it
+    decode_cached_tokens: int = 0  # prompt tokens the decode replica holds already (not pulled)
 
 
 class NoReplicaError(RuntimeError):
@@ -88,6 +119,7 @@ class RoutingPolicy:
         num_prompt_tokens: int,
         index: PrefixIndex,
         loads: Sequence[ReplicaLoad],
+        session: SessionHint | None = None,
     ) -> RouteDecision:
         cfg = self.config
         decodes = [r for r in loads if r.pool == "decode"]
@@ -95,35 +127,41 @@ class RoutingPolicy:
         if not decodes:
             raise NoReplicaError("no decode replica")
         slow = self._slow(decodes) | self._slow(prefills)
+        prompt_blocks = -(-num_prompt_tokens // cfg.block_size)
+        prefill_rate = statistics.median(r.tokens_per_s for r in prefills if r.tokens_per_s > 0) if any(
+            r.tokens_per_s > 0 for r in prefills) else 0.0
 
         dec_cached = index.prefix_blocks(hashes, [r.replica_id for r in decodes])
 
         def decode_cost(r: ReplicaLoad) -> float:
             cost = cfg.decode_request_cost * r.requests + cfg.decode_block_cost * r.used_blocks
             if not prefills:  # colocated: the decode replica computes the prompt too
-                cost += (num_prompt_tokens - self._cached_tokens(dec_cached[r.replica_id], r, num_prompt_tokens)
-                         + r.queued_prefill_tokens)
+                cost += self._compute_cost(dec_cached[r.replica_id], r, num_prompt_tokens, index)
+            else:  # it pulls, and allocates, only the blocks it lacks
+                cost += self._pull_block_cost(r, prefill_rate) * (prompt_blocks - dec_cached[r.replica_id])
             return cost
 
-        decode, reasons = self._pick(decodes, decode_cost, slow)
+        dec_affine = session.decode if session is not None else None
+        decode, reasons = self._pick(decodes, decode_cost, slow, dec_affine)
         cached_on_decode = self._cached_tokens(dec_cached[decode.replica_id], decode, num_prompt_tokens)
         missing = num_prompt_tokens - cached_on_decode
         if not prefills or missing < cfg.local_prefill_threshold:
             why = "no prefill pool" if not prefills else f"local prefill: {missing} uncached tokens"
             return RouteDecision(None, decode.replica_id, "local", cached_on_decode, "; ".join([why, *reasons]),
-                                 decode.queue_wait_s())
+                                 decode.queue_wait_s(), cached_on_decode)
 
         pre_cached = index.prefix_blocks(hashes, [r.replica_id for r in prefills])
         hot = set()
 
         def prefill_cost(r: ReplicaLoad) -> float:
-            cached = self._cached_tokens(pre_cached[r.replica_id], r, num_prompt_tokens)
-            if cached and r.requests >= cfg.hot_load_cap:
+            blocks = pre_cached[r.replica_id]
+            if blocks and r.requests >= cfg.hot_load_cap:
                 hot.add(r.replica_id)
-                cached = 0
-            return num_prompt_tokens - cached + r.queued_prefill_tokens
+                blocks = 0
+            return self._compute_cost(blocks, r, num_prompt_tokens, index)
 
-        prefill, p_reasons = self._pick(prefills, prefill_cost, slow)
+        pre_affine = session.prefill if session is not None else None
+        prefill, p_reasons = self._pick(prefills, prefill_cost, slow, pre_affine)
         cached = self._cached_tokens(pre_cached[prefill.replica_id], prefill, num_prompt_tokens)
         if prefill.replica_id in hot:
             cached = 0
@@ -131,7 +169,25 @@ class RoutingPolicy:
         if hot:
             why.append(f"hot prefix spread past cap on {sorted(hot)}")
         return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached,
-                             "; ".join([*why, *p_reasons, *reasons]), prefill.queue_wait_s())
+                             "; ".join([*why, *p_reasons, *reasons]), prefill.queue_wait_s(), cached_on_decode)
+
+    def _compute_cost(self, cached_blocks: int, r: ReplicaLoad, num_prompt_tokens: int, index: PrefixIndex) -> float:
+        """Prompt work on the replica that computes it: its uncached tokens, its queue, and the
+        cached blocks its new blocks would push out. Never-cached free blocks are at least
+        free - cached (every cached block may be a free one); a miss beyond them evicts."""
+        cached = self._cached_tokens(cached_blocks, r, num_prompt_tokens)
+        new_blocks = -(-num_prompt_tokens // self.config.block_size) - cached_blocks
+        room = max(0, r.free_blocks - index.num_blocks(r.replica_id))
+        evicted = min(max(0, new_blocks - room), index.num_blocks(r.replica_id))
+        return num_prompt_tokens - cached + r.queued_prefill_tokens + self.config.evict_block_cost * evicted
+
+    def _pull_block_cost(self, decode: ReplicaLoad, prefill_tokens_per_s: float) -> float:
+        """Tokens of work one block decode lacks costs it: the block it allocates, plus the pull
+        (configured, or measured: its seconds per pulled block at the prefill pool's pace)."""
+        pull = self.config.pull_block_cost
+        if pull is None:
+            pull = decode.pull_s_per_block * prefill_tokens_per_s
+        return self.config.decode_block_cost + pull
 
     def _cached_tokens(self, blocks: int, replica: ReplicaLoad, num_prompt_tokens: int) -> int:
         # An engine always computes at least the last prompt token itself.
@@ -150,19 +206,27 @@ class RoutingPolicy:
                 slow.add(r.replica_id)
         return slow
 
-    def _pick(self, pool: Sequence[ReplicaLoad], cost, slow: set[str]) -> tuple[ReplicaLoad, list[str]]:
+    def _pick(self, pool: Sequence[ReplicaLoad], cost, slow: set[str],
+              affine: str | None = None) -> tuple[ReplicaLoad, list[str]]:
+        """The cheapest replica. `affine`: the one that served the session last; the others pay
+        session_bonus, unless it is failing or at hot_load_cap (then the bonus is void)."""
         working = [r for r in pool if not r.failing]
         failing = sorted(r.replica_id for r in pool if r.failing)
         if working and failing:  # an idle replica whose steps fail would otherwise look cheapest
-            choice, reasons = self._pick(working, cost, slow)
+            choice, reasons = self._pick(working, cost, slow, affine)
             return choice, [*reasons, f"failing replica avoided: {', '.join(failing)}"]
         raw = {r.replica_id: cost(r) for r in pool}
+        sticky = next((r for r in pool if r.replica_id == affine and r.requests < self.config.hot_load_cap), None)
+        if sticky is not None and len(pool) > 1:
+            raw = {rid: c if rid == affine else c + self.config.session_bonus for rid, c in raw.items()}
         costs = {rid: c * self.config.slow_penalty + 1.0 if rid in slow else c for rid, c in raw.items()}
         choice = self._argmin(costs)
         unpenalised = min(raw, key=lambda rid: (raw[rid], rid))
         reasons = []
         if unpenalised in slow and raw[unpenalised] < raw[choice]:
             reasons.append(f"slow replica avoided: {unpenalised}")
+        if affine is not None and len(pool) > 1:
+            reasons.append(f"session kept on {affine}" if choice == affine else f"session moved off {affine}")
         return next(r for r in pool if r.replica_id == choice), reasons
 
     def _argmin(self, costs: dict[str, float]) -> str:

@@ -12,6 +12,7 @@ from cluster.engine.kv_cache.hashing import BlockHash
 from router.baselines import PowerOfTwoPolicy, RoundRobinPolicy
 from router.index import PrefixIndex
 from router.policy import PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
+from router.sessions import SessionTable
 
 
 STRATEGIES = {"cost": RoutingPolicy, "round_robin": RoundRobinPolicy, "power_of_two": PowerOfTwoPolicy}
@@ -23,6 +24,7 @@ class RouterStats:
     tracked_blocks: int
     decisions: int
     resyncs_requested: int
+    sessions: int
 
 
 class Router:
@@ -39,6 +41,7 @@ class Router:
         self._pending_requests: dict[str, int] = {}
         self._decisions = 0
         self._resyncs = 0
+        self.sessions = self._session_table(self.policy.config)
         # The last decisions with the loads they saw (pending work included): why a prompt went where.
         self._recent: deque[tuple[RouteDecision, tuple[ReplicaLoad, ...]]] = deque(maxlen=32)
 
@@ -48,6 +51,12 @@ class Router:
         if strategy not in STRATEGIES:
             raise ValueError(f"routing strategy {strategy!r} is unknown (choose from {sorted(STRATEGIES)})")
         self.policy = STRATEGIES[strategy](config, self.policy.rng)
+        if (config.max_sessions, config.session_ttl_s) != (self.sessions.max_sessions, self.sessions.ttl_s):
+            self.sessions = self._session_table(config)
+
+    @staticmethod
+    def _session_table(config: PolicyConfig) -> SessionTable:
+        return SessionTable(config.max_sessions, config.session_ttl_s)
 
     def policy_settings(self) -> tuple[PolicyConfig, str]:
         """(config, strategy) of the policy in use."""
@@ -82,12 +91,18 @@ class Router:
                 self.forget(rid)
         return [load for _, load in self._loads.values()]
 
-    def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int) -> RouteDecision:
+    def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, session: str | None = None) -> RouteDecision:
+        """`session`: the request's session key (tenant-scoped by the ingress), if it has one: the
+        replicas that served the session last are preferred while their load allows."""
         self._decisions += 1
+        now = self.clock()
+        hint = self.sessions.get(session, now) if session is not None else None
         loads = [replace(load, queued_prefill_tokens=load.queued_prefill_tokens + self._pending_tokens.get(load.replica_id, 0),
                          waiting=load.waiting + self._pending_requests.get(load.replica_id, 0))
                  for load in self.live_loads()]
-        d = self.policy.route(hashes, num_prompt_tokens, self.index, loads)
+        d = self.policy.route(hashes, num_prompt_tokens, self.index, loads, hint)
+        if session is not None:
+            self.sessions.record(session, d, now)
         self._recent.append((d, tuple(loads)))
         computed_at = d.prefill if d.mode == "remote" else d.decode
         self._pending_tokens[computed_at] = (self._pending_tokens.get(computed_at, 0)
@@ -109,4 +124,4 @@ class Router:
 
     def stats(self) -> RouterStats:
         return RouterStats(len(self.index.replicas()), sum(self.index.num_blocks(r) for r in self.index.replicas()),
-                           self._decisions, self._resyncs)
+                           self._decisions, self._resyncs, len(self.sessions))

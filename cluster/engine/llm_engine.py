@@ -35,6 +35,8 @@ from cluster.errors import ErrorKind
 
 log = logging.getLogger(__name__)
 
+QUEUE_CACHE_LOOKUPS = 32  # waiting requests whose cached prefix a load report looks up
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -208,9 +210,21 @@ class LLMEngine:
         return EngineLoad(
             free_blocks=self.kv.num_free_blocks, total_blocks=self.kv.num_blocks,
             running=len(s.running), waiting=len(s.waiting), importing=len(s.importing), held=len(s.leased),
-            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in s.waiting),
+            queued_prefill_tokens=self._queued_prompt_tokens(),
             quarantined_blocks=self.kv.num_quarantined_blocks,
         )
+
+    def _queued_prompt_tokens(self) -> int:
+        """Prompt tokens the waiting requests will compute. The router weighs a replica's queue
+        against a cache hit, so a waiting request counts only what its cached prefix does not
+        cover (else one queued hit reads as a miss). Loads are reported up to 50 times a second
+        from the loop thread: only the first QUEUE_CACHE_LOOKUPS requests are looked up (~70
+        dict lookups each); the rest count in full."""
+        total = 0
+        for i, r in enumerate(self.scheduler.waiting):
+            covered = self.kv.cached_prefix_tokens(r) if i < QUEUE_CACHE_LOOKUPS else 0
+            total += r.num_tokens - max(r.num_computed_tokens, covered)
+        return total
 
     def queue_shape(self) -> tuple[int, int, int]:
         """(waiting, running, importing): cheap, for noticing that the queues changed."""

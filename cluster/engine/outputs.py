@@ -96,7 +96,7 @@ class EngineLoad:
     waiting: int
     importing: int  # decode: KV being pulled
     held: int  # prefill: finished prompts whose blocks are held under a lease
-    queued_prefill_tokens: int  # prompt tokens of waiting requests not yet computed
+    queued_prefill_tokens: int  # prompt tokens of waiting requests not yet computed nor covered by cached blocks
     quarantined_blocks: int = 0  # held by unsettled transfers: neither free nor used by a request
 
     @property

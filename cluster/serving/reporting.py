@@ -82,7 +82,13 @@ class LoadReporter:
         failing = stats.consecutive_step_errors > 0 and now - stats.last_step_error_at < FAILING_HOLD_S
         return ReplicaLoad(self.replica_id, self.pool, load.free_blocks, load.total_blocks,
                            load.running + load.importing, load.waiting, load.queued_prefill_tokens,
-                           self._step_time(), self._throughput(), failing)
+                           self._step_time(), self._throughput(), failing, self._pull_s_per_block())
+
+    def _pull_s_per_block(self) -> float:
+        """Seconds per block of this replica's KV pulls so far (their fixed cost spread over their
+        blocks): what the router weighs a block decode lacks by. 0 before the first pull."""
+        t = self.transfer_stats
+        return t.pull_seconds_sum / t.blocks_pulled if t.blocks_pulled else 0.0
 
     def _step_time(self) -> float:
         """The slow-replica signal, compared within a pool: a decode replica's smoothed time of a

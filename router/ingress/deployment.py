@@ -24,6 +24,7 @@ from router.ingress.budget_actor import get_ledger
 from router.ingress.flow import RequestFlow
 from router.ingress.grpc_api import delta_to_proto, fail, prompt_from_proto, sampling_from_proto
 from router.ingress.openai_api import TIMEOUT_HEADER, bind_replica, build_openai_app, parse_deadline
+from router.ingress.session import SESSION_HEADER, session_key
 from router.ingress import probes
 from router.ingress.status import Code, ServingError
 from router.ingress.telemetry import IngressTelemetry
@@ -67,7 +68,9 @@ class Ingress:
             router = get_router()
             router.configure.remote(PolicyConfig(
                 block_size=self.config.engine.block_size, local_prefill_threshold=r.local_prefill_threshold,
-                hot_load_cap=r.hot_load_cap, slow_factor=r.slow_factor), r.strategy)
+                hot_load_cap=r.hot_load_cap, slow_factor=r.slow_factor, pull_block_cost=r.pull_block_cost,
+                evict_block_cost=r.evict_block_cost, session_bonus=r.session_bonus, max_sessions=r.max_sessions,
+                session_ttl_s=r.session_ttl_s), r.strategy)
         actor = get_admission(self.config.admission)
         admission = Admission(self.config, actor.take.remote)  # reads the keys (env, file) and keeps their hashes
         self.telemetry = IngressTelemetry(self.config.telemetry)
@@ -105,12 +108,14 @@ class Ingress:
                 raise InvalidRequestError("request", f"message of {size} bytes exceeds grpc_max_receive_bytes "
                                                      f"{limits.grpc_max_receive_bytes}")
             deadline = parse_deadline(metadata.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
+            session = session_key(metadata.get(SESSION_HEADER), None, None, limits.max_session_id_chars)
             prompt, ids, messages = prompt_from_proto(request, limits.max_chat_messages)
             self.config.engine.limits.check_counts(len(request.sampling.stop), len(request.sampling.stop_token_ids))
             sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens, self.flow.validator,
                                            self.flow.sampling_defaults)
             async for delta in self.flow.generate(prompt, ids, sampling, request.request_id or None,
-                                                  tenant=tenant, deadline=deadline, messages=messages):
+                                                  tenant=tenant, deadline=deadline, messages=messages,
+                                                  session=session):
                 yield delta_to_proto(delta)
         except (InvalidRequestError, ServingError) as e:
             raise fail(grpc_context, e) from e

@@ -162,12 +162,14 @@ class RequestFlow:
         deadline: float | None = None,
         messages: list[dict] | None = None,
         tools: list[dict] | None = None,
+        session: str | None = None,
     ) -> AsyncIterator[Delta]:
         """Raises InvalidRequestError (bad input) or Rejected (admission) before the first delta;
         ServingError on failures. `deadline` is wall-clock time (time.time()). `messages` (chat)
         replace the prompt: rendered with the model's chat template (and `tools`, for templates
         that render them). Telemetry, when on, observes the whole request (refusals too); its
-        span's context travels to both pools.
+        span's context travels to both pools. `session`: the request's session key
+        (router/ingress/session.py), a routing preference only.
 
         Order: an in-flight slot is reserved before any await, then the request rate; only then
         is the prompt rendered and tokenized (in a worker thread), and the size and token quotas
@@ -207,7 +209,9 @@ class RequestFlow:
                 ctx = ticket.ctx
                 if observed is not None and observed.trace_context:
                     ctx = replace(ctx, trace_context=observed.trace_context)
-                deltas = self._run(rid, label, req.prompt_token_ids, sampling, ctx)  # not started: a cache hit never starts it
+                routing_key = None if session is None else f"{tenant}\n{session}"  # tenants never share one
+                # not started: a cache hit never starts it
+                deltas = self._run(rid, label, req.prompt_token_ids, sampling, ctx, routing_key)
                 if guard is not None:
                     deltas = guard.output(deltas)
                 async for d in self.response_cache.through(tenant, req.prompt_token_ids, sampling, label, deltas):
@@ -277,11 +281,11 @@ class RequestFlow:
         return tenant
 
     async def _run(self, rid: str, label: str, ids: list[int], sampling: SamplingParams,
-                   ctx: RequestContext) -> AsyncIterator[Delta]:
+                   ctx: RequestContext, session: str | None = None) -> AsyncIterator[Delta]:
         """The first-token leg (none, local or remote prefill), then the decode legs. `rid` is
         the internal id, `label` what the client's deltas carry."""
         stream = _Stream(label, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop), len(ids))
-        decision = await self._route(ids, ctx)
+        decision = await self._route(ids, ctx, session)
         if decision is not None:
             self._check_queue_wait(rid, decision.queue_wait_s, ctx)
         kv_handle = None  # closing this generator closes the legs' at once (aclosing): a guardrail's stop frees both pools
@@ -395,7 +399,7 @@ class RequestFlow:
             if kv_handle is not None and not pulled:
                 await self._release(rid, kv_handle.engine_id)  # only the first leg has a handle
 
-    async def _route(self, ids: list[int], ctx: RequestContext):
+    async def _route(self, ids: list[int], ctx: RequestContext, session: str | None = None):
         """One router call per request; any failure (router down, slow, no replicas known yet)
         falls back to Serve's own choice (power of two on local load)."""
         if self.router is None:
@@ -403,7 +407,7 @@ class RequestFlow:
         hashes = hash_request_blocks(ids, self.block_size, extend_salt(self.salt, ctx.cache_salt))
         started = time.monotonic()
         try:
-            decision = await asyncio.wait_for(self.router.route.remote(hashes, len(ids)), self.route_timeout_s)
+            decision = await asyncio.wait_for(self.router.route.remote(hashes, len(ids), session), self.route_timeout_s)
         except Exception as e:  # noqa: BLE001
             log.debug("routing fell back to Serve's choice: %s", e)
             decision = None

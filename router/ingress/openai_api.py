@@ -22,6 +22,7 @@ from router.ingress import probes
 from router.ingress.flow import Delta
 from router.ingress.openai_schema import (ChatRequest, CompletionRequest, RequestBody, ToolUse, check_messages,
                                           to_sampling_params, tool_use)
+from router.ingress.session import SESSION_HEADER, session_key
 from router.ingress.status import Code, ServingError, retry_after_seconds
 
 TIMEOUT_HEADER = "x-pdserve-timeout-s"  # the request's deadline, seconds from now (HTTP header or gRPC metadata)
@@ -180,6 +181,8 @@ def build_openai_app() -> FastAPI:
         try:
             limits = flow.config.ingress_limits
             deadline = parse_deadline(request.headers.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
+            session = session_key(request.headers.get(SESSION_HEADER), body.prompt_cache_key, body.user,
+                                  limits.max_session_id_chars)
             messages, tools, use = None, None, tool_use(body)
             if chat:  # rendered and tokenized by the flow, after admission, off the event loop
                 if len(body.messages) > limits.max_chat_messages:
@@ -197,7 +200,8 @@ def build_openai_app() -> FastAPI:
                 raise InvalidRequestError("n", f"must be in [1, {limits.max_choices}] (max_choices), got {body.n}")
             try:
                 sp = to_sampling_params(body, flow.config.default_max_tokens, flow.validator, flow.sampling_defaults)
-                choices = await _start_choices(flow, body.n, prompt, ids, sp, tenant, deadline, messages, tools)
+                choices = await _start_choices(flow, body.n, prompt, ids, sp, tenant, deadline, messages, tools,
+                                               session)
             except InvalidRequestError as e:
                 if use.active and e.field == "response_format":  # the tools' grammar: name what the client sent
                     raise InvalidRequestError("tools", e.message) from e
@@ -284,7 +288,7 @@ Choice = tuple[AsyncIterator[Delta], Delta]  # a running request's stream and it
 
 
 async def _start_choices(flow, n: int, prompt, ids, sp, tenant: str, deadline, messages,
-                         tools: list[dict] | None = None) -> list[Choice]:
+                         tools: list[dict] | None = None, session: str | None = None) -> list[Choice]:
     """Start the request's n choices; return once each has its first delta. Bad input, refusals
     and early failures raise here (and stop every choice started), so they become HTTP errors.
 
@@ -294,7 +298,8 @@ async def _start_choices(flow, n: int, prompt, ids, sp, tenant: str, deadline, m
     (the router sends them where those blocks are)."""
     def start(i: int) -> AsyncIterator[Delta]:
         child = sp if i == 0 or sp.seed is None else replace(sp, seed=sp.seed + i)
-        return flow.generate(prompt, ids, child, tenant=tenant, deadline=deadline, messages=messages, tools=tools)
+        return flow.generate(prompt, ids, child, tenant=tenant, deadline=deadline, messages=messages, tools=tools,
+                             session=session)
 
     streams = [start(0)]
     try:

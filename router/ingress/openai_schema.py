@@ -36,7 +36,8 @@ def _neutral(*allowed):
 # Fields outside these models are refused (400 naming the field: `extra="forbid"`). Tools: see
 # tool_use (forced calls by grammar; "auto" is refused: no tool-call parser). Accepted but
 # not implemented, at a value that changes nothing: best_of 1, echo false. Accepted and ignored (they
-# never change the output): user, metadata. n: 1..IngressLimits.max_choices (checked in openai_api).
+# never change the output): metadata. n: 1..IngressLimits.max_choices (checked in openai_api).
+# prompt_cache_key (else user) is the request's session key for routing (router/ingress/session.py).
 # README: "OpenAI fields".
 COMPLETIONS_MAX_LOGPROBS = 5  # OpenAI's bound on /v1/completions `logprobs` (chat: RequestLimits.max_logprobs)
 class RequestBody(BaseModel):
@@ -55,6 +56,7 @@ class RequestBody(BaseModel):
     stream: bool = False
     stream_options: "StreamOptions | None" = None
     user: str | None = Field(None, max_length=256)
+    prompt_cache_key: str | None = None  # its cap (IngressLimits.max_session_id_chars) is checked by the edge
     metadata: dict[str, str] | None = Field(None, max_length=16)
     n: Int = 1
     best_of: Annotated[Int | None, _neutral(None, 1)] = None

@@ -28,3 +28,41 @@ def test_prompt_steps_and_decode_steps_are_timed_apart(tiny_model):
     while engine.has_unfinished():
         engine.step()
     assert (st.prompt_steps, st.decode_steps, st.steps) == (2, 6, 8)  # a: 1 more, b: 4 more (one together)
+
+
+def test_queued_prefill_tokens_leave_out_what_the_cache_covers(tiny_model):
+    """The router weighs a replica's queue against a cache hit: a waiting request whose prompt is
+    mostly cached counts only its uncached tokens (it counted all of them, and one queued hit
+    looked like a miss, so the next request for that prefix went to the other replica)."""
+    engine = LLMEngine.from_model(tiny_model, num_blocks=32, block_size=16)
+    prefix = [256] + list(range(1, 64))  # 4 full blocks
+    engine.add_request("a", prompt_token_ids=prefix + [100, 101, 102], sampling=SP)
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("b", prompt_token_ids=prefix + list(range(120, 140)), sampling=SP)  # 84: 64 cached
+    engine.add_request("c", prompt_token_ids=list(range(150, 190)), sampling=SP)  # 40: none cached
+    load = engine.load()
+    assert (load.waiting, load.queued_prefill_tokens) == (2, (84 - 64) + 40)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.load().queued_prefill_tokens == 0
+    assert engine.load().free_blocks == 32
+
+
+def test_only_the_first_waiting_requests_are_looked_up(tiny_model, monkeypatch):
+    """A load report runs on the loop thread up to 50 times a second: the cache lookup is bounded
+    to the first QUEUE_CACHE_LOOKUPS waiting requests; the rest count their whole prompt."""
+    import cluster.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "QUEUE_CACHE_LOOKUPS", 1)
+    engine = LLMEngine.from_model(tiny_model, num_blocks=32, block_size=16)
+    prefix = [256] + list(range(1, 64))
+    engine.add_request("a", prompt_token_ids=prefix + [100], sampling=SP)
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("b", prompt_token_ids=prefix + [120, 121], sampling=SP)  # looked up: 66 - 64
+    engine.add_request("c", prompt_token_ids=prefix + [130, 131], sampling=SP)  # past the bound: 66
+    assert engine.load().queued_prefill_tokens == 2 + 66
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.load().free_blocks == 32

@@ -448,6 +448,48 @@ def test_a_long_timeout_header_is_400_naming_it(app):
     assert (status, err["error"]["param"]) == (400, "x-pdserve-timeout-s")
 
 
+@pytest.mark.parametrize("headers, extra, param, message", [
+    ([("x-session-id", "s" * 129)], {}, "x-session-id", "x-session-id: longer than 128 characters"),
+    ([("x-session-id", "conv 1")], {}, "x-session-id",
+     "x-session-id: must be 1 to 128 characters: letters, digits and . _ : @ / + = -"),
+    ([("x-session-id", "")], {}, "x-session-id",
+     "x-session-id: must be 1 to 128 characters: letters, digits and . _ : @ / + = -"),
+    ([], {"prompt_cache_key": "k" * 129}, "prompt_cache_key", "prompt_cache_key: longer than 128 characters"),
+    ([], {"prompt_cache_key": "a\nb"}, "prompt_cache_key",
+     "prompt_cache_key: must be 1 to 128 characters: letters, digits and . _ : @ / + = -"),
+    ([], {"user": "u" * 257}, "user", None),
+])
+def test_a_bad_session_key_is_400_naming_it(app, headers, extra, param, message):
+    status, err = asgi(app, "/v1/completions", json.dumps({"prompt": "hi", **extra}).encode(), headers=headers)
+    assert (status, err["error"]["param"]) == (400, param), err
+    if message is not None:
+        assert err["error"]["message"] == message
+
+
+@pytest.mark.parametrize("headers, extra", [
+    ([("x-session-id", "conv-7f3a:turn/2+x=@." + "s" * 107)], {}),  # 128 characters, every allowed kind
+    ([], {"prompt_cache_key": "tenant-a.sys-prompt-3"}),
+    ([], {"user": "alice smith <a@example.com>"}),  # user keeps its own cap (256, any text)
+    ([("x-session-id", "a")], {"prompt_cache_key": "b", "user": "c"}),
+])
+def test_a_good_session_key_passes_the_edge(app, headers, extra):
+    status, err = asgi(app, "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2, **extra}).encode(),
+                       headers=headers)
+    assert status == 503, err  # past validation and admission: this test has no decode pool
+
+
+def test_session_key_sources_in_order():
+    from router.ingress.session import session_key
+
+    assert session_key("h", "p", "u", 8) == "s:h"
+    assert session_key(None, "p", "u", 8) == "s:p"
+    assert session_key(None, None, "u", 8) == "u:u"  # a user and a header of the same text differ
+    assert session_key(None, None, None, 8) is None and session_key(None, None, "", 8) is None
+    with pytest.raises(InvalidRequestError) as e:
+        session_key("h" * 9, None, None, 8)  # the cap is checked before the characters are looked at
+    assert (e.value.field, e.value.message) == ("x-session-id", "longer than 8 characters")
+
+
 @pytest.mark.parametrize("path, body, method, status, param", [
     ("/v1/completions", b'{"prompt": "hi",', "POST", 400, "body"),       # not JSON
     ("/v1/completions", b'\xff\xfe{}', "POST", 400, "body"),             # not UTF-8

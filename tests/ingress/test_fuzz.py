@@ -134,7 +134,7 @@ def generate_requests():
 
 
 metadata = st.lists(st.tuples(
-    st.sampled_from(["authorization", "x-pdserve-timeout-s", "x-other"]),
+    st.sampled_from(["authorization", "x-pdserve-timeout-s", "x-session-id", "x-other"]),
     st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=60)),
     max_size=3, unique_by=lambda kv: kv[0])
 

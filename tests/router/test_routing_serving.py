@@ -89,6 +89,43 @@ def test_shared_prefixes_go_where_they_are_cached(cluster):
     assert hit_rate >= 0.9, cached
 
 
+def test_a_session_stays_on_its_replicas_over_grpc_and_http(cluster):
+    """Cold prompts (nothing cached anywhere) of one session: load alone would alternate the
+    prefill replicas (the router counts its pending work); the session's bonus keeps them on
+    the replica of its first request. Over gRPC metadata and the HTTP header alike."""
+    import json
+    import urllib.request
+
+    auth = [("authorization", f"Bearer {KEY}")]
+
+    def cold(i):  # 48 tokens whose first block no other test sends: cached nowhere
+        return [256, 255, 254, 253, i] + [(i * 13 + j) % 250 for j in range(43)]
+
+    def grpc_turn(i):
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=cold(i)),
+                                 sampling=pb.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        list(cluster.stub.Generate(req, timeout=60, metadata=auth + [("x-session-id", "conv-1")]))
+
+    def http_turn(i):
+        body = json.dumps({"prompt": cold(i), "max_tokens": 2}).encode()
+        req = urllib.request.Request(f"http://localhost:{cluster.cfg.http_port}/v1/completions", data=body, headers={
+            "content-type": "application/json", "authorization": f"Bearer {KEY}", "x-session-id": "conv-2"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 200
+
+    for turn in (grpc_turn, http_turn):
+        for i in range(4):
+            turn(i + (100 if turn is http_turn else 0))
+        decisions = [d for d, _ in ray.get(get_router().recent_decisions.remote())[-4:]]
+        assert all(d.mode == "remote" for d in decisions), [d.reason for d in decisions]
+        assert len({d.prefill for d in decisions}) == 1, [d.reason for d in decisions]
+        assert all(f"session kept on {decisions[0].prefill}" in d.reason for d in decisions[1:])
+    with pytest.raises(grpc.RpcError) as e:
+        list(cluster.stub.Generate(pb.GenerateRequest(text="hi"), timeout=30,
+                                   metadata=auth + [("x-session-id", "conv 1")]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-session-id" in e.value.details()
+
+
 def test_killed_prefill_replica_leaves_the_index_and_requests_keep_flowing(cluster):
     _, replicas = router_state()
     victim = sorted(r for r, pool in replicas.items() if pool == "prefill")[0]

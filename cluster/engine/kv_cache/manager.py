@@ -76,6 +76,14 @@ class KVCacheManager:
         self.pool.stats.hit_blocks += len(hits)
         return hits
 
+    def cached_prefix_tokens(self, req: KVRequest) -> int:
+        """Tokens of a waiting request that its cached prefix would cover if it were scheduled now
+        (no references taken, no stats counted): what its queued prompt work leaves out."""
+        if not self.pool.enable_caching:
+            return 0
+        max_blocks = (len(req.all_token_ids) - 1) // self.block_size
+        return len(self.pool.match_prefix(self.update_hashes(req)[:max_blocks])) * self.block_size
+
     def allocate_slots(
         self, req: KVRequest, num_new_tokens: int, cached: Sequence[Block] = ()
     ) -> bool:

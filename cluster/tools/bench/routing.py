@@ -1,15 +1,20 @@
-"""Routing on a shared-prefix workload: the cost router against round robin and power of two.
+"""Routing on a capacity-bound shared-prefix workload: the cost router against round robin and
+power of two.
 
-    python -m cluster.tools.bench.routing [--requests 64] [--concurrency 4]
+    python -m cluster.tools.bench.routing [--requests 64] [--concurrency 4] [--arms cost ...] [--no-control]
 
 One deployment per arm, fresh caches, same machine and checkpoint (the ~50M bench model): 2 prefill
 replicas + 1 decode replica. Workload: 8 system prompts of 1024 tokens, each request one of them
-(seeded order) + a fresh 64-token suffix, 8 output tokens, closed loop at --concurrency. The
-prefill pools hold 5 of the 8 prefixes each (so one replica cannot hold them all). The first 8
-requests (one per prefix) are warm-up. Control: the same number of requests with no sharing
-(unique prompts of the same length), cost router against round robin, where routing cannot help.
+(seeded order) + a fresh 64-token suffix, 8 output tokens, closed loop at --concurrency.
+Capacity-bound: each prefill replica's KV pool has 320 blocks, room for 4 of the 8 prompts (68
+blocks each: 272) and not 5, while the two together hold all 8: only a router that keeps each
+prefix on one replica can hit (round robin sends every prefix everywhere: each replica cycles 8
+prefixes through room for 4). The decode replica holds all 8, so it pulls only new blocks. The
+first 8 requests (one per prefix, one at a time) are warm-up. Control: unique prompts of the same
+length (no sharing), cost router against round robin, where routing cannot help: within +-10%.
 Printed per arm: TTFT p50/p90, engine-observed prefix hit rate (cached prompt tokens reported in
-usage / shared prefix tokens), throughput.
+usage / shared prefix tokens), throughput, and this process's own CPU seconds (the load generator,
+and the Ray driver it holds).
 """
 
 from __future__ import annotations
@@ -22,15 +27,18 @@ import time
 from cluster.tools.bench.engine import ensure_bench_model
 
 SYSTEM_TOKENS, SUFFIX_TOKENS, OUTPUT_TOKENS = 1024, 64, 8
+NUM_PREFIXES = 8
+PREFILL_BLOCKS = 320  # a 1088-token prompt fills 68 blocks: 4 fit (272), 5 do not (340)
 
 
 def workload(n: int, shared: bool, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    systems = [[rng.randrange(32000) for _ in range(SYSTEM_TOKENS)] for _ in range(8)]
+    systems = [[rng.randrange(32000) for _ in range(SYSTEM_TOKENS)] for _ in range(NUM_PREFIXES)]
     prompts = []
     for i in range(n):
-        head = systems[i % 8] if (shared and i < 8) else (systems[rng.randrange(8)] if shared else
-                                                             [rng.randrange(32000) for _ in range(SYSTEM_TOKENS)])
+        head = (systems[i % NUM_PREFIXES] if (shared and i < NUM_PREFIXES) else
+                (systems[rng.randrange(NUM_PREFIXES)] if shared else
+                 [rng.randrange(32000) for _ in range(SYSTEM_TOKENS)]))
         prompts.append(head + [rng.randrange(32000) for _ in range(SUFFIX_TOKENS)])
     return prompts
 
@@ -47,7 +55,9 @@ def _wait_for_replicas(n: int, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency: int, warmup: int) -> dict:
+def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency: int, warmup: int,
+            routing: dict | None = None) -> dict:
+    """`routing`: further `routing` options of the app config (an ablation, e.g. evict_block_cost=0)."""
     import grpc
     import ray
     from ray import serve
@@ -58,13 +68,12 @@ def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency
     from protos.pdserve.v1 import generation_pb2 as pb
     from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
-    blocks_per_prefix = SYSTEM_TOKENS // 16
+    blocks_per_prompt = (SYSTEM_TOKENS + SUFFIX_TOKENS) // 16
     cfg = AppConfig(
         model=model_dir, http_port=free_port(), grpc_port=free_port(), graceful_shutdown_timeout_s=1.0,
-        prefill={"num_replicas": 2, "engine": {"num_blocks": 5 * blocks_per_prefix + 2 * 70,
-                                               "max_num_batched_tokens": 1024}},
-        decode={"engine": {"num_blocks": 8 * blocks_per_prefix + concurrency * 70 + 64}},
-        engine={"max_num_batched_tokens": 1024}, routing={"strategy": strategy},
+        prefill={"num_replicas": 2, "engine": {"num_blocks": PREFILL_BLOCKS, "max_num_batched_tokens": 1024}},
+        decode={"engine": {"num_blocks": NUM_PREFIXES * blocks_per_prompt + concurrency * 70 + 64}},
+        engine={"max_num_batched_tokens": 1024}, routing={"strategy": strategy, **(routing or {})},
     )
     ray.init(num_cpus=serve_app.cpus_needed(cfg) + 2, include_dashboard=False, log_to_driver=False)
     try:
@@ -85,10 +94,10 @@ def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency
 
         for p in prompts[:warmup]:
             one(p)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
             results = list(pool.map(one, prompts[warmup:]))
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         channel.close()
     finally:
         serve.shutdown()
@@ -97,7 +106,8 @@ def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency
     q = lambda f: ttfts[min(len(ttfts) - 1, int(f * len(ttfts)))]  # noqa: E731
     return {"ttft_p50": q(0.5), "ttft_p90": q(0.9),
             "hit_rate": sum(r[1] for r in results) / (SYSTEM_TOKENS * len(results)),
-            "req_s": len(results) / wall, "tok_s": sum(r[2] for r in results) / wall}
+            "req_s": len(results) / wall, "tok_s": sum(r[2] for r in results) / wall, "client_cpu_s": cpu,
+            "wall_s": wall}
 
 
 def main(argv=None) -> int:
@@ -105,30 +115,39 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir", default=".bench/llama-50m")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--arms", nargs="+", default=["cost", "round_robin", "power_of_two"])
+    ap.add_argument("--arms", nargs="*", default=["cost", "round_robin", "power_of_two"],
+                    help="shared-prefix arms to run (none: the control alone)")
     ap.add_argument("--no-control", action="store_true")
+    ap.add_argument("--control-requests", type=int, default=32)
+    ap.add_argument("--routing-option", action="append", default=[], metavar="NAME=VALUE",
+                    help="a routing option for every arm, e.g. evict_block_cost=0 (an ablation)")
     args = ap.parse_args(argv)
+    routing = dict(opt.split("=", 1) for opt in args.routing_option)
     d = str(ensure_bench_model(args.model_dir, SYSTEM_TOKENS + SUFFIX_TOKENS + OUTPUT_TOKENS + 8))
 
     def show(label, r):
         print(f"{label:<28} TTFT p50 {r['ttft_p50'] * 1e3:7.0f} ms  p90 {r['ttft_p90'] * 1e3:7.0f} ms  "
-              f"hit rate {100 * r['hit_rate']:5.1f}%  {r['req_s']:.2f} req/s  {r['tok_s']:.1f} tok/s", flush=True)
+              f"hit rate {100 * r['hit_rate']:5.1f}%  {r['req_s']:.2f} req/s  {r['tok_s']:.1f} tok/s  "
+              f"client CPU {r['client_cpu_s']:.1f} s of {r['wall_s']:.1f} s", flush=True)
 
     shared = workload(args.requests, shared=True, seed=1)
     results = {}
     for arm in args.arms:
-        results[arm] = run_arm(d, arm, shared, args.concurrency, warmup=8)
+        results[arm] = run_arm(d, arm, shared, args.concurrency, warmup=NUM_PREFIXES, routing=routing)
         show(f"shared prefixes, {arm}", results[arm])
     if "cost" in results:
         for arm in results:
             if arm != "cost":
-                print(f"TTFT p50 {arm} / cost = {results[arm]['ttft_p50'] / results['cost']['ttft_p50']:.2f}x")
+                r, c = results[arm], results["cost"]
+                print(f"{arm} / cost: TTFT p50 {r['ttft_p50'] / c['ttft_p50']:.2f}x, "
+                      f"p90 {r['ttft_p90'] / c['ttft_p90']:.2f}x  (goal: p50 >= 3x; cost hit rate >= 90%)")
     if not args.no_control:
-        control = workload(max(16, args.requests // 4), shared=False, seed=2)
-        ctl = {arm: run_arm(d, arm, control, args.concurrency, warmup=0) for arm in ("cost", "round_robin")}
+        control = workload(args.control_requests, shared=False, seed=2)
+        ctl = {arm: run_arm(d, arm, control, args.concurrency, warmup=0, routing=routing) for arm in ("cost", "round_robin")}
         for arm, r in ctl.items():
             show(f"no sharing (control), {arm}", r)
-        print(f"control: TTFT p50 cost / round robin = {ctl['cost']['ttft_p50'] / ctl['round_robin']['ttft_p50']:.2f}")
+        ratio = ctl['cost']['ttft_p50'] / ctl['round_robin']['ttft_p50']
+        print(f"control: TTFT p50 cost / round robin = {ratio:.2f} (goal: 0.90-1.10)")
     return 0
 
 
