@@ -68,7 +68,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_waiting, config.queue_ttl_s)
-        backend = resolve_backend(config.attention_backend, self.device, config.block_size)
+        backend = resolve_backend(config.attention_backend, self.device, config.block_size, dtype)
         self.eos_token_ids = self.validator.eos_token_ids
         grammars = Grammars(self.tokenizer.to_json(), max(mc.vocab_size, self.tokenizer.vocab_size),
                             tuple(t for t in self.eos_token_ids if t < self.tokenizer.vocab_size))

@@ -36,10 +36,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]  # x: [T, hidden]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q = apply_rope(q.view(t, self.h, self.d), cos, sin)
-        k = apply_rope(k.view(t, self.hkv, self.d), cos, sin)
-        v = v.view(t, self.hkv, self.d)
+        qkv = self.qkv_proj(x)
+        qk = apply_rope(qkv[:, : (self.h + self.hkv) * self.d].view(t, self.h + self.hkv, self.d), cos, sin)
+        q, k = qk[:, : self.h], qk[:, self.h :]  # rotated together: one rope for both
+        v = qkv[:, (self.h + self.hkv) * self.d :].view(t, self.hkv, self.d)
         backend.write_kv(k_cache, v_cache, k, v, meta)
         o = backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.h * self.d))
@@ -54,7 +54,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -67,7 +67,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,141 @@
+// Paged attention for CPU decode: each query row attends to its request's keys and values where
+// they lie in the block pool, so the gathered [B, L, H_kv, D] copy the torch backend makes is never
+// built. Also the KV write (one call for K and V). fp32 only (the CPU path's dtype).
+//
+// Cache views are [num_blocks, block_size, H_kv, D] with the inner three dims contiguous and any
+// stride between blocks (a layer's K or V slice of the pool's [N, L, 2, bs, H_kv, D] tensor).
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  // Eight independent partial sums: vectorised without -ffast-math, in a fixed order.
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+void check_cache(const at::Tensor& c, const char* name) {
+  TORCH_CHECK(c.dim() == 4 && c.scalar_type() == at::kFloat && c.device().is_cpu(),
+              name, " must be a [N, block_size, H_kv, D] float32 CPU tensor");
+  TORCH_CHECK(c.stride(3) == 1 && c.stride(2) == c.size(3) && c.stride(1) == c.size(2) * c.size(3),
+              name, ": each block's [block_size, H_kv, D] must be contiguous");
+}
+
+// q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32 -> out [B, H, D]
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [B, H, D] float32");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  const auto qc = q.contiguous();
+  const auto tables = block_tables.contiguous();
+  const auto lens = seq_lens.contiguous();
+  const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "head shapes do not match");
+  TORCH_CHECK(tables.size(0) == B && lens.size(0) == B, "one block table and length per row");
+  const int64_t G = H / Hkv, max_blocks = tables.size(1);
+  const int64_t k_stride = k_cache.stride(0), v_stride = v_cache.stride(0), tok = Hkv * D;
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const float* qp = qc.data_ptr<float>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * bs, "seq_lens[", b, "] = ", lp[b], " is out of range");
+  }
+  auto out = at::empty({B, H, D}, qc.options());
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  // One work item is one (request, kv head): its G query heads read each key and value once.
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t L = lp[b];
+      const int32_t* table = tp + b * max_blocks;
+      scores.resize(static_cast<size_t>(G * L));
+      const float* qrow = qp + (b * H + h * G) * D;
+      for (int64_t t = 0; t < L; ++t) {
+        const float* k = kp + table[t / bs] * k_stride + (t % bs) * tok + h * D;
+        for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(qrow + g * D, k, D) * fscale;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * L;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < L; ++t) m = std::max(m, s[t]);
+        float sum = 0;
+        for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+        std::fill(op + (b * H + h * G + g) * D, op + (b * H + h * G + g + 1) * D, 0.0f);
+      }
+      for (int64_t t = 0; t < L; ++t) {
+        const float* v = vp + table[t / bs] * v_stride + (t % bs) * tok + h * D;
+        for (int64_t g = 0; g < G; ++g) axpy(op + (b * H + h * G + g) * D, scores[g * L + t], v, D);
+      }
+    }
+  });
+  return out;
+}
+
+// k, v: [T, H_kv, D] -> stored at (slot_blocks[t], slot_offsets[t]) of k_cache / v_cache.
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong,
+              "slots must be int64");
+  const auto kc = k.contiguous(), vc = v.contiguous();
+  const int64_t T = kc.size(0), tok = k_cache.size(2) * k_cache.size(3);
+  TORCH_CHECK(kc.numel() == T * tok && vc.numel() == T * tok && slot_blocks.numel() == T &&
+              slot_offsets.numel() == T, "one slot per token, [T, H_kv, D] each");
+  const int64_t N = k_cache.size(0), bs = k_cache.size(1);
+  const int64_t* sb = slot_blocks.data_ptr<int64_t>();
+  const int64_t* so = slot_offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sb[t] >= 0 && sb[t] < N && so[t] >= 0 && so[t] < bs, "slot ", t, " is out of range");
+  }
+  float* kd = k_cache.data_ptr<float>();
+  float* vd = v_cache.data_ptr<float>();
+  const float* ks = kc.data_ptr<float>();
+  const float* vs = vc.data_ptr<float>();
+  const int64_t k_stride = k_cache.stride(0), v_stride = v_cache.stride(0);
+  for (int64_t t = 0; t < T; ++t) {
+    std::copy(ks + t * tok, ks + (t + 1) * tok, kd + sb[t] * k_stride + so[t] * tok);
+    std::copy(vs + t * tok, vs + (t + 1) * tok, vd + sb[t] * v_stride + so[t] * tok);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_blocks, Tensor slot_offsets) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("write_kv", &write_kv);
+}

@@ -1,0 +1,93 @@
+"""The CPU paged decode kernel equals the torch backend (the reference), op for op and end to end."""
+
+import random
+
+import pytest
+import torch
+
+from cluster.engine.attention import AttentionMetadata, PrefillSpan, resolve_backend
+from cluster.engine.attention.cpu_ext import KernelUnavailable, load
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.sampling_params import SamplingParams
+
+try:
+    load()
+except KernelUnavailable as e:  # no C++ compiler here: the torch backend is what auto picks
+    pytest.skip(f"CPU kernels unavailable: {e}", allow_module_level=True)
+
+BS, H, HKV, D, LAYERS, BLOCKS = 16, 6, 2, 32, 3, 64
+
+
+def step_metadata(decode_lens, prefill, rng):
+    """Decodes (one token each, context `decode_lens`, longest first) then one prefill chunk
+    (start, q_len); each request's blocks are random distinct pool blocks."""
+    free = list(range(1, BLOCKS))
+    rng.shuffle(free)
+    ctxs = list(decode_lens) + ([prefill[0] + prefill[1]] if prefill else [])
+    tables = [[free.pop() for _ in range(-(-c // BS))] for c in ctxs]
+    slot_b, slot_o = [], []
+    for i, c in enumerate(ctxs):
+        first = c - 1 if i < len(decode_lens) else prefill[0]
+        for pos in range(first, c):
+            slot_b.append(tables[i][pos // BS])
+            slot_o.append(pos % BS)
+    width = max(len(t) for t in tables)
+    spans = ()
+    if prefill:
+        start, q_len = prefill
+        mask = None
+        if start > 0:
+            mask = torch.arange(start + q_len)[None, :] <= torch.arange(start, start + q_len)[:, None]
+        spans = (PrefillSpan(len(decode_lens), q_len, start + q_len, torch.tensor(tables[-1]), mask),)
+    q_lens = [1] * len(decode_lens) + ([prefill[1]] if prefill else [])
+    return AttentionMetadata(
+        slot_blocks=torch.tensor(slot_b), slot_offsets=torch.tensor(slot_o), num_decode=len(decode_lens),
+        prefills=spans, cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(ctxs, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        max_q_len=max(q_lens), max_seq_len=max(ctxs), block_size=BS)
+
+
+@pytest.mark.parametrize("decode_lens,prefill", [
+    ([1], None), ([16], None), ([17], None), ([200, 120, 33, 16, 5, 1], None),
+    ([90, 40], (32, 20)), ([], (0, 40)), ([64], (0, 9)),
+])
+def test_cpu_paged_equals_the_torch_backend(decode_lens, prefill):
+    rng = random.Random(len(decode_lens))
+    torch.manual_seed(0)
+    meta = step_metadata(decode_lens, prefill, rng)
+    t = len(meta.slot_blocks)
+    pool = torch.randn(BLOCKS, LAYERS, 2, BS, HKV, D)
+    q, k, v = torch.randn(t, H, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
+    outs = []
+    for name in ("torch", "cpu_paged"):
+        backend = resolve_backend(name, torch.device("cpu"), BS)
+        cache = pool.clone()
+        kc, vc = cache[:, 1, 0], cache[:, 1, 1]  # a middle layer: strided views, as the model passes them
+        backend.write_kv(kc, vc, k, v, meta)
+        outs.append((backend.attend(q, k, v, kc, vc, meta, D**-0.5), cache))
+    (ref, ref_cache), (got, got_cache) = outs
+    assert torch.equal(got_cache, ref_cache)  # the same slots written, nothing else touched
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_refuses_a_length_past_its_table():
+    meta = step_metadata([20], None, random.Random(0))  # 2 blocks
+    pool = torch.zeros(BLOCKS, 1, 2, BS, HKV, D)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.pdserve_cpu.paged_decode(torch.zeros(1, H, D), pool[:, 0, 0], pool[:, 0, 1],
+                                           meta.block_tables, torch.tensor([33], dtype=torch.int32), 1.0)
+
+
+def test_engines_on_both_backends_give_the_same_greedy_tokens(tiny_model):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(320) for _ in range(n)] for n in (1, 15, 16, 17, 40, 70, 130)]
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    got = {}
+    for name in ("torch", "cpu_paged"):
+        engine = LLMEngine.from_model(tiny_model, num_blocks=96, max_num_batched_tokens=48,
+                                      attention_backend=name)
+        assert engine.runner.backend.name == name
+        got[name] = [o.token_ids for o in engine.generate(prompts, sp)]
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert got["cpu_paged"] == got["torch"]
