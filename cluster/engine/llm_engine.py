@@ -21,6 +21,7 @@ from cluster.engine.grammar import Grammars
 from cluster.engine.kv_cache import BlockHash, KVCacheManager, extend_salt
 from cluster.engine.model.loader import load_model
 from cluster.engine.model.identity import model_identity
+from cluster.engine.model.ops import resolve_ops
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.outputs import EngineLoad, EngineStats, RequestOutput, TokenLogprob, merge_outputs
@@ -55,6 +56,7 @@ class LLMEngine:
         self.max_model_len = self.validator.max_model_len
         self.block_size = config.block_size
         self.model = load_model(config.model, mc, self.max_model_len, dtype, self.device)
+        self.model.use_ops(resolve_ops(config.model_ops, self.device, dtype))
 
         # One block of all layers is one contiguous region: [L, 2, block_size, H_kv, D].
         self.block_bytes = kv_block_bytes(mc, config)

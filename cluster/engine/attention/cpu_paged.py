@@ -1,6 +1,6 @@
 """CPU backend: decode attention reads K/V where they lie in the paged cache (no gather).
 
-One compiled op per layer for all decode rows (csrc/paged_attention.cpp, built once by cpu_ext),
+One compiled op per layer for all decode rows (cluster/engine/kernels/csrc/cpu_kernels.cpp, built once),
 and one for the KV write. Multi-token chunks (prefill, or a decode with drafts) take the torch
 backend's path unchanged. The torch backend is the reference it is tested against
 (tests/engine/test_paged_attention.py). fp32 only; the registry chooses it on CPU for float32.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.engine.attention import cpu_ext
+from cluster.engine.kernels import cpu as cpu_kernels
 from cluster.engine.attention.metadata import AttentionMetadata
 from cluster.engine.attention.torch_sdpa import TorchSDPABackend
 
@@ -19,7 +19,7 @@ class CPUPagedBackend:
     name = "cpu_paged"
 
     def __init__(self):
-        cpu_ext.load()
+        cpu_kernels.load()
         self._decode = torch.ops.pdserve_cpu.paged_decode
         self._write = torch.ops.pdserve_cpu.write_kv
 

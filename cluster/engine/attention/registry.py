@@ -55,11 +55,11 @@ def cpu_paged_usable(device: torch.device, dtype: torch.dtype) -> tuple[bool, st
         return False, "not on CPU"
     if dtype != torch.float32:
         return False, f"the CPU kernels are float32 only, the model is {dtype}"
-    from cluster.engine.attention import cpu_ext  # noqa: PLC0415 — builds only when asked
+    from cluster.engine.kernels import cpu as cpu_kernels  # noqa: PLC0415 — builds only when asked
 
     try:
-        return True, f"CPU kernels loaded from {cpu_ext.load()}"
-    except cpu_ext.KernelUnavailable as e:
+        return True, f"CPU kernels loaded from {cpu_kernels.load()}"
+    except cpu_kernels.KernelUnavailable as e:
         return False, str(e)
 
 

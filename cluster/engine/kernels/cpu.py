@@ -1,10 +1,12 @@
-"""Builds and loads the CPU attention kernels (csrc/paged_attention.cpp) as torch ops.
+"""Builds and loads the CPU kernels (csrc/cpu_kernels.cpp) as torch ops (torch.ops.pdserve_cpu.*):
+paged decode attention and the KV write (attention/cpu_paged.py), and the small-batch linear
+and RMSNorm (model/ops.py).
 
 Compiled once per (source, torch version, CPU capability) with the system C++ compiler into
 ~/.cache/pdserve/ext/ and loaded with `torch.ops.load_library`; later processes load the cached
 library. The build writes a temporary file and renames it, so two processes building at once
 both load a complete library. `load()` raises `KernelUnavailable` when no compiler is there or the
-build fails: the registry then keeps the torch backend.
+build fails: the attention registry and the model's ops then keep plain torch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pdserve" / "ext"
 _loaded: Path | None = None
 
@@ -65,7 +67,7 @@ def load() -> Path:
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=lib.parent)
         os.close(fd)
-        log.info("building the CPU attention kernels into %s (once)", lib)
+        log.info("building the CPU kernels into %s (once)", lib)
         try:
             subprocess.run(_command(Path(tmp)), check=True, capture_output=True, text=True, timeout=600)
             os.replace(tmp, lib)

@@ -1,4 +1,4 @@
-// Paged attention for CPU decode: each query row attends to its request's keys and values where
+// CPU kernels for the fp32 engine. Paged attention for decode: each query row attends to its request's keys and values where
 // they lie in the block pool, so the gathered [B, L, H_kv, D] copy the torch backend makes is never
 // built. Also the KV write (one call for K and V). fp32 only (the CPU path's dtype).
 //
@@ -17,13 +17,20 @@
 namespace {
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  // Eight independent partial sums: vectorised without -ffast-math, in a fixed order.
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  // 32 independent partial sums (four 8-wide vectors, so FMA latency is hidden), in a fixed order:
+  // vectorised without -ffast-math.
+  float acc[32] = {};
   int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+#pragma GCC unroll 32
+    for (int j = 0; j < 32; ++j) acc[j] += a[i + j] * b[i + j];
+  }
   for (; i + 8 <= n; i += 8) {
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
   }
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) acc[j] = (acc[j] + acc[j + 8]) + (acc[j + 16] + acc[j + 24]);
   float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
@@ -128,14 +135,71 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
   }
 }
 
+
+// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for a few rows of x: one pass over w (the bytes that
+// bound a decode step), each w row read once for all m. x: [M, K], w: [N, K] contiguous.
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(x.size(0) <= 8, "small_linear is for at most 8 rows");
+  const auto xc = x.contiguous();
+  const auto wc = w.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  auto y = at::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float* bp = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.numel() == N, "bias [N]");
+    bp = bc.data_ptr<float>();
+  }
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* wr = wp + n * K;
+      for (int64_t m = 0; m < M; ++m) {
+        const float v = dot(xp + m * K, wr, K);
+        yp[m * N + n] = bp ? v + bp[n] : v;
+      }
+    }
+  });
+  return y;
+}
+
+// out = rms_norm(x) * w over the last dim; x: [T, C] contiguous.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.numel() == x.size(1), "x [T, C] float32, w [C]");
+  const auto xc = x.contiguous();
+  const auto wc = w.contiguous();
+  const int64_t T = xc.size(0), C = xc.size(1);
+  auto out = at::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* r = xp + t * C;
+      const float inv = 1.0f / std::sqrt(dot(r, r, C) / static_cast<float>(C) + static_cast<float>(eps));
+      for (int64_t c = 0; c < C; ++c) op[t * C + c] = (r[c] * inv) * wp[c];
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_blocks, Tensor slot_offsets) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("write_kv", &write_kv);
+  m.impl("small_linear", &small_linear);
+  m.impl("rms_norm", &rms_norm);
 }

@@ -1,4 +1,5 @@
-"""The CPU paged decode kernel equals the torch backend (the reference), op for op and end to end."""
+"""The compiled CPU kernels equal plain torch (the reference): the paged decode attention against
+the torch backend, the small-batch linear and RMSNorm against torch's, op by op and end to end."""
 
 import random
 
@@ -6,8 +7,9 @@ import pytest
 import torch
 
 from cluster.engine.attention import AttentionMetadata, PrefillSpan, resolve_backend
-from cluster.engine.attention.cpu_ext import KernelUnavailable, load
+from cluster.engine.kernels.cpu import KernelUnavailable, load
 from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.model.ops import SMALL_ROWS, CPUKernelOps, TorchOps
 from cluster.engine.sampling_params import SamplingParams
 
 try:
@@ -79,15 +81,27 @@ def test_the_kernel_refuses_a_length_past_its_table():
                                            meta.block_tables, torch.tensor([33], dtype=torch.int32), 1.0)
 
 
-def test_engines_on_both_backends_give_the_same_greedy_tokens(tiny_model):
+@pytest.mark.parametrize("rows", [1, 2, SMALL_ROWS, SMALL_ROWS + 1, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_model_ops_equal_torch(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g)
+    b = torch.randn(200, generator=g) if bias else None
+    norm_w = torch.randn(96, generator=g)
+    fast, ref = CPUKernelOps(), TorchOps()
+    torch.testing.assert_close(fast.linear(x, w, b), ref.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.rms_norm(x, norm_w, 1e-5), ref.rms_norm(x, norm_w, 1e-5), rtol=1e-6, atol=1e-6)
+
+
+def test_engines_on_the_kernels_and_on_torch_give_the_same_greedy_tokens(tiny_model):
     rng = random.Random(3)
     prompts = [[rng.randrange(320) for _ in range(n)] for n in (1, 15, 16, 17, 40, 70, 130)]
     sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     got = {}
-    for name in ("torch", "cpu_paged"):
+    for attention, ops in (("torch", "torch"), ("cpu_paged", "cpu_kernels")):
         engine = LLMEngine.from_model(tiny_model, num_blocks=96, max_num_batched_tokens=48,
-                                      attention_backend=name)
-        assert engine.runner.backend.name == name
-        got[name] = [o.token_ids for o in engine.generate(prompts, sp)]
+                                      attention_backend=attention, model_ops=ops)
+        assert engine.runner.backend.name == attention and engine.model.lm_head.ops.name == ops
+        got[attention] = [o.token_ids for o in engine.generate(prompts, sp)]
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert got["cpu_paged"] == got["torch"]
