@@ -20,8 +20,8 @@ class CPUPagedBackend:
 
     def __init__(self):
         cpu_kernels.load()
-        self._decode = torch.ops.pdserve_cpu.paged_decode
-        self._write = torch.ops.pdserve_cpu.write_kv
+        self._decode = torch.ops.pdserve_cpu.paged_decode.default  # the overload: cheaper to call than the packet
+        self._write = torch.ops.pdserve_cpu.write_kv.default
 
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
         self._write(k_cache, v_cache, k, v, meta.slot_blocks, meta.slot_offsets)

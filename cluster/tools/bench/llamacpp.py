@@ -91,11 +91,24 @@ def run_pdserve(engine: LLMEngine, prompts: list[list[int]], n: int) -> ArmResul
     return ArmResult(end - t0, end - first, [tokens[r] for r in ids])
 
 
-def llama_cpp_model(path: Path, threads: int, n_ctx: int, n_seq: int):
+def llama_cpp_model(path: Path, threads: int, n_ctx: int):
     from llama_cpp import Llama  # noqa: PLC0415 — optional benchmark dependency
 
     return Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                 n_batch=512, n_ubatch=512, n_seq_max=n_seq, verbose=False)
+                 n_batch=512, n_ubatch=512, verbose=False)
+
+
+def batch_context(llm, threads: int, n_ctx: int, n_seq: int):
+    """A second context on the same loaded weights, with room for n_seq sequences in one
+    unified KV cache (the Llama class gives its own context one sequence)."""
+    import llama_cpp as lc  # noqa: PLC0415
+    from llama_cpp._internals import LlamaContext  # noqa: PLC0415
+
+    params = lc.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, 512, 512
+    params.n_seq_max, params.kv_unified = n_seq, True
+    params.n_threads, params.n_threads_batch = threads, threads
+    return LlamaContext(model=llm._model, params=params, verbose=False)
 
 
 def run_llama_single(llm, prompt: list[int], n: int) -> ArmResult:
@@ -113,14 +126,13 @@ def run_llama_single(llm, prompt: list[int], n: int) -> ArmResult:
     return ArmResult(end - t0, end - first, [out])
 
 
-def run_llama_batched(llm, prompts: list[list[int]], n: int) -> ArmResult:
-    """One sequence id per stream: each prompt decoded in its own sequence (chunks of n_batch),
-    then one llama_decode per step carrying every stream's next token; greedy = argmax."""
+def run_llama_batched(bctx, vocab: int, prompts: list[list[int]], n: int) -> ArmResult:
+    """One sequence id per stream: the prompts packed into batches of n_batch tokens, then one
+    llama_decode per step carrying every stream's next token; greedy = argmax of its logits."""
     import llama_cpp as lc  # noqa: PLC0415
 
-    ctx, vocab = llm.ctx, llm.n_vocab()
-    mem = lc.llama_get_memory(ctx)
-    lc.llama_memory_clear(mem, True)
+    ctx = bctx.ctx
+    lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
     nb = 512
     batch = lc.llama_batch_init(max(nb, len(prompts)), 0, len(prompts))
     try:
@@ -140,11 +152,14 @@ def run_llama_batched(llm, prompts: list[list[int]], n: int) -> ArmResult:
 
         out: list[list[int]] = [[] for _ in prompts]
         t0 = time.perf_counter()
-        for s, p in enumerate(prompts):
-            for c in range(0, len(p), nb):
-                chunk = p[c : c + nb]
-                decode([(tok, c + j, s, c + j == len(p) - 1) for j, tok in enumerate(chunk)])
-            out[s].append(argmax(len(chunk) - 1))
+        # Prompts packed into batches of up to n_batch tokens (several sequences per batch).
+        pending = [(tok, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, tok in enumerate(p)]
+        for c in range(0, len(pending), nb):
+            entries = pending[c : c + nb]
+            decode(entries)
+            for i, (_, _, s, last) in enumerate(entries):
+                if last:
+                    out[s].append(argmax(i))
         first = time.perf_counter()
         for _ in range(n - 1):
             decode([(out[s][-1], len(p) + len(out[s]) - 1, s, True) for s, p in enumerate(prompts)])
@@ -181,8 +196,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     gguf_path = ensure_f32_gguf()
     engine = LLMEngine.from_model(str(smollm2_135m_instruct()), num_blocks=2048, max_num_batched_tokens=1024)
-    n_ctx = max(args.streams) * (args.prompt_len[1] + args.tokens + 16)
-    llm = llama_cpp_model(gguf_path, args.threads, n_ctx, max(args.streams))
+    n_seq = max(args.streams)
+    llm = llama_cpp_model(gguf_path, args.threads, n_ctx=1024)
+    bctx = batch_context(llm, args.threads, n_seq * (args.prompt_len[1] + args.tokens + 16), n_seq) if n_seq > 1 else None
     print(f"SmolLM2-135M-Instruct fp32, {args.threads} threads; pdserve attention={engine.runner.backend.name}; "
           f"llama.cpp {llama_cpp.__version__} on {gguf_path.name}")
     warm = chat_prompt(engine)
@@ -195,7 +211,7 @@ def main(argv=None) -> int:
         else:
             lo, hi = args.prompt_len
             prompts = [[1] + p for p in make_prompts(c, seed=c, lo=lo, hi=hi, vocab=engine.model_config.vocab_size)]
-            ll = run_llama_batched(llm, prompts, args.tokens)
+            ll = run_llama_batched(bctx, llm.n_vocab(), prompts, args.tokens)
         pd = run_pdserve(engine, prompts, args.tokens)
         same = sum(a == b for a, b in zip(pd.tokens, ll.tokens))
         total = c * args.tokens
