@@ -91,6 +91,10 @@ def test_model_ops_equal_torch(rows, bias):
     fast, ref = CPUKernelOps(), TorchOps()
     torch.testing.assert_close(fast.linear(x, w, b), ref.linear(x, w, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast.rms_norm(x, norm_w, 1e-5), ref.rms_norm(x, norm_w, 1e-5), rtol=1e-6, atol=1e-6)
+    res_fast, res_ref = w[:rows].clone(), w[:rows].clone()
+    got, want = fast.add_rms_norm(x, res_fast, norm_w, 1e-5), ref.add_rms_norm(x, res_ref, norm_w, 1e-5)
+    assert torch.equal(res_fast, res_ref) and torch.equal(res_ref, w[:rows] + x)  # the residual, in place
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_engines_on_the_kernels_and_on_torch_give_the_same_greedy_tokens(tiny_model):

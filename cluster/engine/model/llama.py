@@ -28,6 +28,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place), then the norm of the sum."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class Linear(nn.Linear):
     ops = TORCH_OPS  # replaced by LlamaForCausalLM.use_ops
@@ -75,9 +79,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, backend):
+        # x: the previous layer's output, residual: the stream before it (None at the first
+        # layer, whose x is the embedding). Returns the same pair; the adds ride in the norms.
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add(x, residual)
+        h = self.self_attn(h, cos, sin, k_cache, v_cache, meta, backend)
+        h = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -112,9 +123,9 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [S] rows whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, vocab] float32
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, backend)
-        x = self.norm(x[logits_indices])
+            x, residual = layer(x, residual, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, backend)
+        x = self.norm(residual.add_(x)[logits_indices])
         return self.lm_head(x).float()

@@ -3,7 +3,7 @@
 `TorchOps` is plain torch and the reference. `CPUKernelOps` (CPU, float32, when the kernels in
 cluster/engine/kernels build here) sends a linear over at most SMALL_ROWS rows, a decode step's
 shape, to a kernel that streams each weight row once for all rows; larger batches stay with
-torch's GEMM. RMSNorm is one kernel call instead of torch's several. Chosen by measurement
+torch's GEMM. RMSNorm, and the residual add with the norm after it, are one kernel call each. Chosen by measurement
 (docs/benchmarks.md).
 """
 
@@ -30,6 +30,11 @@ class TorchOps:
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, weight.shape, weight, eps)
 
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x (in place); the norm of the sum."""
+        return F.rms_norm(residual.add_(x), weight.shape, weight, eps)
+
 
 class CPUKernelOps:
     name = "cpu_kernels"
@@ -40,6 +45,7 @@ class CPUKernelOps:
         cpu.load()
         self._linear = torch.ops.pdserve_cpu.small_linear.default  # the overload: cheaper to call than the packet
         self._rms_norm = torch.ops.pdserve_cpu.rms_norm.default
+        self._add_rms_norm = torch.ops.pdserve_cpu.add_rms_norm.default
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
@@ -48,6 +54,11 @@ class CPUKernelOps:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rms_norm(x, weight, eps) if x.dim() == 2 else F.rms_norm(x, weight.shape, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2 and residual.is_contiguous():
+            return self._add_rms_norm(x, residual, weight, eps)
+        return F.rms_norm(residual.add_(x), weight.shape, weight, eps)
 
 
 TORCH_OPS = TorchOps()

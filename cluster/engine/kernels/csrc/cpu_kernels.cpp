@@ -188,12 +188,39 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return out;
 }
 
+
+// residual += x (in place), then out = rms_norm(residual) * w: a decoder layer's residual add and
+// the next norm in one pass. x, residual: [T, C] contiguous.
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && residual.is_contiguous() &&
+              x.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat && w.numel() == x.size(1),
+              "x and residual [T, C] float32 (residual contiguous), w [C]");
+  const auto xc = x.contiguous();
+  const auto wc = w.contiguous();
+  const int64_t T = xc.size(0), C = xc.size(1);
+  auto out = at::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* r = rp + t * C;
+      for (int64_t c = 0; c < C; ++c) r[c] += xp[t * C + c];
+      const float inv = 1.0f / std::sqrt(dot(r, r, C) / static_cast<float>(C) + static_cast<float>(eps));
+      for (int64_t c = 0; c < C; ++c) op[t * C + c] = (r[c] * inv) * wp[c];
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor w, float eps) -> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_blocks, Tensor slot_offsets) -> ()");
 }
 
@@ -202,4 +229,5 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("write_kv", &write_kv);
   m.impl("small_linear", &small_linear);
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
 }
