@@ -71,13 +71,15 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [S, vocab] float32, one row per request -> a token or a failure each."""
-        # amax propagates nan, so one reduction finds rows with nan, +inf, or nothing finite.
-        finite = torch.isfinite(logits.amax(dim=-1))
+        # max propagates nan, so one reduction finds rows with nan, +inf, or nothing finite, and
+        # (plain steps) the greedy token too.
+        top, top_idx = logits.max(dim=-1)
+        finite = torch.isfinite(top)
         raw = logits
         extra = [i for i, r in enumerate(requests) if not r.sampling.plain]
         grammar_failed: dict[int, RequestFailure] = {}
         if not extra:
-            greedy = torch.where(finite, logits.argmax(dim=-1), -1).tolist()  # -1: not finite (one sync)
+            greedy = torch.where(finite, top_idx, -1).tolist()  # -1: not finite (one sync)
         else:
             logits, processed_ok = self._process(logits, [requests[i] for i in extra], extra)
             logits, grammar_failed = self._constrain(logits, requests)

