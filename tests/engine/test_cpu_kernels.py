@@ -10,6 +10,7 @@ from cluster.engine.attention import AttentionMetadata, PrefillSpan, resolve_bac
 from cluster.engine.kernels.cpu import KernelUnavailable, load
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.model.ops import SMALL_ROWS, CPUKernelOps, TorchOps
+from cluster.engine.model.rope import RotaryEmbedding
 from cluster.engine.sampling_params import SamplingParams
 
 try:
@@ -95,6 +96,23 @@ def test_model_ops_equal_torch(rows, bias):
     got, want = fast.add_rms_norm(x, res_fast, norm_w, 1e-5), ref.add_rms_norm(x, res_ref, norm_w, 1e-5)
     assert torch.equal(res_fast, res_ref) and torch.equal(res_ref, w[:rows] + x)  # the residual, in place
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    gate_up = torch.randn(rows, 2 * 96, generator=g)
+    torch.testing.assert_close(fast.silu_mul(gate_up), ref.silu_mul(gate_up), rtol=1e-6, atol=1e-6)
+
+
+def test_rope_in_place_equals_torch():
+    from cluster.engine.model_config import RopeConfig  # noqa: PLC0415
+
+    rot = RotaryEmbedding(32, 64, RopeConfig(theta=10000.0), torch.float32, torch.device("cpu"))
+    cos, sin = rot(torch.tensor([0, 5, 17, 63]))
+    qkv = torch.randn(4, (6 + 2 * 2) * 32, generator=torch.Generator().manual_seed(1))
+    view = qkv[:, : 8 * 32].view(4, 8, 32)  # q and k heads: a strided view, as the model passes it
+    want = TorchOps().rope(view.clone(), cos, sin)
+    v_before = qkv[:, 8 * 32 :].clone()
+    got = CPUKernelOps().rope(view, cos, sin)
+    assert got.data_ptr() == qkv.data_ptr()  # in place
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, 8 * 32 :], v_before)  # v untouched
 
 
 def test_engines_on_the_kernels_and_on_torch_give_the_same_greedy_tokens(tiny_model):

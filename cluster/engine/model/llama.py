@@ -8,12 +8,11 @@ fused at load time (one matmul each).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cluster.engine.attention import AttentionBackend, AttentionMetadata
 from cluster.engine.model.ops import TORCH_OPS
-from cluster.engine.model.rope import RotaryEmbedding, apply_rope
+from cluster.engine.model.rope import RotaryEmbedding
 from cluster.engine.model_config import ModelConfig
 
 
@@ -51,7 +50,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]  # x: [T, hidden]
         qkv = self.qkv_proj(x)
-        qk = apply_rope(qkv[:, : (self.h + self.hkv) * self.d].view(t, self.h + self.hkv, self.d), cos, sin)
+        qk = self.qkv_proj.ops.rope(qkv[:, : (self.h + self.hkv) * self.d].view(t, self.h + self.hkv, self.d), cos, sin)
         q, k = qk[:, : self.h], qk[:, self.h :]  # rotated together: one rope for both
         v = qkv[:, (self.h + self.hkv) * self.d :].view(t, self.hkv, self.d)
         backend.write_kv(k_cache, v_cache, k, v, meta)
@@ -62,13 +61,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.gate_up_proj.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -47,6 +48,27 @@ void check_cache(const at::Tensor& c, const char* name) {
               name, ": each block's [block_size, H_kv, D] must be contiguous");
 }
 
+// exp(x) for x <= 0 (softmax after the max shift), vectorisable: Cody-Waite range reduction and
+// Cephes' expf polynomial (relative error ~1e-7); below -87 it returns 0 as expf underflows.
+inline float exp_nonpositive(float x) {
+  const float xc = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : e * scale;
+}
+
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head handled in registers
+
 // q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32 -> out [B, H, D]
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
@@ -60,7 +82,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const auto lens = seq_lens.contiguous();
   const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "head shapes do not match");
+  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0 && D % 8 == 0, "head shapes do not match (D % 8 == 0)");
+  TORCH_CHECK(H / Hkv <= kMaxGroup, "at most ", kMaxGroup, " query heads per KV head");
   TORCH_CHECK(tables.size(0) == B && lens.size(0) == B, "one block table and length per row");
   const int64_t G = H / Hkv, max_blocks = tables.size(1);
   const int64_t k_stride = k_cache.stride(0), v_stride = v_cache.stride(0), tok = Hkv * D;
@@ -72,7 +95,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * bs, "seq_lens[", b, "] = ", lp[b], " is out of range");
   }
-  auto out = at::empty({B, H, D}, qc.options());
+  auto out = at::zeros({B, H, D}, qc.options());
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   // One work item is one (request, kv head): its G query heads read each key and value once.
@@ -83,24 +106,55 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       const int64_t L = lp[b];
       const int32_t* table = tp + b * max_blocks;
       scores.resize(static_cast<size_t>(G * L));
+      float* sc = scores.data();
       const float* qrow = qp + (b * H + h * G) * D;
+      // scores[g, t] = q_g . k_t * scale: k_t loaded once for all G heads, 8 lanes per head.
       for (int64_t t = 0; t < L; ++t) {
         const float* k = kp + table[t / bs] * k_stride + (t % bs) * tok + h * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(qrow + g * D, k, D) * fscale;
+        float acc[kMaxGroup][8] = {};
+        for (int64_t i = 0; i < D; i += 8) {
+          for (int64_t g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; ++j) acc[g][j] += qrow[g * D + i + j] * k[i + j];
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const float* a = acc[g];
+          sc[g * L + t] = (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))) * fscale;
+        }
       }
       for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * L;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < L; ++t) m = std::max(m, s[t]);
-        float sum = 0;
-        for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+        float* s = sc + g * L;
+        float m8[8];
+        for (int j = 0; j < 8; ++j) m8[j] = -std::numeric_limits<float>::infinity();
+        int64_t t = 0;
+        for (; t + 8 <= L; t += 8) {
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) m8[j] = s[t + j] > m8[j] ? s[t + j] : m8[j];
+        }
+        float m = m8[0];
+        for (int j = 1; j < 8; ++j) m = std::max(m, m8[j]);
+        for (; t < L; ++t) m = std::max(m, s[t]);
+        float sum8[8] = {};
+        for (t = 0; t + 8 <= L; t += 8) {
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) {
+            s[t + j] = exp_nonpositive(s[t + j] - m);
+            sum8[j] += s[t + j];
+          }
+        }
+        float sum = ((sum8[0] + sum8[1]) + (sum8[2] + sum8[3])) + ((sum8[4] + sum8[5]) + (sum8[6] + sum8[7]));
+        for (; t < L; ++t) {
+          s[t] = exp_nonpositive(s[t] - m);
+          sum += s[t];
+        }
         const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
-        std::fill(op + (b * H + h * G + g) * D, op + (b * H + h * G + g + 1) * D, 0.0f);
+        for (t = 0; t < L; ++t) s[t] *= inv;
       }
+      float* orow = op + (b * H + h * G) * D;
       for (int64_t t = 0; t < L; ++t) {
         const float* v = vp + table[t / bs] * v_stride + (t % bs) * tok + h * D;
-        for (int64_t g = 0; g < G; ++g) axpy(op + (b * H + h * G + g) * D, scores[g * L + t], v, D);
+        for (int64_t g = 0; g < G; ++g) axpy(orow + g * D, sc[g * L + t], v, D);
       }
     }
   });
@@ -214,12 +268,64 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   return out;
 }
 
+
+// Rotate-half RoPE in place: x[t, h, :] = x * cos[t] + swap_halves(x) * signed_sin[t], where
+// signed_sin has its first half negated. x: [T, H, D] with each head's D contiguous (any row
+// and head strides: a view into the fused qkv output); cos, signed_sin: [T, D] (any leading shape).
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x [T, H, D] float32, D contiguous");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const auto cc = cos.contiguous(), sc = signed_sin.contiguous();
+  TORCH_CHECK(D % 2 == 0 && cc.numel() == T * D && sc.numel() == T * D, "cos and sin [T, D]");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
+  const float* sp = sc.data_ptr<float>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      for (int64_t h = 0; h < H; ++h) {
+        float* r = xp + t * st + h * sh;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = r[i], b = r[i + half];
+          r[i] = a * c[i] + b * s[i];
+          r[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+// silu(gate) * up from the fused gate_up output [T, 2I] -> [T, I].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.size(1) % 2 == 0,
+              "gate_up [T, 2I] float32");
+  const auto g = gate_up.contiguous();
+  const int64_t T = g.size(0), I = g.size(1) / 2;
+  auto out = at::empty({T, I}, g.options());
+  const float* gp = g.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = gp + t * 2 * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float x = row[i];
+        op[t * I + i] = (x / (1.0f + std::exp(-x))) * row[I + i];
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor w, float eps) -> Tensor");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_blocks, Tensor slot_offsets) -> ()");
 }
@@ -230,4 +336,6 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("small_linear", &small_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("silu_mul", &silu_mul);
 }
