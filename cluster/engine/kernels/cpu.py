@@ -47,7 +47,7 @@ def _command(out: Path) -> list[str]:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [cxx, "-shared", "-fPIC", "-O3", "-std=gnu++17", "-ffp-contract=fast", *_arch_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    return [cxx, "-shared", "-fPIC", "-O3", "-std=gnu++17", "-ffp-contract=fast", "-fopenmp", *_arch_flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *includes, str(SOURCE), f"-L{libdir}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{libdir}", "-o", str(out)]
 
 
