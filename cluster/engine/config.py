@@ -68,7 +68,9 @@ class EngineOptions(BaseModel):
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt + output; None = the model's max_position_embeddings.")
     enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "torch", "flash_attn"] = "auto"
+    attention_backend: Literal["auto", "torch", "cpu_paged", "flash_attn"] = "auto"
+    model_ops: Literal["auto", "torch", "cpu_kernels"] = Field(
+        "auto", description='Linear and RMSNorm: "auto" = compiled CPU kernels on CPU float32 when they build, else torch.')
     device: str = Field("auto", description='"auto" (cuda when available), "cpu", "cuda", "cuda:N".')
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description='"auto" = the checkpoint\'s dtype.')

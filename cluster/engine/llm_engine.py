@@ -21,6 +21,7 @@ from cluster.engine.grammar import Grammars
 from cluster.engine.kv_cache import BlockHash, KVCacheManager, extend_salt
 from cluster.engine.model.loader import load_model
 from cluster.engine.model.identity import model_identity
+from cluster.engine.model.ops import resolve_ops
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.outputs import EngineLoad, EngineStats, RequestOutput, TokenLogprob, merge_outputs
@@ -57,6 +58,7 @@ class LLMEngine:
         self.max_model_len = self.validator.max_model_len
         self.block_size = config.block_size
         self.model = load_model(config.model, mc, self.max_model_len, dtype, self.device)
+        self.model.use_ops(resolve_ops(config.model_ops, self.device, dtype))
 
         # One block of all layers is one contiguous region: [L, 2, block_size, H_kv, D].
         self.block_bytes = kv_block_bytes(mc, config)
@@ -70,7 +72,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_waiting, config.queue_ttl_s)
-        backend = resolve_backend(config.attention_backend, self.device, config.block_size)
+        backend = resolve_backend(config.attention_backend, self.device, config.block_size, dtype)
         self.eos_token_ids = self.validator.eos_token_ids
         grammars = Grammars(self.tokenizer.to_json(), max(mc.vocab_size, self.tokenizer.vocab_size),
                             tuple(t for t in self.eos_token_ids if t < self.tokenizer.vocab_size))

@@ -7,40 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from cluster.engine.attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSpan
+from cluster.engine.attention import AttentionBackend, AttentionMetadata, PrefillSpan
 from cluster.engine.model.llama import LlamaForCausalLM
 from cluster.engine.grammar import Grammars
 from cluster.engine.sampler import Sampler, SamplerOutput
 from cluster.engine.scheduler import ScheduledChunk
-
-
-MAX_DECODE_GROUPS = 4
-
-
-def partition_by_length(blocks: list[int], max_groups: int) -> list[tuple[int, int]]:
-    """Split a descending list of per-request block counts into <= max_groups contiguous runs,
-    minimising the padded blocks read (sum over groups of size * longest). O(n^2 * groups)."""
-    n = len(blocks)
-    if n == 0:
-        return []
-    inf = float("inf")
-    # cost[g][i]: least padded area covering the first i requests with g groups
-    cost = [[inf] * (n + 1) for _ in range(max_groups + 1)]
-    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
-    cost[0][0] = 0
-    for g in range(1, max_groups + 1):
-        for i in range(1, n + 1):
-            for j in range(i):  # last group is j..i-1, its longest is blocks[j]
-                c = cost[g - 1][j] + (i - j) * blocks[j]
-                if c < cost[g][i]:
-                    cost[g][i], cut[g][i] = c, j
-    g = min(range(1, max_groups + 1), key=lambda k: (cost[k][n], k))
-    bounds, i = [], n
-    while i > 0:
-        j = cut[g][i]
-        bounds.append((j, i))
-        i, g = j, g - 1
-    return bounds[::-1]
 
 
 class ModelRunner:
@@ -94,37 +65,39 @@ class ModelRunner:
         return input_ids, positions, logits_idx, samplers
 
     def _metadata(self, decodes, prefills, block_tables) -> AttentionMetadata:
+        # Host work is one pass over the step's requests (and the new tokens' slots); the
+        # tensors are built from flat lists in one call each.
         bs, dev = self.block_size, self.device
         slot_blocks: list[int] = []
         slot_offsets: list[int] = []
-        all_tables: list[list[int]] = []
+        used: list[list[int]] = []  # each request's blocks up to its context end
         seq_lens: list[int] = []
         q_lens: list[int] = []
-        for c in decodes + prefills:
+        for c in decodes:
             table = block_tables[c.request.request_id]
-            for pos in range(c.start, c.start + c.num_tokens):
+            pos = c.start
+            slot_blocks.append(table[pos // bs])
+            slot_offsets.append(pos % bs)
+            used.append(table[: pos // bs + 1])
+            seq_lens.append(pos + 1)
+            q_lens.append(1)
+        for c in prefills:
+            table = block_tables[c.request.request_id]
+            ctx = c.start + c.num_tokens
+            for pos in range(c.start, ctx):
                 slot_blocks.append(table[pos // bs])
                 slot_offsets.append(pos % bs)
-            ctx = c.start + c.num_tokens
-            all_tables.append(table[: -(-ctx // bs)])
+            used.append(table[: -(-ctx // bs)])
             seq_lens.append(ctx)
             q_lens.append(c.num_tokens)
 
+        width = max((len(t) for t in used), default=0)
+        flat = [b for t in used for b in (t + [0] * (width - len(t)) if len(t) < width else t)]
+        tables = torch.tensor(flat, dtype=torch.int32, device=dev).view(len(used), width)
         nd = len(decodes)
-        max_blocks = max((len(t) for t in all_tables), default=0)
-        padded = [t + [0] * (max_blocks - len(t)) for t in all_tables]
-        tables = torch.tensor(padded, dtype=torch.long, device=dev).view(len(padded), max_blocks)
-        lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-        groups = []
-        for start, end in partition_by_length([len(t) for t in all_tables[:nd]], MAX_DECODE_GROUPS):
-            nb = len(all_tables[start])  # the longest in the group
-            key_pos = torch.arange(nb * bs, device=dev)
-            mask = (key_pos[None, :] < lens[start:end, None]).view(end - start, 1, 1, nb * bs)
-            groups.append(DecodeGroup(start, end, tables[start:end, :nb], mask))
-
         spans = []
         q_start = nd
-        for c, table in zip(prefills, all_tables[nd:]):
+        for c, table in zip(prefills, used[nd:]):
             ctx = c.start + c.num_tokens
             mask = None
             if c.start > 0:
@@ -133,17 +106,18 @@ class ModelRunner:
             spans.append(PrefillSpan(q_start, c.num_tokens, ctx, torch.tensor(table, device=dev), mask))
             q_start += c.num_tokens
 
-        cu_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0, out=cu_q[1:])
+        cu_q = [0]
+        for n in q_lens:
+            cu_q.append(cu_q[-1] + n)
         return AttentionMetadata(
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
             slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
             num_decode=nd,
-            decode_groups=tuple(groups),
             prefills=tuple(spans),
-            cu_seqlens_q=cu_q.to(dev),
-            seq_lens=lens,
-            block_tables=tables.to(torch.int32),
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables,
             max_q_len=max(q_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
+            block_size=bs,
         )

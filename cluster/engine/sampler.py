@@ -71,13 +71,15 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [S, vocab] float32, one row per request -> a token or a failure each."""
-        # amax propagates nan, so one reduction finds rows with nan, +inf, or nothing finite.
-        finite = torch.isfinite(logits.amax(dim=-1))
+        # max propagates nan, so one reduction finds rows with nan, +inf, or nothing finite, and
+        # (plain steps) the greedy token too.
+        top, top_idx = logits.max(dim=-1)
+        finite = torch.isfinite(top)
         raw = logits
         extra = [i for i, r in enumerate(requests) if not r.sampling.plain]
         grammar_failed: dict[int, RequestFailure] = {}
         if not extra:
-            greedy = torch.where(finite, logits.argmax(dim=-1), -1).tolist()  # -1: not finite (one sync)
+            greedy = torch.where(finite, top_idx, -1).tolist()  # -1: not finite (one sync)
         else:
             logits, processed_ok = self._process(logits, [requests[i] for i in extra], extra)
             logits, grammar_failed = self._constrain(logits, requests)
@@ -86,7 +88,9 @@ class Sampler:
             for i in grammar_failed:
                 greedy[i] = -3  # its grammar state broke (reported below)
         out = SamplerOutput()
-        cpu_logits = None  # copied once, and only when a row is sampled
+        drawn = [i for i, (req, g_tok) in enumerate(zip(requests, greedy)) if g_tok >= 0 and not req.sampling.greedy]
+        probs = self._probs(logits, [requests[i] for i in drawn], drawn) if drawn else None
+        j = 0
         for i, (req, g_tok) in enumerate(zip(requests, greedy)):
             rid = req.request_id
             if g_tok == -3:
@@ -96,9 +100,8 @@ class Sampler:
             elif req.sampling.greedy:
                 out.tokens[rid] = g_tok
             else:
-                if cpu_logits is None:
-                    cpu_logits = logits.cpu()
-                token = self._draw(cpu_logits[i], req)
+                token = self._draw(probs[j], req)
+                j += 1
                 if isinstance(token, RequestFailure):
                     out.failed[rid] = token
                 else:
@@ -164,14 +167,24 @@ class Sampler:
                 torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(biases, device=device))
         return cached
 
-    def _draw(self, row: torch.Tensor, req: Request) -> int | RequestFailure:
+    @staticmethod
+    def _probs(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> torch.Tensor:
+        """The sampled rows' filtered distributions, in one batch: [len(rows), V] float32 on CPU."""
+        dev = logits.device
+        sps = [r.sampling for r in reqs]
+        col = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=dev)[:, None]  # noqa: E731
+        return _filtered_probs(
+            logits[torch.tensor(rows, device=dev)],
+            col([sp.temperature for sp in sps]), col([sp.top_k for sp in sps], torch.long),
+            col([sp.top_p for sp in sps]), col([sp.min_p for sp in sps]),
+        ).cpu()
+
+    def _draw(self, probs: torch.Tensor, req: Request) -> int | RequestFailure:
         sp = req.sampling
-        probs = None
         try:
-            probs = _filtered_probs(row, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
             return int(torch.multinomial(probs, 1, generator=self._generator(req)).item())
         except Exception as e:  # noqa: BLE001 — this request's failure, never the batch's
-            if probs is not None and not _is_distribution(probs):
+            if not _is_distribution(probs):
                 # The logits were finite, so the request's own sampling numbers broke them.
                 return RequestFailure(
                     ErrorKind.INVALID_INPUT,
@@ -288,22 +301,33 @@ class TokenCounts:
         return len(self._slot)
 
 
-def _filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                    min_p: float = 0.0) -> torch.Tensor:
+def _filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, V]; each parameter a [R, 1] column (top_k 0: off) -> probs [R, V].
+
+    Row by row the same operations as on one row: a filter a row does not ask for leaves it
+    untouched (min_p 0 drops nothing, top_k off compares against -inf, top_p only on rows below 1)."""
     # Shift before scaling: (x - max) / t <= 0 and the top token's is 0, so no temperature can
     # overflow the row (x / t could: 30 / 1e-38 is inf). Softmax is shift-invariant.
-    logits = (logits - logits.max()) / temperature
-    if min_p > 0:  # vLLM: drop tokens less likely than min_p x the most likely one
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    vocab = logits.shape[-1]
+    if bool((min_p > 0).any()):  # vLLM: drop tokens less likely than min_p x the most likely one
         probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    k_on = (top_k > 0) & (top_k < vocab)
+    if bool(k_on.any()):
+        k_max = int(top_k[k_on].max())
+        top = torch.topk(logits, k_max, dim=-1).values  # [R, k_max]
+        kth = top.gather(1, (top_k.clamp(1, k_max) - 1))
+        kth = torch.where(k_on, kth, float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_p, idx = probs.sort(descending=True)
+    p_rows = (top_p[:, 0] < 1.0).nonzero().flatten()
+    if p_rows.numel():
+        sub = probs[p_rows]
+        sorted_p, idx = sub.sort(dim=-1, descending=True)
         # Keep the smallest head whose mass reaches top_p (the top token always stays).
-        drop = (sorted_p.cumsum(0) - sorted_p) > top_p
+        drop = (sorted_p.cumsum(dim=-1) - sorted_p) > top_p[p_rows]
         sorted_p[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        probs[p_rows] = torch.zeros_like(sub).scatter_(1, idx, sorted_p)
     return probs

@@ -237,3 +237,21 @@ def test_a_row_its_own_penalty_makes_non_finite_fails_alone():
     for r in reqs:
         sampler.release(r.request_id)
     assert len(sampler._counts) == 0
+
+
+def test_batched_filtering_equals_each_row_filtered_alone():
+    """The sampler filters all sampled rows in one batch; each row's distribution is exactly
+    what the same filters give that row alone (a filter a row does not ask for leaves it be)."""
+    from cluster.engine.sampler import _filtered_probs
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(5)) * 4
+    rows = [(1.0, 0, 1.0, 0.0), (0.7, 20, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (0.5, 0, 1.0, 0.2),
+            (1.0, 5, 0.5, 0.05), (0.9, 299, 0.95, 0.0)]
+    col = lambda i, dtype=torch.float32: torch.tensor([r[i] for r in rows], dtype=dtype)[:, None]  # noqa: E731
+    batched = _filtered_probs(logits, col(0), col(1, torch.long), col(2), col(3))
+    for i, (t, k, p, m) in enumerate(rows):
+        alone = _filtered_probs(logits[i : i + 1], torch.tensor([[t]]), torch.tensor([[k]]),
+                                torch.tensor([[p]]), torch.tensor([[m]]))
+        assert torch.equal(batched[i], alone[0]), rows[i]
+        kept = int((alone[0] > 0).sum())
+        assert kept == (300 if (k, p, m) == (0, 1.0, 0.0) else kept) and (kept <= k or k == 0)

@@ -170,9 +170,9 @@ def test_sampler_blames_the_request_when_its_own_sampling_breaks_finite_logits(m
     # transform that does is the request's fault, so simulate one from outside.
     filtered = sampler_module._filtered_probs
 
-    def broken_for_temperature_0_77(logits, temperature, top_k, top_p, min_p):
+    def broken_for_temperature_0_77(logits, temperature, top_k, top_p, min_p):  # columns, one row each
         probs = filtered(logits, temperature, top_k, top_p, min_p)
-        return torch.full_like(probs, float("nan")) if temperature == 0.77 else probs
+        return probs.masked_fill(temperature == 0.77, float("nan"))
 
     monkeypatch.setattr(sampler_module, "_filtered_probs", broken_for_temperature_0_77)
     bad = SamplingParams(temperature=0.77, seed=1)

@@ -1,14 +1,17 @@
 """Per-step attention metadata, built once per step and shared by every layer.
 
 Token layout of a step: the decode tokens first (one per decoding request, longest context
-first), then each prefill chunk's tokens contiguously.
+first), then each multi-token chunk's tokens contiguously (prefill chunks; a decode with drafts).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+MAX_DECODE_GROUPS = 4
 
 
 @dataclass(frozen=True)
@@ -32,14 +35,55 @@ class DecodeGroup:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    slot_blocks: torch.Tensor  # [T] block id each new token's K/V is written to
-    slot_offsets: torch.Tensor  # [T] offset inside that block
+    slot_blocks: torch.Tensor  # [T] long: block id each new token's K/V is written to
+    slot_offsets: torch.Tensor  # [T] long: offset inside that block
     num_decode: int
-    decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSpan, ...]
-    # Inputs for kernels that take a batch as cumulative lengths (flash-attn varlen).
+    # Inputs for kernels that take a batch as cumulative lengths (flash-attn varlen, cpu_paged).
     cu_seqlens_q: torch.Tensor  # [B + 1] int32 over (decodes, then prefills)
     seq_lens: torch.Tensor  # [B] int32 context lengths
-    block_tables: torch.Tensor  # [B, max_blocks] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     max_q_len: int
     max_seq_len: int
+    block_size: int
+
+    @cached_property
+    def decode_groups(self) -> tuple[DecodeGroup, ...]:
+        """The decodes in <= MAX_DECODE_GROUPS padded batches of similar length (the torch
+        backend's plan; computed on first use, so backends that read the pool in place skip it)."""
+        nd, bs = self.num_decode, self.block_size
+        lens = self.seq_lens[:nd]
+        blocks = [-(-n // bs) for n in lens.tolist()]
+        groups = []
+        for start, end in partition_by_length(blocks, MAX_DECODE_GROUPS):
+            nb = blocks[start]  # the longest in the group
+            key_pos = torch.arange(nb * bs, device=lens.device)
+            mask = (key_pos[None, :] < lens[start:end, None]).view(end - start, 1, 1, nb * bs)
+            groups.append(DecodeGroup(start, end, self.block_tables[start:end, :nb].long(), mask))
+        return tuple(groups)
+
+
+def partition_by_length(blocks: list[int], max_groups: int) -> list[tuple[int, int]]:
+    """Split a descending list of per-request block counts into <= max_groups contiguous runs,
+    minimising the padded blocks read (sum over groups of size * longest). O(n^2 * groups)."""
+    n = len(blocks)
+    if n == 0:
+        return []
+    inf = float("inf")
+    # cost[g][i]: least padded area covering the first i requests with g groups
+    cost = [[inf] * (n + 1) for _ in range(max_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(max_groups + 1)]
+    cost[0][0] = 0
+    for g in range(1, max_groups + 1):
+        for i in range(1, n + 1):
+            for j in range(i):  # last group is j..i-1, its longest is blocks[j]
+                c = cost[g - 1][j] + (i - j) * blocks[j]
+                if c < cost[g][i]:
+                    cost[g][i], cut[g][i] = c, j
+    g = min(range(1, max_groups + 1), key=lambda k: (cost[k][n], k))
+    bounds, i = [], n
+    while i > 0:
+        j = cut[g][i]
+        bounds.append((j, i))
+        i, g = j, g - 1
+    return bounds[::-1]

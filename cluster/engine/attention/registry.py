@@ -1,4 +1,8 @@
-"""Backend registry: each backend is imported only when chosen; "auto" is resolved once, logged."""
+"""Backend registry: each backend is imported only when chosen; "auto" is resolved once, logged.
+
+"auto": flash_attn on CUDA when usable; on CPU with float32, cpu_paged when its kernels build
+here (measured: docs/benchmarks.md, "Single stream and batches at the hardware's limit"); else torch.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ log = logging.getLogger(__name__)
 _BACKENDS = {
     "torch": "cluster.engine.attention.torch_sdpa:TorchSDPABackend",
     "flash_attn": "cluster.engine.attention.flash_attn:FlashAttnBackend",
+    "cpu_paged": "cluster.engine.attention.cpu_paged:CPUPagedBackend",
 }
 
 
@@ -45,11 +50,33 @@ def flash_attn_usable(device: torch.device, block_size: int) -> tuple[bool, str]
     return True, "flash_attn installed, CUDA device"
 
 
-def resolve_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+def cpu_paged_usable(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    if device.type != "cpu":
+        return False, "not on CPU"
+    if dtype != torch.float32:
+        return False, f"the CPU kernels are float32 only, the model is {dtype}"
+    from cluster.engine.kernels import cpu as cpu_kernels  # noqa: PLC0415 — builds only when asked
+
+    try:
+        return True, f"CPU kernels loaded from {cpu_kernels.load()}"
+    except cpu_kernels.KernelUnavailable as e:
+        return False, str(e)
+
+
+def resolve_backend(name: str, device: torch.device, block_size: int,
+                    dtype: torch.dtype = torch.float32) -> AttentionBackend:
     if name == "auto":
         ok, why = flash_attn_usable(device, block_size)
-        name = "flash_attn" if ok else "torch"
+        if ok:
+            name = "flash_attn"
+        else:
+            ok, why = cpu_paged_usable(device, dtype)
+            name = "cpu_paged" if ok else "torch"
         log.info("attention backend auto -> %s (%s)", name, why)
+    elif name == "cpu_paged":
+        ok, why = cpu_paged_usable(device, dtype)
+        if not ok:
+            raise ValueError(f"attention_backend=cpu_paged is not usable here: {why}")
     elif name == "flash_attn":
         ok, why = flash_attn_usable(device, block_size)
         if not ok:

@@ -25,6 +25,11 @@ class TorchSDPABackend:
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         out = torch.empty_like(q)  # [T, H, D]
+        self.attend_decodes(q, k_cache, v_cache, meta, scale, out)
+        self.attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def attend_decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
         bs, hkv, d = k_cache.shape[1:]
         for g in meta.decode_groups:
             b, nb = g.block_tables.shape
@@ -34,6 +39,11 @@ class TorchSDPABackend:
             qd = q[g.start : g.end].unsqueeze(2)  # [B, H, 1, D]
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
             out[g.start : g.end] = o.squeeze(2)
+
+    @staticmethod
+    def attend_prefills(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
+        """Each multi-token chunk (a prefill chunk, or a decode with drafts) by one SDPA call."""
+        hkv, d = k_cache.shape[2:]
         for p in meta.prefills:
             qs = slice(p.q_start, p.q_start + p.q_len)
             qp = q[qs].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
@@ -48,4 +58,3 @@ class TorchSDPABackend:
                 qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
             )
             out[qs] = o.squeeze(0).transpose(0, 1)
-        return out

@@ -8,38 +8,51 @@ fused at load time (one matmul each).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cluster.engine.attention import AttentionBackend, AttentionMetadata
-from cluster.engine.model.rope import RotaryEmbedding, apply_rope
+from cluster.engine.model.ops import TORCH_OPS
+from cluster.engine.model.rope import RotaryEmbedding
 from cluster.engine.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    ops = TORCH_OPS  # replaced by LlamaForCausalLM.use_ops
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place), then the norm of the sum."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Linear(nn.Linear):
+    ops = TORCH_OPS  # replaced by LlamaForCausalLM.use_ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.scale = self.d**-0.5
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]  # x: [T, hidden]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q = apply_rope(q.view(t, self.h, self.d), cos, sin)
-        k = apply_rope(k.view(t, self.hkv, self.d), cos, sin)
-        v = v.view(t, self.hkv, self.d)
+        qkv = self.qkv_proj(x)
+        qk = self.qkv_proj.ops.rope(qkv[:, : (self.h + self.hkv) * self.d].view(t, self.h + self.hkv, self.d), cos, sin)
+        q, k = qk[:, : self.h], qk[:, self.h :]  # rotated together: one rope for both
+        v = qkv[:, (self.h + self.hkv) * self.d :].view(t, self.hkv, self.d)
         backend.write_kv(k_cache, v_cache, k, v, meta)
         o = backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, self.h * self.d))
@@ -48,13 +61,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.gate_up_proj.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -65,9 +76,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, backend):
+        # x: the previous layer's output, residual: the stream before it (None at the first
+        # layer, whose x is the embedding). Returns the same pair; the adds ride in the norms.
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add(x, residual)
+        h = self.self_attn(h, cos, sin, k_cache, v_cache, meta, backend)
+        h = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -77,10 +95,16 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.to(dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)
+
+    def use_ops(self, ops) -> None:
+        """Route every linear and norm through `ops` (model/ops.py), chosen once at load."""
+        for m in self.modules():
+            if isinstance(m, (Linear, RMSNorm)):
+                m.ops = ops
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
@@ -96,9 +120,9 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [S] rows whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, vocab] float32
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, backend)
-        x = self.norm(x[logits_indices])
+            x, residual = layer(x, residual, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, backend)
+        x = self.norm(residual.add_(x)[logits_indices])
         return self.lm_head(x).float()

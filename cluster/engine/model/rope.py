@@ -40,15 +40,18 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(pos, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
+        # sin with its first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin
+        sin = emb.sin()
+        sin[:, : head_dim // 2].neg_()
+        self.register_buffer("signed_sin", sin.to(dtype=dtype, device=device), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> cos, sin: [T, 1, D], broadcast over heads
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        # -> cos, signed sin: [T, 1, D], broadcast over heads
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; rotate-half: x * cos + cat(-x2, x1) * sin, with the sign folded into the table
+    t, h, d = x.shape
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
+    return x * cos + swapped * signed_sin

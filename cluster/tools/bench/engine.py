@@ -153,6 +153,11 @@ def main(argv=None) -> int:
                      f"{100 * row['roofline_fraction_all_tokens']:.0f}% counting prompt tokens "
                      f"(a roofline engine: {row['ceiling_tok_s']:.0f} tok/s)")
         print(line, flush=True)
+    # This host's rate drifts (a shared machine): measured again after the runs, to bound the fractions.
+    peak_after = matmul_gflops()
+    print(f"matmul roofline after the runs {peak_after:.1f} GFLOP/s (before {peak:.1f}); the fractions against "
+          f"it: " + ", ".join(f"C={r['concurrency']} {100 * r['roofline_fraction_all_tokens'] * peak / peak_after:.0f}%"
+                              for r in results if "roofline_fraction_all_tokens" in r) + " counting prompt tokens")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

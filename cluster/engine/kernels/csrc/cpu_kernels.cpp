@@ -1,0 +1,341 @@
+// CPU kernels for the fp32 engine. Paged attention for decode: each query row attends to its request's keys and values where
+// they lie in the block pool, so the gathered [B, L, H_kv, D] copy the torch backend makes is never
+// built. Also the KV write (one call for K and V). fp32 only (the CPU path's dtype).
+//
+// Cache views are [num_blocks, block_size, H_kv, D] with the inner three dims contiguous and any
+// stride between blocks (a layer's K or V slice of the pool's [N, L, 2, bs, H_kv, D] tensor).
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  // 32 independent partial sums (four 8-wide vectors, so FMA latency is hidden), in a fixed order:
+  // vectorised without -ffast-math.
+  float acc[32] = {};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+#pragma GCC unroll 32
+    for (int j = 0; j < 32; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  for (; i + 8 <= n; i += 8) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) acc[j] = (acc[j] + acc[j + 8]) + (acc[j + 16] + acc[j + 24]);
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+void check_cache(const at::Tensor& c, const char* name) {
+  TORCH_CHECK(c.dim() == 4 && c.scalar_type() == at::kFloat && c.device().is_cpu(),
+              name, " must be a [N, block_size, H_kv, D] float32 CPU tensor");
+  TORCH_CHECK(c.stride(3) == 1 && c.stride(2) == c.size(3) && c.stride(1) == c.size(2) * c.size(3),
+              name, ": each block's [block_size, H_kv, D] must be contiguous");
+}
+
+// exp(x) for x <= 0 (softmax after the max shift), vectorisable: Cody-Waite range reduction and
+// Cephes' expf polynomial (relative error ~1e-7); below -87 it returns 0 as expf underflows.
+inline float exp_nonpositive(float x) {
+  const float xc = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : e * scale;
+}
+
+constexpr int64_t kMaxGroup = 16;  // query heads per KV head handled in registers
+
+// q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32 -> out [B, H, D]
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [B, H, D] float32");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  const auto qc = q.contiguous();
+  const auto tables = block_tables.contiguous();
+  const auto lens = seq_lens.contiguous();
+  const int64_t B = qc.size(0), H = qc.size(1), D = qc.size(2);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0 && D % 8 == 0, "head shapes do not match (D % 8 == 0)");
+  TORCH_CHECK(H / Hkv <= kMaxGroup, "at most ", kMaxGroup, " query heads per KV head");
+  TORCH_CHECK(tables.size(0) == B && lens.size(0) == B, "one block table and length per row");
+  const int64_t G = H / Hkv, max_blocks = tables.size(1);
+  const int64_t k_stride = k_cache.stride(0), v_stride = v_cache.stride(0), tok = Hkv * D;
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const float* qp = qc.data_ptr<float>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= max_blocks * bs, "seq_lens[", b, "] = ", lp[b], " is out of range");
+  }
+  auto out = at::zeros({B, H, D}, qc.options());
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  // One work item is one (request, kv head): its G query heads read each key and value once.
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t L = lp[b];
+      const int32_t* table = tp + b * max_blocks;
+      scores.resize(static_cast<size_t>(G * L));
+      float* sc = scores.data();
+      const float* qrow = qp + (b * H + h * G) * D;
+      // scores[g, t] = q_g . k_t * scale: k_t loaded once for all G heads, 8 lanes per head.
+      for (int64_t t = 0; t < L; ++t) {
+        const float* k = kp + table[t / bs] * k_stride + (t % bs) * tok + h * D;
+        float acc[kMaxGroup][8] = {};
+        for (int64_t i = 0; i < D; i += 8) {
+          for (int64_t g = 0; g < G; ++g) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; ++j) acc[g][j] += qrow[g * D + i + j] * k[i + j];
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const float* a = acc[g];
+          sc[g * L + t] = (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))) * fscale;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = sc + g * L;
+        float m8[8];
+        for (int j = 0; j < 8; ++j) m8[j] = -std::numeric_limits<float>::infinity();
+        int64_t t = 0;
+        for (; t + 8 <= L; t += 8) {
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) m8[j] = s[t + j] > m8[j] ? s[t + j] : m8[j];
+        }
+        float m = m8[0];
+        for (int j = 1; j < 8; ++j) m = std::max(m, m8[j]);
+        for (; t < L; ++t) m = std::max(m, s[t]);
+        float sum8[8] = {};
+        for (t = 0; t + 8 <= L; t += 8) {
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) {
+            s[t + j] = exp_nonpositive(s[t + j] - m);
+            sum8[j] += s[t + j];
+          }
+        }
+        float sum = ((sum8[0] + sum8[1]) + (sum8[2] + sum8[3])) + ((sum8[4] + sum8[5]) + (sum8[6] + sum8[7]));
+        for (; t < L; ++t) {
+          s[t] = exp_nonpositive(s[t] - m);
+          sum += s[t];
+        }
+        const float inv = 1.0f / sum;
+        for (t = 0; t < L; ++t) s[t] *= inv;
+      }
+      float* orow = op + (b * H + h * G) * D;
+      for (int64_t t = 0; t < L; ++t) {
+        const float* v = vp + table[t / bs] * v_stride + (t % bs) * tok + h * D;
+        for (int64_t g = 0; g < G; ++g) axpy(orow + g * D, sc[g * L + t], v, D);
+      }
+    }
+  });
+  return out;
+}
+
+// k, v: [T, H_kv, D] -> stored at (slot_blocks[t], slot_offsets[t]) of k_cache / v_cache.
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong,
+              "slots must be int64");
+  const auto kc = k.contiguous(), vc = v.contiguous();
+  const int64_t T = kc.size(0), tok = k_cache.size(2) * k_cache.size(3);
+  TORCH_CHECK(kc.numel() == T * tok && vc.numel() == T * tok && slot_blocks.numel() == T &&
+              slot_offsets.numel() == T, "one slot per token, [T, H_kv, D] each");
+  const int64_t N = k_cache.size(0), bs = k_cache.size(1);
+  const int64_t* sb = slot_blocks.data_ptr<int64_t>();
+  const int64_t* so = slot_offsets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sb[t] >= 0 && sb[t] < N && so[t] >= 0 && so[t] < bs, "slot ", t, " is out of range");
+  }
+  float* kd = k_cache.data_ptr<float>();
+  float* vd = v_cache.data_ptr<float>();
+  const float* ks = kc.data_ptr<float>();
+  const float* vs = vc.data_ptr<float>();
+  const int64_t k_stride = k_cache.stride(0), v_stride = v_cache.stride(0);
+  for (int64_t t = 0; t < T; ++t) {
+    std::copy(ks + t * tok, ks + (t + 1) * tok, kd + sb[t] * k_stride + so[t] * tok);
+    std::copy(vs + t * tok, vs + (t + 1) * tok, vd + sb[t] * v_stride + so[t] * tok);
+  }
+}
+
+
+// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for a few rows of x: one pass over w (the bytes that
+// bound a decode step), each w row read once for all m. x: [M, K], w: [N, K] contiguous.
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(x.size(0) <= 8, "small_linear is for at most 8 rows");
+  const auto xc = x.contiguous();
+  const auto wc = w.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  auto y = at::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float* bp = nullptr;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.numel() == N, "bias [N]");
+    bp = bc.data_ptr<float>();
+  }
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* wr = wp + n * K;
+      for (int64_t m = 0; m < M; ++m) {
+        const float v = dot(xp + m * K, wr, K);
+        yp[m * N + n] = bp ? v + bp[n] : v;
+      }
+    }
+  });
+  return y;
+}
+
+// out = rms_norm(x) * w over the last dim; x: [T, C] contiguous.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.numel() == x.size(1), "x [T, C] float32, w [C]");
+  const auto xc = x.contiguous();
+  const auto wc = w.contiguous();
+  const int64_t T = xc.size(0), C = xc.size(1);
+  auto out = at::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* r = xp + t * C;
+      const float inv = 1.0f / std::sqrt(dot(r, r, C) / static_cast<float>(C) + static_cast<float>(eps));
+      for (int64_t c = 0; c < C; ++c) op[t * C + c] = (r[c] * inv) * wp[c];
+    }
+  });
+  return out;
+}
+
+
+// residual += x (in place), then out = rms_norm(residual) * w: a decoder layer's residual add and
+// the next norm in one pass. x, residual: [T, C] contiguous.
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && residual.is_contiguous() &&
+              x.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat && w.numel() == x.size(1),
+              "x and residual [T, C] float32 (residual contiguous), w [C]");
+  const auto xc = x.contiguous();
+  const auto wc = w.contiguous();
+  const int64_t T = xc.size(0), C = xc.size(1);
+  auto out = at::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* r = rp + t * C;
+      for (int64_t c = 0; c < C; ++c) r[c] += xp[t * C + c];
+      const float inv = 1.0f / std::sqrt(dot(r, r, C) / static_cast<float>(C) + static_cast<float>(eps));
+      for (int64_t c = 0; c < C; ++c) op[t * C + c] = (r[c] * inv) * wp[c];
+    }
+  });
+  return out;
+}
+
+
+// Rotate-half RoPE in place: x[t, h, :] = x * cos[t] + swap_halves(x) * signed_sin[t], where
+// signed_sin has its first half negated. x: [T, H, D] with each head's D contiguous (any row
+// and head strides: a view into the fused qkv output); cos, signed_sin: [T, D] (any leading shape).
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x [T, H, D] float32, D contiguous");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const auto cc = cos.contiguous(), sc = signed_sin.contiguous();
+  TORCH_CHECK(D % 2 == 0 && cc.numel() == T * D && sc.numel() == T * D, "cos and sin [T, D]");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
+  const float* sp = sc.data_ptr<float>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      for (int64_t h = 0; h < H; ++h) {
+        float* r = xp + t * st + h * sh;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = r[i], b = r[i + half];
+          r[i] = a * c[i] + b * s[i];
+          r[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+// silu(gate) * up from the fused gate_up output [T, 2I] -> [T, I].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.size(1) % 2 == 0,
+              "gate_up [T, 2I] float32");
+  const auto g = gate_up.contiguous();
+  const int64_t T = g.size(0), I = g.size(1) / 2;
+  auto out = at::empty({T, I}, g.options());
+  const float* gp = g.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = gp + t * 2 * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float x = row[i];
+        op[t * I + i] = (x / (1.0f + std::exp(-x))) * row[I + i];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor w, float eps) -> Tensor");
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_blocks, Tensor slot_offsets) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("write_kv", &write_kv);
+  m.impl("small_linear", &small_linear);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("silu_mul", &silu_mul);
+}

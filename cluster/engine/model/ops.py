@@ -1,0 +1,107 @@
+"""The model's dense ops (linear, RMSNorm, RoPE, SiLU-and-multiply) as a strategy chosen once at load.
+
+`TorchOps` is plain torch and the reference. `CPUKernelOps` (CPU, float32, when the kernels in
+cluster/engine/kernels build here) sends a linear over at most SMALL_ROWS rows, a decode step's
+shape, to a kernel that streams each weight row once for all rows; larger batches stay with
+torch's GEMM. RMSNorm, the residual add with the norm after it, RoPE (in place) and silu(gate) * up are one
+kernel call each (a decode step's cost beyond its weights is mostly per-op dispatch). Chosen by measurement
+(docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from cluster.engine.model.rope import apply_rope
+
+log = logging.getLogger(__name__)
+
+SMALL_ROWS = 4  # up to here one pass over the weights beats torch's GEMM (measured on the demo model)
+
+
+class TorchOps:
+    name = "torch"
+
+    @staticmethod
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, weight.shape, weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x (in place); the norm of the sum."""
+        return F.rms_norm(residual.add_(x), weight.shape, weight, eps)
+
+    @staticmethod
+    def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] rotated (rope.apply_rope); the kernel version rotates x in place."""
+        return apply_rope(x, cos, signed_sin)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+
+class CPUKernelOps:
+    name = "cpu_kernels"
+
+    def __init__(self):
+        from cluster.engine.kernels import cpu  # noqa: PLC0415 — builds only when chosen
+
+        cpu.load()
+        self._linear = torch.ops.pdserve_cpu.small_linear.default  # the overload: cheaper to call than the packet
+        self._rms_norm = torch.ops.pdserve_cpu.rms_norm.default
+        self._add_rms_norm = torch.ops.pdserve_cpu.add_rms_norm.default
+        self._rope = torch.ops.pdserve_cpu.rope_.default
+        self._silu_mul = torch.ops.pdserve_cpu.silu_mul.default
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= SMALL_ROWS:
+            return self._linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._rms_norm(x, weight, eps) if x.dim() == 2 else F.rms_norm(x, weight.shape, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2 and residual.is_contiguous():
+            return self._add_rms_norm(x, residual, weight, eps)
+        return F.rms_norm(residual.add_(x), weight.shape, weight, eps)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        self._rope(x, cos, signed_sin)
+        return x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._silu_mul(gate_up) if gate_up.dim() == 2 else TorchOps.silu_mul(gate_up)
+
+
+TORCH_OPS = TorchOps()
+
+
+def resolve_ops(name: str, device: torch.device, dtype: torch.dtype) -> TorchOps | CPUKernelOps:
+    """"auto": the CPU kernels on CPU float32 when they build here, else torch; logged."""
+    if name == "torch":
+        return TORCH_OPS
+    if device.type != "cpu" or dtype != torch.float32:
+        if name == "cpu_kernels":
+            raise ValueError(f"model_ops=cpu_kernels needs CPU float32, not {device.type} {dtype}")
+        return TORCH_OPS
+    from cluster.engine.kernels.cpu import KernelUnavailable  # noqa: PLC0415
+
+    try:
+        ops = CPUKernelOps()
+    except KernelUnavailable as e:
+        if name == "cpu_kernels":
+            raise ValueError(f"model_ops=cpu_kernels is not usable here: {e}") from e
+        log.info("model ops auto -> torch (%s)", e)
+        return TORCH_OPS
+    log.info("model ops %s -> cpu_kernels", name)
+    return ops

@@ -1,0 +1,129 @@
+"""The compiled CPU kernels equal plain torch (the reference): the paged decode attention against
+the torch backend, the small-batch linear and RMSNorm against torch's, op by op and end to end."""
+
+import random
+
+import pytest
+import torch
+
+from cluster.engine.attention import AttentionMetadata, PrefillSpan, resolve_backend
+from cluster.engine.kernels.cpu import KernelUnavailable, load
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.model.ops import SMALL_ROWS, CPUKernelOps, TorchOps
+from cluster.engine.model.rope import RotaryEmbedding
+from cluster.engine.sampling_params import SamplingParams
+
+try:
+    load()
+except KernelUnavailable as e:  # no C++ compiler here: the torch backend is what auto picks
+    pytest.skip(f"CPU kernels unavailable: {e}", allow_module_level=True)
+
+BS, H, HKV, D, LAYERS, BLOCKS = 16, 6, 2, 32, 3, 64
+
+
+def step_metadata(decode_lens, prefill, rng):
+    """Decodes (one token each, context `decode_lens`, longest first) then one prefill chunk
+    (start, q_len); each request's blocks are random distinct pool blocks."""
+    free = list(range(1, BLOCKS))
+    rng.shuffle(free)
+    ctxs = list(decode_lens) + ([prefill[0] + prefill[1]] if prefill else [])
+    tables = [[free.pop() for _ in range(-(-c // BS))] for c in ctxs]
+    slot_b, slot_o = [], []
+    for i, c in enumerate(ctxs):
+        first = c - 1 if i < len(decode_lens) else prefill[0]
+        for pos in range(first, c):
+            slot_b.append(tables[i][pos // BS])
+            slot_o.append(pos % BS)
+    width = max(len(t) for t in tables)
+    spans = ()
+    if prefill:
+        start, q_len = prefill
+        mask = None
+        if start > 0:
+            mask = torch.arange(start + q_len)[None, :] <= torch.arange(start, start + q_len)[:, None]
+        spans = (PrefillSpan(len(decode_lens), q_len, start + q_len, torch.tensor(tables[-1]), mask),)
+    q_lens = [1] * len(decode_lens) + ([prefill[1]] if prefill else [])
+    return AttentionMetadata(
+        slot_blocks=torch.tensor(slot_b), slot_offsets=torch.tensor(slot_o), num_decode=len(decode_lens),
+        prefills=spans, cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(ctxs, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        max_q_len=max(q_lens), max_seq_len=max(ctxs), block_size=BS)
+
+
+@pytest.mark.parametrize("decode_lens,prefill", [
+    ([1], None), ([16], None), ([17], None), ([200, 120, 33, 16, 5, 1], None),
+    ([90, 40], (32, 20)), ([], (0, 40)), ([64], (0, 9)),
+])
+def test_cpu_paged_equals_the_torch_backend(decode_lens, prefill):
+    rng = random.Random(len(decode_lens))
+    torch.manual_seed(0)
+    meta = step_metadata(decode_lens, prefill, rng)
+    t = len(meta.slot_blocks)
+    pool = torch.randn(BLOCKS, LAYERS, 2, BS, HKV, D)
+    q, k, v = torch.randn(t, H, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
+    outs = []
+    for name in ("torch", "cpu_paged"):
+        backend = resolve_backend(name, torch.device("cpu"), BS)
+        cache = pool.clone()
+        kc, vc = cache[:, 1, 0], cache[:, 1, 1]  # a middle layer: strided views, as the model passes them
+        backend.write_kv(kc, vc, k, v, meta)
+        outs.append((backend.attend(q, k, v, kc, vc, meta, D**-0.5), cache))
+    (ref, ref_cache), (got, got_cache) = outs
+    assert torch.equal(got_cache, ref_cache)  # the same slots written, nothing else touched
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_refuses_a_length_past_its_table():
+    meta = step_metadata([20], None, random.Random(0))  # 2 blocks
+    pool = torch.zeros(BLOCKS, 1, 2, BS, HKV, D)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.pdserve_cpu.paged_decode(torch.zeros(1, H, D), pool[:, 0, 0], pool[:, 0, 1],
+                                           meta.block_tables, torch.tensor([33], dtype=torch.int32), 1.0)
+
+
+@pytest.mark.parametrize("rows", [1, 2, SMALL_ROWS, SMALL_ROWS + 1, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_model_ops_equal_torch(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g)
+    b = torch.randn(200, generator=g) if bias else None
+    norm_w = torch.randn(96, generator=g)
+    fast, ref = CPUKernelOps(), TorchOps()
+    torch.testing.assert_close(fast.linear(x, w, b), ref.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.rms_norm(x, norm_w, 1e-5), ref.rms_norm(x, norm_w, 1e-5), rtol=1e-6, atol=1e-6)
+    res_fast, res_ref = w[:rows].clone(), w[:rows].clone()
+    got, want = fast.add_rms_norm(x, res_fast, norm_w, 1e-5), ref.add_rms_norm(x, res_ref, norm_w, 1e-5)
+    assert torch.equal(res_fast, res_ref) and torch.equal(res_ref, w[:rows] + x)  # the residual, in place
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    gate_up = torch.randn(rows, 2 * 96, generator=g)
+    torch.testing.assert_close(fast.silu_mul(gate_up), ref.silu_mul(gate_up), rtol=1e-6, atol=1e-6)
+
+
+def test_rope_in_place_equals_torch():
+    from cluster.engine.model_config import RopeConfig  # noqa: PLC0415
+
+    rot = RotaryEmbedding(32, 64, RopeConfig(theta=10000.0), torch.float32, torch.device("cpu"))
+    cos, sin = rot(torch.tensor([0, 5, 17, 63]))
+    qkv = torch.randn(4, (6 + 2 * 2) * 32, generator=torch.Generator().manual_seed(1))
+    view = qkv[:, : 8 * 32].view(4, 8, 32)  # q and k heads: a strided view, as the model passes it
+    want = TorchOps().rope(view.clone(), cos, sin)
+    v_before = qkv[:, 8 * 32 :].clone()
+    got = CPUKernelOps().rope(view, cos, sin)
+    assert got.data_ptr() == qkv.data_ptr()  # in place
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, 8 * 32 :], v_before)  # v untouched
+
+
+def test_engines_on_the_kernels_and_on_torch_give_the_same_greedy_tokens(tiny_model):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(320) for _ in range(n)] for n in (1, 15, 16, 17, 40, 70, 130)]
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    got = {}
+    for attention, ops in (("torch", "torch"), ("cpu_paged", "cpu_kernels")):
+        engine = LLMEngine.from_model(tiny_model, num_blocks=96, max_num_batched_tokens=48,
+                                      attention_backend=attention, model_ops=ops)
+        assert engine.runner.backend.name == attention and engine.model.lm_head.ops.name == ops
+        got[attention] = [o.token_ids for o in engine.generate(prompts, sp)]
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert got["cpu_paged"] == got["torch"]
