@@ -247,8 +247,7 @@ class Budget:
             return Hold(self, tenant, rid, reserved=False)
         amount = cost_micros(self.price, prompt_tokens, max_tokens)
         try:
-            granted, spent, reserved = await asyncio.wait_for(
-                self.ledger.reserve.remote(tenant, rid, amount, budget), self.options.timeout_s)
+            granted, spent, reserved = await self._reserve_call(tenant, rid, amount, budget)
         except Exception as e:  # noqa: BLE001
             self._ledger = None
             if self.options.when_unreachable == "closed":
@@ -266,6 +265,23 @@ class Budget:
                 f"prices). The budget renews on {time.strftime('%Y-%m-%d', time.gmtime(renews))} (UTC); a smaller "
                 f"max_tokens may fit the ${usd(max(budget - spent - reserved, 0)):.6f} left", renews - now)
         return Hold(self, tenant, rid, reserved=True)
+
+    async def _reserve_call(self, tenant: str, rid: str, amount: int, budget: int):
+        """The ledger's reserve, within timeout_s. A handle that meets a dead or restarting ledger
+        (Ray restarts it from its file) is dropped and the call retried while time is left: a
+        repeated id is granted once, so a retry never reserves twice."""
+        from ray.exceptions import ActorUnavailableError, RayActorError  # noqa: PLC0415
+
+        deadline = time.monotonic() + self.options.timeout_s
+        while True:
+            try:
+                return await asyncio.wait_for(self.ledger.reserve.remote(tenant, rid, amount, budget),
+                                              max(deadline - time.monotonic(), 0.01))
+            except (ActorUnavailableError, RayActorError):
+                self._ledger = None
+                if time.monotonic() + 0.05 >= deadline:
+                    raise
+                await asyncio.sleep(0.05)
 
     def background(self, hold: Hold) -> None:
         task = asyncio.get_running_loop().create_task(self._tell(hold))
