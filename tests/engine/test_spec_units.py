@@ -151,6 +151,6 @@ def test_the_textbook_rejection_sampler_agrees():
     """Accept x with p(x), else sample p without x renormalised: the same distribution."""
     g = torch.Generator().manual_seed(99)
     counts = torch.zeros(6)
-    for _ in range(20000):
+    for _ in range(10000):
         counts[accept_rejection(P0, 1, g)[1]] += 1
     assert chi_square(counts, P0) < CHI2_999[5]

@@ -92,7 +92,7 @@ def test_abort_mid_speculation_and_preemption_leave_no_block_behind(tiny_model):
     # 14 blocks of 4 tokens for four 40-token requests: preemptions are certain
     plain, spec = pair(tiny_model, num_blocks=14, block_size=4)
     ps = prompts([6, 10, 14, 18], seed=7)
-    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     want = plain.generate(ps, sp)
     got = spec.generate(ps, sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -190,4 +190,23 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_model):
     df = len(support) - 1
     assert chi_square(counts[support], marginal[support]) < CHI2_999[df], (df, counts[support], marginal[support] * n)
     assert 0.1 * n < spec.stats.spec_accepted_tokens < 0.9 * n  # drafts both accepted and rejected
+    assert_leak_free(spec)
+
+
+def test_a_migrated_request_speculates_from_the_tokens_already_sent(engines, tiny_model):
+    """add_after_tokens (a migration, or decode computing a prompt whose first token came from
+    prefill): the prompt and the tokens already sent are computed here, then it speculates."""
+    plain, spec = engines
+    p = prompts([25], seed=11)[0]
+    full = plain.generate([p], GREEDY)[0].token_ids
+    for sent in (1, 9):
+        before = spec.stats.spec_accepted_tokens
+        req = spec.make_request(f"migrated-{sent}", prompt_token_ids=p, sampling=GREEDY)
+        spec.add_after_tokens(req, full[:sent])
+        rest = []
+        while spec.has_unfinished():
+            for o in spec.step():
+                rest += o.token_ids
+        assert rest == full[sent:]
+        assert spec.stats.spec_accepted_tokens > before
     assert_leak_free(spec)
