@@ -2,10 +2,13 @@
 
     python -m cluster.tools.bench.spec [--streams 1 8] [--max-tokens 160] [--rounds 1]
 
-The demo model (SmolLM2-135M-Instruct, float32), greedy. Two workloads:
+The demo model (SmolLM2-135M-Instruct, float32). Three workloads:
   - copy: "repeat/rewrite this paragraph" chat prompts, where the answer quotes the prompt;
-  - open: open-ended chat prompts with nothing to copy (the adaptive switch should keep
-    speculation from costing more than it saves).
+  - open: open-ended chat prompts, greedy (answers still quote the question and repeat phrases);
+  - sampled: the open prompts sampled at temperature 1 (seeded): nothing to copy, drafts are
+    mostly rejected, and the adaptive switch must keep speculation from costing more than it
+    saves. Seeded sampling gives the same tokens with and without speculation, so both arms
+    produce the same text here too.
 For each workload and each stream count C, C requests run at once (the 1-stream arm runs the
 prompts one after another), on two engines of the same checkpoint and options but `speculative`
 (n-gram, k 4) in one and off in the other. The arms alternate per batch of prompts. Prints output
@@ -70,10 +73,16 @@ def chat_prompts(engine: LLMEngine, workload: str) -> list[list[int]]:
             for t in texts]
 
 
-def run(engine: LLMEngine, batches: list[list[list[int]]], sp: SamplingParams):
+def sampling(workload: str, max_tokens: int, n: int) -> list[SamplingParams]:
+    if workload == "sampled":
+        return [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i) for i in range(n)]
+    return [SamplingParams(max_tokens=max_tokens, temperature=0)] * n
+
+
+def run(engine: LLMEngine, batches: list[list[list[int]]], sp: list[SamplingParams]):
     """Each batch at once, one after another: (seconds, output tokens, CPU seconds, token lists)."""
     t, cpu = time.perf_counter(), time.process_time()
-    outs = [o for batch in batches for o in engine.generate(batch, sp)]
+    outs = [o for batch in batches for o in engine.generate(batch, sp[:len(batch)])]
     return (time.perf_counter() - t, sum(o.num_output_tokens for o in outs), time.process_time() - cpu,
             [o.token_ids for o in outs])
 
@@ -83,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=1, help="repeat each arm this many times (alternating)")
-    ap.add_argument("--workloads", nargs="+", default=["copy", "open"], choices=["copy", "open"])
+    ap.add_argument("--workloads", nargs="+", default=["copy", "open", "sampled"],
+                    choices=["copy", "open", "sampled"])
     ap.add_argument("--k", type=int, default=4)
     args = ap.parse_args(argv)
 
@@ -91,24 +101,24 @@ def main(argv: list[str] | None = None) -> None:
     opts = dict(num_blocks=1024, max_model_len=2048)
     plain = LLMEngine.from_model(model, **opts)
     spec = LLMEngine.from_model(model, speculative={"method": "ngram", "k": args.k}, **opts)
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     warm = chat_prompts(plain, "open")[:1]
     plain.generate(warm, SamplingParams(max_tokens=8, temperature=0))
     spec.generate(warm, SamplingParams(max_tokens=8, temperature=0))
 
-    print(f"model {model}, greedy, max_tokens {args.max_tokens}, n-gram k {args.k}")
+    print(f"model {model}, max_tokens {args.max_tokens}, n-gram k {args.k}")
     print("| workload | streams | requests | plain tok/s | spec tok/s | spec / plain | acceptance | "
           "drafts / token | same tokens | CPU s (plain, spec) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for workload in args.workloads:
-        prompts = chat_prompts(plain, workload)
+        prompts = chat_prompts(plain, "copy" if workload == "copy" else "open")
+        params = sampling(workload, args.max_tokens, len(prompts))
         for c in args.streams:
-            batches = [prompts[i:i + c] for i in range(0, len(prompts), c)]
+            batches = [(prompts[i:i + c], params[i:i + c]) for i in range(0, len(prompts), c)]
             tp = ts = n_p = n_s = cpu_p = cpu_s = 0.0
             same = total = 0
             st0 = (spec.stats.spec_proposed_tokens, spec.stats.spec_accepted_tokens)
             for _ in range(args.rounds):
-                for batch in batches:  # alternate the arms batch by batch: drift hits both alike
+                for batch, sp in batches:  # alternate the arms batch by batch: drift hits both alike
                     dp, np_, cp, toks_p = run(plain, [batch], sp)
                     ds, ns, cs, toks_s = run(spec, [batch], sp)
                     tp, ts, n_p, n_s, cpu_p, cpu_s = tp + dp, ts + ds, n_p + np_, n_s + ns, cpu_p + cp, cpu_s + cs
