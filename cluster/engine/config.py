@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.errors import InvalidRequestError
 
@@ -53,6 +53,36 @@ class RequestLimits(BaseModel):
                 "stop_token_ids", f"has {stop_token_ids} token ids; at most {self.max_stop_token_ids} are accepted")
 
 
+class SpeculativeOptions(BaseModel):
+    """Speculative decoding of this model's decodes (cluster/engine/spec/): a proposer drafts up
+    to `k` tokens per request and the model verifies them in the normal step. Off by default."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["off", "ngram"] = Field(
+        "off", description='"ngram": prompt lookup (the tokens that followed the latest earlier '
+        'occurrence of the request\'s last n tokens); "off": none.')
+    k: int = Field(4, ge=1, le=16, description="Most draft tokens per request per step (adaptive below it).")
+    ngram_min: int = Field(2, ge=1, le=16, description="Shortest suffix the n-gram proposer matches.")
+    ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix the n-gram proposer matches (tried first).")
+    min_acceptance: float = Field(
+        0.35, ge=0.0, le=1.0, description="A request whose recent acceptance rate (drafts accepted / "
+        "proposed) falls below this stops speculating for a while (doubling each time), then tries again.")
+    max_batch: int = Field(
+        32, ge=0, description="The replica speculates only while at most this many requests are decoding: "
+        "under a larger batch a step is compute-bound and drafts cost more than they save.")
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> "SpeculativeOptions":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 class EngineOptions(BaseModel):
     """What an engine replica may be tuned with; the model is chosen elsewhere."""
 
@@ -79,6 +109,8 @@ class EngineOptions(BaseModel):
     queue_ttl_s: float | None = Field(
         None, gt=0, description="A request not admitted within this long is rejected (overload). None = no limit.")
     limits: RequestLimits = Field(default_factory=RequestLimits, description="Caps on one request's input (400).")
+    speculative: SpeculativeOptions = Field(
+        default_factory=SpeculativeOptions, description="Speculative decoding (off by default).")
 
     def num_kv_blocks(self, block_bytes: int) -> int:
         return self.num_blocks or int(self.kv_cache_memory_gb * 2**30 // block_bytes)

@@ -29,6 +29,8 @@ from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext, Req
 from cluster.engine.sampler import RequestFailure
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
+from cluster.engine.spec.controller import Speculator
+from cluster.engine.spec.proposer import make_proposer
 from cluster.engine.probe import EngineProbe
 from cluster.engine.tokenizer import IncrementalDetokenizer
 from cluster.engine.validation import RequestValidator
@@ -80,6 +82,9 @@ class LLMEngine:
                                   grammars)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
+        spec = config.speculative
+        self.speculator = None if not spec.enabled else Speculator(
+            spec, make_proposer(spec.method, spec.ngram_min, spec.ngram_max), self.stats, self.max_model_len)
         self.probe: EngineProbe | None = None  # set by a replica with telemetry on (plain Python, no Ray)
         log.info(
             "engine ready: model=%s dtype=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)",
@@ -248,7 +253,7 @@ class LLMEngine:
     def _time_step(self, out: SchedulerOutput, seconds: float) -> None:
         st = self.stats
         st.step_s_avg = _smooth(st.step_s_avg, seconds)
-        if all(c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens for c in out.chunks):
+        if all(c.num_tokens == 1 + len(c.draft) and c.start >= c.request.num_prompt_tokens for c in out.chunks):
             st.decode_steps += 1
             st.decode_step_s_avg = _smooth(st.decode_step_s_avg, seconds)
         else:
@@ -257,6 +262,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         expired = [self.final_output(r, [], "") for r in self.scheduler.expire(time.time(), time.monotonic())]
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
@@ -274,7 +281,10 @@ class LLMEngine:
             return expired + self._fail({c.request.request_id: failure for c in out.chunks})
         # Requests whose own numbers failed end alone, before update(), which then skips them.
         outputs = expired + self._fail(sampled.failed)
-        self.scheduler.update(out, sampled.tokens)
+        before = {c.request.request_id: c.request.num_output_tokens for c in out.chunks if c.samples}
+        self.scheduler.update(out, sampled.tokens, sampled.accepted)
+        if self.speculator is not None:
+            self.speculator.observe(out, sampled.accepted)
         self.stats.steps += 1
         self.stats.consecutive_step_errors = 0
         self.stats.last_step_s = time.perf_counter() - t0
@@ -290,10 +300,18 @@ class LLMEngine:
                 continue
             if req.num_output_tokens == 1:  # its prompt is done: count what the cache saved once
                 self.stats.cached_prompt_tokens += req.num_cached_tokens
-            self.stats.generation_tokens += 1
-            token = req.output_token_ids[-1]
+            tokens = req.output_token_ids[before[req.request_id]:]  # one, or a speculative step's several
             detok = self._detok[req.request_id]
-            detok.add(token)
+            for i, token in enumerate(tokens):
+                detok.add(token)
+                if detok.stopped:  # a stop string: the tokens after it are never emitted
+                    if i + 1 < len(tokens):
+                        req.drop_last_tokens(len(tokens) - i - 1)
+                        tokens = tokens[: i + 1]
+                        if req.status.finished:  # by a later token: the stop string came first
+                            req.status = RequestStatus.FINISHED_STOPPED
+                    break
+            self.stats.generation_tokens += len(tokens)
             if detok.stopped and not req.status.finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             finished = req.status.finished
@@ -301,9 +319,9 @@ class LLMEngine:
             lp = sampled.logprobs.get(req.request_id)
             logprobs = None if lp is None else [lp]
             if finished:
-                outputs.append(self.final_output(req, [token], text, logprobs))
+                outputs.append(self.final_output(req, tokens, text, logprobs))
             else:
-                outputs.append(self._delta(req, [token], text, logprobs))
+                outputs.append(self._delta(req, tokens, text, logprobs))
         return outputs
 
     def _fail(self, failures: dict[str, RequestFailure]) -> list[RequestOutput]:

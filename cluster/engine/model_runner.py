@@ -48,7 +48,26 @@ class ModelRunner:
             self.kv_cache, meta, self.backend,
             torch.tensor(logits_idx, dtype=torch.long, device=dev),
         )
-        return self.sampler.sample(logits, [c.request for c in samplers])
+        if not any(c.draft for c in samplers):
+            return self.sampler.sample(logits, [c.request for c in samplers])
+        return self._sample_with_drafts(logits, samplers)
+
+    def _sample_with_drafts(self, logits: torch.Tensor, samplers: list[ScheduledChunk]) -> SamplerOutput:
+        """A speculative chunk has 1 + len(draft) logits rows (in `samplers` order), the others one."""
+        plain_rows, spec_rows, row = [], [], 0
+        for c in samplers:
+            (spec_rows if c.draft else plain_rows).extend(range(row, row + 1 + len(c.draft)))
+            row += 1 + len(c.draft)
+        dev = logits.device
+        out = self.sampler.verify(logits[torch.tensor(spec_rows, device=dev)],
+                                  [(c.request, c.draft) for c in samplers if c.draft])
+        plain = [c.request for c in samplers if not c.draft]
+        if plain:
+            rest = self.sampler.sample(logits[torch.tensor(plain_rows, device=dev)], plain)
+            out.tokens.update(rest.tokens)
+            out.failed.update(rest.failed)
+            out.logprobs.update(rest.logprobs)
+        return out
 
     @staticmethod
     def _flatten(chunks: list[ScheduledChunk]):
@@ -57,10 +76,12 @@ class ModelRunner:
         logits_idx: list[int] = []
         samplers: list[ScheduledChunk] = []
         for c in chunks:
-            input_ids += c.request.all_token_ids[c.start : c.start + c.num_tokens]
+            known = c.num_tokens - len(c.draft)  # a speculative chunk: the last token, then its drafts
+            input_ids += c.request.all_token_ids[c.start : c.start + known]
+            input_ids += c.draft
             positions += range(c.start, c.start + c.num_tokens)
             if c.samples:
-                logits_idx.append(len(input_ids) - 1)
+                logits_idx.extend(range(len(input_ids) - 1 - len(c.draft), len(input_ids)))
                 samplers.append(c)
         return input_ids, positions, logits_idx, samplers
 

@@ -84,6 +84,15 @@ class EngineStats:
     prompt_steps: int = 0
     prompt_s_per_token_avg: float = 0.0
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding (cluster/engine/spec/): verified speculative chunks, their draft tokens
+    # proposed and accepted, time spent proposing, and speculation turned off, by reason
+    # (per request: grammar, logprobs, penalties, logit_bias, low_acceptance for each pause;
+    # per step: batch, the replica's decode batch over max_batch).
+    spec_steps: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_proposer_s: float = 0.0
+    spec_off: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cluster.engine.kv_cache.hashing import BlockHash
 from cluster.engine.outputs import FinishReason
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import ErrorKind
+
+if TYPE_CHECKING:
+    from cluster.engine.spec.state import SpecState
 
 
 class RequestStatus(enum.Enum):
@@ -81,6 +85,10 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None  # the first token sampled here (None: it came from prefill)
     last_token_time: float | None = None
+    # Speculative decoding (cluster/engine/spec/): this step's draft tokens, set before schedule()
+    # and consumed by it, and the request's own speculation state (its proposer index, adaptive k).
+    draft_token_ids: tuple[int, ...] = ()
+    spec: "SpecState | None" = None
 
     def __post_init__(self):
         self._all = list(self.prompt_token_ids)
@@ -108,6 +116,13 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all.append(token_id)
+
+    def drop_last_tokens(self, n: int) -> None:
+        """Forget the last `n` output tokens (sampled in one speculative step after a stop string
+        that ended the request: they are never emitted)."""
+        if n:
+            del self.output_token_ids[-n:]
+            del self._all[-n:]
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Stop conditions known from token ids alone (stop strings are the detokenizer's)."""

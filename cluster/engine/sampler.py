@@ -29,6 +29,7 @@ import torch
 from cluster.engine.grammar import GrammarFailure, Grammars
 from cluster.engine.outputs import TokenLogprob
 from cluster.engine.request import Request
+from cluster.engine.spec.verify import accept_greedy, accept_sampled
 from cluster.errors import ErrorKind
 
 
@@ -45,6 +46,8 @@ class SamplerOutput:
     tokens: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
     failed: dict[str, RequestFailure] = field(default_factory=dict)  # request id -> why none
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # request id -> its token's, if asked
+    # Speculative chunks (verify): the draft tokens accepted, which come before tokens[request id].
+    accepted: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 NON_FINITE_LOGITS = RequestFailure(ErrorKind.INTERNAL, "the model's logits are not finite (nan or inf)")
@@ -179,20 +182,52 @@ class Sampler:
             col([sp.top_p for sp in sps]), col([sp.min_p for sp in sps]),
         ).cpu()
 
+    def verify(self, logits: torch.Tensor, chunks: list[tuple[Request, tuple[int, ...]]]) -> SamplerOutput:
+        """Speculative chunks: logits [sum of 1 + len(draft), V], each request's rows contiguous
+        (its last token's position, then one per draft). Accepted drafts and the next token per
+        request (cluster/engine/spec/verify.py), or a failure when a position it reached has no
+        finite logits or its sampling numbers give no distribution. Plain sampling only (the
+        speculation controller keeps bias, penalties, logprobs and grammars off this path)."""
+        finite = torch.isfinite(logits.amax(dim=-1))
+        targets = torch.where(finite, logits.argmax(dim=-1), -1).tolist()  # -1: not finite (one sync)
+        out = SamplerOutput()
+        cpu_logits = None
+        row = 0
+        for req, draft in chunks:
+            rid, sp, first = req.request_id, req.sampling, row
+            row += 1 + len(draft)
+            mine = targets[first:row]
+            if sp.greedy:
+                accepted, token = accept_greedy(mine, draft)  # -1 never equals a draft: it stops there
+                if token < 0:
+                    out.failed[rid] = NON_FINITE_LOGITS
+                else:
+                    out.accepted[rid], out.tokens[rid] = accepted, token
+                continue
+            if cpu_logits is None:
+                cpu_logits = logits.cpu()
+            probs: list[torch.Tensor] = []
+
+            def position(j: int) -> torch.Tensor:
+                if mine[j] < 0:
+                    raise _NonFinite
+                probs.append(_row_probs(cpu_logits[first + j], sp))
+                return probs[-1]
+
+            try:
+                out.accepted[rid], out.tokens[rid] = accept_sampled(position, draft, self._generator(req))
+            except _NonFinite:
+                out.failed[rid] = NON_FINITE_LOGITS
+            except Exception as e:  # noqa: BLE001 — this request's failure, never the batch's
+                out.failed[rid] = _sampling_failure(sp, probs[-1] if probs else None, e)
+        return out
+
     def _draw(self, probs: torch.Tensor, req: Request) -> int | RequestFailure:
         sp = req.sampling
         try:
             return int(torch.multinomial(probs, 1, generator=self._generator(req)).item())
         except Exception as e:  # noqa: BLE001 — this request's failure, never the batch's
-            if not _is_distribution(probs):
-                # The logits were finite, so the request's own sampling numbers broke them.
-                return RequestFailure(
-                    ErrorKind.INVALID_INPUT,
-                    f"sampling parameters (temperature={sp.temperature!r}, top_k={sp.top_k}, top_p={sp.top_p!r}, "
-                    f"min_p={sp.min_p!r}) "
-                    f"give no valid probability distribution",
-                )
-            return RequestFailure(ErrorKind.INTERNAL, f"sampling failed: {type(e).__name__}: {e}")
+            return _sampling_failure(sp, probs, e)
 
     def _generator(self, req: Request) -> torch.Generator:
         if req.sampling.seed is None:
@@ -211,6 +246,30 @@ def _refused(bitmask: torch.Tensor) -> torch.Tensor:
     refused. Read as little-endian bytes, byte k bit j of word w is token 32w + 8k + j: the same order."""
     u8 = bitmask.contiguous().view(torch.uint8)  # [S, 4W]
     return (u8[:, :, None] & _BITS.to(u8.device)).eq(0).view(bitmask.shape[0], -1)
+
+
+class _NonFinite(Exception):
+    """A speculative position the verification reached has no finite logits."""
+
+
+def _sampling_failure(sp, probs: torch.Tensor | None, e: Exception) -> RequestFailure:
+    if probs is not None and not _is_distribution(probs):
+        # The logits were finite, so the request's own sampling numbers broke them.
+        return RequestFailure(
+            ErrorKind.INVALID_INPUT,
+            f"sampling parameters (temperature={sp.temperature!r}, top_k={sp.top_k}, top_p={sp.top_p!r}, "
+            f"min_p={sp.min_p!r}) "
+            f"give no valid probability distribution",
+        )
+    return RequestFailure(ErrorKind.INTERNAL, f"sampling failed: {type(e).__name__}: {e}")
+
+
+def _row_probs(row: torch.Tensor, sp) -> torch.Tensor:
+    """One row's filtered distribution [V]: the batched filters on a batch of one (the same
+    operations as a plain step, so a seeded draw is the same with or without speculation)."""
+    col = lambda v, dtype=torch.float32: torch.tensor([[v]], dtype=dtype, device=row.device)  # noqa: E731
+    return _filtered_probs(row[None], col(sp.temperature), col(sp.top_k, torch.long), col(sp.top_p),
+                           col(sp.min_p))[0]
 
 
 def _is_distribution(probs: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ The scheduler never touches tensors; it is tested with a KV manager and token id
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cluster.errors import QueueFullError
@@ -36,6 +37,9 @@ class ScheduledChunk:
     start: int  # first token position computed in this step
     num_tokens: int
     samples: bool  # the chunk reaches the end of the known tokens, so a token is sampled
+    # Speculative decode: draft tokens computed after the request's last token. The model scores
+    # all 1 + len(draft) positions; the accepted drafts and one more token are appended.
+    draft: tuple[int, ...] = ()
 
 
 @dataclass
@@ -191,11 +195,20 @@ class Scheduler:
 
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for req in decoding + prefilling:
+        for i, req in enumerate(decoding + prefilling):
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if req.draft_token_ids:
+                # Drafts take only budget the remaining decodes do not need, and never preempt.
+                draft = req.draft_token_ids[: max(0, budget - max(0, len(decoding) - i))]
+                req.draft_token_ids = ()
+                if draft and self.kv.allocate_slots(req, 1 + len(draft)):
+                    out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1 + len(draft), True, draft))
+                    scheduled.add(req.request_id)
+                    budget -= 1 + len(draft)
+                    continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._allocate_or_preempt(req, n, scheduled, out):
                 continue
@@ -265,16 +278,25 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.status = RequestStatus.WAITING
+        req.draft_token_ids = ()
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply one step's results. Returns the requests that finished in it."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               accepted: Mapping[str, Sequence[int]] | None = None) -> list[Request]:
+        """Apply one step's results. Returns the requests that finished in it. `accepted`: for a
+        speculative chunk, its draft tokens the model accepted (a prefix of the draft), which
+        come before the request's sampled token."""
         finished = []
         for chunk in out.chunks:
             req = chunk.request
             if req.status != RequestStatus.RUNNING:  # aborted while the step ran
+                continue
+            if chunk.draft:
+                if self._update_speculative(req, (accepted or {}).get(req.request_id, ()),
+                                            sampled[req.request_id]):
+                    finished.append(req)
                 continue
             req.num_computed_tokens += chunk.num_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
@@ -285,6 +307,25 @@ class Scheduler:
                     self.finish(req.request_id, status)
                     finished.append(req)
         return finished
+
+    def _update_speculative(self, req: Request, accepted: Sequence[int], token: int) -> bool:
+        """The last token and the accepted drafts are now computed; the rejected drafts' slots go
+        back (the request keeps the blocks a non-speculative decode would hold). Tokens are
+        appended one at a time, each checked as a decode's would be: none after a stop."""
+        computed = req.num_computed_tokens + 1 + len(accepted)
+        status = None
+        for t in (*accepted, token):
+            req.append_token(t)
+            status = req.check_stop(self.max_model_len)
+            if status is not None:
+                break
+        req.num_computed_tokens = min(computed, req.num_tokens)
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        if status is not None:
+            self.finish(req.request_id, status)
+            return True
+        self.kv.trim(req.request_id, req.num_computed_tokens)
+        return False
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()

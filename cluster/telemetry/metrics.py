@@ -73,6 +73,10 @@ class EngineMetrics:
     transfer_pull_seconds: object
     transfer_fallbacks: object
     leases: object
+    spec_proposed: object
+    spec_accepted: object
+    spec_proposer_seconds: object
+    spec_off: object
 
 
 @lru_cache(maxsize=None)
@@ -187,4 +191,13 @@ def engine_metrics() -> EngineMetrics:
         transfer_fallbacks=Counter("pdserve_kv_transfer_fallbacks", "Failed pulls recomputed locally", r),
         leases=Counter("pdserve_kv_leases", "Prefill KV leases by event: granted, released (pulled), expired",
                        (*r, "event")),
+        spec_proposed=Counter("pdserve_spec_proposed_tokens", "Speculative decoding: draft tokens verified by "
+                              "the model (acceptance rate = rate of accepted / rate of this)", r),
+        spec_accepted=Counter("pdserve_spec_accepted_tokens", "Speculative decoding: draft tokens accepted "
+                              "(each one a decode step saved)", r),
+        spec_proposer_seconds=Counter("pdserve_spec_proposer_seconds", "Speculative decoding: time spent "
+                                      "proposing drafts", r),
+        spec_off=Counter("pdserve_spec_off", "Speculative decoding turned off, by reason: per request for "
+                         "grammar, logprobs, penalties, logit_bias, and each low_acceptance pause; per step "
+                         "for batch (more requests decoding than max_batch)", (*r, "reason")),
     )

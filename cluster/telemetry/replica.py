@@ -126,6 +126,11 @@ class ReplicaTelemetry:
         sync(m.preemptions, tags, stats.preemptions)
         for reason, n in stats.finished_by_reason.items():
             sync(m.finished, {**tags, "reason": reason}, n)
+        sync(m.spec_proposed, tags, stats.spec_proposed_tokens)
+        sync(m.spec_accepted, tags, stats.spec_accepted_tokens)
+        sync(m.spec_proposer_seconds, tags, stats.spec_proposer_s)
+        for reason, n in stats.spec_off.items():
+            sync(m.spec_off, {**tags, "reason": reason}, n)
         t = asdict(self.transfer)
         sync(m.transfer_bytes, tags, t["bytes_pulled"])
         sync(m.transfer_blocks, {**tags, "kind": "pulled"}, t["blocks_pulled"])

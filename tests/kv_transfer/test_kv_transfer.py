@@ -295,3 +295,22 @@ def test_penalties_bias_and_logprobs_span_prefill_and_decode(prefill, decode, ti
     assert rest == expected[5:]
     assert_pools_whole(prefill, decode)
     assert prefill.stats()["leases_expired"] == expired  # the READ's done notice ended the lease
+
+
+def test_speculative_decode_after_an_imported_first_token_equals_in_process(prefill, tiny_model, store):
+    """The decode engine speculates (n-gram) from the token prefill sampled: greedy output equals
+    the engine without speculation, drafts were accepted, both pools end whole."""
+    spec = {"method": "ngram", "k": 4, "ngram_min": 1, "ngram_max": 3}
+    dec = make_decode(tiny_model, store, "decode-spec", speculative=spec)
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [[256] + [(i * i + 3 * n) % 11 for i in range(n - 1)] for n in (9, 17, 40)]
+    want = [o.token_ids for o in LLMEngine.from_model(tiny_model, num_blocks=64).generate(prompts, sp)]
+    try:
+        got, finals = run_disaggregated(prefill, dec, prompts, sp, tag="spec")
+        assert got == want
+        assert [f.num_output_tokens for f in finals] == [40] * len(prompts)
+        assert dec.transport.stats.pulls_ok == len(prompts)
+        assert dec.engine.stats.spec_accepted_tokens >= 20
+        assert_pools_whole(prefill, dec)
+    finally:
+        dec.transport.close()

@@ -112,6 +112,17 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
 
+    def free_unused(self, blocks: Iterable[Block]) -> None:
+        """Give back blocks that were allocated and hold nothing worth keeping (speculative slots
+        rolled back): to the free queue's head, so they are reused before any cached block is
+        evicted. Each must be uncached and referenced only by its caller."""
+        for block in blocks:
+            if block.ref_cnt != 1 or block.block_hash is not None:
+                raise RuntimeError(f"block {block.block_id} is shared or cached: it cannot be rolled back")
+            block.ref_cnt = 0
+            self._free[block.block_id] = None
+            self._free.move_to_end(block.block_id, last=False)
+
     def quarantine(self, blocks: Iterable[Block]) -> None:
         """Hand one reference of each block (its caller's) to a quarantine: the block stays out of
         the free queue until `unquarantine` drops that reference."""

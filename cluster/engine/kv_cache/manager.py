@@ -129,6 +129,19 @@ class KVCacheManager:
             self.pool.cache(blocks[i], hashes[i])
         self._num_cached[req.request_id] = end
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Keep only the blocks the first `num_tokens` tokens need: the slots of rejected draft
+        tokens are rolled back (those blocks were allocated this step and never cached).
+        Returns how many blocks went back."""
+        blocks = self._blocks.get(request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return 0
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_unused(reversed(extra))
+        return len(extra)
+
     def free(self, request_id: str) -> None:
         """Release a request's blocks, tail first (a prompt's end is evicted before its prefix)."""
         blocks = self._blocks.pop(request_id, None)

@@ -1,0 +1,112 @@
+"""When to speculate, and how far: the engine calls `propose` before each schedule and `observe`
+after each update.
+
+- A request speculates only when its sampling runs on the plain path: logit_bias, penalties,
+  logprobs and response_format (grammar) turn speculation off for it, once, counted by reason
+  (their state advances token by token; verifying them exactly would need each draft position's
+  own counts, bias rows, grammar state and logprobs). Temperature, top_k, top_p, min_p and seeds
+  are exact under speculation (cluster/engine/spec/verify.py).
+- k per request follows its recent acceptance rate r (an EWMA over verified steps): with i.i.d.
+  acceptance the expected run of accepted drafts is r / (1 - r), so k = 1 + floor(r / (1 - r)),
+  capped at options.k. A request whose r falls below options.min_acceptance stops speculating
+  for 16 output tokens, then 32, 64, ... (up to 1024), and tries again: a workload with nothing
+  to copy costs a few verify steps per pause. A good run (r >= 0.6) resets the pause length.
+- The replica does not speculate while more than options.max_batch requests are decoding: a
+  large batch is compute-bound and drafts then cost more than they save.
+- Drafts never exceed what the request may still emit (max_tokens, the context length), and
+  the scheduler gives them only budget the other decodes do not need.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+from cluster.engine.config import SpeculativeOptions
+from cluster.engine.outputs import EngineStats
+from cluster.engine.request import Request
+from cluster.engine.scheduler import SchedulerOutput
+from cluster.engine.spec.proposer import Proposer
+from cluster.engine.spec.state import SpecState
+
+EWMA = 0.3  # weight of the latest verified step in the acceptance rate
+START_ACCEPTANCE = 0.8  # optimistic: a new request starts at the full k
+RESUME_ACCEPTANCE = 0.45  # after a pause, one more bad step pauses it again
+MIN_STEPS = 3  # verified steps before a request may be paused
+PAUSE_TOKENS = 16
+MAX_PAUSE_DOUBLINGS = 6
+
+
+def off_reason(req: Request) -> str | None:
+    """Why this request's sampling cannot speculate, or None."""
+    sp = req.sampling
+    if sp.response_format is not None:
+        return "grammar"
+    if sp.logprobs is not None:
+        return "logprobs"
+    if sp.penalized:
+        return "penalties"
+    if sp.logit_bias:
+        return "logit_bias"
+    return None
+
+
+class Speculator:
+    def __init__(self, options: SpeculativeOptions, proposer: Proposer, stats: EngineStats, max_model_len: int):
+        self.options = options
+        self.proposer = proposer
+        self.stats = stats
+        self.max_model_len = max_model_len
+
+    def propose(self, running: Iterable[Request]) -> None:
+        """Set this step's drafts on the decoding requests that speculate."""
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens
+                    and not r.keep_kv]
+        if not decoding:
+            return
+        if len(decoding) > self.options.max_batch:
+            self._count_off("batch")
+            return
+        t0 = time.perf_counter()
+        for req in decoding:
+            state = req.spec or self._start(req)
+            if state.off_reason is not None or req.num_output_tokens < state.paused_until:
+                continue
+            sp = req.sampling
+            room = min(sp.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            k = min(state.k, room)
+            if k > 0:
+                req.draft_token_ids = self.proposer.propose(req, k)
+        self.stats.spec_proposer_s += time.perf_counter() - t0
+
+    def observe(self, out: SchedulerOutput, accepted: dict[str, tuple[int, ...]]) -> None:
+        """Acceptance of this step's verified drafts: counters, then each request's k and pause."""
+        st = self.stats
+        for chunk in out.chunks:
+            if not chunk.draft or chunk.request.request_id not in accepted:
+                continue  # no drafts, or the request failed
+            req, proposed, a = chunk.request, len(chunk.draft), len(accepted[chunk.request.request_id])
+            st.spec_steps += 1
+            st.spec_proposed_tokens += proposed
+            st.spec_accepted_tokens += a
+            state = req.spec
+            r = state.acceptance = (1 - EWMA) * state.acceptance + EWMA * a / proposed
+            state.verified_steps += 1
+            state.k = max(1, min(self.options.k, 1 + int(r / (1 - r)) if r < 1 else self.options.k))
+            if r >= 0.6:
+                state.pauses = 0
+            elif r < self.options.min_acceptance and state.verified_steps >= MIN_STEPS:
+                state.paused_until = req.num_output_tokens + PAUSE_TOKENS * 2 ** min(state.pauses, MAX_PAUSE_DOUBLINGS)
+                state.pauses += 1
+                state.acceptance, state.verified_steps = RESUME_ACCEPTANCE, MIN_STEPS - 1
+                self._count_off("low_acceptance")
+
+    def _start(self, req: Request) -> SpecState:
+        reason = off_reason(req)
+        if reason is not None:
+            self._count_off(reason)
+        req.spec = SpecState(k=self.options.k, off_reason=reason, acceptance=START_ACCEPTANCE)
+        return req.spec
+
+    def _count_off(self, reason: str) -> None:
+        self.stats.spec_off[reason] = self.stats.spec_off.get(reason, 0) + 1

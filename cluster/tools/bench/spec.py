@@ -1,0 +1,140 @@
+"""Speculative decoding (n-gram proposer) against plain decoding, both arms in one run.
+
+    python -m cluster.tools.bench.spec [--streams 1 8] [--max-tokens 160] [--rounds 1]
+
+The demo model (SmolLM2-135M-Instruct, float32). Three workloads:
+  - copy: "repeat/rewrite this paragraph" chat prompts, where the answer quotes the prompt;
+  - open: open-ended chat prompts, greedy (answers still quote the question and repeat phrases);
+  - sampled: the open prompts sampled at temperature 1 (seeded): nothing to copy, drafts are
+    mostly rejected, and the adaptive switch must keep speculation from costing more than it
+    saves. Seeded sampling gives the same tokens with and without speculation, so both arms
+    produce the same text here too.
+For each workload and each stream count C, C requests run at once (the 1-stream arm runs the
+prompts one after another), on two engines of the same checkpoint and options but `speculative`
+(n-gram, k 4) in one and off in the other. The arms alternate per batch of prompts. Prints output
+tokens/s of each arm, the ratio, the acceptance rate, whether both arms gave the same tokens (greedy:
+they must), and the process's own CPU time (this benchmark drives the engines in-process: its CPU
+use is the engines' plus its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from cluster.engine.chat_template import render_chat
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.model.demo import smollm2_135m_instruct
+from cluster.engine.sampling_params import SamplingParams
+
+PARAGRAPHS = [
+    "The river rose slowly through the night, and by morning the lower fields were under a sheet of brown "
+    "water. Farmers gathered on the ridge road to watch, counting the fence posts that still showed above "
+    "the flood and guessing how long it would take the land to drain.",
+    "A good cup of tea starts with fresh water brought just to the boil. Warm the pot first, add one spoon "
+    "of leaves for each cup, pour the water over them and wait four minutes before you pour. Milk goes in "
+    "last, never first, whatever your grandmother told you.",
+    "The library opens at nine on weekdays and at ten on Saturdays. Books may be borrowed for three weeks "
+    "and renewed twice online or at the front desk. Late returns cost twenty cents a day, up to the price "
+    "of the book, and children's books are never fined.",
+    "Our train left the station twenty minutes late because of a signal fault outside the city. The "
+    "conductor apologised twice, the coffee trolley ran out of milk before it reached our carriage, and "
+    "we finally arrived just as the museum was closing its doors for the evening.",
+    "To reset the router, unplug it from the wall and wait thirty seconds. Plug it back in and wait until "
+    "the front light turns solid green, which can take up to two minutes. If the light blinks orange, hold "
+    "the reset button on the back for ten seconds and set it up again.",
+    "The committee met on Tuesday to review the budget for next year. Members agreed to keep the library "
+    "hours unchanged, to repair the roof of the community hall before winter, and to ask the council for "
+    "a second bus stop near the school on the north side of town.",
+    "Photosynthesis is the process by which green plants turn light into chemical energy. Inside the "
+    "leaves, chlorophyll absorbs sunlight and uses it to combine water and carbon dioxide into sugar, "
+    "releasing oxygen into the air as a by-product of the reaction.",
+    "The old lighthouse on the point was built in 1871 and kept by the same family for three generations. "
+    "Its lamp was replaced by an automatic beacon in 1962, and today the tower is a small museum that "
+    "opens every afternoon from May until the end of September.",
+]
+COPY_ASKS = ["Repeat the following paragraph exactly, word for word:\n\n{p}",
+             "Rewrite this paragraph, keeping every sentence as it is:\n\n{p}"]
+OPEN_PROMPTS = [
+    "Write a short poem about the sea at night.", "Give me three ideas for a birthday party for a ten year old.",
+    "Explain why the sky is blue in simple words.", "Write a short story about a robot who learns to paint.",
+    "What are some tips for learning a new language?", "Describe a perfect autumn day in the mountains.",
+    "Invent a recipe for a new kind of sandwich.", "Write a letter to a friend about a trip to Japan.",
+]
+
+
+def chat_prompts(engine: LLMEngine, workload: str) -> list[list[int]]:
+    tok = engine.tokenizer
+    if workload == "copy":
+        texts = [COPY_ASKS[i % 2].format(p=p) for i, p in enumerate(PARAGRAPHS)]
+    else:
+        texts = OPEN_PROMPTS
+    return [tok.encode(render_chat(tok, [{"role": "user", "content": t}]), add_special_tokens=False)
+            for t in texts]
+
+
+def sampling(workload: str, max_tokens: int, n: int) -> list[SamplingParams]:
+    if workload == "sampled":
+        return [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i) for i in range(n)]
+    return [SamplingParams(max_tokens=max_tokens, temperature=0)] * n
+
+
+def run(engine: LLMEngine, batches: list[list[list[int]]], sp: list[SamplingParams]):
+    """Each batch at once, one after another: (seconds, output tokens, CPU seconds, token lists)."""
+    t, cpu = time.perf_counter(), time.process_time()
+    outs = [o for batch in batches for o in engine.generate(batch, sp[:len(batch)])]
+    return (time.perf_counter() - t, sum(o.num_output_tokens for o in outs), time.process_time() - cpu,
+            [o.token_ids for o in outs])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat each arm this many times (alternating)")
+    ap.add_argument("--workloads", nargs="+", default=["copy", "open", "sampled"],
+                    choices=["copy", "open", "sampled"])
+    ap.add_argument("--k", type=int, default=4)
+    args = ap.parse_args(argv)
+
+    model = str(smollm2_135m_instruct())
+    opts = dict(num_blocks=1024, max_model_len=2048)
+    plain = LLMEngine.from_model(model, **opts)
+    spec = LLMEngine.from_model(model, speculative={"method": "ngram", "k": args.k}, **opts)
+    warm = chat_prompts(plain, "open")[:1]
+    plain.generate(warm, SamplingParams(max_tokens=8, temperature=0))
+    spec.generate(warm, SamplingParams(max_tokens=8, temperature=0))
+
+    print(f"model {model}, max_tokens {args.max_tokens}, n-gram k {args.k}")
+    print("| workload | streams | requests | plain tok/s | spec tok/s | spec / plain | acceptance | "
+          "drafts / token | same tokens | CPU s (plain, spec) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for workload in args.workloads:
+        prompts = chat_prompts(plain, "copy" if workload == "copy" else "open")
+        params = sampling(workload, args.max_tokens, len(prompts))
+        for c in args.streams:
+            batches = [(prompts[i:i + c], params[i:i + c]) for i in range(0, len(prompts), c)]
+            tp = ts = n_p = n_s = cpu_p = cpu_s = 0.0
+            same = total = 0
+            st0 = (spec.stats.spec_proposed_tokens, spec.stats.spec_accepted_tokens)
+            for _ in range(args.rounds):
+                for batch, sp in batches:  # alternate the arms batch by batch: drift hits both alike
+                    dp, np_, cp, toks_p = run(plain, [batch], sp)
+                    ds, ns, cs, toks_s = run(spec, [batch], sp)
+                    tp, ts, n_p, n_s, cpu_p, cpu_s = tp + dp, ts + ds, n_p + np_, n_s + ns, cpu_p + cp, cpu_s + cs
+                    same += sum(a == b for a, b in zip(toks_p, toks_s))
+                    total += len(batch)
+            proposed = spec.stats.spec_proposed_tokens - st0[0]
+            accepted = spec.stats.spec_accepted_tokens - st0[1]
+            rate_p, rate_s = n_p / tp, n_s / ts
+            print(f"| {workload} | {c} | {total} | {rate_p:.1f} | {rate_s:.1f} | {rate_s / rate_p:.2f}x | "
+                  f"{accepted / proposed if proposed else 0:.2f} | {proposed / n_s:.2f} | {same}/{total} | "
+                  f"{cpu_p:.1f}, {cpu_s:.1f} |", flush=True)
+    for e in (plain, spec):
+        e.check_invariants()
+        assert e.kv.num_free_blocks == e.kv.num_blocks
+    print(f"speculation off events: {spec.stats.spec_off}; proposer time {spec.stats.spec_proposer_s:.3f} s")
+
+
+if __name__ == "__main__":
+    main()
