@@ -6,8 +6,10 @@
                       + (decode_block_cost + pull cost of a block) * prompt blocks r lacks
 
 The decode term counts the decode replica's own cache: it pulls (and allocates) only the blocks it
-lacks. A pulled block costs the pull (measured: the decode replica's seconds per pulled block x the
-prefill pool's prompt tokens a second, unless pull_block_cost is set) and the block it occupies,
+lacks. A pulled block costs the pull (measured: the decode pool's median seconds per pulled block,
+over the replicas that have pulled, x the prefill pool's prompt tokens a second, unless
+pull_block_cost is set; one price for the pool, so a replica that has not pulled yet, or whose
+average still carries a pull stalled long ago, is not cheaper or dearer for it) and the block it occupies,
 which a cached prefix shares instead. The eviction term is what makes the router capacity-aware:
 a replica whose free blocks are all cached prefixes pays for pushing one out, so a new prefix
 goes where there is room, and the pool holds more distinct prefixes than one replica can.
@@ -132,13 +134,15 @@ class RoutingPolicy:
             r.tokens_per_s > 0 for r in prefills) else 0.0
 
         dec_cached = index.prefix_blocks(hashes, [r.replica_id for r in decodes])
+        measured = [r.pull_s_per_block for r in decodes if r.pull_s_per_block > 0]
+        pull_s_per_block = statistics.median(measured) if measured else 0.0
 
         def decode_cost(r: ReplicaLoad) -> float:
             cost = cfg.decode_request_cost * r.requests + cfg.decode_block_cost * r.used_blocks
             if not prefills:  # colocated: the decode replica computes the prompt too
                 cost += self._compute_cost(dec_cached[r.replica_id], r, num_prompt_tokens, index)
             else:  # it pulls, and allocates, only the blocks it lacks
-                cost += self._pull_block_cost(r, prefill_rate) * (prompt_blocks - dec_cached[r.replica_id])
+                cost += self._pull_block_cost(pull_s_per_block, prefill_rate) * (prompt_blocks - dec_cached[r.replica_id])
             return cost
 
         dec_affine = session.decode if session is not None else None
@@ -181,12 +185,12 @@ class RoutingPolicy:
         evicted = min(max(0, new_blocks - room), index.num_blocks(r.replica_id))
         return num_prompt_tokens - cached + r.queued_prefill_tokens + self.config.evict_block_cost * evicted
 
-    def _pull_block_cost(self, decode: ReplicaLoad, prefill_tokens_per_s: float) -> float:
+    def _pull_block_cost(self, pull_s_per_block: float, prefill_tokens_per_s: float) -> float:
         """Tokens of work one block decode lacks costs it: the block it allocates, plus the pull
-        (configured, or measured: its seconds per pulled block at the prefill pool's pace)."""
+        (configured, or measured: the pool's seconds per pulled block at the prefill pool's pace)."""
         pull = self.config.pull_block_cost
         if pull is None:
-            pull = decode.pull_s_per_block * prefill_tokens_per_s
+            pull = pull_s_per_block * prefill_tokens_per_s
         return self.config.decode_block_cost + pull
 
     def _cached_tokens(self, blocks: int, replica: ReplicaLoad, num_prompt_tokens: int) -> int:

@@ -64,6 +64,21 @@ def test_measured_pull_cost_weighs_a_missing_block_by_its_pull_time_at_the_prefi
         assert pol.route(hashes(PROMPT), len(PROMPT), idx, prefills + decodes).decode == expected
 
 
+def test_the_pull_price_is_the_pools_so_a_slow_replica_stays_avoided():
+    # d-slow has never pulled (0) and d-fast's average carries a stalled pull (1 s per block): with
+    # a per-replica price the slow, unmeasured one looked cheap (1 + 0) against d-fast (1 + 1000).
+    # One price for the pool (the median of the measured: 1 s x 1000 tokens/s) makes both 1001 for
+    # the missing block, and the slow penalty decides.
+    pol = policy()
+    short = list(range(700, 708))  # one block, nobody holds it
+    loads = [load("p-a", "prefill", tokens_per_s=1000.0),
+             load("d-fast", "decode", pull_s_per_block=1.0, step_time_s=0.01),
+             load("d-slow", "decode", step_time_s=0.05)]
+    for seed in range(10):  # not a tie won by chance: d-slow pays 1001 x slow_penalty + 1
+        pol.rng = random.Random(seed)
+        assert pol.route(hashes(short), len(short), index_with({}), loads).decode == "d-fast"
+
+
 def test_local_prefill_decision_uses_the_decode_replica_chosen_for_its_cache():
     pol = RoutingPolicy(PolicyConfig(block_size=BS, local_prefill_threshold=64, pull_block_cost=0.5), random.Random(0))
     idx = index_with({"d-1": SYSTEM})
