@@ -51,8 +51,15 @@ def test_scale_down_drains_and_every_stream_finishes_identical(cluster, tiny_mod
     ps = prompts(8, 24, base=700)
     expected = [o.token_ids for o in LLMEngine.from_model(tiny_model, num_blocks=256).generate(
         ps, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))]
-    streams = [iter(stub.Generate(request(p, 200), timeout=120)) for p in ps]
-    got = [list(next(s).token_ids) for s in streams]
+    # Two waves: the second starts once the first is running (each has its first token), so
+    # whichever chooses (the router, or Serve's own choice if the router call runs past its bound
+    # on a loaded machine) sees four streams on one replica and none on the other. Sent at once,
+    # all eight once landed on the replica Serve then kept, leaving nothing to drain.
+    streams, got = [], []
+    for wave in (ps[:4], ps[4:]):
+        started = [iter(stub.Generate(request(p, 200), timeout=120)) for p in wave]
+        got += [list(next(s).token_ids) for s in started]
+        streams += started
     carried = {rid: replica_load("decode", rid)["running"] for rid in before}  # every stream has 199 to go
     assert sum(carried.values()) == len(ps)
     deploy(cfg, 1)
