@@ -61,6 +61,10 @@ class PoolOptions(_Strict):
         default_factory=dict, description="Custom Ray resources per replica, e.g. {pdserve_decode: 1}: "
         "the pool runs only on nodes that advertise them (deploy/cluster.yaml)")
     max_ongoing_requests: int = Field(256, ge=1)
+    compute_nice: int = Field(
+        10, ge=0, le=19, description="OS niceness of the engine's compute thread (and the torch threads it "
+        "starts): where engines share cores with the front door, its event loops (admission, token relay) "
+        "run first; 0 = same priority (docs/architecture.md, 'CPU priority')")
     engine: ServingEngineOptions | None = Field(None, description="Overrides the app-wide engine options")
 
     @field_validator("resources")
@@ -172,7 +176,11 @@ class TenantOptions(KeySources):
 class AdmissionOptions(_Strict):
     max_inflight: int = Field(1024, ge=1, description="Requests in flight per ingress replica; more get 429")
     max_queue_wait_s: float | None = Field(
-        None, gt=0, description="Refuse (429) when the router predicts a longer queue wait; None = off")
+        None, gt=0, description="Refuse (429) when the predicted wait before a request's prompt starts is "
+        "longer (the ingress's own first-token queue, then the router's view of the replica); None = off")
+    batch_share: float = Field(
+        0.5, gt=0, le=1, description="Batch-priority tenants are refused at this share of max_queue_wait_s and "
+        "of max_inflight: under overload batch work is shed before interactive work")
     rate_limit_lease: float = Field(
         0.05, gt=0, le=1, description="Share of a tenant's per-minute budget an ingress takes per actor call")
     idempotency_ttl_s: float = Field(600.0, gt=0, description="How long a non-streaming result is kept by key")

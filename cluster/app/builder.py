@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -118,13 +119,38 @@ def app_builder(args: dict):
 GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # the only knob of Serve's gRPC proxy (Ray 2.60)
 
 
+def direct_ingress_env(http_port: int, grpc_port: int) -> dict[str, str]:
+    """The environment that makes Serve run the ingress replica as the server itself (direct
+    ingress: no proxy, one hop fewer per request and per token). Serve reads it when its
+    processes start, so it must be in the environment of `ray start` / `ray.init`, on every node.
+    Each port range holds one port: the node's ingress replica listens on the configured ports
+    (one ingress replica per node), and a replaced replica may take the port back at once."""
+    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http_port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + 1),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc_port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc_port + 1),
+            "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+
+
 def grpc_options(config: AppConfig) -> gRPCOptions:
     from router.ingress.deployment import GRPC_SERVICERS  # noqa: PLC0415
 
     return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICERS)
 
 
+def direct_ingress_on() -> bool:
+    """Whether this process's Ray runs Serve with direct ingress (direct_ingress_env)."""
+    return os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+
+
 def start(config: AppConfig, blocking: bool = False):
-    """Start Serve's proxies on the configured ports and deploy the app (Ray already running)."""
-    serve.start(http_options={"host": config.host, "port": config.http_port}, grpc_options=grpc_options(config))
+    """Deploy the app (Ray already running). Clients reach it on the configured ports: through
+    Serve's proxies, or with direct ingress at the ingress replica itself (the proxies, which
+    Serve still starts as its fallback, then listen on the ports after them)."""
+    http_port, grpc_port = config.http_port, config.grpc_port
+    if direct_ingress_on():
+        http_port, grpc_port = http_port + 1, grpc_port + 1
+    serve.start(http_options={"host": config.host, "port": http_port},
+                grpc_options=grpc_options(config.model_copy(update={"grpc_port": grpc_port})))
     return serve.run(build_app(config), name="pdserve", route_prefix="/", blocking=blocking)

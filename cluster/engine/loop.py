@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,6 +29,23 @@ from cluster.errors import ErrorKind
 from cluster.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+def lower_thread_priority(nice: int) -> int:
+    """Give the calling thread (Linux: niceness is per thread) niceness `nice` if that is lower
+    priority than it has; threads it starts later inherit it, which includes the OpenMP workers
+    torch starts for this thread's first parallel region (each master thread has its own pool).
+    Returns the niceness in effect. Raising priority needs privileges, so it is never attempted."""
+    tid = threading.get_native_id()
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, tid)
+        if nice > current:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+            current = nice
+    except (OSError, AttributeError) as e:  # not Linux, or refused: run at the inherited priority
+        log.warning("could not lower the engine thread's priority to nice %d: %s", nice, e)
+        return 0
+    return current
 
 
 @dataclass(frozen=True)
@@ -50,8 +68,9 @@ class LoopHook(Protocol):
 
 class EngineLoop:
     def __init__(self, core, idle_poll_s: float | None = None, name: str = "pdserve-engine",
-                 hooks: Sequence[LoopHook] = ()):
+                 hooks: Sequence[LoopHook] = (), nice: int = 0):
         self.core = core
+        self.nice = nice  # the loop thread's OS niceness: its compute yields to the process's event loop
         self.engine = getattr(core, "engine", core)  # the LLMEngine underneath
         self.idle_poll_s = idle_poll_s
         self.hooks = tuple(hooks)
@@ -136,6 +155,7 @@ class EngineLoop:
         return 0.0 if started is None else now - started
 
     def _run(self) -> None:
+        lower_thread_priority(self.nice)
         try:
             self._turns()
         except BaseException:  # a bug outside the engine step: no stream may be left waiting

@@ -87,7 +87,8 @@ class EngineReplica:
         telemetry = make_replica_telemetry(cfg.telemetry, engine, transport.stats, self.pool, self.replica_id)
         if telemetry is not None:
             hooks.append(telemetry)
-        self.loop = EngineLoop(self.role, idle_poll_s=self.idle_poll_s, name=f"pdserve-{self.pool}", hooks=hooks)
+        self.loop = EngineLoop(self.role, idle_poll_s=self.idle_poll_s, name=f"pdserve-{self.pool}", hooks=hooks,
+                               nice=getattr(cfg, self.pool).compute_nice)
 
     def make_role(self, engine: LLMEngine, transport: NixlTransport, config: AppConfig):
         raise NotImplementedError

@@ -251,8 +251,11 @@ class Admission:
         """Take an in-flight slot (per ingress, and the tenant's share of max_concurrent) or refuse."""
         opts = self._options.get(tenant)
         cap = self.config.admission.max_inflight
+        if opts is not None and opts.priority == "batch":
+            cap = max(1, int(cap * self.config.admission.batch_share))  # batch work is shed first
         if self.total_inflight >= cap:
-            raise Rejected(f"the server is at capacity ({cap} requests in flight on this ingress)", 1.0,
+            raise Rejected(f"the server is at capacity ({cap} requests in flight on this ingress"
+                           f"{' for batch work' if opts is not None and opts.priority == 'batch' else ''})", 1.0,
                            reason="capacity")
         if opts is not None and opts.max_concurrent is not None:
             share = math.ceil(opts.max_concurrent / self.config.ingress_replicas)

@@ -33,7 +33,7 @@ from cluster.engine.kv_cache import extend_salt, hash_request_blocks
 from cluster.engine.model.identity import model_identity
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.outputs import FinishReason, RequestOutput, TokenLogprob
-from cluster.engine.request import RequestContext
+from cluster.engine.request import Priority, RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from cluster.engine.validation import RequestValidator
@@ -41,6 +41,7 @@ from cluster.errors import ErrorKind, InvalidRequestError, QueueFullError
 from router.ingress.admission import DEFAULT_TENANT, Admission, Quotas
 from router.ingress.audit import AuditShipper, AuditTrail
 from router.ingress.budget import Budget
+from router.ingress.capacity import FirstTokenQueue, Pending
 from router.ingress.guardrails import Guardrails, Intervention, RequestGuard
 from router.ingress.response_cache import ResponseCache
 from router.ingress.status import Code, Rejected, ServingError
@@ -151,6 +152,7 @@ class RequestFlow:
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
         self.guardrails = Guardrails(config, guard_metrics, classifier)  # classifier: its deployment's handle
         self.response_cache = ResponseCache.from_config(config, self.salt.decode(), guard_metrics)
+        self.first_tokens = FirstTokenQueue()  # the queue ahead of a new request, as this ingress sees it
 
     async def generate(
         self,
@@ -195,7 +197,9 @@ class RequestFlow:
             ticket = self.admission.reserve(tenant, deadline)
             completion = prompt_tokens = 0
             guard = self.guardrails.for_request(tenant)  # None: the tenant has no policy
+            place: Pending | None = None
             try:
+                self._check_predicted_wait(ticket.ctx)  # no await yet: a refusal here touched nothing
                 await self.admission.start(ticket)
                 req = await asyncio.get_running_loop().run_in_executor(
                     self._tokenize_pool, self._make_request, rid, prompt, prompt_token_ids, sampling, messages, guard,
@@ -211,7 +215,8 @@ class RequestFlow:
                     ctx = replace(ctx, trace_context=observed.trace_context)
                 routing_key = None if session is None else f"{tenant}\n{session}"  # tenants never share one
                 # not started: a cache hit never starts it
-                deltas = self._run(rid, label, req.prompt_token_ids, sampling, ctx, routing_key)
+                place = self.first_tokens.admit(req.num_prompt_tokens)
+                deltas = self._run(rid, label, req.prompt_token_ids, sampling, ctx, routing_key, place)
                 if guard is not None:
                     deltas = guard.output(deltas)
                 async for d in self.response_cache.through(tenant, req.prompt_token_ids, sampling, label, deltas):
@@ -223,6 +228,8 @@ class RequestFlow:
                         trail.delta(d, self._cost(d.prompt_tokens, d.completion_tokens) if final else None)
                     yield d
             finally:
+                if place is not None:
+                    place.done()  # no first token (refused, failed, cancelled): nothing measured
                 ticket.done(completion)
                 if hold is not None:
                     hold.settle(prompt_tokens, completion)
@@ -281,9 +288,11 @@ class RequestFlow:
         return tenant
 
     async def _run(self, rid: str, label: str, ids: list[int], sampling: SamplingParams,
-                   ctx: RequestContext, session: str | None = None) -> AsyncIterator[Delta]:
+                   ctx: RequestContext, session: str | None = None,
+                   place: Pending | None = None) -> AsyncIterator[Delta]:
         """The first-token leg (none, local or remote prefill), then the decode legs. `rid` is
-        the internal id, `label` what the client's deltas carry."""
+        the internal id, `label` what the client's deltas carry; `place` leaves the first-token
+        queue with the first token."""
         stream = _Stream(label, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop), len(ids))
         decision = await self._route(ids, ctx, session)
         if decision is not None:
@@ -292,6 +301,8 @@ class RequestFlow:
         if self.prefill is not None and not (decision is not None and decision.mode == "local"):
             first = await self._first_token(rid, ids, sampling, ctx, decision.prefill if decision else None, stream)
             if first is not None:
+                if place is not None:
+                    place.done(len(ids) - stream.cached)
                 d, kv_handle = first
                 try:
                     yield d
@@ -304,6 +315,9 @@ class RequestFlow:
         async with aclosing(self._decode_legs(rid, ids, sampling, ctx, kv_handle,
                                               decision.decode if decision else None, stream)) as legs:
             async for d in legs:
+                if place is not None:
+                    place.done(len(ids) - d.cached_prompt_tokens)
+                    place = None
                 yield d
 
     async def _first_token(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
@@ -414,6 +428,25 @@ class RequestFlow:
         if self.telemetry is not None:
             self.telemetry.routed(decision, started, len(ids), ctx)
         return decision
+
+    def _check_predicted_wait(self, ctx: RequestContext) -> None:
+        """Refuse at once, before any work or actor call, a request the queue ahead of it (as this
+        ingress measures it: router/ingress/capacity.py) would keep past max_queue_wait_s (batch
+        work: past `batch_share` of it, so it is shed first) or past its deadline."""
+        wait = self.first_tokens.predicted_wait_s()
+        limit = self.config.admission.max_queue_wait_s
+        if wait is None or limit is None:
+            return
+        if ctx.priority == Priority.BATCH:
+            limit *= self.config.admission.batch_share
+        if wait > limit:
+            raise Rejected(f"predicted queue wait {wait:.2f} s exceeds max_queue_wait_s {limit:g}"
+                           + (" (batch share)" if ctx.priority == Priority.BATCH else "") + ": overloaded",
+                           wait - limit, reason="queue_wait")
+        remaining = ctx.remaining_s()
+        if remaining is not None and wait > remaining:
+            raise Rejected(f"predicted queue wait {wait:.2f} s exceeds the {remaining:.2f} s left before its "
+                           f"deadline", wait, reason="queue_wait")
 
     def _check_queue_wait(self, rid: str, wait_s: float, ctx: RequestContext) -> None:
         """Refuse at once work that would wait longer than the server's bound or the request's deadline."""

@@ -89,7 +89,12 @@ def delta_to_proto(d: Delta) -> "pb.GenerateResponse":
 
 
 class GrpcAbort(Exception):
-    """Raised after setting the code on Serve's gRPC context: Serve keeps a code set before a raise."""
+    """Raised after setting the code on Serve's gRPC context: Serve keeps a code set before a raise.
+    `grpc_code` lets the ingress's log filter tell a client's fault from a server error."""
+
+    def __init__(self, details: str, grpc_code: grpc.StatusCode | None = None):
+        super().__init__(details)
+        self.grpc_code = grpc_code
 
 
 def fail(grpc_context, error: InvalidRequestError | ServingError) -> GrpcAbort:
@@ -102,6 +107,7 @@ def fail(grpc_context, error: InvalidRequestError | ServingError) -> GrpcAbort:
         code, details, retry = error.code, error.message, error.retry_after_s
     if retry is not None:
         details = f"{details}; retry after {retry_after_seconds(retry)} s"
-    grpc_context.set_code(getattr(grpc.StatusCode, code.grpc_name))
+    status = getattr(grpc.StatusCode, code.grpc_name)
+    grpc_context.set_code(status)
     grpc_context.set_details(details)
-    return GrpcAbort(details)
+    return GrpcAbort(details, status)

@@ -1,0 +1,81 @@
+"""The ingress's own model of the queue in front of the pools, for refusing work at once.
+
+A request admitted here waits for its first token behind the prompt tokens of every request this
+ingress admitted earlier that has no first token yet. So the predicted wait of a new request is
+
+    pending prompt tokens / the rate at which the pools turn prompt tokens into first tokens
+
+and both numbers live here: `pending` moves with every admission and first token (exact, no
+report lag), and the rate is measured from the first tokens themselves, over the time the queue
+was not empty (a backlogged pool's throughput). No actor call, no replica report: under a burst
+the prediction includes every request admitted a millisecond ago, where a model fed by the
+replicas' load reports (every 0.25 s, through the router) would see a queue that is seconds old.
+
+With several ingress replicas each sees its share of the traffic (Serve's proxy spreads it) and
+of the throughput, so the ratio holds without coordination.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+MIN_SAMPLE_S = 0.5  # busy time per rate sample: shorter samples are one chunk's noise
+
+
+@dataclass
+class Pending:
+    """One admitted request's place in the model; `done` is idempotent."""
+
+    tokens: int
+    _queue: "FirstTokenQueue | None"
+
+    def done(self, computed_tokens: int | None = None) -> None:
+        """Its first token arrived (`computed_tokens`: the prompt tokens computed for it, i.e.
+        not found in a cache; None: the request ended before, nothing measured)."""
+        if self._queue is not None:
+            self._queue._done(self, computed_tokens)
+            self._queue = None
+
+
+class FirstTokenQueue:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3,
+                 initial_rate: float | None = None):
+        self.clock = clock
+        self.alpha = alpha
+        self.rate = initial_rate  # prompt tokens per second while backlogged; None until measured
+        self.pending_tokens = 0
+        self.pending_requests = 0
+        self._last = clock()
+        self._busy_s = 0.0  # backlogged time in the current sample
+        self._done_tokens = 0  # prompt tokens computed in the current sample
+
+    def predicted_wait_s(self) -> float | None:
+        """Seconds before a request admitted now starts its prompt; None while the rate is unknown."""
+        if self.pending_tokens <= 0:
+            return 0.0
+        return None if not self.rate else self.pending_tokens / self.rate
+
+    def admit(self, tokens: int) -> Pending:
+        self._advance()
+        self.pending_tokens += tokens
+        self.pending_requests += 1
+        return Pending(tokens, self)
+
+    def _done(self, p: Pending, computed: int | None) -> None:
+        self._advance()
+        self.pending_tokens -= p.tokens
+        self.pending_requests -= 1
+        if computed is not None:
+            self._done_tokens += computed
+            if self._busy_s >= MIN_SAMPLE_S and self._done_tokens > 0:
+                sample = self._done_tokens / self._busy_s
+                self.rate = sample if self.rate is None else (1 - self.alpha) * self.rate + self.alpha * sample
+                self._busy_s, self._done_tokens = 0.0, 0
+
+    def _advance(self) -> None:
+        now = self.clock()
+        if self.pending_requests > 0:
+            self._busy_s += now - self._last
+        self._last = now

@@ -1,0 +1,123 @@
+"""The ingress's first-token queue (router/ingress/capacity.py) with an injected clock: exact
+pending counts through every lifecycle, the rate measured over backlogged time only, and the
+predicted wait; then the flow's refusal by it (before any await) and batch work shed first."""
+
+import asyncio
+import time
+
+import pytest
+
+from cluster.config import AppConfig
+from cluster.engine.request import Priority, RequestContext
+from router.ingress.admission import Admission, Quotas
+from router.ingress.capacity import MIN_SAMPLE_S, FirstTokenQueue
+from router.ingress.status import Rejected
+
+
+class Clock:
+    def __init__(self):
+        self.t = 50.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_pending_tokens_follow_every_lifecycle_exactly():
+    q = FirstTokenQueue(Clock())
+    assert q.predicted_wait_s() == 0.0  # nothing ahead: no wait, measured or not
+    a, b, c = q.admit(100), q.admit(50), q.admit(30)
+    assert (q.pending_tokens, q.pending_requests) == (180, 3)
+    assert q.predicted_wait_s() is None  # work ahead, rate unknown: no prediction, no refusal
+    a.done(100)
+    a.done(100)  # idempotent
+    b.done()  # ended without a first token (refused downstream, cancelled)
+    assert (q.pending_tokens, q.pending_requests) == (30, 1)
+    c.done(0)
+    assert (q.pending_tokens, q.pending_requests) == (0, 0)
+
+
+def test_rate_is_measured_over_backlogged_time_only():
+    clock = Clock()
+    q = FirstTokenQueue(clock, alpha=0.5)
+    clock.t += 10.0  # idle time never counts: nothing was pending
+    first, second = q.admit(400), q.admit(600)
+    clock.t += 0.25
+    first.done(400)  # 0.25 s of a 0.5 s sample: no rate yet
+    assert q.rate is None
+    clock.t += 0.25
+    second.done(100)  # 500 computed tokens over 0.5 s backlogged (500 cached tokens are free)
+    assert q.rate == pytest.approx(1000.0)
+    clock.t += 30.0  # idle again
+    p = [q.admit(1000) for _ in range(2)]
+    assert q.predicted_wait_s() == pytest.approx(2.0)  # 2000 tokens ahead at 1000 tokens/s
+    clock.t += MIN_SAMPLE_S
+    p[0].done(1000)  # 1000 tokens in 0.5 s = 2000/s; EWMA 0.5 -> 1500
+    assert q.rate == pytest.approx(1500.0)
+    assert q.predicted_wait_s() == pytest.approx(1000 / 1500)
+    p[1].done(1000)
+
+
+def _flow(tiny_model, **admission):
+    from router.ingress.flow import RequestFlow
+
+    cfg = AppConfig.model_validate({"model": tiny_model, "admission": admission, "tenants": {
+        "batchy": {"api_keys": ["kb"], "priority": "batch"}, "live": {"api_keys": ["ki"]}}})
+    return RequestFlow(cfg, None, None)
+
+
+def test_a_request_the_queue_would_keep_past_the_bound_is_refused_before_any_work(tiny_model):
+    flow = _flow(tiny_model, max_queue_wait_s=2.0, batch_share=0.5)
+    q = flow.first_tokens
+    q.rate = 1000.0
+    held = q.admit(1500)  # 1.5 s ahead
+    flow._check_predicted_wait(RequestContext(priority=Priority.INTERACTIVE))
+    with pytest.raises(Rejected, match=r"predicted queue wait 1.50 s exceeds max_queue_wait_s 1 \(batch share\)") as e:
+        flow._check_predicted_wait(RequestContext(priority=Priority.BATCH))
+    assert e.value.retry_after_s == pytest.approx(0.5)
+    with pytest.raises(Rejected, match="left before its deadline"):
+        flow._check_predicted_wait(RequestContext(deadline=time.time() + 1.0))
+    more = q.admit(1000)  # 2.5 s ahead: interactive work is refused too
+    with pytest.raises(Rejected, match="predicted queue wait 2.50 s exceeds max_queue_wait_s 2:"):
+        flow._check_predicted_wait(RequestContext())
+    held.done(1500)
+    more.done(1000)
+    flow._check_predicted_wait(RequestContext(priority=Priority.BATCH))  # drained: both pass
+
+
+def test_the_flow_refuses_by_predicted_wait_without_touching_a_pool_and_releases_the_slot(tiny_model):
+    from cluster.engine.sampling_params import SamplingParams
+
+    flow = _flow(tiny_model, max_queue_wait_s=1.0)
+    flow.first_tokens.rate = 100.0
+    ahead = flow.first_tokens.admit(500)  # 5 s ahead
+
+    async def one():
+        async for _ in flow.generate(None, [1, 2, 3], SamplingParams(max_tokens=2), tenant="live"):
+            pass
+
+    with pytest.raises(Rejected) as e:  # the pools are None: any call to them would fail differently
+        asyncio.run(one())
+    assert e.value.reason == "queue_wait"
+    assert flow.admission.total_inflight == 0  # the in-flight slot went back
+    assert (flow.first_tokens.pending_requests, flow.first_tokens.pending_tokens) == (1, 500)
+    ahead.done(500)
+
+
+def test_batch_work_is_refused_at_its_share_of_the_in_flight_cap():
+    cfg = AppConfig.model_validate({"admission": {"max_inflight": 4, "batch_share": 0.5}, "tenants": {
+        "batchy": {"api_keys": ["kb"], "priority": "batch"}, "live": {"api_keys": ["ki"]}}})
+
+    async def take(*args):
+        return Quotas().take(*args)
+
+    adm = Admission(cfg, take)
+    tickets = [adm.reserve("live"), adm.reserve("live")]
+    with pytest.raises(Rejected, match="at capacity \\(2 requests in flight on this ingress for batch work\\)"):
+        adm.reserve("batchy")
+    tickets += [adm.reserve("live"), adm.reserve("live")]  # interactive work keeps the whole cap
+    with pytest.raises(Rejected, match="at capacity \\(4 requests in flight on this ingress\\)"):
+        adm.reserve("live")
+    for t in tickets:
+        t.done()
+    assert adm.total_inflight == 0
+    adm.reserve("batchy").done()
