@@ -32,7 +32,7 @@ from cluster.engine.chat_template import render_chat
 from cluster.engine.kv_cache import extend_salt, hash_request_blocks
 from cluster.engine.model.identity import model_identity
 from cluster.engine.model_config import ModelConfig
-from cluster.engine.outputs import FinishReason, RequestOutput, TokenLogprob
+from cluster.engine.outputs import FinishReason, RequestOutput, TokenLogprob, merge_outputs
 from cluster.engine.request import Priority, RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -43,6 +43,7 @@ from router.ingress.audit import AuditShipper, AuditTrail
 from router.ingress.budget import Budget
 from router.ingress.capacity import FirstTokenQueue, Pending
 from router.ingress.guardrails import Guardrails, Intervention, RequestGuard
+from router.ingress.relay import coalesce
 from router.ingress.response_cache import ResponseCache
 from router.ingress.status import Code, Rejected, ServingError
 
@@ -385,20 +386,21 @@ class RequestFlow:
             raise ServingError(Code.UNAVAILABLE, f"no decode replica: {e}") from e
         finished = pulled = False
         try:
-            async for out in replies:
-                out: RequestOutput
-                pulled = True
-                if out.finish_reason in FAILED:
-                    raise _ended(rid, out.finish_reason, out.error, out.num_output_tokens, out.error_kind)
-                d = client.delta(out.token_ids, out.finish_reason if out.finished else None, out.logprobs)
-                if kv_handle is None:  # the prompt was computed on this replica: what its cache saved
-                    d.cached_prompt_tokens = out.num_cached_tokens
-                if d.finish_reason is not None:
-                    finished = True
-                if d.text or d.token_ids or d.finish_reason:
-                    yield d
-                if finished:
-                    return
+            async with aclosing(coalesce(replies, merge_outputs, final=lambda o: o.finished)) as outs:
+                async for out in outs:
+                    out: RequestOutput
+                    pulled = True
+                    if out.finish_reason in FAILED:
+                        raise _ended(rid, out.finish_reason, out.error, out.num_output_tokens, out.error_kind)
+                    d = client.delta(out.token_ids, out.finish_reason if out.finished else None, out.logprobs)
+                    if kv_handle is None:  # the prompt was computed on this replica: what its cache saved
+                        d.cached_prompt_tokens = out.num_cached_tokens
+                    if d.finish_reason is not None:
+                        finished = True
+                    if d.text or d.token_ids or d.finish_reason:
+                        yield d
+                    if finished:
+                        return
         except ServingError:
             raise
         except QueueFullError as e:  # the decode replica's queue is full (raised by its submit)

@@ -1,0 +1,56 @@
+"""Relaying a stream one hop on: a chunk carries everything ready when its consumer asks.
+
+The decode replica already merges the outputs that queued while its caller was busy; this is the
+same at the ingress, between the replica's stream and the client's. A pump task reads the source
+as fast as it produces, and the consumer takes whatever accumulated since it last asked, merged
+into one item: when the client's side (detokenizing, the API's encoding, the send) is slower than
+the tokens arrive, it pays once per chunk instead of once per token; when it keeps up, every
+item passes alone, in order, with no wait added.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable, TypeVar
+
+T = TypeVar("T")
+
+_END = object()
+
+
+async def coalesce(source: AsyncIterator[T], merge: Callable[[T, T], T],
+                   final: Callable[[T], bool] = lambda _: False) -> AsyncIterator[T]:
+    """`source`'s items, with those that arrived while the consumer was busy merged (`merge(a, b)`,
+    in order). An item for which `final` is true is never merged into by a later one. The source's
+    exception is raised to the consumer after the items before it; leaving early cancels the pump."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for item in source:
+                queue.put_nowait(item)
+            queue.put_nowait(_END)
+        except BaseException as e:  # noqa: BLE001 — handed to the consumer, raised there
+            queue.put_nowait(e)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            item = await queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            while not final(item) and not queue.empty():
+                nxt = queue._queue[0]  # peek: an end or an error stays queued for the next turn
+                if nxt is _END or isinstance(nxt, BaseException):
+                    break
+                item = merge(item, queue.get_nowait())
+            yield item
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 — the pump's own cancellation
+                pass

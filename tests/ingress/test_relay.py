@@ -1,0 +1,85 @@
+"""router/ingress/relay.py: items arrive in order and complete; what queued while the consumer
+was busy comes merged; errors arrive after the items before them; leaving early stops the source."""
+
+import asyncio
+
+import pytest
+
+from router.ingress.relay import coalesce
+
+
+def merge(a, b):
+    return a + b
+
+
+async def _source(chunks, gate: asyncio.Event | None = None, error: Exception | None = None, log=None):
+    for i, c in enumerate(chunks):
+        if gate is not None and i == 1:
+            await gate.wait()
+        yield c
+        await asyncio.sleep(0)
+    if error is not None:
+        raise error
+
+
+def test_a_consumer_that_keeps_up_gets_every_item_alone_in_order():
+    async def run():
+        out = []
+        async for x in coalesce(_source([[1], [2], [3]]), merge):
+            out.append(x)
+        return out
+
+    assert asyncio.run(run()) == [[1], [2], [3]]
+
+
+def test_items_queued_while_the_consumer_was_busy_come_merged_and_a_final_item_stays_apart():
+    async def run():
+        q = [[1], [2], [3], [4, "end"], [5]]
+        src = _source(q)
+        out = []
+        agen = coalesce(src, merge, final=lambda x: "end" in x)
+        out.append(await agen.__anext__())  # [1]
+        for _ in range(20):  # the consumer is busy: the pump queues the rest
+            await asyncio.sleep(0)
+        async for x in agen:
+            out.append(x)
+        return out
+
+    assert asyncio.run(run()) == [[1], [2, 3, 4, "end"], [5]]
+
+
+def test_the_sources_error_comes_after_its_items():
+    async def run():
+        out = []
+        agen = coalesce(_source([[1], [2]], error=ValueError("lost")), merge)
+        with pytest.raises(ValueError, match="lost"):
+            async for x in agen:
+                out.append(x)
+                for _ in range(10):
+                    await asyncio.sleep(0)
+        return out
+
+    assert asyncio.run(run()) == [[1], [2]]
+
+
+def test_leaving_early_cancels_the_source():
+    closed = []
+
+    async def endless():
+        try:
+            i = 0
+            while True:
+                yield [i]
+                i += 1
+                await asyncio.sleep(0)
+        finally:
+            closed.append(True)
+
+    async def run():
+        agen = coalesce(endless(), merge)
+        first = await agen.__anext__()
+        await agen.aclose()
+        return first
+
+    assert asyncio.run(run()) == [0]
+    assert closed == [True]
