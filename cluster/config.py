@@ -178,9 +178,12 @@ class AdmissionOptions(_Strict):
     max_queue_wait_s: float | None = Field(
         None, gt=0, description="Refuse (429) when the predicted wait before a request's prompt starts is "
         "longer (the ingress's own first-token queue, then the router's view of the replica); None = off")
+    target_itl_s: float | None = Field(
+        None, gt=0, description="Refuse (429) new work while the decode pool's streams, as the ingress relays "
+        "them, would run slower than this per token (their measured interval x streams sets the cap); None = off")
     batch_share: float = Field(
         0.5, gt=0, le=1, description="Batch-priority tenants are refused at this share of max_queue_wait_s and "
-        "of max_inflight: under overload batch work is shed before interactive work")
+        "of max_inflight and of the target_itl_s cap: under overload batch work is shed before interactive work")
     rate_limit_lease: float = Field(
         0.05, gt=0, le=1, description="Share of a tenant's per-minute budget an ingress takes per actor call")
     idempotency_ttl_s: float = Field(600.0, gt=0, description="How long a non-streaming result is kept by key")

@@ -79,3 +79,55 @@ class FirstTokenQueue:
         if self.pending_requests > 0:
             self._busy_s += now - self._last
         self._last = now
+
+
+
+class StreamPace:
+    """The streams past their first token and the interval between their tokens as this ingress
+    relays them (the decode pool's ITL, measured where the client gets it), over windows of
+    MIN_SAMPLE_S with at least one stream running.
+
+    `cap(target_itl_s)` is how many streams the pool could run at the target interval, by the
+    gradient of the last window: mean streams x target / measured ITL. At or over it, new work is
+    refused, so running streams keep their pace instead of every stream slowing together."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3):
+        self.clock = clock
+        self.alpha = alpha
+        self.streams = 0
+        self.itl_s: float | None = None  # None until measured
+        self.mean_streams = 0.0  # over the last window
+        self._last = clock()
+        self._window_s = 0.0
+        self._stream_s = 0.0  # integral of streams over the window
+        self._tokens = 0
+
+    def start(self) -> None:
+        self._advance()
+        self.streams += 1
+
+    def end(self) -> None:
+        self._advance()
+        self.streams -= 1
+
+    def tokens(self, n: int) -> None:
+        self._advance()
+        self._tokens += n
+        if self._window_s >= MIN_SAMPLE_S and self._tokens > 0:
+            sample = self._stream_s / self._tokens
+            self.itl_s = sample if self.itl_s is None else (1 - self.alpha) * self.itl_s + self.alpha * sample
+            self.mean_streams = self._stream_s / self._window_s
+            self._window_s = self._stream_s = 0.0
+            self._tokens = 0
+
+    def cap(self, target_itl_s: float) -> int | None:
+        if not self.itl_s:
+            return None
+        return max(1, int(self.mean_streams * target_itl_s / self.itl_s))
+
+    def _advance(self) -> None:
+        now = self.clock()
+        if self.streams > 0:
+            self._window_s += now - self._last
+            self._stream_s += self.streams * (now - self._last)
+        self._last = now

@@ -41,7 +41,7 @@ from cluster.errors import ErrorKind, InvalidRequestError, QueueFullError
 from router.ingress.admission import DEFAULT_TENANT, Admission, Quotas
 from router.ingress.audit import AuditShipper, AuditTrail
 from router.ingress.budget import Budget
-from router.ingress.capacity import FirstTokenQueue, Pending
+from router.ingress.capacity import FirstTokenQueue, Pending, StreamPace
 from router.ingress.guardrails import Guardrails, Intervention, RequestGuard
 from router.ingress.relay import coalesce
 from router.ingress.response_cache import ResponseCache
@@ -154,6 +154,7 @@ class RequestFlow:
         self.guardrails = Guardrails(config, guard_metrics, classifier)  # classifier: its deployment's handle
         self.response_cache = ResponseCache.from_config(config, self.salt.decode(), guard_metrics)
         self.first_tokens = FirstTokenQueue()  # the queue ahead of a new request, as this ingress sees it
+        self.pace = StreamPace()  # the streams past their first token, and their token interval
 
     async def generate(
         self,
@@ -199,8 +200,9 @@ class RequestFlow:
             completion = prompt_tokens = 0
             guard = self.guardrails.for_request(tenant)  # None: the tenant has no policy
             place: Pending | None = None
+            streaming = False
             try:
-                self._check_predicted_wait(ticket.ctx)  # no await yet: a refusal here touched nothing
+                self._check_capacity(ticket.ctx)  # no await yet: a refusal here touched nothing
                 await self.admission.start(ticket)
                 req = await asyncio.get_running_loop().run_in_executor(
                     self._tokenize_pool, self._make_request, rid, prompt, prompt_token_ids, sampling, messages, guard,
@@ -221,6 +223,11 @@ class RequestFlow:
                 if guard is not None:
                     deltas = guard.output(deltas)
                 async for d in self.response_cache.through(tenant, req.prompt_token_ids, sampling, label, deltas):
+                    if streaming:
+                        self.pace.tokens(len(d.token_ids))
+                    elif d.finish_reason is None:
+                        self.pace.start()
+                        streaming = True
                     completion = d.completion_tokens
                     if observed is not None:
                         observed.delta(d)
@@ -231,6 +238,8 @@ class RequestFlow:
             finally:
                 if place is not None:
                     place.done()  # no first token (refused, failed, cancelled): nothing measured
+                if streaming:
+                    self.pace.end()
                 ticket.done(completion)
                 if hold is not None:
                     hold.settle(prompt_tokens, completion)
@@ -431,19 +440,27 @@ class RequestFlow:
             self.telemetry.routed(decision, started, len(ids), ctx)
         return decision
 
-    def _check_predicted_wait(self, ctx: RequestContext) -> None:
+    def _check_capacity(self, ctx: RequestContext) -> None:
         """Refuse at once, before any work or actor call, a request the queue ahead of it (as this
-        ingress measures it: router/ingress/capacity.py) would keep past max_queue_wait_s (batch
-        work: past `batch_share` of it, so it is shed first) or past its deadline."""
+        ingress measures it: router/ingress/capacity.py) would keep past max_queue_wait_s or past
+        its deadline, or that would take the decode pool past the streams it runs at
+        target_itl_s. Batch work is refused at `batch_share` of each bound: it is shed first."""
+        opts = self.config.admission
+        share = opts.batch_share if ctx.priority == Priority.BATCH else 1.0
+        if opts.target_itl_s is not None:
+            cap = self.pace.cap(opts.target_itl_s)
+            if cap is not None and self.pace.streams + self.first_tokens.pending_requests >= max(1, int(cap * share)):
+                raise Rejected(f"the decode pool is at the streams it runs at target_itl_s {opts.target_itl_s:g} "
+                               f"(measured {self.pace.itl_s * 1e3:.0f} ms per token over {self.pace.mean_streams:.1f} "
+                               f"streams){' (batch share)' if share < 1 else ''}: overloaded", 1.0, reason="capacity")
         wait = self.first_tokens.predicted_wait_s()
-        limit = self.config.admission.max_queue_wait_s
+        limit = opts.max_queue_wait_s
         if wait is None or limit is None:
             return
-        if ctx.priority == Priority.BATCH:
-            limit *= self.config.admission.batch_share
+        limit *= share
         if wait > limit:
             raise Rejected(f"predicted queue wait {wait:.2f} s exceeds max_queue_wait_s {limit:g}"
-                           + (" (batch share)" if ctx.priority == Priority.BATCH else "") + ": overloaded",
+                           + (" (batch share)" if share < 1 else "") + ": overloaded",
                            wait - limit, reason="queue_wait")
         remaining = ctx.remaining_s()
         if remaining is not None and wait > remaining:

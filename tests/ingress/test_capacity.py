@@ -70,18 +70,18 @@ def test_a_request_the_queue_would_keep_past_the_bound_is_refused_before_any_wor
     q = flow.first_tokens
     q.rate = 1000.0
     held = q.admit(1500)  # 1.5 s ahead
-    flow._check_predicted_wait(RequestContext(priority=Priority.INTERACTIVE))
+    flow._check_capacity(RequestContext(priority=Priority.INTERACTIVE))
     with pytest.raises(Rejected, match=r"predicted queue wait 1.50 s exceeds max_queue_wait_s 1 \(batch share\)") as e:
-        flow._check_predicted_wait(RequestContext(priority=Priority.BATCH))
+        flow._check_capacity(RequestContext(priority=Priority.BATCH))
     assert e.value.retry_after_s == pytest.approx(0.5)
     with pytest.raises(Rejected, match="left before its deadline"):
-        flow._check_predicted_wait(RequestContext(deadline=time.time() + 1.0))
+        flow._check_capacity(RequestContext(deadline=time.time() + 1.0))
     more = q.admit(1000)  # 2.5 s ahead: interactive work is refused too
     with pytest.raises(Rejected, match="predicted queue wait 2.50 s exceeds max_queue_wait_s 2:"):
-        flow._check_predicted_wait(RequestContext())
+        flow._check_capacity(RequestContext())
     held.done(1500)
     more.done(1000)
-    flow._check_predicted_wait(RequestContext(priority=Priority.BATCH))  # drained: both pass
+    flow._check_capacity(RequestContext(priority=Priority.BATCH))  # drained: both pass
 
 
 def test_the_flow_refuses_by_predicted_wait_without_touching_a_pool_and_releases_the_slot(tiny_model):
@@ -121,3 +121,51 @@ def test_batch_work_is_refused_at_its_share_of_the_in_flight_cap():
         t.done()
     assert adm.total_inflight == 0
     adm.reserve("batchy").done()
+
+
+def test_stream_pace_measures_the_interval_per_stream_and_caps_by_its_gradient():
+    from router.ingress.capacity import StreamPace
+
+    clock = Clock()
+    pace = StreamPace(clock, alpha=1.0)
+    assert pace.cap(0.1) is None  # nothing measured: no cap
+    for _ in range(4):
+        pace.start()
+    clock.t += 0.5
+    pace.tokens(40)  # 4 streams x 0.5 s over 40 tokens: 50 ms per token per stream
+    assert pace.itl_s == pytest.approx(0.05) and pace.mean_streams == pytest.approx(4.0)
+    assert pace.cap(0.1) == 8  # twice the interval target: twice the streams
+    assert pace.cap(0.025) == 2
+    pace.end()
+    pace.end()
+    clock.t += 10.0  # 2 streams, no tokens for 10 s: one slow window
+    pace.tokens(20)
+    assert pace.itl_s == pytest.approx(1.0)  # 2 streams x 10 s / 20 tokens
+    assert pace.cap(0.1) == 1  # never 0
+    pace.end()
+    pace.end()
+    clock.t += 100.0  # idle time counts in no window
+    pace.start()
+    clock.t += 0.5
+    pace.tokens(10)
+    assert pace.itl_s == pytest.approx(0.05)
+
+
+def test_the_decode_pace_cap_refuses_new_work_interactive_last(tiny_model):
+    flow = _flow(tiny_model, target_itl_s=0.1, batch_share=0.5)
+    clock = Clock()
+    flow.pace.clock = clock
+    flow.pace._last = clock.t
+    for _ in range(3):
+        flow.pace.start()
+    clock.t += 0.5
+    flow.pace.tokens(30)  # 3 streams at 50 ms: the cap at 100 ms is 6
+    flow._check_capacity(RequestContext())
+    with pytest.raises(Rejected, match=r"target_itl_s 0.1 \(measured 50 ms per token over 3.0 streams\) \(batch share\)"):
+        flow._check_capacity(RequestContext(priority=Priority.BATCH))  # 3 >= 6 x 0.5
+    waiting = [flow.first_tokens.admit(10) for _ in range(3)]  # 3 streams + 3 waiting for a first token = 6
+    with pytest.raises(Rejected) as e:
+        flow._check_capacity(RequestContext())
+    assert e.value.reason == "capacity"
+    for p in waiting:
+        p.done(10)
