@@ -130,7 +130,10 @@ def direct_ingress_env(http_port: int, grpc_port: int) -> dict[str, str]:
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + 1),
             "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc_port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc_port + 1),
-            "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+            "RAY_SERVE_PORT_QUARANTINE_S": "0",
+            # a stopping ingress replica keeps answering this long (Serve's default, 30 s, is for a
+            # load balancer's health checks to notice; behind one, set it to their interval)
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 
 
 def grpc_options(config: AppConfig) -> gRPCOptions:

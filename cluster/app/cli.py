@@ -162,6 +162,11 @@ def _up(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # during start-up: abort, and clean up below
         signal.signal(sig, interrupt)
     if joined:
+        if args.direct_ingress and not serve_app.direct_ingress_on():
+            print("pdserve up: --direct-ingress needs the cluster started with it: run `ray start` on every node "
+                  "with the environment of cluster.app.builder.direct_ingress_env (deploy/cluster.yaml)",
+                  file=sys.stderr)
+            return 2
         ray.init(address=address, namespace="pdserve")
     else:
         # Ray's CPUs are scheduling slots: give the local instance enough for every replica
@@ -169,6 +174,8 @@ def _up(args) -> int:
         # Serve's gRPC proxy reads its message cap from its environment only: the Ray started
         # here (and so its proxy) inherits it. The dashboard runs jobs: loopback only (README).
         os.environ[serve_app.GRPC_MAX_MESSAGE_ENV] = str(config.ingress_limits.grpc_max_receive_bytes)
+        if args.direct_ingress:  # the ingress replica is the server: no proxy hop (docs/architecture.md)
+            os.environ.update(serve_app.direct_ingress_env(config.http_port, config.grpc_port))
         ray.init(namespace="pdserve", num_cpus=max(os.cpu_count() or 1, serve_app.cpus_needed(config)),
                  include_dashboard=args.dashboard, dashboard_host="127.0.0.1", dashboard_port=8265)
     stop = threading.Event()
@@ -384,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host")
     up.add_argument("--http-port", type=int)
     up.add_argument("--grpc-port", type=int)
+    up.add_argument("--direct-ingress", action="store_true",
+                    help="the ingress replica serves the ports itself (Serve's direct ingress, no proxy hop; one "
+                         "ingress replica per node); the Ray started here gets the environment it needs")
     up.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                     help="start the local Ray instance without its dashboard")
     up.set_defaults(func=_up)
