@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -74,7 +75,8 @@ def _client(outcome) -> dict:
             "kept_up": outcome.kept_up()}
 
 
-def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: float, slo_tpot_s: float) -> dict:
+def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: float, slo_tpot_s: float,
+                profile=None) -> dict:
     from ray import serve
 
     import cluster.app.builder as serve_app
@@ -95,7 +97,15 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
         serve_app.start(cfg)
         address = f"localhost:{cfg.grpc_port}"
         asyncio.run(_run(address, None, [(capacity, 5.0)], seed=1))  # warm-up: replicas measure their pace
+        spies = []
+        if profile is not None and name == "protected":  # the front door's processes during the burst
+            from cluster.tools.bench.front_door import _pids, _profile
+
+            profile.mkdir(parents=True, exist_ok=True)
+            spies = _profile({k: v for k, v in _pids().items() if k != "router"}, burst_s, profile)
         outcome = asyncio.run(_run(address, None, [(rate, burst_s), (capacity / 2, 20.0)], seed=2))
+        for p in spies:
+            p.wait(timeout=60)
         recs = outcome.records
         serve.delete("pdserve")
         burst = [r for r in recs if r.start < burst_s]
@@ -177,6 +187,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["burst", "noisy"], default=None)
     ap.add_argument("--compute-nice", type=int, default=None, help="the pools' compute_nice (default: the config's)")
     ap.add_argument("--direct-ingress", action="store_true", help="Serve's direct ingress (no proxy) for every arm")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="py-spy records the ingress (and proxy) during the protected arm's burst, into this dir")
     args = ap.parse_args()
 
     http_port, grpc_port = free_port(), free_port()
@@ -187,7 +199,8 @@ def main() -> None:
     base = ensure_model(default="random", config=AppConfig(http_port=http_port, grpc_port=grpc_port, prefill=pool,
                                                            decode=pool, graceful_shutdown_timeout_s=1.0))
     if args.only in (None, "burst"):
-        r = bench_burst(base, args.capacity, args.burst_s, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+        r = bench_burst(base, args.capacity, args.burst_s, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3,
+                        args.profile)
         print(f"\nburst: {10 * args.capacity:g} req/s for {args.burst_s:g} s, then {args.capacity / 2:g} req/s for "
               f"20 s; SLO TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms")
         for name, m in r.items():
