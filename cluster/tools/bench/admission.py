@@ -186,6 +186,8 @@ def main() -> None:
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--only", choices=["burst", "noisy"], default=None)
     ap.add_argument("--compute-nice", type=int, default=None, help="the pools' compute_nice (default: the config's)")
+    ap.add_argument("--throughput-optimized", action="store_true",
+                    help="with --direct-ingress: Serve's throughput profile (RAY_SERVE_THROUGHPUT_OPTIMIZED)")
     ap.add_argument("--direct-ingress", action="store_true", help="Serve's direct ingress (no proxy) for every arm")
     ap.add_argument("--profile", type=Path, default=None,
                     help="py-spy records the ingress (and proxy) during the protected arm's burst, into this dir")
@@ -193,7 +195,7 @@ def main() -> None:
 
     http_port, grpc_port = free_port(), free_port()
     if args.direct_ingress:
-        os.environ.update(direct_ingress_env(http_port, grpc_port))
+        os.environ.update(direct_ingress_env(http_port, grpc_port, args.throughput_optimized))
     ray.init(num_cpus=8, include_dashboard=False, namespace="pdserve", log_to_driver=False)
     pool = {"num_cpus": 0.5} if args.compute_nice is None else {"num_cpus": 0.5, "compute_nice": args.compute_nice}
     base = ensure_model(default="random", config=AppConfig(http_port=http_port, grpc_port=grpc_port, prefill=pool,

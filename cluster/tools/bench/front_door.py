@@ -157,6 +157,8 @@ def main() -> None:
     ap.add_argument("--busy-streams", type=int, default=8)
     ap.add_argument("--profile", type=Path, default=None)
     ap.add_argument("--compute-nice", type=int, default=None, help="the pools' compute_nice (default: the config's)")
+    ap.add_argument("--throughput-optimized", action="store_true",
+                    help="with --direct-ingress: Serve's throughput profile (RAY_SERVE_THROUGHPUT_OPTIMIZED)")
     ap.add_argument("--direct-ingress", action="store_true", help="Serve's direct ingress: no proxy")
     args = ap.parse_args()
 
@@ -164,7 +166,7 @@ def main() -> None:
     if args.direct_ingress:
         from cluster.app.builder import direct_ingress_env
 
-        os.environ.update(direct_ingress_env(http_port, grpc_port))
+        os.environ.update(direct_ingress_env(http_port, grpc_port, args.throughput_optimized))
     ray.init(num_cpus=8, include_dashboard=False, namespace="pdserve", log_to_driver=False)
     nice = {} if args.compute_nice is None else {"compute_nice": args.compute_nice}
     cfg = ensure_model(default="random", config=AppConfig.model_validate({
