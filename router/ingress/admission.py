@@ -3,7 +3,9 @@ limits, rate limits), and what their request carries to the engines (RequestCont
 
 Every check runs locally and answers in microseconds, except a rate limit whose local credit has
 run out: then one call to the quota actor (shared by all ingress replicas) takes the next slice
-of the tenant's budget (`lease` of a minute's worth, at least what this request needs). So a
+of the tenant's budget (`lease` of a minute's worth, at least what this request needs). A refusal
+from the actor carries when the bucket refills; until then the ingress refuses that tenant's
+requests itself, so a flood against a quota costs one actor call per refill, not one per request. So a
 tenant's rate holds across ingress replicas, and the actor sees one call per slice, not one per
 request. Refusals are ServingErrors with a gRPC code and, for overload, a retry-after.
 
@@ -208,8 +210,10 @@ class Admission:
     """One ingress replica's admission control. `take` reaches the shared buckets: the quota
     actor's `take` (or a local Quotas in tests), async, same arguments as Quotas.take."""
 
-    def __init__(self, config: AppConfig, take: TakeFn, key_digests: dict[bytes, str] | None = None):
+    def __init__(self, config: AppConfig, take: TakeFn, key_digests: dict[bytes, str] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
+        self.clock = clock
         self._take = take
         # Only the keys' SHA-256 stays in memory (load_key_digests reads env and files).
         self._keys = list((key_digests if key_digests is not None else load_key_digests(config)).items())
@@ -217,6 +221,7 @@ class Admission:
         self._options = dict(config.tenants)
         self._options.setdefault(DEFAULT_TENANT, None)
         self._credits: dict[tuple[str, str], float] = {}
+        self._refused_until: dict[tuple[str, str], float] = {}  # monotonic time the shared bucket refills
         self._inflight: dict[str, int] = {}
         self.total_inflight = 0
 
@@ -322,6 +327,13 @@ class Admission:
         if have + 1e-9 >= n:  # the fast path: no remote call
             self._credits[key] = have - n
             return
+        until = self._refused_until.get(key)
+        if until is not None:  # the shared bucket said when it refills: until then, refuse here
+            left = until - self.clock()
+            if left > 0:
+                raise Rejected(f"tenant {tenant!r} is over its {kind}_per_min quota ({per_min:g})", left,
+                               reason=f"{kind}_per_min")
+            del self._refused_until[key]
         # Use up the local credit now, so requests admitted while we wait cannot spend it too.
         self._credits[key] = 0.0
         need = n - have
@@ -334,6 +346,8 @@ class Admission:
             return
         if granted <= 0:
             self._credits[key] += have
+            # no other ingress can take it sooner: a flood against the quota costs no more actor calls
+            self._refused_until[key] = self.clock() + retry_after
             raise Rejected(f"tenant {tenant!r} is over its {kind}_per_min quota ({per_min:g})", retry_after,
                            reason=f"{kind}_per_min")
         self._credits[key] += granted - need

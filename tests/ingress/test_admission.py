@@ -34,7 +34,7 @@ def admission(cfg: AppConfig, clock: Clock):
         calls.append(args)
         return quotas.take(*args)
 
-    return Admission(cfg, take), calls
+    return Admission(cfg, take, clock=clock), calls
 
 
 def run(coro):
@@ -101,6 +101,26 @@ def test_noisy_tenant_is_refused_while_the_other_is_not():
                 results[tenant].append(e.retry_after_s)
     assert results["a"] == ["ok"] * 3 + [20.0] * 7
     assert results["b"] == ["ok"] * 10
+
+
+def test_a_flood_against_a_quota_costs_one_actor_call_per_refill():
+    clock = Clock()
+    adm, calls = admission(config(a={"api_keys": ["ka"], "requests_per_min": 60}), clock)
+    for _ in range(60):
+        run(adm.admit("a", 1, 1)).done(1)
+    before = len(calls)
+    waits = []
+    for _ in range(500):  # refused by the actor once, then here until the bucket refills
+        with pytest.raises(Rejected) as e:
+            run(adm.admit("a", 1, 1))
+        waits.append(e.value.retry_after_s)
+        clock.t += 0.001
+    assert len(calls) == before + 1
+    assert waits[0] == pytest.approx(1.0) and waits[-1] == pytest.approx(1.0 - 0.499)  # the time left, exact
+    assert adm.total_inflight == 0
+    clock.t += 0.502
+    run(adm.admit("a", 1, 1)).done(1)  # refilled: the actor is asked again and grants
+    assert len(calls) == before + 2
 
 
 def test_tokens_per_min_charges_prompt_plus_max_tokens_and_refunds_unused_output():

@@ -9,7 +9,7 @@ burst      a 10x burst: Poisson arrivals at 10 x --capacity req/s for --burst-s,
            the capacity. Arms: "sustainable" (the protected server at --capacity: the goodput a
            burst is held against), "unprotected" (no in-flight cap, unbounded engine queues, no queue
            time-to-live) and "protected" (refused at the ingress: work whose predicted queue wait is over
-           half the TTFT SLO, and new work while the streams would run slower than half the TPOT
+           half the TTFT SLO, and new work while the streams would run slower than 0.8 of the TPOT
            SLO (target_itl_s); engine queues bounded at 64 with a 2 s time-to-live). Printed per
            arm: goodput
            during the burst (requests meeting the TTFT and TPOT SLOs, per second), p99 latency of
@@ -87,7 +87,7 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
     protected = base.model_copy(update={
         "engine": base.engine.model_copy(update={"max_waiting": 64, "queue_ttl_s": 2.0}),
         "admission": base.admission.model_copy(update={"max_queue_wait_s": slo_ttft_s / 2,
-                                                       "target_itl_s": slo_tpot_s / 2})})
+                                                       "target_itl_s": 0.8 * slo_tpot_s})})
     # "sustainable": the protected server at --capacity for as long as the burst: the goodput the
     # burst's goodput is held against (>= 50% of it)
     arms = {"sustainable": (protected, capacity), "unprotected": (unprotected, 10 * capacity),
