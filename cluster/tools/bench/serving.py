@@ -13,6 +13,7 @@ Arms, one after the other on the same machine and checkpoint (the ~50M bench mod
               both pools share the same two cores, so this arm shows the handoff's cost, not a gain)
   serve-di, serve-pd-di   the same two with Serve's direct ingress (the ingress replica is the
               server: no proxy hop)
+  serve-tp, serve-pd-tp   direct ingress with Serve's throughput profile (RAY_SERVE_THROUGHPUT_OPTIMIZED)
 For each concurrency C, C requests (prompt lengths uniform in [32, 512], 128 output tokens, greedy,
 EOS ignored) start at once. Printed: output tokens/s and the ratio to in-process, and at C=1 the
 mean inter-chunk interval of both (the difference is the latency the serving path adds per chunk).
@@ -77,7 +78,7 @@ def run_in_process(model_dir: str, prompts_by_c: dict, out_tokens: int, blocks: 
 
 
 def run_served(model_dir: str, prompts_by_c: dict, out_tokens: int, blocks: int, prefill_replicas: int,
-               direct_ingress: bool = False) -> dict:
+               direct_ingress: bool = False, throughput_optimized: bool = False) -> dict:
     import grpc
     import ray
     from ray import serve
@@ -90,7 +91,7 @@ def run_served(model_dir: str, prompts_by_c: dict, out_tokens: int, blocks: int,
 
     cfg = AppConfig(model=model_dir, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": blocks},
                     prefill={"num_replicas": prefill_replicas}, graceful_shutdown_timeout_s=1.0)
-    env = serve_app.direct_ingress_env(cfg.http_port, cfg.grpc_port) if direct_ingress else {}
+    env = serve_app.direct_ingress_env(cfg.http_port, cfg.grpc_port, throughput_optimized) if direct_ingress else {}
     os.environ.update(env)  # the Ray instance below (its Serve processes) reads it when they start
     ray.init(num_cpus=serve_app.cpus_needed(cfg) + 2, include_dashboard=False, log_to_driver=False)
     try:
@@ -142,7 +143,8 @@ def main(argv=None) -> int:
         else:
             results[arm] = run_served(str(d), prompts_by_c, args.output_tokens, args.blocks,
                                       prefill_replicas=1 if arm.startswith("serve-pd") else 0,
-                                      direct_ingress=arm.endswith("-di"))
+                                      direct_ingress=arm.endswith(("-di", "-tp")),
+                                      throughput_optimized=arm.endswith("-tp"))
         print(f"{arm}: " + "  ".join(f"C={c} {r['tok_s']:.1f} tok/s" for c, r in results[arm].items()), flush=True)
     bases = [a for a in results if a.startswith("in-process")]
     served = [a for a in results if not a.startswith("in-process")]
