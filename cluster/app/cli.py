@@ -175,7 +175,8 @@ def _up(args) -> int:
         # here (and so its proxy) inherits it. The dashboard runs jobs: loopback only (README).
         os.environ[serve_app.GRPC_MAX_MESSAGE_ENV] = str(config.ingress_limits.grpc_max_receive_bytes)
         if args.direct_ingress:  # the ingress replica is the server: no proxy hop (docs/architecture.md)
-            os.environ.update(serve_app.direct_ingress_env(config.http_port, config.grpc_port))
+            os.environ.update(serve_app.direct_ingress_env(config.http_port, config.grpc_port,
+                                                           throughput_optimized=True))
         ray.init(namespace="pdserve", num_cpus=max(os.cpu_count() or 1, serve_app.cpus_needed(config)),
                  include_dashboard=args.dashboard, dashboard_host="127.0.0.1", dashboard_port=8265)
     stop = threading.Event()
@@ -393,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-port", type=int)
     up.add_argument("--direct-ingress", action="store_true",
                     help="the ingress replica serves the ports itself (Serve's direct ingress, no proxy hop; one "
-                         "ingress replica per node); the Ray started here gets the environment it needs")
+                         "ingress replica per node) with Serve's throughput profile; the Ray started here gets the "
+                         "environment it needs (docs/architecture.md, 'Direct ingress')")
     up.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                     help="start the local Ray instance without its dashboard")
     up.set_defaults(func=_up)
