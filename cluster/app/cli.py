@@ -176,7 +176,7 @@ def _up(args) -> int:
         os.environ[serve_app.GRPC_MAX_MESSAGE_ENV] = str(config.ingress_limits.grpc_max_receive_bytes)
         if args.direct_ingress:  # the ingress replica is the server: no proxy hop (docs/architecture.md)
             os.environ.update(serve_app.direct_ingress_env(config.http_port, config.grpc_port,
-                                                           throughput_optimized=True))
+                                                           throughput_optimized=args.throughput_profile))
         ray.init(namespace="pdserve", num_cpus=max(os.cpu_count() or 1, serve_app.cpus_needed(config)),
                  include_dashboard=args.dashboard, dashboard_host="127.0.0.1", dashboard_port=8265)
     stop = threading.Event()
@@ -394,8 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--grpc-port", type=int)
     up.add_argument("--direct-ingress", action="store_true",
                     help="the ingress replica serves the ports itself (Serve's direct ingress, no proxy hop; one "
-                         "ingress replica per node) with Serve's throughput profile; the Ray started here gets the "
-                         "environment it needs (docs/architecture.md, 'Direct ingress')")
+                         "ingress replica per node); the Ray started here gets the environment it needs "
+                         "(docs/architecture.md, 'Direct ingress')")
+    up.add_argument("--throughput-profile", action="store_true",
+                    help="with --direct-ingress: Serve's throughput profile (RAY_SERVE_THROUGHPUT_OPTIMIZED): more "
+                         "refusals/s and tokens/s under load, but more latency per token at one stream "
+                         "(docs/benchmarks.md)")
     up.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                     help="start the local Ray instance without its dashboard")
     up.set_defaults(func=_up)
