@@ -1,4 +1,5 @@
-"""Bounded waits for tests: poll a condition until it holds or the time runs out (never a bare sleep)."""
+"""Test helpers: bounded waits (poll a condition until it holds or the time runs out, never a bare
+sleep), the pools' loads, and the Ray modules' Serve app (ServeApps, grpc_stub, http_base)."""
 
 from __future__ import annotations
 
@@ -107,7 +108,8 @@ class ServeApps:
 
     Serve itself (controller and proxies, on two ports picked when it starts) stays up from the first
     app to the end of the session, or to the next Ray test that runs Serve its own way (conftest stops
-    it): starting and shutting it down for every module cost seconds each.
+    it): starting Serve and shutting it down for every module cost about 3 s a module more than
+    deploying and deleting the app on a running Serve.
 
     Every module deploys its own app: no two modules ask for the same config, and most of them kill
     replicas, scale, or count from a fresh app."""
