@@ -6,6 +6,7 @@ import pytest
 
 from cluster.engine.model.demo import ModelUnavailable, smollm2_135m_instruct
 from cluster.engine.model.init_model import init_model
+from tests.helpers import SERVE_APPS
 
 
 def pytest_collection_modifyitems(items):
@@ -14,6 +15,13 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "ray_session" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.ray)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A Ray test that runs Serve its own way (not through `serve_apps`) finds no Serve running."""
+    if "ray_session" in item.fixturenames and "serve_apps" not in item.fixturenames:
+        SERVE_APPS.stop()
 
 
 @pytest.fixture(scope="session")
@@ -62,3 +70,11 @@ def ray_session():
     yield ray
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_apps(ray_session):
+    """The Ray modules' Serve apps (tests/helpers.py ServeApps): `with serve_apps.run(model, **overrides)
+    as cfg` deploys one for the block; Serve is shut down at the end of the session."""
+    yield SERVE_APPS
+    SERVE_APPS.stop()

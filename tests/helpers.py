@@ -1,6 +1,15 @@
-"""Bounded waits for tests: poll a condition until it holds or the time runs out (never a bare sleep)."""
+"""Test helpers: bounded waits (poll a condition until it holds or the time runs out, never a bare
+sleep), the pools' loads, and the Ray modules' Serve app (ServeApps, grpc_stub, http_base)."""
+
+from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.config import AppConfig
 
 
 def wait_for(predicate, what: str = "condition", timeout: float = 15.0, retry_on: tuple = ()) -> None:
@@ -72,3 +81,108 @@ def kill_app_actors() -> None:
             ray.kill(ray.get_actor(name, namespace="pdserve"))
         except ValueError:  # never created by this module
             pass
+
+
+# ---- the Serve app of the Ray tests -------------------------------------------------------------------
+
+# What every test app shares unless a module overrides it: one prefill and one decode replica at half a
+# CPU each (so an app fits beside the session's other actors), 64 KV blocks, a 1 s graceful shutdown.
+APP_DEFAULTS = {"engine": {"num_blocks": 64}, "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5},
+                "graceful_shutdown_timeout_s": 1.0}
+
+
+def _merged(base: dict, overrides: dict) -> dict:
+    """`base` with `overrides` laid over it, dicts merged key by key (so prefill={"num_replicas": 2}
+    keeps the default num_cpus)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+class ServeApps:
+    """The Serve app of the Ray test modules, one at a time, named `pdserve` (the tests' handles and
+    the builder name it so): `with serve_apps.run(model, **overrides) as cfg` deploys it and deletes it
+    with its detached actors (admission, audit writer, ledger) when the block exits. The config is
+    APP_DEFAULTS with the overrides merged in, on Serve's ports.
+
+    Serve itself (controller and proxies, on two ports picked when it starts) stays up from the first
+    app to the end of the session, or to the next Ray test that runs Serve its own way (conftest stops
+    it): starting Serve and shutting it down for every module cost about 3 s a module more than
+    deploying and deleting the app on a running Serve.
+
+    Every module deploys its own app: no two modules ask for the same config, and most of them kill
+    replicas, scale, or count from a fresh app."""
+
+    def __init__(self):
+        self.ports: tuple[int, int] | None = None  # (http, grpc) while Serve runs
+        self.running = False  # an app is deployed
+
+    def config(self, model: str | None, **overrides) -> AppConfig:
+        """The app config these overrides make, on Serve's ports (Serve is started if it is not up)."""
+        from ray import serve  # noqa: PLC0415
+
+        from cluster.app.builder import grpc_options  # noqa: PLC0415
+        from cluster.config import AppConfig  # noqa: PLC0415
+        from cluster.tools.netutil import free_port  # noqa: PLC0415
+
+        fresh = self.ports is None
+        if fresh:
+            serve.shutdown()  # a Serve that some module left running would keep its own ports
+            self.ports = (free_port(), free_port())
+        cfg = AppConfig.model_validate(_merged(APP_DEFAULTS, {"model": model, **overrides})
+                                       | {"http_port": self.ports[0], "grpc_port": self.ports[1]})
+        if fresh:
+            serve.start(http_options={"host": cfg.host, "port": cfg.http_port}, grpc_options=grpc_options(cfg))
+        return cfg
+
+    @contextmanager
+    def run(self, model: str | None, deploy=None, **overrides) -> Iterator[AppConfig]:
+        """`deploy(cfg)` deploys the app when the module has its own way (default: the builder's start,
+        whose serve.start finds Serve up on these ports and keeps it)."""
+        import cluster.app.builder as builder  # noqa: PLC0415
+
+        cfg = self.config(model, **overrides)
+        self.stop_app()  # one app at a time
+        self.running = True  # before the deploy: a start that fails half way is deleted too
+        try:
+            (deploy or builder.start)(cfg)
+            yield cfg
+        finally:
+            self.stop_app()
+
+    def stop_app(self) -> None:
+        """Delete the running app and its detached actors (the next app starts them with its config)."""
+        if self.running:
+            from ray import serve  # noqa: PLC0415
+
+            serve.delete("pdserve")
+            kill_app_actors()
+        self.running = False
+
+    def stop(self) -> None:
+        """The app, then Serve itself."""
+        if self.ports is not None:
+            from ray import serve  # noqa: PLC0415
+
+            self.stop_app()
+            serve.shutdown()
+        self.ports = None
+
+
+SERVE_APPS = ServeApps()
+
+
+@contextmanager
+def grpc_stub(cfg: AppConfig, options: tuple = ()) -> Iterator:
+    """A Generation stub on the app's gRPC port (the channel, with these options, closes with the block)."""
+    import grpc  # noqa: PLC0415
+
+    from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: PLC0415
+
+    with grpc.insecure_channel(f"localhost:{cfg.grpc_port}", options=list(options)) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+def http_base(cfg: AppConfig) -> str:
+    return f"http://localhost:{cfg.http_port}"

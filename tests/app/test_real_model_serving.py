@@ -2,34 +2,25 @@
 `openai` client) and gRPC (`Chat` messages) with exactly what the in-process engine answers, in
 disaggregated mode, and the pools end with every block free."""
 
-import grpc
 import pytest
 
-from cluster.config import AppConfig
 from cluster.engine.chat_template import render_chat
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
-from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers import wait_pools_whole
+from tests.helpers import grpc_stub, http_base, wait_pools_whole
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, smollm2):
-    from ray import serve
+def server(serve_apps, smollm2):
+    from cluster.app.builder import ensure_model
 
-    import cluster.app.builder as builder
-
-    cfg = AppConfig(model=None, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": 64},
-                    prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5}, graceful_shutdown_timeout_s=1.0)
-    cfg = builder.ensure_model(cfg)  # the embedded default, as `make run` serves it
-    assert (cfg.model, cfg.served_model_name) == (smollm2, "smollm2-135m-instruct")
-    builder.start(cfg)
-    yield cfg
-    serve.shutdown()
+    with serve_apps.run(None) as cfg:  # no model: the builder serves the embedded default, as `make run` does
+        cfg = ensure_model(cfg)
+        assert (cfg.model, cfg.served_model_name) == (smollm2, "smollm2-135m-instruct")
+        yield cfg
 
 
 def test_the_default_model_answers_a_chat_over_http_and_grpc(server, smollm2):
@@ -40,7 +31,7 @@ def test_the_default_model_answers_a_chat_over_http_and_grpc(server, smollm2):
     [ref] = engine.generate([ids], SamplingParams(max_tokens=30, temperature=0))
     assert ref.text == "The capital of France is Paris."  # the model itself, before any serving
 
-    client = openai.OpenAI(base_url=f"http://localhost:{server.http_port}/v1", api_key="unused")
+    client = openai.OpenAI(base_url=f"{http_base(server)}/v1", api_key="unused")
     reply = client.chat.completions.create(model="smollm2-135m-instruct", messages=QUESTION, max_tokens=30,
                                            temperature=0)
     assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == (ref.text, "stop")
@@ -48,8 +39,8 @@ def test_the_default_model_answers_a_chat_over_http_and_grpc(server, smollm2):
 
     request = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=30, temperature=0))
     request.chat.messages.add(role="user", content=QUESTION[0]["content"])
-    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
-        replies = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=120))
+    with grpc_stub(server) as stub:
+        replies = list(stub.Generate(request, timeout=120))
     assert [t for r in replies for t in r.token_ids] == ref.token_ids
     assert "".join(r.text for r in replies) == ref.text
     assert replies[-1].finish_reason == pb.FINISH_REASON_STOP

@@ -13,11 +13,8 @@ import urllib.request
 import grpc
 import pytest
 
-from cluster.config import AppConfig
-from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers import pool_loads, wait_pools_whole
+from tests.helpers import grpc_stub, http_base, pool_loads, wait_pools_whole
 
 KEYS = {"noisy": "k-noisy", "calm": "k-calm", "iso-a": "k-iso-a", "iso-b": "k-iso-b",
         "grp-1": "k-grp-1", "grp-2": "k-grp-2"}
@@ -25,30 +22,20 @@ MAX_INFLIGHT = 16
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, tiny_model):
-    import ray
-    from ray import serve
-
-    import cluster.app.builder as serve_app
-
+def server(serve_apps, tiny_model):
     tenants = {name: {"api_keys": [key]} for name, key in KEYS.items()}
     tenants["noisy"]["requests_per_min"] = 4
     tenants["grp-1"]["cache_group"] = tenants["grp-2"]["cache_group"] = "grp"
-    cfg = AppConfig(
-        model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
-        engine={"num_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-        graceful_shutdown_timeout_s=1.0, tenants=tenants, admission={"max_inflight": MAX_INFLIGHT},
-    )
-    serve_app.start(cfg)
-    yield cfg
-    serve.shutdown()
-    ray.kill(ray.get_actor("pdserve-admission", namespace="pdserve"))  # its buckets belong to this module
+    # its own app: the tenants' buckets and caches belong to this module
+    with serve_apps.run(tiny_model, served_model_name="tiny", tenants=tenants,
+                        admission={"max_inflight": MAX_INFLIGHT}) as cfg:
+        yield cfg
 
 
 @pytest.fixture(scope="module")
 def stub(server):
-    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
-        yield pb_grpc.GenerationStub(channel)
+    with grpc_stub(server) as stub:
+        yield stub
 
 
 def request(ids, max_tokens=8):
@@ -163,7 +150,7 @@ def test_bad_timeout_header_names_the_field(stub):
 
 
 def http(server, path, body, tenant, **headers):
-    req = urllib.request.Request(f"http://localhost:{server.http_port}{path}", data=json.dumps(body).encode(),
+    req = urllib.request.Request(f"{http_base(server)}{path}", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json",
                                           "authorization": f"Bearer {KEYS[tenant]}", **headers})
     try:
@@ -202,7 +189,7 @@ def test_rate_limited_http_request_gets_429_with_retry_after(server):
     started, admitted, refusals = time.monotonic(), 0, []
     while len(refusals) < 2:
         req = urllib.request.Request(
-            f"http://localhost:{server.http_port}/v1/completions",
+            f"{http_base(server)}/v1/completions",
             data=json.dumps({"prompt": [256, 1], "max_tokens": 2}).encode(),
             headers={"content-type": "application/json", "authorization": f"Bearer {KEYS['noisy']}"})
         try:

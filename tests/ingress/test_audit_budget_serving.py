@@ -15,12 +15,9 @@ import grpc
 import pytest
 
 from cluster.app.cli import main
-from cluster.config import AppConfig
-from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.ingress.audit_log import canonical, log_files, read_records, verify
-from tests.helpers import kill_app_actors, serve_replica_ids, wait_for, wait_pools_whole, wait_until
+from tests.helpers import grpc_stub, http_base, serve_replica_ids, wait_for, wait_pools_whole, wait_until
 
 KEYS = {"audited": "k-audited", "capped": "k-capped"}
 PRICE = {"prompt_per_1k": 1.0, "completion_per_1k": 10.0}  # USD
@@ -30,31 +27,23 @@ BUDGET = 1.0
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, tiny_model, tmp_path_factory):
-    from ray import serve
-
-    import cluster.app.builder as serve_app
-
+def server(serve_apps, tiny_model, tmp_path_factory):
     audit_dir = tmp_path_factory.mktemp("audit")
     tenants = {name: {"api_keys": [key]} for name, key in KEYS.items()}
     tenants["capped"]["monthly_budget_usd"] = BUDGET
-    cfg = AppConfig(
-        model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
-        engine={"num_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5}, ingress_replicas=2,
-        graceful_shutdown_timeout_s=1.0, tenants=tenants,
+    # its own app: the module kills the writer and an ingress, and counts spend from zero
+    with serve_apps.run(
+        tiny_model, served_model_name="tiny", ingress_replicas=2, tenants=tenants,
         audit={"enabled": True, "dir": str(audit_dir), "flush_interval_s": 0.02, "batch_records": 64},
         budgets={"prices": {"tiny": PRICE}, "ledger_path": str(tmp_path_factory.mktemp("ledger") / "ledger.json")},
-    )
-    serve_app.start(cfg)
-    yield cfg
-    serve.shutdown()
-    kill_app_actors()
+    ) as cfg:
+        yield cfg
 
 
 @pytest.fixture(scope="module")
 def stub(server):
-    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
-        yield pb_grpc.GenerationStub(channel)
+    with grpc_stub(server) as stub:
+        yield stub
 
 
 def generate(stub, tenant, ids, max_tokens, request_id=""):
@@ -138,7 +127,7 @@ def test_a_thousand_requests_through_a_killed_writer_and_ingress_are_each_audite
 
 
 def http(server, body, tenant):
-    req = urllib.request.Request(f"http://localhost:{server.http_port}/v1/completions", data=json.dumps(body).encode(),
+    req = urllib.request.Request(f"{http_base(server)}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json",
                                           "authorization": f"Bearer {KEYS[tenant]}"})
     try:

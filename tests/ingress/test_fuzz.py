@@ -16,13 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.config import AppConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
-from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers import wait_pools_whole
+from tests.helpers import grpc_stub, http_base, wait_pools_whole
 
 HTTP_EXAMPLES = 150  # per operation and generation mode (6 operations, positive + negative)
 GRPC_EXAMPLES = 2500
@@ -42,18 +39,11 @@ COUNTS: dict[str, int] = {}
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, tiny_model):
-    from ray import serve
-
-    import cluster.app.builder as serve_app
-
-    cfg = AppConfig(  # a 64-token context bounds what a valid fuzzed request can cost
-        model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
-        engine={"num_blocks": 64, "max_model_len": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16})
-    serve_app.start(cfg)
-    yield cfg
-    serve.shutdown()
+def server(serve_apps, tiny_model):
+    with serve_apps.run(  # a 64-token context bounds what a valid fuzzed request can cost
+            tiny_model, served_model_name="tiny", engine={"num_blocks": 64, "max_model_len": 64},
+            routing={"local_prefill_threshold": 16}) as cfg:
+        yield cfg
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +73,7 @@ def test_http_api_fuzzed_from_its_openapi_schema(server):
     import schemathesis
     from schemathesis import GenerationMode
 
-    base = f"http://localhost:{server.http_port}"
+    base = http_base(server)
     with urllib.request.urlopen(f"{base}/openapi.json", timeout=30) as resp:
         schema = schemathesis.openapi.from_dict(json.loads(resp.read()))
     operations = [r.ok() for r in schema.get_all_operations()]
@@ -141,8 +131,7 @@ metadata = st.lists(st.tuples(
 
 def test_grpc_generate_fuzzed_with_hypothesis(server, reference):
     started = time.monotonic()
-    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
-        stub = pb_grpc.GenerationStub(channel)
+    with grpc_stub(server) as stub:
 
         @settings(FUZZ, max_examples=GRPC_EXAMPLES)
         @given(request=generate_requests(), md=metadata)

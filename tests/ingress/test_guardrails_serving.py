@@ -14,13 +14,10 @@ import urllib.request
 import grpc
 import pytest
 
-from cluster.config import AppConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
-from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers import pool_loads, serve_replica_ids, wait_for, wait_pools_whole
+from tests.helpers import grpc_stub, http_base, pool_loads, serve_replica_ids, wait_for, wait_pools_whole
 
 KEYS = {"guarded": "k-guarded", "plain": "k-plain", "early": "k-early", "cls-closed": "k-cls-closed",
         "cls-open": "k-cls-open"}
@@ -50,19 +47,12 @@ def flagged(reference):
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, tiny_model, flagged, reference):
-    import ray
-    from ray import serve
-
-    import cluster.app.builder as serve_app
-
+def server(serve_apps, tiny_model, flagged, reference):
     policy = {"rules": [{"name": "secret", "pattern": re.escape(flagged[1]), "applies_to": "output"},
                         {"name": "banned-prompt", "words": ["forbidden topic"], "applies_to": "input"}],
               "holdback_chars": WINDOW}
-    cfg = AppConfig(
-        model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
-        engine={"num_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
+    with serve_apps.run(  # its own app: the module kills the classifier replica
+        tiny_model, served_model_name="tiny", routing={"local_prefill_threshold": 16},
         guardrail_policies={"strict": policy, "early": {"rules": [  # the output's first two characters
             {"name": "first", "pattern": re.escape(reference.text[:2]), "applies_to": "output"}]},
             "cls-closed": {"classifier": {"timeout_s": CLASSIFIER_TIMEOUT_S}, "on_error": "closed"},
@@ -73,17 +63,14 @@ def server(ray_session, tiny_model, flagged, reference):
                  "cls-closed": {"api_keys": [KEYS["cls-closed"]], "guardrail_policy": "cls-closed"},
                  "cls-open": {"api_keys": [KEYS["cls-open"]], "guardrail_policy": "cls-open"},
                  "plain": {"api_keys": [KEYS["plain"]], "response_cache": True}},
-    )
-    serve_app.start(cfg)
-    yield cfg
-    serve.shutdown()
-    ray.kill(ray.get_actor("pdserve-admission", namespace="pdserve"))  # its buckets belong to this module
+    ) as cfg:
+        yield cfg
 
 
 @pytest.fixture(scope="module")
 def stub(server):
-    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
-        yield pb_grpc.GenerationStub(channel)
+    with grpc_stub(server) as stub:
+        yield stub
 
 
 def request(ids=PROMPT, max_tokens=MAX_TOKENS):
@@ -138,7 +125,7 @@ def test_the_unguarded_tenant_gets_the_whole_output(stub, reference, flagged):
 def openai_client(server, tenant):
     import openai
 
-    return openai.OpenAI(base_url=f"http://localhost:{server.http_port}/v1", api_key=KEYS[tenant], max_retries=0)
+    return openai.OpenAI(base_url=f"{http_base(server)}/v1", api_key=KEYS[tenant], max_retries=0)
 
 
 def test_http_streaming_ends_with_a_content_filter_chunk(server, reference, flagged):
@@ -170,7 +157,7 @@ def test_a_flagged_prompt_is_refused_before_any_engine_work(stub, server):
     assert (e.value.code(), e.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT, "prompt: refused by guardrail policy 'strict', check 'banned-prompt'")
     req = urllib.request.Request(
-        f"http://localhost:{server.http_port}/v1/chat/completions", headers={
+        f"{http_base(server)}/v1/chat/completions", headers={
             "content-type": "application/json", "authorization": f"Bearer {KEYS['guarded']}"},
         data=json.dumps({"messages": [{"role": "user", "content": "the forbidden topic"}], "max_tokens": 4}).encode())
     with pytest.raises(urllib.error.HTTPError) as http:

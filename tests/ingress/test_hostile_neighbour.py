@@ -16,16 +16,11 @@ import urllib.request
 
 import grpc
 import pytest
-from ray import serve
 
-import cluster.app.builder as serve_app
-from cluster.config import AppConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
-from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers import wait_pools_whole
+from tests.helpers import grpc_stub, http_base, wait_pools_whole
 
 NEIGHBOUR = [256] + [(7 * i) % 250 for i in range(40)]
 NEIGHBOUR_TOKENS = 400
@@ -35,16 +30,11 @@ AUTH_A = [("authorization", "Bearer key-a")]
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, tiny_model):
-    cfg = AppConfig(
-        model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
-        engine={"num_blocks": 96}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 0},
-        tenants={"a": {"api_keys": ["key-a"]}, "b": {"api_keys": ["key-b"]}},
-    )
-    serve_app.start(cfg)
-    yield cfg
-    serve.shutdown()
+def server(serve_apps, tiny_model):
+    with serve_apps.run(tiny_model, served_model_name="tiny", engine={"num_blocks": 96},
+                        routing={"local_prefill_threshold": 0},
+                        tenants={"a": {"api_keys": ["key-a"]}, "b": {"api_keys": ["key-b"]}}) as cfg:
+        yield cfg
 
 
 def greedy(tiny_model, prompt, max_tokens):
@@ -96,7 +86,7 @@ HTTP_CASES = [  # (name, [path,] body, headers, expected status, expected error 
 
 def post(server, body: str, headers: dict, path: str = "/v1/completions") -> tuple[int, dict]:
     hdrs = {"content-type": "application/json", "authorization": "Bearer key-a", **headers}
-    req = urllib.request.Request(f"http://localhost:{server.http_port}{path}",
+    req = urllib.request.Request(f"{http_base(server)}{path}",
                                  data=body.encode("utf-8", "surrogatepass"),
                                  headers={k: v.encode("utf-8").decode("latin-1") for k, v in hdrs.items()})
     try:
@@ -109,9 +99,7 @@ def post(server, body: str, headers: dict, path: str = "/v1/completions") -> tup
 def test_hostile_inputs_beside_a_stream_get_their_codes_and_the_stream_is_untouched(server, tiny_model):
     alone = greedy(tiny_model, NEIGHBOUR, NEIGHBOUR_TOKENS)
     hostile_greedy = greedy(tiny_model, HOSTILE_PROMPT, 4)
-    with grpc.insecure_channel(f"localhost:{server.grpc_port}", options=[
-            ("grpc.max_send_message_length", 16 * 2**20)]) as channel:
-        stub = pb_grpc.GenerationStub(channel)
+    with grpc_stub(server, options=[("grpc.max_send_message_length", 16 * 2**20)]) as stub:
         neighbour = stub.Generate(grpc_request(NEIGHBOUR, max_tokens=NEIGHBOUR_TOKENS),
                                   metadata=[("authorization", "Bearer key-b")], timeout=120)
         first = next(neighbour)  # b's stream is running before the first hostile input

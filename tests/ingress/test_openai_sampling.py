@@ -12,12 +12,10 @@ import torch
 from cluster.config import AppConfig
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenizer import Tokenizer
-from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.ingress.flow import RequestFlow
 from tests.engine.test_logits_processing import PROMPT, reference_greedy
-from tests.helpers import pool_loads, wait_pools_whole
+from tests.helpers import grpc_stub, http_base, pool_loads, wait_pools_whole
 from tests.reference import hf_last_logits
 
 N = 12
@@ -26,24 +24,14 @@ MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, tiny_model):
-    from ray import serve
-
-    import cluster.app.builder as serve_app
-
-    cfg = AppConfig(
-        model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
-        engine={"num_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 0},
-    )
-    serve_app.start(cfg)
-    yield cfg
-    serve.shutdown()
+def server(serve_apps, tiny_model):
+    with serve_apps.run(tiny_model, served_model_name="tiny", routing={"local_prefill_threshold": 0}) as cfg:
+        yield cfg
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"http://localhost:{server.http_port}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{http_base(server)}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +62,8 @@ def test_penalties_and_logit_bias_change_the_output_as_the_reference_does(server
     assert got.choices[0].text == tok.decode(expected) != tok.decode(plain)
     assert (got.usage.completion_tokens, got.choices[0].finish_reason) == (N, "length")
 
-    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
-        responses = list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+    with grpc_stub(server) as stub:
+        responses = list(stub.Generate(pb.GenerateRequest(
             token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(
                 max_tokens=N, temperature=0, ignore_eos=True, presence_penalty=0.3, frequency_penalty=0.4,
                 repetition_penalty=1.3, logit_bias={65: -100.0, 223: 1.5})), timeout=60))
@@ -148,9 +136,9 @@ def test_bad_values_are_400_naming_the_field(client, path_kw, param):
 
 
 def test_a_bad_value_over_grpc_is_invalid_argument(server):
-    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
+    with grpc_stub(server) as stub:
         with pytest.raises(grpc.RpcError) as e:
-            list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+            list(stub.Generate(pb.GenerateRequest(
                 token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(logprobs=21)), timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details() == "logprobs: asks for 21 top logprobs; at most 20 are accepted"

@@ -5,20 +5,16 @@ client leaves right after the first token."""
 import asyncio
 import concurrent.futures
 
-import grpc
 from ray import serve
 
-import cluster.app.builder as serve_app
 from cluster.config import AppConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle, KVLayout
 from prefill.engine import PrefillResult
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.ingress.flow import RequestFlow
-from cluster.tools.netutil import free_port
-from tests.helpers import serve_replica_ids, wait_for
+from tests.helpers import grpc_stub, serve_replica_ids, wait_for
 
 SP = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 LAYOUT = KVLayout("fp", 16, "float32", 2, 2, 8)
@@ -72,24 +68,19 @@ def test_client_ids_are_labels_and_a_disconnect_after_the_first_token_releases_o
 
 # ---- on a real app: two tenants, the same request_id, two prefill replicas ---------------------
 
-def test_two_tenants_with_the_same_request_ids_both_finish_and_the_pools_come_back(ray_session, tiny_model):
-    cfg = AppConfig(
-        model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
-        engine={"num_blocks": 32}, prefill={"num_replicas": 2, "num_cpus": 0.5}, decode={"num_cpus": 0.5},
-        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 0},
-        tenants={"a": {"api_keys": ["key-a"]}, "b": {"api_keys": ["key-b"]}},
-        kv_transfer={"release_grace_s": 0.5},
-    )
+def test_two_tenants_with_the_same_request_ids_both_finish_and_the_pools_come_back(serve_apps, tiny_model):
     prompts = {(t, label): [256] + [(k * i + len(label) + ord(t)) % 250 for i in range(30)]
                for k, t in ((3, "a"), (7, "b")) for label in ("1", "2", "3")}
     engine = LLMEngine.from_model(tiny_model, num_blocks=64)
     keys = list(prompts)
     reference = dict(zip(keys, (o.token_ids for o in engine.generate([prompts[k] for k in keys], SP))))
 
-    serve_app.start(cfg)
-    try:
-        with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
-            stub = pb_grpc.GenerationStub(channel)
+    with serve_apps.run(
+        tiny_model, served_model_name="tiny", engine={"num_blocks": 32}, prefill={"num_replicas": 2},
+        routing={"local_prefill_threshold": 0}, tenants={"a": {"api_keys": ["key-a"]}, "b": {"api_keys": ["key-b"]}},
+        kv_transfer={"release_grace_s": 0.5},
+    ) as cfg:
+        with grpc_stub(cfg) as stub:
 
             def run(key):
                 tenant, label = key
@@ -118,5 +109,3 @@ def test_two_tenants_with_the_same_request_ids_both_finish_and_the_pools_come_ba
 
         wait_for(whole, f"both prefill replicas and decode back at their totals (last: {seen})", timeout=20)
         assert sum(seen[rid]["transfer"]["leases_granted"] for rid in prefills) == len(keys)
-    finally:
-        serve.shutdown()

@@ -11,35 +11,22 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.config import AppConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from cluster.tools.netutil import free_port
-from tests.helpers import pool_loads, wait_pools_whole
+from tests.helpers import grpc_stub, http_base, pool_loads, wait_pools_whole
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, tiny_model):
-    from ray import serve
-
-    import cluster.app.builder as serve_app
-
-    cfg = AppConfig(
-        model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
-        engine={"num_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
-    )
-    serve_app.start(cfg)
-    yield cfg
-    serve.shutdown()
+def server(serve_apps, tiny_model):
+    with serve_apps.run(tiny_model, served_model_name="tiny", routing={"local_prefill_threshold": 16}) as cfg:
+        yield cfg
 
 
 @pytest.fixture(scope="module")
 def stub(server):
-    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
-        yield pb_grpc.GenerationStub(channel)
+    with grpc_stub(server) as stub:
+        yield stub
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +97,7 @@ def test_list_models_and_health(stub, server):
         with pytest.raises(grpc.RpcError) as e:
             health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=30)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
-    base = f"http://localhost:{server.http_port}"
+    base = http_base(server)
     with urllib.request.urlopen(f"{base}/health", timeout=30) as resp:
         assert (resp.status, json.loads(resp.read())) == (200, {"status": "serving", "model": "tiny"})
     with urllib.request.urlopen(f"{base}/version", timeout=30) as resp:
@@ -182,7 +169,7 @@ def test_openai_client_completions_and_chat(server, tiny_model, reference):
     import openai
     from transformers import AutoTokenizer
 
-    client = openai.OpenAI(base_url=f"http://localhost:{server.http_port}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{http_base(server)}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
     prompt = [256, 72, 101, 108, 108, 111]
@@ -214,7 +201,7 @@ def test_openai_client_completions_and_chat(server, tiny_model, reference):
 
 
 def post(server, path, body):
-    req = urllib.request.Request(f"http://localhost:{server.http_port}{path}", data=json.dumps(body).encode(),
+    req = urllib.request.Request(f"{http_base(server)}{path}", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:

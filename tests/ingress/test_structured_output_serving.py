@@ -11,38 +11,27 @@ import jsonschema
 import openai
 import pytest
 
-from cluster.config import AppConfig
 from cluster.engine.chat_template import render_chat
 from cluster.engine.grammar import ResponseFormat
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
-from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.engine.test_structured_output import ASK, COLOR, PERSON
-from tests.helpers import pool_loads, wait_pools_whole
+from tests.helpers import grpc_stub, http_base, pool_loads, wait_pools_whole
 
 MODEL = "smol"
 N = 48
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, smollm2):
-    from ray import serve
-
-    import cluster.app.builder as builder
-
-    cfg = AppConfig(model=smollm2, served_model_name=MODEL, http_port=free_port(), grpc_port=free_port(),
-                    engine={"num_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-                    graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 0})
-    builder.start(cfg)
-    yield cfg
-    serve.shutdown()
+def server(serve_apps, smollm2):
+    with serve_apps.run(smollm2, served_model_name=MODEL, routing={"local_prefill_threshold": 0}) as cfg:
+        yield cfg
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"http://localhost:{server.http_port}/v1", api_key="unused", max_retries=0)
+    return openai.OpenAI(base_url=f"{http_base(server)}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +89,8 @@ def test_json_object_over_completions_and_grpc_json_schema(server, client, engin
     request = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=N, temperature=0, response_format=pb.ResponseFormat(
         type="json_schema", json_schema=json.dumps(COLOR), strict=True)))
     request.chat.messages.add(role="user", content=ASK["color"])
-    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
-        replies = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=120))
+    with grpc_stub(server) as stub:
+        replies = list(stub.Generate(request, timeout=120))
     text = "".join(r.text for r in replies)
     assert text == reference(engine, ASK["color"], engine.validator.response_format("json_schema", COLOR, True))
     assert replies[-1].finish_reason == pb.FINISH_REASON_STOP
@@ -117,9 +106,9 @@ def test_a_bad_schema_is_refused_naming_response_format(server, client):
     assert e.value.body["message"] == "response_format: the JSON schema does not compile: Invalid type: strin"
     request = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=4, response_format=pb.ResponseFormat(
         type="json_schema", json_schema='{"items": ' * 20 + "{}" + "}" * 20)))
-    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
+    with grpc_stub(server) as stub:
         with pytest.raises(grpc.RpcError) as g:
-            list(pb_grpc.GenerationStub(channel).Generate(request, timeout=60))
+            list(stub.Generate(request, timeout=60))
     assert g.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "response_format" in g.value.details() and "at most 16" in g.value.details()
 

@@ -8,14 +8,11 @@ import grpc
 import pytest
 import ray
 
-from cluster.config import AppConfig
-from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.engine.kv_cache import hash_request_blocks
 from cluster.engine.model.identity import model_identity
 from router.actor import get_router
-from tests.helpers import wait_until
+from tests.helpers import grpc_stub, http_base, wait_until
 
 
 SYSTEMS = [[256] + [(s * 31 + j) % 250 for j in range(63)] for s in range(2)]  # 4 blocks each
@@ -36,21 +33,13 @@ class Authed:
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_session, tiny_model):
+def cluster(serve_apps, tiny_model):
     global SALT
     SALT = model_identity(tiny_model).encode()  # the engines' block-hash salt
-    from ray import serve
-
-    import cluster.app.builder as serve_app
-
-    cfg = AppConfig(model=tiny_model, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": 64},
-                    prefill={"num_replicas": 2, "num_cpus": 0.5}, decode={"num_cpus": 0.5},
-                    graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
-                    api_keys=[KEY])
-    serve_app.start(cfg)
-    with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
-        yield Authed(pb_grpc.GenerationStub(channel), cfg)
-    serve.shutdown()
+    with serve_apps.run(tiny_model, prefill={"num_replicas": 2}, routing={"local_prefill_threshold": 16},
+                        api_keys=[KEY]) as cfg:  # its own app: the module kills a prefill replica
+        with grpc_stub(cfg) as stub:
+            yield Authed(stub, cfg)
 
 
 def generate(stub, prompt, max_tokens=2):
@@ -108,7 +97,7 @@ def test_a_session_stays_on_its_replicas_over_grpc_and_http(cluster):
 
     def http_turn(i):
         body = json.dumps({"prompt": cold(i), "max_tokens": 2}).encode()
-        req = urllib.request.Request(f"http://localhost:{cluster.cfg.http_port}/v1/completions", data=body, headers={
+        req = urllib.request.Request(f"{http_base(cluster.cfg)}/v1/completions", data=body, headers={
             "content-type": "application/json", "authorization": f"Bearer {KEY}", "x-session-id": "conv-2"})
         with urllib.request.urlopen(req, timeout=60) as resp:
             assert resp.status == 200
@@ -157,7 +146,7 @@ def test_api_key_required_over_http(cluster):
     import urllib.error
     import urllib.request
 
-    url = f"http://localhost:{cluster.cfg.http_port}/v1/completions"
+    url = f"{http_base(cluster.cfg)}/v1/completions"
     body = json.dumps({"prompt": [256, 1], "max_tokens": 2}).encode()
     for headers, status in (({}, 401), ({"authorization": "Bearer nope"}, 401),
                             ({"authorization": f"Bearer {KEY}"}, 200)):

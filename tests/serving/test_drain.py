@@ -4,16 +4,13 @@ gives its streams graceful_shutdown_timeout_s; what is still running then migrat
 ends identical to a failure-free greedy run, the surviving replica is the same one, and its
 blocks come back."""
 
-import grpc
 import pytest
 
 from cluster.config import AppConfig
 from cluster.engine.llm_engine import LLMEngine
-from cluster.tools.netutil import free_port
 from cluster.engine.sampling_params import SamplingParams
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.serving.test_fault_tolerance import live_replicas, prompts, replica_load, request
-from tests.helpers import wait_until
+from tests.helpers import grpc_stub, wait_until
 
 
 def deploy(cfg: AppConfig, decode_replicas: int) -> None:
@@ -29,19 +26,10 @@ def deploy(cfg: AppConfig, decode_replicas: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_session, tiny_model):
-    from ray import serve
-
-    from cluster.app.builder import grpc_options
-
-    cfg = AppConfig(model=tiny_model, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": 64},
-                    prefill={"num_replicas": 0}, decode={"num_replicas": 2, "num_cpus": 0.5},
-                    graceful_shutdown_timeout_s=1.0, health_check_period_s=1.0)
-    serve.start(http_options={"host": "127.0.0.1", "port": cfg.http_port}, grpc_options=grpc_options(cfg))
-    deploy(cfg, 2)
-    with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
-        yield cfg, pb_grpc.GenerationStub(channel)
-    serve.shutdown()
+def cluster(serve_apps, tiny_model):
+    with serve_apps.run(tiny_model, deploy=lambda cfg: deploy(cfg, 2), prefill={"num_replicas": 0},
+                        decode={"num_replicas": 2}, health_check_period_s=1.0) as cfg, grpc_stub(cfg) as stub:
+        yield cfg, stub
 
 
 def test_scale_down_drains_and_every_stream_finishes_identical(cluster, tiny_model):

@@ -6,37 +6,26 @@ blocks back to their totals, the router's in-flight count at 0, nothing indexed 
 
 import concurrent.futures
 
-import grpc
 import pytest
 import ray
 
-from cluster.config import AppConfig
 from cluster.engine.llm_engine import LLMEngine
-from cluster.tools.netutil import free_port
 from cluster.engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.actor import get_router
-from tests.helpers import wait_for, wait_until
+from tests.helpers import grpc_stub, wait_for, wait_until
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_session, tiny_model):
-    from ray import serve
-
-    import cluster.app.builder as serve_app
-
-    cfg = AppConfig(model=tiny_model, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": 64},
-                    # prefill chunks of 16 tokens: a 40-token prompt takes 3 steps (a kill can land mid-prefill)
-                    prefill={"num_cpus": 0.5, "engine": {"num_blocks": 64, "max_num_batched_tokens": 16}},
-                    decode={"num_replicas": 2, "num_cpus": 0.5},
-                    graceful_shutdown_timeout_s=1.0, health_check_period_s=1.0,
-                    kv_transfer={"timeout_s": 1.0}, routing={"local_prefill_threshold": 16},
-                    fault_tolerance={"stuck_loop_s": 1.0, "fault_injection": True})
-    serve_app.start(cfg)
-    with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
-        yield pb_grpc.GenerationStub(channel)
-    serve.shutdown()
+def cluster(serve_apps, tiny_model):
+    with serve_apps.run(
+        tiny_model,
+        # prefill chunks of 16 tokens: a 40-token prompt takes 3 steps (a kill can land mid-prefill)
+        prefill={"engine": {"num_blocks": 64, "max_num_batched_tokens": 16}}, decode={"num_replicas": 2},
+        health_check_period_s=1.0, kv_transfer={"timeout_s": 1.0}, routing={"local_prefill_threshold": 16},
+        fault_tolerance={"stuck_loop_s": 1.0, "fault_injection": True},
+    ) as cfg, grpc_stub(cfg) as stub:
+        yield stub
 
 
 @pytest.fixture(scope="module")

@@ -5,30 +5,19 @@ import grpc
 import pytest
 import ray
 
-from cluster.config import AppConfig
 from cluster.engine.llm_engine import LLMEngine
-from cluster.tools.netutil import free_port
 from cluster.engine.sampling_params import SamplingParams
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.actor import get_router
 from tests.serving.test_fault_tolerance import kill, live_replicas, prompts, replica_load, request
-from tests.helpers import wait_until
+from tests.helpers import grpc_stub, wait_until
 
 
 @pytest.fixture(scope="module")
-def stub(ray_session, tiny_model):
-    from ray import serve
-
-    import cluster.app.builder as serve_app
-
-    cfg = AppConfig(model=tiny_model, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": 64},
-                    prefill={"num_replicas": 0}, decode={"num_replicas": 2, "num_cpus": 0.5},
-                    graceful_shutdown_timeout_s=1.0, health_check_period_s=1.0,
-                    fault_tolerance={"max_migrations": 0})
-    serve_app.start(cfg)
-    with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
-        yield pb_grpc.GenerationStub(channel)
-    serve.shutdown()
+def stub(serve_apps, tiny_model):
+    with serve_apps.run(tiny_model, prefill={"num_replicas": 0}, decode={"num_replicas": 2},
+                        health_check_period_s=1.0, fault_tolerance={"max_migrations": 0}) as cfg, \
+            grpc_stub(cfg) as stub:
+        yield stub
 
 
 def test_streams_on_a_killed_decode_replica_end_aborted_with_the_count_sent(stub, tiny_model):

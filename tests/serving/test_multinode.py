@@ -14,26 +14,19 @@ import grpc
 import pytest
 import ray
 
-from cluster.config import AppConfig
-from cluster.tools.netutil import free_port
 from cluster.serving.registry import get_registry
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from tests.conftest import DECODE_NODE_RESOURCES, PREFILL_NODE_RESOURCES
-from tests.helpers import wait_for
+from tests.helpers import grpc_stub, wait_for
 from tests.reference import hf_greedy
 
 DECODE_BLOCKS = 32  # small, so that two streams fill half of it
 
 
 @pytest.fixture(scope="module")
-def app(ray_session, tiny_model):
-    from ray import serve
-
-    import cluster.app.builder as serve_app
-
-    cfg = AppConfig(
-        model=tiny_model, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": 64},
+def app(serve_apps, tiny_model):
+    with serve_apps.run(
+        tiny_model,
         # two prefill replicas: without their resource Serve would spread them over two nodes
         prefill={"num_replicas": 2, "num_cpus": 0, "resources": {"pdserve_prefill": 1}},
         decode={"num_cpus": 0, "resources": {"pdserve_decode": 1}, "engine": {"num_blocks": DECODE_BLOCKS},
@@ -42,12 +35,9 @@ def app(ray_session, tiny_model):
                                 "target_itl_s": 60.0,  # off: CPU step times here say nothing
                                 "upscale_delay_s": 0.5, "downscale_delay_s": 3.0,
                                 "look_back_period_s": 1.0, "metrics_interval_s": 0.2}},
-        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
-    )
-    serve_app.start(cfg)
-    with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
-        yield pb_grpc.GenerationStub(channel)
-    serve.shutdown()
+        routing={"local_prefill_threshold": 16},
+    ) as cfg, grpc_stub(cfg) as stub:
+        yield stub
 
 
 def node_with(resources: dict) -> str:

@@ -32,8 +32,7 @@ from cluster.config import AppConfig
 from cluster.telemetry import slo
 from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers import kill_app_actors, wait_for
+from tests.helpers import grpc_stub, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus")
@@ -50,27 +49,18 @@ METADATA = [("authorization", "Bearer k-metered")]
 
 
 @pytest.fixture(scope="module")
-def app(ray_session, tiny_model, tmp_path_factory):
-    from ray import serve
-
-    import cluster.app.builder as serve_app
-
+def app(serve_apps, tiny_model, tmp_path_factory):
     state = tmp_path_factory.mktemp("state")
-    cfg = AppConfig(
-        model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
-        engine={"num_blocks": 128}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
+    with serve_apps.run(  # its own app: the module injects faults and reads the series from zero
+        tiny_model, served_model_name="tiny", engine={"num_blocks": 128}, routing={"local_prefill_threshold": 16},
         kv_transfer={"failure_policy": "fail"}, fault_tolerance={"fault_injection": True},
         telemetry={"metrics_interval_s": 0.2},
         tenants={"metered": {"api_keys": ["k-metered"], "monthly_budget_usd": 1000.0}},
         audit={"enabled": True, "dir": str(state / "audit")},
         budgets={"prices": {"tiny": {"prompt_per_1k": 0.01, "completion_per_1k": 0.03}},
-                 "ledger_path": str(state / "ledger.json")})
-    serve_app.start(cfg)
-    with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
-        yield cfg, pb_grpc.GenerationStub(channel)
-    serve.shutdown()
-    kill_app_actors()
+                 "ledger_path": str(state / "ledger.json")},
+    ) as cfg, grpc_stub(cfg) as stub:
+        yield cfg, stub
 
 
 class Prometheus:

@@ -3,17 +3,13 @@ the app config), disaggregated (the first token from prefill, the prompt's KV pu
 and colocated (the prompt prefilled on decode). Greedy streams equal the in-process engine
 without speculation, drafts were accepted, and the pools end with every block free."""
 
-import grpc
 import pytest
 import ray
 
-from cluster.config import AppConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
-from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.helpers import wait_for
+from tests.helpers import grpc_stub, wait_for
 
 NGRAM = {"method": "ngram", "k": 4, "ngram_min": 1, "ngram_max": 3}
 # 17..80 tokens over a small alphabet: above local_prefill_threshold (remote prefill), and n-grams recur
@@ -22,20 +18,11 @@ MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "colocated"])
-def server(request, ray_session, tiny_model):
-    from ray import serve
-
-    import cluster.app.builder as serve_app
-
-    cfg = AppConfig(
-        mode=request.param, model=tiny_model, served_model_name="tiny", http_port=free_port(),
-        grpc_port=free_port(), engine={"num_blocks": 64}, prefill={"num_cpus": 0.5},
-        decode={"num_cpus": 0.5, "engine": {"num_blocks": 64, "speculative": NGRAM}},
-        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
-    )
-    serve_app.start(cfg)
-    yield cfg
-    serve.shutdown()
+def server(request, serve_apps, tiny_model):
+    with serve_apps.run(tiny_model, mode=request.param, served_model_name="tiny",
+                        decode={"engine": {"num_blocks": 64, "speculative": NGRAM}},
+                        routing={"local_prefill_threshold": 16}) as cfg:
+        yield cfg
 
 
 def loads() -> dict[str, dict]:
@@ -51,8 +38,7 @@ def test_greedy_streams_equal_the_engine_without_speculation(server, tiny_model)
     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(PROMPTS, sp)]
     before = loads()["decode"]["speculative"]["accepted"]
-    with grpc.insecure_channel(f"localhost:{server.grpc_port}") as channel:
-        stub = pb_grpc.GenerationStub(channel)
+    with grpc_stub(server) as stub:
         for p, w in zip(PROMPTS, want):
             responses = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
                 max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)), timeout=120))

@@ -20,16 +20,13 @@ import ray
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.config import AppConfig
 from cluster.engine.kv_cache import extend_salt, hash_request_blocks
 from cluster.engine.model.identity import model_identity
 from cluster.errors import InvalidRequestError
-from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
-from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.actor import get_router
 from router.ingress.telemetry import refusal_reason
-from tests.helpers import serve_replica_ids, wait_for, wait_until
+from tests.helpers import grpc_stub, serve_replica_ids, wait_for, wait_until
 
 KEYS = {"tele-a": "sk-tele-a", "tele-b": "sk-tele-b"}
 PREFIX = [256] + [(j * 3) % 250 for j in range(63)]  # 4 blocks of 16
@@ -67,29 +64,21 @@ def collector():
 
 
 @pytest.fixture(scope="module")
-def server(ray_session, tiny_model, collector):
-    from ray import serve
-
-    import cluster.app.builder as serve_app
-
-    cfg = AppConfig(
-        model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
-        engine={"num_blocks": 64}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-        graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 16},
+def server(serve_apps, tiny_model, collector):
+    with serve_apps.run(  # its own app: traces go to this module's collector; metrics counted by replica
+        tiny_model, served_model_name="tiny", routing={"local_prefill_threshold": 16},
         tenants={name: {"api_keys": [key]} for name, key in KEYS.items()},
         telemetry={"traces": "otlp", "otlp_endpoint": f"localhost:{collector[1]}", "metrics_interval_s": 0.2,
                    "trace_export_delay_s": 0.2},
-    )
-    serve_app.start(cfg)
-    ids = serve_replica_ids()
-    assert (len(ids["prefill"]), len(ids["decode"])) == (1, 1)
-    replicas = {"prefill": ids["prefill"][0], "decode": ids["decode"][0]}
-    router = get_router()
-    # the router may still hold loads of an earlier module's replicas: wait for exactly ours
-    wait_until(lambda: {x.replica_id for x in ray.get(router.live_loads.remote())} == set(replicas.values()),
-               "the router to know exactly this app's replicas")
-    yield cfg, replicas
-    serve.shutdown()
+    ) as cfg:
+        ids = serve_replica_ids()
+        assert (len(ids["prefill"]), len(ids["decode"])) == (1, 1)
+        replicas = {"prefill": ids["prefill"][0], "decode": ids["decode"][0]}
+        router = get_router()
+        # the router may still hold loads of an earlier module's replicas: wait for exactly ours
+        wait_until(lambda: {x.replica_id for x in ray.get(router.live_loads.remote())} == set(replicas.values()),
+                   "the router to know exactly this app's replicas")
+        yield cfg, replicas
 
 
 # ---- reading Ray's Prometheus endpoints -------------------------------------------------------------
@@ -144,8 +133,7 @@ def scenario(server, tiny_model):
 
     before = scrape()
     usage = {}
-    with grpc.insecure_channel(f"localhost:{cfg.grpc_port}") as channel:
-        stub = pb_grpc.GenerationStub(channel)
+    with grpc_stub(cfg) as stub:
         # r1: 70 tokens, nothing cached anywhere: prefilled remotely, 5 blocks pulled
         usage["r1"] = generate(stub, PREFIX + list(range(1, 7)), 6, "tele-a", "tele-r1").usage
         wait_until(router_holds_prefix("decode"), "the decode replica's imported blocks in the router")

@@ -15,7 +15,7 @@ from cluster.tools.loadgen.datasets import MultiTurnDataset, Prompt, RandomDatas
 from cluster.tools.loadgen.files import ShareGPTDataset, TraceDataset
 from cluster.tools.loadgen.records import RequestRecord
 from cluster.tools.loadgen.report import format_report, parse_goodput, parse_percentiles, summarize
-from tests.helpers import pool_loads, wait_pools_whole
+from tests.helpers import http_base, pool_loads, wait_pools_whole, wait_until
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -277,25 +277,17 @@ KEY = "sk-bench"
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_session, tiny_model):
+def cluster(serve_apps, tiny_model):
     """1 prefill + 1 decode replica with an API key. Local prefill is off (threshold 0), so every
     request's first token is sampled on the prefill replica and the rest on the decode replica:
     the engines' token counters then count requests and tokens exactly."""
-    from ray import serve
+    import ray
 
-    import cluster.app.builder as serve_app
-    from cluster.config import AppConfig
-    from cluster.tools.netutil import free_port
-    from tests.helpers import wait_until
-
-    cfg = AppConfig(model=tiny_model, served_model_name="tiny", http_port=free_port(), grpc_port=free_port(),
-                    engine={"num_blocks": 128}, prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-                    graceful_shutdown_timeout_s=1.0, routing={"local_prefill_threshold": 0}, api_keys=[KEY])
-    serve_app.start(cfg)
-    wait_until(lambda: sorted(load.pool for load in ray_session.get(get_router().live_loads.remote()))
-               == ["decode", "prefill"], "both replicas report to the router", timeout=60)
-    yield cfg
-    serve.shutdown()
+    with serve_apps.run(tiny_model, served_model_name="tiny", engine={"num_blocks": 128},
+                        routing={"local_prefill_threshold": 0}, api_keys=[KEY]) as cfg:
+        wait_until(lambda: sorted(load.pool for load in ray.get(get_router().live_loads.remote()))
+                   == ["decode", "prefill"], "both replicas report to the router", timeout=60)
+        yield cfg
 
 
 def get_router():
@@ -315,7 +307,7 @@ def bench(cluster, tmp_path, *args, backend="grpc", key=KEY):
     from cluster.app.cli import main
 
     where = (["--address", f"localhost:{cluster.grpc_port}"] if backend == "grpc" else
-             ["--backend", "openai", "--base-url", f"http://localhost:{cluster.http_port}"])
+             ["--backend", "openai", "--base-url", http_base(cluster)])
     out = tmp_path / "result.json"
     code = main(["bench", *where, *(["--api-key", key] if key else []), "--disable-tqdm",
                  "--result-file", str(out), *args])
