@@ -1,13 +1,7 @@
 """Serve's side of routing: a request router (runs in the caller, e.g. the ingress) that sends a
 request to the replica the policy chose, passed as the `target_replica` keyword argument; without
 one, or when that replica is gone, it falls back to power of two choices among the live replicas.
-It tells the router actor at once when a replica dies, so decisions stop naming it.
-
-No FIFOMixin: with it, Serve hands the replica chosen for one pending request to the oldest
-pending request instead (FIFO order), so in a burst a request ran on the replica chosen for
-another, away from the prefix the router had chosen its replica for (under load, 3 and 4 of 8
-concurrent streams in two runs of tests/serving/test_colocated.py). Without it, Serve's base
-router gives each chosen replica to the request it was chosen for."""
+It tells the router actor at once when a replica dies, so decisions stop naming it."""
 
 from __future__ import annotations
 
@@ -16,7 +10,7 @@ import random
 from typing import List, Optional
 
 import ray
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router.actor import get_router
 
@@ -25,7 +19,7 @@ log = logging.getLogger(__name__)
 TARGET_KWARG = "target_replica"
 
 
-class PrefixAwareRequestRouter(RequestRouter):
+class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None,
     ) -> List[List[RunningReplica]]:
