@@ -221,7 +221,8 @@ class Admission:
         self._options = dict(config.tenants)
         self._options.setdefault(DEFAULT_TENANT, None)
         self._credits: dict[tuple[str, str], float] = {}
-        self._refused_until: dict[tuple[str, str], float] = {}  # monotonic time the shared bucket refills
+        # (monotonic time, need): the shared bucket refused `need` until then
+        self._refused_until: dict[tuple[str, str], tuple[float, float]] = {}
         self._inflight: dict[str, int] = {}
         self.total_inflight = 0
 
@@ -327,13 +328,15 @@ class Admission:
         if have + 1e-9 >= n:  # the fast path: no remote call
             self._credits[key] = have - n
             return
-        until = self._refused_until.get(key)
-        if until is not None:  # the shared bucket said when it refills: until then, refuse here
+        refused = self._refused_until.get(key)
+        if refused is not None:  # the shared bucket said when it holds `need` again: until then, ask it
+            until, refused_need = refused  # for as much or more, and it can only say no: refuse here
             left = until - self.clock()
-            if left > 0:
+            if left <= 0:
+                del self._refused_until[key]
+            elif n - have >= refused_need - 1e-9:
                 raise Rejected(f"tenant {tenant!r} is over its {kind}_per_min quota ({per_min:g})", left,
                                reason=f"{kind}_per_min")
-            del self._refused_until[key]
         # Use up the local credit now, so requests admitted while we wait cannot spend it too.
         self._credits[key] = 0.0
         need = n - have
@@ -347,7 +350,7 @@ class Admission:
         if granted <= 0:
             self._credits[key] += have
             # no other ingress can take it sooner: a flood against the quota costs no more actor calls
-            self._refused_until[key] = self.clock() + retry_after
+            self._refused_until[key] = (self.clock() + retry_after, need)
             raise Rejected(f"tenant {tenant!r} is over its {kind}_per_min quota ({per_min:g})", retry_after,
                            reason=f"{kind}_per_min")
         self._credits[key] += granted - need

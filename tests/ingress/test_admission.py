@@ -123,6 +123,31 @@ def test_a_flood_against_a_quota_costs_one_actor_call_per_refill():
     assert len(calls) == before + 2
 
 
+def test_a_local_refusal_never_refuses_what_the_shared_bucket_would_grant():
+    """Concurrent takes leave local credit behind a cached refusal: a later request that needs less
+    from the bucket than the refused one still asks it, so all 4 of the bucket's requests run."""
+    clock = Clock()
+    adm, calls = admission(config(a={"api_keys": ["ka"], "requests_per_min": 4}), clock)
+
+    async def four_at_once():
+        return await asyncio.gather(*(adm.admit("a", 1, 1) for _ in range(4)), return_exceptions=True)
+
+    first = run(four_at_once())  # 3 take 1.2 each (1 + the 5% lease); the 4th finds 0.4 and is refused
+    assert [isinstance(r, Rejected) for r in first] == [False, False, False, True]
+    later = []
+    for _ in range(4):
+        try:
+            later.append(run(adm.admit("a", 1, 1)))
+        except Rejected:
+            later.append(None)
+    # the next needs only 0.4 from the bucket (0.6 of local credit): it asks and runs; then the
+    # bucket is empty and the rest are refused here, with no more calls
+    assert [t is not None for t in later] == [True, False, False, False]
+    assert len(calls) == 4 + 1
+    for t in [*first[:3], later[0]]:
+        t.done(1)
+
+
 def test_tokens_per_min_charges_prompt_plus_max_tokens_and_refunds_unused_output():
     clock = Clock()  # never advances: no refill
     adm, calls = admission(config(a={"api_keys": ["k"], "tokens_per_min": 1000}), clock)
