@@ -29,13 +29,9 @@ TARGET_KWARG = "target_replica"
 
 class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None):
-        own = self._get_pending_request_matching_internal_request_id(request_metadata)
-        if own is None:  # nothing to match: never leave a replica chosen for nobody
-            return super()._fulfill_next_pending_request(replica, request_metadata)
-        self._cancel_routing_task_for_pending_request(own)
-        self._record_queue_wait_time(own)
-        own.future.set_result(replica)
-        self._remove_pending_request_from_indices(own)
+        if self._get_pending_request_matching_internal_request_id(request_metadata) is None:
+            return super()._fulfill_next_pending_request(replica, request_metadata)  # FIFO: never wasted
+        return RequestRouter._fulfill_next_pending_request(self, replica, request_metadata)  # its own request
 
     async def choose_replicas(
         self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None,

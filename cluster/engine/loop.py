@@ -31,21 +31,17 @@ from cluster.engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
-def lower_thread_priority(nice: int) -> int:
+def lower_thread_priority(nice: int) -> None:
     """Give the calling thread (Linux: niceness is per thread) niceness `nice` if that is lower
     priority than it has; threads it starts later inherit it, which includes the OpenMP workers
     torch starts for this thread's first parallel region (each master thread has its own pool).
-    Returns the niceness in effect. Raising priority needs privileges, so it is never attempted."""
+    Raising priority needs privileges, so it is never attempted."""
     tid = threading.get_native_id()
     try:
-        current = os.getpriority(os.PRIO_PROCESS, tid)
-        if nice > current:
+        if nice > os.getpriority(os.PRIO_PROCESS, tid):
             os.setpriority(os.PRIO_PROCESS, tid, nice)
-            current = nice
     except (OSError, AttributeError) as e:  # not Linux, or refused: run at the inherited priority
         log.warning("could not lower the engine thread's priority to nice %d: %s", nice, e)
-        return 0
-    return current
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ Every check runs locally and answers in microseconds, except a rate limit whose 
 run out: then one call to the quota actor (shared by all ingress replicas) takes the next slice
 of the tenant's budget (`lease` of a minute's worth, at least what this request needs). A refusal
 from the actor carries when the bucket refills; until then the ingress refuses that tenant's
-requests itself, so a flood against a quota costs one actor call per refill, not one per request. So a
+requests needing as much itself, so a flood against a quota costs one actor call per refill. A
 tenant's rate holds across ingress replicas, and the actor sees one call per slice, not one per
 request. Refusals are ServingErrors with a gRPC code and, for overload, a retry-after.
 
@@ -257,12 +257,12 @@ class Admission:
         """Take an in-flight slot (per ingress, and the tenant's share of max_concurrent) or refuse."""
         opts = self._options.get(tenant)
         cap = self.config.admission.max_inflight
-        if opts is not None and opts.priority == "batch":
+        batch = opts is not None and opts.priority == "batch"
+        if batch:
             cap = max(1, int(cap * self.config.admission.batch_share))  # batch work is shed first
         if self.total_inflight >= cap:
             raise Rejected(f"the server is at capacity ({cap} requests in flight on this ingress"
-                           f"{' for batch work' if opts is not None and opts.priority == 'batch' else ''})", 1.0,
-                           reason="capacity")
+                           f"{' for batch work' if batch else ''})", 1.0, reason="capacity")
         if opts is not None and opts.max_concurrent is not None:
             share = math.ceil(opts.max_concurrent / self.config.ingress_replicas)
             if self._inflight.get(tenant, 0) >= share:

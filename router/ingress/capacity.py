@@ -40,11 +40,10 @@ class Pending:
 
 
 class FirstTokenQueue:
-    def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3,
-                 initial_rate: float | None = None):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3):
         self.clock = clock
         self.alpha = alpha
-        self.rate = initial_rate  # prompt tokens per second while backlogged; None until measured
+        self.rate: float | None = None  # prompt tokens per second while backlogged; None until measured
         self.pending_tokens = 0
         self.pending_requests = 0
         self._last = clock()
@@ -79,7 +78,6 @@ class FirstTokenQueue:
         if self.pending_requests > 0:
             self._busy_s += now - self._last
         self._last = now
-
 
 
 class StreamPace:

@@ -306,7 +306,7 @@ class RequestFlow:
         stream = _Stream(label, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop), len(ids))
         decision = await self._route(ids, ctx, session)
         if decision is not None:
-            self._check_queue_wait(rid, decision.queue_wait_s, ctx)
+            self._check_queue_wait(f"request {rid}", decision.queue_wait_s, ctx)
         kv_handle = None  # closing this generator closes the legs' at once (aclosing): a guardrail's stop frees both pools
         if self.prefill is not None and not (decision is not None and decision.mode == "local"):
             first = await self._first_token(rid, ids, sampling, ctx, decision.prefill if decision else None, stream)
@@ -454,28 +454,22 @@ class RequestFlow:
                                f"(measured {self.pace.itl_s * 1e3:.0f} ms per token over {self.pace.mean_streams:.1f} "
                                f"streams){' (batch share)' if share < 1 else ''}: overloaded", 1.0, reason="capacity")
         wait = self.first_tokens.predicted_wait_s()
-        limit = opts.max_queue_wait_s
-        if wait is None or limit is None:
-            return
-        limit *= share
-        if wait > limit:
-            raise Rejected(f"predicted queue wait {wait:.2f} s exceeds max_queue_wait_s {limit:g}"
-                           + (" (batch share)" if share < 1 else "") + ": overloaded",
-                           wait - limit, reason="queue_wait")
-        remaining = ctx.remaining_s()
-        if remaining is not None and wait > remaining:
-            raise Rejected(f"predicted queue wait {wait:.2f} s exceeds the {remaining:.2f} s left before its "
-                           f"deadline", wait, reason="queue_wait")
+        if wait is not None:
+            self._check_queue_wait("the ingress's queue", wait, ctx)
 
-    def _check_queue_wait(self, rid: str, wait_s: float, ctx: RequestContext) -> None:
-        """Refuse at once work that would wait longer than the server's bound or the request's deadline."""
-        limit = self.config.admission.max_queue_wait_s
-        remaining = ctx.remaining_s()
+    def _check_queue_wait(self, who: str, wait_s: float, ctx: RequestContext) -> None:
+        """Refuse at once work that would wait longer than the server's bound (batch work: its
+        batch_share of it) or the request's deadline."""
+        opts = self.config.admission
+        limit, remaining = opts.max_queue_wait_s, ctx.remaining_s()
+        batch = ctx.priority == Priority.BATCH
+        if limit is not None and batch:
+            limit *= opts.batch_share
         if limit is not None and wait_s > limit:
-            raise Rejected(f"request {rid}: predicted queue wait {wait_s:.2f} s exceeds max_queue_wait_s "
-                           f"{limit:g}: overloaded", wait_s - limit, reason="queue_wait")
+            raise Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds max_queue_wait_s {limit:g}"
+                           f"{' (batch share)' if batch else ''}: overloaded", wait_s - limit, reason="queue_wait")
         if remaining is not None and wait_s > remaining:
-            raise Rejected(f"request {rid}: predicted queue wait {wait_s:.2f} s exceeds the {remaining:.2f} s "
+            raise Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds the {remaining:.2f} s "
                            f"left before its deadline", wait_s, reason="queue_wait")
 
     async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,

@@ -12,10 +12,8 @@ def merge(a, b):
     return a + b
 
 
-async def _source(chunks, gate: asyncio.Event | None = None, error: Exception | None = None, log=None):
-    for i, c in enumerate(chunks):
-        if gate is not None and i == 1:
-            await gate.wait()
+async def _source(chunks, error: Exception | None = None):
+    for c in chunks:
         yield c
         await asyncio.sleep(0)
     if error is not None:
