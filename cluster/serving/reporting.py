@@ -120,6 +120,7 @@ class LoadReporter:
             "pool": self.pool, "node_id": self.node_id, **asdict(load),
             "last_step_ms": round(stats.last_step_s * 1e3, 3), "avg_step_ms": round(stats.step_s_avg * 1e3, 3),
             "steps": stats.steps, "step_errors": stats.step_errors, "generation_tokens": stats.generation_tokens, "preemptions": stats.preemptions,
+            "tokens_computed": stats.tokens_computed, "cached_prompt_tokens": stats.cached_prompt_tokens,
             "speculative": {"proposed": stats.spec_proposed_tokens, "accepted": stats.spec_accepted_tokens,
                             "off": dict(stats.spec_off)},
             "transfer": asdict(self.transfer_stats),

@@ -154,6 +154,29 @@ def test_n_choices_greedy_equal_the_reference_and_usage_bills_the_prompt_once(cl
     wait_pools_whole()
 
 
+def test_n_4_computes_the_prompt_once_and_shares_its_full_blocks_on_prefill(client, tiny_model, tok):
+    """Choices 1-3 start once choice 0 has its first token: prefill finds the prompt's 2 full blocks
+    cached and computes only its last 8 tokens for each; every choice's decode leg gets all 3
+    prompt blocks (pulled, or found in decode's own cache when choice 0's pull landed first)."""
+    prompt = [256] + [(5 * k + 11) % 256 for k in range(39)]  # 40 tokens: 2 full blocks of 16 and 8
+    expected = tok.decode(reference_greedy(tiny_model, prompt, SamplingParams(max_tokens=N, temperature=0), N))
+    before = wait_pools_whole()
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=N, temperature=0, n=4,
+                                    extra_body={"ignore_eos": True})
+    assert [c.text for c in got.choices] == [expected] * 4
+    after = wait_pools_whole()
+
+    def delta(pool: str, *keys: str) -> int:
+        a, b = after[pool], before[pool]
+        for k in keys:
+            a, b = a[k], b[k]
+        return a - b
+    assert delta("prefill", "cached_prompt_tokens") == 3 * 32
+    assert delta("prefill", "tokens_computed") == 40 + 3 * 8
+    assert delta("decode", "transfer", "pulls_ok") == 4
+    assert delta("decode", "transfer", "blocks_pulled") + delta("decode", "transfer", "blocks_reused") == 4 * 3
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_sampled_choices_are_requests_with_seed_plus_index(client, stream):
     """Choice i of a seeded request is the request with seed + i: reproducible, and not n copies."""
