@@ -33,6 +33,7 @@ class PrefillResult:
     num_cached_tokens: int = 0  # prompt tokens this prefill engine found in its prefix cache
     finished: bool = True  # one result per request (the async loop's contract)
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs: the first token's
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when it asked for the prompt's
 
 
 class PrefillEngine:
@@ -78,11 +79,13 @@ class PrefillEngine:
                 # The first token already ends the request (EOS, stop token, max_tokens=1).
                 self.engine.release(out.request_id)
                 results.append(PrefillResult(out.request_id, None, out.finish_reason, None,
-                                             out.token_ids[0], out.num_cached_tokens, first_logprob=first_lp))
+                                             out.token_ids[0], out.num_cached_tokens, first_logprob=first_lp,
+                                             prompt_logprobs=out.prompt_logprobs))
             else:
                 handle = self._lease(held)
                 results.append(PrefillResult(out.request_id, handle, None, None, handle.first_token,
-                                             out.num_cached_tokens, first_logprob=first_lp))
+                                             out.num_cached_tokens, first_logprob=first_lp,
+                                             prompt_logprobs=out.prompt_logprobs))
         return results
 
     def _lease(self, req: Request) -> KVHandle:

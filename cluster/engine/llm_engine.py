@@ -176,7 +176,8 @@ class LLMEngine:
         """Admit a request whose first `num_tokens` tokens' KV arrives from a peer, after which
         it continues from `first_token` (sampled there). Takes this engine's cached prefix and
         allocates the rest: returns how many leading blocks were cached here, or None when the
-        pool has no room (then nothing changed)."""
+        pool has no room (then nothing changed). Its prompt's logprobs came with the first token."""
+        req.prompt_logprobs = None
         reused = self.scheduler.add_importing(req, block_hashes, num_tokens)
         if reused is not None:
             self.stats.requests_received += 1
@@ -203,7 +204,9 @@ class LLMEngine:
         """Queue a request whose first output tokens were produced elsewhere (a first token from
         prefill, or a migrated request's tokens already sent): prompt and those tokens are
         computed here, and it continues after them. They count as its output: max_tokens,
-        min_tokens and the penalties see them as the request's own."""
+        min_tokens and the penalties see them as the request's own. The prompt's logprobs, if
+        asked, went out with those tokens."""
+        req.prompt_logprobs = None
         for t in generated:
             req.append_token(t)
         self.add(req)
@@ -317,11 +320,10 @@ class LLMEngine:
             finished = req.status.finished
             text = detok.take(final=finished)
             lp = sampled.logprobs.get(req.request_id)
-            logprobs = None if lp is None else [lp]
-            if finished:
-                outputs.append(self.final_output(req, tokens, text, logprobs))
-            else:
-                outputs.append(self._delta(req, tokens, text, logprobs))
+            out = (self.final_output if finished else self._delta)(req, tokens, text, None if lp is None else [lp])
+            if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:  # the prompt is done: once
+                out.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
+            outputs.append(out)
         return outputs
 
     def _fail(self, failures: dict[str, RequestFailure]) -> list[RequestOutput]:

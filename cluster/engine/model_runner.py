@@ -10,6 +10,8 @@ import torch
 from cluster.engine.attention import AttentionBackend, AttentionMetadata, PrefillSpan
 from cluster.engine.model.llama import LlamaForCausalLM
 from cluster.engine.grammar import Grammars
+from cluster.engine.outputs import TokenLogprob
+from cluster.engine.request import Request
 from cluster.engine.sampler import Sampler, SamplerOutput
 from cluster.engine.scheduler import ScheduledChunk
 
@@ -39,7 +41,7 @@ class ModelRunner:
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.start)
         prefills = [c for c in chunks if c.num_tokens > 1]
         ordered = decodes + prefills
-        input_ids, positions, logits_idx, samplers = self._flatten(ordered)
+        input_ids, positions, logits_idx, samplers, scored = self._flatten(ordered)
         meta = self._metadata(decodes, prefills, block_tables)
         dev = self.device
         logits = self.model(
@@ -48,6 +50,8 @@ class ModelRunner:
             self.kv_cache, meta, self.backend,
             torch.tensor(logits_idx, dtype=torch.long, device=dev),
         )
+        if scored:  # the rows after the sampling rows score prompt tokens
+            logits = self._score_prompts(logits, scored)
         if not any(c.draft for c in samplers):
             return self.sampler.sample(logits, [c.request for c in samplers])
         return self._sample_with_drafts(logits, samplers)
@@ -71,19 +75,49 @@ class ModelRunner:
 
     @staticmethod
     def _flatten(chunks: list[ScheduledChunk]):
+        """The step's tokens and positions, and the rows whose logits are wanted: the sampling
+        rows (in `samplers` order), then the rows that score prompt tokens (`scored`: per row,
+        its request and the prompt position whose token it scores)."""
         input_ids: list[int] = []
         positions: list[int] = []
         logits_idx: list[int] = []
         samplers: list[ScheduledChunk] = []
+        score_idx: list[int] = []
+        scored: list[tuple[Request, int]] = []
         for c in chunks:
             known = c.num_tokens - len(c.draft)  # a speculative chunk: the last token, then its drafts
+            base = len(input_ids)
             input_ids += c.request.all_token_ids[c.start : c.start + known]
             input_ids += c.draft
             positions += range(c.start, c.start + c.num_tokens)
             if c.samples:
                 logits_idx.extend(range(len(input_ids) - 1 - len(c.draft), len(input_ids)))
                 samplers.append(c)
-        return input_ids, positions, logits_idx, samplers
+            lps = c.request.prompt_logprobs
+            if lps is not None:
+                # position p's logits score prompt token p + 1; the last prompt position's are the
+                # sampling row. A recomputed (preempted) prompt is not scored twice.
+                end = min(c.start + known, c.request.num_prompt_tokens - 1)
+                for p in range(max(c.start, len(lps) - 1), end):
+                    score_idx.append(base + p - c.start)
+                    scored.append((c.request, p + 1))
+        return input_ids, positions, logits_idx + score_idx, samplers, scored
+
+    @staticmethod
+    def _score_prompts(logits: torch.Tensor, scored: list[tuple[Request, int]]) -> torch.Tensor:
+        """Append each scored prompt token's raw logprob and top k (the request's prompt_logprobs)
+        to its request; return the sampling rows. One log_softmax, gather and topk for the step."""
+        n = logits.shape[0] - len(scored)
+        lp = torch.log_softmax(logits[n:], dim=-1)
+        targets = torch.tensor([r.prompt_token_ids[i] for r, i in scored], device=lp.device)
+        k = min(max(r.sampling.prompt_logprobs for r, _ in scored), lp.shape[1])
+        top_lp, top_ids = (x.tolist() for x in lp.topk(k, dim=-1))
+        chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+        for j, (r, i) in enumerate(scored):
+            kr = r.sampling.prompt_logprobs
+            r.prompt_logprobs.append(TokenLogprob(r.prompt_token_ids[i], chosen[j],
+                                                  tuple(zip(top_ids[j][:kr], top_lp[j][:kr]))))
+        return logits[:n]
 
     def _metadata(self, decodes, prefills, block_tables) -> AttentionMetadata:
         # Host work is one pass over the step's requests (and the new tokens' slots); the

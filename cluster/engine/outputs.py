@@ -49,6 +49,8 @@ class RequestOutput:
     error: str | None = None
     error_kind: ErrorKind | None = None  # set when finish_reason is "error": whose fault it was
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    # the prompt's (SamplingParams.prompt_logprobs), on the first output of the engine that computed it
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -57,6 +59,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     return RequestOutput(
         b.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason,
         b.num_prompt_tokens, b.num_output_tokens, b.num_cached_tokens, b.error, b.error_kind, logprobs,
+        a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
     )
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cluster.engine.kv_cache.hashing import BlockHash
-from cluster.engine.outputs import FinishReason
+from cluster.engine.outputs import FinishReason, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import ErrorKind
 
@@ -89,9 +89,16 @@ class Request:
     # and consumed by it, and the request's own speculation state (its proposer index, adaptive k).
     draft_token_ids: tuple[int, ...] = ()
     spec: "SpecState | None" = None
+    # With sampling.prompt_logprobs: entry i is prompt token i's logprob (None for the first: nothing
+    # comes before it), filled by the runner as the prompt's chunks are computed and sent once, with
+    # the first output. None when not asked, or when this engine does not compute the prompt (an import).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self):
         self._all = list(self.prompt_token_ids)
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def cache_salt(self) -> str:

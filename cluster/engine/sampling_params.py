@@ -40,6 +40,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0  # [0, 1]; 0 = off
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the top k
+    # None: none; k >= 0: each prompt token's logprob (given the tokens before it) and the top k,
+    # on the engine that computes the prompt (which then skips its prefix cache: every position is computed)
+    prompt_logprobs: int | None = None
     # Constrained output (cluster/engine/grammar.py): the sampler masks every token the grammar
     # refuses; EOS is allowed only once the JSON is complete.
     response_format: ResponseFormat | None = None
@@ -75,6 +78,8 @@ class SamplingParams:
         _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0)
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         penalized = self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
         object.__setattr__(self, "penalized", penalized)

@@ -230,7 +230,8 @@ class Scheduler:
                 if held.get(tenant, 0) and held[tenant] + need > req.ctx.kv_budget * self.kv.num_blocks:
                     over_budget.add(tenant)
                     continue
-            cached = self.kv.find_cached_prefix(req)
+            # prompt logprobs need every prompt position's logits: nothing is taken from the cache
+            cached = [] if req.prompt_logprobs is not None else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, cached):

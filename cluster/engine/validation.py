@@ -91,6 +91,10 @@ class RequestValidator:
         if sampling.logprobs is not None and sampling.logprobs > lim.max_logprobs:
             raise InvalidRequestError(
                 "logprobs", f"asks for {sampling.logprobs} top logprobs; at most {lim.max_logprobs} are accepted")
+        if sampling.prompt_logprobs is not None and sampling.prompt_logprobs > lim.max_logprobs:
+            raise InvalidRequestError(
+                "prompt_logprobs",
+                f"asks for {sampling.prompt_logprobs} top logprobs; at most {lim.max_logprobs} are accepted")
         if sampling.response_format is not None:
             self.check_response_format(sampling.response_format)
         vocab = self.vocab_size

@@ -63,6 +63,10 @@ class Delta:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    # The first delta's, when the request asked for them: one per prompt token (None for the
+    # first), and the prompt's token ids they score
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None
     # The final delta's record of the request's guardrail events (router/ingress/guardrails.py): the audit reads it
     guardrail_interventions: tuple[Intervention, ...] = ()
     response_cache_hit: bool = False  # replayed from the response cache: no engine saw the request
@@ -341,8 +345,15 @@ class RequestFlow:
         stream.cached = result.num_cached_tokens
         first_lp = None if result.first_logprob is None else [result.first_logprob]
         if result.handle is None:  # the first token ends it
-            return stream.delta([result.first_token], result.finish_reason, first_lp), None
+            d = stream.delta([result.first_token], result.finish_reason, first_lp)
+            d.prompt_logprobs = result.prompt_logprobs
+            if d.prompt_logprobs is not None:
+                d.prompt_token_ids = ids
+            return d, None
         d = stream.delta([result.handle.first_token], None, first_lp)
+        d.prompt_logprobs = result.prompt_logprobs
+        if d.prompt_logprobs is not None:
+            d.prompt_token_ids = ids
         if d.finish_reason is not None:  # a stop string in the first token's text
             await self._release(rid, result.handle.engine_id)
         return d, result.handle
@@ -402,6 +413,8 @@ class RequestFlow:
                     if out.finish_reason in FAILED:
                         raise _ended(rid, out.finish_reason, out.error, out.num_output_tokens, out.error_kind)
                     d = client.delta(out.token_ids, out.finish_reason if out.finished else None, out.logprobs)
+                    if out.prompt_logprobs is not None:
+                        d.prompt_logprobs, d.prompt_token_ids = out.prompt_logprobs, ids
                     if kv_handle is None:  # the prompt was computed on this replica: what its cache saved
                         d.cached_prompt_tokens = out.num_cached_tokens
                     if d.finish_reason is not None:

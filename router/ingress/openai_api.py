@@ -208,7 +208,8 @@ def build_openai_app() -> FastAPI:
                 raise
         except Exception as e:  # noqa: BLE001
             return _fail(e)
-        return await _respond(flow, body, choices, chat=chat, use=use)
+        echo = None if chat or not body.echo else prompt if prompt is not None else flow.tokenizer.decode(ids)
+        return await _respond(flow, body, choices, chat=chat, use=use, echo=echo)
 
     @app.get("/health")
     async def health():
@@ -364,14 +365,17 @@ def _tool_result(use: ToolUse, text: str, finish_reason: str | None) -> tuple[li
     return tool_calls, None, "tool_calls" if use.forced == "required" else "stop"
 
 
-async def _respond(flow, body: RequestBody, choices: list[Choice], chat: bool, use: ToolUse = ToolUse()):
+async def _respond(flow, body: RequestBody, choices: list[Choice], chat: bool, use: ToolUse = ToolUse(),
+                   echo: str | None = None):
+    """`echo` (completions): the prompt's text, put before each choice's completion (and, with
+    logprobs, the prompt's logprobs before the completion's, the first token's null, as OpenAI)."""
     rid = ("chatcmpl-" if chat else "cmpl-") + choices[0][1].request_id
     created = int(time.time())
     model = flow.config.model_name
     shapers = [_Logprobs(flow.tokenizer, chat) if _asks_logprobs(body) else None for _ in choices]
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_sse(choices, rid, created, model, chat, include_usage, shapers, use),
+        return StreamingResponse(_sse(choices, rid, created, model, chat, include_usage, shapers, use, echo),
                                  media_type="text/event-stream")
     tasks = [asyncio.ensure_future(_collect(s, first)) for s, first in choices]
     try:
@@ -384,11 +388,12 @@ async def _respond(flow, body: RequestBody, choices: list[Choice], chat: bool, u
         await asyncio.gather(*tasks, return_exceptions=True)
         await _close([s for s, _ in choices])
     out = []
-    for i, ((text, last, logprobs), shaper) in enumerate(zip(results, shapers)):
-        lp = None if shaper is None else shaper.shape(logprobs)
+    for i, ((text, last, logprobs), shaper, (_, first)) in enumerate(zip(results, shapers, choices)):
         if not chat:
-            out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": last.finish_reason})
+            lp = None if shaper is None else shaper.shape(logprobs, first if echo is not None else None)
+            out.append({"index": i, "text": (echo or "") + text, "logprobs": lp, "finish_reason": last.finish_reason})
             continue
+        lp = None if shaper is None else shaper.shape(logprobs)
         calls, content, finish = _tool_result(use, text, last.finish_reason) if use.active else (
             None, text, last.finish_reason)
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
@@ -426,11 +431,18 @@ class _Logprobs:
         raw = self.tok.token_bytes(token_id)
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
-    def shape(self, logprobs) -> dict | None:
+    def shape(self, logprobs, echoed: Delta | None = None) -> dict | None:
+        """`echoed` (completions with echo): the first delta, whose prompt logprobs come first."""
         if self.chat:
             return {"content": [{**self._entry(lp.token_id, lp.logprob),
                                  "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in logprobs]}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if echoed is not None and echoed.prompt_token_ids:  # the first prompt token has no logprob: null
+            text = self.tok.token_text(echoed.prompt_token_ids[0])
+            for key, value in zip(out, (text, None, None, self.offset)):
+                out[key].append(value)
+            self.offset += len(text)
+            logprobs = [*echoed.prompt_logprobs[1:], *logprobs]
         for lp in logprobs:
             text = self.tok.token_text(lp.token_id)
             top = {self.tok.token_text(t): v for t, v in lp.top}
@@ -444,7 +456,7 @@ class _Logprobs:
 
 
 async def _sse(choices: list[Choice], rid, created, model, chat: bool, include_usage: bool,
-               shapers: list["_Logprobs | None"], use: ToolUse = ToolUse()):
+               shapers: list["_Logprobs | None"], use: ToolUse = ToolUse(), echo: str | None = None):
     """Server-sent events: every choice's deltas as they come (each chunk names its choice's
     index; a choice's first chunk carries the role), then usage (if asked) and [DONE]. A failure
     of any choice ends the stream with an error event and stops the other choices. A forced tool
@@ -453,9 +465,9 @@ async def _sse(choices: list[Choice], rid, created, model, chat: bool, include_u
     obj = "chat.completion.chunk" if chat else "text_completion"
     held_text, held_lps = [""] * len(choices), [[] for _ in choices]
 
-    def payload(i: int, body: dict, finish: str | None, logprobs) -> str:
+    def payload(i: int, body: dict, finish: str | None, logprobs, echoed: Delta | None = None) -> str:
         shaper = shapers[i]
-        lp = None if shaper is None or not logprobs else shaper.shape(logprobs)
+        lp = None if shaper is None or not (logprobs or echoed) else shaper.shape(logprobs or [], echoed)
         choice = ({"index": i, "delta": body, "logprobs": lp, "finish_reason": finish} if chat
                   else {"index": i, "text": body["content"], "logprobs": lp, "finish_reason": finish})
         out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
@@ -466,6 +478,8 @@ async def _sse(choices: list[Choice], rid, created, model, chat: bool, include_u
     def chunk(i: int, d: Delta, role: bool = False) -> str | None:
         head = {"role": "assistant"} if role else {}
         if not (chat and use.active):
+            if role and echo is not None:  # the first chunk: the prompt, then the first token's text
+                return payload(i, {"content": echo + d.text}, d.finish_reason, d.logprobs, d)
             return payload(i, head | {"content": d.text}, d.finish_reason, d.logprobs)
         held_text[i] += d.text
         held_lps[i] += d.logprobs or ()

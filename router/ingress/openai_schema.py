@@ -35,7 +35,7 @@ def _neutral(*allowed):
 
 # Fields outside these models are refused (400 naming the field: `extra="forbid"`). Tools: see
 # tool_use (forced calls by grammar; "auto" is refused: no tool-call parser). Accepted but
-# not implemented, at a value that changes nothing: best_of 1, echo false. Accepted and ignored (they
+# not implemented, at a value that changes nothing: best_of 1. Accepted and ignored (they
 # never change the output): metadata. n: 1..IngressLimits.max_choices (checked in openai_api).
 # prompt_cache_key (else user) is the request's session key for routing (router/ingress/session.py).
 # README: "OpenAI fields".
@@ -91,7 +91,7 @@ class StreamOptions(BaseModel):
 
 class CompletionRequest(RequestBody):
     prompt: str | list[Int] | list[str] | list[list[Int]]
-    echo: Annotated[bool, _neutral(False)] = False
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's logprobs too)
     logprobs: Int | None = None  # top logprobs per token, 0..5 (and the sampled token's)
 
 
@@ -253,7 +253,8 @@ def to_sampling_params(req: RequestBody, default_max_tokens: int, validator,
         fmt = _response_format(req.response_format, validator)
     return SamplingParams(**kw, stop=stop, stop_token_ids=tuple(req.stop_token_ids or ()),
                           ignore_eos=req.ignore_eos, logit_bias=_logit_bias(req.logit_bias, validator),
-                          logprobs=_logprobs_k(req, validator.limits.max_logprobs), response_format=fmt)
+                          logprobs=(k := _logprobs_k(req, validator.limits.max_logprobs)), response_format=fmt,
+                          prompt_logprobs=k if isinstance(req, CompletionRequest) and req.echo else None)
 
 
 def _response_format(spec: "ResponseFormatSpec | None", validator):

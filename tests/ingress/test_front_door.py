@@ -326,7 +326,7 @@ def test_a_bad_content_part_is_400_naming_it(app, content, param):
     ("/v1/completions", "best_of", 2),
     ("/v1/completions", "n", 9),  # 1..max_choices (8)
     ("/v1/chat/completions", "n", 0),
-    ("/v1/completions", "echo", True),
+    ("/v1/chat/completions", "echo", True),  # completions only (OpenAI's)
     ("/v1/completions", "suffix", "x"),
 ])
 def test_unsupported_openai_fields_are_refused_naming_them(app, path, field, value):

@@ -16,7 +16,7 @@ from protos.pdserve.v1 import generation_pb2 as pb
 from router.ingress.flow import RequestFlow
 from tests.engine.test_logits_processing import PROMPT, reference_greedy
 from tests.helpers import grpc_stub, http_base, pool_loads, wait_pools_whole
-from tests.reference import hf_last_logits
+from tests.reference import hf_last_logits, hf_prompt_logprobs
 
 N = 12
 PENALISED = dict(presence_penalty=0.3, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={65: -100.0, 223: 1.5})
@@ -96,6 +96,48 @@ def test_completions_logprobs_equal_transformers(client, tiny_model, tok, stream
         assert set(got_top) == set(want), i
         assert max(abs(got_top[key] - want[key]) for key in want) < 1e-4, i
     wait_pools_whole()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion(client, tiny_model, tok, stream):
+    """echo with logprobs: the prompt's text, then the completion's; the prompt's logprobs (computed
+    by prefill: the first is null) equal transformers' within 1e-4, then the completion's."""
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0, logprobs=2, echo=True,
+              extra_body={"ignore_eos": True})
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    if stream:
+        text, lps = "", {key: [] for key in keys}
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                text += c.text
+                for key in keys:
+                    lps[key] += getattr(c.logprobs, key) if c.logprobs is not None else []
+    else:
+        choice = client.completions.create(**kw).choices[0]
+        text, lps = choice.text, {key: getattr(choice.logprobs, key) for key in keys}
+    tokens = reference_greedy(tiny_model, PROMPT, SamplingParams(max_tokens=N, temperature=0), N)
+    assert text == tok.decode(PROMPT) + tok.decode(tokens)
+    every = PROMPT + tokens
+    texts = [tok.token_text(t) for t in every]
+    assert lps["tokens"] == texts
+    assert lps["text_offset"] == [sum(len(x) for x in texts[:i]) for i in range(len(every))]
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    ref = hf_prompt_logprobs(tiny_model, PROMPT, 2)[1:] + reference_logprobs(tiny_model, PROMPT, tokens, 2)
+    for i, ((lp, top), got_lp, got_top) in enumerate(zip(ref, lps["token_logprobs"][1:], lps["top_logprobs"][1:])):
+        assert abs(got_lp - lp) < 1e-4, i
+        want = {tok.token_text(t): v for t, v in top}
+        want.setdefault(texts[i + 1], lp)
+        assert set(got_top) == set(want), i
+        assert max(abs(got_top[key] - want[key]) for key in want) < 1e-4, i
+    wait_pools_whole()
+
+
+def test_echo_without_logprobs_returns_the_prompt_string_as_given(client, tiny_model, tok):
+    tokens = reference_greedy(tiny_model, tok.encode("Hello there"), SamplingParams(max_tokens=N, temperature=0), N)
+    got = client.completions.create(model="tiny", prompt="Hello there", max_tokens=N, temperature=0, echo=True,
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == "Hello there" + tok.decode(tokens) and got.choices[0].logprobs is None
+    assert got.usage.completion_tokens == N
 
 
 @pytest.mark.parametrize("stream", [False, True])
