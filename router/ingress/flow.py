@@ -406,7 +406,8 @@ class RequestFlow:
             raise ServingError(Code.UNAVAILABLE, f"no decode replica: {e}") from e
         finished = pulled = False
         try:
-            async with aclosing(coalesce(replies, merge_outputs, final=lambda o: o.finished)) as outs:
+            async with aclosing(coalesce(replies, merge_outputs, final=lambda o: o.finished,
+                                         alone=lambda o: o.finish_reason in FAILED)) as outs:
                 async for out in outs:
                     out: RequestOutput
                     pulled = True

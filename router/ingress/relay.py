@@ -19,10 +19,13 @@ _END = object()
 
 
 async def coalesce(source: AsyncIterator[T], merge: Callable[[T, T], T],
-                   final: Callable[[T], bool] = lambda _: False) -> AsyncIterator[T]:
+                   final: Callable[[T], bool] = lambda _: False,
+                   alone: Callable[[T], bool] = lambda _: False) -> AsyncIterator[T]:
     """`source`'s items, with those that arrived while the consumer was busy merged (`merge(a, b)`,
-    in order). An item for which `final` is true is never merged into by a later one. The source's
-    exception is raised to the consumer after the items before it; leaving early cancels the pump."""
+    in order). An item for which `final` is true is never merged into by a later one; one for
+    which `alone` is true is never merged into an earlier one (a failure: the items before it
+    reach the consumer as they would have unmerged). The source's exception is raised to the
+    consumer after the items before it; leaving early cancels the pump."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump() -> None:
@@ -42,8 +45,8 @@ async def coalesce(source: AsyncIterator[T], merge: Callable[[T, T], T],
             if isinstance(item, BaseException):
                 raise item
             while not final(item) and not queue.empty():
-                nxt = queue._queue[0]  # peek: an end or an error stays queued for the next turn
-                if nxt is _END or isinstance(nxt, BaseException):
+                nxt = queue._queue[0]  # peek: an end, an error or an item alone stays queued for the next turn
+                if nxt is _END or isinstance(nxt, BaseException) or alone(nxt):
                     break
                 item = merge(item, queue.get_nowait())
             yield item

@@ -46,6 +46,21 @@ def test_items_queued_while_the_consumer_was_busy_come_merged_and_a_final_item_s
     assert asyncio.run(run()) == [[1], [2, 3, 4, "end"], [5]]
 
 
+def test_an_item_alone_is_never_merged_into_the_items_before_it():
+    """A failed output after queued tokens: the tokens reach the client first, as unmerged."""
+    async def run():
+        src = _source([[1], [2], [3], ["failed"], [5]])
+        agen = coalesce(src, merge, alone=lambda x: "failed" in x)
+        out = [await agen.__anext__()]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        async for x in agen:
+            out.append(x)
+        return out
+
+    assert asyncio.run(run()) == [[1], [2, 3], ["failed", 5]]
+
+
 def test_the_sources_error_comes_after_its_items():
     async def run():
         out = []
