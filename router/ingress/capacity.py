@@ -24,6 +24,24 @@ from typing import Callable
 MIN_SAMPLE_S = 0.5  # busy time per rate sample: shorter samples are one chunk's noise
 
 
+class _Meter:
+    """What both models share: a clock read at every event (`_tick()` returns the seconds since
+    the previous one) and an exponentially weighted mean of their samples (None until the first)."""
+
+    def __init__(self, clock: Callable[[], float], alpha: float):
+        self.clock = clock
+        self.alpha = alpha
+        self._last = clock()
+
+    def _tick(self) -> float:
+        now = self.clock()
+        dt, self._last = now - self._last, now
+        return dt
+
+    def _smooth(self, old: float | None, sample: float) -> float:
+        return sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+
+
 @dataclass
 class Pending:
     """One admitted request's place in the model; `done` is idempotent."""
@@ -39,14 +57,12 @@ class Pending:
             self._queue = None
 
 
-class FirstTokenQueue:
+class FirstTokenQueue(_Meter):
     def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3):
-        self.clock = clock
-        self.alpha = alpha
+        super().__init__(clock, alpha)
         self.rate: float | None = None  # prompt tokens per second while backlogged; None until measured
         self.pending_tokens = 0
         self.pending_requests = 0
-        self._last = clock()
         self._busy_s = 0.0  # backlogged time in the current sample
         self._done_tokens = 0  # prompt tokens computed in the current sample
 
@@ -69,18 +85,16 @@ class FirstTokenQueue:
         if computed is not None:
             self._done_tokens += computed
             if self._busy_s >= MIN_SAMPLE_S and self._done_tokens > 0:
-                sample = self._done_tokens / self._busy_s
-                self.rate = sample if self.rate is None else (1 - self.alpha) * self.rate + self.alpha * sample
+                self.rate = self._smooth(self.rate, self._done_tokens / self._busy_s)
                 self._busy_s, self._done_tokens = 0.0, 0
 
     def _advance(self) -> None:
-        now = self.clock()
+        dt = self._tick()
         if self.pending_requests > 0:
-            self._busy_s += now - self._last
-        self._last = now
+            self._busy_s += dt
 
 
-class StreamPace:
+class StreamPace(_Meter):
     """The streams past their first token and the interval between their tokens as this ingress
     relays them (the decode pool's ITL, measured where the client gets it), over windows of
     MIN_SAMPLE_S with at least one stream running.
@@ -90,12 +104,10 @@ class StreamPace:
     refused, so running streams keep their pace instead of every stream slowing together."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3):
-        self.clock = clock
-        self.alpha = alpha
+        super().__init__(clock, alpha)
         self.streams = 0
         self.itl_s: float | None = None  # None until measured
         self.mean_streams = 0.0  # over the last window
-        self._last = clock()
         self._window_s = 0.0
         self._stream_s = 0.0  # integral of streams over the window
         self._tokens = 0
@@ -112,8 +124,7 @@ class StreamPace:
         self._advance()
         self._tokens += n
         if self._window_s >= MIN_SAMPLE_S and self._tokens > 0:
-            sample = self._stream_s / self._tokens
-            self.itl_s = sample if self.itl_s is None else (1 - self.alpha) * self.itl_s + self.alpha * sample
+            self.itl_s = self._smooth(self.itl_s, self._stream_s / self._tokens)
             self.mean_streams = self._stream_s / self._window_s
             self._window_s = self._stream_s = 0.0
             self._tokens = 0
@@ -124,8 +135,7 @@ class StreamPace:
         return max(1, int(self.mean_streams * target_itl_s / self.itl_s))
 
     def _advance(self) -> None:
-        now = self.clock()
+        dt = self._tick()
         if self.streams > 0:
-            self._window_s += now - self._last
-            self._stream_s += self.streams * (now - self._last)
-        self._last = now
+            self._window_s += dt
+            self._stream_s += self.streams * dt
