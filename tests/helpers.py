@@ -122,7 +122,7 @@ class ServeApps:
         """The app config these overrides make, on Serve's ports (Serve is started if it is not up)."""
         from ray import serve  # noqa: PLC0415
 
-        from cluster.app.builder import grpc_options  # noqa: PLC0415
+        from cluster.app.builder import start_serve  # noqa: PLC0415
         from cluster.config import AppConfig  # noqa: PLC0415
         from cluster.tools.netutil import free_port  # noqa: PLC0415
 
@@ -133,7 +133,7 @@ class ServeApps:
         cfg = AppConfig.model_validate(_merged(APP_DEFAULTS, {"model": model, **overrides})
                                        | {"http_port": self.ports[0], "grpc_port": self.ports[1]})
         if fresh:
-            serve.start(http_options={"host": cfg.host, "port": cfg.http_port}, grpc_options=grpc_options(cfg))
+            start_serve(cfg)
         return cfg
 
     @contextmanager

@@ -155,9 +155,15 @@ def start(config: AppConfig, blocking: bool = False):
     """Deploy the app (Ray already running). Clients reach it on the configured ports: through
     Serve's proxies, or with direct ingress at the ingress replica itself (the proxies, which
     Serve still starts as its fallback, then listen on the ports after them)."""
+    start_serve(config)
+    return serve.run(build_app(config), name="pdserve", route_prefix="/", blocking=blocking)
+
+
+def start_serve(config: AppConfig) -> None:
+    """Start Serve's controller and proxies on the config's ports (the ports after them with
+    direct ingress). A Serve already up keeps its own."""
     http_port, grpc_port = config.http_port, config.grpc_port
     if direct_ingress_on():
         http_port, grpc_port = http_port + 1, grpc_port + 1
     serve.start(http_options={"host": config.host, "port": http_port},
                 grpc_options=grpc_options(config.model_copy(update={"grpc_port": grpc_port})))
-    return serve.run(build_app(config), name="pdserve", route_prefix="/", blocking=blocking)
