@@ -35,6 +35,8 @@ class DecodeServer(EngineReplica):
         (the first token was already sent); without one the prompt is prefilled here, after it
         the `generated` tokens (a migrated request's, already sent). Deltas that queue while the
         caller is busy are merged into one message."""
+        self.arrived(target_replica)
+
         def submit():
             self.role.submit(request_id, prompt_token_ids, sampling, kv_handle, ctx, generated)
 

@@ -22,6 +22,7 @@ class PrefillServer(EngineReplica):
                       ctx: RequestContext = DEFAULT_CONTEXT, target_replica: str | None = None) -> PrefillResult:
         """Prefill and hold the blocks; cancelling this call aborts the prefill.
         (`target_replica` is read by the request router that brought the call here.)"""
+        self.arrived(target_replica)
         stream = self.loop.stream(
             request_id, lambda: self.role.submit(request_id, prompt_token_ids, sampling, ctx))
         try:
@@ -35,4 +36,5 @@ class PrefillServer(EngineReplica):
         """End a lease early (the request was cancelled before decode pulled it); its blocks
         wait out kv_transfer.release_grace_s. The ingress sends it to the replica holding the
         lease (`target_replica`, read by the request router)."""
+        self.arrived(target_replica)
         await self.loop.call(lambda: self.role.abort(request_id))

@@ -71,6 +71,9 @@ class EngineReplica:
         self.stuck_loop_s = cfg.fault_tolerance.stuck_loop_s
         self.max_consecutive_step_errors = cfg.fault_tolerance.max_consecutive_step_errors
         self.replica_id = _serve_replica_id() or f"{self.pool}-{uuid.uuid4().hex[:8]}"
+        # Calls that named a replica (the router's choice, passed as target_replica) and arrived
+        # here: on target, or not (Serve's request router handed the replica to another call)
+        self.routed = {"on_target": 0, "off_target": 0}
         self.engine = engine = build_engine(cfg, self.pool)
         kv = cfg.kv_transfer
         registry = RayMetadataStore(get_registry(), kv.registry_timeout_s)
@@ -93,9 +96,15 @@ class EngineReplica:
     def make_role(self, engine: LLMEngine, transport: NixlTransport, config: AppConfig):
         raise NotImplementedError
 
+    def arrived(self, target_replica: str | None) -> None:
+        """Count a call against the replica it named (none named: not counted)."""
+        if target_replica is not None:
+            self.routed["on_target" if target_replica == self.replica_id else "off_target"] += 1
+
     async def load(self, target_replica: str | None = None) -> dict:
         """This replica's load (`target_replica`, read by the request router, picks the replica)."""
-        return {"replica_id": self.replica_id, **await self.loop.call(self.reporter.report)}
+        self.arrived(target_replica)
+        return {"replica_id": self.replica_id, "routed": dict(self.routed), **await self.loop.call(self.reporter.report)}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom-metrics hook (called only when the pool autoscales): the pool's signals

@@ -112,8 +112,13 @@ def test_concurrent_calls_run_on_the_replica_each_names(server):
     decodes = serve_replica_ids()["decode"]
     handle = serve.get_deployment_handle("decode", "pdserve")
     targets = [decodes[i % 2] for i in range(32)]
+    before = {r: handle.load.remote(target_replica=r).result(timeout_s=30)["routed"] for r in decodes}
     calls = [handle.load.remote(target_replica=t) for t in targets]
     assert [c.result(timeout_s=60)["replica_id"] for c in calls] == targets
+    after = {r: handle.load.remote(target_replica=r).result(timeout_s=30)["routed"] for r in decodes}
+    # each replica counted its 16 calls (and the one that read `after`) on target, none off
+    assert [(after[r]["on_target"] - before[r]["on_target"], after[r]["off_target"] - before[r]["off_target"])
+            for r in decodes] == [(17, 0), (17, 0)]
 
 
 @pytest.mark.parametrize("stream", [False, True])
