@@ -8,6 +8,7 @@ import json
 import math
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, AsyncIterator
 
@@ -294,9 +295,14 @@ async def _start_choices(flow, n: int, prompt, ids, sp, tenant: str, deadline, m
     and early failures raise here (and stop every choice started), so they become HTTP errors.
 
     As vLLM does for n > 1, each choice is a request of its own (choice i samples with seed + i
-    when a seed is given). Choice 0 runs first: once it has its first token its prompt's blocks
-    are in a prefix cache, and the others find them there instead of computing the prompt again
-    (the router sends them where those blocks are)."""
+    when a seed is given). Choice 0 runs first, and the others start once it has its second
+    token: by then its prompt's full blocks are cached where it was prefilled and, after its KV
+    pull, on its decode replica, so the others compute only the prompt's last partial block and
+    pull only that (the full blocks are shared, not copied). Without a session key of their own,
+    the choices share one (`choices:<id>`) so the router keeps them on choice 0's replicas while
+    their load allows."""
+    session = session if session is not None or n == 1 else f"choices:{uuid.uuid4().hex}"
+
     def start(i: int) -> AsyncIterator[Delta]:
         child = sp if i == 0 or sp.seed is None else replace(sp, seed=sp.seed + i)
         return flow.generate(prompt, ids, child, tenant=tenant, deadline=deadline, messages=messages, tools=tools,
@@ -306,6 +312,10 @@ async def _start_choices(flow, n: int, prompt, ids, sp, tenant: str, deadline, m
     try:
         firsts = [await anext(streams[0])]
         if n > 1:
+            if firsts[0].finish_reason is None:  # its second delta: its decode leg holds the prompt
+                second = await anext(streams[0], None)
+                if second is not None:
+                    streams[0] = _prepend(second, streams[0])
             streams += [start(i) for i in range(1, n)]
             rest = await asyncio.gather(*(anext(s) for s in streams[1:]), return_exceptions=True)
             if failed := next((r for r in rest if isinstance(r, BaseException)), None):
@@ -315,6 +325,14 @@ async def _start_choices(flow, n: int, prompt, ids, sp, tenant: str, deadline, m
         await _close(streams)
         raise
     return list(zip(streams, firsts))
+
+
+async def _prepend(item: Delta, stream: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """`item`, then the rest of `stream` (closing this closes `stream`)."""
+    async with aclosing(stream):
+        yield item
+        async for d in stream:
+            yield d
 
 
 async def _close(streams) -> None:
