@@ -40,6 +40,23 @@ def _pct(values: list[float], p: float) -> float:
     return float(np.percentile(values, p)) if values else float("nan")
 
 
+# Where a refusal was decided, from its message (router/ingress/flow.py, admission.py): the
+# ingress's own checks run before any await; the router's prediction after a router call; the
+# engine's bounds after the request reached a replica's queue.
+REFUSED_BY = (
+    ("ingress queue model", "the ingress's queue: predicted queue wait"),
+    ("ingress pace cap", "target_itl_s"),
+    ("ingress in-flight cap", "requests in flight"),
+    ("router prediction", ": predicted queue wait"),
+    ("engine queue full", "queue is full"),
+    ("engine queue time-to-live", "request "),
+)
+
+
+def refused_by(error: str) -> str:
+    return next((name for name, mark in REFUSED_BY if mark in error), "other")
+
+
 def _meets(rec, slo_ttft_s: float, slo_tpot_s: float) -> bool:
     return rec.status == "ok" and rec.ttft_s <= slo_ttft_s and (rec.tpot_s is None or rec.tpot_s <= slo_tpot_s)
 
@@ -118,6 +135,10 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
             if window and all(_meets(r, slo_ttft_s, slo_tpot_s) for r in window):
                 recovery = t - burst_s
                 break
+        sources: dict[str, list[float]] = {}
+        for r in recs:
+            if r.code == "RESOURCE_EXHAUSTED":
+                sources.setdefault(refused_by(r.error), []).append(r.latency_s)
         codes: dict[str, int] = {}
         for r in recs:
             codes[r.code or r.status] = codes.get(r.code or r.status, 0) + 1
@@ -128,6 +149,7 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
             "good": len(good), "rejected": len(rejected), "reject_p50_ms": _pct(rejected, 50) * 1e3,
             "reject_p99_ms": _pct(rejected, 99) * 1e3, "reject_max_ms": max(rejected, default=float("nan")) * 1e3,
             "recovery_s": recovery, "outcomes": codes,
+            "refused_by": {k: (len(v), _pct(v, 50) * 1e3, _pct(v, 99) * 1e3) for k, v in sorted(sources.items())},
             "ttft_p50_ms": _pct([r.ttft_s for r in served], 50) * 1e3,
             "ttft_p99_ms": _pct([r.ttft_s for r in served], 99) * 1e3,
             "tpot_p50_ms": _pct(tpots, 50) * 1e3, "tpot_p99_ms": _pct(tpots, 99) * 1e3, **_client(outcome),
@@ -211,6 +233,9 @@ def main() -> None:
                   f"{m['reject_p99_ms']:.1f} / max {m['reject_max_ms']:.1f} ms)  recovery {m['recovery_s']:.1f} s")
             print(f"  {'':<12} served TTFT p50 {m['ttft_p50_ms']:.0f} / p99 {m['ttft_p99_ms']:.0f} ms, TPOT p50 "
                   f"{m['tpot_p50_ms']:.1f} / p99 {m['tpot_p99_ms']:.1f} ms  {m['outcomes']}")
+            if m["refused_by"]:
+                print(f"  {'':<12} refused by: " + "; ".join(
+                    f"{k} {n} (p50 {p50:.0f} / p99 {p99:.0f} ms)" for k, (n, p50, p99) in m["refused_by"].items()))
             print(f"  {'':<12} load generator: {m['client_cpu_cores']:.2f} cores busy, p99 send lag "
                   f"{m['send_lag_p99_ms']:.1f} ms -> {'kept up' if m['kept_up'] else 'FELL BEHIND: this arm is invalid'}")
         u, p, s = (r[a]["goodput_rps"] for a in ("unprotected", "protected", "sustainable"))
