@@ -17,11 +17,14 @@ of the throughput, so the ratio holds without coordination.
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
 MIN_SAMPLE_S = 0.5  # busy time per rate sample: shorter samples are one chunk's noise
+ERRORS_KEPT = 2048  # the latest requests whose prediction is compared with what happened
 
 
 class _Meter:
@@ -48,6 +51,8 @@ class Pending:
 
     tokens: int
     _queue: "FirstTokenQueue | None"
+    predicted_s: float | None = None  # its time to first token as predicted when admitted (None: no rate yet)
+    admitted_at: float = field(default=0.0)
 
     def done(self, computed_tokens: int | None = None) -> None:
         """Its first token arrived (`computed_tokens`: the prompt tokens computed for it, i.e.
@@ -65,6 +70,7 @@ class FirstTokenQueue(_Meter):
         self.pending_requests = 0
         self._busy_s = 0.0  # backlogged time in the current sample
         self._done_tokens = 0  # prompt tokens computed in the current sample
+        self.errors: deque[float] = deque(maxlen=ERRORS_KEPT)  # actual - predicted time to first token (s)
 
     def predicted_wait_s(self) -> float | None:
         """Seconds before a request admitted now starts its prompt; None while the rate is unknown."""
@@ -74,15 +80,31 @@ class FirstTokenQueue(_Meter):
 
     def admit(self, tokens: int) -> Pending:
         self._advance()
+        predicted = (self.pending_tokens + tokens) / self.rate if self.rate else None  # the queue, then its own
         self.pending_tokens += tokens
         self.pending_requests += 1
-        return Pending(tokens, self)
+        return Pending(tokens, self, predicted, self._last)
+
+    def prediction_error(self) -> dict[str, float] | None:
+        """How the predicted time to first token compared with the actual one over the latest
+        ERRORS_KEPT requests (seconds; positive: later than predicted); None before any."""
+        if not self.errors:
+            return None
+        errs = sorted(self.errors)
+        absolute = sorted(abs(e) for e in errs)
+
+        def q(values, p):
+            return values[min(len(values) - 1, int(p * len(values)))]
+        return {"count": len(errs), "median": statistics.median(errs), "abs_p50": q(absolute, 0.5),
+                "abs_p90": q(absolute, 0.9), "abs_p99": q(absolute, 0.99)}
 
     def _done(self, p: Pending, computed: int | None) -> None:
         self._advance()
         self.pending_tokens -= p.tokens
         self.pending_requests -= 1
         if computed is not None:
+            if p.predicted_s is not None:
+                self.errors.append(self._last - p.admitted_at - p.predicted_s)
             self._done_tokens += computed
             if self._busy_s >= MIN_SAMPLE_S and self._done_tokens > 0:
                 self.rate = self._smooth(self.rate, self._done_tokens / self._busy_s)

@@ -50,6 +50,15 @@ def metrics_text(flow) -> bytes:
     per = Gauge("pdserve_ingress_tenant_inflight", "Requests in flight per tenant", ["tenant"], registry=registry)
     for tenant, n in adm.inflight_by_tenant().items():
         per.labels(tenant).set(n)
+    err = flow.first_tokens.prediction_error()
+    if err is not None:  # the queue model's predicted time to first token vs the actual, latest requests
+        g = Gauge("pdserve_ingress_ttft_prediction_error_seconds",
+                  "Actual minus predicted time to first token (median) and its absolute quantiles, latest "
+                  "requests", ["stat"], registry=registry)
+        for stat in ("median", "abs_p50", "abs_p90", "abs_p99"):
+            g.labels(stat).set(err[stat])
+        Gauge("pdserve_ingress_ttft_predictions", "Requests in that comparison",
+              registry=registry).set(err["count"])
     info = Gauge("pdserve_ingress_info", "Version and model", ["version", "model"], registry=registry)
     info.labels(package_version(), flow.config.model_name).set(1)
     return generate_latest(registry)

@@ -57,6 +57,27 @@ def test_rate_is_measured_over_backlogged_time_only():
     p[1].done(1000)
 
 
+def test_each_request_s_prediction_is_compared_with_its_first_token():
+    clock = Clock()
+    q = FirstTokenQueue(clock, alpha=1.0)
+    a = q.admit(500)
+    assert a.predicted_s is None  # no rate yet: nothing to compare
+    clock.t += 0.5
+    a.done(500)  # 1000 tokens/s
+    assert q.prediction_error() is None
+    b, c = q.admit(1000), q.admit(1000)  # predicted 1.0 s and 2.0 s (the queue ahead, then its own)
+    assert (b.predicted_s, c.predicted_s) == (1.0, 2.0)
+    clock.t += 1.5
+    b.done(1000)  # 0.5 s late
+    clock.t += 0.25
+    c.done(1000)  # 0.25 s early
+    c.done(1000)  # idempotent: counted once
+    q.admit(10).done()  # no first token: not compared
+    err = q.prediction_error()
+    assert (err["count"], err["median"], err["abs_p50"], err["abs_p90"]) == (2, 0.125, 0.5, 0.5)
+    assert list(q.errors) == [0.5, -0.25]
+
+
 def _flow(tiny_model, **admission):
     from router.ingress.flow import RequestFlow
 
@@ -169,3 +190,15 @@ def test_the_decode_pace_cap_refuses_new_work_interactive_last(tiny_model):
     assert e.value.reason == "capacity"
     for p in waiting:
         p.done(10)
+
+
+def test_the_ingress_scrape_shows_the_prediction_error(tiny_model):
+    from router.ingress.probes import metrics_text
+
+    flow = _flow(tiny_model)
+    assert b"pdserve_ingress_ttft_prediction_error_seconds" not in metrics_text(flow)  # nothing compared yet
+    flow.first_tokens.errors.extend([0.5, -0.25])
+    text = metrics_text(flow).decode()
+    assert 'pdserve_ingress_ttft_prediction_error_seconds{stat="median"} 0.125' in text
+    assert 'pdserve_ingress_ttft_prediction_error_seconds{stat="abs_p90"} 0.5' in text
+    assert "pdserve_ingress_ttft_predictions 2.0" in text

@@ -57,6 +57,17 @@ def refused_by(error: str) -> str:
     return next((name for name, mark in REFUSED_BY if mark in error), "other")
 
 
+def _prediction_error(http_port: int) -> dict[str, float]:
+    """The ingress's own comparison of predicted and actual time to first token (its /metrics)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://localhost:{http_port}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    pattern = r'^pdserve_ingress_ttft_prediction_error_seconds\{stat="(\w+)"\} (\S+)$'
+    return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
+
+
 def _meets(rec, slo_ttft_s: float, slo_tpot_s: float) -> bool:
     return rec.status == "ok" and rec.ttft_s <= slo_ttft_s and (rec.tpot_s is None or rec.tpot_s <= slo_tpot_s)
 
@@ -124,6 +135,7 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
         for p in spies:
             p.wait(timeout=60)
         recs = outcome.records
+        prediction = _prediction_error(cfg.http_port)
         serve.delete("pdserve")
         burst = [r for r in recs if r.start < burst_s]
         good = [r for r in burst if _meets(r, slo_ttft_s, slo_tpot_s)]
@@ -148,7 +160,7 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
             "sent": len(burst), "offered_rps": len(burst) / burst_s, "goodput_rps": len(good) / burst_s,
             "good": len(good), "rejected": len(rejected), "reject_p50_ms": _pct(rejected, 50) * 1e3,
             "reject_p99_ms": _pct(rejected, 99) * 1e3, "reject_max_ms": max(rejected, default=float("nan")) * 1e3,
-            "recovery_s": recovery, "outcomes": codes,
+            "recovery_s": recovery, "outcomes": codes, "prediction": prediction,
             "refused_by": {k: (len(v), _pct(v, 50) * 1e3, _pct(v, 99) * 1e3) for k, v in sorted(sources.items())},
             "ttft_p50_ms": _pct([r.ttft_s for r in served], 50) * 1e3,
             "ttft_p99_ms": _pct([r.ttft_s for r in served], 99) * 1e3,
@@ -233,6 +245,11 @@ def main() -> None:
                   f"{m['reject_p99_ms']:.1f} / max {m['reject_max_ms']:.1f} ms)  recovery {m['recovery_s']:.1f} s")
             print(f"  {'':<12} served TTFT p50 {m['ttft_p50_ms']:.0f} / p99 {m['ttft_p99_ms']:.0f} ms, TPOT p50 "
                   f"{m['tpot_p50_ms']:.1f} / p99 {m['tpot_p99_ms']:.1f} ms  {m['outcomes']}")
+            if m["prediction"]:
+                e = m["prediction"]
+                print(f"  {'':<12} ingress's predicted vs actual time to first token: median error "
+                      f"{e['median'] * 1e3:+.0f} ms, |error| p50 {e['abs_p50'] * 1e3:.0f} / p90 {e['abs_p90'] * 1e3:.0f} "
+                      f"/ p99 {e['abs_p99'] * 1e3:.0f} ms (latest requests)")
             if m["refused_by"]:
                 print(f"  {'':<12} refused by: " + "; ".join(
                     f"{k} {n} (p50 {p50:.0f} / p99 {p99:.0f} ms)" for k, (n, p50, p99) in m["refused_by"].items()))
