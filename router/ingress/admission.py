@@ -30,6 +30,7 @@ from typing import Awaitable, Callable
 from cluster.config import AppConfig, KeySources, TenantOptions
 from cluster.errors import InvalidRequestError
 from cluster.engine.request import Priority, RequestContext
+from router.ingress.capacity import InflightCap
 from router.ingress.status import Code, Rejected, ServingError
 
 log = logging.getLogger(__name__)
@@ -225,6 +226,7 @@ class Admission:
         self._refused_until: dict[tuple[str, str], tuple[float, float]] = {}
         self._inflight: dict[str, int] = {}
         self.total_inflight = 0
+        self.max_inflight = InflightCap(config.admission.max_inflight, config.ingress_replicas)
 
     # ---- who --------------------------------------------------------------------------------
 
@@ -256,7 +258,7 @@ class Admission:
     def reserve(self, tenant: str, deadline: float | None = None) -> Ticket:
         """Take an in-flight slot (per ingress, and the tenant's share of max_concurrent) or refuse."""
         opts = self._options.get(tenant)
-        cap = self.config.admission.max_inflight
+        cap = self.max_inflight()
         batch = opts is not None and opts.priority == "batch"
         if batch:
             cap = max(1, int(cap * self.config.admission.batch_share))  # batch work is shed first

@@ -161,3 +161,53 @@ class StreamPace(_Meter):
         if self.streams > 0:
             self._window_s += dt
             self._stream_s += self.streams * dt
+
+
+AUTO_HEADROOM = 2.0  # requests in flight per request the decode pool's KV holds (one batch running, one queued)
+AUTO_MIN = 64  # the auto cap never goes below this
+AUTO_UNMEASURED = 1024  # until the decode pool's KV and the requests' size are known
+REFRESH_S = 5.0  # how often the decode pool's KV is read again (replicas come and go)
+
+
+class InflightCap:
+    """admission.max_inflight: the configured number, or with "auto" the requests the decode
+    pool's KV can hold, sized from what is measured: the pool's KV tokens (its replicas' blocks,
+    read from the router every REFRESH_S) over the tokens a recent request may occupy (prompt +
+    max_tokens, smoothed), x AUTO_HEADROOM, split over the ingress replicas. Past it, streams
+    would wait for KV on decode (or be preempted) rather than run: the queue belongs at the door."""
+
+    def __init__(self, configured: int | str, ingress_replicas: int = 1,
+                 clock: Callable[[], float] = time.monotonic, alpha: float = 0.05):
+        self.configured = configured
+        self.ingress_replicas = max(1, ingress_replicas)
+        self.clock = clock
+        self.alpha = alpha
+        self.kv_tokens: int | None = None  # the decode pool's, at the last read
+        self.request_tokens: float | None = None  # prompt + max_tokens, smoothed over admitted requests
+        self.read_at = float("-inf")
+
+    @property
+    def auto(self) -> bool:
+        return self.configured == "auto"
+
+    def __call__(self) -> int:
+        if not self.auto:
+            return int(self.configured)
+        if not self.kv_tokens or not self.request_tokens:
+            return AUTO_UNMEASURED
+        per_ingress = AUTO_HEADROOM * self.kv_tokens / self.request_tokens / self.ingress_replicas
+        return max(AUTO_MIN, int(per_ingress))
+
+    def admitted(self, tokens: int) -> None:
+        if self.auto:
+            r = self.request_tokens
+            self.request_tokens = float(tokens) if r is None else (1 - self.alpha) * r + self.alpha * tokens
+
+    def due(self) -> bool:
+        """Time to read the decode pool's KV again (the caller reads it, then calls `kv_read`)."""
+        return self.auto and self.clock() - self.read_at >= REFRESH_S
+
+    def kv_read(self, kv_tokens: int | None) -> None:
+        self.read_at = self.clock()
+        if kv_tokens:
+            self.kv_tokens = kv_tokens

@@ -158,6 +158,7 @@ class RequestFlow:
         self.guardrails = Guardrails(config, guard_metrics, classifier)  # classifier: its deployment's handle
         self.response_cache = ResponseCache.from_config(config, self.salt.decode(), guard_metrics)
         self.first_tokens = FirstTokenQueue()  # the queue ahead of a new request, as this ingress sees it
+        self._background: set[asyncio.Task] = set()  # reads off the request path (kept referenced)
         self.pace = StreamPace()  # the streams past their first token, and their token interval
 
     async def generate(
@@ -200,6 +201,8 @@ class RequestFlow:
                 trail = None  # its record could not be kept either; the refusal is counted in the metrics
                 raise refusal
             label = request_id or rid
+            if self.admission.max_inflight.due() and self.router is not None:
+                self._read_decode_kv()
             ticket = self.admission.reserve(tenant, deadline)
             completion = prompt_tokens = 0
             guard = self.guardrails.for_request(tenant)  # None: the tenant has no policy
@@ -212,6 +215,7 @@ class RequestFlow:
                     self._tokenize_pool, self._make_request, rid, prompt, prompt_token_ids, sampling, messages, guard,
                     tools)
                 prompt_tokens = req.num_prompt_tokens
+                self.admission.max_inflight.admitted(req.num_prompt_tokens + sampling.max_tokens)
                 if guard is not None:
                     await guard.check_input_remote()  # a classifier: on the loop, bounded by its timeout
                 await self.admission.charge(ticket, req.num_prompt_tokens, sampling.max_tokens)
@@ -437,6 +441,23 @@ class RequestFlow:
                 replies.cancel()
             if kv_handle is not None and not pulled:
                 await self._release(rid, kv_handle.engine_id)  # only the first leg has a handle
+
+    def _read_decode_kv(self) -> None:
+        """Read the decode pool's KV tokens from the router in the background, for the auto
+        in-flight cap (router/ingress/capacity.py InflightCap); a failed read keeps the last one."""
+        cap = self.admission.max_inflight
+        cap.kv_read(None)  # not due again for REFRESH_S, whatever the read does
+
+        async def read():
+            try:
+                loads = await asyncio.wait_for(self.router.live_loads.remote(), self.route_timeout_s * 4)
+            except Exception as e:  # noqa: BLE001
+                log.debug("reading the decode pool's KV failed: %s", e)
+                return
+            cap.kv_read(sum(r.total_blocks for r in loads if r.pool == "decode") * self.block_size)
+
+        self._background.add(task := asyncio.ensure_future(read()))
+        task.add_done_callback(self._background.discard)
 
     async def _route(self, ids: list[int], ctx: RequestContext, session: str | None = None):
         """One router call per request; any failure (router down, slow, no replicas known yet)

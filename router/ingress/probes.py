@@ -45,8 +45,8 @@ def metrics_text(flow) -> bytes:
     registry = CollectorRegistry()
     adm = flow.admission
     Gauge("pdserve_ingress_inflight", "Requests in flight on this ingress", registry=registry).set(adm.total_inflight)
-    cap = Gauge("pdserve_ingress_max_inflight", "max_inflight of this ingress", registry=registry)
-    cap.set(flow.config.admission.max_inflight)
+    cap = Gauge("pdserve_ingress_max_inflight", "max_inflight of this ingress (auto: as sized now)", registry=registry)
+    cap.set(adm.max_inflight())
     per = Gauge("pdserve_ingress_tenant_inflight", "Requests in flight per tenant", ["tenant"], registry=registry)
     for tenant, n in adm.inflight_by_tenant().items():
         per.labels(tenant).set(n)

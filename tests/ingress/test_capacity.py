@@ -202,3 +202,40 @@ def test_the_ingress_scrape_shows_the_prediction_error(tiny_model):
     assert 'pdserve_ingress_ttft_prediction_error_seconds{stat="median"} 0.125' in text
     assert 'pdserve_ingress_ttft_prediction_error_seconds{stat="abs_p90"} 0.5' in text
     assert "pdserve_ingress_ttft_predictions 2.0" in text
+
+
+def test_the_auto_inflight_cap_is_sized_from_the_decode_pool_s_kv():
+    from router.ingress.capacity import AUTO_MIN, AUTO_UNMEASURED, REFRESH_S, InflightCap
+
+    clock = Clock()
+    assert InflightCap(16)() == 16 and not InflightCap(16).due()  # a number is a number
+    cap = InflightCap("auto", ingress_replicas=2, clock=clock, alpha=0.5)
+    assert cap() == AUTO_UNMEASURED and cap.due()
+    cap.kv_read(409_600)  # the decode pool's blocks x block size
+    assert cap() == AUTO_UNMEASURED  # requests' size not known yet
+    cap.admitted(1000)
+    cap.admitted(3000)  # smoothed: 2000 tokens a request
+    assert cap() == int(2.0 * 409_600 / 2000 / 2) == 204  # twice what the KV holds, half per ingress
+    cap.kv_read(None)  # a failed read keeps the last value
+    assert cap() == 204 and not cap.due()
+    clock.t += REFRESH_S
+    assert cap.due()
+    cap.kv_read(8_192)
+    assert cap() == AUTO_MIN  # never below the floor
+
+
+def test_admission_refuses_at_the_auto_cap_naming_it(tiny_model):
+    cfg = AppConfig.model_validate({"model": tiny_model})
+    adm = Admission(cfg, None)
+    cap = adm.max_inflight
+    cap.kv_read(64 * 16 * 32)
+    cap.admitted(16)  # 2 x 32768 / 16 = 4096
+    assert cap() == 4096
+    cap.kv_read(64 * 16)
+    assert cap() == 128
+    tickets = [adm.reserve("default") for _ in range(128)]
+    with pytest.raises(Rejected, match=r"at capacity \(128 requests in flight on this ingress\)"):
+        adm.reserve("default")
+    for t in tickets:
+        t.done(0)
+    assert adm.total_inflight == 0
