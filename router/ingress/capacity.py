@@ -13,6 +13,9 @@ replicas' load reports (every 0.25 s, through the router) would see a queue that
 
 With several ingress replicas each sees its share of the traffic (Serve's proxy spreads it) and
 of the throughput, so the ratio holds without coordination.
+
+`Capacity` makes the refusals (the queue's predicted wait, the decode pace cap `StreamPace`);
+`InflightCap` sizes admission.max_inflight "auto" from the decode pool's KV.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
+
+from cluster.config import AdmissionOptions
+from cluster.engine.request import Priority, RequestContext
+from router.ingress.status import Rejected
 
 MIN_SAMPLE_S = 0.5  # busy time per rate sample: shorter samples are one chunk's noise
 ERRORS_KEPT = 2048  # the latest requests whose prediction is compared with what happened
@@ -211,3 +218,43 @@ class InflightCap:
         self.read_at = self.clock()
         if kv_tokens:
             self.kv_tokens = kv_tokens
+
+
+class Capacity:
+    """The refusals this ingress makes from its own measurements, before any work or actor call:
+    a request the queue ahead of it would keep past max_queue_wait_s or past its deadline, or one
+    that would take the decode pool past the streams it runs at target_itl_s. Batch work is refused
+    at `batch_share` of each bound: it is shed first."""
+
+    def __init__(self, opts: AdmissionOptions, clock: Callable[[], float] = time.monotonic):
+        self.opts = opts
+        self.first_tokens = FirstTokenQueue(clock)  # the queue ahead of a new request
+        self.pace = StreamPace(clock)  # the streams past their first token, and their token interval
+
+    def check(self, ctx: RequestContext) -> None:
+        opts, pace = self.opts, self.pace
+        share = opts.batch_share if ctx.priority == Priority.BATCH else 1.0
+        if opts.target_itl_s is not None:
+            cap = pace.cap(opts.target_itl_s)
+            if cap is not None and pace.streams + self.first_tokens.pending_requests >= max(1, int(cap * share)):
+                raise Rejected(f"the decode pool is at the streams it runs at target_itl_s {opts.target_itl_s:g} "
+                               f"(measured {pace.itl_s * 1e3:.0f} ms per token over {pace.mean_streams:.1f} "
+                               f"streams){' (batch share)' if share < 1 else ''}: overloaded", 1.0, reason="capacity")
+        wait = self.first_tokens.predicted_wait_s()
+        if wait is not None:
+            self.check_queue_wait("the ingress's queue", wait, ctx)
+
+    def check_queue_wait(self, who: str, wait_s: float, ctx: RequestContext) -> None:
+        """Refuse work that would wait longer than the server's bound (batch work: its batch_share
+        of it) or the request's deadline: this ingress's prediction, or the router's."""
+        opts = self.opts
+        limit, remaining = opts.max_queue_wait_s, ctx.remaining_s()
+        batch = ctx.priority == Priority.BATCH
+        if limit is not None and batch:
+            limit *= opts.batch_share
+        if limit is not None and wait_s > limit:
+            raise Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds max_queue_wait_s {limit:g}"
+                           f"{' (batch share)' if batch else ''}: overloaded", wait_s - limit, reason="queue_wait")
+        if remaining is not None and wait_s > remaining:
+            raise Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds the {remaining:.2f} s "
+                           f"left before its deadline", wait_s, reason="queue_wait")

@@ -33,7 +33,7 @@ from cluster.engine.kv_cache import extend_salt, hash_request_blocks
 from cluster.engine.model.identity import model_identity
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.outputs import FinishReason, RequestOutput, TokenLogprob, merge_outputs
-from cluster.engine.request import Priority, RequestContext
+from cluster.engine.request import RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from cluster.engine.validation import RequestValidator
@@ -41,7 +41,7 @@ from cluster.errors import ErrorKind, InvalidRequestError, QueueFullError
 from router.ingress.admission import DEFAULT_TENANT, Admission, Quotas
 from router.ingress.audit import AuditShipper, AuditTrail
 from router.ingress.budget import Budget
-from router.ingress.capacity import FirstTokenQueue, Pending, StreamPace
+from router.ingress.capacity import Capacity, Pending
 from router.ingress.guardrails import Guardrails, Intervention, RequestGuard
 from router.ingress.relay import coalesce
 from router.ingress.response_cache import ResponseCache
@@ -157,9 +157,8 @@ class RequestFlow:
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
         self.guardrails = Guardrails(config, guard_metrics, classifier)  # classifier: its deployment's handle
         self.response_cache = ResponseCache.from_config(config, self.salt.decode(), guard_metrics)
-        self.first_tokens = FirstTokenQueue()  # the queue ahead of a new request, as this ingress sees it
+        self.capacity = Capacity(config.admission)  # the queue ahead of a new request and the streams' pace
         self._background: set[asyncio.Task] = set()  # reads off the request path (kept referenced)
-        self.pace = StreamPace()  # the streams past their first token, and their token interval
 
     async def generate(
         self,
@@ -209,7 +208,7 @@ class RequestFlow:
             place: Pending | None = None
             streaming = False
             try:
-                self._check_capacity(ticket.ctx)  # no await yet: a refusal here touched nothing
+                self.capacity.check(ticket.ctx)  # no await yet: a refusal here touched nothing
                 await self.admission.start(ticket)
                 req = await asyncio.get_running_loop().run_in_executor(
                     self._tokenize_pool, self._make_request, rid, prompt, prompt_token_ids, sampling, messages, guard,
@@ -226,15 +225,15 @@ class RequestFlow:
                     ctx = replace(ctx, trace_context=observed.trace_context)
                 routing_key = None if session is None else f"{tenant}\n{session}"  # tenants never share one
                 # not started: a cache hit never starts it
-                place = self.first_tokens.admit(req.num_prompt_tokens)
+                place = self.capacity.first_tokens.admit(req.num_prompt_tokens)
                 deltas = self._run(rid, label, req.prompt_token_ids, sampling, ctx, routing_key, place)
                 if guard is not None:
                     deltas = guard.output(deltas)
                 async for d in self.response_cache.through(tenant, req.prompt_token_ids, sampling, label, deltas):
                     if streaming:
-                        self.pace.tokens(len(d.token_ids))
+                        self.capacity.pace.tokens(len(d.token_ids))
                     elif d.finish_reason is None:
-                        self.pace.start()
+                        self.capacity.pace.start()
                         streaming = True
                     completion = d.completion_tokens
                     if observed is not None:
@@ -247,7 +246,7 @@ class RequestFlow:
                 if place is not None:
                     place.done()  # no first token (refused, failed, cancelled): nothing measured
                 if streaming:
-                    self.pace.end()
+                    self.capacity.pace.end()
                 ticket.done(completion)
                 if hold is not None:
                     hold.settle(prompt_tokens, completion)
@@ -314,7 +313,7 @@ class RequestFlow:
         stream = _Stream(label, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop), len(ids))
         decision = await self._route(ids, ctx, session)
         if decision is not None:
-            self._check_queue_wait(f"request {rid}", decision.queue_wait_s, ctx)
+            self.capacity.check_queue_wait(f"request {rid}", decision.queue_wait_s, ctx)
         kv_handle = None  # closing this generator closes the legs' at once (aclosing): a guardrail's stop frees both pools
         if self.prefill is not None and not (decision is not None and decision.mode == "local"):
             first = await self._first_token(rid, ids, sampling, ctx, decision.prefill if decision else None, stream)
@@ -474,38 +473,6 @@ class RequestFlow:
         if self.telemetry is not None:
             self.telemetry.routed(decision, started, len(ids), ctx)
         return decision
-
-    def _check_capacity(self, ctx: RequestContext) -> None:
-        """Refuse at once, before any work or actor call, a request the queue ahead of it (as this
-        ingress measures it: router/ingress/capacity.py) would keep past max_queue_wait_s or past
-        its deadline, or that would take the decode pool past the streams it runs at
-        target_itl_s. Batch work is refused at `batch_share` of each bound: it is shed first."""
-        opts = self.config.admission
-        share = opts.batch_share if ctx.priority == Priority.BATCH else 1.0
-        if opts.target_itl_s is not None:
-            cap = self.pace.cap(opts.target_itl_s)
-            if cap is not None and self.pace.streams + self.first_tokens.pending_requests >= max(1, int(cap * share)):
-                raise Rejected(f"the decode pool is at the streams it runs at target_itl_s {opts.target_itl_s:g} "
-                               f"(measured {self.pace.itl_s * 1e3:.0f} ms per token over {self.pace.mean_streams:.1f} "
-                               f"streams){' (batch share)' if share < 1 else ''}: overloaded", 1.0, reason="capacity")
-        wait = self.first_tokens.predicted_wait_s()
-        if wait is not None:
-            self._check_queue_wait("the ingress's queue", wait, ctx)
-
-    def _check_queue_wait(self, who: str, wait_s: float, ctx: RequestContext) -> None:
-        """Refuse at once work that would wait longer than the server's bound (batch work: its
-        batch_share of it) or the request's deadline."""
-        opts = self.config.admission
-        limit, remaining = opts.max_queue_wait_s, ctx.remaining_s()
-        batch = ctx.priority == Priority.BATCH
-        if limit is not None and batch:
-            limit *= opts.batch_share
-        if limit is not None and wait_s > limit:
-            raise Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds max_queue_wait_s {limit:g}"
-                           f"{' (batch share)' if batch else ''}: overloaded", wait_s - limit, reason="queue_wait")
-        if remaining is not None and wait_s > remaining:
-            raise Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds the {remaining:.2f} s "
-                           f"left before its deadline", wait_s, reason="queue_wait")
 
     async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
                        target: str | None):

@@ -50,7 +50,7 @@ def metrics_text(flow) -> bytes:
     per = Gauge("pdserve_ingress_tenant_inflight", "Requests in flight per tenant", ["tenant"], registry=registry)
     for tenant, n in adm.inflight_by_tenant().items():
         per.labels(tenant).set(n)
-    err = flow.first_tokens.prediction_error()
+    err = flow.capacity.first_tokens.prediction_error()
     if err is not None:  # the queue model's predicted time to first token vs the actual, latest requests
         g = Gauge("pdserve_ingress_ttft_prediction_error_seconds",
                   "Actual minus predicted time to first token (median) and its absolute quantiles, latest "

@@ -226,10 +226,10 @@ def test_predicted_queue_wait_over_the_bound_or_the_deadline_is_refused(tiny_mod
     from router.ingress.flow import RequestFlow
 
     flow = RequestFlow(AppConfig(model=tiny_model, admission={"max_queue_wait_s": 2.0}), None, None)
-    flow._check_queue_wait("r", 1.9, RequestContext())
+    flow.capacity.check_queue_wait("r", 1.9, RequestContext())
     with pytest.raises(Rejected, match="predicted queue wait 2.50 s exceeds max_queue_wait_s 2") as e:
-        flow._check_queue_wait("r", 2.5, RequestContext())
+        flow.capacity.check_queue_wait("r", 2.5, RequestContext())
     assert e.value.retry_after_s == pytest.approx(0.5)
     with pytest.raises(Rejected, match="left before its deadline"):
-        flow._check_queue_wait("r", 1.0, RequestContext(deadline=time.time() + 0.5))
-    flow._check_queue_wait("r", 1.0, RequestContext(deadline=time.time() + 30))
+        flow.capacity.check_queue_wait("r", 1.0, RequestContext(deadline=time.time() + 0.5))
+    flow.capacity.check_queue_wait("r", 1.0, RequestContext(deadline=time.time() + 30))

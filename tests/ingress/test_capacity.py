@@ -88,29 +88,29 @@ def _flow(tiny_model, **admission):
 
 def test_a_request_the_queue_would_keep_past_the_bound_is_refused_before_any_work(tiny_model):
     flow = _flow(tiny_model, max_queue_wait_s=2.0, batch_share=0.5)
-    q = flow.first_tokens
+    q = flow.capacity.first_tokens
     q.rate = 1000.0
     held = q.admit(1500)  # 1.5 s ahead
-    flow._check_capacity(RequestContext(priority=Priority.INTERACTIVE))
+    flow.capacity.check(RequestContext(priority=Priority.INTERACTIVE))
     with pytest.raises(Rejected, match=r"predicted queue wait 1.50 s exceeds max_queue_wait_s 1 \(batch share\)") as e:
-        flow._check_capacity(RequestContext(priority=Priority.BATCH))
+        flow.capacity.check(RequestContext(priority=Priority.BATCH))
     assert e.value.retry_after_s == pytest.approx(0.5)
     with pytest.raises(Rejected, match="left before its deadline"):
-        flow._check_capacity(RequestContext(deadline=time.time() + 1.0))
+        flow.capacity.check(RequestContext(deadline=time.time() + 1.0))
     more = q.admit(1000)  # 2.5 s ahead: interactive work is refused too
     with pytest.raises(Rejected, match="predicted queue wait 2.50 s exceeds max_queue_wait_s 2:"):
-        flow._check_capacity(RequestContext())
+        flow.capacity.check(RequestContext())
     held.done(1500)
     more.done(1000)
-    flow._check_capacity(RequestContext(priority=Priority.BATCH))  # drained: both pass
+    flow.capacity.check(RequestContext(priority=Priority.BATCH))  # drained: both pass
 
 
 def test_the_flow_refuses_by_predicted_wait_without_touching_a_pool_and_releases_the_slot(tiny_model):
     from cluster.engine.sampling_params import SamplingParams
 
     flow = _flow(tiny_model, max_queue_wait_s=1.0)
-    flow.first_tokens.rate = 100.0
-    ahead = flow.first_tokens.admit(500)  # 5 s ahead
+    flow.capacity.first_tokens.rate = 100.0
+    ahead = flow.capacity.first_tokens.admit(500)  # 5 s ahead
 
     async def one():
         async for _ in flow.generate(None, [1, 2, 3], SamplingParams(max_tokens=2), tenant="live"):
@@ -120,7 +120,7 @@ def test_the_flow_refuses_by_predicted_wait_without_touching_a_pool_and_releases
         asyncio.run(one())
     assert e.value.reason == "queue_wait"
     assert flow.admission.total_inflight == 0  # the in-flight slot went back
-    assert (flow.first_tokens.pending_requests, flow.first_tokens.pending_tokens) == (1, 500)
+    assert (flow.capacity.first_tokens.pending_requests, flow.capacity.first_tokens.pending_tokens) == (1, 500)
     ahead.done(500)
 
 
@@ -175,18 +175,18 @@ def test_stream_pace_measures_the_interval_per_stream_and_caps_by_its_gradient()
 def test_the_decode_pace_cap_refuses_new_work_interactive_last(tiny_model):
     flow = _flow(tiny_model, target_itl_s=0.1, batch_share=0.5)
     clock = Clock()
-    flow.pace.clock = clock
-    flow.pace._last = clock.t
+    flow.capacity.pace.clock = clock
+    flow.capacity.pace._last = clock.t
     for _ in range(3):
-        flow.pace.start()
+        flow.capacity.pace.start()
     clock.t += 0.5
-    flow.pace.tokens(30)  # 3 streams at 50 ms: the cap at 100 ms is 6
-    flow._check_capacity(RequestContext())
+    flow.capacity.pace.tokens(30)  # 3 streams at 50 ms: the cap at 100 ms is 6
+    flow.capacity.check(RequestContext())
     with pytest.raises(Rejected, match=r"target_itl_s 0.1 \(measured 50 ms per token over 3.0 streams\) \(batch share\)"):
-        flow._check_capacity(RequestContext(priority=Priority.BATCH))  # 3 >= 6 x 0.5
-    waiting = [flow.first_tokens.admit(10) for _ in range(3)]  # 3 streams + 3 waiting for a first token = 6
+        flow.capacity.check(RequestContext(priority=Priority.BATCH))  # 3 >= 6 x 0.5
+    waiting = [flow.capacity.first_tokens.admit(10) for _ in range(3)]  # 3 streams + 3 waiting for a first token = 6
     with pytest.raises(Rejected) as e:
-        flow._check_capacity(RequestContext())
+        flow.capacity.check(RequestContext())
     assert e.value.reason == "capacity"
     for p in waiting:
         p.done(10)
@@ -197,7 +197,7 @@ def test_the_ingress_scrape_shows_the_prediction_error(tiny_model):
 
     flow = _flow(tiny_model)
     assert b"pdserve_ingress_ttft_prediction_error_seconds" not in metrics_text(flow)  # nothing compared yet
-    flow.first_tokens.errors.extend([0.5, -0.25])
+    flow.capacity.first_tokens.errors.extend([0.5, -0.25])
     text = metrics_text(flow).decode()
     assert 'pdserve_ingress_ttft_prediction_error_seconds{stat="median"} 0.125' in text
     assert 'pdserve_ingress_ttft_prediction_error_seconds{stat="abs_p90"} 0.5' in text
