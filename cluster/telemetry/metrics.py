@@ -150,6 +150,29 @@ def audit_writer_metrics() -> AuditWriterMetrics:
         "or duplicate (a resend of a request id already in the log)", ("result",)))
 
 
+@dataclass(frozen=True)
+class GuardrailMetrics:
+    """Recorded by each ingress replica (router/ingress/guardrails.py, response_cache.py); tenant,
+    policy and check names come from the config; stage, action, cause and result are closed sets."""
+
+    interventions: object
+    cache_requests: object
+
+
+@lru_cache(maxsize=None)
+def guardrail_metrics() -> GuardrailMetrics:
+    from ray.util.metrics import Counter  # noqa: PLC0415
+
+    return GuardrailMetrics(
+        interventions=Counter(
+            "pdserve_guardrail_interventions", "Guardrail events: stage input|output, action refused|stopped|"
+            "passed_on_error, cause flagged|timeout|error", ("tenant", "policy", "check", "stage", "action", "cause")),
+        cache_requests=Counter(
+            "pdserve_response_cache_requests", "Requests of tenants that opted in to the response cache, by result: "
+            "hit, miss, bypass (not cacheable: temperature is not 0)", ("tenant", "result")),
+    )
+
+
 @lru_cache(maxsize=None)
 def engine_metrics() -> EngineMetrics:
     from ray.util.metrics import Counter, Gauge, Histogram  # noqa: PLC0415

@@ -16,7 +16,7 @@ from protos.pdserve.v1 import generation_pb2 as pb
 from router.actor import get_router
 from router.ingress.admission import Admission, Idempotent
 from router.ingress.admission_actor import get_admission
-from cluster.telemetry.guardrail_metrics import guardrail_metrics
+from cluster.telemetry.metrics import guardrail_metrics
 from router.ingress.audit import AuditShipper
 from router.ingress.audit_actor import get_audit_writer
 from router.ingress.budget import Budget

@@ -251,7 +251,7 @@ class Guardrails:
         self.by_tenant = {t: compiled[o.guardrail_policy] for t, o in config.tenants.items() if o.guardrail_policy}
         if config.guardrail_policy is not None:
             self.by_tenant.setdefault("default", compiled[config.guardrail_policy])
-        self.metrics = metrics  # GuardrailMetrics (cluster/telemetry/guardrail_metrics.py) or None
+        self.metrics = metrics  # GuardrailMetrics (cluster/telemetry/metrics.py) or None
 
     def for_request(self, tenant: str) -> "RequestGuard | None":
         policy = self.by_tenant.get(tenant)

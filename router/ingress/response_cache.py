@@ -63,7 +63,7 @@ class ResponseCache:
         self.tenants = tenants  # those that opted in
         self.version = version
         self.clock = clock
-        self.metrics = metrics  # GuardrailMetrics (cluster/telemetry/guardrail_metrics.py) or None
+        self.metrics = metrics  # GuardrailMetrics (cluster/telemetry/metrics.py) or None
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self.nbytes = 0
 
