@@ -222,6 +222,12 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   return y;
 }
 
+// One row of C: out = r / sqrt(mean(r^2) + eps) * w.
+inline void rms_norm_row(const float* r, const float* w, float* out, int64_t C, double eps) {
+  const float inv = 1.0f / std::sqrt(dot(r, r, C) / static_cast<float>(C) + static_cast<float>(eps));
+  for (int64_t c = 0; c < C; ++c) out[c] = (r[c] * inv) * w[c];
+}
+
 // out = rms_norm(x) * w over the last dim; x: [T, C] contiguous.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.numel() == x.size(1), "x [T, C] float32, w [C]");
@@ -233,11 +239,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const float* wp = wc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* r = xp + t * C;
-      const float inv = 1.0f / std::sqrt(dot(r, r, C) / static_cast<float>(C) + static_cast<float>(eps));
-      for (int64_t c = 0; c < C; ++c) op[t * C + c] = (r[c] * inv) * wp[c];
-    }
+    for (int64_t t = begin; t < end; ++t) rms_norm_row(xp + t * C, wp, op + t * C, C, eps);
   });
   return out;
 }
@@ -261,8 +263,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
     for (int64_t t = begin; t < end; ++t) {
       float* r = rp + t * C;
       for (int64_t c = 0; c < C; ++c) r[c] += xp[t * C + c];
-      const float inv = 1.0f / std::sqrt(dot(r, r, C) / static_cast<float>(C) + static_cast<float>(eps));
-      for (int64_t c = 0; c < C; ++c) op[t * C + c] = (r[c] * inv) * wp[c];
+      rms_norm_row(r, wp, op + t * C, C, eps);
     }
   });
   return out;
