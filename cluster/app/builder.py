@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Literal
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig, gRPCOptions
 
@@ -157,6 +160,31 @@ def start(config: AppConfig, blocking: bool = False):
     Serve still starts as its fallback, then listen on the ports after them)."""
     start_serve(config)
     return serve.run(build_app(config), name="pdserve", route_prefix="/", blocking=blocking)
+
+
+def delete_app(config: AppConfig, timeout_s: float = 60.0) -> None:
+    """Delete the app and wait until its replicas are gone and, with direct ingress, its ports are
+    free again: the next app's ingress takes the same ports (one per range), and a deploy that
+    comes while the old replica still drains fails with Serve's NoAvailablePortError."""
+    serve.delete("pdserve")
+    deadline = time.monotonic() + timeout_s
+
+    def ports_free() -> bool:
+        for port in (config.http_port, config.grpc_port):
+            with socket.socket() as s:
+                try:
+                    s.bind((config.host, port))
+                except OSError:
+                    return False
+        return True
+
+    while time.monotonic() < deadline:
+        replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"].startswith("SERVE_REPLICA::pdserve#")]
+        if not replicas and (not direct_ingress_on() or ports_free()):
+            return
+        time.sleep(0.2)  # polling Serve's own teardown: there is no event to wait on
+    raise TimeoutError(f"app pdserve still had replicas or its ports {timeout_s:g} s after serve.delete")
 
 
 def start_serve(config: AppConfig) -> None:

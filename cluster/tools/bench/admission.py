@@ -105,8 +105,6 @@ def _client(outcome) -> dict:
 
 def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: float, slo_tpot_s: float,
                 profile=None) -> dict:
-    from ray import serve
-
     import cluster.app.builder as serve_app
 
     unprotected = base.model_copy(update={
@@ -136,7 +134,7 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
             p.wait(timeout=60)
         recs = outcome.records
         prediction = _prediction_error(cfg.http_port)
-        serve.delete("pdserve")
+        serve_app.delete_app(cfg)
         burst = [r for r in recs if r.start < burst_s]
         good = [r for r in burst if _meets(r, slo_ttft_s, slo_tpot_s)]
         rejected = [r.latency_s for r in recs if r.code == "RESOURCE_EXHAUSTED"]
@@ -170,8 +168,6 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
 
 
 def bench_noisy(base: AppConfig, seconds: float) -> dict:
-    from ray import serve
-
     import cluster.app.builder as serve_app
 
     cfg = AppConfig.model_validate({**base.model_dump(), "tenants": {
@@ -187,7 +183,7 @@ def bench_noisy(base: AppConfig, seconds: float) -> dict:
 
     solo_run = asyncio.run(_run(address, KEY_B, [(2.0, seconds)], seed=3))
     with_a_run, flood_run = asyncio.run(both())
-    serve.delete("pdserve")
+    serve_app.delete_app(cfg)
     solo, with_a, flood = solo_run.records, with_a_run.records, flood_run.records
 
     def ttfts(recs):

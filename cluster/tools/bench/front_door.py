@@ -145,8 +145,6 @@ def _top_frames(path: Path, n: int = 8) -> list[tuple[str, float]]:
 
 def main() -> None:
     import ray
-    from ray import serve
-
     import cluster.app.builder as serve_app
     from cluster.app.builder import ensure_model
     from cluster.tools.netutil import free_port
@@ -197,7 +195,7 @@ def main() -> None:
                 return r
 
             results[(engines, kind)] = asyncio.run(arm())
-    serve.delete("pdserve")
+    serve_app.delete_app(cfg)
     ray.shutdown()
 
     print(f"\nfront door: {args.clients} closed-loop callers for {args.seconds:g} s per arm; busy = "
