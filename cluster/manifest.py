@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 from pydantic import Field, field_validator
 
-from cluster.config import PoolOptions, ServingEngineOptions, _Strict
+from cluster.config import PoolOptions, ServingEngineOptions, Strict
 from cluster.engine.model.identity import WEIGHT_SUFFIXES, file_sha256
 
 # The files that decide a model's behaviour. Anything else in a checkpoint directory (a README,
@@ -61,7 +61,7 @@ def hash_files(model_dir: str | Path) -> dict[str, str]:
     return {p.name: file_sha256(p) for p in versioned_files(model_dir)}
 
 
-class SamplingDefaults(_Strict):
+class SamplingDefaults(Strict):
     """What a request that leaves these unset gets (None: the checkpoint's generation_config)."""
 
     temperature: float | None = Field(None, ge=0)
@@ -70,7 +70,7 @@ class SamplingDefaults(_Strict):
     max_tokens: int | None = Field(None, ge=1)
 
 
-class ModelManifest(_Strict):
+class ModelManifest(Strict):
     name: str = Field(description="The model id clients ask for (`model` in a request)")
     label: str | None = Field(None, description="A name for people (v2, canary); not part of the version")
     version: str = Field(description="sha256 of everything below (first 16 hex digits): computed, never chosen")

@@ -1,5 +1,5 @@
 """Engine options, declared once: the engine reads `EngineConfig`, the app config reuses
-`EngineOptions` (cluster/config.py). Validated where they enter (CLI, YAML), frozen inside.
+`EngineOptions` (cluster/config/pools.py). Validated where they enter (CLI, YAML), frozen inside.
 No torch here: the front door sizes KV blocks with `kv_block_bytes` too."""
 
 from __future__ import annotations

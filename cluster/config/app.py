@@ -1,0 +1,123 @@
+"""The whole app's configuration: one pydantic schema for `pdserve up --config` and `serve run`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import Field, model_validator
+
+from cluster.config.common import Strict
+from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionOptions, AuditOptions, BudgetOptions, IngressLimits,
+                                       KeySources, TenantOptions)
+from cluster.config.pools import (FaultToleranceOptions, KVTransferOptions, PoolOptions, RoutingOptions,
+                                  ServingEngineOptions)
+from cluster.config.safety import ClassifierDeploymentOptions, GuardrailPolicy, ResponseCacheOptions
+from cluster.config.telemetry import TelemetryOptions
+
+
+class AppConfig(Strict):
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="disaggregated: a prefill pool computes prompts and decode pulls their "
+        "KV; colocated: no prefill pool, decode replicas prefill locally (a conventional server)")
+    model: str | None = Field(None, description="HF checkpoint directory; None = SmolLM2-135M-Instruct (embedded default)")
+    served_model_name: str | None = Field(None, description="Model id in the APIs; default: the dir name")
+    engine: ServingEngineOptions = ServingEngineOptions()
+    prefill: PoolOptions = PoolOptions()
+    decode: PoolOptions = PoolOptions()
+    ingress_replicas: int = Field(1, ge=1)
+    kv_transfer: KVTransferOptions = KVTransferOptions()
+    routing: RoutingOptions = RoutingOptions()
+    host: str = Field(
+        "127.0.0.1", description="HTTP bind address. Not loopback: API keys are required unless "
+        "allow_unauthenticated (Serve's gRPC proxy binds all interfaces whatever this says)")
+    allow_unauthenticated: bool = Field(
+        False, description="Serve on a non-loopback host with no API keys (a trusted network only)")
+    http_port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int = Field(9000, ge=1, le=65535)
+    default_max_tokens: int = Field(16, ge=1)
+    generation_config: Literal["auto", "none"] = Field(
+        "auto", description="auto: a request's unset temperature, top_p and top_k come from the checkpoint's "
+        "generation_config.json, as in vLLM; none: pdserve's defaults (1.0, 1.0, off)")
+    api_keys: list[str] = Field(
+        default_factory=list, description="Bearer keys of the 'default' tenant (no quotas); no keys and no tenants = no auth")
+    api_keys_env: str | None = Field(None, description="Env var with the 'default' tenant's keys (ingress only)")
+    api_keys_file: str | None = Field(None, description="Secret file with the 'default' tenant's keys (ingress only)")
+    tenants: dict[str, TenantOptions] = Field(default_factory=dict)
+    tenant_cache_isolation: bool = Field(
+        True, description="Salt block hashes per tenant (cache_group), so tenants never share cached prefixes")
+    admission: AdmissionOptions = AdmissionOptions()
+    audit: AuditOptions = AuditOptions()
+    budgets: BudgetOptions = BudgetOptions()
+    ingress_limits: IngressLimits = IngressLimits()
+    fault_tolerance: FaultToleranceOptions = FaultToleranceOptions()
+    graceful_shutdown_timeout_s: float = Field(20.0, ge=0, description="How long a stopping replica drains")
+    health_check_period_s: float = Field(2.0, gt=0, description="How often Serve checks engine replicas")
+    telemetry: TelemetryOptions = TelemetryOptions()
+    guardrail_policies: dict[str, GuardrailPolicy] = Field(default_factory=dict, max_length=64)
+    guardrail_policy: str | None = Field(None, description="The 'default' tenant's policy (a guardrail_policies name)")
+    guardrail_classifier: ClassifierDeploymentOptions = ClassifierDeploymentOptions()
+    response_cache: ResponseCacheOptions = ResponseCacheOptions()
+
+    @model_validator(mode="after")
+    def _decode_pool_exists(self) -> "AppConfig":
+        for name, policy in [("default", self.guardrail_policy),
+                             *((n, t.guardrail_policy) for n, t in self.tenants.items())]:
+            if policy is not None and policy not in self.guardrail_policies:
+                raise ValueError(f"tenant {name!r}: guardrail_policy {policy!r} is not in guardrail_policies")
+        if self.decode.num_replicas < 1 and self.decode.autoscaling is None:
+            raise ValueError("decode.num_replicas must be >= 1 (the decode pool serves every request)")
+        seen: dict[str, str] = {}
+        for name, keys in [("default", self.api_keys), *((n, t.api_keys) for n, t in self.tenants.items())]:
+            for key in keys:
+                if key in seen:
+                    raise ValueError(f"an API key of tenant {name!r} is also a key of tenant {seen[key]!r}")
+                seen[key] = name
+        return self
+
+    @property
+    def default_keys(self) -> KeySources:
+        return KeySources(api_keys=self.api_keys, api_keys_env=self.api_keys_env, api_keys_file=self.api_keys_file)
+
+    @property
+    def has_keys(self) -> bool:
+        return self.default_keys.has_keys or any(t.has_keys for t in self.tenants.values())
+
+    def check_startable(self) -> None:
+        """Refuse to serve what would be open to anyone: a non-loopback bind with no API keys
+        (unless allow_unauthenticated), or a tenant no key leads to. Checked by the builder and
+        the ingress, not on every AppConfig: engine replicas get a config without keys."""
+        for name, t in self.tenants.items():
+            if not t.has_keys:
+                raise ValueError(f"tenant {name!r} has no API keys (api_keys, api_keys_env or api_keys_file)")
+        if self.host not in LOOPBACK_HOSTS and not self.has_keys and not self.allow_unauthenticated:
+            raise ValueError(f"host {self.host!r} is not loopback and no API keys are configured: set api_keys_file, "
+                             f"api_keys_env, api_keys or tenants, or allow_unauthenticated: true on a trusted network")
+
+    def without_keys(self) -> "AppConfig":
+        """This config with every API key source removed: what the engine replicas get."""
+        return self.model_copy(update={"api_keys": [], "api_keys_env": None, "api_keys_file": None,
+                                       "tenants": {n: t.without_keys() for n, t in self.tenants.items()}})
+
+    @property
+    def uses_classifier(self) -> bool:
+        """A guardrail policy calls the classifier: the app deploys it."""
+        return any(p.classifier is not None for p in self.guardrail_policies.values())
+
+    @property
+    def has_prefill_pool(self) -> bool:
+        """Disaggregated with prefill replicas. Colocated ignores the prefill section; a
+        disaggregated app with `prefill.num_replicas: 0` serves as colocated does."""
+        return self.mode == "disaggregated" and (self.prefill.num_replicas > 0 or self.prefill.autoscaling is not None)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "AppConfig":
+        return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
+
+    def engine_for(self, pool: Literal["prefill", "decode"]) -> ServingEngineOptions:
+        return getattr(self, pool).engine or self.engine
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model or "pdserve-demo").name

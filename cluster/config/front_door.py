@@ -1,0 +1,146 @@
+"""The front door: API keys and tenants, admission, the ingress's input limits, the audit log and
+budgets."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from cluster.config.common import Strict
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+class KeySources(Strict):
+    """Where a tenant's API keys come from: inline, an environment variable or a secret file (one
+    key a line, `#` comments; several keys in the variable are separated by commas or newlines).
+    Only the ingress reads them, and keeps only their SHA-256; the engine replicas' config carries
+    none of them (cluster/app/builder.py strips them)."""
+
+    api_keys: list[str] = Field(default_factory=list, description="Keys in clear (prefer the env or file)")
+    api_keys_env: str | None = Field(None, description="Environment variable holding the keys (read by the ingress)")
+    api_keys_file: str | None = Field(None, description="Secret file holding the keys, one a line (read by the ingress)")
+
+    @property
+    def has_keys(self) -> bool:
+        return bool(self.api_keys) or self.api_keys_env is not None or self.api_keys_file is not None
+
+    def without_keys(self):
+        return self.model_copy(update={"api_keys": [], "api_keys_env": None, "api_keys_file": None})
+
+
+class TenantOptions(KeySources):
+    """One tenant: its API keys (at least one source), scheduling class and quotas (None = unlimited)."""
+
+    priority: Literal["interactive", "batch"] = "interactive"
+    weight: float = Field(1.0, gt=0, description="Share of compute against tenants of the same priority")
+    requests_per_min: float | None = Field(None, gt=0)
+    tokens_per_min: float | None = Field(
+        None, gt=0, description="prompt + max_tokens charged at admission; unused output tokens refunded")
+    max_concurrent: int | None = Field(
+        None, ge=1, description="Requests in flight; each ingress replica enforces its share")
+    max_context: int | None = Field(None, ge=1, description="Most prompt + max_tokens per request")
+    max_output_tokens: int | None = Field(None, ge=1)
+    kv_budget: float = Field(1.0, gt=0, le=1, description="Most of a replica's KV pool its requests may hold")
+    cache_group: str | None = Field(
+        None, description="Tenants with the same group share cached prefixes; default: the tenant's own")
+    guardrail_policy: str | None = Field(
+        None, description="Name of a policy in guardrail_policies checking this tenant's prompts and output")
+    response_cache: bool = Field(
+        False, description="Serve repeated temperature-0 requests from the response cache (response_cache options)")
+    monthly_budget_usd: float | None = Field(
+        None, ge=0, description="Spend cap per calendar month (UTC) at budgets.prices; None = no cap "
+        "(spend is still counted). Enforced across every ingress replica by the ledger actor")
+    audit_text: bool = Field(
+        False, description="Audit records carry the prompt and the output text (default: counts and ids only)")
+
+
+class AdmissionOptions(Strict):
+    max_inflight: int | Literal["auto"] = Field(
+        "auto", description="Requests in flight per ingress replica; more get 429. auto: sized from the decode "
+        "pool's KV (router/ingress/capacity.py InflightCap: twice the requests its blocks hold at the "
+        "recent requests' prompt + max_tokens, this ingress's share, at least 64; 1024 until measured)")
+    max_queue_wait_s: float | None = Field(
+        None, gt=0, description="Refuse (429) when the predicted wait before a request's prompt starts is "
+        "longer (the ingress's own first-token queue, then the router's view of the replica); None = off")
+    target_itl_s: float | None = Field(
+        None, gt=0, description="Refuse (429) new work while the decode pool's streams, as the ingress relays "
+        "them, would run slower than this per token (their measured interval x streams sets the cap); None = off")
+    batch_share: float = Field(
+        0.5, gt=0, le=1, description="Batch-priority tenants are refused at this share of max_queue_wait_s and "
+        "of max_inflight and of the target_itl_s cap: under overload batch work is shed before interactive work")
+    rate_limit_lease: float = Field(
+        0.05, gt=0, le=1, description="Share of a tenant's per-minute budget an ingress takes per actor call")
+    idempotency_ttl_s: float = Field(600.0, gt=0, description="How long a non-streaming result is kept by key")
+    idempotency_max_keys: int = Field(
+        1024, ge=1, description="Idempotency records kept per tenant (least recently used finished ones go first; "
+        "a tenant with this many still running gets 429 for a new key)")
+    idempotency_max_waiters: int = Field(
+        8, ge=0, description="Duplicates that may wait for one running Idempotency-Key; more get 429")
+    idempotency_wait_s: float = Field(300.0, gt=0, description="Longest a duplicate waits for the running request")
+    actor_timeout_s: float = Field(
+        1.0, gt=0, description="Bound on each admission-actor call on the request path (rate limits fail "
+        "open, idempotency fails closed: docs/architecture.md)")
+
+
+class IngressLimits(Strict):
+    """Caps checked at the edges before any work: the body before it is parsed, headers before
+    they are used. The engine's RequestLimits (engine.limits) cap stop strings, ids and prompts."""
+
+    max_body_bytes: int = Field(
+        4 * 2**20, ge=1024, description="HTTP request body, counted as it streams in; more -> 413")
+    max_chat_messages: int = Field(256, ge=1, description="Messages in one chat request; more -> 400 (messages)")
+    max_choices: int = Field(8, ge=1, le=128, description="OpenAI `n`: choices per request (each one a request); more -> 400 (n)")
+    max_authorization_chars: int = Field(512, ge=16, description="Longest authorization header/metadata; more -> 401")
+    max_timeout_header_chars: int = Field(32, ge=4, description="Longest x-pdserve-timeout-s value; more -> 400")
+    max_session_id_chars: int = Field(
+        128, ge=8, description="Longest session key (x-session-id header/metadata, prompt_cache_key); more -> 400")
+    grpc_max_receive_bytes: int = Field(
+        4 * 2**20, ge=1024, description="gRPC request message size. Serve's gRPC proxy reads it only from "
+        "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE in its environment (`pdserve up` sets it for the Ray it starts; "
+        "a cluster sets it on its nodes); the ingress refuses larger messages itself too")
+
+
+class AuditOptions(Strict):
+    """The audit log (router/ingress/audit*.py): one hash-chained JSON line per request, written by
+    one writer actor on the head node; each ingress spools its records locally and resends until
+    the writer acknowledges them (at-least-once; the writer drops duplicates by request id)."""
+
+    enabled: bool = Field(False, description="Write an audit record for every request that reaches the flow")
+    dir: str = Field("/tmp/pdserve-audit", description="The log's directory, on the head node (the writer's)")
+    spool_dir: str | None = Field(
+        None, description="Each ingress's local spool of unacknowledged records; default: <dir>/spool (same node)")
+    max_file_bytes: int = Field(64 * 2**20, ge=4096, description="Rotate to a new file past this size (and each UTC day)")
+    batch_records: int = Field(512, ge=1, description="Most records an ingress sends the writer in one call")
+    flush_interval_s: float = Field(0.05, gt=0, description="How long an ingress gathers records before sending")
+    max_buffered: int = Field(
+        100_000, ge=1, description="Unacknowledged records an ingress holds (writer down); past it: when_full")
+    when_full: Literal["drop", "refuse"] = Field(
+        "refuse", description="Buffer full: refuse new requests (503, fail closed) or drop their records (counted)")
+    dedup_window: int = Field(
+        200_000, ge=1, description="Recent request ids the writer remembers (read back from the log's tail at start)")
+    writer_timeout_s: float = Field(5.0, gt=0, description="Bound on one writer call; on failure the ingress retries")
+
+
+class ModelPrice(Strict):
+    prompt_per_1k: float = Field(0.0, ge=0, description="USD per 1,000 prompt tokens")
+    completion_per_1k: float = Field(0.0, ge=0, description="USD per 1,000 completion tokens")
+
+
+class BudgetOptions(Strict):
+    """Prices and the spend ledger (router/ingress/budget*.py). A request of a tenant with a
+    monthly budget reserves its worst case (prompt + max_tokens at the model's prices) before it
+    runs and settles the actual cost at its end; the ledger refuses a reservation that would pass
+    the budget, so spend never exceeds it (docs/architecture.md, Budgets)."""
+
+    prices: dict[str, ModelPrice] = Field(
+        default_factory=dict, description="Per served model name; a model without a price costs 0")
+    ledger_path: str = Field("/tmp/pdserve-ledger.json", description="The ledger's file, on the head node")
+    when_unreachable: Literal["closed", "open"] = Field(
+        "closed", description="Ledger unreachable at admission: refuse (503) or admit unchecked (charged later)")
+    timeout_s: float = Field(1.0, gt=0, description="Bound on the ledger call at admission")
+    reservation_ttl_s: float = Field(
+        3600.0, gt=0, description="A reservation never settled (its ingress died) is charged in full after this")
+    alert_fraction: float = Field(0.8, gt=0, le=1, description="The spend alert fires past this share of a budget")

@@ -1,0 +1,135 @@
+"""The pools: each pool's replicas and engine, its autoscaling, the KV transfer between them, the routing
+policy and fault tolerance."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import yaml
+from pydantic import Field, field_validator, model_validator
+
+from cluster.config.common import Strict
+from cluster.engine.config import EngineOptions
+
+
+class ServingEngineOptions(EngineOptions):
+    """The engine's options (cluster/engine/config.py), with a server's defaults for overload: an
+    in-process engine queues without bound, a replica refuses past these (429)."""
+
+    max_waiting: int | None = Field(512, ge=0, description="Per replica; more waiting requests are refused (429)")
+    queue_ttl_s: float | None = Field(30.0, gt=0, description="Not admitted within this long: rejected (429)")
+
+
+class AutoscalingOptions(Strict):
+    """One pool's autoscaling (cluster/serving/autoscaling.py): prefill on queued prompt tokens and TTFT,
+    decode on KV use and inter-token latency; up fast, down slowly. A pool reads only its own two
+    targets. Set a target above what the pool can ever reach to scale on the other signal alone."""
+
+    min_replicas: int = Field(1, ge=1, description="An autoscaled pool never goes to zero")
+    max_replicas: int = Field(1, ge=1)
+    target_queued_prefill_tokens: float = Field(
+        8192, gt=0, description="prefill: prompt tokens waiting per replica (~ throughput x accepted queueing)")
+    target_ttft_s: float = Field(1.0, gt=0, description="prefill: time to first token at the replica")
+    target_kv_usage: float = Field(0.8, gt=0, le=1, description="decode: fraction of KV blocks held by requests")
+    target_itl_s: float = Field(0.05, gt=0, description="decode: interval between a request's tokens")
+    upscale_delay_s: float = Field(5.0, ge=0, description="Above target this long: add replicas (all needed at once)")
+    downscale_delay_s: float = Field(300.0, ge=0, description="Slack this long: remove downscale_step replicas")
+    downscale_threshold: float = Field(
+        0.6, gt=0, lt=1, description="Slack = the pool would stay below this fraction of its targets with one fewer")
+    downscale_step: int = Field(1, ge=1, description="Replicas removed per scale-down")
+    look_back_period_s: float = Field(5.0, gt=0, description="Serve averages each replica's reports over this window")
+    metrics_interval_s: float = Field(1.0, gt=0, description="How often replicas send their reports to Serve")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AutoscalingOptions":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError("look_back_period_s must be longer than metrics_interval_s")
+        return self
+
+
+class PoolOptions(Strict):
+    num_replicas: int = Field(1, ge=0, description="0 for the prefill pool: decode prefills locally")
+    autoscaling: AutoscalingOptions | None = None
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per replica, e.g. {pdserve_decode: 1}: "
+        "the pool runs only on nodes that advertise them (deploy/cluster.yaml)")
+    max_ongoing_requests: int = Field(256, ge=1)
+    compute_nice: int = Field(
+        10, ge=0, le=19, description="OS niceness of the engine's compute thread (and the torch threads it "
+        "starts): where engines share cores with the front door, its event loops (admission, token relay) "
+        "run first; 0 = same priority (docs/architecture.md, 'CPU priority')")
+    engine: ServingEngineOptions | None = Field(None, description="Overrides the app-wide engine options")
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name} is not a custom resource: use num_cpus / num_gpus")
+            if amount <= 0:
+                raise ValueError(f"resource {name}: must be > 0, got {amount}")
+        return resources
+
+
+class KVTransferOptions(Strict):
+    lease_s: float = Field(30.0, gt=0, description="How long prefill holds a request's blocks for decode")
+    timeout_s: float = Field(10.0, gt=0, description="Decode gives up on a pull after this long")
+    min_lease_left_s: float | None = Field(
+        None, ge=0, description="Decode pulls only while the handle's lease has this long left, else it "
+        "recomputes the prompt (prefill's wall clock: nodes need NTP); None = timeout_s")
+    release_grace_s: float = Field(
+        2.0, ge=0, description="Prefill keeps the blocks of a lease that expired or was released without a "
+        "completed READ this much longer before reusing them (a decode may still be reading)")
+    failure_policy: Literal["recompute", "fail"] = "recompute"
+    required_transports: list[str] = Field(default_factory=list, description='e.g. ["cuda_ipc", "rc"]')
+    nixl_threads: int = Field(0, ge=0)
+    progress_thread: bool = Field(
+        False, description="NIXL's progress thread: lower transfer latency, but it spins one core per replica")
+    registry_timeout_s: float = Field(
+        2.0, gt=0, description="Longest the engine loop waits for the registry actor (a handshake's peer "
+        "lookup); no answer = a failed pull, which the failure policy handles")
+
+    @model_validator(mode="after")
+    def _lease_outlasts_margin(self) -> "KVTransferOptions":
+        margin = self.timeout_s if self.min_lease_left_s is None else self.min_lease_left_s
+        if margin >= self.lease_s:
+            raise ValueError(f"min_lease_left_s ({margin:g}; default timeout_s) must be below lease_s "
+                             f"({self.lease_s:g}), or every pull is refused")
+        return self
+
+
+class RoutingOptions(Strict):
+    enabled: bool = Field(True, description="Route through the router actor; off = Serve's power of two")
+    strategy: Literal["cost", "round_robin", "power_of_two"] = Field(
+        "cost", description="cost: prefix- and capacity-aware; the others are baselines for comparison")
+    local_prefill_threshold: int = Field(
+        64, ge=0, description="Fewer uncached prompt tokens than this on the decode replica: prefill there")
+    hot_load_cap: int = Field(32, ge=1, description="Requests on a replica past which its cache earns no credit")
+    slow_factor: float = Field(2.0, gt=1, description="Step time this many times the pool median: deprioritised")
+    pull_block_cost: float | None = Field(
+        None, ge=0, description="Tokens of work one KV block a decode replica lacks costs its pull (on top of the "
+        "block itself); None: measured (decode's seconds per pulled block x the prefill pool's tokens/s)")
+    evict_block_cost: float = Field(
+        4.0, ge=0, description="Tokens charged for each cached block a prompt would push out of a replica's cache "
+        "(what makes prefixes spread over the pool instead of thrashing one replica)")
+    session_bonus: float = Field(
+        256.0, ge=0, description="Tokens of work by which the replicas that served a session last are preferred "
+        "(a soft preference: more load than this moves the session; 0 turns affinity off)")
+    max_sessions: int = Field(100_000, ge=1, description="Sessions the router remembers (least recently used go first)")
+    session_ttl_s: float = Field(600.0, gt=0, description="A session idle this long is forgotten by the router")
+
+
+class FaultToleranceOptions(Strict):
+    max_migrations: int = Field(
+        2, ge=0, description="Times a request may move to another decode replica when its replica dies")
+    stuck_loop_s: float = Field(
+        30.0, gt=0, description="An engine loop turn running this long fails the replica's health check")
+    max_consecutive_step_errors: int = Field(
+        8, ge=1, description="This many engine steps failing in a row (none ran since) fails the replica's "
+        "health check; the router avoids a replica whose last step failed")
+    fault_injection: bool = Field(
+        False, description="Allow inject_fault() on replicas (chaos tests and drills; off in production)")
