@@ -55,3 +55,19 @@ def test_prompt_logprobs_over_the_cap_are_refused_naming_the_field(tiny_model):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(prompt_logprobs=-1)
     assert e.value.field == "prompt_logprobs"
+
+
+def test_a_leg_that_continues_after_tokens_sent_elsewhere_sends_no_prompt_logprobs(tiny_model):
+    """A decode leg after a remote first token, or a migrated one: the prompt's logprobs went out
+    with the first token; the leg computes the prompt without scoring it again."""
+    engine = LLMEngine.from_model(tiny_model, num_blocks=64)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    [full] = engine.generate([PROMPT], sp)
+    req = engine.make_request("leg", None, PROMPT, sp)
+    engine.add_after_tokens(req, full.token_ids[:2])
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [t for o in outs for t in o.token_ids] == full.token_ids[2:]
+    assert all(o.prompt_logprobs is None for o in outs)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
