@@ -75,21 +75,22 @@ class Delta:
 class _Stream:
     """One request's text as the client sees it: one detokenizer over every leg's tokens."""
 
-    def __init__(self, rid: str, detok: IncrementalDetokenizer, num_prompt_tokens: int):
+    def __init__(self, rid: str, detok: IncrementalDetokenizer, prompt_ids: list[int]):
         self.rid = rid
         self.detok = detok
-        self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_ids = prompt_ids
         self.generated: list[int] = []  # every token sent to the client, in order
         self.cached = 0  # prompt tokens found in a prefix cache
 
-    def delta(self, tokens: list[int], final_reason: str | None,
-              logprobs: list[TokenLogprob] | None = None) -> Delta:
+    def delta(self, tokens: list[int], final_reason: str | None, logprobs: list[TokenLogprob] | None = None,
+              prompt_logprobs: list[TokenLogprob | None] | None = None) -> Delta:
         for t in tokens:
             self.detok.add(t)
         self.generated.extend(tokens)
         reason = FinishReason.STOP if self.detok.stopped else final_reason
-        return Delta(self.rid, self.detok.take(final=reason is not None), tokens, reason, self.num_prompt_tokens,
-                     len(self.generated), self.cached, logprobs)
+        return Delta(self.rid, self.detok.take(final=reason is not None), tokens, reason, len(self.prompt_ids),
+                     len(self.generated), self.cached, logprobs, prompt_logprobs,
+                     None if prompt_logprobs is None else self.prompt_ids)
 
 
 def make_validator(config: AppConfig) -> RequestValidator:
@@ -310,7 +311,7 @@ class RequestFlow:
         """The first-token leg (none, local or remote prefill), then the decode legs. `rid` is
         the internal id, `label` what the client's deltas carry; `place` leaves the first-token
         queue with the first token."""
-        stream = _Stream(label, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop), len(ids))
+        stream = _Stream(label, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop), ids)
         decision = await self._route(ids, ctx, session)
         if decision is not None:
             self.capacity.check_queue_wait(f"request {rid}", decision.queue_wait_s, ctx)
@@ -348,15 +349,8 @@ class RequestFlow:
         stream.cached = result.num_cached_tokens
         first_lp = None if result.first_logprob is None else [result.first_logprob]
         if result.handle is None:  # the first token ends it
-            d = stream.delta([result.first_token], result.finish_reason, first_lp)
-            d.prompt_logprobs = result.prompt_logprobs
-            if d.prompt_logprobs is not None:
-                d.prompt_token_ids = ids
-            return d, None
-        d = stream.delta([result.handle.first_token], None, first_lp)
-        d.prompt_logprobs = result.prompt_logprobs
-        if d.prompt_logprobs is not None:
-            d.prompt_token_ids = ids
+            return stream.delta([result.first_token], result.finish_reason, first_lp, result.prompt_logprobs), None
+        d = stream.delta([result.handle.first_token], None, first_lp, result.prompt_logprobs)
         if d.finish_reason is not None:  # a stop string in the first token's text
             await self._release(rid, result.handle.engine_id)
         return d, result.handle
@@ -416,9 +410,8 @@ class RequestFlow:
                     pulled = True
                     if out.finish_reason in FAILED:
                         raise _ended(rid, out.finish_reason, out.error, out.num_output_tokens, out.error_kind)
-                    d = client.delta(out.token_ids, out.finish_reason if out.finished else None, out.logprobs)
-                    if out.prompt_logprobs is not None:
-                        d.prompt_logprobs, d.prompt_token_ids = out.prompt_logprobs, ids
+                    d = client.delta(out.token_ids, out.finish_reason if out.finished else None, out.logprobs,
+                                     out.prompt_logprobs)
                     if kv_handle is None:  # the prompt was computed on this replica: what its cache saved
                         d.cached_prompt_tokens = out.num_cached_tokens
                     if d.finish_reason is not None:
