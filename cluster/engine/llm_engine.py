@@ -18,7 +18,8 @@ import torch
 from cluster.engine.attention import resolve_backend
 from cluster.engine.config import EngineConfig, kv_block_bytes, kv_dtype
 from cluster.engine.grammar import Grammars
-from cluster.engine.kv_cache import BlockHash, KVCacheManager, extend_salt
+from cluster.engine.host_arena import HostArena
+from cluster.engine.kv_cache import BlockHash, HostTier, KVCacheManager, extend_salt
 from cluster.engine.model.loader import load_model
 from cluster.engine.model.identity import model_identity
 from cluster.engine.model.ops import resolve_ops
@@ -71,7 +72,11 @@ class LLMEngine:
         )
         self.model_identity = model_identity(config.model, mc)  # architecture + weights: the KV's identity
         salt = extend_salt(self.model_identity.encode(), config.cache_salt)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
+        host = None
+        if config.kv_tiers.enabled:
+            self.host_arena = HostArena(self.kv_cache, config.kv_tiers.host_blocks)
+            host = HostTier(config.kv_tiers.host_blocks, self.host_arena)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, salt, host)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_waiting, config.queue_ttl_s)
         backend = resolve_backend(config.attention_backend, self.device, config.block_size, dtype)
@@ -87,9 +92,10 @@ class LLMEngine:
             spec, make_proposer(spec.method, spec.ngram_min, spec.ngram_max), self.stats, self.max_model_len)
         self.probe: EngineProbe | None = None  # set by a replica with telemetry on (plain Python, no Ray)
         log.info(
-            "engine ready: model=%s dtype=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)",
+            "engine ready: model=%s dtype=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)%s",
             config.model, mc.dtype, self.device, backend.name, num_blocks, config.block_size,
             num_blocks * self.block_bytes / 2**20,
+            "" if host is None else f", host tier {host.num_blocks} blocks ({self.host_arena.nbytes / 2**20:.1f} MiB)",
         )
 
     @classmethod
@@ -246,7 +252,7 @@ class LLMEngine:
         return self.kv.pool.cached_hashes()
 
     def reset_prefix_cache(self) -> None:
-        self.kv.pool.reset_cache()
+        self.kv.reset_cache()
 
     # ---- one step ----------------------------------------------------------------------------
 

@@ -2,14 +2,19 @@
 
 from cluster.engine.kv_cache.block_pool import Block, BlockPool
 from cluster.engine.kv_cache.hashing import BlockHash, extend_salt, hash_block_tokens, hash_request_blocks
-from cluster.engine.kv_cache.manager import KVCacheManager, NoFreeBlocksError
+from cluster.engine.kv_cache.host_tier import BlockCopier, HostTier, TierStats
+from cluster.engine.kv_cache.manager import CachedPrefix, KVCacheManager, NoFreeBlocksError
 
 __all__ = [
     "Block",
+    "BlockCopier",
     "BlockHash",
     "BlockPool",
+    "CachedPrefix",
+    "HostTier",
     "KVCacheManager",
     "NoFreeBlocksError",
+    "TierStats",
     "extend_salt",
     "hash_block_tokens",
     "hash_request_blocks",
