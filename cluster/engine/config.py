@@ -84,7 +84,7 @@ class SpeculativeOptions(BaseModel):
 
 
 class KVTierOptions(BaseModel):
-    """KV tiers below the device pool (cluster/engine/kv_cache/host_tier.py). Off by default."""
+    """KV tiers below the device pool (cluster/engine/kv_cache/tier.py): host, then disk. Off by default."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -92,6 +92,20 @@ class KVTierOptions(BaseModel):
         0, ge=0, le=2**24, description="KV blocks in the host tier (a preallocated arena in host memory; "
         "pinned on CUDA): blocks the device pool's prefix cache evicts are kept there, LRU, and a prefix "
         "found there is copied back instead of recomputed. 0 = off. Needs enable_prefix_caching.")
+    disk_dir: str | None = Field(
+        None, min_length=1, description="Directory of the disk tier, below the host tier (blocks the host tier "
+        "evicts are written there, one file per block slot, in a fresh subdirectory removed when the engine "
+        "goes; the index is in memory, nothing survives a restart). None = no disk tier. Needs host_blocks > 0; "
+        "the directory must exist, be writable and have disk_gb free.")
+    disk_gb: float = Field(
+        1.0, gt=0, le=65536, description="Size limit of the disk tier in GiB (whole blocks: at least one must fit).")
+
+    @model_validator(mode="after")
+    def _disk_below_host(self) -> "KVTierOptions":
+        if self.disk_dir is not None and self.host_blocks == 0:
+            raise ValueError("kv_tiers.disk_dir needs kv_tiers.host_blocks > 0: the disk tier takes the host tier's "
+                             "evictions")
+        return self
 
     @property
     def enabled(self) -> bool:

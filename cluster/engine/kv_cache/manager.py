@@ -1,20 +1,22 @@
-"""Per-request block tables on top of the block pool (and the host tier below it, when set).
+"""Per-request block tables on top of the block pool (and the tiers below it, when set: host,
+then disk).
 
 The scheduler talks to this class only; it never sees blocks' internals. Two-phase admission:
 `find_cached_prefix` has no side effects, `allocate_slots` commits (or fails without a trace).
-A prefix found in the host tier is loaded back in `allocate_slots`, synchronously: its blocks
+A prefix found in a lower tier is loaded back in `allocate_slots`, synchronously: its blocks
 are allocated, copied in and cached in the pool before it returns, so they count as computed.
 """
 
 from __future__ import annotations
 
 import itertools
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Collection, Protocol, Sequence
 
 from cluster.engine.kv_cache.block_pool import Block, BlockPool
 from cluster.engine.kv_cache.hashing import BlockHash, extend_salt, hash_request_blocks
-from cluster.engine.kv_cache.host_tier import HostTier
+from cluster.engine.kv_cache.tier import BlockTier
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -40,10 +42,10 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class CachedPrefix:
     """A request's leading blocks that need no compute: `blocks` cached in the device pool, then
-    `loads`, the hashes of the next blocks, held by the host tier (copied in at allocation)."""
+    `loads`, (tier index, hash) of the next blocks, held by a lower tier (copied in at allocation)."""
 
     blocks: tuple[Block, ...] = ()
-    loads: tuple[BlockHash, ...] = ()
+    loads: tuple[tuple[int, BlockHash], ...] = ()
 
     def __len__(self) -> int:
         return len(self.blocks) + len(self.loads)
@@ -54,14 +56,17 @@ NO_PREFIX = CachedPrefix()
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, salt: bytes = b"",
-                 host: HostTier | None = None):
-        if host is not None and not enable_caching:
-            raise ValueError("a host tier needs prefix caching: it holds blocks by hash")
+                 tiers: Sequence[BlockTier] = ()):
+        """`tiers`: below the pool, top down (host, then disk); each takes the evictions of the one above."""
+        if tiers and not enable_caching:
+            raise ValueError("KV tiers need prefix caching: they hold blocks by hash")
         self.block_size = block_size
         self.salt = salt
         self._salts: dict[str, bytes] = {"": salt}  # per-request cache_salt -> full salt
-        self.host = host
-        self.pool = BlockPool(num_blocks, enable_caching, on_evict=None if host is None else host.store)
+        self.tiers = list(tiers)
+        self.pool = BlockPool(num_blocks, enable_caching, on_evict=tiers[0].store if tiers else None)
+        for upper, lower in zip(self.tiers, self.tiers[1:]):
+            upper.on_evict = lower.store
         self._blocks: dict[str, list[Block]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks of the request already in the index
         self._quarantines: dict[int, list[Block]] = {}  # token -> blocks an unsettled transfer holds
@@ -70,6 +75,11 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def host(self) -> BlockTier | None:
+        """The first tier below the pool, if any."""
+        return self.tiers[0] if self.tiers else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,7 +99,7 @@ class KVCacheManager:
         return req.block_hashes
 
     def find_cached_prefix(self, req: KVRequest) -> CachedPrefix:
-        """Cached blocks at the start of a new request's tokens (device pool, then host tier); at
+        """Cached blocks at the start of a new request's tokens (device pool, then the tiers below); at
         least one token stays to compute."""
         if not self.pool.enable_caching:
             return NO_PREFIX
@@ -102,14 +112,14 @@ class KVCacheManager:
 
     def _match(self, hashes: Sequence[BlockHash]) -> CachedPrefix:
         hits = self.pool.match_prefix(hashes)
-        loads: list[BlockHash] = []
-        if self.host is not None:
-            for h in hashes[len(hits):]:
-                # a hash the pool also holds (a later block outlived an earlier one) ends the run:
-                # loading it would leave two device blocks with one hash
-                if h not in self.host or self.pool.lookup(h) is not None:
-                    break
-                loads.append(h)
+        loads: list[tuple[int, BlockHash]] = []
+        for h in hashes[len(hits):] if self.tiers else ():
+            # a hash the pool also holds (a later block outlived an earlier one) ends the run:
+            # loading it would leave two device blocks with one hash
+            tier = next((i for i, t in enumerate(self.tiers) if h in t), None)
+            if tier is None or self.pool.lookup(h) is not None:
+                break
+            loads.append((tier, h))
         return CachedPrefix(tuple(hits), tuple(loads))
 
     def cached_prefix_tokens(self, req: KVRequest) -> int:
@@ -124,7 +134,7 @@ class KVCacheManager:
         """Make room for `num_new_tokens` after the computed ones. False = no room, nothing changed.
 
         `cached` (from find_cached_prefix) is passed once, when the request is admitted; its tokens
-        are counted in req.num_computed_tokens by the caller after this returns True. Its host
+        are counted in req.num_computed_tokens by the caller after this returns True. Its tier
         loads are copied into fresh blocks, cached in the pool, before this returns.
         """
         new, revived = self._blocks_needed(req, num_new_tokens, cached)
@@ -136,20 +146,28 @@ class KVCacheManager:
             self.pool.touch(cached.blocks)  # first: the allocation below must not evict them
             blocks.extend(cached.blocks)
             if cached.loads:
-                assert self.host is not None
-                with self.host.pinned(cached.loads):  # this allocation's evictions store into the tier
-                    loaded = self.pool.allocate(len(cached.loads))
-                    self.host.load(cached.loads, [b.block_id for b in loaded])
-                for b, h in zip(loaded, cached.loads):
-                    self.pool.cache(b, h)
-                blocks.extend(loaded)
+                blocks.extend(self._load(cached.loads))
             self._num_cached[req.request_id] = len(cached)
         if new:
             blocks.extend(self.pool.allocate(new))
         return True
 
+    def _load(self, loads: Sequence[tuple[int, BlockHash]]) -> list[Block]:
+        """Fresh blocks holding these tiers' blocks, cached in the pool under their hashes."""
+        with ExitStack() as stack:  # this allocation's evictions store into the tiers: pin the loads
+            for i, tier in enumerate(self.tiers):
+                stack.enter_context(tier.pinned([h for t, h in loads if t == i]))
+            blocks = self.pool.allocate(len(loads))
+            for i, tier in enumerate(self.tiers):
+                mine = [(h, b.block_id) for (t, h), b in zip(loads, blocks) if t == i]
+                if mine:
+                    tier.load([h for h, _ in mine], [b for _, b in mine])
+        for b, (_, h) in zip(blocks, loads):
+            self.pool.cache(b, h)
+        return blocks
+
     def _blocks_needed(self, req: KVRequest, num_new_tokens: int, cached: CachedPrefix) -> tuple[int, int]:
-        """(fresh blocks to allocate besides host loads, cached blocks that leave the free queue
+        """(fresh blocks to allocate besides tier loads, cached blocks that leave the free queue
         when touched)."""
         have = self._blocks.get(req.request_id, ())
         num_tokens = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
@@ -230,17 +248,17 @@ class KVCacheManager:
 
     def find_imported_prefix(self, hashes: Sequence[BlockHash]) -> CachedPrefix:
         """Cached blocks at the start of a prompt whose KV comes from elsewhere (no compute cap).
-        Device pool only: the host tier is not consulted for imports (yet)."""
+        Device pool only: the lower tiers are not consulted for imports (yet)."""
         return CachedPrefix(tuple(self.pool.match_prefix(hashes))) if self.pool.enable_caching else NO_PREFIX
 
     def reset_cache(self) -> int:
-        """Forget every unreferenced cached block, in the pool and the host tier. Returns how many."""
-        return self.pool.reset_cache() + (self.host.reset() if self.host is not None else 0)
+        """Forget every unreferenced cached block, in the pool and every tier. Returns how many."""
+        return self.pool.reset_cache() + sum(t.reset() for t in self.tiers)
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
-        if self.host is not None:
-            self.host.check_invariants()
+        for tier in self.tiers:
+            tier.check_invariants()
         refs: dict[int, int] = {}
         for blocks in [*self._blocks.values(), *self._quarantines.values()]:
             for b in blocks:

@@ -1,13 +1,14 @@
-"""The host tier: a fixed arena of N block slots below the device pool, keyed by the same chained
-salted block hashes. Bookkeeping only (no torch): the bytes move through a `BlockCopier`.
+"""A tier below the device pool (host memory, disk): N block slots keyed by the same chained
+salted block hashes. Bookkeeping only (no torch, no files): the bytes move through a `BlockCopier`.
 
 Rules:
-- A block enters when the device pool evicts it from its prefix cache (its bytes are still
-  intact then: eviction happens at allocation, before any step writes the block). A hash already
-  here is only refreshed (same hash, same bytes).
+- A block enters when the tier above evicts it: the device pool from its prefix cache (its bytes
+  are still intact then: eviction happens at allocation, before any step writes the block), the
+  host tier from its LRU (handed down before the slot is reused). A hash already here is only
+  refreshed (same hash, same bytes).
 - A slot is free or used (holds one hash): free + used == total. The used slots are an LRU;
-  a store into a full tier takes the least recently used slot that is not pinned, or is dropped
-  when every slot is pinned.
+  a store into a full tier takes the least recently used slot that is not pinned (handing its
+  (slot, hash) to `on_evict`, the tier below, first), or is dropped when every slot is pinned.
 - A load copies slots into freshly allocated device blocks, synchronously, inside the
   allocation that admits the request; the slots stay here (inclusive tier: a block evicted
   again costs no copy). Slots about to be loaded are pinned across that allocation, whose own
@@ -20,19 +21,19 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 from cluster.engine.kv_cache.hashing import BlockHash
 
 
 class BlockCopier(Protocol):
-    """Moves whole blocks (all layers, K and V) between the device pool and the host arena."""
+    """Moves whole blocks (all layers, K and V) into a tier and from it into the device pool."""
 
     def save(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """(device block id, host slot) pairs: device -> host."""
+        """(source, slot) pairs: the tier above's block (a device block id, a host slot) -> this slot."""
 
     def load(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """(host slot, device block id) pairs: host -> device."""
+        """(slot, device block id) pairs: this tier -> the device pool."""
 
 
 @dataclass
@@ -48,12 +49,17 @@ class TierStats:
     save_s: float = 0.0  # time spent in saves (synchronous, inside scheduling)
 
 
-class HostTier:
-    def __init__(self, num_blocks: int, copier: BlockCopier):
+EvictHook = Callable[[Sequence[tuple[int, BlockHash]]], None]
+
+
+class BlockTier:
+    def __init__(self, name: str, num_blocks: int, copier: BlockCopier, on_evict: EvictHook | None = None):
         if num_blocks < 1:
-            raise ValueError(f"host tier num_blocks must be >= 1, got {num_blocks}")
+            raise ValueError(f"{name} tier num_blocks must be >= 1, got {num_blocks}")
+        self.name = name
         self.num_blocks = num_blocks
         self.copier = copier
+        self.on_evict = on_evict
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: slot 0 is taken first
         self._lru: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> slot, least recent first
         self._pins: dict[BlockHash, int] = {}
@@ -82,7 +88,7 @@ class HostTier:
         """Keep these hashes from being evicted inside the block."""
         for h in hashes:
             if h not in self._lru:
-                raise KeyError(f"cannot pin a hash the host tier does not hold: {h.hex()}")
+                raise KeyError(f"cannot pin a hash the {self.name} tier does not hold: {h.hex()}")
             self._pins[h] = self._pins.get(h, 0) + 1
         try:
             yield
@@ -94,8 +100,8 @@ class HostTier:
                     self._pins[h] -= 1
 
     def store(self, evicted: Iterable[tuple[int, BlockHash]]) -> None:
-        """Keep blocks the device pool evicts: (device block id, hash), copied in one batch."""
-        pairs = []
+        """Keep blocks the tier above evicts: (its block id or slot, hash). Each is copied before the
+        next slot is taken: a victim handed down may be a block stored earlier in this same call."""
         for block_id, h in evicted:
             if h in self._lru:
                 self._lru.move_to_end(h)
@@ -106,12 +112,10 @@ class HostTier:
                 self.stats.dropped += 1
                 continue
             self._lru[h] = slot
-            pairs.append((block_id, slot))
-        if pairs:
             t0 = time.perf_counter()
-            self.copier.save(pairs)
+            self.copier.save([(block_id, slot)])
             self.stats.save_s += time.perf_counter() - t0
-            self.stats.stored += len(pairs)
+            self.stats.stored += 1
 
     def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
         """Copy these held hashes into these device blocks (the caller allocated them)."""
@@ -140,21 +144,24 @@ class HostTier:
         for h in self._lru:  # least recent first; pinned ones are skipped
             if h not in self._pins:
                 self.stats.evicted += 1
-                return self._lru.pop(h)
+                slot = self._lru.pop(h)
+                if self.on_evict is not None:
+                    self.on_evict([(slot, h)])  # the tier below copies it before the slot is reused
+                return slot
         return None
 
     def check_invariants(self) -> None:
         slots = list(self._lru.values())
         if len(set(slots)) != len(slots):
-            raise AssertionError("two hashes share a host slot")
+            raise AssertionError(f"{self.name} tier: two hashes share a slot")
         if set(slots) & set(self._free):
-            raise AssertionError("a host slot is both free and used")
+            raise AssertionError(f"{self.name} tier: a slot is both free and used")
         if len(set(self._free)) != len(self._free):
-            raise AssertionError("a host slot is free twice")
+            raise AssertionError(f"{self.name} tier: a slot is free twice")
         if len(self._free) + len(self._lru) != self.num_blocks:
             raise AssertionError(
-                f"host tier: used {len(self._lru)} + free {len(self._free)} != total {self.num_blocks}")
+                f"{self.name} tier: used {len(self._lru)} + free {len(self._free)} != total {self.num_blocks}")
         if not all(0 <= s < self.num_blocks for s in [*slots, *self._free]):
-            raise AssertionError("a host slot is out of range")
+            raise AssertionError(f"{self.name} tier: a slot is out of range")
         if not set(self._pins) <= set(self._lru):
-            raise AssertionError("a pinned hash is not held")
+            raise AssertionError(f"{self.name} tier: a pinned hash is not held")

@@ -1,14 +1,15 @@
-"""The host tier below the device pool: exact slots and LRU order, blocks evicted from the pool
-and loaded back with their bytes, exact counts on both tiers after every lifecycle (abort right
-after a load included), and engine output with the tier equal to transformers'."""
+"""The KV tiers below the device pool (host, then disk): exact slots and LRU order, blocks evicted
+from the pool and loaded back with their bytes, exact counts on every tier after each lifecycle
+(abort right after a load included), and engine output with tiers equal to transformers' and to
+the engine's without them, for prefixes that came back from host and from disk."""
 
 import pytest
 import torch
 from pydantic import ValidationError
 
 from cluster.engine.config import EngineOptions
-from cluster.engine.host_arena import HostArena
-from cluster.engine.kv_cache import HostTier, KVCacheManager
+from cluster.engine.kv_cache import BlockTier, KVCacheManager
+from cluster.engine.tier_arenas import DiskArena, HostArena, disk_blocks
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
@@ -24,13 +25,13 @@ def arena(device_blocks: int, host_blocks: int) -> HostArena:
     return HostArena(device, host_blocks)
 
 
-def held(tier: HostTier) -> list[tuple[bytes, int]]:
+def held(tier: BlockTier) -> list[tuple[bytes, int]]:
     return [(h, tier.slot_of(h)) for h in tier.hashes()]
 
 
 def test_stores_take_slots_in_order_and_evict_the_least_recently_used():
     a = arena(8, 3)
-    tier = HostTier(3, a)
+    tier = BlockTier("host", 3, a)
     tier.store([(5, H[0]), (6, H[1])])
     assert held(tier) == [(H[0], 0), (H[1], 1)]
     assert a.host[:2, 0].tolist() == [6.0, 7.0]  # device blocks 5, 6
@@ -45,7 +46,7 @@ def test_stores_take_slots_in_order_and_evict_the_least_recently_used():
 
 
 def test_pinned_hashes_are_never_evicted_and_a_store_with_every_slot_pinned_is_dropped():
-    tier = HostTier(2, arena(4, 2))
+    tier = BlockTier("host", 2, arena(4, 2))
     tier.store([(0, H[0]), (1, H[1])])
     with tier.pinned([H[0]]):
         tier.store([(2, H[2])])  # H[0] is the LRU but pinned: H[1] goes
@@ -61,7 +62,7 @@ def test_pinned_hashes_are_never_evicted_and_a_store_with_every_slot_pinned_is_d
 
 def test_load_copies_slots_into_device_blocks_and_refreshes_them():
     a = arena(6, 4)
-    tier = HostTier(4, a)
+    tier = BlockTier("host", 4, a)
     tier.store([(0, H[0]), (1, H[1]), (2, H[2])])
     a.device_cache[4:6] = 0.0
     tier.load([H[0], H[2]], [4, 5])
@@ -95,7 +96,7 @@ def run(kv: KVCacheManager, req: Req) -> list[int]:
 
 def tiered(device_blocks=4, host_blocks=8, block_size=4):
     a = arena(device_blocks, host_blocks)
-    return KVCacheManager(device_blocks, block_size, host=HostTier(host_blocks, a)), a
+    return KVCacheManager(device_blocks, block_size, tiers=[BlockTier("host", host_blocks, a)]), a
 
 
 def test_a_prefix_evicted_from_the_pool_comes_back_from_the_host_tier_with_its_bytes():
@@ -110,7 +111,7 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_host_tier_with_its_b
     a.device_cache[:] = -1.0  # b's compute overwrote the pool
     again = Req("a2", range(13))
     prefix = kv.find_cached_prefix(again)
-    assert prefix.blocks == () and prefix.loads == tuple(first.block_hashes)
+    assert prefix.blocks == () and prefix.loads == tuple((0, h) for h in first.block_hashes)
     assert kv.allocate_slots(again, 1, prefix)
     # loads took the free queue's head (b's tail first: 0, 1, 2 evicted to host), the new token 3
     assert kv.block_ids("a2") == [0, 1, 2, 3]
@@ -132,7 +133,7 @@ def test_a_prefix_half_in_the_pool_loads_only_the_rest():
     assert [kv.host.slot_of(h) for h in first.block_hashes] == [None, None, None, 0]
     kv.free("y")
     prefix = kv.find_cached_prefix(Req("a2", range(17)))
-    assert [b.block_id for b in prefix.blocks] == [0, 1, 2] and prefix.loads == (first.block_hashes[3],)
+    assert [b.block_id for b in prefix.blocks] == [0, 1, 2] and prefix.loads == ((0, first.block_hashes[3]),)
     assert kv.cached_prefix_tokens(Req("a3", range(17))) == 16
     kv.free("x")
     kv.check_invariants()
@@ -237,3 +238,70 @@ def test_a_prompt_reloaded_from_the_host_tier_gives_the_same_tokens(tiny_model):
     # host: base's 4, then 4 of the long prompt's 7 full blocks, evicted by the reload's 5 blocks
     # (its uncached last block went first)
     assert (engine.kv.host.num_used, engine.kv.host.num_free) == (8, 8)
+
+
+# ---- the disk tier, below the host tier ---------------------------------------------------------
+
+
+def test_host_evictions_go_to_disk_and_a_prefix_comes_back_from_both_tiers(tmp_path):
+    host = arena(4, 2)
+    disk = DiskArena(host, str(tmp_path))
+    kv = KVCacheManager(4, 4, tiers=[BlockTier("host", 2, host), BlockTier("disk", 8, disk)])
+    h_tier, d_tier = kv.tiers
+    first = Req("a", range(13))
+    assert run(kv, first) == [0, 1, 2, 3]
+    b = Req("b", range(100, 116))
+    run(kv, b)  # evicts a's blocks 2, 1, 0: the host keeps 2, hands 1 down
+    b_first = b.block_hashes[0]
+    h0, h1, h2 = first.block_hashes
+    assert held(h_tier) == [(h1, 1), (h0, 0)] and held(d_tier) == [(h2, 0)]
+    assert [p.name for p in disk.dir.iterdir()] == ["0.kv"]
+    host.device_cache[:] = -1.0
+    again = Req("a2", range(13))
+    prefix = kv.find_cached_prefix(again)
+    assert prefix.loads == ((0, h0), (0, h1), (1, h2))
+    assert kv.allocate_slots(again, 1, prefix)
+    assert kv.block_ids("a2") == [0, 1, 2, 3]
+    assert host.device_cache[:3, 0].tolist() == [1.0, 2.0, 3.0]  # a's bytes, from host and disk
+    # the loads' own allocation evicted 3 of b's blocks while both host slots were pinned: dropped;
+    # the new token's block evicted b's 4th, which pushed h0 (the host's LRU) down to disk
+    assert (h_tier.stats.loaded, d_tier.stats.loaded, h_tier.stats.dropped) == (2, 1, 3)
+    assert held(h_tier) == [(h1, 1), (b_first, 0)] and held(d_tier) == [(h2, 0), (h0, 1)]
+    kv.free("a2")
+    kv.check_invariants()
+    assert (kv.num_free_blocks, h_tier.num_used, h_tier.num_free, d_tier.num_used, d_tier.num_free) == (4, 2, 0, 2, 6)
+    disk.close()
+    assert not disk.dir.exists()
+
+
+def test_disk_tier_config_is_validated(tmp_path):
+    with pytest.raises(ValidationError, match="disk_dir needs kv_tiers.host_blocks > 0"):
+        EngineOptions(kv_tiers={"disk_dir": str(tmp_path)})
+    with pytest.raises(ValidationError, match="greater than 0"):
+        EngineOptions(kv_tiers={"host_blocks": 4, "disk_dir": str(tmp_path), "disk_gb": 0})
+    assert disk_blocks(str(tmp_path), 1.0, 2**20) == 1024
+    with pytest.raises(ValueError, match="is not an existing directory"):
+        disk_blocks(str(tmp_path / "missing"), 1.0, 4096)
+    with pytest.raises(ValueError, match="holds no block of 4096 bytes"):
+        disk_blocks(str(tmp_path), 1e-9, 4096)
+    with pytest.raises(ValueError, match="GiB free in kv_tiers.disk_dir"):
+        disk_blocks(str(tmp_path), 65536, 4096)
+
+
+def test_a_prompt_reloaded_from_the_disk_tier_gives_the_same_tokens(tiny_model, tmp_path):
+    plain = LLMEngine.from_model(tiny_model, num_blocks=8, max_num_batched_tokens=64)
+    engine = LLMEngine.from_model(tiny_model, num_blocks=8, max_num_batched_tokens=64, kv_tiers={
+        "host_blocks": 2, "disk_dir": str(tmp_path), "disk_gb": 64 * 8192 / 2**30})
+    host, disk = engine.kv.tiers
+    assert (host.num_blocks, disk.num_blocks, engine.block_bytes) == (2, 64, 8192)
+    base = [256] + list(range(1, 70))  # 4 full blocks
+    first = engine.generate([base], GREEDY)[0]
+    engine.generate([[256] + list(range(100, 212))], GREEDY)  # evicts base's 4: 2 reach the disk
+    again = engine.generate([base], GREEDY)[0]
+    assert again.num_cached_tokens == 64
+    assert (host.stats.loaded, disk.stats.loaded) == (2, 2)
+    assert again.token_ids == first.token_ids == plain.generate([base], GREEDY)[0].token_ids \
+        == hf_greedy(tiny_model, base, 8)
+    engine.check_invariants()
+    assert engine.kv.num_free_blocks == 8 and engine.kv.num_requests() == 0
+    assert (host.num_used + host.num_free, disk.num_used + disk.num_free) == (2, 64)
