@@ -18,7 +18,7 @@ import torch
 from cluster.engine.attention import resolve_backend
 from cluster.engine.config import EngineConfig, kv_block_bytes, kv_dtype
 from cluster.engine.grammar import Grammars
-from cluster.engine.kv_cache import BlockHash, BlockTier, KVCacheManager, extend_salt
+from cluster.engine.kv_cache import BlockHash, BlockTier, KVCacheManager, TierUsage, extend_salt
 from cluster.engine.tier_arenas import DiskArena, HostArena, disk_blocks
 from cluster.engine.model.loader import load_model
 from cluster.engine.model.identity import model_identity
@@ -253,6 +253,10 @@ class LLMEngine:
         """(waiting, running, importing): cheap, for noticing that the queues changed."""
         s = self.scheduler
         return len(s.waiting), len(s.running), len(s.importing)
+
+    def tier_usage(self) -> list[TierUsage]:
+        """The KV tiers below the pool (host, then disk): occupancy and counters."""
+        return [t.usage() for t in self.kv.tiers]
 
     def drain_block_events(self) -> list:
         """Block stored/removed events since the last call, in order (the router's feed)."""

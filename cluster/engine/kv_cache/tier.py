@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 from cluster.engine.kv_cache.hashing import BlockHash
@@ -40,13 +40,23 @@ class BlockCopier(Protocol):
 class TierStats:
     """Plain counters; the telemetry layer turns them into metrics."""
 
-    stored: int = 0  # blocks copied in (device evictions)
+    stored: int = 0  # blocks copied in (the tier above's evictions)
     refreshed: int = 0  # evicted blocks that were already here (no copy)
     dropped: int = 0  # evictions not kept: every slot pinned
     evicted: int = 0  # hashes forgotten to make room (LRU)
     loaded: int = 0  # blocks copied back into the device pool
     load_s: float = 0.0  # time spent in loads (synchronous, inside scheduling)
     save_s: float = 0.0  # time spent in saves (synchronous, inside scheduling)
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """One tier's occupancy and counters, for load reports and `pdserve status`."""
+
+    name: str
+    used: int
+    total: int
+    stats: TierStats
 
 
 EvictHook = Callable[[Sequence[tuple[int, BlockHash]]], None]
@@ -79,6 +89,9 @@ class BlockTier:
     def hashes(self) -> list[BlockHash]:
         """Held hashes, least recently used (next evicted) first."""
         return list(self._lru)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(self.name, self.num_used, self.num_blocks, replace(self.stats))
 
     def slot_of(self, block_hash: BlockHash) -> int | None:
         return self._lru.get(block_hash)
