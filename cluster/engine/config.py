@@ -83,6 +83,35 @@ class SpeculativeOptions(BaseModel):
         return self.method != "off"
 
 
+class KVTierOptions(BaseModel):
+    """KV tiers below the device pool (cluster/engine/kv_cache/tier.py): host, then disk. Off by default."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host_blocks: int = Field(
+        0, ge=0, le=2**24, description="KV blocks in the host tier (a preallocated arena in host memory; "
+        "pinned on CUDA): blocks the device pool's prefix cache evicts are kept there, LRU, and a prefix "
+        "found there is copied back instead of recomputed. 0 = off. Needs enable_prefix_caching.")
+    disk_dir: str | None = Field(
+        None, min_length=1, description="Directory of the disk tier, below the host tier (blocks the host tier "
+        "evicts are written there, one file per block slot, in a fresh subdirectory removed when the engine "
+        "goes; the index is in memory, nothing survives a restart). None = no disk tier. Needs host_blocks > 0; "
+        "the directory must exist, be writable and have disk_gb free.")
+    disk_gb: float = Field(
+        1.0, gt=0, le=65536, description="Size limit of the disk tier in GiB (whole blocks: at least one must fit).")
+
+    @model_validator(mode="after")
+    def _disk_below_host(self) -> "KVTierOptions":
+        if self.disk_dir is not None and self.host_blocks == 0:
+            raise ValueError("kv_tiers.disk_dir needs kv_tiers.host_blocks > 0: the disk tier takes the host tier's "
+                             "evictions")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_blocks > 0
+
+
 class EngineOptions(BaseModel):
     """What an engine replica may be tuned with; the model is chosen elsewhere."""
 
@@ -111,6 +140,15 @@ class EngineOptions(BaseModel):
     limits: RequestLimits = Field(default_factory=RequestLimits, description="Caps on one request's input (400).")
     speculative: SpeculativeOptions = Field(
         default_factory=SpeculativeOptions, description="Speculative decoding (off by default).")
+    kv_tiers: KVTierOptions = Field(
+        default_factory=KVTierOptions, description="KV tiers below the device pool (off by default).")
+
+    @model_validator(mode="after")
+    def _tiers_need_prefix_caching(self) -> "EngineOptions":
+        if self.kv_tiers.enabled and not self.enable_prefix_caching:
+            raise ValueError("kv_tiers.host_blocks > 0 needs enable_prefix_caching: the host tier holds "
+                             "blocks by their prefix-cache hash")
+        return self
 
     def num_kv_blocks(self, block_bytes: int) -> int:
         return self.num_blocks or int(self.kv_cache_memory_gb * 2**30 // block_bytes)

@@ -18,7 +18,8 @@ import torch
 from cluster.engine.attention import resolve_backend
 from cluster.engine.config import EngineConfig, kv_block_bytes, kv_dtype
 from cluster.engine.grammar import Grammars
-from cluster.engine.kv_cache import BlockHash, KVCacheManager, extend_salt
+from cluster.engine.kv_cache import BlockHash, BlockTier, KVCacheManager, TierUsage, extend_salt
+from cluster.engine.tier_arenas import DiskArena, HostArena, disk_blocks
 from cluster.engine.model.loader import load_model
 from cluster.engine.model.identity import model_identity
 from cluster.engine.model.ops import resolve_ops
@@ -71,7 +72,8 @@ class LLMEngine:
         )
         self.model_identity = model_identity(config.model, mc)  # architecture + weights: the KV's identity
         salt = extend_salt(self.model_identity.encode(), config.cache_salt)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, salt)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, salt,
+                                 self._tiers(config))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_waiting, config.queue_ttl_s)
         backend = resolve_backend(config.attention_backend, self.device, config.block_size, dtype)
@@ -87,10 +89,24 @@ class LLMEngine:
             spec, make_proposer(spec.method, spec.ngram_min, spec.ngram_max), self.stats, self.max_model_len)
         self.probe: EngineProbe | None = None  # set by a replica with telemetry on (plain Python, no Ray)
         log.info(
-            "engine ready: model=%s dtype=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)",
+            "engine ready: model=%s dtype=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)%s",
             config.model, mc.dtype, self.device, backend.name, num_blocks, config.block_size,
             num_blocks * self.block_bytes / 2**20,
+            "".join(f", {t.name} tier {t.num_blocks} blocks ({t.num_blocks * self.block_bytes / 2**20:.1f} MiB)"
+                    for t in self.kv.tiers),
         )
+
+    def _tiers(self, config: EngineConfig) -> list[BlockTier]:
+        """The KV tiers below the pool, top down (host, then disk), with their arenas."""
+        opts = config.kv_tiers
+        if not opts.enabled:
+            return []
+        host = HostArena(self.kv_cache, opts.host_blocks)
+        tiers = [BlockTier("host", opts.host_blocks, host)]
+        if opts.disk_dir is not None:
+            n = disk_blocks(opts.disk_dir, opts.disk_gb, self.block_bytes)
+            tiers.append(BlockTier("disk", n, DiskArena(host, opts.disk_dir)))
+        return tiers
 
     @classmethod
     def from_model(cls, model: str, **kwargs) -> "LLMEngine":
@@ -241,6 +257,10 @@ class LLMEngine:
         s = self.scheduler
         return len(s.waiting), len(s.running), len(s.importing)
 
+    def tier_usage(self) -> list[TierUsage]:
+        """The KV tiers below the pool (host, then disk): occupancy and counters."""
+        return [t.usage() for t in self.kv.tiers]
+
     def drain_block_events(self) -> list:
         """Block stored/removed events since the last call, in order (the router's feed)."""
         return self.kv.pool.drain_events()
@@ -249,7 +269,7 @@ class LLMEngine:
         return self.kv.pool.cached_hashes()
 
     def reset_prefix_cache(self) -> None:
-        self.kv.pool.reset_cache()
+        self.kv.reset_cache()
 
     # ---- one step ----------------------------------------------------------------------------
 

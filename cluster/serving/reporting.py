@@ -124,6 +124,7 @@ class LoadReporter:
             "speculative": {"proposed": stats.spec_proposed_tokens, "accepted": stats.spec_accepted_tokens,
                             "off": dict(stats.spec_off)},
             "transfer": asdict(self.transfer_stats),
+            "kv_tiers": [asdict(u) for u in self.engine.tier_usage()],
             "router_feed_failures": {} if self.publisher is None else dict(self.publisher.failures),
         }
 

@@ -99,9 +99,9 @@ def test_manager_prefix_hit_leaves_at_least_one_token_to_compute():
     assert kv.block_ids("a") == [0, 1, 2]
     b = Req("b", range(12))
     hits = kv.find_cached_prefix(b)
-    assert [blk.block_id for blk in hits] == [0, 1]  # the last block is recomputed
+    assert [blk.block_id for blk in hits.blocks] == [0, 1]  # the last block is recomputed
     c = Req("c", list(range(8)) + [50, 51, 52, 53, 54])
-    assert [blk.block_id for blk in kv.find_cached_prefix(c)] == [0, 1]
+    assert [blk.block_id for blk in kv.find_cached_prefix(c).blocks] == [0, 1]
     assert kv.allocate_slots(c, 5, hits)
     assert kv.block_ids("c") == [0, 1, 3, 4]
     kv.free("a")
@@ -131,7 +131,7 @@ def test_a_prefix_hit_on_free_cached_blocks_allocates_only_the_tail():
     kv.free("a")  # blocks 0, 1 cached and free; 2 free
     b = Req("b", list(range(8)) + [77, 78])
     hits = kv.find_cached_prefix(b)
-    assert [h.block_id for h in hits] == [0, 1]
+    assert [h.block_id for h in hits.blocks] == [0, 1]
     assert kv.allocate_slots(b, 2, hits)
     assert kv.block_ids("b") == [0, 1, 3]  # exactly 3 blocks for 10 tokens
     assert kv.num_free_blocks == 5

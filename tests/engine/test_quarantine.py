@@ -58,7 +58,7 @@ def test_a_quarantined_cached_block_stays_a_prefix_hit_and_is_counted_once():
 
     second = Req("second", list(range(8)) + [50, 51])
     cached = kv.find_cached_prefix(second)
-    assert [b.block_id for b in cached] == [0, 1]
+    assert [b.block_id for b in cached.blocks] == [0, 1]
     assert kv.allocate_slots(second, 2, cached)
     assert kv.block_ids("second") == [0, 1, 3]
     assert counts(kv) == (2, 3, 1)  # blocks 0, 1 used (shared), block 2 only quarantined

@@ -54,3 +54,22 @@ def test_a_request_within_the_min_interval_is_still_reported_so_no_phantom_stays
     assert router.pending_requests() == 0
     load = router.live_loads()[0]
     assert (load.waiting, load.running, load.queued_prefill_tokens) == (0, 0, 0)
+
+
+def test_the_report_shows_each_kv_tier_with_exact_counts(tiny_model):
+    engine = LLMEngine.from_model(tiny_model, num_blocks=8, max_num_batched_tokens=64,
+                                  kv_tiers={"host_blocks": 16})
+    registry = Registry()
+    reporter = LoadReporter(engine, TransferStats(), "decode-a", "decode", registry=registry,
+                            router=RouterFeed(Router(RoutingPolicy(PolicyConfig()))))
+    base = [256] + list(range(1, 70))  # 4 full blocks
+    engine.generate([base], SP)
+    engine.generate([[256] + list(range(100, 212))], SP)  # 8 blocks: base's 4 go to the host tier
+    engine.generate([base], SP)  # and come back
+    report = reporter.report()
+    assert report["kv_tiers"] == [{"name": "host", "used": 8, "total": 16, "stats": {
+        "stored": 8, "refreshed": 0, "dropped": 0, "evicted": 0, "loaded": 4,
+        "load_s": report["kv_tiers"][0]["stats"]["load_s"], "save_s": report["kv_tiers"][0]["stats"]["save_s"]}}]
+    plain = LLMEngine.from_model(tiny_model, num_blocks=8)
+    assert LoadReporter(plain, TransferStats(), "d", "decode", registry=registry,
+                        router=RouterFeed(Router(RoutingPolicy(PolicyConfig())))).report()["kv_tiers"] == []

@@ -6,6 +6,9 @@ Rules:
   LRU of evictable cached blocks. Allocation takes from the head and evicts that block's hash.
 - Freed blocks go to the tail, in the order the caller gives (callers free a request's blocks
   tail-first, so the end of a prompt is evicted before its shared prefix).
+- `on_evict`, when set, receives the (block id, hash) pairs an allocation evicts, before it
+  returns: their bytes are intact until a step writes them (a lower tier copies them then).
+  `reset_cache` drops hashes without it.
 - A quarantined block is held by an unsettled transfer (a NIXL READ that may still write it, or a
   peer that may still read it): the quarantine keeps the reference its request had, so the block
   cannot be allocated until `unquarantine`. A block is free, used (referenced by a request) or
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable, Sequence
 
 from cluster.engine.kv_cache.hashing import BlockHash
 
@@ -41,7 +44,8 @@ class PoolStats:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 on_evict: Callable[[Sequence[tuple[int, BlockHash]]], None] | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -51,6 +55,7 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         self._quarantine: dict[int, int] = {}  # block id -> references held by unsettled transfers
         self.stats = PoolStats()
+        self.on_evict = on_evict
 
     @property
     def num_free(self) -> int:
@@ -94,13 +99,18 @@ class BlockPool:
         if n > len(self._free):
             raise ValueError(f"cannot allocate {n} blocks, {len(self._free)} free")
         out = []
+        evicted = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
-            self._evict(block)
+            if block.block_hash is not None:
+                evicted.append((block_id, block.block_hash))
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         self.stats.allocated += n
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
 
     def free(self, blocks: Iterable[Block]) -> None:

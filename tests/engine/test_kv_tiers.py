@@ -1,0 +1,307 @@
+"""The KV tiers below the device pool (host, then disk): exact slots and LRU order, blocks evicted
+from the pool and loaded back with their bytes, exact counts on every tier after each lifecycle
+(abort right after a load included), and engine output with tiers equal to transformers' and to
+the engine's without them, for prefixes that came back from host and from disk."""
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from cluster.engine.config import EngineOptions
+from cluster.engine.kv_cache import BlockTier, KVCacheManager
+from cluster.engine.tier_arenas import DiskArena, HostArena, disk_blocks
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.request import Request, RequestStatus
+from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.scheduler import Scheduler
+from tests.reference import hf_greedy
+
+H = [bytes([i]) * 16 for i in range(20)]  # stand-in hashes for the tier's own tests
+
+
+def arena(device_blocks: int, host_blocks: int) -> HostArena:
+    """A real arena over a small device tensor; block i of the device holds the value i + 1."""
+    device = torch.arange(1, device_blocks + 1, dtype=torch.float32).view(device_blocks, 1).repeat(1, 4).contiguous()
+    return HostArena(device, host_blocks)
+
+
+def held(tier: BlockTier) -> list[tuple[bytes, int]]:
+    return [(h, tier.slot_of(h)) for h in tier.hashes()]
+
+
+def test_stores_take_slots_in_order_and_evict_the_least_recently_used():
+    a = arena(8, 3)
+    tier = BlockTier("host", 3, a)
+    tier.store([(5, H[0]), (6, H[1])])
+    assert held(tier) == [(H[0], 0), (H[1], 1)]
+    assert a.host[:2, 0].tolist() == [6.0, 7.0]  # device blocks 5, 6
+    tier.store([(2, H[0])])  # already held: refreshed, no copy
+    assert held(tier) == [(H[1], 1), (H[0], 0)]
+    assert (tier.stats.stored, tier.stats.refreshed) == (2, 1)
+    tier.store([(3, H[2]), (4, H[3])])  # full after H[2]: H[3] takes the LRU slot (H[1]'s)
+    assert held(tier) == [(H[0], 0), (H[2], 2), (H[3], 1)]
+    assert a.host[:, 0].tolist() == [6.0, 5.0, 4.0]
+    assert (tier.num_used, tier.num_free, tier.stats.evicted) == (3, 0, 1)
+    tier.check_invariants()
+
+
+def test_pinned_hashes_are_never_evicted_and_a_store_with_every_slot_pinned_is_dropped():
+    tier = BlockTier("host", 2, arena(4, 2))
+    tier.store([(0, H[0]), (1, H[1])])
+    with tier.pinned([H[0]]):
+        tier.store([(2, H[2])])  # H[0] is the LRU but pinned: H[1] goes
+        assert held(tier) == [(H[0], 0), (H[2], 1)]
+        with tier.pinned([H[2]]):
+            tier.store([(3, H[3])])
+            assert tier.stats.dropped == 1 and H[3] not in tier
+    tier.check_invariants()
+    with pytest.raises(KeyError, match="does not hold"):
+        with tier.pinned([H[9]]):
+            pass
+
+
+def test_load_copies_slots_into_device_blocks_and_refreshes_them():
+    a = arena(6, 4)
+    tier = BlockTier("host", 4, a)
+    tier.store([(0, H[0]), (1, H[1]), (2, H[2])])
+    a.device_cache[4:6] = 0.0
+    tier.load([H[0], H[2]], [4, 5])
+    assert a.device_cache[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0, 1.0, 3.0]
+    assert held(tier) == [(H[1], 1), (H[0], 0), (H[2], 2)]
+    assert tier.stats.loaded == 2
+    assert tier.reset() == 3 and tier.num_free == 4
+    tier.check_invariants()
+
+
+class Req:
+    def __init__(self, rid, tokens):
+        self.request_id = rid
+        self.all_token_ids = list(tokens)
+        self.num_computed_tokens = 0
+        self.block_hashes = []
+        self.cache_salt = ""
+
+
+def run(kv: KVCacheManager, req: Req) -> list[int]:
+    """Admit, 'compute' every token, cache the full blocks, free: a request's whole life."""
+    cached = kv.find_cached_prefix(req)
+    n = len(req.all_token_ids) - len(cached) * kv.block_size
+    assert kv.allocate_slots(req, n, cached)
+    ids = kv.block_ids(req.request_id)
+    req.num_computed_tokens = len(req.all_token_ids)
+    kv.cache_blocks(req, req.num_computed_tokens)
+    kv.free(req.request_id)
+    return ids
+
+
+def tiered(device_blocks=4, host_blocks=8, block_size=4):
+    a = arena(device_blocks, host_blocks)
+    return KVCacheManager(device_blocks, block_size, tiers=[BlockTier("host", host_blocks, a)]), a
+
+
+def test_a_prefix_evicted_from_the_pool_comes_back_from_the_host_tier_with_its_bytes():
+    kv, a = tiered()
+    first = Req("a", range(13))  # 3 full blocks + 1 token
+    assert run(kv, first) == [0, 1, 2, 3]
+    assert run(kv, Req("b", range(100, 116))) == [3, 2, 1, 0]  # free queue: 3, then a's tail first
+    # b evicted a's blocks 2, 1, 0 (3 had no hash): the host tier holds them in that order
+    assert [kv.host.slot_of(h) for h in first.block_hashes] == [2, 1, 0]
+    assert a.host[:3, 0].tolist() == [3.0, 2.0, 1.0]
+    assert (kv.host.num_used, kv.host.num_free) == (3, 5)
+    a.device_cache[:] = -1.0  # b's compute overwrote the pool
+    again = Req("a2", range(13))
+    prefix = kv.find_cached_prefix(again)
+    assert prefix.blocks == () and prefix.loads == tuple((0, h) for h in first.block_hashes)
+    assert kv.allocate_slots(again, 1, prefix)
+    # loads took the free queue's head (b's tail first: 0, 1, 2 evicted to host), the new token 3
+    assert kv.block_ids("a2") == [0, 1, 2, 3]
+    assert a.device_cache[:3, 0].tolist() == [1.0, 2.0, 3.0]  # a's bytes, back in place
+    assert [kv.pool.lookup(h).block_id for h in first.block_hashes] == [0, 1, 2]
+    assert kv.host.stats.loaded == 3
+    assert (kv.host.num_used, kv.num_free_blocks) == (7, 0)  # + b's 4 full blocks, evicted now
+    kv.free("a2")
+    kv.check_invariants()
+    assert (kv.num_free_blocks, kv.host.num_used, kv.host.num_free) == (4, 7, 1)
+
+
+def test_a_prefix_half_in_the_pool_loads_only_the_rest():
+    kv, a = tiered(device_blocks=6)
+    first = Req("a", range(17))
+    run(kv, first)  # blocks 0-4, 0-3 cached
+    kv.allocate_slots(Req("x", range(200, 204)), 4)  # takes block 5
+    assert kv.allocate_slots(Req("y", range(300, 308)), 8)  # evicts a's tail: 4 (uncached), 3
+    assert [kv.host.slot_of(h) for h in first.block_hashes] == [None, None, None, 0]
+    kv.free("y")
+    prefix = kv.find_cached_prefix(Req("a2", range(17)))
+    assert [b.block_id for b in prefix.blocks] == [0, 1, 2] and prefix.loads == ((0, first.block_hashes[3]),)
+    assert kv.cached_prefix_tokens(Req("a3", range(17))) == 16
+    kv.free("x")
+    kv.check_invariants()
+
+
+def test_allocation_that_fails_loads_nothing_and_changes_nothing():
+    kv, a = tiered(device_blocks=4)
+    first = Req("a", range(13))
+    run(kv, first)
+    run(kv, Req("b", range(100, 116)))
+    hold = Req("h", range(500, 508))
+    assert kv.allocate_slots(hold, 8)  # 2 of 4 blocks held: 3 loads + 1 do not fit
+    before = (kv.num_free_blocks, kv.host.hashes(), kv.host.stats.loaded)
+    again = Req("a2", range(13))
+    assert not kv.allocate_slots(again, 1, kv.find_cached_prefix(again))
+    assert (kv.num_free_blocks, kv.host.hashes(), kv.host.stats.loaded) == before
+    kv.free("h")
+    kv.check_invariants()
+    assert kv.num_free_blocks == 4
+
+
+def test_abort_right_after_a_load_frees_the_device_blocks_and_keeps_both_tiers_exact():
+    kv, a = tiered(device_blocks=8, host_blocks=8)
+    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    sp = SamplingParams(max_tokens=1, temperature=0)
+    s.add(Request("a", list(range(17)), sp))
+    a_req = s.requests["a"]
+    out = s.schedule()
+    s.update(out, {"a": 7})  # a: 17 prompt tokens, 4 blocks cached, finished (max_tokens 1)
+    s.add(Request("b", list(range(100, 132)), sp))  # 8 blocks: evicts all of a's
+    s.update(s.schedule(), {"b": 7})
+    assert (kv.num_free_blocks, kv.host.num_used) == (8, 4)
+    s.add(Request("a2", list(range(17)) + [9, 9], sp))
+    out = s.schedule()  # admitted: a's 4 blocks loaded from the host tier, 3 tokens to compute
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [("a2", 16, 3)]
+    assert kv.host.stats.loaded == 4 and len(kv.block_ids("a2")) == 5
+    s.finish("a2", RequestStatus.FINISHED_ABORTED)  # before the step that would compute the rest
+    s.update(out, {"a2": 7})  # the step's result for an aborted request is ignored
+    s.check_invariants()
+    # device: all free, a's 4 loaded blocks still cached beside b's 3 the load left; host: the 5
+    # blocks of b it displaced went in, the first pushed out by the last (a's 4 were pinned)
+    assert (kv.num_free_blocks, kv.num_requests(), kv.host.num_used, kv.host.num_free) == (8, 0, 8, 0)
+    assert (len(kv.pool.cached_hashes()), kv.host.stats.stored, kv.host.stats.evicted) == (7, 9, 1)
+    assert all(h in kv.host and kv.pool.lookup(h) is not None for h in a_req.block_hashes)
+
+
+def test_config_is_validated():
+    assert not EngineOptions().kv_tiers.enabled
+    assert EngineOptions(kv_tiers={"host_blocks": 64}).kv_tiers.host_blocks == 64
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        EngineOptions(kv_tiers={"host_blocks": -1})
+    with pytest.raises(ValidationError, match="needs enable_prefix_caching"):
+        EngineOptions(kv_tiers={"host_blocks": 8}, enable_prefix_caching=False)
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        EngineOptions(kv_tiers={"host_blocks": 8, "disk_blocks": 8})
+    with pytest.raises(ValueError, match="host memory"):
+        HostArena(torch.zeros(2, 1024), 2**40 // 4096)
+
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def test_engine_output_with_the_host_tier_equals_transformers_and_the_engine_without(tiny_model):
+    """Multi-turn sessions whose KV is more than the pool: turns come back from the host tier."""
+    import random
+
+    rng = random.Random(7)
+    sessions = [[256] + [rng.randrange(256) for _ in range(40)] for _ in range(3)]
+    turns = []
+    for _ in range(3):  # each turn: the session's history and 18 new tokens
+        for s in range(3):
+            turns.append((s, list(sessions[s])))
+            sessions[s] = sessions[s] + [rng.randrange(256) for _ in range(18)]
+    plain = LLMEngine.from_model(tiny_model, num_blocks=12, max_num_batched_tokens=64)
+    tier = LLMEngine.from_model(tiny_model, num_blocks=12, max_num_batched_tokens=64,
+                                kv_tiers={"host_blocks": 32})
+    for s, prompt in turns:  # one at a time, so turns evict the others' sessions
+        p, t = plain.generate([prompt], GREEDY)[0], tier.generate([prompt], GREEDY)[0]
+        assert t.token_ids == p.token_ids == hf_greedy(tiny_model, prompt, 8), (s, len(prompt))
+    host = tier.kv.host
+    # 6 blocks came back from the host tier: 96 more prompt tokens not computed than without it
+    assert (host.stats.loaded, tier.stats.cached_prompt_tokens, plain.stats.cached_prompt_tokens) == (6, 240, 144)
+    for e in (plain, tier):
+        e.check_invariants()
+        assert e.kv.num_free_blocks == e.kv.num_blocks and e.kv.num_requests() == 0
+    assert (host.num_used, host.num_free) == (16, 16)
+
+
+def test_a_prompt_reloaded_from_the_host_tier_gives_the_same_tokens(tiny_model):
+    engine = LLMEngine.from_model(tiny_model, num_blocks=8, max_num_batched_tokens=64,
+                                  kv_tiers={"host_blocks": 16})
+    base = [256] + list(range(1, 70))  # 70 tokens: 4 full blocks
+    first = engine.generate([base], GREEDY)[0]
+    engine.generate([[256] + list(range(100, 212))], GREEDY)  # 8 blocks: evicts base's 4
+    assert engine.kv.find_cached_prefix(engine.make_request("probe", prompt_token_ids=base)).blocks == ()
+    again = engine.generate([base], GREEDY)[0]
+    assert again.num_cached_tokens == 64
+    assert engine.kv.host.stats.loaded == 4
+    assert again.token_ids == first.token_ids == hf_greedy(tiny_model, base, 8)
+    engine.check_invariants()
+    assert engine.kv.num_free_blocks == 8 and engine.kv.num_requests() == 0
+    # host: base's 4, then 4 of the long prompt's 7 full blocks, evicted by the reload's 5 blocks
+    # (its uncached last block went first)
+    assert (engine.kv.host.num_used, engine.kv.host.num_free) == (8, 8)
+
+
+# ---- the disk tier, below the host tier ---------------------------------------------------------
+
+
+def test_host_evictions_go_to_disk_and_a_prefix_comes_back_from_both_tiers(tmp_path):
+    host = arena(4, 2)
+    disk = DiskArena(host, str(tmp_path))
+    kv = KVCacheManager(4, 4, tiers=[BlockTier("host", 2, host), BlockTier("disk", 8, disk)])
+    h_tier, d_tier = kv.tiers
+    first = Req("a", range(13))
+    assert run(kv, first) == [0, 1, 2, 3]
+    b = Req("b", range(100, 116))
+    run(kv, b)  # evicts a's blocks 2, 1, 0: the host keeps 2, hands 1 down
+    b_first = b.block_hashes[0]
+    h0, h1, h2 = first.block_hashes
+    assert held(h_tier) == [(h1, 1), (h0, 0)] and held(d_tier) == [(h2, 0)]
+    assert [p.name for p in disk.dir.iterdir()] == ["0.kv"]
+    host.device_cache[:] = -1.0
+    again = Req("a2", range(13))
+    prefix = kv.find_cached_prefix(again)
+    assert prefix.loads == ((0, h0), (0, h1), (1, h2))
+    assert kv.allocate_slots(again, 1, prefix)
+    assert kv.block_ids("a2") == [0, 1, 2, 3]
+    assert host.device_cache[:3, 0].tolist() == [1.0, 2.0, 3.0]  # a's bytes, from host and disk
+    # the loads' own allocation evicted 3 of b's blocks while both host slots were pinned: dropped;
+    # the new token's block evicted b's 4th, which pushed h0 (the host's LRU) down to disk
+    assert (h_tier.stats.loaded, d_tier.stats.loaded, h_tier.stats.dropped) == (2, 1, 3)
+    assert held(h_tier) == [(h1, 1), (b_first, 0)] and held(d_tier) == [(h2, 0), (h0, 1)]
+    kv.free("a2")
+    kv.check_invariants()
+    assert (kv.num_free_blocks, h_tier.num_used, h_tier.num_free, d_tier.num_used, d_tier.num_free) == (4, 2, 0, 2, 6)
+    disk.close()
+    assert not disk.dir.exists()
+
+
+def test_disk_tier_config_is_validated(tmp_path):
+    with pytest.raises(ValidationError, match="disk_dir needs kv_tiers.host_blocks > 0"):
+        EngineOptions(kv_tiers={"disk_dir": str(tmp_path)})
+    with pytest.raises(ValidationError, match="greater than 0"):
+        EngineOptions(kv_tiers={"host_blocks": 4, "disk_dir": str(tmp_path), "disk_gb": 0})
+    assert disk_blocks(str(tmp_path), 1.0, 2**20) == 1024
+    with pytest.raises(ValueError, match="is not an existing directory"):
+        disk_blocks(str(tmp_path / "missing"), 1.0, 4096)
+    with pytest.raises(ValueError, match="holds no block of 4096 bytes"):
+        disk_blocks(str(tmp_path), 1e-9, 4096)
+    with pytest.raises(ValueError, match="GiB free in kv_tiers.disk_dir"):
+        disk_blocks(str(tmp_path), 65536, 4096)
+
+
+def test_a_prompt_reloaded_from_the_disk_tier_gives_the_same_tokens(tiny_model, tmp_path):
+    plain = LLMEngine.from_model(tiny_model, num_blocks=8, max_num_batched_tokens=64)
+    engine = LLMEngine.from_model(tiny_model, num_blocks=8, max_num_batched_tokens=64, kv_tiers={
+        "host_blocks": 2, "disk_dir": str(tmp_path), "disk_gb": 64 * 8192 / 2**30})
+    host, disk = engine.kv.tiers
+    assert (host.num_blocks, disk.num_blocks, engine.block_bytes) == (2, 64, 8192)
+    base = [256] + list(range(1, 70))  # 4 full blocks
+    first = engine.generate([base], GREEDY)[0]
+    engine.generate([[256] + list(range(100, 212))], GREEDY)  # evicts base's 4: 2 reach the disk
+    again = engine.generate([base], GREEDY)[0]
+    assert again.num_cached_tokens == 64
+    assert (host.stats.loaded, disk.stats.loaded) == (2, 2)
+    assert again.token_ids == first.token_ids == plain.generate([base], GREEDY)[0].token_ids \
+        == hf_greedy(tiny_model, base, 8)
+    engine.check_invariants()
+    assert engine.kv.num_free_blocks == 8 and engine.kv.num_requests() == 0
+    assert (host.num_used + host.num_free, disk.num_used + disk.num_free) == (2, 64)
