@@ -68,6 +68,11 @@ class SpeculativeOptions(BaseModel):
     min_acceptance: float = Field(
         0.35, ge=0.0, le=1.0, description="A request whose recent acceptance rate (drafts accepted / "
         "proposed) falls below this stops speculating for a while (doubling each time), then tries again.")
+    cost_model: Literal["measured", "off"] = Field(
+        "measured", description='"measured": a request drafts only when its expected accepted drafts pay '
+        "for the extra step time its drafts cost at the current decode batch, from this replica's own "
+        'measured step times (cluster/engine/spec/cost.py); "off": acceptance alone decides '
+        "(deterministic, for tests).")
     max_batch: int = Field(
         32, ge=0, description="The replica speculates only while at most this many requests are decoding: "
         "under a larger batch a step is compute-bound and drafts cost more than they save.")

@@ -313,6 +313,8 @@ class LLMEngine:
         self.stats.last_step_s = time.perf_counter() - t0
         self.stats.busy_s += self.stats.last_step_s
         self._time_step(out, self.stats.last_step_s)
+        if self.speculator is not None:
+            self.speculator.observe_step(out, self.stats.last_step_s)
         if self.probe is not None:
             self.probe.step(out, time.monotonic(), self.stats.last_step_s)
 

@@ -90,7 +90,8 @@ class EngineStats:
     # Speculative decoding (cluster/engine/spec/): verified speculative chunks, their draft tokens
     # proposed and accepted, time spent proposing, and speculation turned off, by reason
     # (per request: grammar, logprobs, penalties, logit_bias, low_acceptance for each pause;
-    # per step: batch, the replica's decode batch over max_batch).
+    # per step: batch, the replica's decode batch over max_batch; cost, a request held back because
+    # its expected accepted drafts do not pay for their measured cost at this batch).
     spec_steps: int = 0
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0

@@ -222,5 +222,6 @@ def engine_metrics() -> EngineMetrics:
                                       "proposing drafts", r),
         spec_off=Counter("pdserve_spec_off", "Speculative decoding turned off, by reason: per request for "
                          "grammar, logprobs, penalties, logit_bias, and each low_acceptance pause; per step "
-                         "for batch (more requests decoding than max_batch)", (*r, "reason")),
+                         "for batch (more requests decoding than max_batch) and cost (a request held back: its expected "
+                         "accepted drafts do not pay for their measured cost at the current batch)", (*r, "reason")),
     )

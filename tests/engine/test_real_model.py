@@ -73,7 +73,7 @@ def test_speculative_greedy_output_equals_plain_on_a_copy_prompt(smollm2, engine
     """n-gram speculation on the real model: a "repeat this paragraph" chat prompt and an open
     one, one request alone and both together; token for token the plain engine's output."""
     tok = Tokenizer(smollm2)
-    spec = LLMEngine.from_model(smollm2, num_blocks=64, max_model_len=1024, speculative={"method": "ngram"})
+    spec = LLMEngine.from_model(smollm2, num_blocks=64, max_model_len=1024, speculative={"method": "ngram", "cost_model": "off"})
     texts = ["Repeat the following paragraph exactly:\n\nThe library opens at nine on weekdays and at ten on "
              "Saturdays. Books may be borrowed for three weeks and renewed twice online or at the front desk.",
              "Write a short poem about the sea at night."]

@@ -5,10 +5,14 @@ functions' output distribution (chi-square against the target, fixed seeds)."""
 import pytest
 import torch
 
+from cluster.engine.config import SpeculativeOptions
 from cluster.engine.kv_cache import KVCacheManager
+from cluster.engine.outputs import EngineStats
 from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
+from cluster.engine.spec.controller import Speculator
+from cluster.engine.spec.cost import PROBE_EVERY, StepCosts, expected_accepted
 from cluster.engine.spec.proposer import NgramProposer
 from cluster.engine.spec.state import SpecState
 from cluster.engine.spec.verify import accept_greedy, accept_rejection, accept_sampled
@@ -154,3 +158,104 @@ def test_the_textbook_rejection_sampler_agrees():
     for _ in range(10000):
         counts[accept_rejection(P0, 1, g)[1]] += 1
     assert chi_square(counts, P0) < CHI2_999[5]
+
+
+# ---- the adaptive switch's cost model (cluster/engine/spec/cost.py) ------------------------------
+
+def test_step_costs_give_the_min_gain_from_measured_step_times():
+    c = StepCosts()
+    assert c.min_gain(8) is None  # nothing measured: drafts go ahead (that is how c(b) is measured)
+    c.observe(8, 2, 0.5)  # a drafted step before any plain one at this batch: no c(8) sample
+    assert c.estimate(8) == (None, None) and c.min_gain(8) is None
+    c.observe(8, 0, 0.100)
+    assert c.min_gain(8) is None  # T(8) known, c(8) not yet
+    c.observe(8, 2, 0.140)  # 2 drafted requests cost 40 ms more: 20 ms each
+    assert c.estimate(8) == pytest.approx((0.100, 0.020))
+    assert c.min_gain(8) == pytest.approx(8 * 0.020 / 0.100)  # 1.6 accepted drafts per drafted request
+    c.observe(8, 0, 0.150)  # EWMA 0.2: T = 0.8 * 0.100 + 0.2 * 0.150
+    assert c.estimate(8) == pytest.approx((0.110, 0.020))
+    c.observe(1, 0, 0.050)
+    c.observe(1, 1, 0.060)
+    assert c.min_gain(1) == pytest.approx(0.2)  # the same extra cost is cheap at batch 1
+    c.observe(1, 1, 0.040)  # a drafted step faster than a plain one (noise): c goes down, min_gain >= 0
+    assert c.estimate(1)[1] == pytest.approx(0.8 * 0.010 + 0.2 * -0.010)
+    for _ in range(PROBE_EVERY - 1):
+        c.held_back(8)
+    assert c.min_gain(8) == pytest.approx(8 * 0.020 / 0.110)
+    c.held_back(8)  # the 64th held step: the next step drafts anyway, then holding starts over
+    assert c.min_gain(8) is None
+    c.probed(8)
+    assert c.min_gain(8) == pytest.approx(8 * 0.020 / 0.110)
+
+
+def test_expected_accepted_drafts():
+    assert expected_accepted(0.5, 1) == 0.5
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted(0.8, 4) == pytest.approx(0.8 + 0.64 + 0.512 + 0.4096)
+    assert expected_accepted(1.0, 4) == 4 and expected_accepted(0.0, 4) == 0
+
+
+class FixedProposer:
+    def propose(self, req, k):
+        return (7,) * k
+
+
+def decoding_request(rid: str, acceptance: float, k: int) -> Request:
+    r = Request(rid, [1, 2, 3], SamplingParams(max_tokens=64, temperature=0))
+    r.append_token(5)
+    r.num_computed_tokens = 3  # the first output token is the one to decode next
+    r.spec = SpecState(k=k, acceptance=acceptance, verified_steps=3)
+    return r
+
+
+def speculator(**options) -> Speculator:
+    return Speculator(SpeculativeOptions(method="ngram", **options), FixedProposer(), EngineStats(), 2048)
+
+
+@pytest.mark.parametrize("batch, acceptance, k, drafts", [
+    (8, 0.8, 4, 4),  # expects 2.36 accepted > min_gain(8) 1.6: drafts
+    (8, 0.6, 2, 0),  # 0.96 <= 1.6: held back
+    (8, 0.9, 1, 0),  # 0.9: one draft cannot pay at batch 8 even when it is nearly always accepted
+    (1, 0.3, 1, 1),  # 0.3 > min_gain(1) 0.2: drafts at batch 1
+    (1, 0.15, 1, 0),  # 0.15 < 0.2: held back
+    (4, 0.1, 1, 1),  # batch 4 not measured: drafts go ahead
+])
+def test_a_request_drafts_only_when_its_expected_accepted_drafts_pay_at_the_batch(batch, acceptance, k, drafts):
+    s = speculator()
+    s.costs.observe(8, 0, 0.100)
+    s.costs.observe(8, 2, 0.140)  # min_gain(8) = 1.6
+    s.costs.observe(1, 0, 0.050)
+    s.costs.observe(1, 1, 0.060)  # min_gain(1) = 0.2
+    reqs = [decoding_request(f"r{i}", acceptance, k) for i in range(batch)]
+    s.propose(reqs)
+    assert [len(r.draft_token_ids) for r in reqs] == [drafts] * batch
+    assert s.stats.spec_off == ({} if drafts else {"cost": 1})  # one count per step that held any back
+
+
+def test_held_back_requests_mix_with_drafting_ones_and_cost_model_off_ignores_costs():
+    s = speculator()
+    s.costs.observe(2, 0, 0.100)
+    s.costs.observe(2, 1, 0.150)  # min_gain(2) = 2 * 0.05 / 0.1 = 1.0
+    good, bad = decoding_request("good", 0.8, 4), decoding_request("bad", 0.5, 4)  # 2.36 and 0.94
+    s.propose([good, bad])
+    assert (good.draft_token_ids, bad.draft_token_ids, s.stats.spec_off) == ((7, 7, 7, 7), (), {"cost": 1})
+    off = speculator(cost_model="off")
+    off.costs.observe(2, 0, 0.100)
+    off.costs.observe(2, 1, 0.150)
+    bad = decoding_request("bad", 0.5, 4)
+    off.propose([bad])
+    assert bad.draft_token_ids == (7, 7, 7, 7) and off.stats.spec_off == {}
+
+
+def test_after_probe_every_held_steps_one_step_drafts_then_holding_resumes():
+    s = speculator()
+    s.costs.observe(1, 0, 0.050)
+    s.costs.observe(1, 1, 0.100)  # min_gain(1) = 1.0
+    drafted = []
+    for step in range(2 * PROBE_EVERY + 2):
+        r = decoding_request("r", 0.5, 2)  # expects 0.75 < 1.0
+        s.propose([r])
+        if r.draft_token_ids:
+            drafted.append(step)
+    assert drafted == [PROBE_EVERY, 2 * PROBE_EVERY + 1]
+    assert s.stats.spec_off == {"cost": 2 * PROBE_EVERY}

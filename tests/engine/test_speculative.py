@@ -14,7 +14,7 @@ from cluster.engine.sampling_params import SamplingParams
 from tests.engine.test_spec_units import CHI2_999, chi_square
 from tests.reference import hf_greedy, hf_last_logits
 
-NGRAM = {"method": "ngram", "k": 4, "ngram_min": 1, "ngram_max": 3}
+NGRAM = {"method": "ngram", "k": 4, "ngram_min": 1, "ngram_max": 3, "cost_model": "off"}  # acceptance alone decides: deterministic
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
 

@@ -300,7 +300,7 @@ def test_penalties_bias_and_logprobs_span_prefill_and_decode(prefill, decode, ti
 def test_speculative_decode_after_an_imported_first_token_equals_in_process(prefill, tiny_model, store):
     """The decode engine speculates (n-gram) from the token prefill sampled: greedy output equals
     the engine without speculation, drafts were accepted, both pools end whole."""
-    spec = {"method": "ngram", "k": 4, "ngram_min": 1, "ngram_max": 3}
+    spec = {"method": "ngram", "k": 4, "ngram_min": 1, "ngram_max": 3, "cost_model": "off"}  # acceptance alone decides: deterministic
     dec = make_decode(tiny_model, store, "decode-spec", speculative=spec)
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = [[256] + [(i * i + 3 * n) % 11 for i in range(n - 1)] for n in (9, 17, 40)]

@@ -11,7 +11,7 @@ from cluster.engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
 from tests.helpers import grpc_stub, wait_for
 
-NGRAM = {"method": "ngram", "k": 4, "ngram_min": 1, "ngram_max": 3}
+NGRAM = {"method": "ngram", "k": 4, "ngram_min": 1, "ngram_max": 3, "cost_model": "off"}  # acceptance alone decides: deterministic
 # 17..80 tokens over a small alphabet: above local_prefill_threshold (remote prefill), and n-grams recur
 PROMPTS = [[256] + [(i * 5 + j * j) % 13 for j in range(16 + 16 * i)] for i in range(5)]
 MAX_TOKENS = 40

@@ -11,6 +11,10 @@ after each update.
   capped at options.k. A request whose r falls below options.min_acceptance stops speculating
   for 16 output tokens, then 32, 64, ... (up to 1024), and tries again: a workload with nothing
   to copy costs a few verify steps per pause. A good run (r >= 0.6) resets the pause length.
+- Drafts must pay at the current decode batch (cluster/engine/spec/cost.py): a request drafts
+  only when its expected accepted drafts, r (1 - r^k) / (1 - r), exceed min_gain(b) = b c(b) / T(b),
+  from the replica's measured step times (T(b): a decode step of b without drafts; c(b): the extra
+  seconds per drafted request). A step that holds any request back counts off reason "cost".
 - The replica does not speculate while more than options.max_batch requests are decoding: a
   large batch is compute-bound and drafts then cost more than they save.
 - Drafts never exceed what the request may still emit (max_tokens, the context length), and
@@ -26,6 +30,7 @@ from cluster.engine.config import SpeculativeOptions
 from cluster.engine.outputs import EngineStats
 from cluster.engine.request import Request
 from cluster.engine.scheduler import SchedulerOutput
+from cluster.engine.spec.cost import StepCosts, expected_accepted
 from cluster.engine.spec.proposer import Proposer
 from cluster.engine.spec.state import SpecState
 
@@ -57,6 +62,7 @@ class Speculator:
         self.proposer = proposer
         self.stats = stats
         self.max_model_len = max_model_len
+        self.costs = StepCosts()
 
     def propose(self, running: Iterable[Request]) -> None:
         """Set this step's drafts on the decoding requests that speculate."""
@@ -68,6 +74,12 @@ class Speculator:
             self._count_off("batch")
             return
         t0 = time.perf_counter()
+        batch = len(decoding)
+        measured = self.options.cost_model == "measured"
+        min_gain = self.costs.min_gain(batch) if measured else None  # None: drafts go ahead
+        if measured and min_gain is None:
+            self.costs.probed(batch)
+        held = False
         for req in decoding:
             state = req.spec or self._start(req)
             if state.off_reason is not None or req.num_output_tokens < state.paused_until:
@@ -75,9 +87,21 @@ class Speculator:
             sp = req.sampling
             room = min(sp.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             k = min(state.k, room)
-            if k > 0:
-                req.draft_token_ids = self.proposer.propose(req, k)
+            if k <= 0:
+                continue
+            if min_gain is not None and expected_accepted(state.acceptance, k) <= min_gain:
+                held = True
+                continue
+            req.draft_token_ids = self.proposer.propose(req, k)
+        if held:
+            self.costs.held_back(batch)
+            self._count_off("cost")
         self.stats.spec_proposer_s += time.perf_counter() - t0
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """A step's time, for the cost model: decode-only steps (no prompt tokens) only."""
+        if all(c.num_tokens == 1 + len(c.draft) and c.start >= c.request.num_prompt_tokens for c in out.chunks):
+            self.costs.observe(len(out.chunks), sum(1 for c in out.chunks if c.draft), seconds)
 
     def observe(self, out: SchedulerOutput, accepted: dict[str, tuple[int, ...]]) -> None:
         """Acceptance of this step's verified drafts: counters, then each request's k and pause."""

@@ -134,6 +134,15 @@ def main(argv: list[str] | None = None) -> None:
         e.check_invariants()
         assert e.kv.num_free_blocks == e.kv.num_blocks
     print(f"speculation off events: {spec.stats.spec_off}; proposer time {spec.stats.spec_proposer_s:.3f} s")
+    for c in args.streams:  # the adaptive switch's cost model (cluster/engine/spec/cost.py) at each batch
+        t, extra = spec.speculator.costs.estimate(c)
+        gain = spec.speculator.costs.min_gain(c)
+        print(f"batch {c}: plain decode step T = {_ms(t)}, extra per drafted request c = {_ms(extra)}, "
+              f"min expected accepted drafts to speculate = {'-' if gain is None else f'{gain:.2f}'}")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.1f} ms"
 
 
 if __name__ == "__main__":
