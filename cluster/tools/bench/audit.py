@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from cluster.config import AppConfig
+from cluster.config import AppConfig, AuditOptions
 
 
 async def _closed_loop(address: str, key: str, n: int, seed: int, streams: int):
@@ -82,13 +82,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=96, help="per arm per round")
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=16, help="each round runs both arms, ABBA over round pairs")
+    ap.add_argument("--flush-interval", type=float, default=AuditOptions().flush_interval_s,
+                    help="audit.flush_interval_s: how long the ingress gathers records per writer call")
     args = ap.parse_args()
 
     ray.init(num_cpus=8, include_dashboard=False, namespace="pdserve", log_to_driver=False)
     audit_dir = tempfile.mkdtemp(prefix="pdserve-bench-audit-")
     cfg = serve_app.ensure_model(default="random", config=AppConfig(
         http_port=free_port(), grpc_port=free_port(), prefill={"num_cpus": 0.5}, decode={"num_cpus": 0.5},
-        graceful_shutdown_timeout_s=5.0, audit={"enabled": True, "dir": audit_dir},
+        graceful_shutdown_timeout_s=5.0, audit={"enabled": True, "dir": audit_dir,
+                                                                "flush_interval_s": args.flush_interval},
         tenants={"off": {"api_keys": [KEYS["off"]], "audit": False}, "on": {"api_keys": [KEYS["on"]]}}))
     serve_app.start(cfg)
     address = f"localhost:{cfg.grpc_port}"
@@ -119,7 +122,7 @@ def main() -> None:
     ray.shutdown()
 
     print(f"\n{args.streams} streams, {args.requests} requests per arm per round, {args.rounds} rounds, one "
-          f"deployment (audit on; tenant 'off' has audit: false)")
+          f"deployment (audit on, flush_interval_s {args.flush_interval}; tenant 'off' has audit: false)")
     for a, m in pooled.items():
         print(f"  audit {a:<3}  TTFT p50 {np.median(m['ttft']) * 1e3:7.2f} ms  ITL p50 {np.median(m['itl']) * 1e3:6.2f} ms"
               f"  ({m['ok']}/{m['n']} ok, {len(m['itl'])} intervals; load generator {np.mean(m['cpu']):.2f} cores)")
