@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import re._constants as C  # noqa: N812
 import re._parser as sre
+import unicodedata
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -34,7 +35,10 @@ class CompiledRule:
 
 
 def _words_pattern(words: tuple[str, ...]) -> str:
-    alternatives = sorted({w.strip() for w in words}, key=lambda w: (-len(w), w))
+    """Whole words, matched against folded text (router/ingress/guardrails.py `fold`: NFKC and
+    casefold per character), so the words are folded the same way (the span is the folded one)."""
+    alternatives = sorted({"".join(unicodedata.normalize("NFKC", c).casefold() for c in w.strip()) for w in words},
+                          key=lambda w: (-len(w), w))
     return r"(?i)(?<!\w)(?:" + "|".join(re.escape(w) for w in alternatives) + r")(?!\w)"
 
 

@@ -55,6 +55,9 @@ class TenantOptions(KeySources):
         "(spend is still counted). Enforced across every ingress replica by the ledger actor")
     audit_text: bool = Field(
         False, description="Audit records carry the prompt and the output text (default: counts and ids only)")
+    audit: bool = Field(
+        True, description="With audit.enabled: each of this tenant's requests gets an audit record; False: none "
+        "does (e.g. an internal load-test tenant), and a full audit buffer does not refuse its requests")
 
 
 class AdmissionOptions(Strict):

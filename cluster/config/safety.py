@@ -10,7 +10,8 @@ from cluster.config.common import Strict
 
 
 class GuardrailRule(Strict):
-    """A built-in check: a word list (whole words, case-insensitive) or a regular expression.
+    """A built-in check: a word list (whole words, matched on NFKC-normalised, casefolded text:
+    any case or full-width form of a word) or a regular expression (on the text as generated).
     Compiled once (router/ingress/guardrails.py) with the `regex` module and run with a timeout.
     A rule that checks output must have a bounded match length that fits the policy's hold-back
     window (so no match can reach released text): refused at load otherwise. Output rules use

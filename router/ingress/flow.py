@@ -196,7 +196,7 @@ class RequestFlow:
         trail = self._audit_trail(rid, request_id, tenant, prompt, prompt_token_ids, messages)
         hold = None
         try:
-            refusal = None if self.audit is None else self.audit.refusal()
+            refusal = None if trail is None else self.audit.refusal()
             if refusal is not None:  # the audit buffer is full (`when_full: refuse`): nothing runs unaudited
                 trail = None  # its record could not be kept either; the refusal is counted in the metrics
                 raise refusal
@@ -261,9 +261,9 @@ class RequestFlow:
                 observed.end(error)
 
     def _audit_trail(self, rid: str, request_id: str | None, tenant: str, prompt, ids, messages) -> AuditTrail | None:
-        if self.audit is None:
-            return None
         opts = self.config.tenants.get(tenant)
+        if self.audit is None or (opts is not None and not opts.audit):
+            return None
         keep_text = opts is not None and opts.audit_text
         prompt_input = None
         if keep_text:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+import unicodedata
 from collections import deque
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -90,13 +91,26 @@ class Check(Protocol):
     async def flags_output(self, text: str, start: int, final: bool) -> bool: ...
 
 
+def fold(text: str) -> str:
+    """What a word rule sees: each character NFKC-normalised and casefolded on its own (a
+    full-width or compatibility form, or any case, of a listed word matches it). Never what is
+    delivered. Per character, so every character folds to one or more (never none): a match of n
+    folded characters covers at most n generated ones, and the hold-back window, counted in
+    generated characters, still holds every match that touches unreleased text."""
+    if text.isascii():
+        return text.lower()  # NFKC leaves ASCII as is; casefold is lower
+    return "".join(unicodedata.normalize("NFKC", c).casefold() for c in text)
+
+
 class RuleCheck:
-    """A word list or regular expression, compiled once; each search bounded by `timeout_s`."""
+    """A word list or regular expression, compiled once; each search bounded by `timeout_s`.
+    A word list matches the folded text (`fold`); a pattern the text as generated."""
 
     def __init__(self, rule: GuardrailRule, timeout_s: float, input_timeout_s: float):
         self.name = rule.name
         self.stages = STAGES[rule.applies_to]
         self.remote = False
+        self.folds = bool(rule.words)
         compiled = compile_rule(rule.words, rule.pattern)
         self.pattern = compiled.pattern
         self.lookahead = compiled.lookahead
@@ -110,9 +124,14 @@ class RuleCheck:
             raise CheckFailed(Cause.TIMEOUT, f"rule {self.name} timed out") from e
 
     def flags_input(self, text: str) -> bool:
-        return self._search(text, 0, time.monotonic() + self.input_timeout_s) is not None
+        return self._search(fold(text) if self.folds else text, 0,
+                            time.monotonic() + self.input_timeout_s) is not None
 
     async def flags_output(self, text: str, start: int, final: bool) -> bool:
+        if self.folds:  # text[start:] folded, and the character before it: a word rule's lookbehind
+            context = max(0, start - 1)
+            before = fold(text[context:start])
+            return self.scan(before + fold(text[start:]), len(before), final)
         return self.scan(text, start, final)
 
     def scan(self, text: str, start: int, final: bool) -> bool:

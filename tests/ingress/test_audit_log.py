@@ -263,3 +263,42 @@ def test_drain_waits_for_the_writers_acknowledgement_and_is_bounded(tmp_path):
     assert asyncio.run(scenario(lambda: Writer)) == (True, 0)
     assert [r["request_id"] for r in read_records(tmp_path / "log")] == [f"r{i:04d}" for i in range(5)]
     assert asyncio.run(scenario(down)) == (False, 5)  # left in the spool for adoption
+
+
+def test_a_tenant_with_audit_off_gets_no_record_and_no_audit_refusal(tmp_path, tiny_model):
+    import asyncio
+
+    from cluster.config import AppConfig, AuditOptions
+    from cluster.engine.sampling_params import SamplingParams
+    from router.ingress.audit import AuditShipper, AuditTrail
+    from router.ingress.flow import RequestFlow
+    from router.ingress.status import Code
+
+    cfg = AppConfig(model=tiny_model, audit={"enabled": True, "dir": str(tmp_path)},
+                    tenants={"quiet": {"api_keys": ["sk-q"], "audit": False}, "loud": {"api_keys": ["sk-l"]}})
+
+    async def first_error(flow, tenant):
+        try:
+            async for _ in flow.generate("hi", None, SamplingParams(max_tokens=1), tenant=tenant):
+                pass
+        except Exception as e:  # noqa: BLE001 — what stopped it is the point
+            return e
+
+    async def scenario():
+        shipper = AuditShipper(AuditOptions(enabled=True, dir=str(tmp_path), max_buffered=1, when_full="refuse"),
+                               lambda: None)
+        shipper._ensure_task = lambda: None  # the spool only: no writer here
+        flow = RequestFlow(cfg, None, None, audit=shipper)
+        trails = {t: flow._audit_trail("r", None, t, "hi", None, None) for t in ("quiet", "loud", "default")}
+        shipper.submit(rec(0))  # the buffer is now full: audited requests are refused
+        errors = {t: await first_error(flow, t) for t in ("quiet", "loud")}
+        return trails, errors, len(shipper.spool)
+
+    trails, errors, held = asyncio.run(scenario())
+    assert trails["quiet"] is None
+    assert isinstance(trails["loud"], AuditTrail) and isinstance(trails["default"], AuditTrail)
+    # the unaudited tenant went past the full buffer to the engines (none here); the audited one was refused
+    assert str(errors["quiet"]).startswith("no decode replica")
+    assert (errors["loud"].code, str(errors["loud"])) == (Code.UNAVAILABLE, "the audit log is unavailable (1 records "
+                                                          "wait for its writer): requests are refused until it catches up")
+    assert held == 1  # neither request added a record

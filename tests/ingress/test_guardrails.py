@@ -185,6 +185,61 @@ def test_random_splits_never_release_any_character_of_a_match():
         assert len(released) <= start and text.startswith(released)
 
 
+def test_fold_is_nfkc_and_casefold_per_character():
+    from router.ingress.guardrails import fold
+
+    assert fold("KiLL") == "kill"
+    assert fold("\uff2b\uff49\uff4c\uff4c") == "kill"  # full-width ＫｉＬＬ
+    assert fold("\ufb01re") == "fire"  # the ligature ﬁ: one character, two folded
+    assert fold("Stra\u00dfe") == "strasse"
+    assert fold("\ufdfa") == "\u0635\u0644\u0649 \u0627\u0644\u0644\u0647 \u0639\u0644\u064a\u0647 \u0648\u0633\u0644\u0645"  # 1 -> 18
+
+
+def test_a_full_width_or_mixed_case_word_is_caught_and_delivered_text_is_never_changed():
+    # a clean stream with full-width and mixed-case text goes out exactly as generated
+    pieces = ["\uff34\uff48\uff45 ", "SKILL", "ed ", "\uff2b\uff29\uff2c\uff2c\uff25\uff32", "s ", "sang"]
+    out = run(guard_for(), Source(pieces))
+    assert [d.text for d in out] == ["\uff34\uff48\uff45 ", "SKILL", "ed ", "\uff2b\uff29\uff2c\uff2c\uff25\uff32s sang"]
+    assert out[-1].finish_reason == "length" and out[-1].guardrail_interventions == ()
+    # full-width "ｋｉＬＬ" (split across deltas) is the listed "Kill": stopped, none of it released
+    pieces = ["I ", "said ", "that ", "I ", "will ", "\uff4b\uff49", "\uff2c\uff2c ", "them ", "all ", "now"]
+    source = Source(pieces)
+    out = run(guard_for(words=["Kill"], window=8), source)
+    assert "".join(d.text for d in out) == "I said that "
+    assert out[-1].finish_reason == FinishReason.CONTENT_FILTER and source.pulled == 7
+    # a listed word with a character that folds to two: "Straße" catches "STRASSE"
+    out = run(guard_for(words=["Stra\u00dfe"], window=8), Source(["the ", "STRASSE ", "is long"]))
+    assert "".join(d.text for d in out) == "" and out[-1].finish_reason == FinishReason.CONTENT_FILTER  # flagged first
+
+
+def test_a_pattern_sees_the_text_as_generated():
+    out = run(guard_for(pattern=r"kill", window=8), Source(["I ", "KILL ", "\uff4b\uff49\uff4c\uff4c ", "done"]))
+    assert "".join(d.text for d in out) == "I KILL \uff4b\uff49\uff4c\uff4c done" and out[-1].finish_reason == "length"
+
+
+def test_characters_that_fold_to_many_never_let_a_match_out_of_the_window():
+    # "ﬁre" folds to "fire" (5 folded characters to 4 generated): the window (5 = "fire" + lookahead),
+    # counted in generated characters, still holds all of it; "ﷺ" (18 folded) before it changes nothing
+    rng = random.Random(1)
+    text = "a \ufdfa b \ufb01re now and then"
+    start = text.index("\ufb01re")
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 12)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        out = run(guard_for(words=["fire"], window=5), Source(pieces))
+        released = "".join(d.text for d in out)
+        assert out[-1].finish_reason == FinishReason.CONTENT_FILTER
+        assert len(released) <= start and text.startswith(released)
+
+
+def test_the_input_check_folds_the_prompt():
+    guard = guard_for(words=["forbidden topic"], window=32)
+    guard.check_input("a harmless \uff26\uff4f\uff52\uff42\uff49\uff44\uff44\uff45\uff4e", "prompt")
+    with pytest.raises(GuardrailRejected):
+        guard.check_input("tell me about the \uff26\uff2f\uff32\uff22\uff29\uff24\uff24\uff25\uff2e topic", "prompt")
+    guard_for(pattern=r"forbidden", window=32).check_input("\uff46\uff4f\uff52\uff42\uff49\uff44\uff44\uff45\uff4e", "prompt")
+
+
 def test_a_failing_check_follows_the_policy():
     evil = r"(a|aa){1,30}b"
     out = run(guard_for(pattern=evil, window=64), Source(["a" * 40, "a" * 20, "c"]))
