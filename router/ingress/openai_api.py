@@ -351,9 +351,10 @@ def _tool_result(use: ToolUse, text: str, finish_reason: str | None) -> tuple[li
     text valid JSON of the call's schema once it stopped; cut short (length), the text is
     returned as content, with its finish reason, and no call. "auto": the model's parser; its
     calls end with finish "tool_calls", else the text is content."""
-    if use.parser is not None:
-        out = use.parser.parse(text, use.names, use.parallel, complete=finish_reason == "stop")
-        return (openai_tool_calls(out.calls), out.content, "tool_calls") if out.calls else (None, text, finish_reason)
+    if use.parser is not None:  # calls only when the model stopped by itself (not length, not a guardrail's flag)
+        out = use.parser.parse(text, use.names, use.parallel) if finish_reason == "stop" else None
+        return (openai_tool_calls(out.calls), out.content, "tool_calls") if out and out.calls else (
+            None, text, finish_reason)
     if finish_reason != "stop":
         return None, text, finish_reason
     try:
@@ -494,7 +495,7 @@ async def _sse(choices: list[Choice], rid, created, model, chat: bool, include_u
             lps = None
         if d.finish_reason is None:
             return payload(i, head | {"content": text}, None, lps) if text or head or lps else None
-        rest, calls = s.finish(complete=d.finish_reason == "stop")
+        rest, calls = s.finish(stopped=d.finish_reason == "stop")
         lps = held_lps[i] + list(lps or ())
         if calls:
             tool_calls = [{"index": k, **c} for k, c in enumerate(openai_tool_calls(calls))]

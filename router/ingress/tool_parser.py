@@ -128,9 +128,10 @@ class ToolCallStream:
         self.sent += safe
         return pending[:safe]
 
-    def finish(self, complete: bool) -> tuple[str, tuple[ParsedCall, ...]]:
-        """(content left to send, calls). With calls, the content sent before is the whole content."""
-        out = self.parser.parse(self.text, self.names, self.parallel, complete)
+    def finish(self, stopped: bool) -> tuple[str, tuple[ParsedCall, ...]]:
+        """(content left to send, calls). With calls, the content sent before is the whole content.
+        `stopped`: the model ended by itself; cut short (length, a guardrail's flag) it is text."""
+        out = self.parser.parse(self.text, self.names, self.parallel) if stopped else ParsedOutput(self.text)
         if out.calls:
             return "", out.calls
         rest, self.sent = self.text[self.sent:], len(self.text)

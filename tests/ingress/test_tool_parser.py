@@ -49,10 +49,10 @@ def test_two_calls_without_parallel_calls_and_a_cut_call_are_content():
     assert P.parse(W + A[:-len("</tool_call>")], NAMES) == ParsedOutput(None, (W_CALL, A_CALL))
 
 
-def feed_all(chunks: list[str], complete: bool = True) -> tuple[list[str], str, tuple]:
+def feed_all(chunks: list[str], stopped: bool = True) -> tuple[list[str], str, tuple]:
     s = ToolCallStream(P, NAMES)
     sent = [s.feed(c) for c in chunks]
-    rest, calls = s.finish(complete)
+    rest, calls = s.finish(stopped)
     return sent, rest, calls
 
 
@@ -60,6 +60,11 @@ def test_a_stream_holds_an_opener_split_across_chunks():
     sent, rest, calls = feed_all(["Let me check", ".\n<tool", "_ca", "ll>\n{\"name\": \"get_weather\", ",
                                   '"arguments": {"city": "Paris", "unit": "°C"}}\n</tool_call>'])
     assert (sent, rest, calls) == (["Let me check", ".", "", "", ""], "", (W_CALL,))
+
+
+def test_a_stream_cut_short_is_text_even_with_a_whole_call():
+    sent, rest, calls = feed_all(["Hm ", W], stopped=False)
+    assert (sent, rest, calls) == (["Hm", ""], " " + W, ())
 
 
 def test_a_stream_releases_a_false_opener_and_held_whitespace():
