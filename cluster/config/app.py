@@ -40,6 +40,9 @@ class AppConfig(Strict):
     generation_config: Literal["auto", "none"] = Field(
         "auto", description="auto: a request's unset temperature, top_p and top_k come from the checkpoint's "
         "generation_config.json, as in vLLM; none: pdserve's defaults (1.0, 1.0, off)")
+    tool_call_parser: Literal["none", "hermes"] = Field(
+        "none", description="How tool calls are found in this model's free text, for OpenAI tool_choice 'auto' "
+        "(vLLM's names; hermes: <tool_call>{\"name\", \"arguments\"}</tool_call>); none: 'auto' is refused with 400")
     api_keys: list[str] = Field(
         default_factory=list, description="Bearer keys of the 'default' tenant (no quotas); no keys and no tenants = no auth")
     api_keys_env: str | None = Field(None, description="Env var with the 'default' tenant's keys (ingress only)")

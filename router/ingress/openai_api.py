@@ -24,6 +24,7 @@ from router.ingress.flow import Delta
 from router.ingress.openai_schema import (ChatRequest, CompletionRequest, RequestBody, ToolUse, check_messages,
                                           to_sampling_params, tool_use)
 from router.ingress.session import SESSION_HEADER, session_key
+from router.ingress.tool_parser import ToolCallStream, openai_tool_calls
 from router.ingress.status import Code, ServingError, retry_after_seconds
 
 TIMEOUT_HEADER = "x-pdserve-timeout-s"  # the request's deadline, seconds from now (HTTP header or gRPC metadata)
@@ -184,7 +185,7 @@ def build_openai_app() -> FastAPI:
             deadline = parse_deadline(request.headers.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
             session = session_key(request.headers.get(SESSION_HEADER), body.prompt_cache_key, body.user,
                                   limits.max_session_id_chars)
-            messages, tools, use = None, None, tool_use(body)
+            messages, tools, use = None, None, tool_use(body, flow.config.tool_call_parser)
             if chat:  # rendered and tokenized by the flow, after admission, off the event loop
                 if len(body.messages) > limits.max_chat_messages:
                     raise InvalidRequestError("messages", f"has {len(body.messages)} messages; at most "
@@ -200,11 +201,12 @@ def build_openai_app() -> FastAPI:
             if not 1 <= body.n <= limits.max_choices:
                 raise InvalidRequestError("n", f"must be in [1, {limits.max_choices}] (max_choices), got {body.n}")
             try:
-                sp = to_sampling_params(body, flow.config.default_max_tokens, flow.validator, flow.sampling_defaults)
+                sp = to_sampling_params(body, flow.config.default_max_tokens, flow.validator, flow.sampling_defaults,
+                                        use)
                 choices = await _start_choices(flow, body.n, prompt, ids, sp, tenant, deadline, messages, tools,
                                                session)
             except InvalidRequestError as e:
-                if use.active and e.field == "response_format":  # the tools' grammar: name what the client sent
+                if use.forced is not None and e.field == "response_format":  # the tools' grammar: name what the client sent
                     raise InvalidRequestError("tools", e.message) from e
                 raise
         except Exception as e:  # noqa: BLE001
@@ -364,9 +366,14 @@ def _message(m, index: int) -> dict:
 
 
 def _tool_result(use: ToolUse, text: str, finish_reason: str | None) -> tuple[list[dict] | None, str | None, str | None]:
-    """A forced tool call's output -> (tool_calls, content, finish_reason). The grammar makes the
+    """A tool-using output -> (tool_calls, content, finish_reason). Forced: the grammar makes the
     text valid JSON of the call's schema once it stopped; cut short (length), the text is
-    returned as content, with its finish reason, and no call."""
+    returned as content, with its finish reason, and no call. "auto": the model's parser; its
+    calls end with finish "tool_calls", else the text is content."""
+    if use.parser is not None:  # calls only when the model stopped by itself (not length, not a guardrail's flag)
+        out = use.parser.parse(text, use.names, use.parallel) if finish_reason == "stop" else None
+        return (openai_tool_calls(out.calls), out.content, "tool_calls") if out and out.calls else (
+            None, text, finish_reason)
     if finish_reason != "stop":
         return None, text, finish_reason
     try:
@@ -479,9 +486,11 @@ async def _sse(choices: list[Choice], rid, created, model, chat: bool, include_u
     index; a choice's first chunk carries the role), then usage (if asked) and [DONE]. A failure
     of any choice ends the stream with an error event and stops the other choices. A forced tool
     call is held back and sent whole (its tool_calls delta, with the finish reason) once the
-    grammar completed it."""
+    grammar completed it. tool_choice "auto": text streams until a call opener may begin; from
+    there it is held, and sent at the end as the calls or, if none parse, as content."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     held_text, held_lps = [""] * len(choices), [[] for _ in choices]
+    autos = [ToolCallStream(use.parser, use.names, use.parallel) if chat and use.parser else None for _ in choices]
 
     def payload(i: int, body: dict, finish: str | None, logprobs, echoed: Delta | None = None) -> str:
         shaper = shapers[i]
@@ -499,6 +508,8 @@ async def _sse(choices: list[Choice], rid, created, model, chat: bool, include_u
             if role and echo is not None:  # the first chunk: the prompt, then the first token's text
                 return payload(i, {"content": echo + d.text}, d.finish_reason, d.logprobs, d)
             return payload(i, head | {"content": d.text}, d.finish_reason, d.logprobs)
+        if autos[i] is not None:
+            return auto_chunk(i, d, head)
         held_text[i] += d.text
         held_lps[i] += d.logprobs or ()
         if d.finish_reason is None:
@@ -507,6 +518,21 @@ async def _sse(choices: list[Choice], rid, created, model, chat: bool, include_u
         body = head | ({"content": None, "tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
                        if calls else {"content": content})
         return payload(i, body, finish, held_lps[i])
+
+    def auto_chunk(i: int, d: Delta, head: dict) -> str | None:
+        s = autos[i]
+        text, lps = s.feed(d.text), d.logprobs
+        if s.opened:  # a held token's logprobs go with what it becomes
+            held_lps[i] += lps or ()
+            lps = None
+        if d.finish_reason is None:
+            return payload(i, head | {"content": text}, None, lps) if text or head or lps else None
+        rest, calls = s.finish(stopped=d.finish_reason == "stop")
+        lps = held_lps[i] + list(lps or ())
+        if calls:
+            tool_calls = [{"index": k, **c} for k, c in enumerate(openai_tool_calls(calls))]
+            return payload(i, head | {"content": text or None, "tool_calls": tool_calls}, "tool_calls", lps)
+        return payload(i, head | {"content": text + rest}, d.finish_reason, lps)
 
     lasts = [first for _, first in choices]
     for i, first in enumerate(lasts):

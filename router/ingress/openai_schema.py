@@ -12,6 +12,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import InvalidRequestError
+from router.ingress.tool_parser import HermesToolParser, parser_for
 
 
 def _not_bool(value):
@@ -34,7 +35,7 @@ def _neutral(*allowed):
 
 
 # Fields outside these models are refused (400 naming the field: `extra="forbid"`). Tools: see
-# tool_use (forced calls by grammar; "auto" is refused: no tool-call parser). Accepted but
+# tool_use (forced calls by grammar; "auto" by the model's tool_call_parser, refused without one). Accepted but
 # not implemented, at a value that changes nothing: best_of 1. Accepted and ignored (they
 # never change the output): metadata. n: 1..IngressLimits.max_choices (checked in openai_api).
 # prompt_cache_key (else user) is the request's session key for routing (router/ingress/session.py).
@@ -160,21 +161,25 @@ class ChatRequest(RequestBody):
 class ToolUse:
     """How a chat request uses its tools. `forced`: the output is a tool call, enforced by a
     grammar (tool_choice "required": a JSON array of {name, parameters}; a named function: its
-    arguments object); None: tools play no part (none given, or tool_choice "none")."""
+    arguments object). `parser`: tool_choice "auto", calls found in the free text by the model's
+    parser (router/ingress/tool_parser.py). Neither: tools play no part (none given, or "none")."""
 
     forced: Literal["required", "named"] | None = None
     name: str | None = None  # the named function
+    parser: HermesToolParser | None = None
+    names: frozenset[str] = frozenset()  # the functions an "auto" call may name
+    parallel: bool = True  # parallel_tool_calls: more than one call in one reply
 
     @property
     def active(self) -> bool:
-        return self.forced is not None
+        return self.forced is not None or self.parser is not None
 
 
-def tool_use(req: RequestBody) -> ToolUse:
+def tool_use(req: RequestBody, parser: str = "none") -> ToolUse:
     """Checks tools, tool_choice and parallel_tool_calls together (400 naming the field).
     tool_choice "auto" (OpenAI's default when tools are given) needs a parser that finds tool
-    calls in free text, in the model's own format: none is configured, so it is refused rather
-    than answered as if the tools were not there."""
+    calls in free text, in the model's own format (`parser`, the config's tool_call_parser):
+    without one it is refused rather than answered as if the tools were not there."""
     if not isinstance(req, ChatRequest):
         return ToolUse()
     tools, choice = req.tools or [], req.tool_choice
@@ -188,9 +193,12 @@ def tool_use(req: RequestBody) -> ToolUse:
     if not tools or choice == "none":
         return ToolUse()
     if choice is None or choice == "auto":
-        raise InvalidRequestError("tool_choice", "'auto' (the default with tools) needs a tool-call parser for this "
-                                                 "model, and none is configured: give 'required', 'none' or "
-                                                 '{"type": "function", "function": {"name": ...}}')
+        if parser == "none":
+            raise InvalidRequestError("tool_choice", "'auto' (the default with tools) needs a tool-call parser for "
+                                                     "this model, and none is configured (tool_call_parser): give "
+                                                     "'required', 'none' or "
+                                                     '{"type": "function", "function": {"name": ...}}')
+        return ToolUse(parser=parser_for(parser), names=frozenset(names), parallel=req.parallel_tool_calls is not False)
     if req.response_format is not None and req.response_format.type != "text":
         raise InvalidRequestError("tool_choice", "a forced tool call cannot be combined with response_format")
     if choice == "required":
@@ -233,8 +241,9 @@ ChatRequest.model_rebuild()
 
 
 def to_sampling_params(req: RequestBody, default_max_tokens: int, validator,
-                       defaults: dict | None = None) -> SamplingParams:
-    """`defaults`: the model's sampling defaults (RequestFlow.sampling_defaults) for unset fields."""
+                       defaults: dict | None = None, use: ToolUse | None = None) -> SamplingParams:
+    """`defaults`: the model's sampling defaults (RequestFlow.sampling_defaults) for unset fields;
+    `use`: the request's tool_use (default: checked here, with no tool-call parser)."""
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     kw: dict[str, Any] = {**(defaults or {}), "max_tokens": default_max_tokens if max_tokens is None else max_tokens}
     for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
@@ -243,8 +252,8 @@ def to_sampling_params(req: RequestBody, default_max_tokens: int, validator,
         if value is not None:
             kw[name] = value
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    use = tool_use(req)
-    if use.active:  # the call is enforced like a json_schema response_format (its caps, its compiling)
+    use = tool_use(req) if use is None else use
+    if use.forced is not None:  # the call is enforced like a json_schema response_format (its caps, its compiling)
         if req.ignore_eos:
             raise InvalidRequestError("tool_choice", "a forced tool call cannot be combined with ignore_eos")
         schema, strict = tool_schema(req, use)

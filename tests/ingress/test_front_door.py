@@ -371,6 +371,22 @@ def test_usable_tool_choices_pass_validation(app, extra):
     assert status == 503, err  # past validation and admission: this test has no decode pool
 
 
+@pytest.mark.parametrize("extra", [{"tools": [TOOL]}, {"tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": False},
+                                   {"tools": [TOOL], "response_format": {"type": "json_object"}}])
+def test_tool_choice_auto_passes_validation_with_a_tool_call_parser(tiny_model, extra):
+    from router.ingress import openai_api
+    from router.ingress.flow import RequestFlow
+
+    cfg = AppConfig.model_validate({"model": tiny_model, "tool_call_parser": "hermes"})
+    openai_api.bind_replica(RequestFlow(cfg, None, None), None)
+    try:
+        status, err = asgi(openai_api.build_openai_app(), "/v1/chat/completions",
+                           json.dumps({"messages": [USER], "max_tokens": 2, **extra}).encode())
+    finally:
+        openai_api._replica.clear()
+    assert status == 503, err  # past validation and admission: this test has no decode pool
+
+
 def test_neutral_values_and_harmless_fields_are_accepted(app):
     body = {"prompt": "hi", "max_tokens": 2, "n": 1, "best_of": 1, "echo": False, "logprobs": None,
             "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "u-1",

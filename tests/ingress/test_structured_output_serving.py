@@ -16,6 +16,7 @@ from cluster.engine.grammar import ResponseFormat
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
+from router.ingress.tool_parser import HermesToolParser
 from tests.engine.test_structured_output import ASK, COLOR, PERSON
 from tests.helpers import grpc_stub, http_base, pool_loads, wait_pools_whole
 
@@ -25,7 +26,8 @@ N = 48
 
 @pytest.fixture(scope="module")
 def server(serve_apps, smollm2):
-    with serve_apps.run(smollm2, served_model_name=MODEL, routing={"local_prefill_threshold": 0}) as cfg:
+    with serve_apps.run(smollm2, served_model_name=MODEL, routing={"local_prefill_threshold": 0},
+                        tool_call_parser="hermes") as cfg:
         yield cfg
 
 
@@ -164,8 +166,42 @@ def test_required_tool_calls_name_known_tools_with_valid_arguments(server, clien
     wait_pools_whole()
 
 
-def test_tool_choice_auto_is_refused_rather_than_ignored(server, client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                       tools=TOOLS)
-    assert e.value.body["param"] == "tool_choice" and "needs a tool-call parser" in e.value.body["message"]
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+# SmolLM2 copies this call (its template does not show tools; it was not taught to call them unasked)
+ECHO_CALL = 'Repeat exactly: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def free_reference(engine, text: str) -> tuple[str, str]:
+    ids = engine.tokenizer.encode(render_chat(engine.tokenizer, [{"role": "user", "content": text}], tools=WEATHER),
+                                  add_special_tokens=False)
+    [out] = engine.generate([ids], SamplingParams(max_tokens=N, temperature=0))
+    return engine.tokenizer.decode(out.token_ids), out.finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_auto_parses_the_models_calls_and_passes_text_through(server, client, engine, stream):
+    """tool_choice "auto" (the default with tools) with the hermes parser: SmolLM2's reply that
+    holds a call becomes message.tool_calls (the text before it, content); a reply without one
+    is its text. Both equal the in-process engine's output, parsed."""
+    for ask, expected in ((ECHO_CALL, ("Repeat exactly:", [("get_weather", '{"city":"Paris"}')], "tool_calls")),
+                          ("Say hello.", (None, [], "stop"))):
+        text, finish = free_reference(engine, ask)
+        parsed = HermesToolParser().parse(text, {"get_weather"}, complete=finish == "stop")
+        assert (parsed.content, [(c.name, c.arguments) for c in parsed.calls]) == (expected[0] or text, expected[1])
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": ask}], max_tokens=N, temperature=0, tools=WEATHER)
+        if stream:
+            chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+            assert chunks[0].choices[0].delta.role == "assistant"
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+            calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+            assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == [expected[2]]
+            assert [tc.index for tc in calls] == list(range(len(expected[1])))
+        else:
+            reply = client.chat.completions.create(**kw)
+            content, calls = reply.choices[0].message.content, reply.choices[0].message.tool_calls or []
+            assert reply.choices[0].finish_reason == expected[2]
+        assert content == parsed.content
+        assert [(c.type, c.function.name, c.function.arguments) for c in calls] == [
+            ("function", name, args) for name, args in expected[1]]
+        assert all(c.id.startswith("call_") for c in calls)
+    wait_pools_whole()
