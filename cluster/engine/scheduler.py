@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from cluster.errors import QueueFullError
 from cluster.engine.fair_queue import FairQueue
 from cluster.engine.kv_cache import KVCacheManager
-from cluster.engine.kv_cache.manager import cdiv
+from cluster.engine.kv_cache.manager import NO_PREFIX, cdiv
 from cluster.engine.request import Request, RequestStatus
 
 
@@ -231,7 +231,7 @@ class Scheduler:
                     over_budget.add(tenant)
                     continue
             # prompt logprobs need every prompt position's logits: nothing is taken from the cache
-            cached = [] if req.prompt_logprobs is not None else self.kv.find_cached_prefix(req)
+            cached = NO_PREFIX if req.prompt_logprobs is not None else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, cached):
