@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.engine.config import EngineOptions
+from cluster.errors import InvalidRequestError
 
 
 class _Strict(BaseModel):
@@ -257,6 +258,11 @@ class IngressLimits(_Strict):
         4 * 2**20, ge=1024, description="gRPC request message size. Serve's gRPC proxy reads it only from "
         "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE in its environment (`pdserve up` sets it for the Ray it starts; "
         "a cluster sets it on its nodes); the ingress refuses larger messages itself too")
+
+    def check_choices(self, n: int) -> None:
+        """OpenAI's `n` (HTTP) and GenerateRequest.n (gRPC): one bound, one message."""
+        if not 1 <= n <= self.max_choices:
+            raise InvalidRequestError("n", f"must be in [1, {self.max_choices}] (max_choices), got {n}")
 
 
 class FaultToleranceOptions(_Strict):
