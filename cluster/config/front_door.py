@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from cluster.config.common import Strict
+from cluster.errors import InvalidRequestError
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -104,6 +105,11 @@ class IngressLimits(Strict):
         4 * 2**20, ge=1024, description="gRPC request message size. Serve's gRPC proxy reads it only from "
         "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE in its environment (`pdserve up` sets it for the Ray it starts; "
         "a cluster sets it on its nodes); the ingress refuses larger messages itself too")
+
+    def check_choices(self, n: int) -> None:
+        """OpenAI's `n` (HTTP) and GenerateRequest.n (gRPC): one bound, one message."""
+        if not 1 <= n <= self.max_choices:
+            raise InvalidRequestError("n", f"must be in [1, {self.max_choices}] (max_choices), got {n}")
 
 
 class AuditOptions(Strict):

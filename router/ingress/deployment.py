@@ -22,8 +22,11 @@ from router.ingress.audit_actor import get_audit_writer
 from router.ingress.budget import Budget
 from router.ingress.budget_actor import get_ledger
 from router.ingress.flow import RequestFlow
-from router.ingress.grpc_api import delta_to_proto, fail, prompt_from_proto, sampling_from_proto
+from router.ingress.grpc_api import (ToolOutput, chat_tools_from_proto, delta_to_proto, fail, interleave,
+                                     prompt_from_proto, sampling_from_proto, shaped, with_tools)
+from router.ingress.openai_schema import ToolUse, tool_use
 from router.ingress.openai_api import TIMEOUT_HEADER, bind_replica, build_openai_app, parse_deadline
+from router.ingress.openai_api import _start_choices as start_choices
 from router.ingress.session import SESSION_HEADER, session_key
 from router.ingress import probes
 from router.ingress.status import Code, ServingError
@@ -99,6 +102,7 @@ class Ingress:
     # ---- gRPC: pdserve.v1.Generation -------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context):  # noqa: N802 — the RPC's name
+        use = ToolUse()
         try:
             metadata = dict(grpc_context.invocation_metadata())
             tenant = self.flow.authorize(metadata.get("authorization"), request.model)
@@ -113,11 +117,32 @@ class Ingress:
             self.config.engine.limits.check_counts(len(request.sampling.stop), len(request.sampling.stop_token_ids))
             sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens, self.flow.validator,
                                            self.flow.sampling_defaults)
-            async for delta in self.flow.generate(prompt, ids, sampling, request.request_id or None,
-                                                  tenant=tenant, deadline=deadline, messages=messages,
-                                                  session=session):
-                yield delta_to_proto(delta)
+            tool_req = None if messages is None else chat_tools_from_proto(
+                request.chat, request.sampling, self.flow.validator.limits.max_schema_bytes)
+            if tool_req is not None:
+                use = tool_use(tool_req, self.config.tool_call_parser)
+                sampling = with_tools(sampling, tool_req, use, self.flow.validator)
+            tools = [t.model_dump(exclude_none=True) for t in tool_req.tools] if use.active else None
+            n = request.n if request.HasField("n") else 1
+            limits.check_choices(n)
+            shapers = [ToolOutput(use) if use.active else None for _ in range(n)]
+            if n == 1:
+                async for delta in self.flow.generate(prompt, ids, sampling, request.request_id or None,
+                                                      tenant=tenant, deadline=deadline, messages=messages,
+                                                      tools=tools, session=session):
+                    yield shaped(shapers[0], delta_to_proto(delta), delta)
+                return
+            if request.request_id:  # it labels the replies (each choice's request has its own id)
+                self.flow.validator.check_request_id(request.request_id)
+            # as /v1/chat/completions' n: each choice a request, labelled here with one id
+            choices = await start_choices(self.flow, n, prompt, ids, sampling, tenant, deadline, messages,
+                                          tools=tools, session=session)
+            label = request.request_id or choices[0][1].request_id
+            async for i, delta in interleave(choices):
+                yield shaped(shapers[i], delta_to_proto(delta, i, label), delta)
         except (InvalidRequestError, ServingError) as e:
+            if isinstance(e, InvalidRequestError) and use.forced is not None and e.field == "response_format":
+                e = InvalidRequestError("tools", e.message)  # the tools' grammar: name what the client sent
             raise fail(grpc_context, e) from e
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context) -> pb.ListModelsResponse:  # noqa: N802

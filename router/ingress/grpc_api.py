@@ -3,9 +3,13 @@ and in the CLI client only."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from dataclasses import replace
+from typing import AsyncIterator
 
 import grpc
+from pydantic import ValidationError
 
 from cluster.engine.outputs import FinishReason
 from cluster.engine.sampling_params import SamplingParams
@@ -13,6 +17,9 @@ from cluster.engine.validation import RequestValidator
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.ingress.flow import Delta
+from router.ingress.openai_api import _tool_result
+from router.ingress.openai_schema import MAX_TOOLS, ChatRequest, ToolUse, tool_schema
+from router.ingress.tool_parser import ToolCallStream, openai_tool_calls
 from router.ingress.status import Code, ServingError, retry_after_seconds
 
 FINISH = {  # the finish reasons a client sees (deadline and rejected become status codes)
@@ -75,9 +82,48 @@ def prompt_from_proto(req: "pb.GenerateRequest", max_chat_messages: int) -> tupl
     raise InvalidRequestError("prompt", "set text, token_ids or chat")
 
 
-def delta_to_proto(d: Delta) -> "pb.GenerateResponse":
-    resp = pb.GenerateResponse(request_id=d.request_id, text=d.text, token_ids=d.token_ids,
-                               finish_reason=FINISH[d.finish_reason])
+async def interleave(choices) -> AsyncIterator[tuple[int, Delta]]:
+    """The n choices' deltas as they come, each with its choice's index (every first delta
+    first, in order). A failure of one choice raises here; every choice is stopped at its
+    source when this ends, the client's going away included."""
+    for i, (_, first) in enumerate(choices):
+        yield i, first
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream):
+        try:
+            async for d in stream:
+                await queue.put((i, d))
+            await queue.put((i, None))
+        except Exception as e:  # noqa: BLE001 — handed to the consumer, which raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, (s, _) in enumerate(choices)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s, _ in choices:
+            try:
+                await s.aclose()  # the flow's cleanup: cancels the request on both legs
+            except Exception:  # noqa: BLE001 — a stream that already failed has nothing to close
+                pass
+
+
+def delta_to_proto(d: Delta, index: int = 0, request_id: str | None = None) -> "pb.GenerateResponse":
+    """`request_id`: the reply's label when n > 1 (every choice answers under one id)."""
+    resp = pb.GenerateResponse(request_id=request_id or d.request_id, text=d.text, token_ids=d.token_ids,
+                               finish_reason=FINISH[d.finish_reason], index=index)
     for lp in d.logprobs or ():
         resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
@@ -111,3 +157,92 @@ def fail(grpc_context, error: InvalidRequestError | ServingError) -> GrpcAbort:
     grpc_context.set_code(status)
     grpc_context.set_details(details)
     return GrpcAbort(details, status)
+
+
+def chat_tools_from_proto(chat: "pb.Chat", sampling: "pb.SamplingParams", max_schema_bytes: int) -> ChatRequest | None:
+    """Chat.tools, tool_choice and parallel_tool_calls as /v1/chat/completions' fields, so both
+    edges check them with one code (openai_schema.tool_use) and the same limits; None: no tool
+    field is set. The count and each schema's size are checked before anything is parsed."""
+    if not chat.tools and not chat.tool_choice and not chat.function_name and not chat.HasField("parallel_tool_calls"):
+        return None
+    if len(chat.tools) > MAX_TOOLS:
+        raise InvalidRequestError("tools", f"has {len(chat.tools)} tools; at most {MAX_TOOLS} are accepted")
+    tools = []
+    for i, t in enumerate(chat.tools):
+        function = {"name": t.name, "strict": t.strict} | ({"description": t.description} if t.description else {})
+        if t.parameters:
+            if (size := len(t.parameters.encode())) > max_schema_bytes:
+                raise InvalidRequestError(f"tools.{i}.parameters", f"has {size} bytes; at most {max_schema_bytes} "
+                                                                   "are accepted")
+            try:
+                function["parameters"] = json.loads(t.parameters)
+            except (ValueError, RecursionError):
+                raise InvalidRequestError(f"tools.{i}.parameters", "is not JSON text, or nests too deep") from None
+        tools.append({"type": "function", "function": function})
+    if chat.tool_choice == "function":
+        choice = {"type": "function", "function": {"name": chat.function_name}}
+    elif chat.function_name:
+        raise InvalidRequestError("function_name", 'goes with tool_choice "function" only')
+    else:
+        choice = chat.tool_choice or None
+    body = {"messages": [{"role": "user"}], "tools": tools or None, "tool_choice": choice,
+            "parallel_tool_calls": chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else None,
+            "response_format": ({"type": sampling.response_format.type or "text"}
+                                if sampling.HasField("response_format") else None)}
+    try:
+        return ChatRequest.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(p) for p in err["loc"] if p != "function"]  # tools.0.function.name -> tools.0.name
+        field = "tool_choice" if loc[:1] == ["tool_choice"] else ".".join(loc) or "chat"
+        raise InvalidRequestError(field, err["msg"]) from None
+
+
+class ToolOutput:
+    """One choice's responses when it uses tools: text passes (auto: until a call may begin), a
+    call is held and sent whole on the last response, whose finish reason is then TOOL_CALLS
+    (as OpenAI's; a named function's call ends STOP). The same shaping as the OpenAI stream."""
+
+    def __init__(self, use: ToolUse):
+        self.use = use
+        self.auto = ToolCallStream(use.parser, use.names, use.parallel) if use.parser is not None else None
+        self.held = ""
+
+    def shape(self, resp: "pb.GenerateResponse", finish: FinishReason | None) -> "pb.GenerateResponse":
+        if self.auto is not None:
+            resp.text = self.auto.feed(resp.text)
+            if finish is not None:
+                rest, calls = self.auto.finish(stopped=finish == FinishReason.STOP)
+                resp.text += rest
+                self._calls(resp, openai_tool_calls(calls))
+            return resp
+        self.held += resp.text
+        resp.text = ""
+        if finish is not None:
+            calls, content, reason = _tool_result(self.use, self.held, finish.value)
+            resp.text = content or ""
+            self._calls(resp, calls or [], reason)
+        return resp
+
+    @staticmethod
+    def _calls(resp, calls: list[dict], reason: str = "tool_calls") -> None:
+        for c in calls:
+            resp.tool_calls.add(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+        if calls:
+            resp.finish_reason = pb.FINISH_REASON_TOOL_CALLS if reason == "tool_calls" else pb.FINISH_REASON_STOP
+
+
+def with_tools(sp: SamplingParams, req: ChatRequest, use: ToolUse, validator: RequestValidator) -> SamplingParams:
+    """A forced call's grammar as the request's response_format (as to_sampling_params does)."""
+    if use.forced is None:
+        return sp
+    if sp.ignore_eos:
+        raise InvalidRequestError("tool_choice", "a forced tool call cannot be combined with ignore_eos")
+    try:
+        return replace(sp, response_format=validator.response_format("json_schema", *tool_schema(req, use)))
+    except InvalidRequestError as e:
+        raise InvalidRequestError("tools", e.message) from e
+
+
+def shaped(shaper: "ToolOutput | None", resp: "pb.GenerateResponse", d: Delta) -> "pb.GenerateResponse":
+    return resp if shaper is None else shaper.shape(resp, d.finish_reason)

@@ -198,8 +198,7 @@ def build_openai_app() -> FastAPI:
                 prompt, ids = _completion_prompt(body)
             stop = body.stop if isinstance(body.stop, list) else ()
             flow.config.engine.limits.check_counts(len(stop), len(body.stop_token_ids or ()))
-            if not 1 <= body.n <= limits.max_choices:
-                raise InvalidRequestError("n", f"must be in [1, {limits.max_choices}] (max_choices), got {body.n}")
+            limits.check_choices(body.n)
             try:
                 sp = to_sampling_params(body, flow.config.default_max_tokens, flow.validator, flow.sampling_defaults,
                                         use)

@@ -12,7 +12,10 @@ from protos.pdserve.v1 import generation_pb2 as pb
 from cluster.engine.outputs import TokenLogprob
 from router.ingress.flow import Delta, RequestFlow
 from cluster.engine.grammar import ResponseFormat
-from router.ingress.grpc_api import delta_to_proto, prompt_from_proto, sampling_from_proto
+from cluster.engine.outputs import FinishReason
+from router.ingress.grpc_api import (ToolOutput, chat_tools_from_proto, delta_to_proto, prompt_from_proto,
+                                     sampling_from_proto, with_tools)
+from router.ingress.openai_schema import tool_use
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +143,117 @@ def test_logprobs_travel_in_the_response():
     assert [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in resp.logprobs] == [
         (97, -1.25, [(97, -1.25), (5, -2.5)]), (98, -0.5, [(98, -0.5), (6, -3.0)])]
     assert list(delta_to_proto(Delta("r", "a", [97])).logprobs) == []
+
+
+def test_n_choices_interleave_with_their_index_and_a_failure_stops_the_others():
+    import asyncio
+
+    from router.ingress.grpc_api import interleave
+    from router.ingress.status import Code, ServingError
+
+    closed = []
+
+    async def stream(i: int, texts: list[str], fail: bool = False):
+        try:
+            for t in texts:
+                yield Delta(f"r{i}", t, [])
+            if fail:
+                raise ServingError(Code.ABORTED, "replica lost")
+            await asyncio.Event().wait()  # runs until stopped
+        finally:
+            closed.append(i)
+
+    async def run():
+        streams = [stream(0, ["a", "b"]), stream(1, ["c", "d"], fail=True)]
+        choices = [(s, await anext(s)) for s in streams]
+        got = []
+        try:
+            async for i, d in interleave(choices):
+                got.append((i, d.text))
+        except ServingError as e:
+            got.append(e.message)
+        return got
+
+    got = asyncio.run(run())
+    assert got[:2] == [(0, "a"), (1, "c")] and sorted(got[2:4]) == [(0, "b"), (1, "d")] and got[4:] == ["replica lost"]
+    assert sorted(closed) == [0, 1]
+
+
+# ---- tools: Chat.tools, tool_choice, parallel_tool_calls; calls in GenerateResponse.tool_calls ----
+
+def _tools_chat(**kw) -> pb.Chat:
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")], **kw)
+    return chat
+
+
+F = pb.Tool(name="f", parameters='{"type": "object"}')
+
+
+@pytest.mark.parametrize("chat, field, message", [
+    (_tools_chat(tools=[F] * 129), "tools", "has 129 tools; at most 128 are accepted"),
+    (_tools_chat(tools=[pb.Tool(name="no spaces")]), "tools.0.name", "String should match pattern '^[A-Za-z0-9_-]{1,64}$'"),
+    (_tools_chat(tools=[pb.Tool(name="f", parameters="{")]), "tools.0.parameters", "is not JSON text, or nests too deep"),
+    (_tools_chat(tools=[pb.Tool(name="f", parameters=" " * 32769)]), "tools.0.parameters",
+     "has 32769 bytes; at most 32768 are accepted"),
+    (_tools_chat(tools=[F], tool_choice="maybe"), "tool_choice", "Input should be 'none', 'auto' or 'required'"),
+    (_tools_chat(tools=[F], function_name="f"), "function_name", 'goes with tool_choice "function" only'),
+])
+def test_bad_tool_fields_name_the_field(chat, field, message):
+    with pytest.raises(InvalidRequestError) as e:
+        chat_tools_from_proto(chat, pb.SamplingParams(), 32768)
+    assert (e.value.field, e.value.message) == (field, message)
+
+
+@pytest.mark.parametrize("chat, parser, field, message", [
+    (_tools_chat(tools=[F]), "none", "tool_choice", "needs a tool-call parser"),
+    (_tools_chat(tool_choice="required"), "none", "tool_choice", "needs tools"),
+    (_tools_chat(tools=[F], tool_choice="function", function_name="g"), "none", "tool_choice",
+     "names function 'g', which is not in tools"),
+    (_tools_chat(tools=[F, F], tool_choice="required"), "none", "tools", "two tools have the same function name"),
+])
+def test_tool_choices_are_checked_as_over_http(chat, parser, field, message):
+    with pytest.raises(InvalidRequestError) as e:
+        tool_use(chat_tools_from_proto(chat, pb.SamplingParams(), 32768), parser)
+    assert e.value.field == field and message in e.value.message
+
+
+def test_a_forced_call_becomes_the_requests_grammar(tiny_flow):
+    req = chat_tools_from_proto(_tools_chat(tools=[F], tool_choice="function", function_name="f"),
+                                pb.SamplingParams(), 32768)
+    use = tool_use(req)
+    assert (use.forced, use.name) == ("named", "f")
+    sp = with_tools(sampling_from_proto(pb.SamplingParams(), 16, tiny_flow.validator), req, use, tiny_flow.validator)
+    assert sp.response_format == tiny_flow.validator.response_format("json_schema", {"type": "object"}, False)
+    with pytest.raises(InvalidRequestError) as e:
+        with_tools(sampling_from_proto(pb.SamplingParams(ignore_eos=True), 16, tiny_flow.validator), req, use,
+                   tiny_flow.validator)
+    assert (e.value.field, e.value.message) == ("tool_choice", "a forced tool call cannot be combined with ignore_eos")
+    assert chat_tools_from_proto(_tools_chat(), pb.SamplingParams(), 32768) is None
+
+
+def _shape(use, deltas):
+    out = ToolOutput(use)
+    return [out.shape(delta_to_proto(d), d.finish_reason) for d in deltas]
+
+
+def test_auto_calls_are_text_until_an_opener_then_one_tool_calls_response():
+    use = tool_use(chat_tools_from_proto(_tools_chat(tools=[F]), pb.SamplingParams(), 32768), "hermes")
+    got = _shape(use, [Delta("r", "Sure.\n<tool", []), Delta("r", '_call>{"name": "f", "arguments": {"a": 1}}', []),
+                       Delta("r", "</tool_call>", [], finish_reason=FinishReason.STOP)])
+    assert [r.text for r in got] == ["Sure.", "", ""]
+    assert [(c.name, c.arguments) for c in got[-1].tool_calls] == [("f", '{"a":1}')]
+    assert got[-1].tool_calls[0].id.startswith("call_") and got[-1].finish_reason == pb.FINISH_REASON_TOOL_CALLS
+    plain = _shape(use, [Delta("r", "Hi <tool", []), Delta("r", "box>", [], finish_reason=FinishReason.STOP)])
+    assert [(r.text, len(r.tool_calls), r.finish_reason) for r in plain] == [
+        ("Hi", 0, pb.FINISH_REASON_UNSPECIFIED), (" <toolbox>", 0, pb.FINISH_REASON_STOP)]
+
+
+def test_a_forced_call_is_held_and_sent_whole():
+    use = tool_use(chat_tools_from_proto(_tools_chat(tools=[F], tool_choice="function", function_name="f"),
+                                         pb.SamplingParams(), 32768))
+    got = _shape(use, [Delta("r", '{"a"', []), Delta("r", ": 1}", [], finish_reason=FinishReason.STOP)])
+    assert [r.text for r in got] == ["", ""]
+    assert [(c.name, c.arguments) for c in got[-1].tool_calls] == [("f", '{"a": 1}')]
+    assert got[-1].finish_reason == pb.FINISH_REASON_STOP  # a named function's call ends STOP, as OpenAI's
+    cut = _shape(use, [Delta("r", '{"a"', [], finish_reason=FinishReason.LENGTH)])
+    assert [(r.text, len(r.tool_calls), r.finish_reason) for r in cut] == [('{"a"', 0, pb.FINISH_REASON_LENGTH)]

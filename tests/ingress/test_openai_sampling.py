@@ -252,3 +252,43 @@ def test_n_outside_its_limit_is_400_naming_it(client, n):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=n)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
     assert e.value.body["message"] == f"n: must be in [1, 8] (max_choices), got {n}"
+
+
+def grpc_choices(server, n: int, **sampling) -> tuple[set[str], list[list[int]], list[str], list[tuple]]:
+    """Over real gRPC: the replies' request ids, each choice's tokens and text, and each choice's
+    last response (index, finish reason, completion tokens)."""
+    with grpc_stub(server) as stub:
+        responses = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), n=n, sampling=pb.SamplingParams(
+            max_tokens=N, ignore_eos=True, **sampling)), timeout=60))
+    tokens, texts, ends = [[] for _ in range(n)], [""] * n, []
+    for r in responses:
+        tokens[r.index] += r.token_ids
+        texts[r.index] += r.text
+        if r.finish_reason:
+            ends.append((r.index, r.finish_reason, r.usage.completion_tokens))
+    return {r.request_id for r in responses}, tokens, texts, sorted(ends)
+
+
+def test_n_over_grpc_greedy_equals_the_reference_and_seeded_equals_http(server, client, tiny_model):
+    """GenerateRequest.n: greedy, every choice is the reference; sampled with a seed, choice i is
+    the HTTP request with seed + i."""
+    expected = reference_greedy(tiny_model, PROMPT, SamplingParams(max_tokens=N, temperature=0), N)
+    ids, tokens, _, ends = grpc_choices(server, 3, temperature=0)
+    assert tokens == [expected] * 3 and len(ids) == 1
+    assert ends == [(i, pb.FINISH_REASON_LENGTH, N) for i in range(3)]
+
+    singles = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=1.0, seed=40 + i,
+                                         extra_body={"ignore_eos": True}).choices[0].text for i in range(3)]
+    assert len(set(singles)) > 1
+    _, _, texts, _ = grpc_choices(server, 3, temperature=1.0, seed=40)
+    assert texts == singles
+    wait_pools_whole()
+
+
+@pytest.mark.parametrize("n", [0, 9])
+def test_n_outside_its_limit_over_grpc_is_invalid_argument_naming_it(server, n):
+    with grpc_stub(server) as stub:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), n=n), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == f"n: must be in [1, 8] (max_choices), got {n}"

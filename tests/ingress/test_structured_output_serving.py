@@ -205,3 +205,37 @@ def test_tool_choice_auto_parses_the_models_calls_and_passes_text_through(server
             ("function", name, args) for name, args in expected[1]]
         assert all(c.id.startswith("call_") for c in calls)
     wait_pools_whole()
+
+
+def grpc_chat(server, ask: str, **chat) -> list:
+    with grpc_stub(server) as stub:
+        return list(stub.Generate(pb.GenerateRequest(
+            chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=ask)], **chat),
+            sampling=pb.SamplingParams(max_tokens=N, temperature=0)), timeout=60))
+
+
+def test_tools_over_grpc_equal_the_http_path(server, engine):
+    """Chat.tools over real gRPC: "auto" (the hermes parser) turns SmolLM2's call into
+    GenerateResponse.tool_calls after the text before it, finish TOOL_CALLS; a named function's
+    call is its grammar-forced arguments, sent whole on the last response, finish STOP."""
+    weather = pb.Tool(name="get_weather", parameters='{"type": "object"}')
+    responses = grpc_chat(server, ECHO_CALL, tools=[weather])
+    assert "".join(r.text for r in responses) == "Repeat exactly:"
+    assert [(c.name, c.arguments) for r in responses for c in r.tool_calls] == [("get_weather", '{"city":"Paris"}')]
+    assert [r.finish_reason for r in responses if r.finish_reason] == [pb.FINISH_REASON_TOOL_CALLS]
+
+    color = pb.Tool(name="set_color", description="Set a color and a digit.", parameters=json.dumps(COLOR), strict=True)
+    person = pb.Tool(name="add_person", parameters=json.dumps(PERSON), strict=True)
+    responses = grpc_chat(server, ASK["color"], tools=[color, person], tool_choice="function", function_name="set_color")
+    assert "".join(r.text for r in responses) == ""
+    assert [(c.name, c.arguments) for r in responses for c in r.tool_calls] == [
+        ("set_color", tool_reference(engine, ASK["color"], COLOR))]
+    assert [r.finish_reason for r in responses if r.finish_reason] == [pb.FINISH_REASON_STOP]
+    wait_pools_whole()
+
+
+def test_a_bad_tool_over_grpc_is_invalid_argument_naming_it(server):
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_chat(server, "hi", tools=[pb.Tool(name="f", parameters="{")])
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "tools.0.parameters: is not JSON text, or nests too deep"
