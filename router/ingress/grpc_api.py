@@ -17,7 +17,7 @@ from cluster.engine.validation import RequestValidator
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.ingress.flow import Delta
-from router.ingress.openai_api import _tool_result
+from router.ingress.choices import tool_result
 from router.ingress.openai_schema import MAX_TOOLS, ChatRequest, ToolUse, tool_schema
 from router.ingress.tool_parser import ToolCallStream, openai_tool_calls
 from router.ingress.status import Code, ServingError, retry_after_seconds
@@ -219,7 +219,7 @@ class ToolOutput:
         self.held += resp.text
         resp.text = ""
         if finish is not None:
-            calls, content, reason = _tool_result(self.use, self.held, finish.value)
+            calls, content, reason = tool_result(self.use, self.held, finish.value)
             resp.text = content or ""
             self._calls(resp, calls or [], reason)
         return resp
