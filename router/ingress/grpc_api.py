@@ -34,7 +34,7 @@ def sampling_from_proto(sp: "pb.SamplingParams", default_max_tokens: int, valida
     """`defaults`: the model's sampling defaults (RequestFlow.sampling_defaults) for unset fields."""
     kw = {**(defaults or {}), "max_tokens": sp.max_tokens if sp.HasField("max_tokens") else default_max_tokens}
     for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_p", "logprobs"):
+                 "repetition_penalty", "min_p", "logprobs", "prompt_logprobs"):
         if sp.HasField(name):
             kw[name] = getattr(sp, name)
     if sp.HasField("max_tokens") and sp.max_tokens == 0:
@@ -120,13 +120,18 @@ async def interleave(choices) -> AsyncIterator[tuple[int, Delta]]:
                 pass
 
 
+def _token_logprob(lp) -> "pb.TokenLogprob":
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
 def delta_to_proto(d: Delta, index: int = 0, request_id: str | None = None) -> "pb.GenerateResponse":
     """`request_id`: the reply's label when n > 1 (every choice answers under one id)."""
     resp = pb.GenerateResponse(request_id=request_id or d.request_id, text=d.text, token_ids=d.token_ids,
                                finish_reason=FINISH[d.finish_reason], index=index)
-    for lp in d.logprobs or ():
-        resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
-                          top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    resp.logprobs.extend(_token_logprob(lp) for lp in d.logprobs or ())
+    if d.prompt_logprobs:  # the first prompt token has none
+        resp.prompt_logprobs.extend(_token_logprob(lp) for lp in d.prompt_logprobs[1:])
     if d.finish_reason is not None:
         resp.usage.CopyFrom(pb.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
                                      cached_prompt_tokens=d.cached_prompt_tokens,

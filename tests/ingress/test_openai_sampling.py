@@ -186,6 +186,25 @@ def test_a_bad_value_over_grpc_is_invalid_argument(server):
     assert e.value.details() == "logprobs: asks for 21 top logprobs; at most 20 are accepted"
 
 
+def test_grpc_prompt_logprobs_equal_transformers_and_come_once(server, tiny_model):
+    with grpc_stub(server) as stub:
+        replies = list(stub.Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(
+                max_tokens=N, temperature=0, ignore_eos=True, prompt_logprobs=3)), timeout=60))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(prompt_logprobs=21)), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "prompt_logprobs: asks for 21 top logprobs; at most 20 are accepted"
+    assert [len(r.prompt_logprobs) for r in replies] == [len(PROMPT) - 1] + [0] * (len(replies) - 1)
+    ref = hf_prompt_logprobs(tiny_model, PROMPT, 3)[1:]
+    for i, (got, (lp, top)) in enumerate(zip(replies[0].prompt_logprobs, ref)):
+        assert got.token_id == PROMPT[i + 1] and abs(got.logprob - lp) < 1e-4, i
+        assert [t.token_id for t in got.top] == [t for t, _ in top], i
+        assert max(abs(t.logprob - v) for t, (_, v) in zip(got.top, top)) < 1e-4, i
+    wait_pools_whole()
+
+
 def test_n_choices_greedy_equal_the_reference_and_usage_bills_the_prompt_once(client, tiny_model, tok):
     expected = tok.decode(reference_greedy(tiny_model, PROMPT, SamplingParams(max_tokens=N, temperature=0), N))
     got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0, n=3,
