@@ -18,7 +18,7 @@ from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.ingress.flow import Delta
 from router.ingress.choices import tool_result
-from router.ingress.openai_schema import MAX_TOOLS, ChatRequest, ToolUse, tool_schema
+from router.ingress.openai_schema import MAX_TOOLS, ChatMessage, ChatRequest, ToolUse, check_messages, tool_schema
 from router.ingress.tool_parser import ToolCallStream, openai_tool_calls
 from router.ingress.status import Code, ServingError, retry_after_seconds
 
@@ -78,8 +78,31 @@ def prompt_from_proto(req: "pb.GenerateRequest", max_chat_messages: int) -> tupl
         n = len(req.chat.messages)
         if n > max_chat_messages:
             raise InvalidRequestError("messages", f"has {n} messages; at most {max_chat_messages} are accepted")
-        return None, None, [{"role": m.role, "content": m.content} for m in req.chat.messages]
+        return None, None, _chat_messages(req.chat.messages)
     raise InvalidRequestError("prompt", "set text, token_ids or chat")
+
+
+def _chat_messages(messages) -> list[dict]:
+    """Chat messages as the template sees them, a call and its result in the history included,
+    checked as /v1/chat/completions checks its messages (openai_schema.ChatMessage and
+    check_messages: the same caps, errors naming messages.<i>.<field>)."""
+    out, parsed = [], []
+    for i, m in enumerate(messages):
+        d = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                               for c in m.tool_calls]
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        try:
+            parsed.append(ChatMessage.model_validate(d))
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"] if p != "function")
+            raise InvalidRequestError(f"messages.{i}.{loc}", err["msg"]) from None
+        out.append(d)
+    check_messages(parsed)
+    return out
 
 
 async def interleave(choices) -> AsyncIterator[tuple[int, Delta]]:

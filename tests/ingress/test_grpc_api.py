@@ -54,6 +54,45 @@ def test_refusals_name_the_field(req, field, message):
     assert (e.value.field, e.value.message) == (field, message)
 
 
+def _history() -> pb.GenerateRequest:
+    req = pb.GenerateRequest()
+    req.chat.messages.add(role="user", content="Weather in Paris?")
+    call = req.chat.messages.add(role="assistant", content="")
+    call.tool_calls.add(id="call_1", name="weather", arguments='{"city":"Paris"}')
+    req.chat.messages.add(role="tool", content="18 C", tool_call_id="call_1")
+    return req
+
+
+def test_a_call_and_its_result_in_the_history_reach_the_template_as_over_http():
+    from router.ingress.openai_api import _message
+    from router.ingress.openai_schema import ChatMessage
+
+    http = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}]},
+            {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}]
+    expected = [_message(ChatMessage.model_validate(m), i) for i, m in enumerate(http)]
+    assert prompt_from_proto(_history(), 8) == (None, None, expected)
+
+
+@pytest.mark.parametrize("edit, field, message", [
+    (lambda r: r.chat.messages[2].ClearField("tool_call_id"), "messages.2.tool_call_id",
+     "a tool message needs the id of the call it answers"),
+    (lambda r: r.chat.messages[0].tool_calls.add(id="c", name="f", arguments="{}"), "messages.0.tool_calls",
+     "only an assistant message has tool_calls"),
+    (lambda r: setattr(r.chat.messages[1].tool_calls[0], "id", "x" * 65), "messages.1.tool_calls.0.id",
+     "String should have at most 64 characters"),
+    (lambda r: setattr(r.chat.messages[0], "tool_call_id", "call_1"), "messages.0.tool_call_id",
+     "only a tool message has a tool_call_id"),
+])
+def test_history_refusals_name_the_field_as_over_http(edit, field, message):
+    req = _history()
+    edit(req)
+    with pytest.raises(InvalidRequestError) as e:
+        prompt_from_proto(req, 8)
+    assert (e.value.field, e.value.message) == (field, message)
+
+
 def test_an_empty_chat_is_refused(flow):
     with pytest.raises(InvalidRequestError) as e:
         flow.chat_ids([])

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/generation.proto\x12\npdserve.v1\"\xb0\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\x05min_p\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x33\n\x0fresponse_format\x18\x0f \x01(\x0b\x32\x1a.pdserve.v1.ResponseFormat\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"C\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"M\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"\xb8\x01\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.pdserve.v1.Tool\x12\x13\n\x0btool_choice\x18\x03 \x01(\t\x12\x15\n\rfunction_name\x18\x05 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xf1\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x07 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x0e\n\x01n\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06promptB\x04\n\x02_n\"s\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x1a\n\x12response_cache_hit\x18\x04 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xb2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r\x12(\n\ntool_calls\x18\x08 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo*\xd5\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12 \n\x1c\x46INISH_REASON_CONTENT_FILTER\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x06\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/generation.proto\x12\npdserve.v1\"\xb0\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\x05min_p\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x33\n\x0fresponse_format\x18\x0f \x01(\x0b\x32\x1a.pdserve.v1.ResponseFormat\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"C\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"M\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"\xb8\x01\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.pdserve.v1.Tool\x12\x13\n\x0btool_choice\x18\x03 \x01(\t\x12\x15\n\rfunction_name\x18\x05 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xf1\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12 \n\x04\x63hat\x18\x07 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x0e\n\x01n\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06promptB\x04\n\x02_n\"s\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x1a\n\x12response_cache_hit\x18\x04 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xb2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r\x12(\n\ntool_calls\x18\x08 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"B\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo*\xd5\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12 \n\x1c\x46INISH_REASON_CONTENT_FILTER\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x06\x32\xa2\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2162
-  _globals['_FINISHREASON']._serialized_end=2375
+  _globals['_FINISHREASON']._serialized_start=2226
+  _globals['_FINISHREASON']._serialized_end=2439
   _globals['_SAMPLINGPARAMS']._serialized_start=51
   _globals['_SAMPLINGPARAMS']._serialized_end=739
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=522
@@ -44,29 +44,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=810
   _globals['_TOKENIDS']._serialized_end=833
   _globals['_CHATMESSAGE']._serialized_start=835
-  _globals['_CHATMESSAGE']._serialized_end=879
-  _globals['_TOOL']._serialized_start=881
-  _globals['_TOOL']._serialized_end=958
-  _globals['_CHAT']._serialized_start=961
-  _globals['_CHAT']._serialized_end=1145
-  _globals['_TOOLCALL']._serialized_start=1147
-  _globals['_TOOLCALL']._serialized_end=1202
-  _globals['_GENERATEREQUEST']._serialized_start=1205
-  _globals['_GENERATEREQUEST']._serialized_end=1446
-  _globals['_USAGE']._serialized_start=1448
-  _globals['_USAGE']._serialized_end=1563
-  _globals['_TOPLOGPROB']._serialized_start=1565
-  _globals['_TOPLOGPROB']._serialized_end=1612
-  _globals['_TOKENLOGPROB']._serialized_start=1614
-  _globals['_TOKENLOGPROB']._serialized_end=1700
-  _globals['_GENERATERESPONSE']._serialized_start=1703
-  _globals['_GENERATERESPONSE']._serialized_end=2009
-  _globals['_LISTMODELSREQUEST']._serialized_start=2011
-  _globals['_LISTMODELSREQUEST']._serialized_end=2030
-  _globals['_MODELINFO']._serialized_start=2032
-  _globals['_MODELINFO']._serialized_end=2098
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2100
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2159
-  _globals['_GENERATION']._serialized_start=2378
-  _globals['_GENERATION']._serialized_end=2540
+  _globals['_CHATMESSAGE']._serialized_end=943
+  _globals['_TOOL']._serialized_start=945
+  _globals['_TOOL']._serialized_end=1022
+  _globals['_CHAT']._serialized_start=1025
+  _globals['_CHAT']._serialized_end=1209
+  _globals['_TOOLCALL']._serialized_start=1211
+  _globals['_TOOLCALL']._serialized_end=1266
+  _globals['_GENERATEREQUEST']._serialized_start=1269
+  _globals['_GENERATEREQUEST']._serialized_end=1510
+  _globals['_USAGE']._serialized_start=1512
+  _globals['_USAGE']._serialized_end=1627
+  _globals['_TOPLOGPROB']._serialized_start=1629
+  _globals['_TOPLOGPROB']._serialized_end=1676
+  _globals['_TOKENLOGPROB']._serialized_start=1678
+  _globals['_TOKENLOGPROB']._serialized_end=1764
+  _globals['_GENERATERESPONSE']._serialized_start=1767
+  _globals['_GENERATERESPONSE']._serialized_end=2073
+  _globals['_LISTMODELSREQUEST']._serialized_start=2075
+  _globals['_LISTMODELSREQUEST']._serialized_end=2094
+  _globals['_MODELINFO']._serialized_start=2096
+  _globals['_MODELINFO']._serialized_end=2162
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2164
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2223
+  _globals['_GENERATION']._serialized_start=2442
+  _globals['_GENERATION']._serialized_end=2604
 # @@protoc_insertion_point(module_scope)
