@@ -106,3 +106,37 @@ def tool_result(use: ToolUse, text: str, finish_reason: str | None) -> tuple[lis
                    "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
     # OpenAI: "tool_calls" when the model chose to call ("required"); "stop" for a named function
     return tool_calls, None, "tool_calls" if use.forced == "required" else "stop"
+
+
+async def interleave(choices) -> AsyncIterator[tuple[int, Delta]]:
+    """The n choices' deltas as they come, each with its choice's index (every first delta
+    first, in order). A failure of one choice raises here; every choice is stopped at its
+    source when this ends, the client's going away included."""
+    for i, (_, first) in enumerate(choices):
+        yield i, first
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream):
+        try:
+            async for d in stream:
+                await queue.put((i, d))
+            await queue.put((i, None))
+        except Exception as e:  # noqa: BLE001 — handed to the consumer, which raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, (s, _) in enumerate(choices)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await close_streams([s for s, _ in choices])

@@ -22,11 +22,11 @@ from router.ingress.audit_actor import get_audit_writer
 from router.ingress.budget import Budget
 from router.ingress.budget_actor import get_ledger
 from router.ingress.flow import RequestFlow
-from router.ingress.grpc_api import (ToolOutput, chat_tools_from_proto, delta_to_proto, fail, interleave,
+from router.ingress.grpc_api import (ToolOutput, chat_tools_from_proto, delta_to_proto, fail,
                                      prompt_from_proto, sampling_from_proto, shaped, with_tools)
 from router.ingress.openai_schema import ToolUse, tool_use
 from router.ingress.openai_api import TIMEOUT_HEADER, bind_replica, build_openai_app, parse_deadline
-from router.ingress.choices import start_choices
+from router.ingress.choices import interleave, start_choices
 from router.ingress.session import SESSION_HEADER, session_key
 from router.ingress import probes
 from router.ingress.status import Code, ServingError

@@ -3,10 +3,8 @@ and in the CLI client only."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import replace
-from typing import AsyncIterator
 
 import grpc
 from pydantic import ValidationError
@@ -103,44 +101,6 @@ def _chat_messages(messages) -> list[dict]:
         out.append(d)
     check_messages(parsed)
     return out
-
-
-async def interleave(choices) -> AsyncIterator[tuple[int, Delta]]:
-    """The n choices' deltas as they come, each with its choice's index (every first delta
-    first, in order). A failure of one choice raises here; every choice is stopped at its
-    source when this ends, the client's going away included."""
-    for i, (_, first) in enumerate(choices):
-        yield i, first
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream):
-        try:
-            async for d in stream:
-                await queue.put((i, d))
-            await queue.put((i, None))
-        except Exception as e:  # noqa: BLE001 — handed to the consumer, which raises it
-            await queue.put((i, e))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, (s, _) in enumerate(choices)]
-    try:
-        running = len(tasks)
-        while running:
-            i, item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for s, _ in choices:
-            try:
-                await s.aclose()  # the flow's cleanup: cancels the request on both legs
-            except Exception:  # noqa: BLE001 — a stream that already failed has nothing to close
-                pass
 
 
 def _token_logprob(lp) -> "pb.TokenLogprob":

@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from router.ingress.choices import Choice, close_streams, collect, tool_result
+from router.ingress.choices import Choice, close_streams, collect, interleave, tool_result
 from router.ingress.flow import Delta
 from router.ingress.openai_schema import ChatRequest, RequestBody, ToolUse
 from router.ingress.status import Code, ServingError, retry_after_seconds
@@ -178,40 +177,15 @@ async def sse(choices: list[Choice], rid, created, model, chat: bool, include_us
         return payload(i, head | {"content": text + rest}, d.finish_reason, lps)
 
     lasts = [first for _, first in choices]
-    for i, first in enumerate(lasts):
-        if (c := chunk(i, first, role=True)) is not None:
-            yield c
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[Delta]):
-        try:
-            async for d in stream:
-                await queue.put((i, d))
-            await queue.put((i, None))
-        except ServingError as e:
-            await queue.put((i, e))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, (s, _) in enumerate(choices)]
     failed = False
-    try:
-        running = len(tasks)
-        while running:
-            i, item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, ServingError):
-                failed = True
-                yield f"data: {json.dumps({'error': {'message': item.message, 'type': 'server_error', 'code': item.code.grpc_name}})}\n\n"
-                break
-            else:
-                lasts[i] = item
-                if (c := chunk(i, item)) is not None:
-                    yield c
-    finally:  # also when the client goes away: every choice stops at its source
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await close_streams([s for s, _ in choices])
+    try:  # closing this generator (the client went away) stops every choice at its source
+        async for i, d in interleave(choices):
+            lasts[i] = d
+            if (c := chunk(i, d, role=d is choices[i][1])) is not None:
+                yield c
+    except ServingError as e:
+        failed = True
+        yield f"data: {json.dumps({'error': {'message': e.message, 'type': 'server_error', 'code': e.code.grpc_name}})}\n\n"
     if include_usage and not failed and all(d.finish_reason is not None for d in lasts):
         last = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(lasts)}
         yield f"data: {json.dumps(last)}\n\n"

@@ -187,7 +187,7 @@ def test_logprobs_travel_in_the_response():
 def test_n_choices_interleave_with_their_index_and_a_failure_stops_the_others():
     import asyncio
 
-    from router.ingress.grpc_api import interleave
+    from router.ingress.choices import interleave
     from router.ingress.status import Code, ServingError
 
     closed = []
