@@ -15,6 +15,7 @@ from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from tests.reference import hf_greedy
+from tests.engine.test_block_pool import Req  # the manager's view of a request
 
 H = [bytes([i]) * 16 for i in range(20)]  # stand-in hashes for the tier's own tests
 
@@ -71,15 +72,6 @@ def test_load_copies_slots_into_device_blocks_and_refreshes_them():
     assert tier.stats.loaded == 2
     assert tier.reset() == 3 and tier.num_free == 4
     tier.check_invariants()
-
-
-class Req:
-    def __init__(self, rid, tokens):
-        self.request_id = rid
-        self.all_token_ids = list(tokens)
-        self.num_computed_tokens = 0
-        self.block_hashes = []
-        self.cache_salt = ""
 
 
 def run(kv: KVCacheManager, req: Req) -> list[int]:

@@ -4,15 +4,7 @@ come back exactly when released. Exact block ids and counts at every step (no to
 import pytest
 
 from cluster.engine.kv_cache import KVCacheManager
-
-
-class Req:
-    def __init__(self, rid, tokens):
-        self.request_id = rid
-        self.all_token_ids = list(tokens)
-        self.num_computed_tokens = 0
-        self.block_hashes = []
-        self.cache_salt = ""
+from tests.engine.test_block_pool import Req  # the manager's view of a request
 
 
 def counts(kv: KVCacheManager) -> tuple[int, int, int]:
