@@ -435,10 +435,11 @@ def test_a_missing_api_key_is_reported(cluster, tmp_path, capsys):
 def test_a_run_says_whether_the_load_generator_kept_up():
     from cluster.tools.loadgen.runner import RunOutcome
 
-    def outcome(lags_s):  # 100 requests due 10 ms apart, each sent `lag` after it was due
+    def outcome(lags_s, loop_lags_s=(0.002,) * 200):  # 100 requests due 10 ms apart, each sent `lag` after it was due
         recs = [RequestRecord(i, i, 0, arrival_at=i * 0.01, max_tokens=1, sent_at=i * 0.01 + lag)
                 for i, lag in enumerate(lags_s)]
-        return RunOutcome(recs, started_at=0.0, duration_s=2.0, planned=100, hit_time_bound=False, client_cpu_s=0.5)
+        return RunOutcome(recs, started_at=0.0, duration_s=2.0, planned=100, hit_time_bound=False, client_cpu_s=0.5,
+                          loop_lags_s=list(loop_lags_s))
 
     on_time = outcome([0.001] * 100)
     assert on_time.send_lag_s(99) == pytest.approx(0.001, abs=1e-12)
@@ -446,3 +447,7 @@ def test_a_run_says_whether_the_load_generator_kept_up():
     late = outcome([0.001] * 98 + [0.2, 0.3])  # two of a hundred left 200+ ms late: p99 is one of them
     assert late.send_lag_s(99) == pytest.approx(0.3, abs=1e-12) and late.kept_up() is False
     assert late.kept_up(max_lag_s=0.5)
+    # sent on time, but the loop woke 120 ms late twice in 200 ticks: responses waited in the socket
+    busy = outcome([0.001] * 100, [0.002] * 197 + [0.12, 0.12, 0.01])
+    assert busy.loop_lag_s(99) == pytest.approx(0.12, abs=1e-12) and busy.kept_up() is False
+    assert busy.loop_lag_s(50) == pytest.approx(0.002, abs=1e-12)

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +70,42 @@ def _prediction_error(http_port: int) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
 
 
+def _serve_pids() -> dict[str, int]:
+    """The app's processes by Ray's titles: every Serve replica, the proxy, the router."""
+    import psutil
+
+    found = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        title = " ".join(p.info["cmdline"] or [])
+        if "ServeReplica:pdserve:" in title:
+            name = title.split("ServeReplica:pdserve:", 1)[1].split()[0]
+            found[f"{name}[{p.info['pid']}]"] = p.info["pid"]
+        elif "ray::ProxyActor" in title:
+            found["proxy"] = p.info["pid"]
+        elif "ray::RouterActor" in title:
+            found["router"] = p.info["pid"]
+    return found
+
+
+def _cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each process, and each thread of an ingress, has used so far."""
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            t = proc.cpu_times()
+            out[name] = t.user + t.system
+            if name.startswith("ingress"):
+                for th in proc.threads():
+                    with contextlib.suppress(OSError):
+                        comm = Path(f"/proc/{pid}/task/{th.id}/comm").read_text().strip()
+                        key = f"  {name} thread {comm}"
+                        out[key] = out.get(key, 0.0) + th.user_time + th.system_time
+    return out
+
+
 def _meets(rec, slo_ttft_s: float, slo_tpot_s: float) -> bool:
     return rec.status == "ok" and rec.ttft_s <= slo_ttft_s and (rec.tpot_s is None or rec.tpot_s <= slo_tpot_s)
 
@@ -100,11 +138,11 @@ async def _run(address: str, key: str | None, rate_phases: list[tuple[float, flo
 def _client(outcome) -> dict:
     """The load generator's own figures: a run it could not keep up with measures nothing."""
     return {"client_cpu_cores": outcome.client_cpu_share, "send_lag_p99_ms": outcome.send_lag_s(99) * 1e3,
-            "kept_up": outcome.kept_up()}
+            "loop_lag_p99_ms": outcome.loop_lag_s(99) * 1e3, "kept_up": outcome.kept_up()}
 
 
 def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: float, slo_tpot_s: float,
-                profile=None) -> dict:
+                profile=None, only_arms=("sustainable", "unprotected", "protected")) -> dict:
     import cluster.app.builder as serve_app
 
     unprotected = base.model_copy(update={
@@ -118,6 +156,7 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
     # burst's goodput is held against (>= 50% of it)
     arms = {"sustainable": (protected, capacity), "unprotected": (unprotected, 10 * capacity),
             "protected": (protected, 10 * capacity)}
+    arms = {k: v for k, v in arms.items() if k in only_arms}
     results = {}
     for name, (cfg, rate) in arms.items():
         serve_app.start(cfg)
@@ -129,7 +168,10 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
 
             profile.mkdir(parents=True, exist_ok=True)
             spies = _profile({k: v for k, v in _pids().items() if k != "router"}, burst_s, profile)
+        pids = _serve_pids()
+        cpu_before, t_before = _cpu_s(pids), time.perf_counter()
         outcome = asyncio.run(_run(address, None, [(rate, burst_s), (capacity / 2, 20.0)], seed=2))
+        cpu_after, elapsed = _cpu_s(pids), time.perf_counter() - t_before
         for p in spies:
             p.wait(timeout=60)
         recs = outcome.records
@@ -159,6 +201,8 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
             "good": len(good), "rejected": len(rejected), "reject_p50_ms": _pct(rejected, 50) * 1e3,
             "reject_p99_ms": _pct(rejected, 99) * 1e3, "reject_max_ms": max(rejected, default=float("nan")) * 1e3,
             "recovery_s": recovery, "outcomes": codes, "prediction": prediction,
+            # cores each front-door process kept busy over the run (burst + after): 1.0 = a full core
+            "process_cores": {k: (cpu_after[k] - cpu_before[k]) / elapsed for k in cpu_before if k in cpu_after},
             "refused_by": {k: (len(v), _pct(v, 50) * 1e3, _pct(v, 99) * 1e3) for k, v in sorted(sources.items())},
             "ttft_p50_ms": _pct([r.ttft_s for r in served], 50) * 1e3,
             "ttft_p99_ms": _pct([r.ttft_s for r in served], 99) * 1e3,
@@ -219,6 +263,8 @@ def main() -> None:
     ap.add_argument("--throughput-optimized", action="store_true",
                     help="with --direct-ingress: Serve's throughput profile (RAY_SERVE_THROUGHPUT_OPTIMIZED)")
     ap.add_argument("--direct-ingress", action="store_true", help="Serve's direct ingress (no proxy) for every arm")
+    ap.add_argument("--arms", nargs="+", choices=["sustainable", "unprotected", "protected"],
+                    default=["sustainable", "unprotected", "protected"], help="burst arms to run (a figure needs all three)")
     ap.add_argument("--profile", type=Path, default=None,
                     help="py-spy records the ingress (and proxy) during the protected arm's burst, into this dir")
     args = ap.parse_args()
@@ -232,7 +278,7 @@ def main() -> None:
                                                            decode=pool, graceful_shutdown_timeout_s=1.0))
     if args.only in (None, "burst"):
         r = bench_burst(base, args.capacity, args.burst_s, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3,
-                        args.profile)
+                        args.profile, args.arms)
         print(f"\nburst: {10 * args.capacity:g} req/s for {args.burst_s:g} s, then {args.capacity / 2:g} req/s for "
               f"20 s; SLO TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms")
         for name, m in r.items():
@@ -249,13 +295,16 @@ def main() -> None:
             if m["refused_by"]:
                 print(f"  {'':<12} refused by: " + "; ".join(
                     f"{k} {n} (p50 {p50:.0f} / p99 {p99:.0f} ms)" for k, (n, p50, p99) in m["refused_by"].items()))
+            if m["process_cores"]:
+                print(f"  {'':<12} cores busy over the run: " + ", ".join(
+                    f"{k.strip()} {v:.2f}" for k, v in sorted(m["process_cores"].items()) if v >= 0.01))
             print(f"  {'':<12} load generator: {m['client_cpu_cores']:.2f} cores busy, p99 send lag "
-                  f"{m['send_lag_p99_ms']:.1f} ms -> {'kept up' if m['kept_up'] else 'FELL BEHIND: this arm is invalid'}")
-        u, p, s = (r[a]["goodput_rps"] for a in ("unprotected", "protected", "sustainable"))
+                  f"{m['send_lag_p99_ms']:.1f} ms, loop lag {m['loop_lag_p99_ms']:.1f} ms -> {'kept up' if m['kept_up'] else 'FELL BEHIND: this arm is invalid'}")
+        u, p, s = (r.get(a, {}).get("goodput_rps", float("nan")) for a in ("unprotected", "protected", "sustainable"))
         print(f"  goodput protected / unprotected = {p / u if u else float('inf'):.2f}x (goal >= 2x); "
               f"protected / sustainable = {p / s if s else float('nan'):.2f} (goal >= 0.5); "
-              f"rejection p99 {r['protected']['reject_p99_ms']:.1f} ms (goal < 50 ms); "
-              f"recovery {r['protected']['recovery_s']:.1f} s (goal < 5 s)")
+              f"rejection p99 {r.get('protected', {}).get('reject_p99_ms', float('nan')):.1f} ms (goal < 50 ms); "
+              f"recovery {r.get('protected', {}).get('recovery_s', float('nan')):.1f} s (goal < 5 s)")
     if args.only in (None, "noisy"):
         r = bench_noisy(base, args.noisy_s)
         s, n = r["solo"], r["noisy"]
@@ -267,7 +316,7 @@ def main() -> None:
         print(f"  B's p99 TTFT with A / alone = {n['p99_ms'] / s['p99_ms']:.2f}x (goal <= 1.5x)")
         for label, c in (("alone", r["client_solo"]), ("with the flood", r["client"])):
             print(f"  load generator ({label}): {c['client_cpu_cores']:.2f} cores busy, p99 send lag "
-                  f"{c['send_lag_p99_ms']:.1f} ms -> {'kept up' if c['kept_up'] else 'FELL BEHIND: invalid run'}")
+                  f"{c['send_lag_p99_ms']:.1f} ms, loop lag {c['loop_lag_p99_ms']:.1f} ms -> {'kept up' if c['kept_up'] else 'FELL BEHIND: invalid run'}")
     ray.shutdown()
 
 

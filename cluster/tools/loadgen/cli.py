@@ -237,6 +237,7 @@ async def _bench(args, percentiles, slos) -> int:
         "ignore_eos": args.ignore_eos, "warmup_requests": args.warmup_requests, "duration_bound_s": args.duration_s,
         "hit_time_bound": outcome.hit_time_bound, "not_sent": outcome.not_sent,
         "client_cpu_cores": outcome.client_cpu_share, "client_send_lag_p99_ms": outcome.send_lag_s(99) * 1e3,
+        "client_loop_lag_p99_ms": outcome.loop_lag_s(99) * 1e3,
         "client_kept_up": outcome.kept_up() if args.max_concurrency is None else None,
         "percentiles": list(percentiles), "goodput_slos": slos,
         **summarize(outcome.records, outcome.started_at, outcome.duration_s, percentiles, slos),
@@ -244,7 +245,7 @@ async def _bench(args, percentiles, slos) -> int:
     print(format_report(result, percentiles))
     if result["client_kept_up"] is False:
         print(f"pdserve bench: WARNING: the load generator fell behind its schedule (p99 send lag "
-              f"{result['client_send_lag_p99_ms']:.0f} ms, {result['client_cpu_cores']:.2f} cores busy): the offered "
+              f"{result['client_send_lag_p99_ms']:.0f} ms, loop lag {result['client_loop_lag_p99_ms']:.0f} ms, {result['client_cpu_cores']:.2f} cores busy): the offered "
               f"rate was lower than asked and these figures do not measure the server at that rate", file=sys.stderr)
     path = args.result_file or (_default_result_name(result) if args.save_result else None)
     if path:

@@ -177,6 +177,8 @@ def format_report(result: dict, percentiles: Sequence[float]) -> str:
         kept = result.get("client_kept_up")
         row("Load generator p99 send lag (ms):",
             f"{result['client_send_lag_p99_ms']:.1f}" + ("" if kept is None else " (kept up)" if kept else " (FELL BEHIND)"))
+        if "client_loop_lag_p99_ms" in result:
+            row("Load generator p99 loop lag (ms):", result["client_loop_lag_p99_ms"], "{:.1f}")
     row("Total input tokens:", result["total_input_tokens"])
     row("Total cached prompt tokens:", result["total_cached_prompt_tokens"])
     row("Total generated tokens:", result["total_output_tokens"])
