@@ -62,7 +62,19 @@ class PoolOptions(Strict):
         10, ge=0, le=19, description="OS niceness of the engine's compute thread (and the torch threads it "
         "starts): where engines share cores with the front door, its event loops (admission, token relay) "
         "run first; 0 = same priority (docs/architecture.md, 'CPU priority')")
+    stream_interval: int | Literal["auto"] = Field(
+        "auto", description="Tokens per streamed message after the first (vLLM's --stream-interval): 1 sends each "
+        "token alone; auto sends 1 up to 32 streams on a replica, then one more per 32 streams, up to 8, so the "
+        "per-message cost (replica, Ray, ingress relay, client frame) stays flat as streams grow. The first token, "
+        "the end and a failure go at once (decode and colocated replicas)")
     engine: ServingEngineOptions | None = Field(None, description="Overrides the app-wide engine options")
+
+    @field_validator("stream_interval")
+    @classmethod
+    def _interval(cls, v: int | str) -> int | str:
+        if v != "auto" and not 1 <= v <= 64:
+            raise ValueError(f"must be 'auto' or 1..64 tokens, got {v}")
+        return v
 
     @field_validator("resources")
     @classmethod

@@ -62,11 +62,32 @@ class LoopHook(Protocol):
     def service(self, now: float, busy: bool) -> None: ...
 
 
+AUTO_STREAMS_PER_TOKEN = 32  # stream_interval "auto": one more token per message per this many streams
+AUTO_MAX_INTERVAL = 8  # ... up to this many tokens per message
+
+
+def chunk_tokens(stream_interval: int | str, streams: int) -> int:
+    """Tokens a streamed message carries (after the first, which goes alone at once).
+
+    Every message costs the same whatever it carries: the replica's yield, Ray's object, the
+    ingress's relay and the client protocol's frame. One token per message is right for a few
+    streams; with hundreds, those per-message costs outgrow the model's step and starve the event
+    loops that admit and relay (measured: issue 15's burst, docs/benchmarks.md). "auto" sends one
+    token per message up to AUTO_STREAMS_PER_TOKEN streams on the replica, then one more per as
+    many again, up to AUTO_MAX_INTERVAL: the messages per step stay about flat as streams grow,
+    and a stream's tokens arrive at most that many steps late. An int fixes it (vLLM's
+    --stream-interval)."""
+    if stream_interval == "auto":
+        return min(AUTO_MAX_INTERVAL, max(1, -(-streams // AUTO_STREAMS_PER_TOKEN)))
+    return int(stream_interval)
+
+
 class EngineLoop:
     def __init__(self, core, idle_poll_s: float | None = None, name: str = "pdserve-engine",
-                 hooks: Sequence[LoopHook] = (), nice: int = 0):
+                 hooks: Sequence[LoopHook] = (), nice: int = 0, stream_interval: int | str = 1):
         self.core = core
         self.nice = nice  # the loop thread's OS niceness: its compute yields to the process's event loop
+        self.stream_interval = stream_interval  # tokens per merged message: chunk_tokens
         self.engine = getattr(core, "engine", core)  # the LLMEngine underneath
         self.idle_poll_s = idle_poll_s
         self.hooks = tuple(hooks)
@@ -94,7 +115,9 @@ class EngineLoop:
     ) -> AsyncIterator[Any]:
         """Run `submit` on the loop thread, then yield the request's outputs until finished.
 
-        With `merge`, outputs that queued up while the consumer was busy are merged into one.
+        With `merge`, outputs that queued up while the consumer was busy are merged into one, and
+        after the first output a message waits until it carries `chunk_tokens` tokens (the end of
+        the stream and a failure go at once).
         """
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
@@ -103,10 +126,16 @@ class EngineLoop:
         try:
             self._send(_Call(submit, fut, loop, request_id, sink))
             await fut  # submit's own errors (bad input, incompatible peer) surface here
+            first = True
             while not finished:
                 out = await sink.get()
                 while merge is not None and not out.finished and not sink.empty():
                     out = merge(out, sink.get_nowait())
+                if merge is not None and not first:
+                    want = chunk_tokens(self.stream_interval, len(self._sinks))
+                    while not out.finished and len(out.token_ids) < want:
+                        out = merge(out, await sink.get())
+                first = False
                 finished = out.finished
                 yield out
         finally:

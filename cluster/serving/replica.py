@@ -91,7 +91,8 @@ class EngineReplica:
         if telemetry is not None:
             hooks.append(telemetry)
         self.loop = EngineLoop(self.role, idle_poll_s=self.idle_poll_s, name=f"pdserve-{self.pool}", hooks=hooks,
-                               nice=getattr(cfg, self.pool).compute_nice)
+                               nice=getattr(cfg, self.pool).compute_nice,
+                               stream_interval=getattr(cfg, self.pool).stream_interval)
 
     def make_role(self, engine: LLMEngine, transport: NixlTransport, config: AppConfig):
         raise NotImplementedError

@@ -125,6 +125,9 @@ def test_config_errors_name_the_field():
         AppConfig.model_validate({"prefil": {"num_replicas": 2}})
     with pytest.raises(pydantic.ValidationError, match="GPU is not a custom resource: use num_cpus / num_gpus"):
         AppConfig(decode={"resources": {"GPU": 1}})
+    with pytest.raises(pydantic.ValidationError, match=r"decode.stream_interval\n  Value error, must be 'auto' or 1..64 tokens, got 0"):
+        AppConfig(decode={"stream_interval": 0})
+    assert (AppConfig().decode.stream_interval, AppConfig(decode={"stream_interval": 4}).decode.stream_interval) == ("auto", 4)
 
 
 # ---- deploy/kuberay/rayservice.yaml ----------------------------------------------------------

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from cluster.engine.loop import EngineLoop
+from cluster.engine.loop import EngineLoop, chunk_tokens
 from cluster.engine.llm_engine import LLMEngine
 from cluster.errors import InvalidRequestError
 from cluster.engine.sampling_params import SamplingParams
@@ -106,3 +106,31 @@ def test_bad_input_raises_before_streaming_and_the_loop_survives(aengine):
 
     last = asyncio.run(run())
     assert last.finished and last.num_output_tokens == 2
+
+
+def test_chunk_tokens_auto_grows_with_the_streams_and_is_capped():
+    assert [chunk_tokens("auto", n) for n in (0, 1, 32, 33, 64, 65, 128, 224, 225, 256, 257, 5000)] == \
+        [1, 1, 1, 2, 2, 3, 4, 7, 8, 8, 8, 8]
+    assert [chunk_tokens(k, 500) for k in (1, 3, 64)] == [1, 3, 64]
+
+
+def test_a_stream_interval_sends_the_first_token_alone_then_chunks(tiny_model):
+    from cluster.engine.outputs import merge_outputs
+
+    ae = EngineLoop(LLMEngine.from_model(tiny_model, num_blocks=64), stream_interval=4)
+    prompt = [256] + list(range(1, 30))
+
+    async def run():
+        req = ae.engine.make_request("si", None, prompt, SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
+        return [out async for out in ae.stream("si", lambda: ae.engine.add(req), merge=merge_outputs)]
+
+    try:
+        chunks = asyncio.run(run())
+    finally:
+        ae.shutdown()
+    sizes = [len(c.token_ids) for c in chunks]
+    # the first token alone and at once; then no message with fewer than 4 but the last (the end goes at once)
+    assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and 1 <= sizes[-1] and sum(sizes) == 14
+    assert len(chunks) <= 1 + 13 // 4 + 1 and [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert sum((c.token_ids for c in chunks), []) == hf_greedy(tiny_model, prompt, 14)
+    assert ae.engine.kv.num_free_blocks == ae.engine.kv.num_blocks
