@@ -71,7 +71,8 @@ class AdmissionOptions(Strict):
         "longer (the ingress's own first-token queue, then the router's view of the replica); None = off")
     target_itl_s: float | None = Field(
         None, gt=0, description="Refuse (429) new work while the decode pool's streams, as the ingress relays "
-        "them, would run slower than this per token (their measured interval x streams sets the cap); None = off")
+        "them, would run slower than this per token (a limit on streams, set when they are measured slower, "
+        "probed back up while they keep pace); None = off")
     batch_share: float = Field(
         0.5, gt=0, le=1, description="Batch-priority tenants are refused at this share of max_queue_wait_s and "
         "of max_inflight and of the target_itl_s cap: under overload batch work is shed before interactive work")

@@ -64,7 +64,7 @@ class PoolOptions(Strict):
         "run first; 0 = same priority (docs/architecture.md, 'CPU priority')")
     stream_interval: int | Literal["auto"] = Field(
         "auto", description="Tokens per streamed message after the first (vLLM's --stream-interval): 1 sends each "
-        "token alone; auto sends 1 up to 32 streams on a replica, then one more per 32 streams, up to 8, so the "
+        "token alone; auto sends 1 up to 8 streams on a replica, then one more per 8 streams, up to 8, so the "
         "per-message cost (replica, Ray, ingress relay, client frame) stays flat as streams grow. The first token, "
         "the end and a failure go at once (decode and colocated replicas)")
     engine: ServingEngineOptions | None = Field(None, description="Overrides the app-wide engine options")

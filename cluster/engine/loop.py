@@ -62,7 +62,7 @@ class LoopHook(Protocol):
     def service(self, now: float, busy: bool) -> None: ...
 
 
-AUTO_STREAMS_PER_TOKEN = 32  # stream_interval "auto": one more token per message per this many streams
+AUTO_STREAMS_PER_TOKEN = 8  # stream_interval "auto": one more token per message per this many streams
 AUTO_MAX_INTERVAL = 8  # ... up to this many tokens per message
 
 

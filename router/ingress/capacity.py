@@ -30,6 +30,8 @@ from cluster.config import AdmissionOptions
 from cluster.engine.request import Priority, RequestContext
 from router.ingress.status import Rejected
 
+PROBE_AT = 0.8  # the pace limit grows while the streams reach this share of it within the target...
+PROBE_STEP = 0.25  # ... by this share of itself a window
 MIN_SAMPLE_S = 0.5  # busy time per rate sample: shorter samples are one chunk's noise
 ERRORS_KEPT = 2048  # the latest requests whose prediction is compared with what happened
 
@@ -126,17 +128,25 @@ class FirstTokenQueue(_Meter):
 class StreamPace(_Meter):
     """The streams past their first token and the interval between their tokens as this ingress
     relays them (the decode pool's ITL, measured where the client gets it), over windows of
-    MIN_SAMPLE_S with at least one stream running.
+    MIN_SAMPLE_S with at least one stream running, and the limit on streams they imply.
 
-    `cap(target_itl_s)` is how many streams the pool could run at the target interval, by the
-    gradient of the last window: mean streams x target / measured ITL. At or over it, new work is
-    refused, so running streams keep their pace instead of every stream slowing together."""
+    The limit (`cap()`) exists once a window measured the interval over `target_itl_s`: it is then
+    set to the streams the pool would run at the target by the gradient of that window (mean
+    streams x target / measured ITL); at or over it, new work is refused, so running streams keep
+    their pace instead of every stream slowing together. While the interval stays within the
+    target and the streams reach PROBE_AT of the limit, it grows by PROBE_STEP a window (or to the
+    gradient, if larger). No cap before the first slow window: at low load a step's fixed cost
+    dominates the interval, and the gradient through zero would refuse a pool that is far from full.
+    """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3,
+                 target_itl_s: float | None = None):
         super().__init__(clock, alpha)
+        self.target_itl_s = target_itl_s
         self.streams = 0
         self.itl_s: float | None = None  # None until measured
         self.mean_streams = 0.0  # over the last window
+        self.limit: float | None = None  # streams; None until a window was over the target
         self._window_s = 0.0
         self._stream_s = 0.0  # integral of streams over the window
         self._tokens = 0
@@ -157,11 +167,20 @@ class StreamPace(_Meter):
             self.mean_streams = self._stream_s / self._window_s
             self._window_s = self._stream_s = 0.0
             self._tokens = 0
+            self._adjust()
 
-    def cap(self, target_itl_s: float) -> int | None:
-        if not self.itl_s:
-            return None
-        return max(1, int(self.mean_streams * target_itl_s / self.itl_s))
+    def _adjust(self) -> None:
+        target = self.target_itl_s
+        if target is None or not self.itl_s:
+            return
+        gradient = self.mean_streams * target / self.itl_s
+        if self.itl_s > target:
+            self.limit = max(1.0, gradient)
+        elif self.limit is not None and self.mean_streams >= PROBE_AT * self.limit:
+            self.limit = max(self.limit + max(1.0, PROBE_STEP * self.limit), gradient)
+
+    def cap(self) -> int | None:
+        return None if self.limit is None else max(1, int(self.limit))
 
     def _advance(self) -> None:
         dt = self._tick()
@@ -229,13 +248,14 @@ class Capacity:
     def __init__(self, opts: AdmissionOptions, clock: Callable[[], float] = time.monotonic):
         self.opts = opts
         self.first_tokens = FirstTokenQueue(clock)  # the queue ahead of a new request
-        self.pace = StreamPace(clock)  # the streams past their first token, and their token interval
+        # the streams past their first token, their token interval and the limit it sets
+        self.pace = StreamPace(clock, target_itl_s=opts.target_itl_s)
 
     def check(self, ctx: RequestContext) -> None:
         opts, pace = self.opts, self.pace
         share = opts.batch_share if ctx.priority == Priority.BATCH else 1.0
         if opts.target_itl_s is not None:
-            cap = pace.cap(opts.target_itl_s)
+            cap = pace.cap()
             if cap is not None and pace.streams + self.first_tokens.pending_requests >= max(1, int(cap * share)):
                 raise Rejected(f"the decode pool is at the streams it runs at target_itl_s {opts.target_itl_s:g} "
                                f"(measured {pace.itl_s * 1e3:.0f} ms per token over {pace.mean_streams:.1f} "

@@ -144,32 +144,45 @@ def test_batch_work_is_refused_at_its_share_of_the_in_flight_cap():
     adm.reserve("batchy").done()
 
 
-def test_stream_pace_measures_the_interval_per_stream_and_caps_by_its_gradient():
+def test_stream_pace_caps_by_its_gradient_once_over_the_target_and_probes_back_up():
     from router.ingress.capacity import StreamPace
 
     clock = Clock()
-    pace = StreamPace(clock, alpha=1.0)
-    assert pace.cap(0.1) is None  # nothing measured: no cap
+    pace = StreamPace(clock, alpha=1.0, target_itl_s=0.1)
+    assert pace.cap() is None  # nothing measured: no cap
     for _ in range(4):
         pace.start()
     clock.t += 0.5
     pace.tokens(40)  # 4 streams x 0.5 s over 40 tokens: 50 ms per token per stream
     assert pace.itl_s == pytest.approx(0.05) and pace.mean_streams == pytest.approx(4.0)
-    assert pace.cap(0.1) == 8  # twice the interval target: twice the streams
-    assert pace.cap(0.025) == 2
-    pace.end()
-    pace.end()
+    assert pace.cap() is None  # within the target: no cap (the gradient, 8, would refuse a pool far from full)
+    clock.t += 0.5
+    pace.tokens(10)  # 4 x 0.5 s over 10 tokens: 200 ms, over the target
+    assert pace.itl_s == pytest.approx(0.2) and pace.cap() == 2  # 4 streams x 100 / 200 ms
+    for _ in range(2):
+        pace.end()
     clock.t += 10.0  # 2 streams, no tokens for 10 s: one slow window
     pace.tokens(20)
-    assert pace.itl_s == pytest.approx(1.0)  # 2 streams x 10 s / 20 tokens
-    assert pace.cap(0.1) == 1  # never 0
-    pace.end()
-    pace.end()
+    assert pace.itl_s == pytest.approx(1.0) and pace.cap() == 1  # 2 x 0.1 / 1.0 = 0.2: never 0
+    clock.t += 0.5
+    pace.tokens(20)  # 2 streams (>= 0.8 of the limit) at 50 ms: within the target, at the limit
+    assert pace.limit == pytest.approx(4.0)  # max(1 + 1, the gradient 2 x 100 / 50 ms)
+    clock.t += 0.5
+    pace.tokens(20)  # the same, now at half the limit: no probe
+    assert pace.limit == pytest.approx(4.0)
+    for _ in range(2):
+        pace.start()
+    clock.t += 0.5
+    pace.tokens(40)  # 4 streams at 50 ms: at the limit, gradient 8
+    assert pace.cap() == 8
+    for _ in range(4):
+        pace.end()
     clock.t += 100.0  # idle time counts in no window
     pace.start()
     clock.t += 0.5
     pace.tokens(10)
-    assert pace.itl_s == pytest.approx(0.05)
+    assert pace.itl_s == pytest.approx(0.05) and pace.cap() == 8  # a quiet window keeps the limit
+    assert StreamPace(clock, alpha=1.0).cap() is None  # no target: never a cap
 
 
 def test_the_decode_pace_cap_refuses_new_work_interactive_last(tiny_model):
@@ -177,12 +190,14 @@ def test_the_decode_pace_cap_refuses_new_work_interactive_last(tiny_model):
     clock = Clock()
     flow.capacity.pace.clock = clock
     flow.capacity.pace._last = clock.t
-    for _ in range(3):
+    for _ in range(12):
         flow.capacity.pace.start()
     clock.t += 0.5
-    flow.capacity.pace.tokens(30)  # 3 streams at 50 ms: the cap at 100 ms is 6
-    flow.capacity.check(RequestContext())
-    with pytest.raises(Rejected, match=r"target_itl_s 0.1 \(measured 50 ms per token over 3.0 streams\) \(batch share\)"):
+    flow.capacity.pace.tokens(30)  # 12 streams at 200 ms: the cap at 100 ms is 6
+    for _ in range(9):
+        flow.capacity.pace.end()
+    flow.capacity.check(RequestContext())  # 3 streams < 6
+    with pytest.raises(Rejected, match=r"target_itl_s 0.1 \(measured 200 ms per token over 12.0 streams\) \(batch share\)"):
         flow.capacity.check(RequestContext(priority=Priority.BATCH))  # 3 >= 6 x 0.5
     waiting = [flow.capacity.first_tokens.admit(10) for _ in range(3)]  # 3 streams + 3 waiting for a first token = 6
     with pytest.raises(Rejected) as e:

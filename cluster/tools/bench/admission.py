@@ -110,6 +110,9 @@ def _meets(rec, slo_ttft_s: float, slo_tpot_s: float) -> bool:
     return rec.status == "ok" and rec.ttft_s <= slo_ttft_s and (rec.tpot_s is None or rec.tpot_s <= slo_tpot_s)
 
 
+WORKLOAD = {"input_len": 128, "output_len": 32}  # tokens per request (--input-len, --output-len)
+
+
 async def _run(address: str, key: str | None, rate_phases: list[tuple[float, float]], seed: int):
     """One open-loop run: (rate req/s, seconds) phases back to back. Returns (records, phase starts)."""
     from cluster.tools.loadgen.arrivals import arrival_offsets
@@ -258,6 +261,8 @@ def main() -> None:
     ap.add_argument("--noisy-s", type=float, default=30.0)
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (+-50%%)")
+    ap.add_argument("--output-len", type=int, default=32, help="output tokens per request (+-50%%)")
     ap.add_argument("--only", choices=["burst", "noisy"], default=None)
     ap.add_argument("--compute-nice", type=int, default=None, help="the pools' compute_nice (default: the config's)")
     ap.add_argument("--throughput-optimized", action="store_true",
@@ -269,6 +274,7 @@ def main() -> None:
                     help="py-spy records the ingress (and proxy) during the protected arm's burst, into this dir")
     args = ap.parse_args()
 
+    WORKLOAD.update(input_len=args.input_len, output_len=args.output_len)
     http_port, grpc_port = free_port(), free_port()
     if args.direct_ingress:
         os.environ.update(direct_ingress_env(http_port, grpc_port, args.throughput_optimized))
