@@ -30,6 +30,7 @@ from cluster.config import AdmissionOptions
 from cluster.engine.request import Priority, RequestContext
 from router.ingress.status import Rejected
 
+SLOW_WINDOWS = 2  # windows in a row over target_itl_s before the pace limit shrinks
 PROBE_AT = 0.8  # the pace limit grows while the streams reach this share of it within the target...
 PROBE_STEP = 0.25  # ... by this share of itself a window
 MIN_SAMPLE_S = 0.5  # busy time per rate sample: shorter samples are one chunk's noise
@@ -130,8 +131,9 @@ class StreamPace(_Meter):
     relays them (the decode pool's ITL, measured where the client gets it), over windows of
     MIN_SAMPLE_S with at least one stream running, and the limit on streams they imply.
 
-    The limit (`cap()`) exists once a window measured the interval over `target_itl_s`: it is then
-    set to the streams the pool would run at the target by the gradient of that window (mean
+    The limit (`cap()`) exists once SLOW_WINDOWS windows in a row measured the interval over
+    `target_itl_s`: it is then set to the streams the pool would run at the target by the
+    gradient of the last one (mean
     streams x target / measured ITL); at or over it, new work is refused, so running streams keep
     their pace instead of every stream slowing together. While the interval stays within the
     target and the streams reach PROBE_AT of the limit, it grows by PROBE_STEP a window (or to the
@@ -146,7 +148,8 @@ class StreamPace(_Meter):
         self.streams = 0
         self.itl_s: float | None = None  # None until measured
         self.mean_streams = 0.0  # over the last window
-        self.limit: float | None = None  # streams; None until a window was over the target
+        self.limit: float | None = None  # streams; None until SLOW_WINDOWS windows in a row were over the target
+        self._slow_windows = 0
         self._window_s = 0.0
         self._stream_s = 0.0  # integral of streams over the window
         self._tokens = 0
@@ -163,21 +166,28 @@ class StreamPace(_Meter):
         self._advance()
         self._tokens += n
         if self._window_s >= MIN_SAMPLE_S and self._tokens > 0:
-            self.itl_s = self._smooth(self.itl_s, self._stream_s / self._tokens)
+            sample = self._stream_s / self._tokens
+            self.itl_s = self._smooth(self.itl_s, sample)
             self.mean_streams = self._stream_s / self._window_s
             self._window_s = self._stream_s = 0.0
             self._tokens = 0
-            self._adjust()
+            self._adjust(sample)
 
-    def _adjust(self) -> None:
+    def _adjust(self, itl_s: float) -> None:
+        """The limit from this window's interval (not the smoothed one: a limit set in a slow
+        warm-up must not outlive it by the smoothing's memory)."""
         target = self.target_itl_s
-        if target is None or not self.itl_s:
+        if target is None:
             return
-        gradient = self.mean_streams * target / self.itl_s
-        if self.itl_s > target:
-            self.limit = max(1.0, gradient)
-        elif self.limit is not None and self.mean_streams >= PROBE_AT * self.limit:
-            self.limit = max(self.limit + max(1.0, PROBE_STEP * self.limit), gradient)
+        gradient = self.mean_streams * target / itl_s
+        if itl_s > target:
+            self._slow_windows += 1
+            if self._slow_windows >= SLOW_WINDOWS:  # one slow window is a pause, not a pace
+                self.limit = max(1.0, gradient)
+        else:
+            self._slow_windows = 0
+            if self.limit is not None and self.mean_streams >= PROBE_AT * self.limit:
+                self.limit = max(self.limit + max(1.0, PROBE_STEP * self.limit), gradient)
 
     def cap(self) -> int | None:
         return None if self.limit is None else max(1, int(self.limit))

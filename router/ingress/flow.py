@@ -233,6 +233,9 @@ class RequestFlow:
                 async for d in self.response_cache.through(tenant, req.prompt_token_ids, sampling, label, deltas):
                     if streaming:
                         self.capacity.pace.tokens(len(d.token_ids))
+                        if d.finish_reason is not None:  # ended now, not when the client's side lets go
+                            self.capacity.pace.end()
+                            streaming = False
                     elif d.finish_reason is None:
                         self.capacity.pace.start()
                         streaming = True
