@@ -263,6 +263,8 @@ def main() -> None:
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (+-50%%)")
     ap.add_argument("--output-len", type=int, default=32, help="output tokens per request (+-50%%)")
+    ap.add_argument("--model", choices=["random", "smollm2"], default="random",
+                    help="random: the tiny random demo model (thousands of tokens/s here); smollm2: the real 135M model")
     ap.add_argument("--only", choices=["burst", "noisy"], default=None)
     ap.add_argument("--compute-nice", type=int, default=None, help="the pools' compute_nice (default: the config's)")
     ap.add_argument("--throughput-optimized", action="store_true",
@@ -280,7 +282,7 @@ def main() -> None:
         os.environ.update(direct_ingress_env(http_port, grpc_port, args.throughput_optimized))
     ray.init(num_cpus=8, include_dashboard=False, namespace="pdserve", log_to_driver=False)
     pool = {"num_cpus": 0.5} if args.compute_nice is None else {"num_cpus": 0.5, "compute_nice": args.compute_nice}
-    base = ensure_model(default="random", config=AppConfig(http_port=http_port, grpc_port=grpc_port, prefill=pool,
+    base = ensure_model(default=args.model, config=AppConfig(http_port=http_port, grpc_port=grpc_port, prefill=pool,
                                                            decode=pool, graceful_shutdown_timeout_s=1.0))
     if args.only in (None, "burst"):
         r = bench_burst(base, args.capacity, args.burst_s, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3,
