@@ -132,13 +132,13 @@ class StreamPace(_Meter):
     MIN_SAMPLE_S with at least one stream running, and the limit on streams they imply.
 
     The limit (`cap()`) exists once SLOW_WINDOWS windows in a row measured the interval over
-    `target_itl_s`: it is then set to the streams the pool would run at the target by the
-    gradient of the last one (mean
-    streams x target / measured ITL); at or over it, new work is refused, so running streams keep
-    their pace instead of every stream slowing together. While the interval stays within the
-    target and the streams reach PROBE_AT of the limit, it grows by PROBE_STEP a window (or to the
-    gradient, if larger). No cap before the first slow window: at low load a step's fixed cost
-    dominates the interval, and the gradient through zero would refuse a pool that is far from full.
+    `target_itl_s`: it is then set to the streams the pool would run at the target by the gradient
+    of the last one (mean streams x target / measured ITL); at or over it, new work is refused, so
+    running streams keep their pace instead of every stream slowing together. While the interval
+    stays within the target and the streams reach PROBE_AT of the limit, it grows by PROBE_STEP a
+    window (or to the gradient, if larger). No cap before the pool was first measured slow: at low
+    load a step's fixed cost dominates the interval, and the gradient through zero would refuse a
+    pool that is far from full.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3,
