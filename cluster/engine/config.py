@@ -59,12 +59,21 @@ class SpeculativeOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["off", "ngram"] = Field(
+    method: Literal["off", "ngram", "draft"] = Field(
         "off", description='"ngram": prompt lookup (the tokens that followed the latest earlier '
-        'occurrence of the request\'s last n tokens); "off": none.')
+        'occurrence of the request\'s last n tokens); "draft": a smaller model\'s greedy continuation '
+        '(draft_model); "off": none.')
     k: int = Field(4, ge=1, le=16, description="Most draft tokens per request per step (adaptive below it).")
     ngram_min: int = Field(2, ge=1, le=16, description="Shortest suffix the n-gram proposer matches.")
     ngram_max: int = Field(4, ge=1, le=16, description="Longest suffix the n-gram proposer matches (tried first).")
+    draft_model: str | None = Field(
+        None, min_length=1, description='method "draft": a checkpoint directory with the same vocabulary '
+        "(and tokenizer) as the model, run on the same device and dtype with its own paged KV pool "
+        "(e.g. a layer-skip self-draft from `python -m cluster.tools.make_draft`).")
+    draft_num_blocks: int | None = Field(
+        None, ge=2, description='method "draft": KV blocks of the draft model\'s pool (block_size tokens '
+        "each); None = as many as the model's pool, so the draft holds the same tokens the model does. "
+        "A request the draft pool has no room for gets no drafts that step.")
     min_acceptance: float = Field(
         0.35, ge=0.0, le=1.0, description="A request whose recent acceptance rate (drafts accepted / "
         "proposed) falls below this stops speculating for a while (doubling each time), then tries again.")
@@ -78,9 +87,13 @@ class SpeculativeOptions(BaseModel):
         "under a larger batch a step is compute-bound and drafts cost more than they save.")
 
     @model_validator(mode="after")
-    def _ngram_range(self) -> "SpeculativeOptions":
+    def _consistent(self) -> "SpeculativeOptions":
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError('speculative.draft_model is needed by method "draft", and only by it')
+        if self.draft_num_blocks is not None and self.method != "draft":
+            raise ValueError('speculative.draft_num_blocks applies to method "draft" only')
         return self
 
     @property

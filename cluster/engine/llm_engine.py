@@ -31,6 +31,7 @@ from cluster.engine.sampler import RequestFailure
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.spec.controller import Speculator
+from cluster.engine.spec.draft import DraftProposer
 from cluster.engine.spec.proposer import make_proposer
 from cluster.engine.probe import EngineProbe
 from cluster.engine.tokenizer import IncrementalDetokenizer
@@ -61,7 +62,8 @@ class LLMEngine:
         self.max_model_len = self.validator.max_model_len
         self.block_size = config.block_size
         self.model = load_model(config.model, mc, self.max_model_len, dtype, self.device)
-        self.model.use_ops(resolve_ops(config.model_ops, self.device, dtype))
+        ops = resolve_ops(config.model_ops, self.device, dtype)
+        self.model.use_ops(ops)
 
         # One block of all layers is one contiguous region: [L, 2, block_size, H_kv, D].
         self.block_bytes = kv_block_bytes(mc, config)
@@ -85,8 +87,16 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
         spec = config.speculative
-        self.speculator = None if not spec.enabled else Speculator(
-            spec, make_proposer(spec.method, spec.ngram_min, spec.ngram_max), self.stats, self.max_model_len)
+        self.speculator = None
+        if spec.enabled:
+            if spec.method == "draft":  # a second model and KV pool, beside this one
+                proposer = DraftProposer.load(
+                    spec.draft_model, mc, spec.draft_num_blocks or num_blocks, config.block_size, self.max_model_len,
+                    dtype, self.device, backend, ops)
+            else:
+                proposer = make_proposer(spec.method, spec.ngram_min, spec.ngram_max)
+            self.speculator = Speculator(spec, proposer, self.stats, self.max_model_len)
+            self.scheduler.on_free = self.speculator.release
         self.probe: EngineProbe | None = None  # set by a replica with telemetry on (plain Python, no Ray)
         log.info(
             "engine ready: model=%s dtype=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)%s",

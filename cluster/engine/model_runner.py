@@ -5,6 +5,8 @@ The runner reads block tables handed to it; it never sees the block pool.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from cluster.engine.attention import AttentionBackend, AttentionMetadata, PrefillSpan
@@ -55,6 +57,36 @@ class ModelRunner:
         if not any(c.draft for c in samplers):
             return self.sampler.sample(logits, [c.request for c in samplers])
         return self._sample_with_drafts(logits, samplers)
+
+    def last_logits(self, spans: Sequence[tuple[Request, int, Sequence[int]]],
+                    block_tables: dict[str, list[int]]) -> torch.Tensor:
+        """One forward over `spans` (request, first position, token ids at the positions from
+        there, over the KV the request already has before it) -> [len(spans), vocab], the
+        logits after each span's last token, in span order. No sampling and no prompt scoring:
+        the draft model's step (cluster/engine/spec/draft.py), whose spans are either a catch-up
+        (every token the draft has not seen yet) or one draft token."""
+        chunks = [ScheduledChunk(req, start, len(tokens), True) for req, start, tokens in spans]
+        # as execute(): decodes first, longest context first, then the multi-token spans
+        order = sorted((i for i, c in enumerate(chunks) if c.num_tokens == 1), key=lambda i: -chunks[i].start)
+        order += [i for i, c in enumerate(chunks) if c.num_tokens > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        last_rows = [0] * len(spans)
+        for i in order:
+            _, start, tokens = spans[i]
+            input_ids += tokens
+            positions += range(start, start + len(tokens))
+            last_rows[i] = len(input_ids) - 1
+        ordered = [chunks[i] for i in order]
+        meta = self._metadata([c for c in ordered if c.num_tokens == 1], [c for c in ordered if c.num_tokens > 1],
+                              block_tables)
+        dev = self.device
+        return self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_cache, meta, self.backend,
+            torch.tensor(last_rows, dtype=torch.long, device=dev),
+        )
 
     def _sample_with_drafts(self, logits: torch.Tensor, samplers: list[ScheduledChunk]) -> SamplerOutput:
         """A speculative chunk has 1 + len(draft) logits rows (in `samplers` order), the others one."""

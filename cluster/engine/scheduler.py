@@ -21,7 +21,7 @@ The scheduler never touches tensors; it is tested with a KV manager and token id
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cluster.errors import QueueFullError
@@ -79,6 +79,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._num_deadlines = 0  # requests in flight with a deadline (expire() skips work without)
         self._next_ttl_check = float("-inf")
+        # Called with a request's id when it leaves the running set for good or is preempted,
+        # whatever the reason: state kept beside its blocks (a draft model's KV) goes with them.
+        self.on_free: Callable[[str], None] | None = None
 
     # ---- admission and removal -------------------------------------------------------------
 
@@ -112,6 +115,8 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.status = status
+        if self.on_free is not None:
+            self.on_free(request_id)
         if req.keep_kv and status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
             self.leased[request_id] = req
         else:
@@ -278,6 +283,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
+        if self.on_free is not None:
+            self.on_free(req.request_id)
         req.status = RequestStatus.WAITING
         req.draft_token_ids = ()
         req.num_computed_tokens = 0

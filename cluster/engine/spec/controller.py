@@ -63,9 +63,11 @@ class Speculator:
         self.stats = stats
         self.max_model_len = max_model_len
         self.costs = StepCosts()
+        self._propose_s = 0.0  # the last propose() call's time, counted in its step's cost
 
     def propose(self, running: Iterable[Request]) -> None:
         """Set this step's drafts on the decoding requests that speculate."""
+        self._propose_s = 0.0
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens
                     and not r.keep_kv]
         if not decoding:
@@ -80,6 +82,7 @@ class Speculator:
         if measured and min_gain is None:
             self.costs.probed(batch)
         held = False
+        asks: list[tuple[Request, int]] = []
         for req in decoding:
             state = req.spec or self._start(req)
             if state.off_reason is not None or req.num_output_tokens < state.paused_until:
@@ -92,16 +95,27 @@ class Speculator:
             if min_gain is not None and expected_accepted(state.acceptance, k) <= min_gain:
                 held = True
                 continue
-            req.draft_token_ids = self.proposer.propose(req, k)
+            asks.append((req, k))
+        if asks:  # one call for the step: a draft model batches its forwards across the requests
+            for (req, _), draft in zip(asks, self.proposer.propose_batch(asks)):
+                req.draft_token_ids = draft
         if held:
             self.costs.held_back(batch)
             self._count_off("cost")
-        self.stats.spec_proposer_s += time.perf_counter() - t0
+        self._propose_s = time.perf_counter() - t0
+        self.stats.spec_proposer_s += self._propose_s
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """A step's time, for the cost model: decode-only steps (no prompt tokens) only."""
+        """A step's time, for the cost model: decode-only steps (no prompt tokens) only. The
+        proposer's time before the step counts in it: a draft model's forwards are part of
+        what drafts cost (an n-gram lookup's are next to nothing)."""
+        propose_s, self._propose_s = self._propose_s, 0.0
         if all(c.num_tokens == 1 + len(c.draft) and c.start >= c.request.num_prompt_tokens for c in out.chunks):
-            self.costs.observe(len(out.chunks), sum(1 for c in out.chunks if c.draft), seconds)
+            self.costs.observe(len(out.chunks), sum(1 for c in out.chunks if c.draft), seconds + propose_s)
+
+    def release(self, request_id: str) -> None:
+        """The request left the engine (or was preempted): the proposer frees what it holds for it."""
+        self.proposer.release(request_id)
 
     def observe(self, out: SchedulerOutput, accepted: dict[str, tuple[int, ...]]) -> None:
         """Acceptance of this step's verified drafts: counters, then each request's k and pause."""
@@ -110,6 +124,8 @@ class Speculator:
             if not chunk.draft or chunk.request.request_id not in accepted:
                 continue  # no drafts, or the request failed
             req, proposed, a = chunk.request, len(chunk.draft), len(accepted[chunk.request.request_id])
+            if not req.status.finished:
+                self.proposer.verified(req)  # a draft model rolls its KV back to the tokens kept
             st.spec_steps += 1
             st.spec_proposed_tokens += proposed
             st.spec_accepted_tokens += a

@@ -1,14 +1,18 @@
-"""Proposers: where draft tokens come from. One small interface, so a draft model can join later.
+"""Proposers: where draft tokens come from, behind one small interface.
 
 `NgramProposer` is prompt lookup: find the request's last n tokens (n from ngram_max down to
 ngram_min) earlier in its prompt or output, and propose the tokens that followed that earlier
 occurrence. It costs no model: an index of every n-gram's first occurrence, kept on the
 request and extended by the tokens added since the last call (O(new tokens) per step).
+
+`DraftProposer` (spec/draft.py) runs a smaller model: it proposes for the whole batch at once
+(`propose_batch`: one draft forward per draft position, not one per request) and holds KV per
+request, which `release` frees when the request leaves the engine.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from cluster.engine.request import Request
 
@@ -18,8 +22,21 @@ class Proposer(Protocol):
         """Up to `k` tokens likely to follow `req.all_token_ids` (empty: nothing to propose)."""
         ...
 
+    def propose_batch(self, asks: Sequence[tuple[Request, int]]) -> list[tuple[int, ...]]:
+        """`propose` for each (request, k) of one step, in order. The engine calls this one: a
+        proposer with a model batches the requests (the default asks one by one)."""
+        return [self.propose(req, k) for req, k in asks]
 
-class NgramProposer:
+    def verified(self, req: Request) -> None:
+        """The request's drafts were verified and its tokens appended (it is still running):
+        a proposer holding state past the accepted tokens rolls it back. Default: nothing held."""
+
+    def release(self, request_id: str) -> None:
+        """The request left this engine (finished, aborted, preempted, migrated away): free
+        whatever the proposer holds for it. Default: nothing held."""
+
+
+class NgramProposer(Proposer):
     def __init__(self, ngram_min: int, ngram_max: int):
         self.ns = tuple(range(ngram_max, ngram_min - 1, -1))  # longest match first
 
@@ -45,6 +62,7 @@ class NgramProposer:
 
 
 def make_proposer(method: str, ngram_min: int, ngram_max: int) -> Proposer:
+    """The proposers without a model (the draft model's needs the engine: spec/draft.py)."""
     if method == "ngram":
         return NgramProposer(ngram_min, ngram_max)
     raise ValueError(f"unknown speculative method {method!r}")
