@@ -146,7 +146,13 @@ class DraftProposer(Proposer):
 
     @property
     def num_requests(self) -> int:
+        """Requests with draft state (and maybe blocks) here."""
         return len(self._seqs)
+
+    def num_computed_tokens(self, request_id: str) -> int | None:
+        """The request's leading tokens with draft KV (None: no draft state here)."""
+        seq = self._seqs.get(request_id)
+        return None if seq is None else seq.num_computed_tokens
 
     def _sync(self, req: Request) -> _DraftSeq:
         """The request's draft state, valid for its current tokens (a new one when it has none)."""

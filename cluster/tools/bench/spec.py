@@ -1,6 +1,7 @@
-"""Speculative decoding (n-gram proposer) against plain decoding, both arms in one run.
+"""Speculative decoding (n-gram or draft-model proposer) against plain decoding, both arms in one run.
 
     python -m cluster.tools.bench.spec [--streams 1 8] [--max-tokens 160] [--rounds 1]
+    python -m cluster.tools.bench.spec --method draft --draft-model DIR   # e.g. from cluster.tools.make_draft
 
 The demo model (SmolLM2-135M-Instruct, float32). Three workloads:
   - copy: "repeat/rewrite this paragraph" chat prompts, where the answer quotes the prompt;
@@ -11,7 +12,7 @@ The demo model (SmolLM2-135M-Instruct, float32). Three workloads:
     produce the same text here too.
 For each workload and each stream count C, C requests run at once (the 1-stream arm runs the
 prompts one after another), on two engines of the same checkpoint and options but `speculative`
-(n-gram, k 4) in one and off in the other. The arms alternate per batch of prompts. Prints output
+(n-gram or draft, k 4) in one and off in the other. The arms alternate per batch of prompts. Prints output
 tokens/s of each arm, the ratio, the acceptance rate, whether both arms gave the same tokens (greedy:
 they must), and the process's own CPU time (this benchmark drives the engines in-process: its CPU
 use is the engines' plus its own).
@@ -95,17 +96,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workloads", nargs="+", default=["copy", "open", "sampled"],
                     choices=["copy", "open", "sampled"])
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--method", choices=["ngram", "draft"], default="ngram")
+    ap.add_argument("--draft-model", help="--method draft: the draft checkpoint (python -m cluster.tools.make_draft)")
     args = ap.parse_args(argv)
+    if (args.method == "draft") != (args.draft_model is not None):
+        ap.error("--draft-model goes with --method draft, and only with it")
 
     model = str(smollm2_135m_instruct())
     opts = dict(num_blocks=1024, max_model_len=2048)
     plain = LLMEngine.from_model(model, **opts)
-    spec = LLMEngine.from_model(model, speculative={"method": "ngram", "k": args.k}, **opts)
+    speculative = {"method": args.method, "k": args.k}
+    if args.method == "draft":
+        speculative["draft_model"] = args.draft_model
+    spec = LLMEngine.from_model(model, speculative=speculative, **opts)
     warm = chat_prompts(plain, "open")[:1]
     plain.generate(warm, SamplingParams(max_tokens=8, temperature=0))
     spec.generate(warm, SamplingParams(max_tokens=8, temperature=0))
 
-    print(f"model {model}, max_tokens {args.max_tokens}, n-gram k {args.k}")
+    what = "n-gram" if args.method == "ngram" else f"draft {args.draft_model}"
+    print(f"model {model}, max_tokens {args.max_tokens}, {what} k {args.k}")
     print("| workload | streams | requests | plain tok/s | spec tok/s | spec / plain | acceptance | "
           "drafts / token | same tokens | CPU s (plain, spec) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -133,6 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     for e in (plain, spec):
         e.check_invariants()
         assert e.kv.num_free_blocks == e.kv.num_blocks
+    if args.method == "draft":
+        draft = spec.speculator.proposer.kv
+        draft.check_invariants()
+        assert draft.num_free_blocks == draft.num_blocks
     print(f"speculation off events: {spec.stats.spec_off}; proposer time {spec.stats.spec_proposer_s:.3f} s")
     for c in args.streams:  # the adaptive switch's cost model (cluster/engine/spec/cost.py) at each batch
         t, extra = spec.speculator.costs.estimate(c)
