@@ -11,6 +11,7 @@ import torch
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampler import _row_probs
 from cluster.engine.sampling_params import SamplingParams
+from cluster.engine.spec.proposer import Proposer
 from tests.engine.test_spec_units import CHI2_999, chi_square
 from tests.reference import hf_greedy, hf_last_logits
 
@@ -152,7 +153,7 @@ def test_low_acceptance_pauses_a_request(tiny_model):
     assert_leak_free(spec)
 
 
-class TableProposer:
+class TableProposer(Proposer):
     """Drafts table[last token]: any Proposer will do for verification, so the test picks drafts
     that the target accepts sometimes, not always."""
 
@@ -163,13 +164,17 @@ class TableProposer:
         return (self.table[req.all_token_ids[-1]],)
 
 
-def test_sampled_tokens_keep_the_target_distribution(tiny_model):
+@pytest.mark.parametrize("proposer", ["table", "draft"])
+def test_sampled_tokens_keep_the_target_distribution(tiny_model, proposer):
     """2,000 unseeded requests (the engine's shared generator, seed fixed), top_k 4 so each
-    position has 4 outcomes. The second output token comes from verifying a draft (after first
-    token y1, the second most likely token given y1): its counts follow the model's marginal
-    sum_y1 p(y1) p(y2 | y1) (chi-square below the 0.1% point)."""
+    position has 4 outcomes. The second output token comes from verifying a draft: after first
+    token y1, "table": the second most likely token given y1; "draft": the draft model's argmax
+    (the model itself as its draft: a point mass on the most likely token). Its counts follow
+    the model's marginal sum_y1 p(y1) p(y2 | y1) (chi-square below the 0.1% point)."""
+    method = NGRAM if proposer == "table" else {"method": "draft", "draft_model": tiny_model, "k": 4,
+                                                  "cost_model": "off"}
     spec = LLMEngine.from_model(tiny_model, num_blocks=256, max_num_seqs=64, max_num_batched_tokens=1024,
-                                speculative=NGRAM | {"max_batch": 64})
+                                speculative=method | {"max_batch": 64})
     prompt = [256, 3, 4, 5, 3, 4, 5, 3, 4]
     FILTER = SamplingParams(temperature=1.0, top_k=4)  # noqa: N806
     p1 = _row_probs(hf_last_logits(tiny_model, prompt), FILTER)
@@ -178,7 +183,8 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_model):
         p2 = _row_probs(hf_last_logits(tiny_model, prompt + [y1]), FILTER)
         marginal += p1[y1] * p2
         table[y1] = int(p2.argsort(descending=True)[1])
-    spec.speculator.proposer = TableProposer(table)
+    if proposer == "table":
+        spec.speculator.proposer = TableProposer(table)
     sp = SamplingParams(max_tokens=3, temperature=1.0, top_k=4, ignore_eos=True)  # room for one draft
     n = 2000
     outs = spec.generate([prompt] * n, sp)
@@ -192,6 +198,9 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_model):
     assert chi_square(counts[support], marginal[support]) < CHI2_999[df], (df, counts[support], marginal[support] * n)
     assert 0.1 * n < spec.stats.spec_accepted_tokens < 0.9 * n  # drafts both accepted and rejected
     assert_leak_free(spec)
+    if proposer == "draft":
+        draft_kv = spec.speculator.proposer.kv
+        assert draft_kv.num_free_blocks == draft_kv.num_blocks and draft_kv.num_requests() == 0
 
 
 def test_a_migrated_request_speculates_from_the_tokens_already_sent(engines, tiny_model):

@@ -64,6 +64,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.costs = StepCosts()
         self._propose_s = 0.0  # the last propose() call's time, counted in its step's cost
+        self._asked: list[Request] = []  # the requests the proposer drafted for in that call
 
     def propose(self, running: Iterable[Request]) -> None:
         """Set this step's drafts on the decoding requests that speculate."""
@@ -96,6 +97,7 @@ class Speculator:
                 held = True
                 continue
             asks.append((req, k))
+        self._asked = [req for req, _ in asks]
         if asks:  # one call for the step: a draft model batches its forwards across the requests
             for (req, _), draft in zip(asks, self.proposer.propose_batch(asks)):
                 req.draft_token_ids = draft
@@ -118,14 +120,17 @@ class Speculator:
         self.proposer.release(request_id)
 
     def observe(self, out: SchedulerOutput, accepted: dict[str, tuple[int, ...]]) -> None:
-        """Acceptance of this step's verified drafts: counters, then each request's k and pause."""
+        """Acceptance of this step's verified drafts: counters, then each request's k and pause.
+        First the proposer rolls back what it holds past each asked request's tokens."""
+        asked, self._asked = self._asked, []
+        for req in asked:
+            if not req.status.finished:
+                self.proposer.rollback(req)
         st = self.stats
         for chunk in out.chunks:
             if not chunk.draft or chunk.request.request_id not in accepted:
                 continue  # no drafts, or the request failed
             req, proposed, a = chunk.request, len(chunk.draft), len(accepted[chunk.request.request_id])
-            if not req.status.finished:
-                self.proposer.verified(req)  # a draft model rolls its KV back to the tokens kept
             st.spec_steps += 1
             st.spec_proposed_tokens += proposed
             st.spec_accepted_tokens += a

@@ -16,13 +16,14 @@ Per request the proposer remembers how far the draft's KV reaches (`_DraftSeq`),
   accepted; all of them after a handoff) and gives d_1; forward j computes d_(j-1) for the
   requests that want a j-th draft and gives d_j. d_1 .. d_(k-1) get KV, d_k does not (if it is
   accepted, the next catch-up computes it).
-- Rolled back after verification (`verified`): the KV stays valid for the tokens the request
+- Rolled back after the step (`rollback`, once verified or dropped): the KV stays valid for the tokens the request
   actually has (the drafts that were accepted, or happen to equal what was sampled); the blocks
   past them go back to the draft pool (KVCacheManager.trim), so a request holds exactly
   ceil(valid tokens / block_size) draft blocks between steps.
 - Freed (`release`) when the request leaves the engine: finished, aborted, failed, preempted,
   migrated away (the engine's scheduler calls it wherever it frees the model's blocks).
-A request the draft pool has no room for gets no drafts that step (never an error).
+A request the draft pool has no room for gets no drafts that step (never an error), and gives
+its draft KV back for the others: it tries again from scratch (a catch-up) the next step.
 """
 
 from __future__ import annotations
@@ -103,9 +104,14 @@ class DraftProposer(Proposer):
         for i, (req, k) in enumerate(asks):
             seq = self._sync(req)
             # KV for every token the draft has not seen and for d_1 .. d_(k-1)
-            if k > 0 and self.kv.allocate_slots(seq, req.num_tokens + k - 1 - seq.num_computed_tokens):
-                seq.base, seq.drafts = req.num_tokens, ()
-                live.append((i, seq, k))
+            if k <= 0:
+                continue
+            if not self.kv.allocate_slots(seq, req.num_tokens + k - 1 - seq.num_computed_tokens):
+                # no room: its KV, stale while it cannot draft, goes back for the requests that fit
+                self.release(req.request_id)
+                continue
+            seq.base, seq.drafts = req.num_tokens, ()
+            live.append((i, seq, k))
         step = 1
         while live:
             spans = []
@@ -135,7 +141,7 @@ class DraftProposer(Proposer):
                 self.kv.trim(req.request_id, self._seqs[req.request_id].num_computed_tokens)
         return [tuple(d) for d in drafts]
 
-    def verified(self, req: Request) -> None:
+    def rollback(self, req: Request) -> None:
         seq = self._seqs.get(req.request_id)
         if seq is not None:
             self._rollback(seq)

@@ -27,9 +27,10 @@ class Proposer(Protocol):
         proposer with a model batches the requests (the default asks one by one)."""
         return [self.propose(req, k) for req, k in asks]
 
-    def verified(self, req: Request) -> None:
-        """The request's drafts were verified and its tokens appended (it is still running):
-        a proposer holding state past the accepted tokens rolls it back. Default: nothing held."""
+    def rollback(self, req: Request) -> None:
+        """The step that took the request's drafts is over (verified and its tokens appended, or
+        the drafts dropped by the scheduler) and it has not finished: a proposer holding state
+        past the request's tokens rolls it back. Default: nothing held."""
 
     def release(self, request_id: str) -> None:
         """The request left this engine (finished, aborted, preempted, migrated away): free
