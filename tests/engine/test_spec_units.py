@@ -13,7 +13,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec.controller import Speculator
 from cluster.engine.spec.cost import PROBE_EVERY, StepCosts, expected_accepted
-from cluster.engine.spec.proposer import NgramProposer
+from cluster.engine.spec.proposer import NgramProposer, Proposer
 from cluster.engine.spec.state import SpecState
 from cluster.engine.spec.verify import accept_greedy, accept_rejection, accept_sampled
 
@@ -195,7 +195,7 @@ def test_expected_accepted_drafts():
     assert expected_accepted(1.0, 4) == 4 and expected_accepted(0.0, 4) == 0
 
 
-class FixedProposer:
+class FixedProposer(Proposer):
     def propose(self, req, k):
         return (7,) * k
 
