@@ -297,11 +297,15 @@ def test_penalties_bias_and_logprobs_span_prefill_and_decode(prefill, decode, ti
     assert prefill.stats()["leases_expired"] == expired  # the READ's done notice ended the lease
 
 
-def test_speculative_decode_after_an_imported_first_token_equals_in_process(prefill, tiny_model, store):
-    """The decode engine speculates (n-gram) from the token prefill sampled: greedy output equals
-    the engine without speculation, drafts were accepted, both pools end whole."""
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decode_after_an_imported_first_token_equals_in_process(prefill, tiny_model, store, method):
+    """The decode engine speculates (n-gram, or the model itself as its draft model, whose KV is
+    rebuilt on decode: nothing of it moves) from the token prefill sampled: greedy output equals
+    the engine without speculation, drafts were accepted, both pools (and the draft's) end whole."""
     spec = {"method": "ngram", "k": 4, "ngram_min": 1, "ngram_max": 3, "cost_model": "off"}  # acceptance alone decides: deterministic
-    dec = make_decode(tiny_model, store, "decode-spec", speculative=spec)
+    if method == "draft":
+        spec = {"method": "draft", "draft_model": tiny_model, "k": 4, "cost_model": "off"}
+    dec = make_decode(tiny_model, store, f"decode-spec-{method}", speculative=spec)
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = [[256] + [(i * i + 3 * n) % 11 for i in range(n - 1)] for n in (9, 17, 40)]
     want = [o.token_ids for o in LLMEngine.from_model(tiny_model, num_blocks=64).generate(prompts, sp)]
@@ -312,5 +316,8 @@ def test_speculative_decode_after_an_imported_first_token_equals_in_process(pref
         assert dec.transport.stats.pulls_ok == len(prompts)
         assert dec.engine.stats.spec_accepted_tokens >= 20
         assert_pools_whole(prefill, dec)
+        if method == "draft":
+            draft_kv = dec.engine.speculator.proposer.kv
+            assert draft_kv.num_free_blocks == draft_kv.num_blocks and draft_kv.num_requests() == 0
     finally:
         dec.transport.close()
