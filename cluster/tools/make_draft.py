@@ -7,7 +7,11 @@ The draft shares the model's tokenizer and vocabulary by construction (the token
 copied as they are), and its first N layers are exactly the model's: its hidden state after layer
 N is the model's, read out early through the model's own norm and head. That is a cheap draft
 with no training (a "self-speculative" early exit); how often the model agrees with it depends on
-N and on the text: measure with `python -m cluster.tools.bench.spec --method draft`.
+N and on the text: measure with `python -m cluster.tools.bench.spec --method draft`. On
+SmolLM2-135M-Instruct (30 layers) early exit is a weak draft: greedy, two copy prompts, 48
+tokens, k 4, drafts accepted were 3% with the first 8 layers, 7% with 16, 35% with 24 (and 100%
+with all 30, the check that the machinery is exact). Skipping middle layers instead (first 20 +
+last 6) did no better (30%).
 """
 
 from __future__ import annotations
