@@ -38,6 +38,7 @@ import torch
 from cluster.engine.attention import AttentionBackend
 from cluster.engine.kv_cache import KVCacheManager
 from cluster.engine.model.loader import load_model
+from cluster.engine.model.ops import CPUKernelOps, TorchOps
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.request import Request
@@ -76,7 +77,8 @@ class DraftProposer(Proposer):
 
     @classmethod
     def load(cls, draft_model: str, target: ModelConfig, num_blocks: int, block_size: int, max_model_len: int,
-             dtype: torch.dtype, device: torch.device, backend: AttentionBackend, ops) -> "DraftProposer":
+             dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
+             ops: TorchOps | CPUKernelOps) -> "DraftProposer":
         """The draft checkpoint on the model's device, dtype, attention backend and linear/norm
         `ops` (model/ops.py), with a KV pool of `num_blocks`."""
         if not (Path(draft_model) / "config.json").is_file():
@@ -103,9 +105,9 @@ class DraftProposer(Proposer):
         live: list[tuple[int, _DraftSeq, int]] = []  # (index in asks, seq, k) with draft KV room
         for i, (req, k) in enumerate(asks):
             seq = self._sync(req)
-            # KV for every token the draft has not seen and for d_1 .. d_(k-1)
             if k <= 0:
                 continue
+            # KV for every token the draft has not seen and for d_1 .. d_(k-1)
             if not self.kv.allocate_slots(seq, req.num_tokens + k - 1 - seq.num_computed_tokens):
                 # no room: its KV, stale while it cannot draft, goes back for the requests that fit
                 self.release(req.request_id)
