@@ -79,8 +79,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._num_deadlines = 0  # requests in flight with a deadline (expire() skips work without)
         self._next_ttl_check = float("-inf")
-        # Called with a request's id when it leaves the running set for good or is preempted,
-        # whatever the reason: state kept beside its blocks (a draft model's KV) goes with them.
+        # Called with a request's id when it ends (any status, from any queue) or is preempted:
+        # state kept beside its blocks (a draft model's KV, spec/draft.py) goes when they do.
         self.on_free: Callable[[str], None] | None = None
 
     # ---- admission and removal -------------------------------------------------------------
