@@ -12,6 +12,7 @@ from ray import serve
 
 from cluster.config import AppConfig
 from cluster.errors import InvalidRequestError
+from cluster.serving import gc_pauses
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.actor import get_router
 from router.ingress.admission import Admission, Idempotent
@@ -92,6 +93,9 @@ class Ingress:
                                 guard_metrics=guardrail_metrics() if self.config.telemetry.metrics else None,
                                 classifier=classifier_handle, audit=audit, budget=budget)
         bind_replica(self.flow, Idempotent(actor, admission))
+        if gc_pauses.freeze_enabled():
+            gc_pauses.freeze_after_start()  # last: everything start-up made is never walked again
+        gc_pauses.PAUSES.install()  # the collections while serving
 
     async def __del__(self):
         """Serve's graceful shutdown: send the audit records still spooled (bounded); a replica

@@ -7,6 +7,8 @@ import asyncio
 import logging
 from importlib import metadata
 
+from cluster.serving import gc_pauses
+
 log = logging.getLogger(__name__)
 
 LIVE_TIMEOUT_S = 1.0  # a decode replica that cannot answer its load within this is not serving
@@ -59,6 +61,15 @@ def metrics_text(flow) -> bytes:
             g.labels(stat).set(err[stat])
         Gauge("pdserve_ingress_ttft_predictions", "Requests in that comparison",
               registry=registry).set(err["count"])
+    pauses = Gauge("pdserve_ingress_gc_pauses", "Garbage collections since start, by generation",
+                   ["generation"], registry=registry)
+    pause_s = Gauge("pdserve_ingress_gc_pause_seconds", "Wall time in garbage collections since start "
+                    "(stat=total) and the longest one (stat=max), by generation", ["generation", "stat"],
+                    registry=registry)
+    for gen, p in enumerate(gc_pauses.PAUSES.by_generation):
+        pauses.labels(str(gen)).set(p.count)
+        pause_s.labels(str(gen), "total").set(p.total_s)
+        pause_s.labels(str(gen), "max").set(p.max_s)
     info = Gauge("pdserve_ingress_info", "Version and model", ["version", "model"], registry=registry)
     info.labels(package_version(), flow.config.model_name).set(1)
     return generate_latest(registry)

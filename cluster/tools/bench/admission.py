@@ -15,9 +15,10 @@ burst      a 10x burst: Poisson arrivals at 10 x --capacity req/s for --burst-s,
            during the burst (requests meeting the TTFT and TPOT SLOs, per second), p99 latency of
            the rejections, and the recovery time (from the burst's end until the first 2 s window
            whose requests all meet the SLOs).
-noisy      tenant B at 2 req/s for 30 s, alone, then with tenant A flooding at 50 req/s against its
-           quota (120 requests/min, 2 in flight). Printed: B's TTFT p50/p99 in both arms, the ratio,
-           and how A's requests ended.
+noisy      tenant B at 2 req/s throughout; tenant A floods at 50 req/s against its quota (120
+           requests/min, 2 in flight) in every other 10 s window, so the arms (B alone, B with A)
+           interleave and share the run's drift. Printed: B's TTFT p50/p90/p99 in both arms, the
+           ratio, and how A's requests ended.
 
 Requests: random prompts of 64-192 tokens, 16-48 output tokens, greedy, EOS ignored.
 """
@@ -68,6 +69,21 @@ def _prediction_error(http_port: int) -> dict[str, float]:
         text = resp.read().decode()
     pattern = r'^pdserve_ingress_ttft_prediction_error_seconds\{stat="(\w+)"\} (\S+)$'
     return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
+
+
+def _gc_pauses(http_port: int, key: str | None = None) -> dict[str, tuple[int, float, float]]:
+    """The ingress's garbage collections so far, per generation: (count, total s, longest s)."""
+    import re
+    import urllib.request
+
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    req = urllib.request.Request(f"http://localhost:{http_port}/metrics", headers=headers)
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        text = resp.read().decode()
+    count = {m[1]: int(float(m[2])) for m in re.finditer(r'^pdserve_ingress_gc_pauses\{generation="(\d)"\} (\S+)$', text, re.M)}
+    stat = {(m[1], m[2]): float(m[3]) for m in re.finditer(
+        r'^pdserve_ingress_gc_pause_seconds\{generation="(\d)",stat="(\w+)"\} (\S+)$', text, re.M)}
+    return {g: (n, stat.get((g, "total"), 0.0), stat.get((g, "max"), 0.0)) for g, n in count.items()}
 
 
 def _serve_pids() -> dict[str, int]:
@@ -214,39 +230,82 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
     return results
 
 
-def bench_noisy(base: AppConfig, seconds: float) -> dict:
+def bench_noisy(base: AppConfig, seconds: float, window_s: float = 10.0, flood_rps: float = 50.0,
+                quota_rpm: int = 120, quota_concurrent: int = 2) -> dict:
+    """Tenant B at 2 req/s throughout; tenant A floods in every other window (quiet, flood, quiet,
+    ...), so both arms see the same drift (warm caches, a growing heap, the host's neighbours).
+    B's requests are "alone" when they arrive in a quiet window at least GUARD_S after the last
+    flood window (A's admitted streams have drained by then), "with A" when they arrive in a flood
+    window. `seconds` is each arm's total."""
     import cluster.app.builder as serve_app
 
     cfg = AppConfig.model_validate({**base.model_dump(), "tenants": {
-        "a": {"api_keys": [KEY_A], "requests_per_min": 120, "max_concurrent": 2},
+        "a": {"api_keys": [KEY_A], "requests_per_min": quota_rpm, "max_concurrent": quota_concurrent},
         "b": {"api_keys": [KEY_B]}}})
     serve_app.start(cfg)
     address = f"localhost:{cfg.grpc_port}"
     asyncio.run(_run(address, KEY_B, [(2.0, 5.0)], seed=1))  # warm-up
+    rounds = max(1, round(seconds / window_s))
+    total = 2 * rounds * window_s
 
-    async def both():
-        return await asyncio.gather(_run(address, KEY_B, [(2.0, seconds)], seed=3),
-                                    _run(address, KEY_A, [(50.0, seconds)], seed=4))
+    pids = _serve_pids()
+    cpu = {"solo": {}, "noisy": {}}  # CPU seconds each process used in each arm's windows
 
-    solo_run = asyncio.run(_run(address, KEY_B, [(2.0, seconds)], seed=3))
-    with_a_run, flood_run = asyncio.run(both())
+    def account(arm_name: str, before: dict[str, float]) -> dict[str, float]:
+        now = _cpu_s(pids)
+        for k in now.keys() & before.keys():
+            cpu[arm_name][k] = cpu[arm_name].get(k, 0.0) + now[k] - before[k]
+        return now
+
+    async def interleaved():
+        t0 = time.perf_counter()
+        quiet = asyncio.create_task(_run(address, KEY_B, [(2.0, total)], seed=3))
+        floods, windows = [], []
+        sample = _cpu_s(pids)
+        for i in range(2 * rounds):
+            begin = t0 + i * window_s
+            await asyncio.sleep(max(0.0, begin + window_s - time.perf_counter()))
+            sample = account("noisy" if i % 2 else "solo", sample)
+            if i % 2 == 0:  # the next window floods
+                windows.append((begin + window_s, begin + 2 * window_s))
+                floods.append(asyncio.create_task(_run(address, KEY_A, [(flood_rps, window_s)], seed=4 + i)))
+        return await quiet, await asyncio.gather(*floods), windows
+
+    b_run, flood_runs, windows = asyncio.run(interleaved())
+    gc = _gc_pauses(cfg.http_port, KEY_B)
     serve_app.delete_app(cfg)
-    solo, with_a, flood = solo_run.records, with_a_run.records, flood_run.records
 
-    def ttfts(recs):
-        return [r.ttft_s for r in recs if r.status == "ok"]
+    def arm(at: float) -> str | None:
+        if any(lo <= at < hi for lo, hi in windows):
+            return "noisy"
+        last_end = max((hi for lo, hi in windows if hi <= at), default=None)
+        return "solo" if last_end is None or at - last_end >= GUARD_S else None
 
+    by_arm: dict[str, list] = {"solo": [], "noisy": []}
+    for r in b_run.records:
+        name = arm(r.arrival_at)
+        if name is not None:
+            by_arm[name].append(r)
+    flood = [r for run in flood_runs for r in run.records]
     a_codes: dict[str, int] = {}
     for r in flood:
         a_codes[r.code or r.status] = a_codes.get(r.code or r.status, 0) + 1
-    return {"solo": {"ok": len(ttfts(solo)), "of": len(solo), "p50_ms": _pct(ttfts(solo), 50) * 1e3,
-                     "p99_ms": _pct(ttfts(solo), 99) * 1e3},
-            "noisy": {"ok": len(ttfts(with_a)), "of": len(with_a), "p50_ms": _pct(ttfts(with_a), 50) * 1e3,
-                      "p99_ms": _pct(ttfts(with_a), 99) * 1e3},
+
+    def summary(recs) -> dict:
+        ttfts = [r.ttft_s for r in recs if r.status == "ok"]
+        return {"ok": len(ttfts), "of": len(recs), "p50_ms": _pct(ttfts, 50) * 1e3, "p90_ms": _pct(ttfts, 90) * 1e3,
+                "p99_ms": _pct(ttfts, 99) * 1e3}
+
+    arm_s = rounds * window_s
+    return {"solo": summary(by_arm["solo"]), "noisy": summary(by_arm["noisy"]), "rounds": rounds,
+            "cores": {a: {k: v / arm_s for k, v in c.items()} for a, c in cpu.items()}, "gc": gc,
             "flood": a_codes,
             "flood_reject_p99_ms": _pct([r.latency_s for r in flood if r.code == "RESOURCE_EXHAUSTED"], 99) * 1e3,
-            # both tenants' clients share one process and loop: this covers the flood run
-            "client": _client(flood_run), "client_solo": _client(solo_run)}
+            # both tenants' clients share one process and loop: B's run covers the whole time
+            "client": _client(b_run)}
+
+
+GUARD_S = 1.5  # after a flood window: A's admitted streams (16-48 tokens) have ended
 
 
 def main() -> None:
@@ -258,7 +317,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--capacity", type=float, default=10.0, help="req/s the server sustains (the burst is 10x)")
     ap.add_argument("--burst-s", type=float, default=30.0)
-    ap.add_argument("--noisy-s", type=float, default=30.0)
+    ap.add_argument("--noisy-s", type=float, default=40.0, help="seconds of each noisy-neighbour arm")
+    ap.add_argument("--noisy-window-s", type=float, default=10.0, help="the arms alternate in windows this long")
+    ap.add_argument("--flood-rps", type=float, default=50.0, help="tenant A's offered rate in its windows")
+    ap.add_argument("--flood-quota-rpm", type=int, default=120, help="tenant A's requests_per_min")
+    ap.add_argument("--flood-concurrent", type=int, default=2, help="tenant A's max_concurrent")
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (+-50%%)")
@@ -267,6 +330,8 @@ def main() -> None:
                     help="random: the tiny random demo model (thousands of tokens/s here); smollm2: the real 135M model")
     ap.add_argument("--only", choices=["burst", "noisy"], default=None)
     ap.add_argument("--compute-nice", type=int, default=None, help="the pools' compute_nice (default: the config's)")
+    ap.add_argument("--stream-interval", default=None, help="the decode pool's stream_interval (default: the config's)")
+    ap.add_argument("--prefill-nice", type=int, default=None, help="the prefill pool's compute_nice alone")
     ap.add_argument("--throughput-optimized", action="store_true",
                     help="with --direct-ingress: Serve's throughput profile (RAY_SERVE_THROUGHPUT_OPTIMIZED)")
     ap.add_argument("--direct-ingress", action="store_true", help="Serve's direct ingress (no proxy) for every arm")
@@ -282,7 +347,10 @@ def main() -> None:
         os.environ.update(direct_ingress_env(http_port, grpc_port, args.throughput_optimized))
     ray.init(num_cpus=8, include_dashboard=False, namespace="pdserve", log_to_driver=False)
     pool = {"num_cpus": 0.5} if args.compute_nice is None else {"num_cpus": 0.5, "compute_nice": args.compute_nice}
-    base = ensure_model(default=args.model, config=AppConfig(http_port=http_port, grpc_port=grpc_port, prefill=pool,
+    prefill = pool if args.prefill_nice is None else {**pool, "compute_nice": args.prefill_nice}
+    if args.stream_interval is not None:
+        pool = {**pool, "stream_interval": args.stream_interval if args.stream_interval == "auto" else int(args.stream_interval)}
+    base = ensure_model(default=args.model, config=AppConfig(http_port=http_port, grpc_port=grpc_port, prefill=prefill,
                                                            decode=pool, graceful_shutdown_timeout_s=1.0))
     if args.only in (None, "burst"):
         r = bench_burst(base, args.capacity, args.burst_s, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3,
@@ -314,17 +382,26 @@ def main() -> None:
               f"rejection p99 {r.get('protected', {}).get('reject_p99_ms', float('nan')):.1f} ms (goal < 50 ms); "
               f"recovery {r.get('protected', {}).get('recovery_s', float('nan')):.1f} s (goal < 5 s)")
     if args.only in (None, "noisy"):
-        r = bench_noisy(base, args.noisy_s)
+        r = bench_noisy(base, args.noisy_s, args.noisy_window_s, args.flood_rps, args.flood_quota_rpm,
+                        args.flood_concurrent)
         s, n = r["solo"], r["noisy"]
-        print(f"\nnoisy neighbour: tenant B at 2 req/s for {args.noisy_s:g} s; tenant A floods at 50 req/s "
-              f"(quota 120/min, 2 in flight)")
-        print(f"  B alone       {s['ok']}/{s['of']} ok  TTFT p50 {s['p50_ms']:.0f} ms  p99 {s['p99_ms']:.0f} ms")
-        print(f"  B with A      {n['ok']}/{n['of']} ok  TTFT p50 {n['p50_ms']:.0f} ms  p99 {n['p99_ms']:.0f} ms")
+        print(f"\nnoisy neighbour: tenant B at 2 req/s; tenant A floods at {args.flood_rps:g} req/s (quota "
+              f"{args.flood_quota_rpm}/min, {args.flood_concurrent} in flight) in every other {args.noisy_window_s:g} s "
+              f"window ({r['rounds']} rounds)")
+        for label, m in (("B alone", s), ("B with A", n)):
+            print(f"  {label:<13} {m['ok']}/{m['of']} ok  TTFT p50 {m['p50_ms']:.0f} ms  p90 {m['p90_ms']:.0f} ms  "
+                  f"p99 {m['p99_ms']:.0f} ms")
+        for a, label in (("solo", "alone"), ("noisy", "with A")):
+            print(f"  cores busy, B {label}: " + ", ".join(
+                f"{k.strip()} {v:.2f}" for k, v in sorted(r["cores"][a].items()) if v >= 0.01))
+        print("  ingress garbage collections (whole run): " + ", ".join(
+            f"gen{g} {n} ({t * 1e3:.0f} ms, longest {m * 1e3:.1f} ms)" for g, (n, t, m) in sorted(r["gc"].items())))
         print(f"  A's requests  {r['flood']}  (rejection p99 {r['flood_reject_p99_ms']:.1f} ms)")
-        print(f"  B's p99 TTFT with A / alone = {n['p99_ms'] / s['p99_ms']:.2f}x (goal <= 1.5x)")
-        for label, c in (("alone", r["client_solo"]), ("with the flood", r["client"])):
-            print(f"  load generator ({label}): {c['client_cpu_cores']:.2f} cores busy, p99 send lag "
-                  f"{c['send_lag_p99_ms']:.1f} ms, loop lag {c['loop_lag_p99_ms']:.1f} ms -> {'kept up' if c['kept_up'] else 'FELL BEHIND: invalid run'}")
+        print(f"  B's p99 TTFT with A / alone = {n['p99_ms'] / s['p99_ms']:.2f}x (goal <= 1.5x); "
+              f"p50 {n['p50_ms'] / s['p50_ms']:.2f}x")
+        c = r["client"]
+        print(f"  load generator: {c['client_cpu_cores']:.2f} cores busy, p99 send lag {c['send_lag_p99_ms']:.1f} ms, "
+              f"loop lag {c['loop_lag_p99_ms']:.1f} ms -> {'kept up' if c['kept_up'] else 'FELL BEHIND: invalid run'}")
     ray.shutdown()
 
 

@@ -1,0 +1,51 @@
+"""The garbage collector on the serving path (cluster/serving/gc_pauses.py): every collection is
+timed by generation, and freezing moves start-up's objects out of every later collection."""
+
+import gc
+
+from cluster.serving.gc_pauses import GcPauses, freeze_after_start
+
+
+def test_collections_are_counted_by_generation():
+    pauses = GcPauses().install()
+    try:
+        gc.collect(2)
+        gc.collect(1)
+        gc.collect(1)
+    finally:
+        pauses.uninstall()
+    gc.collect(2)  # after uninstall: not counted
+    full, middle = pauses.by_generation[2], pauses.by_generation[1]
+    assert (full.count, middle.count) == (1, 2)
+    assert 0 < full.max_s <= full.total_s and 0 < middle.max_s <= middle.total_s
+
+
+def test_freezing_takes_start_up_objects_out_of_collections():
+    before = gc.get_freeze_count()
+    survivors = [[i] for i in range(10_000)]  # tracked containers, alive "since start-up"
+    try:
+        frozen = freeze_after_start()
+        assert frozen == gc.get_freeze_count() >= before + len(survivors)
+        tracked = {id(o) for o in gc.get_objects(generation=2)}
+        assert not any(id(s) in tracked for s in survivors)  # a full collection never walks them
+    finally:
+        gc.unfreeze()  # the test process's heap goes back to normal
+    assert gc.get_freeze_count() == 0
+
+
+def test_the_ingress_scrape_shows_the_collections(tiny_model):
+    from router.ingress.probes import metrics_text
+    from cluster.serving import gc_pauses
+    from tests.ingress.test_capacity import _flow
+
+    saved = gc_pauses.PAUSES.by_generation
+    gc_pauses.PAUSES.by_generation = [gc_pauses.GenerationPauses(), gc_pauses.GenerationPauses(),
+                                      gc_pauses.GenerationPauses(count=3, total_s=0.25, max_s=0.125)]
+    try:
+        text = metrics_text(_flow(tiny_model)).decode()
+    finally:
+        gc_pauses.PAUSES.by_generation = saved
+    assert 'pdserve_ingress_gc_pauses{generation="2"} 3.0' in text
+    assert 'pdserve_ingress_gc_pause_seconds{generation="2",stat="total"} 0.25' in text
+    assert 'pdserve_ingress_gc_pause_seconds{generation="2",stat="max"} 0.125' in text
+    assert 'pdserve_ingress_gc_pauses{generation="0"} 0.0' in text
