@@ -6,7 +6,6 @@ numbers (cluster/engine/probe.py); all Ray and OpenTelemetry calls happen here, 
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 

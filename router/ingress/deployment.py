@@ -12,7 +12,7 @@ from ray import serve
 
 from cluster.config import AppConfig
 from cluster.errors import InvalidRequestError
-from cluster.serving import gc_pauses
+from cluster.telemetry import gc_pauses
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.actor import get_router
 from router.ingress.admission import Admission, Idempotent

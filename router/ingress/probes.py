@@ -7,7 +7,7 @@ import asyncio
 import logging
 from importlib import metadata
 
-from cluster.serving import gc_pauses
+from cluster.telemetry import gc_pauses
 
 log = logging.getLogger(__name__)
 

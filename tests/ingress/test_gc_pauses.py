@@ -1,9 +1,9 @@
-"""The garbage collector on the serving path (cluster/serving/gc_pauses.py): every collection is
+"""The garbage collector on the serving path (cluster/telemetry/gc_pauses.py): every collection is
 timed by generation, and freezing moves start-up's objects out of every later collection."""
 
 import gc
 
-from cluster.serving.gc_pauses import GcPauses, freeze_after_start
+from cluster.telemetry.gc_pauses import GcPauses, freeze_after_start
 
 
 def test_collections_are_counted_by_generation():
@@ -35,7 +35,7 @@ def test_freezing_takes_start_up_objects_out_of_collections():
 
 def test_the_ingress_scrape_shows_the_collections(tiny_model):
     from router.ingress.probes import metrics_text
-    from cluster.serving import gc_pauses
+    from cluster.telemetry import gc_pauses
     from tests.ingress.test_capacity import _flow
 
     saved = gc_pauses.PAUSES.by_generation
