@@ -39,9 +39,7 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]) -> SamplerOutput:
         """Run one step. Every chunk that reaches its request's end gets a sampled token, or a
         failure of its own (the others are unaffected); raises only when the step as a whole fails."""
-        # Longest context first, so length groups are contiguous runs of the decode tokens.
-        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.start)
-        prefills = [c for c in chunks if c.num_tokens > 1]
+        decodes, prefills = self._step_order(chunks)
         ordered = decodes + prefills
         input_ids, positions, logits_idx, samplers, scored = self._flatten(ordered)
         meta = self._metadata(decodes, prefills, block_tables)
@@ -66,20 +64,17 @@ class ModelRunner:
         the draft model's step (cluster/engine/spec/draft.py), whose spans are either a catch-up
         (every token the draft has not seen yet) or one draft token."""
         chunks = [ScheduledChunk(req, start, len(tokens), True) for req, start, tokens in spans]
-        # as execute(): decodes first, longest context first, then the multi-token spans
-        order = sorted((i for i, c in enumerate(chunks) if c.num_tokens == 1), key=lambda i: -chunks[i].start)
-        order += [i for i, c in enumerate(chunks) if c.num_tokens > 1]
+        tokens_of = {id(c): tokens for c, (_, _, tokens) in zip(chunks, spans)}
+        decodes, prefills = self._step_order(chunks)
         input_ids: list[int] = []
         positions: list[int] = []
-        last_rows = [0] * len(spans)
-        for i in order:
-            _, start, tokens = spans[i]
-            input_ids += tokens
-            positions += range(start, start + len(tokens))
-            last_rows[i] = len(input_ids) - 1
-        ordered = [chunks[i] for i in order]
-        meta = self._metadata([c for c in ordered if c.num_tokens == 1], [c for c in ordered if c.num_tokens > 1],
-                              block_tables)
+        last_row: dict[int, int] = {}
+        for c in decodes + prefills:
+            input_ids += tokens_of[id(c)]
+            positions += range(c.start, c.start + c.num_tokens)
+            last_row[id(c)] = len(input_ids) - 1
+        last_rows = [last_row[id(c)] for c in chunks]
+        meta = self._metadata(decodes, prefills, block_tables)
         dev = self.device
         return self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -104,6 +99,13 @@ class ModelRunner:
             out.failed.update(rest.failed)
             out.logprobs.update(rest.logprobs)
         return out
+
+    @staticmethod
+    def _step_order(chunks: Sequence[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+        """(decodes, multi-token chunks), the order a step's rows take: decodes longest context
+        first, so length groups are contiguous runs of the decode tokens."""
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: -c.start)
+        return decodes, [c for c in chunks if c.num_tokens > 1]
 
     @staticmethod
     def _flatten(chunks: list[ScheduledChunk]):

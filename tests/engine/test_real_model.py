@@ -70,16 +70,20 @@ def test_knows_the_capital_of_france(smollm2, engine):
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2
 
 
+def _copy_and_open_prompts(tok) -> list[list[int]]:
+    """A "repeat this paragraph" chat prompt (drafts are mostly accepted) and an open one."""
+    texts = ["Repeat the following paragraph exactly:\n\nThe library opens at nine on weekdays and at ten on "
+             "Saturdays. Books may be borrowed for three weeks and renewed twice online or at the front desk.",
+             "Write a short poem about the sea at night."]
+    return [tok.encode(render_chat(tok, [{"role": "user", "content": t}]), add_special_tokens=False) for t in texts]
+
+
 def test_speculative_greedy_output_equals_plain_on_a_copy_prompt(smollm2, engine):
     """n-gram speculation on the real model: a "repeat this paragraph" chat prompt and an open
     one, one request alone and both together; token for token the plain engine's output."""
     tok = Tokenizer(smollm2)
     spec = LLMEngine.from_model(smollm2, num_blocks=64, max_model_len=1024, speculative={"method": "ngram", "cost_model": "off"})
-    texts = ["Repeat the following paragraph exactly:\n\nThe library opens at nine on weekdays and at ten on "
-             "Saturdays. Books may be borrowed for three weeks and renewed twice online or at the front desk.",
-             "Write a short poem about the sea at night."]
-    prompts = [tok.encode(render_chat(tok, [{"role": "user", "content": t}]), add_special_tokens=False)
-               for t in texts]
+    prompts = _copy_and_open_prompts(tok)
     sp = SamplingParams(max_tokens=48, temperature=0)
     want = [o.token_ids for o in engine.generate(prompts, sp)]
     assert [o.token_ids for o in spec.generate(prompts[:1], sp)] == want[:1]
@@ -99,11 +103,7 @@ def test_draft_model_greedy_output_equals_plain(smollm2, engine, tmp_path):
     tok = Tokenizer(smollm2)
     spec = LLMEngine.from_model(smollm2, num_blocks=64, max_model_len=1024, speculative={
         "method": "draft", "draft_model": str(draft), "cost_model": "off", "min_acceptance": 0.0})
-    texts = ["Repeat the following paragraph exactly:\n\nThe library opens at nine on weekdays and at ten on "
-             "Saturdays. Books may be borrowed for three weeks and renewed twice online or at the front desk.",
-             "Write a short poem about the sea at night."]
-    prompts = [tok.encode(render_chat(tok, [{"role": "user", "content": t}]), add_special_tokens=False)
-               for t in texts]
+    prompts = _copy_and_open_prompts(tok)
     sp = SamplingParams(max_tokens=32, temperature=0)
     want = [o.token_ids for o in engine.generate(prompts, sp)]
     assert [o.token_ids for o in spec.generate(prompts, sp)] == want

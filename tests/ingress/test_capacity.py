@@ -223,6 +223,23 @@ def test_the_ingress_scrape_shows_the_prediction_error(tiny_model):
     assert "pdserve_ingress_ttft_predictions 2.0" in text
 
 
+def test_the_ingress_scrape_shows_the_collections(tiny_model):
+    from cluster.telemetry import gc_pauses
+    from router.ingress.probes import metrics_text
+
+    saved = gc_pauses.PAUSES.by_generation
+    gc_pauses.PAUSES.by_generation = [gc_pauses.GenerationPauses(), gc_pauses.GenerationPauses(),
+                                      gc_pauses.GenerationPauses(count=3, total_s=0.25, max_s=0.125)]
+    try:
+        text = metrics_text(_flow(tiny_model)).decode()
+    finally:
+        gc_pauses.PAUSES.by_generation = saved
+    assert 'pdserve_ingress_gc_pauses{generation="2"} 3.0' in text
+    assert 'pdserve_ingress_gc_pause_seconds{generation="2",stat="total"} 0.25' in text
+    assert 'pdserve_ingress_gc_pause_seconds{generation="2",stat="max"} 0.125' in text
+    assert 'pdserve_ingress_gc_pauses{generation="0"} 0.0' in text
+
+
 def test_the_auto_inflight_cap_is_sized_from_the_decode_pool_s_kv():
     from router.ingress.capacity import AUTO_MIN, AUTO_UNMEASURED, REFRESH_S, InflightCap
 

@@ -31,21 +31,3 @@ def test_freezing_takes_start_up_objects_out_of_collections():
     finally:
         gc.unfreeze()  # the test process's heap goes back to normal
     assert gc.get_freeze_count() == 0
-
-
-def test_the_ingress_scrape_shows_the_collections(tiny_model):
-    from router.ingress.probes import metrics_text
-    from cluster.telemetry import gc_pauses
-    from tests.ingress.test_capacity import _flow
-
-    saved = gc_pauses.PAUSES.by_generation
-    gc_pauses.PAUSES.by_generation = [gc_pauses.GenerationPauses(), gc_pauses.GenerationPauses(),
-                                      gc_pauses.GenerationPauses(count=3, total_s=0.25, max_s=0.125)]
-    try:
-        text = metrics_text(_flow(tiny_model)).decode()
-    finally:
-        gc_pauses.PAUSES.by_generation = saved
-    assert 'pdserve_ingress_gc_pauses{generation="2"} 3.0' in text
-    assert 'pdserve_ingress_gc_pause_seconds{generation="2",stat="total"} 0.25' in text
-    assert 'pdserve_ingress_gc_pause_seconds{generation="2",stat="max"} 0.125' in text
-    assert 'pdserve_ingress_gc_pauses{generation="0"} 0.0' in text

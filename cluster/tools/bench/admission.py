@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import time
 from pathlib import Path
 
@@ -60,26 +61,25 @@ def refused_by(error: str) -> str:
     return next((name for name, mark in REFUSED_BY if mark in error), "other")
 
 
-def _prediction_error(http_port: int) -> dict[str, float]:
-    """The ingress's own comparison of predicted and actual time to first token (its /metrics)."""
-    import re
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://localhost:{http_port}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    pattern = r'^pdserve_ingress_ttft_prediction_error_seconds\{stat="(\w+)"\} (\S+)$'
-    return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
-
-
-def _gc_pauses(http_port: int, key: str | None = None) -> dict[str, tuple[int, float, float]]:
-    """The ingress's garbage collections so far, per generation: (count, total s, longest s)."""
-    import re
+def _scrape(http_port: int, key: str | None = None) -> str:
+    """The ingress's own gauges (its /metrics; `key`: an API key, where tenants are configured)."""
     import urllib.request
 
     headers = {} if key is None else {"Authorization": f"Bearer {key}"}
     req = urllib.request.Request(f"http://localhost:{http_port}/metrics", headers=headers)
     with urllib.request.urlopen(req, timeout=30) as resp:
-        text = resp.read().decode()
+        return resp.read().decode()
+
+
+def _prediction_error(http_port: int) -> dict[str, float]:
+    """The ingress's own comparison of predicted and actual time to first token."""
+    pattern = r'^pdserve_ingress_ttft_prediction_error_seconds\{stat="(\w+)"\} (\S+)$'
+    return {m[1]: float(m[2]) for m in re.finditer(pattern, _scrape(http_port), re.M)}
+
+
+def _gc_pauses(http_port: int, key: str | None = None) -> dict[str, tuple[int, float, float]]:
+    """The ingress's garbage collections so far, per generation: (count, total s, longest s)."""
+    text = _scrape(http_port, key)
     count = {m[1]: int(float(m[2])) for m in re.finditer(r'^pdserve_ingress_gc_pauses\{generation="(\d)"\} (\S+)$', text, re.M)}
     stat = {(m[1], m[2]): float(m[3]) for m in re.finditer(
         r'^pdserve_ingress_gc_pause_seconds\{generation="(\d)",stat="(\w+)"\} (\S+)$', text, re.M)}
