@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from pathlib import Path
 
 import yaml
 from pydantic import Field, field_validator
 
-from cluster.config import PoolOptions, ServingEngineOptions, Strict
+from cluster.config import AppConfig, PoolOptions, ServingEngineOptions, Strict
+from cluster.config.models import SamplingDefaults, VersionOptions, check_name
 from cluster.engine.model.identity import WEIGHT_SUFFIXES, file_sha256
 
 # The files that decide a model's behaviour. Anything else in a checkpoint directory (a README,
@@ -36,7 +36,6 @@ VERSIONED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "t
                    "merges.txt", "chat_template.jinja", "chat_template.json")
 VERSIONED_SUFFIXES = WEIGHT_SUFFIXES
 VERSION_HEX = 16  # 64 bits of SHA-256: a collision between two real versions is not a concern
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class ManifestError(ValueError):
@@ -61,15 +60,6 @@ def hash_files(model_dir: str | Path) -> dict[str, str]:
     return {p.name: file_sha256(p) for p in versioned_files(model_dir)}
 
 
-class SamplingDefaults(Strict):
-    """What a request that leaves these unset gets (None: the checkpoint's generation_config)."""
-
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    max_tokens: int | None = Field(None, ge=1)
-
-
 class ModelManifest(Strict):
     name: str = Field(description="The model id clients ask for (`model` in a request)")
     label: str | None = Field(None, description="A name for people (v2, canary); not part of the version")
@@ -85,16 +75,12 @@ class ModelManifest(Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.fullmatch(v):
-            raise ValueError(f"name {v!r}: 1-64 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit")
-        return v
+        return check_name("name", v)
 
     @field_validator("label")
     @classmethod
     def _label(cls, v: str | None) -> str | None:
-        if v is not None and not NAME_RE.fullmatch(v):
-            raise ValueError(f"label {v!r}: 1-64 characters of A-Z a-z 0-9 . _ -")
-        return v
+        return v if v is None else check_name("label", v)
 
     @property
     def ref(self) -> str:
@@ -193,3 +179,31 @@ def _diff(a, b, path: str) -> list[str]:
 def _short(v) -> str:
     s = json.dumps(v, sort_keys=True)
     return s if len(s) <= 80 else s[:77] + "..."
+
+
+def resolve_manifests(config: AppConfig) -> AppConfig:
+    """`config` with every version given by a manifest replaced by what the manifest pins (its
+    checkpoint, engine with its max_model_len, pools and sampling defaults; what the version sets
+    itself wins), after re-hashing the checkpoint: a version whose files changed is refused
+    here, before anything deploys."""
+    if not any(v.manifest is not None for m in config.models.values() for v in m.versions.values()):
+        return config
+    models = {}
+    for name, m in config.models.items():
+        versions = {}
+        for label, v in m.versions.items():
+            if v.manifest is not None:
+                where = f"models.{name}.versions.{label}"
+                man = ModelManifest.from_file(v.manifest)
+                if man.name != name:
+                    raise ManifestError(f"{where}: manifest {v.manifest} is for model {man.name!r}")
+                if problems := check(man):
+                    raise ManifestError(f"{where}: manifest {v.manifest} does not hold: " + "; ".join(problems))
+                engine = v.engine or man.engine
+                if v.engine is None and man.max_model_len is not None:
+                    engine = (engine or config.engine).model_copy(update={"max_model_len": man.max_model_len})
+                v = VersionOptions(model=man.source, weight=v.weight, engine=engine, prefill=v.prefill or man.prefill,
+                                   decode=v.decode or man.decode, sampling=v.sampling or man.sampling)
+            versions[label] = v
+        models[name] = m.model_copy(update={"versions": versions})
+    return config.model_copy(update={"models": models})

@@ -53,6 +53,7 @@ class ReplicaLoad:
     tokens_per_s: float = 0.0  # recent throughput while busy (0: not measured yet)
     failing: bool = False  # its last engine step failed: chosen only when every replica of its pool is
     pull_s_per_block: float = 0.0  # decode: mean seconds per block of its recent KV pulls (0: none yet)
+    group: str = ""  # the model version it serves (AppConfig.serving_group): a request is routed within one
 
     def queue_wait_s(self) -> float:
         """Predicted wait before a new prompt starts here: its queued prompt tokens at its pace."""

@@ -91,15 +91,18 @@ class Router:
                 self.forget(rid)
         return [load for _, load in self._loads.values()]
 
-    def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, session: str | None = None) -> RouteDecision:
+    def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, session: str | None = None,
+              group: str | None = None) -> RouteDecision:
         """`session`: the request's session key (tenant-scoped by the ingress), if it has one: the
-        replicas that served the session last are preferred while their load allows."""
+        replicas that served the session last are preferred while their load allows. `group`: the
+        model version the request was assigned (None: every replica): both of its replicas are
+        chosen among that version's, so prefill and decode never run on two versions."""
         self._decisions += 1
         now = self.clock()
         hint = self.sessions.get(session, now) if session is not None else None
         loads = [replace(load, queued_prefill_tokens=load.queued_prefill_tokens + self._pending_tokens.get(load.replica_id, 0),
                          waiting=load.waiting + self._pending_requests.get(load.replica_id, 0))
-                 for load in self.live_loads()]
+                 for load in self.live_loads() if group is None or load.group == group]
         d = self.policy.route(hashes, num_prompt_tokens, self.index, loads, hint)
         if session is not None:
             self.sessions.record(session, d, now)

@@ -46,21 +46,22 @@ def serve_replica_ids(app: str = "pdserve") -> dict[str, list[str]]:
     return {d: sorted(r) for d, r in ids.items()}
 
 
-def pool_loads() -> dict[str, dict]:
-    """The load of the `pdserve` app's prefill and decode replica (one each in the tests that ask)."""
+def pool_loads(pools: tuple[str, ...] = ("prefill", "decode")) -> dict[str, dict]:
+    """The load of the `pdserve` app's prefill and decode replica (one each in the tests that ask),
+    or of the named deployments' (a model version's pools)."""
     from ray import serve
 
     return {pool: serve.get_deployment_handle(pool, "pdserve").load.remote().result(timeout_s=30)
-            for pool in ("prefill", "decode")}
+            for pool in pools}
 
 
-def wait_pools_whole(timeout: float = 30.0) -> dict[str, dict]:
-    """Until both pools have every block free and nothing running, waiting, importing or held;
-    returns those loads (a leak shows as a timeout naming the last loads seen)."""
+def wait_pools_whole(timeout: float = 30.0, pools: tuple[str, ...] = ("prefill", "decode")) -> dict[str, dict]:
+    """Until both pools (or the named ones) have every block free and nothing running, waiting,
+    importing or held; returns those loads (a leak shows as a timeout naming the last loads seen)."""
     seen: dict[str, dict] = {}
 
     def whole() -> bool:
-        seen.update(pool_loads())
+        seen.update(pool_loads(pools))
         return all(s["free_blocks"] == s["total_blocks"] and s["running"] == s["waiting"] == s["importing"]
                    == s["held"] == 0 for s in seen.values())
 

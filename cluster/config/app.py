@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -11,6 +12,7 @@ from pydantic import Field, model_validator
 from cluster.config.common import Strict
 from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionOptions, AuditOptions, BudgetOptions, IngressLimits,
                                        KeySources, TenantOptions)
+from cluster.config.models import MAX_MODELS, ModelOptions, SamplingDefaults, check_name
 from cluster.config.pools import (FaultToleranceOptions, KVTransferOptions, PoolOptions, RoutingOptions,
                                   ServingEngineOptions)
 from cluster.config.safety import ClassifierDeploymentOptions, GuardrailPolicy, ResponseCacheOptions
@@ -23,6 +25,13 @@ class AppConfig(Strict):
         "KV; colocated: no prefill pool, decode replicas prefill locally (a conventional server)")
     model: str | None = Field(None, description="HF checkpoint directory; None = SmolLM2-135M-Instruct (embedded default)")
     served_model_name: str | None = Field(None, description="Model id in the APIs; default: the dir name")
+    version: str | None = Field(
+        None, description="This model's version label: reported with every response (OpenAI system_fingerprint, "
+        "gRPC model_version) and in its metrics. With `models`, each version has its own")
+    models: dict[str, ModelOptions] = Field(
+        default_factory=dict, max_length=MAX_MODELS, description="Several models, each with versions and a traffic "
+        "split, behind one endpoint (instead of model/served_model_name/version): `model` in a request picks one, "
+        "the first listed when a request names none; each version gets its own prefill and decode pools")
     engine: ServingEngineOptions = ServingEngineOptions()
     prefill: PoolOptions = PoolOptions()
     decode: PoolOptions = PoolOptions()
@@ -69,6 +78,21 @@ class AppConfig(Strict):
                              *((n, t.guardrail_policy) for n, t in self.tenants.items())]:
             if policy is not None and policy not in self.guardrail_policies:
                 raise ValueError(f"tenant {name!r}: guardrail_policy {policy!r} is not in guardrail_policies")
+        if self.models:
+            if self.model is not None or self.served_model_name is not None or self.version is not None:
+                raise ValueError("give either models or model/served_model_name/version, not both")
+            known = {"default", *self.tenants}
+            for name, m in self.models.items():
+                check_name("model name", name)
+                for tenant in m.tenant_overrides:
+                    if tenant not in known:
+                        raise ValueError(f"models.{name}.tenant_overrides: unknown tenant {tenant!r}")
+            deployments = [d for name, m in self.models.items() for label in m.versions
+                           for d in version_deployments(name, label)]
+            if len(set(deployments)) != len(deployments):
+                raise ValueError(f"models: two versions make the same deployment names ({sorted(deployments)})")
+        elif self.version is not None:
+            check_name("version", self.version)
         if self.decode.num_replicas < 1 and self.decode.autoscaling is None:
             raise ValueError("decode.num_replicas must be >= 1 (the decode pool serves every request)")
         seen: dict[str, str] = {}
@@ -124,3 +148,50 @@ class AppConfig(Strict):
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model or "pdserve-demo").name
+
+    @property
+    def serving_group(self) -> str:
+        """The replicas that may serve one request together, both pools: one model version. Replicas
+        report it with their load and the router chooses within it, so a request's prefill and
+        decode never run on two versions."""
+        return self.model_name if self.version is None else f"{self.model_name}@{self.version}"
+
+    def served_versions(self) -> list["ServedVersion"]:
+        """Every (model, version) the app serves, in config order, each with the config its pools
+        and its ingress flow are built from (the app's, with the version's checkpoint, pools,
+        engine and default max_tokens in place). Without `models`: this config, once. Versions
+        given by a manifest are resolved first (cluster.manifest.resolve_manifests, at deploy)."""
+        if not self.models:
+            return [ServedVersion(self.model_name, self.version, self, weight=1.0, single=True)]
+        out = []
+        for name, m in self.models.items():
+            for label, v in m.versions.items():
+                if v.manifest is not None:
+                    raise ValueError(f"models.{name}.versions.{label}: its manifest is not resolved yet")
+                sampling = v.sampling or SamplingDefaults()
+                cfg = self.model_copy(update={
+                    "model": v.model, "served_model_name": name, "version": label, "models": {},
+                    "engine": v.engine or self.engine, "prefill": v.prefill or self.prefill,
+                    "decode": v.decode or self.decode,
+                    "default_max_tokens": sampling.max_tokens or self.default_max_tokens})
+                out.append(ServedVersion(name, label, cfg, weight=v.weight, sampling=sampling))
+        return out
+
+
+@dataclass(frozen=True)
+class ServedVersion:
+    name: str
+    label: str | None  # None: a single-model app that names no version
+    config: AppConfig
+    weight: float
+    single: bool = False  # the app's one model: its deployments keep the plain names prefill and decode
+    sampling: SamplingDefaults = SamplingDefaults()  # over the checkpoint's generation_config
+
+    @property
+    def deployments(self) -> tuple[str, str]:
+        """(prefill, decode) deployment names."""
+        return ("prefill", "decode") if self.single else version_deployments(self.name, self.label)
+
+
+def version_deployments(name: str, label: str) -> tuple[str, str]:
+    return f"prefill-{name}-{label}", f"decode-{name}-{label}"

@@ -85,7 +85,7 @@ class EngineReplica:
         self.faults = faults.install(engine, transport) if cfg.fault_tolerance.fault_injection else None
         self.role = self.make_role(engine, transport, cfg)
         self.reporter = LoadReporter(engine, transport.stats, self.replica_id, self.pool, registry, get_router(),
-                                     node_id=ray.get_runtime_context().get_node_id())
+                                     node_id=ray.get_runtime_context().get_node_id(), group=cfg.serving_group)
         hooks = [self.reporter]
         telemetry = make_replica_telemetry(cfg.telemetry, engine, transport.stats, self.pool, self.replica_id)
         if telemetry is not None:

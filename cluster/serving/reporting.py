@@ -26,8 +26,9 @@ class LoadReporter:
 
     def __init__(self, engine: LLMEngine, transfer_stats: TransferStats, replica_id: str, pool: str,
                  registry, router=None, node_id: str | None = None, interval_s: float = 1.0,
-                 router_interval_s: float = 0.25, router_min_interval_s: float = 0.02):
+                 router_interval_s: float = 0.25, router_min_interval_s: float = 0.02, group: str = ""):
         self.engine = engine
+        self.group = group  # the model version (AppConfig.serving_group): the router routes within it
         self.transfer_stats = transfer_stats
         self.replica_id = replica_id
         self.pool = pool
@@ -82,7 +83,7 @@ class LoadReporter:
         failing = stats.consecutive_step_errors > 0 and now - stats.last_step_error_at < FAILING_HOLD_S
         return ReplicaLoad(self.replica_id, self.pool, load.free_blocks, load.total_blocks,
                            load.running + load.importing, load.waiting, load.queued_prefill_tokens,
-                           self._step_time(), self._throughput(), failing, self._pull_s_per_block())
+                           self._step_time(), self._throughput(), failing, self._pull_s_per_block(), self.group)
 
     def _pull_s_per_block(self) -> float:
         """Seconds per block of this replica's KV pulls so far (their fixed cost spread over their

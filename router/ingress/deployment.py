@@ -27,6 +27,7 @@ from router.ingress.grpc_api import (ToolOutput, chat_tools_from_proto, delta_to
                                      prompt_from_proto, sampling_from_proto, shaped, with_tools)
 from router.ingress.openai_schema import ToolUse, tool_use
 from router.ingress.openai_api import TIMEOUT_HEADER, bind_replica, build_openai_app, parse_deadline
+from router.ingress.catalog import ModelCatalog
 from router.ingress.choices import interleave, start_choices
 from router.ingress.session import SESSION_HEADER, session_key
 from router.ingress import probes
@@ -50,6 +51,14 @@ CLIENT_FAULT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHEN
                       grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
+def versioned(response: pb.GenerateResponse, first: set[int], flow) -> pb.GenerateResponse:
+    """A choice's first response names the model version that serves it."""
+    if response.index not in first:
+        first.add(response.index)
+        response.model_version = flow.config.version or ""
+    return response
+
+
 class _QuietClientErrors(logging.Filter):
     """Serve logs a traceback for every gRPC request that ends in an exception, which is how a
     status reaches its proxy. A refusal for the client's own fault is counted in pdserve's
@@ -62,7 +71,9 @@ class _QuietClientErrors(logging.Filter):
 
 @serve.ingress(openai_app)
 class Ingress:
-    def __init__(self, config: dict, prefill_handle, decode_handle, classifier_handle=None):
+    def __init__(self, config: dict, pools: dict, classifier_handle=None):
+        """`pools`: serving group (AppConfig.serving_group) -> (prefill handle or None, decode handle),
+        one entry per model version."""
         self.config = AppConfig.model_validate(config)
         self.config.check_startable()
         logging.getLogger("ray.serve").addFilter(_QuietClientErrors())
@@ -83,16 +94,22 @@ class Ingress:
         if cfg.audit.enabled:
             get_audit_writer(cfg.audit)  # created now, not by the first request (the shipper retries anyway)
             audit = AuditShipper(cfg.audit, lambda: get_audit_writer(cfg.audit), metrics)
-        if cfg.budgets.prices or any(t.monthly_budget_usd is not None for t in cfg.tenants.values()):
+        budgets = cfg.budgets.prices or any(t.monthly_budget_usd is not None for t in cfg.tenants.values())
+        if budgets:
             # ready before this replica takes traffic: a ledger still starting would refuse the first
             # requests (when_unreachable: closed)
             ray.get(get_ledger(cfg.budgets).snapshot.remote(), timeout=LEDGER_START_TIMEOUT_S)
-            budget = Budget(cfg, lambda: get_ledger(cfg.budgets), metrics)
-        self.flow = RequestFlow(self.config, prefill_handle, decode_handle, router, admission=admission,
-                                telemetry=self.telemetry,
-                                guard_metrics=guardrail_metrics() if self.config.telemetry.metrics else None,
-                                classifier=classifier_handle, audit=audit, budget=budget)
-        bind_replica(self.flow, Idempotent(actor, admission))
+        guard_metrics = guardrail_metrics() if cfg.telemetry.metrics else None
+        flows = {}
+        for v in cfg.served_versions():  # one flow per model version, sharing the front door's state
+            prefill, decode = pools[v.config.serving_group]
+            budget = Budget(v.config, lambda: get_ledger(cfg.budgets), metrics) if budgets else None  # its prices
+            flows[v.name, v.label] = RequestFlow(v.config, prefill, decode, router, admission=admission,
+                                                 telemetry=self.telemetry, guard_metrics=guard_metrics,
+                                                 classifier=classifier_handle, audit=audit, budget=budget,
+                                                 sampling_defaults=v.sampling.overrides())
+        self.models = ModelCatalog.build(cfg, flows)  # which version serves a request
+        bind_replica(self.models, Idempotent(actor, admission))
         if gc_pauses.freeze_enabled():
             gc_pauses.freeze_after_start()  # last: everything start-up made is never walked again
         gc_pauses.PAUSES.install()  # the collections while serving
@@ -100,8 +117,9 @@ class Ingress:
     async def __del__(self):
         """Serve's graceful shutdown: send the audit records still spooled (bounded); a replica
         killed instead leaves its spool to be adopted."""
-        if self.flow.audit is not None:
-            await self.flow.audit.drain(min(5.0, self.config.graceful_shutdown_timeout_s))
+        audit = self.models.default.audit  # one shipper, every flow's
+        if audit is not None:
+            await audit.drain(min(5.0, self.config.graceful_shutdown_timeout_s))
 
     # ---- gRPC: pdserve.v1.Generation -------------------------------------------------------
 
@@ -109,7 +127,7 @@ class Ingress:
         use = ToolUse()
         try:
             metadata = dict(grpc_context.invocation_metadata())
-            tenant = self.flow.authorize(metadata.get("authorization"), request.model)
+            tenant = self.models.authorize(metadata.get("authorization"), request.model)
             limits = self.config.ingress_limits
             size = request.ByteSize()  # Serve's proxy may take more (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE)
             if size > limits.grpc_max_receive_bytes:
@@ -117,33 +135,36 @@ class Ingress:
                                                      f"{limits.grpc_max_receive_bytes}")
             deadline = parse_deadline(metadata.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
             session = session_key(metadata.get(SESSION_HEADER), None, None, limits.max_session_id_chars)
+            routed = self.models.select(request.model, tenant, session)
+            flow = routed.flow
             prompt, ids, messages = prompt_from_proto(request, limits.max_chat_messages)
-            self.config.engine.limits.check_counts(len(request.sampling.stop), len(request.sampling.stop_token_ids))
-            sampling = sampling_from_proto(request.sampling, self.config.default_max_tokens, self.flow.validator,
-                                           self.flow.sampling_defaults)
+            flow.config.engine.limits.check_counts(len(request.sampling.stop), len(request.sampling.stop_token_ids))
+            sampling = sampling_from_proto(request.sampling, flow.config.default_max_tokens, flow.validator,
+                                           flow.sampling_defaults)
             tool_req = None if messages is None else chat_tools_from_proto(
-                request.chat, request.sampling, self.flow.validator.limits.max_schema_bytes)
+                request.chat, request.sampling, flow.validator.limits.max_schema_bytes)
             if tool_req is not None:
-                use = tool_use(tool_req, self.config.tool_call_parser)
-                sampling = with_tools(sampling, tool_req, use, self.flow.validator)
+                use = tool_use(tool_req, flow.config.tool_call_parser)
+                sampling = with_tools(sampling, tool_req, use, flow.validator)
             tools = [t.model_dump(exclude_none=True) for t in tool_req.tools] if use.active else None
             n = request.n if request.HasField("n") else 1
             limits.check_choices(n)
             shapers = [ToolOutput(use) if use.active else None for _ in range(n)]
+            first: set[int] = set()  # the choices whose first response went: it names the version
             if n == 1:
-                async for delta in self.flow.generate(prompt, ids, sampling, request.request_id or None,
+                async for delta in flow.generate(prompt, ids, sampling, request.request_id or None,
                                                       tenant=tenant, deadline=deadline, messages=messages,
                                                       tools=tools, session=session):
-                    yield shaped(shapers[0], delta_to_proto(delta), delta)
+                    yield versioned(shaped(shapers[0], delta_to_proto(delta), delta), first, flow)
                 return
             if request.request_id:  # it labels the replies (each choice's request has its own id)
-                self.flow.validator.check_request_id(request.request_id)
+                flow.validator.check_request_id(request.request_id)
             # as /v1/chat/completions' n: each choice a request, labelled here with one id
-            choices = await start_choices(self.flow, n, prompt, ids, sampling, tenant, deadline, messages,
+            choices = await start_choices(flow, n, prompt, ids, sampling, tenant, deadline, messages,
                                           tools=tools, session=session)
             label = request.request_id or choices[0][1].request_id
             async for i, delta in interleave(choices):
-                yield shaped(shapers[i], delta_to_proto(delta, i, label), delta)
+                yield versioned(shaped(shapers[i], delta_to_proto(delta, i, label), delta), first, flow)
         except (InvalidRequestError, ServingError) as e:
             if isinstance(e, InvalidRequestError) and use.forced is not None and e.field == "response_format":
                 e = InvalidRequestError("tools", e.message)  # the tools' grammar: name what the client sent
@@ -151,10 +172,10 @@ class Ingress:
 
     async def ListModels(self, request: pb.ListModelsRequest, grpc_context) -> pb.ListModelsResponse:  # noqa: N802
         try:
-            self.flow.authorize(dict(grpc_context.invocation_metadata()).get("authorization"), None)
+            self.models.authorize(dict(grpc_context.invocation_metadata()).get("authorization"), None)
         except ServingError as e:
             raise fail(grpc_context, e) from e
-        return pb.ListModelsResponse(models=[pb.ModelInfo(**self.flow.model_info())])
+        return pb.ListModelsResponse(models=[pb.ModelInfo(**m) for m in self.models.model_info()])
 
     # ---- gRPC: grpc.health.v1.Health --------------------------------------------------------
 
@@ -163,6 +184,6 @@ class Ingress:
         (bounded), NOT_SERVING otherwise; NOT_FOUND for any other service, as the protocol says."""
         if request.service not in HEALTH_SERVICES:
             raise fail(grpc_context, ServingError(Code.NOT_FOUND, f"unknown service {request.service!r}"))
-        live = await probes.decode_live(self.flow)
+        live = await probes.all_live(self.models)
         status = health_pb2.HealthCheckResponse.SERVING if live else health_pb2.HealthCheckResponse.NOT_SERVING
         return health_pb2.HealthCheckResponse(status=status)

@@ -135,8 +135,11 @@ class RequestFlow:
     def __init__(self, config: AppConfig, prefill_handle, decode_handle, router=None,
                  route_timeout_s: float = 0.5, admission: Admission | None = None, telemetry=None,
                  guard_metrics=None, classifier=None, audit: AuditShipper | None = None,
-                 budget: Budget | None = None):
+                 budget: Budget | None = None, sampling_defaults: dict | None = None):
+        """`config`: one model version's (AppConfig.served_versions); `sampling_defaults`: its
+        manifest's, over the checkpoint's generation_config."""
         self.config = config
+        self.group = config.serving_group  # the version: the router picks both replicas within it
         self.admission = admission or Admission(config, _local_quotas())
         self.validator = make_validator(config)
         self.tokenizer: Tokenizer = self.validator.tokenizer
@@ -154,6 +157,7 @@ class RequestFlow:
         # what a request that leaves temperature/top_p/top_k unset gets (both edges apply it)
         self.sampling_defaults = {} if config.generation_config == "none" else {
             k: v for k, v in asdict(mc.generation_defaults).items() if v is not None}
+        self.sampling_defaults.update(sampling_defaults or {})
         self.block_size = config.engine.block_size
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
         self.guardrails = Guardrails(config, guard_metrics, classifier)  # classifier: its deployment's handle
@@ -292,21 +296,6 @@ class RequestFlow:
         if guard is not None:
             guard.check_input(prompt if prompt is not None else self.tokenizer.decode(req.prompt_token_ids), param)
         return req
-
-    def authorize(self, authorization: str | None, model: str | None) -> str:
-        """The caller's tenant, for both edges: refuses an unknown key (UNAUTHENTICATED) or model
-        (NOT_FOUND), counting the refusal."""
-        tenant = "unknown"
-        try:
-            tenant = self.admission.authenticate(authorization)
-            if model and model != self.config.model_name:
-                raise ServingError(Code.NOT_FOUND, f"model {model!r} does not exist; this server serves "
-                                                   f"{self.config.model_name!r}")
-        except ServingError as e:
-            if self.telemetry is not None:
-                self.telemetry.refused(e, tenant)
-            raise
-        return tenant
 
     async def _run(self, rid: str, label: str, ids: list[int], sampling: SamplingParams,
                    ctx: RequestContext, session: str | None = None,
@@ -462,7 +451,7 @@ class RequestFlow:
         hashes = hash_request_blocks(ids, self.block_size, extend_salt(self.salt, ctx.cache_salt))
         started = time.monotonic()
         try:
-            decision = await asyncio.wait_for(self.router.route.remote(hashes, len(ids), session), self.route_timeout_s)
+            decision = await asyncio.wait_for(self.router.route.remote(hashes, len(ids), session, self.group), self.route_timeout_s)
         except Exception as e:  # noqa: BLE001
             log.debug("routing fell back to Serve's choice: %s", e)
             decision = None
@@ -500,8 +489,8 @@ class RequestFlow:
             log.warning("release of %s on %s failed (its lease will expire): %s", rid, holder, e)
 
     def model_info(self) -> dict:
-        return {"id": self.config.model_name, "max_model_len": self.validator.max_model_len,
-                "vocab_size": self.validator.vocab_size}
+        return {"id": self.config.model_name, "version": self.config.version or "",
+                "max_model_len": self.validator.max_model_len, "vocab_size": self.validator.vocab_size}
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """Render the model's chat template (cluster/engine/chat_template.py), ready to tokenize."""

@@ -17,7 +17,7 @@ from cluster.config import IngressLimits
 from cluster.errors import InvalidRequestError
 from router.ingress import probes
 from router.ingress.choices import start_choices
-from router.ingress.openai_responses import error_response, respond, serving_error_response
+from router.ingress.openai_responses import error_response, respond, serving_error_response, with_version_header
 from router.ingress.openai_schema import (ChatRequest, CompletionRequest, RequestBody, check_messages,
                                           to_sampling_params, tool_use)
 from router.ingress.session import SESSION_HEADER, session_key
@@ -42,17 +42,17 @@ def parse_deadline(value: str | None, max_chars: int = 32) -> float | None:
     return time.time() + seconds
 
 
-# The replica's flow and idempotency runner. Reached through module-level functions (pickled by
+# The replica's model catalog and idempotency runner. Reached through module-level functions (pickled by
 # reference), because Serve ships the ingress class, and any closure in it, to the replica by value.
 _replica: dict[str, Any] = {}
 
 
-def bind_replica(flow, idempotent) -> None:
-    _replica["flow"], _replica["idempotent"] = flow, idempotent
+def bind_replica(catalog, idempotent) -> None:
+    _replica["catalog"], _replica["idempotent"] = catalog, idempotent
 
 
-def get_flow():
-    return _replica["flow"]
+def get_catalog():
+    return _replica["catalog"]
 
 
 def get_idempotent():
@@ -60,8 +60,8 @@ def get_idempotent():
 
 
 def _limits() -> IngressLimits:
-    flow = _replica.get("flow")
-    return flow.config.ingress_limits if flow is not None else IngressLimits()
+    catalog = _replica.get("catalog")
+    return catalog.config.ingress_limits if catalog is not None else IngressLimits()
 
 
 class BodyLimit:
@@ -130,9 +130,9 @@ def build_openai_app() -> FastAPI:
         return error_response(exc.status_code, message, param, headers=getattr(exc, "headers", None))
 
     def _check(request: Request, model: str | None):
-        """The flow and the caller's tenant; refuses an unknown key or model."""
-        flow = get_flow()  # module-level: see bind_replica
-        return flow, flow.authorize(request.headers.get("authorization"), model)
+        """The model catalog and the caller's tenant; refuses an unknown key or model."""
+        catalog = get_catalog()  # module-level: see bind_replica
+        return catalog, catalog.authorize(request.headers.get("authorization"), model)
 
     def _fail(e: Exception) -> JSONResponse:
         if isinstance(e, InvalidRequestError):
@@ -144,25 +144,26 @@ def build_openai_app() -> FastAPI:
     async def _serve(request: Request, body: "RequestBody", chat: bool):
         """Admit, run, respond; a non-streaming request with an Idempotency-Key runs at most once."""
         try:
-            flow, tenant = _check(request, body.model)
+            catalog, tenant = _check(request, body.model)
             key = request.headers.get(IDEMPOTENCY_HEADER)
             if key is None or body.stream:
-                return await _run(flow, tenant, request, body, chat)
+                return with_version_header(await _run(catalog, tenant, request, body, chat))
             fingerprint = hashlib.sha256(
                 json.dumps([request.url.path, body.model_dump(mode="json")], sort_keys=True).encode()).hexdigest()
             result = await get_idempotent().run(
-                tenant, key, fingerprint, lambda: _run(flow, tenant, request, body, chat),
+                tenant, key, fingerprint, lambda: _run(catalog, tenant, request, body, chat),
                 succeeded=lambda r: isinstance(r, dict))
-            return result
+            return with_version_header(result)
         except Exception as e:  # noqa: BLE001
             return _fail(e)
 
-    async def _run(flow, tenant: str, request: Request, body: "RequestBody", chat: bool):
+    async def _run(catalog, tenant: str, request: Request, body: "RequestBody", chat: bool):
         try:
-            limits = flow.config.ingress_limits
+            limits = catalog.config.ingress_limits
             deadline = parse_deadline(request.headers.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
             session = session_key(request.headers.get(SESSION_HEADER), body.prompt_cache_key, body.user,
                                   limits.max_session_id_chars)
+            flow = catalog.select(body.model, tenant, session).flow
             messages, tools, use = None, None, tool_use(body, flow.config.tool_call_parser)
             if chat:  # rendered and tokenized by the flow, after admission, off the event loop
                 if len(body.messages) > limits.max_chat_messages:
@@ -193,35 +194,36 @@ def build_openai_app() -> FastAPI:
 
     @app.get("/health")
     async def health():
-        """200 when a decode replica of the model answers within a short bound, else 503."""
-        flow = get_flow()
-        if await probes.decode_live(flow):
-            return {"status": "serving", "model": flow.config.model_name}
+        """200 when a decode replica of every model version answers within a short bound, else 503."""
+        catalog = get_catalog()
+        if await probes.all_live(catalog):
+            return {"status": "serving", "model": catalog.default.config.model_name,
+                    "models": [m["id"] for m in catalog.model_info()]}
         return error_response(503, "no live decode replica", None, Code.UNAVAILABLE.error_type, "unavailable")
 
     @app.get("/version")
     async def version():
-        return probes.version_info(get_flow())
+        return probes.version_info(get_catalog())
 
     @app.get("/metrics")
     async def metrics(request: Request):
         """This ingress's own gauges in Prometheus text (the pdserve_* catalogue is Ray's endpoint).
         Needs an API key when auth is on: it names tenants."""
         try:
-            flow, _ = _check(request, None)
+            catalog, _ = _check(request, None)
         except Exception as e:  # noqa: BLE001
             return _fail(e)
-        return PlainTextResponse(probes.metrics_text(flow), media_type=probes.METRICS_CONTENT_TYPE)
+        return PlainTextResponse(probes.metrics_text(catalog), media_type=probes.METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request):
         try:
-            flow, _ = _check(request, None)
+            catalog, _ = _check(request, None)
         except Exception as e:  # noqa: BLE001
             return _fail(e)
-        info = flow.model_info()
-        return {"object": "list", "data": [{"id": info["id"], "object": "model", "created": 0,
-                                            "owned_by": "pdserve", "max_model_len": info["max_model_len"]}]}
+        return {"object": "list", "data": [{"id": m["id"], "object": "model", "created": 0, "owned_by": "pdserve",
+                                            "max_model_len": m["max_model_len"], "versions": m["versions"]}
+                                           for m in catalog.model_info()]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

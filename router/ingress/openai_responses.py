@@ -38,12 +38,13 @@ async def respond(flow, body: RequestBody, choices: list[Choice], chat: bool, us
     logprobs, the prompt's logprobs before the completion's, the first token's null, as OpenAI)."""
     rid = ("chatcmpl-" if chat else "cmpl-") + choices[0][1].request_id
     created = int(time.time())
-    model = flow.config.model_name
+    # the model, and the version that served (OpenAI's system_fingerprint: the backend configuration)
+    model = {"model": flow.config.model_name} | ({"system_fingerprint": v} if (v := flow.config.version) else {})
     shapers = [Logprobs(flow.tokenizer, chat) if asks_logprobs(body) else None for _ in choices]
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(sse(choices, rid, created, model, chat, include_usage, shapers, use, echo),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream", headers=version_header(flow))
     tasks = [asyncio.ensure_future(collect(s, first)) for s, first in choices]
     try:
         results = await asyncio.gather(*tasks)
@@ -66,7 +67,21 @@ async def respond(flow, body: RequestBody, choices: list[Choice], chat: bool, us
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": out, "usage": usage([last for _, last, _ in results])}
+            **model, "choices": out, "usage": usage([last for _, last, _ in results])}
+
+
+VERSION_HEADER = "x-pdserve-model-version"
+
+
+def version_header(flow) -> dict[str, str]:
+    return {VERSION_HEADER: flow.config.version} if flow.config.version else {}
+
+
+def with_version_header(result):
+    """A whole response (a dict) as JSON, with the version header when it names one."""
+    if isinstance(result, dict) and "system_fingerprint" in result:
+        return JSONResponse(result, headers={VERSION_HEADER: result["system_fingerprint"]})
+    return result
 
 
 def usage(lasts: list[Delta]) -> dict:
@@ -122,7 +137,7 @@ class Logprobs:
         return out
 
 
-async def sse(choices: list[Choice], rid, created, model, chat: bool, include_usage: bool,
+async def sse(choices: list[Choice], rid, created, model: dict, chat: bool, include_usage: bool,
                shapers: list["Logprobs | None"], use: ToolUse = ToolUse(), echo: str | None = None):
     """Server-sent events: every choice's deltas as they come (each chunk names its choice's
     index; a choice's first chunk carries the role), then usage (if asked) and [DONE]. A failure
@@ -139,7 +154,7 @@ async def sse(choices: list[Choice], rid, created, model, chat: bool, include_us
         lp = None if shaper is None or not (logprobs or echoed) else shaper.shape(logprobs or [], echoed)
         choice = ({"index": i, "delta": body, "logprobs": lp, "finish_reason": finish} if chat
                   else {"index": i, "text": body["content"], "logprobs": lp, "finish_reason": finish})
-        out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        out = {"id": rid, "object": obj, "created": created, **model, "choices": [choice]}
         if include_usage:
             out["usage"] = None
         return f"data: {json.dumps(out)}\n\n"
@@ -187,6 +202,6 @@ async def sse(choices: list[Choice], rid, created, model, chat: bool, include_us
         failed = True
         yield f"data: {json.dumps({'error': {'message': e.message, 'type': 'server_error', 'code': e.code.grpc_name}})}\n\n"
     if include_usage and not failed and all(d.finish_reason is not None for d in lasts):
-        last = {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(lasts)}
+        last = {"id": rid, "object": obj, "created": created, **model, "choices": [], "usage": usage(lasts)}
         yield f"data: {json.dumps(last)}\n\n"
     yield "data: [DONE]\n\n"

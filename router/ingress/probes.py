@@ -28,6 +28,11 @@ async def decode_live(flow, timeout_s: float = LIVE_TIMEOUT_S) -> bool:
         return False
 
 
+async def all_live(catalog, timeout_s: float = LIVE_TIMEOUT_S) -> bool:
+    """Every model version has a live decode replica (one bounded call each, at once)."""
+    return all(await asyncio.gather(*(decode_live(f, timeout_s) for f in catalog.flows)))
+
+
 def package_version() -> str:
     try:
         return metadata.version("pdserve")
@@ -35,16 +40,19 @@ def package_version() -> str:
         return "unknown"
 
 
-def version_info(flow) -> dict:
-    return {"version": package_version(), "model": flow.config.model_name, "mode": flow.config.mode}
+def version_info(catalog) -> dict:
+    """pdserve's version, the first model (as before several models) and every model's versions."""
+    return {"version": package_version(), "model": catalog.default.config.model_name, "mode": catalog.config.mode,
+            "models": {m["id"]: m["versions"] for m in catalog.model_info()}}
 
 
-def metrics_text(flow) -> bytes:
+def metrics_text(catalog) -> bytes:
     """In-flight requests per tenant and on this ingress, as a Prometheus scrape (prometheus_client,
     a registry of its own, so nothing global is touched)."""
     from prometheus_client import CollectorRegistry, Gauge, generate_latest  # noqa: PLC0415
 
     registry = CollectorRegistry()
+    flow = catalog.default
     adm = flow.admission
     Gauge("pdserve_ingress_inflight", "Requests in flight on this ingress", registry=registry).set(adm.total_inflight)
     cap = Gauge("pdserve_ingress_max_inflight", "max_inflight of this ingress (auto: as sized now)", registry=registry)

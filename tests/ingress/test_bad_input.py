@@ -126,10 +126,11 @@ def _post(app, path: str, body: dict) -> tuple[int, dict]:
 def test_a_chat_prompt_meets_the_prompt_caps_before_tokenizing(tiny_model, content, message):
     from cluster.config import AppConfig
     from router.ingress import openai_api
+    from router.ingress.catalog import ModelCatalog
     from router.ingress.flow import RequestFlow
 
     flow = RequestFlow(AppConfig(model=tiny_model, engine={"limits": {"max_prompt_chars": 150}}), None, None)
-    openai_api.bind_replica(flow, None)
+    openai_api.bind_replica(ModelCatalog.of(flow), None)
     try:
         status, body = _post(openai_api.build_openai_app(), "/v1/chat/completions",
                              {"messages": [{"role": "user", "content": content}], "max_tokens": 4})

@@ -212,12 +212,13 @@ def test_the_decode_pace_cap_refuses_new_work_interactive_last(tiny_model):
 
 
 def test_the_ingress_scrape_shows_the_prediction_error(tiny_model):
+    from router.ingress.catalog import ModelCatalog
     from router.ingress.probes import metrics_text
 
     flow = _flow(tiny_model)
-    assert b"pdserve_ingress_ttft_prediction_error_seconds" not in metrics_text(flow)  # nothing compared yet
+    assert b"pdserve_ingress_ttft_prediction_error_seconds" not in metrics_text(ModelCatalog.of(flow))  # nothing compared yet
     flow.capacity.first_tokens.errors.extend([0.5, -0.25])
-    text = metrics_text(flow).decode()
+    text = metrics_text(ModelCatalog.of(flow)).decode()
     assert 'pdserve_ingress_ttft_prediction_error_seconds{stat="median"} 0.125' in text
     assert 'pdserve_ingress_ttft_prediction_error_seconds{stat="abs_p90"} 0.5' in text
     assert "pdserve_ingress_ttft_predictions 2.0" in text
@@ -225,13 +226,14 @@ def test_the_ingress_scrape_shows_the_prediction_error(tiny_model):
 
 def test_the_ingress_scrape_shows_the_collections(tiny_model):
     from cluster.telemetry import gc_pauses
+    from router.ingress.catalog import ModelCatalog
     from router.ingress.probes import metrics_text
 
     saved = gc_pauses.PAUSES.by_generation
     gc_pauses.PAUSES.by_generation = [gc_pauses.GenerationPauses(), gc_pauses.GenerationPauses(),
                                       gc_pauses.GenerationPauses(count=3, total_s=0.25, max_s=0.125)]
     try:
-        text = metrics_text(_flow(tiny_model)).decode()
+        text = metrics_text(ModelCatalog.of(_flow(tiny_model))).decode()
     finally:
         gc_pauses.PAUSES.by_generation = saved
     assert 'pdserve_ingress_gc_pauses{generation="2"} 3.0' in text

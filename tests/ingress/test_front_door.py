@@ -10,6 +10,7 @@ import pytest
 
 from cluster.config import AppConfig
 from cluster.errors import InvalidRequestError
+from router.ingress.catalog import ModelCatalog
 from router.ingress.admission import Admission, IdempotencyStore, Idempotent, Quotas, key_digest, load_key_digests
 from router.ingress.status import Code, Rejected, ServingError
 
@@ -294,7 +295,7 @@ def app(tiny_model):
 
     cfg = AppConfig.model_validate({"model": tiny_model, "ingress_limits": {"max_body_bytes": 2048,
                                                                            "max_chat_messages": 3}})
-    openai_api.bind_replica(RequestFlow(cfg, None, None), None)
+    openai_api.bind_replica(ModelCatalog.of(RequestFlow(cfg, None, None)), None)
     yield openai_api.build_openai_app()
     openai_api._replica.clear()
 
@@ -378,7 +379,7 @@ def test_tool_choice_auto_passes_validation_with_a_tool_call_parser(tiny_model, 
     from router.ingress.flow import RequestFlow
 
     cfg = AppConfig.model_validate({"model": tiny_model, "tool_call_parser": "hermes"})
-    openai_api.bind_replica(RequestFlow(cfg, None, None), None)
+    openai_api.bind_replica(ModelCatalog.of(RequestFlow(cfg, None, None)), None)
     try:
         status, err = asgi(openai_api.build_openai_app(), "/v1/chat/completions",
                            json.dumps({"messages": [USER], "max_tokens": 2, **extra}).encode())
@@ -448,7 +449,7 @@ def test_ten_thousand_logit_bias_entries_are_refused_by_their_count(tiny_model):
     from router.ingress.flow import RequestFlow
 
     cfg = AppConfig.model_validate({"model": tiny_model})  # the default body cap (4 MiB) lets it in
-    openai_api.bind_replica(RequestFlow(cfg, None, None), None)
+    openai_api.bind_replica(ModelCatalog.of(RequestFlow(cfg, None, None)), None)
     try:
         body = {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(10_000)}}
         status, err = asgi(openai_api.build_openai_app(), "/v1/completions", json.dumps(body).encode())

@@ -1,0 +1,92 @@
+"""Several models, and several versions of each, behind one endpoint (issue 18): each version has its
+own prefill and decode pools; each model a traffic policy over its versions (router/traffic.py)."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, field_validator, model_validator
+
+from cluster.config.common import Strict
+from cluster.config.pools import PoolOptions, ServingEngineOptions
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # model names and version labels
+MAX_MODELS = 16
+MAX_VERSIONS = 8
+
+
+def check_name(kind: str, v: str) -> str:
+    if not NAME_RE.fullmatch(v):
+        raise ValueError(f"{kind} {v!r}: 1-64 characters of A-Z a-z 0-9 . _ -, starting with a letter or digit")
+    return v
+
+
+class SamplingDefaults(Strict):
+    """What a request that leaves these unset gets (None: the checkpoint's generation_config, and
+    the app's default_max_tokens)."""
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
+
+    def overrides(self) -> dict:
+        """The sampling parameters it sets (max_tokens apart: that is the app's default_max_tokens)."""
+        return self.model_dump(exclude={"max_tokens"}, exclude_none=True)
+
+
+class VersionOptions(Strict):
+    """One version of a model: its checkpoint (or a manifest pinning it), its share of the traffic
+    and, where it differs from the app's, its pools and engine."""
+
+    model: str | None = Field(None, description="HF checkpoint directory (or give `manifest`)")
+    manifest: str | None = Field(
+        None, description="A model manifest (`pdserve models manifest`): the checkpoint at its source, refused at "
+        "deploy if any pinned file changed; its engine and pool options apply unless set here")
+    weight: float = Field(1.0, ge=0, description="Share of the model's traffic (relative to its other versions)")
+    engine: ServingEngineOptions | None = Field(None, description="Overrides the app-wide engine options")
+    prefill: PoolOptions | None = Field(None, description="This version's prefill pool (None: the app's `prefill`)")
+    decode: PoolOptions | None = Field(None, description="This version's decode pool (None: the app's `decode`)")
+    sampling: SamplingDefaults | None = Field(None, description="Defaults for what a request leaves unset")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "VersionOptions":
+        if (self.model is None) == (self.manifest is None):
+            raise ValueError("give exactly one of model (a checkpoint directory) or manifest")
+        return self
+
+
+class ShadowOptions(Strict):
+    """Mirror a fraction of a model's requests to one of its versions: the mirror runs at the lowest
+    priority, its output is compared with the answer the client got and counted, never returned,
+    never billed, never counted against the tenant's quotas, and shed first."""
+
+    version: str
+    fraction: float = Field(ge=0, le=1, description="Of the requests served by another version")
+    max_inflight: int = Field(4, ge=1, description="Mirrors running at once per ingress; more are shed (counted)")
+
+
+class ModelOptions(Strict):
+    versions: dict[str, VersionOptions] = Field(min_length=1, max_length=MAX_VERSIONS,
+                                                description="Version label -> version; the first is the baseline")
+    tenant_overrides: dict[str, str] = Field(
+        default_factory=dict, description="Tenant -> version label: the tenant always gets that version")
+    shadow: ShadowOptions | None = None
+
+    @field_validator("versions")
+    @classmethod
+    def _labels(cls, v: dict[str, VersionOptions]) -> dict[str, VersionOptions]:
+        for label in v:
+            check_name("version label", label)
+        if sum(o.weight for o in v.values()) <= 0:
+            raise ValueError("the versions' weights must have a positive sum")
+        return v
+
+    @model_validator(mode="after")
+    def _known_versions(self) -> "ModelOptions":
+        for tenant, label in self.tenant_overrides.items():
+            if label not in self.versions:
+                raise ValueError(f"tenant_overrides.{tenant}: unknown version {label!r} (known: {list(self.versions)})")
+        if self.shadow is not None and self.shadow.version not in self.versions:
+            raise ValueError(f"shadow.version: unknown version {self.shadow.version!r} (known: {list(self.versions)})")
+        return self
