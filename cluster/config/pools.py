@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import yaml
 from pydantic import Field, field_validator, model_validator
 
 from cluster.config.common import Strict

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cluster.config import AppConfig
+from cluster.engine.sampling_params import SamplingParams
 from router.ingress.flow import RequestFlow
+from router.ingress.shadow import ShadowRunner
 from router.ingress.status import Code, ServingError
 from router.traffic import Assignment, Shadow, TrafficPolicy
 
@@ -30,6 +32,7 @@ class ServedModel:
     name: str
     policy: TrafficPolicy
     flows: dict[str, RequestFlow]  # version label -> flow, in config order (the first: the baseline)
+    shadow_cap: int = 0  # mirrors at once on this ingress (shadow.max_inflight)
 
     def info(self) -> dict:
         base = next(iter(self.flows.values())).model_info()
@@ -38,8 +41,27 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class Routed:
+    """A request's version (its flow) and, when the model's shadow picked it, the candidate it is
+    mirrored to (router/ingress/shadow.py)."""
+
     flow: RequestFlow
     assignment: Assignment
+    shadow: RequestFlow | None = None
+    runner: ShadowRunner | None = None
+    shadow_cap: int = 0  # the model's shadow.max_inflight
+
+    def generate(self, prompt, ids, sampling: SamplingParams, request_id: str | None = None, **kw):
+        """As RequestFlow.generate, mirrored to the candidate if there is one (not a request with
+        a response_format or tools: their grammar is compiled for the served version's tokenizer)."""
+        deltas = self.flow.generate(prompt, ids, sampling, request_id, **kw)
+        if self.shadow is None or sampling.response_format is not None or kw.get("tools"):
+            return deltas
+        return self.runner.mirror(deltas, self.shadow, self.shadow_cap, prompt, ids, sampling, kw["tenant"],
+                                  kw.get("deadline"), kw.get("messages"), kw.get("tools"))
+
+    def for_choices(self, n: int) -> "Routed":
+        """What serves each of n choices: a request with n > 1 is not mirrored."""
+        return self if n == 1 or self.shadow is None else replace(self, shadow=None)
 
 
 class ModelCatalog:
@@ -50,6 +72,7 @@ class ModelCatalog:
         self.models = models
         self.default = next(iter(next(iter(models.values())).flows.values()))  # probes, /version, /metrics
         self.rng = rng or random.Random()
+        self.shadow = ShadowRunner()  # the mirrors of every model, and their outcomes
 
     @classmethod
     def build(cls, config: AppConfig, flows: dict[tuple[str, str | None], RequestFlow],
@@ -67,7 +90,8 @@ class ModelCatalog:
                 shadow = None if opts.shadow is None else Shadow(opts.shadow.version, opts.shadow.fraction)
                 policy = TrafficPolicy.of({label: v.weight for label, v in opts.versions.items()},
                                           tenant_overrides=dict(opts.tenant_overrides), shadow=shadow, salt=name)
-            served[name] = ServedModel(name, policy, by_label)
+            cap = 0 if opts is None or opts.shadow is None else opts.shadow.max_inflight
+            served[name] = ServedModel(name, policy, by_label, cap)
         return cls(config, served, rng)
 
     @classmethod
@@ -116,7 +140,8 @@ class ModelCatalog:
         else:
             key = None if session is None else f"{tenant}\n{session}"  # as the routing key: tenants never share one
             assignment = served.policy.choose(key, tenant, self.rng)
-        return Routed(served.flows[assignment.version], assignment)
+        shadow = None if assignment.shadow is None else served.flows[assignment.shadow]
+        return Routed(served.flows[assignment.version], assignment, shadow, self.shadow, served.shadow_cap)
 
     def model_info(self) -> list[dict]:
         return [m.info() for m in self.models.values()]

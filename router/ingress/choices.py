@@ -22,7 +22,8 @@ Choice = tuple[AsyncIterator[Delta], Delta]  # a running request's stream and it
 
 async def start_choices(flow, n: int, prompt, ids, sp, tenant: str, deadline, messages,
                          tools: list[dict] | None = None, session: str | None = None) -> list[Choice]:
-    """Start the request's n choices; return once each has its first delta. Bad input, refusals
+    """Start the request's n choices (`flow`: what has `generate`, a RequestFlow or the catalog's
+    Routed); return once each has its first delta. Bad input, refusals
     and early failures raise here (and stop every choice started), so they become HTTP errors.
 
     As vLLM does for n > 1, each choice is a request of its own (choice i samples with seed + i

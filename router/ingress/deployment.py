@@ -152,7 +152,7 @@ class Ingress:
             shapers = [ToolOutput(use) if use.active else None for _ in range(n)]
             first: set[int] = set()  # the choices whose first response went: it names the version
             if n == 1:
-                async for delta in flow.generate(prompt, ids, sampling, request.request_id or None,
+                async for delta in routed.generate(prompt, ids, sampling, request.request_id or None,
                                                       tenant=tenant, deadline=deadline, messages=messages,
                                                       tools=tools, session=session):
                     yield versioned(shaped(shapers[0], delta_to_proto(delta), delta), first, flow)
@@ -160,7 +160,7 @@ class Ingress:
             if request.request_id:  # it labels the replies (each choice's request has its own id)
                 flow.validator.check_request_id(request.request_id)
             # as /v1/chat/completions' n: each choice a request, labelled here with one id
-            choices = await start_choices(flow, n, prompt, ids, sampling, tenant, deadline, messages,
+            choices = await start_choices(routed.for_choices(n), n, prompt, ids, sampling, tenant, deadline, messages,
                                           tools=tools, session=session)
             label = request.request_id or choices[0][1].request_id
             async for i, delta in interleave(choices):

@@ -163,7 +163,8 @@ def build_openai_app() -> FastAPI:
             deadline = parse_deadline(request.headers.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
             session = session_key(request.headers.get(SESSION_HEADER), body.prompt_cache_key, body.user,
                                   limits.max_session_id_chars)
-            flow = catalog.select(body.model, tenant, session).flow
+            routed = catalog.select(body.model, tenant, session)
+            flow = routed.flow
             messages, tools, use = None, None, tool_use(body, flow.config.tool_call_parser)
             if chat:  # rendered and tokenized by the flow, after admission, off the event loop
                 if len(body.messages) > limits.max_chat_messages:
@@ -181,7 +182,7 @@ def build_openai_app() -> FastAPI:
             try:
                 sp = to_sampling_params(body, flow.config.default_max_tokens, flow.validator, flow.sampling_defaults,
                                         use)
-                choices = await start_choices(flow, body.n, prompt, ids, sp, tenant, deadline, messages, tools,
+                choices = await start_choices(routed.for_choices(body.n), body.n, prompt, ids, sp, tenant, deadline, messages, tools,
                                                session)
             except InvalidRequestError as e:
                 if use.forced is not None and e.field == "response_format":  # the tools' grammar: name what the client sent

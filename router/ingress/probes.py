@@ -78,6 +78,15 @@ def metrics_text(catalog) -> bytes:
         pauses.labels(str(gen)).set(p.count)
         pause_s.labels(str(gen), "total").set(p.total_s)
         pause_s.labels(str(gen), "max").set(p.max_s)
+    shadow = Gauge("pdserve_ingress_shadow_requests", "Mirrored requests by model, candidate version and outcome "
+                   "(same / different text than the client got, failed, shed)", ["model", "version", "outcome"],
+                   registry=registry)
+    for (model, version, outcome), n in sorted(catalog.shadow.outcomes.items()):
+        shadow.labels(model, version, outcome).set(n)
+    mirrors = Gauge("pdserve_ingress_shadow_inflight", "Mirrored requests running or not yet counted, by model",
+                    ["model"], registry=registry)
+    for model, n in sorted(catalog.shadow.inflight.items()):
+        mirrors.labels(model).set(n)
     info = Gauge("pdserve_ingress_info", "Version and model", ["version", "model"], registry=registry)
     info.labels(package_version(), flow.config.model_name).set(1)
     return generate_latest(registry)

@@ -18,7 +18,7 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.traffic import TrafficPolicy
-from tests.helpers import grpc_stub, http_base, pool_loads, wait_pools_whole
+from tests.helpers import grpc_stub, http_base, pool_loads, wait_for, wait_pools_whole
 
 pytestmark = pytest.mark.ray
 
@@ -26,7 +26,7 @@ SHAPE = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=320, max_positions=
 PROMPT = [256] + list(range(1, 24))  # 24 tokens: past local_prefill_threshold, so prefilled remotely
 MAX_TOKENS = 4
 POOLS = {"v1": ("prefill-tiny-v1", "decode-tiny-v1"), "v2": ("prefill-tiny-v2", "decode-tiny-v2"),
-         "main": ("decode-other-main",)}
+         "main": ("decode-other-main",), "cand": ("decode-other-cand",)}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,10 @@ def reference(checkpoints):
 def server(serve_apps, checkpoints):
     models = {"tiny": {"versions": {"v1": {"model": checkpoints["v1"], "weight": 9},
                                     "v2": {"model": checkpoints["v2"], "weight": 1}}},
-              "other": {"versions": {"main": {"model": checkpoints["main"], "prefill": {"num_replicas": 0}}}}}
+              # every request mirrored to `cand` (tiny-v2's weights under another name), which serves none
+              "other": {"versions": {"main": {"model": checkpoints["main"], "prefill": {"num_replicas": 0}},
+                                     "cand": {"model": checkpoints["v2"], "weight": 0, "prefill": {"num_replicas": 0}}},
+                        "shadow": {"version": "cand", "fraction": 1.0}}}
     with serve_apps.run(None, models=models, routing={"local_prefill_threshold": 16}) as cfg:
         yield cfg
 
@@ -142,10 +145,10 @@ def test_the_listing_names_every_model_and_its_versions(stub, server):
     with urllib.request.urlopen(f"{http_base(server)}/v1/models", timeout=30) as r:
         data = json.loads(r.read())["data"]
     assert [(m["id"], m["versions"], m["max_model_len"]) for m in data] == [("tiny", ["v1", "v2"], 512),
-                                                                            ("other", ["main"], 512)]
+                                                                            ("other", ["main", "cand"], 512)]
     listed = stub.ListModels(pb.ListModelsRequest(), timeout=30).models
     assert [(m.id, list(m.versions), m.version, m.vocab_size) for m in listed] == [
-        ("tiny", ["v1", "v2"], "v1", 320), ("other", ["main"], "main", 320)]
+        ("tiny", ["v1", "v2"], "v1", 320), ("other", ["main", "cand"], "main", 320)]
 
 
 def test_http_answers_name_their_version(server, reference):
@@ -162,4 +165,35 @@ def test_http_answers_name_their_version(server, reference):
                   if line.startswith("data: {")]
     assert header == "main"
     assert [(c["model"], c["system_fingerprint"]) for c in chunks] == [("other", "main")] * len(chunks)
+    wait_all_pools_whole()
+
+
+def shadow_outcomes(server) -> dict[str, float]:
+    """The ingress's shadow counters for `other`'s candidate, by outcome, and its mirrors in flight."""
+    with urllib.request.urlopen(f"{http_base(server)}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith('pdserve_ingress_shadow_inflight{model="other"} '):
+            out["inflight"] = float(line.split()[-1])
+        if line.startswith("pdserve_ingress_shadow_requests{"):
+            labels, value = line[len("pdserve_ingress_shadow_requests{"):].split("} ")
+            fields = dict(kv.split("=") for kv in labels.split(","))
+            if (fields["model"], fields["version"]) == ('"other"', '"cand"'):
+                out[fields["outcome"].strip('"')] = float(value)
+    return out
+
+
+def test_shadow_requests_never_reach_the_client_and_are_counted_apart(stub, server, reference):
+    wait_for(lambda: shadow_outcomes(server)["inflight"] == 0, "no mirror of an earlier test still running")
+    before, generated = shadow_outcomes(server), pool_loads(POOLS["cand"])["decode-other-cand"]["generation_tokens"]
+    assert [generate(stub, model="other") for _ in range(6)] == [("main", reference["main"])] * 6
+    want = {**before, "different": before.get("different", 0) + 6}  # the candidate answers otherwise, greedy
+    assert before.get("shed", 0) == before.get("failed", 0) == 0  # no mirror shed or failed earlier either
+
+    def settled():
+        return shadow_outcomes(server) == want
+    wait_for(settled, f"six mirrors settled as different (last: {shadow_outcomes(server)}, want {want})")
+    assert pool_loads(POOLS["cand"])["decode-other-cand"]["generation_tokens"] - generated == 6 * MAX_TOKENS
+    assert generate(stub, model="other@cand") == ("cand", reference["v2"])  # weight 0: served only when pinned
     wait_all_pools_whole()

@@ -1,0 +1,103 @@
+"""Shadow traffic (issue 18): a fraction of a model's requests is also run on a candidate version, and
+what the candidate answers is compared with what the client got, counted, and dropped.
+
+A mirror is isolated from production:
+- it never reaches the client: the client's stream is the primary's alone, and a mirror's outcome
+  is settled in the background after the client's last delta;
+- it is never counted against the tenant: no admission slot, rate or token quota, no budget, no
+  audit record, no response cache; it runs under its own tenant name (`shadow`) at batch
+  priority, so every engine admits waiting interactive work before it;
+- it is shed first: past `max_inflight` mirrors on this ingress, or when the ingress is at half
+  its in-flight cap, or when the candidate's replica refuses it (queue full), it is dropped and
+  counted as shed. A request with n > 1 choices is not mirrored.
+
+Outcomes, per model and candidate version: `same` (the candidate's text equals the client's),
+`different`, `failed` (the candidate erred, or the primary did, so there is nothing to compare),
+`shed`. Greedy requests make `different` a regression signal; sampled ones differ by nature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import Counter
+from dataclasses import replace
+from typing import AsyncIterator
+
+from cluster.engine.request import Priority
+from router.ingress.flow import Delta, RequestFlow
+from router.ingress.status import Rejected
+
+log = logging.getLogger(__name__)
+
+SHADOW_TENANT = "shadow"
+OUTCOMES = ("same", "different", "failed", "shed")
+
+
+class ShadowRunner:
+    def __init__(self):
+        self.inflight: Counter[str] = Counter()  # model -> mirrors running
+        self.outcomes: Counter[tuple[str, str, str]] = Counter()  # (model, version, outcome) -> requests
+        self._tasks: set[asyncio.Task] = set()
+
+    def count(self, flow: RequestFlow, outcome: str) -> None:
+        self.outcomes[flow.config.model_name, flow.config.version or "", outcome] += 1
+
+    def mirror(self, primary: AsyncIterator[Delta], candidate: RequestFlow, max_inflight: int, prompt, ids, sampling,
+               tenant: str, deadline: float | None, messages, tools) -> AsyncIterator[Delta]:
+        """The primary's deltas, unchanged. The candidate starts with the primary's first delta
+        (a request refused or failed before it is not mirrored), or is shed then."""
+        def start() -> asyncio.Future | None:
+            adm, model = candidate.admission, candidate.config.model_name
+            if self.inflight[model] >= max_inflight or 2 * adm.total_inflight > adm.max_inflight():
+                self.count(candidate, "shed")
+                return None
+            self.inflight[model] += 1  # until settled (counted), so a scrape never sees it half done
+            return asyncio.ensure_future(self._candidate(candidate, prompt, ids, sampling, tenant, deadline,
+                                                         messages, tools))
+
+        return self._watch(primary, candidate, start)
+
+    async def _candidate(self, flow: RequestFlow, prompt, ids, sampling, tenant, deadline, messages, tools) -> str:
+        rid = uuid.uuid4().hex
+        req = await asyncio.get_running_loop().run_in_executor(
+            flow._tokenize_pool, flow._make_request, rid, prompt, ids, sampling, messages, None, tools)
+        ctx = replace(flow.admission.context(tenant, deadline), tenant=SHADOW_TENANT, priority=Priority.BATCH)
+        text = []
+        async for d in flow._run(rid, rid, req.prompt_token_ids, sampling, ctx):
+            text.append(d.text)
+        return "".join(text)
+
+    async def _watch(self, primary: AsyncIterator[Delta], candidate: RequestFlow, start) -> AsyncIterator[Delta]:
+        text, finished, run, started = [], False, None, False
+        try:
+            async for d in primary:
+                if not started:
+                    started, run = True, start()
+                text.append(d.text)
+                finished = finished or d.finish_reason is not None
+                yield d
+        finally:
+            if run is not None:
+                if not finished:  # the primary failed or the client left: nothing to compare
+                    run.cancel()
+                self._settle(candidate, run, "".join(text) if finished else None)
+
+    def _settle(self, candidate: RequestFlow, run: asyncio.Future, served: str | None) -> None:
+        """Count the mirror's outcome once it ends (off the client's path: its stream is complete)."""
+        async def settle():
+            try:
+                got = await run
+            except Rejected:
+                outcome = "shed"  # the candidate's replica refused it
+            except BaseException as e:  # noqa: BLE001 — a mirror's failure is counted, never raised
+                log.debug("shadow request to %s failed: %r", candidate.group, e)
+                outcome = "failed"
+            else:
+                outcome = "failed" if served is None else "same" if got == served else "different"
+            self.count(candidate, outcome)
+            self.inflight.subtract([candidate.config.model_name])
+
+        self._tasks.add(task := asyncio.ensure_future(settle()))
+        task.add_done_callback(self._tasks.discard)
