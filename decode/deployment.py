@@ -36,6 +36,8 @@ class DecodeServer(EngineReplica):
         the `generated` tokens (a migrated request's, already sent). Deltas that queue while the
         caller is busy are merged into one message."""
         self.arrived(target_replica)
+        if self.faults is not None and self.faults.fails_request():
+            raise RuntimeError(f"request {request_id}: failed by fault injection (fail_requests)")
 
         def submit():
             self.role.submit(request_id, prompt_token_ids, sampling, kv_handle, ctx, generated)

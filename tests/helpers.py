@@ -69,7 +69,7 @@ def wait_pools_whole(timeout: float = 30.0, pools: tuple[str, ...] = ("prefill",
     return seen
 
 
-APP_ACTORS = ("pdserve-admission", "pdserve-audit-writer", "pdserve-ledger")
+APP_ACTORS = ("pdserve-admission", "pdserve-audit-writer", "pdserve-ledger", "pdserve-rollout")
 
 
 def kill_app_actors() -> None:

@@ -185,7 +185,9 @@ def _up(args) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         host = "localhost" if config.host in ("0.0.0.0", "::") else config.host
-        print(f"pdserve is serving {config.model_name} ({config.model}), "
+        served = ", ".join(f"{v.name}@{v.label} ({v.config.model})" if not v.single else f"{v.name} ({v.config.model})"
+                           for v in config.served_versions())
+        print(f"pdserve is serving {served}, "
               f"{'disaggregated' if config.has_prefill_pool else 'colocated (no prefill pool)'}", flush=True)
         print(f"  gRPC    {host}:{config.grpc_port}   (pdserve.v1.Generation, grpc.health.v1.Health)", flush=True)
         print(f"  HTTP    http://{host}:{config.http_port}/v1   (OpenAI-compatible)", flush=True)
@@ -201,6 +203,62 @@ def _up(args) -> int:
         if not joined:
             ray.shutdown()
     print("pdserve: stopped", flush=True)
+    return 0
+
+
+def _rollout(args) -> int:
+    import os  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+
+    from router.actor import ROUTER_NAMESPACE  # noqa: PLC0415
+    from router.ingress.rollout_actor import ROLLOUT_NAME  # noqa: PLC0415
+
+    if not ray.is_initialized():
+        ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="pdserve",
+                 log_to_driver=False)
+    try:
+        actor = ray.get_actor(ROLLOUT_NAME, namespace=ROUTER_NAMESPACE)
+    except ValueError:
+        print("pdserve rollout: no rollout actor in this cluster (no model with several versions is deployed)",
+              file=sys.stderr)
+        return 1
+    try:
+        if args.rollout_command == "status":
+            status = ray.get(actor.status.remote(), timeout=30)
+            if args.json:
+                print(json.dumps(status, indent=2))
+                return 0
+            for name, m in status["models"].items():
+                print(f"{name}: " + ", ".join(f"{v}={w:g}" for v, w in m["weights"].items())
+                      + f"  (baseline {m['baseline']}; configured " + ", ".join(
+                          f"{v}={w:g}" for v, w in m["configured"].items()) + ")")
+                for label, w in m["window"].items():
+                    print(f"  {label}: {w}")
+            for d in status["decisions"][-10:]:
+                print(f"{time.strftime('%H:%M:%S', time.localtime(d['time']))} {d['model']} {d['action']}: {d['reason']}")
+            return 0
+        if args.rollout_command == "set":
+            weights = {}
+            for item in args.weights:
+                label, sep, value = item.partition("=")
+                try:
+                    weights[label] = float(value)
+                except ValueError:
+                    sep = ""
+                if not sep:
+                    print(f"pdserve rollout set: {item!r} is not LABEL=WEIGHT", file=sys.stderr)
+                    return 2
+            decision = ray.get(actor.set_split.remote(args.model, weights, args.reason), timeout=30)
+        else:
+            decision = ray.get(actor.rollback.remote(args.model, args.reason), timeout=30)
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if isinstance(getattr(e, "cause", None), ValueError) else e
+        print(f"pdserve rollout: {cause}", file=sys.stderr)
+        return 2
+    print(f"{decision['model']}: {decision['action']} -> " + ", ".join(
+        f"{v}={w:g}" for v, w in decision["weights"].items()) + " (every ingress within one evaluate_s)")
     return 0
 
 
@@ -449,6 +507,22 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "validate":
             c.add_argument("--no-files", action="store_true", help="check versions only, not the checkpoint's files")
     mo.set_defaults(func=_models)
+
+    ro = sub.add_parser("rollout", help="each model's live traffic split (changed without a redeploy) and the "
+                                        "canary gate's decisions (router/ingress/rollout.py)")
+    ros = ro.add_subparsers(dest="rollout_command", required=True)
+    rst = ros.add_parser("status", help="splits, each version's outcomes over the gate's window, decisions")
+    rst.add_argument("--json", action="store_true")
+    rse = ros.add_parser("set", help="set a model's split, e.g. `pdserve rollout set chat v1=90 v2=10`")
+    rse.add_argument("model")
+    rse.add_argument("weights", nargs="+", metavar="LABEL=WEIGHT", help="versions left out get 0")
+    rrb = ros.add_parser("rollback", help="all of a model's traffic to its baseline (its first version)")
+    rrb.add_argument("model")
+    for c in (rst, rse, rrb):
+        c.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local cluster)")
+    for c in (rse, rrb):
+        c.add_argument("--reason", default="manual", help="logged with the decision")
+    ro.set_defaults(func=_rollout)
 
     from cluster.tools.loadgen.cli import add_bench_parser  # noqa: PLC0415 — `pdserve bench` lives in cluster/loadgen
 

@@ -66,12 +66,31 @@ class ShadowOptions(Strict):
     max_inflight: int = Field(4, ge=1, description="Mirrors running at once per ingress; more are shed (counted)")
 
 
+class RolloutOptions(Strict):
+    """The canary gate (router/ingress/rollout.py): every `evaluate_s`, each version that is not the
+    baseline (the first listed) and takes traffic is compared with the baseline over the last
+    `window_s`; when it burns its error budget too fast, or its latency is too far behind, all its
+    traffic goes back to the baseline and the decision is logged with its numbers."""
+
+    auto_rollback: bool = Field(True, description="Roll back on a tripped gate (false: log the decision only)")
+    window_s: float = Field(30.0, gt=0, le=3600, description="The window the versions are compared over")
+    evaluate_s: float = Field(1.0, gt=0, le=60, description="How often the gate is evaluated")
+    min_requests: int = Field(20, ge=1, description="A canary with fewer requests in the window is not judged")
+    error_slo: float = Field(0.99, gt=0, lt=1, description="Target fraction of requests without a server fault")
+    max_burn_rate: float = Field(
+        10.0, gt=0, description="Roll back when the canary's error rate / (1 - error_slo) reaches this and its "
+        "error rate is above the baseline's")
+    max_ttft_ratio: float = Field(3.0, gt=1, description="... or its mean TTFT reaches this x the baseline's")
+    max_tpot_ratio: float = Field(3.0, gt=1, description="... or its mean time per output token this x the baseline's")
+
+
 class ModelOptions(Strict):
     versions: dict[str, VersionOptions] = Field(min_length=1, max_length=MAX_VERSIONS,
                                                 description="Version label -> version; the first is the baseline")
     tenant_overrides: dict[str, str] = Field(
         default_factory=dict, description="Tenant -> version label: the tenant always gets that version")
     shadow: ShadowOptions | None = None
+    rollout: RolloutOptions = RolloutOptions()
 
     @field_validator("versions")
     @classmethod

@@ -4,6 +4,7 @@ no test branches; the faults still act on the real paths (the READs run, the ste
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -17,6 +18,10 @@ class Faults:
 
     pull: PullFault = "none"  # drop: every READ fails at completion; stall: none completes (times out)
     step_delay_s: float = 0.0  # added to every model step (a slow node)
+    fail_requests: float = 0.0  # the fraction of new requests a decode replica fails before any work (a bad version)
+
+    def fails_request(self) -> bool:
+        return self.fail_requests > 0 and random.random() < self.fail_requests
 
 
 class _FaultyAgent:

@@ -130,11 +130,13 @@ class EngineReplica:
                                f"(max_consecutive_step_errors {self.max_consecutive_step_errors})")
 
     async def inject_fault(self, pull: faults.PullFault | None = None, step_delay_s: float | None = None,
-                           stall_loop_s: float | None = None, target_replica: str | None = None) -> None:
+                           stall_loop_s: float | None = None, fail_requests: float | None = None,
+                           target_replica: str | None = None) -> None:
         """Chaos tests and drills (only with fault_tolerance.fault_injection): `pull` "drop" |
         "stall" | "none" on this replica's KV transfers, a delay added to every engine step (a
-        slow node), or one loop turn blocked for `stall_loop_s` (a stuck engine). `target_replica`
-        picks the replica (read by the request router)."""
+        slow node), one loop turn blocked for `stall_loop_s` (a stuck engine), or the fraction
+        of new requests a decode replica fails at once (`fail_requests`: a broken version).
+        `target_replica` picks the replica (read by the request router)."""
         if self.faults is None:
             raise PermissionError("fault injection is off (fault_tolerance.fault_injection: false)")
 
@@ -143,6 +145,8 @@ class EngineReplica:
                 self.faults.pull = pull
             if step_delay_s is not None:
                 self.faults.step_delay_s = step_delay_s
+            if fail_requests is not None:
+                self.faults.fail_requests = fail_requests
 
         await self.loop.call(apply)
         if stall_loop_s:

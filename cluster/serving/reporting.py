@@ -4,7 +4,6 @@ It observes the engine through its verbs (`load()`, `drain_block_events()`); it 
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 
 from cluster.engine.latency import TokenIntervals

@@ -11,13 +11,17 @@ prompt_cache_key or the OpenAI `user`), scoped to its tenant as the routing key 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
+
+import ray
 from dataclasses import dataclass, replace
 
 from cluster.config import AppConfig
 from cluster.engine.sampling_params import SamplingParams
 from router.ingress.flow import RequestFlow
+from router.ingress.rollout import Recorder
 from router.ingress.shadow import ShadowRunner
 from router.ingress.status import Code, ServingError
 from router.traffic import Assignment, Shadow, TrafficPolicy
@@ -25,6 +29,7 @@ from router.traffic import Assignment, Shadow, TrafficPolicy
 log = logging.getLogger(__name__)
 
 PIN = "@"  # model@label
+SYNC_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -49,11 +54,15 @@ class Routed:
     shadow: RequestFlow | None = None
     runner: ShadowRunner | None = None
     shadow_cap: int = 0  # the model's shadow.max_inflight
+    recorder: Recorder | None = None  # the rollout gate's outcomes by version (models with several)
 
     def generate(self, prompt, ids, sampling: SamplingParams, request_id: str | None = None, **kw):
-        """As RequestFlow.generate, mirrored to the candidate if there is one (not a request with
-        a response_format or tools: their grammar is compiled for the served version's tokenizer)."""
+        """As RequestFlow.generate, its outcome recorded for the rollout gate, mirrored to the
+        candidate if there is one (not a request with a response_format or tools: their grammar
+        is compiled for the served version's tokenizer)."""
         deltas = self.flow.generate(prompt, ids, sampling, request_id, **kw)
+        if self.recorder is not None:
+            deltas = self.recorder.observe((self.flow.config.model_name, self.assignment.version), deltas)
         if self.shadow is None or sampling.response_format is not None or kw.get("tools"):
             return deltas
         return self.runner.mirror(deltas, self.shadow, self.shadow_cap, prompt, ids, sampling, kw["tenant"],
@@ -73,6 +82,10 @@ class ModelCatalog:
         self.default = next(iter(next(iter(models.values())).flows.values()))  # probes, /version, /metrics
         self.rng = rng or random.Random()
         self.shadow = ShadowRunner()  # the mirrors of every model, and their outcomes
+        self.recorder = Recorder()
+        self.generation = -1  # of the rollout actor's splits applied here (-1: the config's)
+        self._sync: asyncio.Task | None = None
+        self._actor, self._period_s = None, 1.0  # the rollout actor (connect), when a model has several versions
 
     @classmethod
     def build(cls, config: AppConfig, flows: dict[tuple[str, str | None], RequestFlow],
@@ -134,6 +147,7 @@ class ModelCatalog:
 
     def select(self, model: str | None, tenant: str, session: str | None) -> Routed:
         """The version that serves this request (and the one it is mirrored to, if any)."""
+        self._ensure_sync()
         served, pinned = self._lookup(model)
         if pinned is not None:
             assignment = Assignment(pinned, "pinned")
@@ -141,7 +155,51 @@ class ModelCatalog:
             key = None if session is None else f"{tenant}\n{session}"  # as the routing key: tenants never share one
             assignment = served.policy.choose(key, tenant, self.rng)
         shadow = None if assignment.shadow is None else served.flows[assignment.shadow]
-        return Routed(served.flows[assignment.version], assignment, shadow, self.shadow, served.shadow_cap)
+        recorder = self.recorder if len(served.flows) > 1 else None
+        return Routed(served.flows[assignment.version], assignment, shadow, self.shadow, served.shadow_cap, recorder)
 
     def model_info(self) -> list[dict]:
         return [m.info() for m in self.models.values()]
+
+    # ---- run-time splits (router/ingress/rollout.py) ------------------------------------------
+
+    def rollout_models(self) -> dict:
+        """What the rollout actor is configured with: each model of several versions, its
+        configured weights and gate options."""
+        return {name: ({label: v.weight for label, v in opts.versions.items()}, opts.rollout)
+                for name, opts in self.config.models.items() if len(opts.versions) > 1}
+
+    def apply(self, generation: int, splits: dict[str, dict[str, float]]) -> None:
+        """The rollout actor's splits: each model's policy keeps its overrides, shadow and salt."""
+        for name, weights in splits.items():
+            served = self.models.get(name)
+            if served is not None and sum(weights.values()) > 0:
+                policy = replace(served.policy, split=tuple((v, weights.get(v, 0.0)) for v in served.flows))
+                self.models[name] = replace(served, policy=policy)
+        self.generation = generation
+
+    def connect(self, actor, timeout_s: float) -> None:
+        """Configure the rollout actor and take its live splits now (before any request: a split
+        changed at run time holds for a replica started after the change); the sync loop starts
+        with the first request, on the replica's event loop."""
+        models = self.rollout_models()
+        self.apply(*ray.get(actor.configure.remote(models), timeout=timeout_s))
+        self._actor, self._period_s = actor, min(o.evaluate_s for _, o in models.values())
+
+    def _ensure_sync(self) -> None:
+        if self._actor is not None and (self._sync is None or self._sync.done()):
+            self._sync = asyncio.ensure_future(self._sync_loop(self._actor, self._period_s))
+
+    async def _sync_loop(self, actor, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)  # a period: the reports' and the splits' cadence, not a wait on anything
+            stats = self.recorder.drain()
+            try:
+                changed = await asyncio.wait_for(actor.sync.remote(stats, self.generation), SYNC_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 — the actor restarting: keep the split, resend next time
+                log.info("rollout sync failed (%r); keeping the current split", e)
+                for key, s in stats.items():
+                    self.recorder.pending.setdefault(key, type(s)()).add(s)
+                continue
+            if changed is not None:
+                self.apply(*changed)

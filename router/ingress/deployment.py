@@ -28,6 +28,7 @@ from router.ingress.grpc_api import (ToolOutput, chat_tools_from_proto, delta_to
 from router.ingress.openai_schema import ToolUse, tool_use
 from router.ingress.openai_api import TIMEOUT_HEADER, bind_replica, build_openai_app, parse_deadline
 from router.ingress.catalog import ModelCatalog
+from router.ingress.rollout_actor import get_rollout
 from router.ingress.choices import interleave, start_choices
 from router.ingress.session import SESSION_HEADER, session_key
 from router.ingress import probes
@@ -43,7 +44,7 @@ GRPC_SERVICERS = [
 ]
 
 HEALTH_SERVICES = ("", "pdserve.v1.Generation")
-LEDGER_START_TIMEOUT_S = 60.0
+ACTOR_START_TIMEOUT_S = 60.0
 
 openai_app = build_openai_app()
 
@@ -98,7 +99,7 @@ class Ingress:
         if budgets:
             # ready before this replica takes traffic: a ledger still starting would refuse the first
             # requests (when_unreachable: closed)
-            ray.get(get_ledger(cfg.budgets).snapshot.remote(), timeout=LEDGER_START_TIMEOUT_S)
+            ray.get(get_ledger(cfg.budgets).snapshot.remote(), timeout=ACTOR_START_TIMEOUT_S)
         guard_metrics = guardrail_metrics() if cfg.telemetry.metrics else None
         flows = {}
         for v in cfg.served_versions():  # one flow per model version, sharing the front door's state
@@ -109,6 +110,8 @@ class Ingress:
                                                  classifier=classifier_handle, audit=audit, budget=budget,
                                                  sampling_defaults=v.sampling.overrides())
         self.models = ModelCatalog.build(cfg, flows)  # which version serves a request
+        if self.models.rollout_models():  # a model with several versions: live splits and the canary gate
+            self.models.connect(get_rollout(), ACTOR_START_TIMEOUT_S)
         bind_replica(self.models, Idempotent(actor, admission))
         if gc_pauses.freeze_enabled():
             gc_pauses.freeze_after_start()  # last: everything start-up made is never walked again

@@ -4,7 +4,6 @@ and colocated (the prompt prefilled on decode). Greedy streams equal the in-proc
 without speculation, drafts were accepted, and the pools end with every block free."""
 
 import pytest
-import ray
 
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams

@@ -1,0 +1,114 @@
+"""Rollouts on a real cluster (issue 18): a model with a baseline and a canary, colocated (one decode
+pool per version). A manual rollback through `pdserve rollout` moves all traffic back without a
+redeploy or a replica restart, well inside 60 s; a canary failing its requests (fault injection)
+is rolled back by the gate within its window, and the decision carries its numbers."""
+
+import concurrent.futures
+import time
+
+import grpc
+import pytest
+import ray
+from ray import serve
+
+from cluster.app import cli
+from protos.pdserve.v1 import generation_pb2 as pb
+from router.actor import ROUTER_NAMESPACE
+from router.ingress.rollout_actor import ROLLOUT_NAME
+from tests.helpers import grpc_stub, serve_replica_ids, wait_for, wait_pools_whole
+
+pytestmark = pytest.mark.ray
+
+SHAPE = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=320, max_positions=512)
+PROMPT = [256] + list(range(1, 12))
+WINDOW_S = 6.0
+POOLS = ("decode-tiny-base", "decode-tiny-canary")
+
+
+@pytest.fixture(scope="module")
+def server(serve_apps, tiny_model, model_factory):
+    canary = model_factory("tiny-canary", seed=1, **SHAPE)
+    models = {"tiny": {"versions": {"base": {"model": tiny_model, "weight": 1}, "canary": {"model": canary, "weight": 1}},
+                       "rollout": {"window_s": WINDOW_S, "evaluate_s": 0.5, "min_requests": 10}}}
+    with serve_apps.run(None, mode="colocated", models=models, fault_tolerance={"fault_injection": True}) as cfg:
+        yield cfg
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc_stub(server) as stub:
+        yield stub
+
+
+def served_by(stub, n: int = 1) -> list[str]:
+    """The versions that served n sequential requests ("error:<code>" for a failed one)."""
+    out = []
+    for _ in range(n):
+        req = pb.GenerateRequest(model="tiny", token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(
+            max_tokens=2, temperature=0.0, ignore_eos=True))
+        try:
+            out.append(list(stub.Generate(req, timeout=60))[0].model_version)
+        except grpc.RpcError as e:
+            out.append(f"error:{e.code().name}")
+    return out
+
+
+def rollout(*argv: str) -> int:
+    return cli.main(["rollout", *argv])
+
+
+def actor():
+    return ray.get_actor(ROLLOUT_NAME, namespace=ROUTER_NAMESPACE)
+
+
+def test_a_manual_rollback_moves_every_request_back_in_seconds_without_restarting_a_replica(stub):
+    assert set(served_by(stub, 40)) == {"base", "canary"}  # 50/50 (both at 40 requests: 1 - 2 * 0.5^40)
+    replicas = serve_replica_ids()
+    assert rollout("set", "tiny", "canary=1") == 0  # all to the canary, then back
+    wait_for(lambda: served_by(stub, 5) == ["canary"] * 5, "every request on the canary", timeout=30)
+    started = time.monotonic()
+    assert rollout("rollback", "tiny", "--reason", "drill") == 0
+    wait_for(lambda: served_by(stub, 5) == ["base"] * 5, "every request back on the baseline", timeout=60)
+    took = time.monotonic() - started
+    print(f"manual rollback: {took:.2f} s from `pdserve rollout rollback` to five requests in a row on the baseline")
+    assert took < 60
+    assert serve_replica_ids() == replicas  # nothing was redeployed or restarted
+    decisions = ray.get(actor().status.remote())["decisions"]
+    assert [(d["action"], d["reason"], d.get("weights")) for d in decisions[-2:]] == [
+        ("set", "manual", {"base": 0.0, "canary": 1.0}), ("rollback", "drill", {"base": 1.0, "canary": 0.0})]
+    assert rollout("set", "tiny", "base=1", "canary=1") == 0
+    assert rollout("set", "tiny", "nightly=1") == 2  # refused, naming the versions
+    wait_pools_whole(pools=POOLS)
+
+
+def test_a_failing_canary_is_rolled_back_by_the_gate_within_its_window(stub):
+    wait_for(lambda: {"base", "canary"} <= set(served_by(stub, 20)), "both versions serving again", timeout=30)
+    serve.get_deployment_handle("decode-tiny-canary", "pdserve").inject_fault.remote(
+        fail_requests=1.0).result(timeout_s=30)
+    failed_at = time.monotonic()
+
+    def rolled_back() -> bool:
+        return any(
+            d["action"] == "rollback" and d["reason"].startswith("gate:")
+            for d in ray.get(actor().status.remote())["decisions"])
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # load until the gate trips
+        while not rolled_back():
+            assert time.monotonic() - failed_at < WINDOW_S + 10, "the gate did not trip within its window"
+            outcomes = [o for batch in pool.map(lambda _: served_by(stub, 3), range(4)) for o in batch]
+            assert set(outcomes) <= {"base", "error:UNAVAILABLE"}, outcomes  # the canary serves nothing
+    took = time.monotonic() - failed_at
+    print(f"gate: rolled back {took:.2f} s after the canary started failing (window {WINDOW_S:g} s)")
+    decision = next(d for d in reversed(ray.get(actor().status.remote())["decisions"]) if d["action"] == "rollback")
+    canary, base = decision["canary"]["canary"], decision["baseline"]["base"]
+    # the window also holds the canary's requests from before the fault: a rate of 10% or more burns the
+    # 1% budget (error_slo 0.99) at 10x, the default max_burn_rate
+    rate = canary["errors"] / canary["requests"]
+    assert canary["requests"] >= 10 and canary["errors"] >= 1 and canary["error_rate"] == round(rate, 4) >= 0.1
+    assert base["errors"] == 0 and decision["weights"] == {"base": 1.0, "canary": 0.0}
+    assert decision["reason"] == (f"gate: error rate {rate:.3f} burns the budget (0.010) {rate / (1 - 0.99):.1f}x "
+                                  f"(max 10x; baseline 0.000)")
+    wait_for(lambda: served_by(stub, 10) == ["base"] * 10, "every request on the baseline", timeout=10)
+    serve.get_deployment_handle("decode-tiny-canary", "pdserve").inject_fault.remote(
+        fail_requests=0.0).result(timeout_s=30)
+    wait_pools_whole(pools=POOLS)
