@@ -116,7 +116,7 @@ def test_cli_manifest_validate_diff_list(ckpt, tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == [f"{a}: {ma.ref} ok", f"{b}: {mb.ref} ok"]
     assert main(["models", "diff", str(a), str(b)]) == 1
     assert capsys.readouterr().out.splitlines() == [
-        f'label: "v1" -> "v2"', f'version: "{ma.version}" -> "{mb.version}"', "sampling.temperature: null -> 0.5"]
+        'label: "v1" -> "v2"', f'version: "{ma.version}" -> "{mb.version}"', "sampling.temperature: null -> 0.5"]
     assert main(["models", "diff", str(a), str(a)]) == 0
     assert capsys.readouterr().out == "identical\n"
     assert main(["models", "list", str(a)]) == 0

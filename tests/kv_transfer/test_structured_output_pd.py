@@ -9,7 +9,6 @@ import jsonschema
 import pytest
 
 from cluster.engine.grammar import ResponseFormat
-from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.tools.local_peer import PrefillProcess
 from tests.engine.test_structured_output import ASK, COLOR, PERSON, TAGS, chat_ids

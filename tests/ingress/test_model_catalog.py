@@ -1,0 +1,237 @@
+"""Several models and versions, without Ray (issue 18): the `models` config and its refusals, manifests
+resolved at deploy, the catalog's choice of version (split, sticky key, tenant override, pin, the
+NOT_FOUND messages, live splits), the outcome recorder and the canary gate's arithmetic."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+from collections import Counter
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.config import AppConfig
+from cluster.manifest import ManifestError, build_manifest, resolve_manifests
+from router.ingress.catalog import ModelCatalog
+from router.ingress.flow import RequestFlow
+from router.ingress.rollout import Recorder, Rollouts, VersionStats
+from router.ingress.status import Code, ServingError
+from cluster.config.models import RolloutOptions
+
+TWO = {"tiny": {"versions": {"v1": {"model": "A", "weight": 9}, "v2": {"model": "B", "weight": 1}}}}
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"model": "x", "models": TWO}, "give either models or model/served_model_name/version, not both"),
+    ({"models": {"tiny": {"versions": {}}}}, "versions\n  Dictionary should have at least 1 item"),
+    ({"models": {"tiny": {"versions": {"v1": {"model": "A", "manifest": "m.yaml"}}}}},
+     "give exactly one of model (a checkpoint directory) or manifest"),
+    ({"models": {"tiny": {"versions": {"v1": {"model": "A", "weight": 0}}}}}, "weights must have a positive sum"),
+    ({"models": {"tiny": {"versions": {"v 1": {"model": "A"}}}}}, "version label 'v 1': 1-64 characters"),
+    ({"models": {"-x": {"versions": {"v1": {"model": "A"}}}}}, "model name '-x': 1-64 characters"),
+    ({"models": {**TWO, "tiny-v1": {"versions": {"x": {"model": "A"}}}}}, None),
+    ({"models": {"a-b": {"versions": {"c": {"model": "A"}}}, "a": {"versions": {"b-c": {"model": "A"}}}}},
+     "two versions make the same deployment names"),
+    ({"models": {"tiny": {**TWO["tiny"], "tenant_overrides": {"default": "v3"}}}},
+     "tenant_overrides.default: unknown version 'v3' (known: ['v1', 'v2'])"),
+    ({"models": {"tiny": {**TWO["tiny"], "tenant_overrides": {"acme": "v2"}}}},
+     "models.tiny.tenant_overrides: unknown tenant 'acme'"),
+    ({"models": {"tiny": {**TWO["tiny"], "shadow": {"version": "v9", "fraction": 0.1}}}},
+     "shadow.version: unknown version 'v9'"),
+    ({"models": {"tiny": {**TWO["tiny"], "shadow": {"version": "v2", "fraction": 1.5}}}},
+     "Input should be less than or equal to 1"),
+])
+def test_the_models_config_refuses_what_cannot_be_served(config, message):
+    if message is None:
+        AppConfig.model_validate(config)  # a model whose name looks like another's version: fine
+        return
+    with pytest.raises(ValidationError) as e:
+        AppConfig.model_validate(config)
+    assert message in str(e.value)
+
+
+def test_each_version_gets_its_own_pools_engine_and_sampling_defaults():
+    cfg = AppConfig.model_validate({"engine": {"num_blocks": 64}, "default_max_tokens": 16, "models": {
+        "tiny": {"versions": {"v1": {"model": "A"},
+                              "v2": {"model": "B", "engine": {"num_blocks": 32}, "decode": {"num_replicas": 2},
+                                     "sampling": {"temperature": 0.2, "max_tokens": 64}}}},
+        "other": {"versions": {"main": {"model": "C", "prefill": {"num_replicas": 0}}}}}})
+    got = [(v.name, v.label, v.deployments, v.config.serving_group, v.config.model, v.config.engine.num_blocks,
+            v.config.decode.num_replicas, v.config.has_prefill_pool, v.config.default_max_tokens,
+            v.sampling.overrides()) for v in cfg.served_versions()]
+    assert got == [
+        ("tiny", "v1", ("prefill-tiny-v1", "decode-tiny-v1"), "tiny@v1", "A", 64, 1, True, 16, {}),
+        ("tiny", "v2", ("prefill-tiny-v2", "decode-tiny-v2"), "tiny@v2", "B", 32, 2, True, 64, {"temperature": 0.2}),
+        ("other", "main", ("prefill-other-main", "decode-other-main"), "other@main", "C", 64, 1, False, 16, {})]
+    single = AppConfig(model="A", served_model_name="m", version="r7")
+    assert [(v.deployments, v.config.serving_group) for v in single.served_versions()] == [
+        (("prefill", "decode"), "m@r7")]
+    assert AppConfig(model="A").served_versions()[0].config.serving_group == "A"
+
+
+def test_a_manifest_version_is_resolved_at_deploy_and_refused_when_its_files_changed(tiny_model, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_model, ckpt)
+    manifest = build_manifest(ckpt, "tiny", "v2", max_model_len=256, sampling={"top_k": 5},
+                              decode={"num_replicas": 2})
+    path = tmp_path / "v2.yaml"
+    path.write_text(manifest.to_yaml())
+    cfg = AppConfig.model_validate({"models": {"tiny": {"versions": {
+        "v1": {"model": str(ckpt)}, "v2": {"manifest": str(path), "weight": 0}}}}})
+    with pytest.raises(ValueError, match="models.tiny.versions.v2: its manifest is not resolved yet"):
+        cfg.served_versions()
+    v2 = resolve_manifests(cfg).served_versions()[1]
+    assert (v2.config.model, v2.config.engine.max_model_len, v2.config.decode.num_replicas, v2.sampling.overrides()) == (
+        str(ckpt.resolve()), 256, 2, {"top_k": 5})
+    weights = next(p for p in ckpt.iterdir() if p.suffix == ".safetensors")
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ManifestError) as e:
+        resolve_manifests(cfg)
+    assert str(e.value).startswith(f"models.tiny.versions.v2: manifest {path} does not hold: file {weights.name}: sha256")
+    other = AppConfig.model_validate({"models": {"chat": {"versions": {"v1": {"manifest": str(path)}}}}})
+    with pytest.raises(ManifestError, match=f"manifest {path} is for model 'tiny'"):
+        resolve_manifests(other)
+
+
+@pytest.fixture(scope="module")
+def catalog(tiny_model, model_factory):
+    v2 = model_factory("catalog-v2", layers=2, hidden=64, heads=4, kv_heads=2, vocab=320, max_positions=512, seed=1)
+    cfg = AppConfig.model_validate({"tenants": {"acme": {"api_keys": ["k-acme"]}}, "models": {
+        "tiny": {"versions": {"v1": {"model": tiny_model, "weight": 9}, "v2": {"model": v2, "weight": 1}},
+                 "tenant_overrides": {"acme": "v2"}, "shadow": {"version": "v2", "fraction": 0.5}},
+        "other": {"versions": {"main": {"model": tiny_model}}}}})
+    flows = {(v.name, v.label): RequestFlow(v.config, None, None) for v in cfg.served_versions()}
+    return ModelCatalog.build(cfg, flows, random.Random(7))
+
+
+def test_the_catalog_splits_pins_overrides_and_mirrors(catalog):
+    picks = [catalog.select("tiny", "default", None) for _ in range(4000)]
+    versions = Counter(r.assignment.version for r in picks)
+    assert 300 <= versions["v2"] <= 500  # 10% of 4000, binomial sd 19: ten of them either side
+    assert all(r.flow.config.version == r.assignment.version for r in picks)
+    mirrored = Counter(r.shadow.config.version for r in picks if r.shadow is not None)
+    assert set(mirrored) == {"v2"} and abs(mirrored["v2"] / versions["v1"] - 0.5) < 0.05  # only v1's are mirrored
+    assert {catalog.select("tiny", "default", "s:alice").assignment.version for _ in range(50)} == {
+        catalog.select("tiny", "default", "s:alice").assignment.version}
+    assert {catalog.select("tiny", "acme", key).assignment for key in (None, "s:alice")} == {
+        catalog.select("tiny", "acme", None).assignment}
+    assert catalog.select("tiny", "acme", None).assignment.version == "v2"
+    assert catalog.select("tiny", "acme", None).assignment.why == "tenant"
+    pinned = catalog.select("tiny@v1", "acme", None)
+    assert (pinned.assignment.version, pinned.assignment.why, pinned.shadow) == ("v1", "pinned", None)
+    assert catalog.select(None, "default", None).flow.config.model_name == "tiny"  # no model: the first
+    assert catalog.select("other", "default", None).flow.config.serving_group == "other@main"
+    assert [m["id"] for m in catalog.model_info()] == ["tiny", "other"]
+
+
+@pytest.mark.parametrize("model, message", [
+    ("llama", "model 'llama' does not exist; this server serves 'tiny', 'other'"),
+    ("tiny@v3", "model 'tiny' has no version 'v3' (versions: 'v1', 'v2')"),
+    ("tiny@", "model 'tiny' has no version '' (versions: 'v1', 'v2')"),
+])
+def test_an_unknown_model_or_version_is_not_found(catalog, model, message):
+    for call in (lambda: catalog.authorize("Bearer k-acme", model), lambda: catalog.select(model, "acme", None)):
+        with pytest.raises(ServingError) as e:
+            call()
+        assert (e.value.code, e.value.message) == (Code.NOT_FOUND, message)
+
+
+def test_live_splits_keep_the_overrides_and_the_salt(catalog):
+    before = catalog.models["tiny"].policy
+    try:
+        catalog.apply(3, {"tiny": {"v1": 0.0, "v2": 1.0}})
+        assert {catalog.select("tiny", "default", k).assignment.version for k in (None, "s:a", "s:b")} == {"v2"}
+        assert catalog.models["tiny"].policy.tenant_overrides == before.tenant_overrides
+        assert catalog.models["tiny"].policy.salt == before.salt == "tiny"
+        assert catalog.generation == 3
+    finally:
+        catalog.apply(-1, {"tiny": dict(before.split)})
+    assert catalog.models["tiny"].policy == before
+
+
+class _D:
+    def __init__(self, n: int):
+        self.completion_tokens, self.text = n, "x"
+
+
+def test_the_recorder_counts_server_faults_only_and_times_first_tokens():
+    now = [0.0]
+    rec = Recorder(clock=lambda: now[0])
+
+    async def deltas(n: int, error: ServingError | None = None):
+        for i in range(1, n + 1):
+            now[0] += 0.1 if i == 1 else 0.02
+            yield _D(i)
+        if error is not None:
+            raise error
+
+    async def run(n, error=None):
+        try:
+            async for _ in rec.observe(("tiny", "v2"), deltas(n, error)):
+                pass
+        except ServingError:
+            pass
+
+    asyncio.run(run(5))
+    asyncio.run(run(1, ServingError(Code.UNAVAILABLE, "decode failed")))
+    asyncio.run(run(0, ServingError(Code.RESOURCE_EXHAUSTED, "overloaded")))  # not the version's fault
+    asyncio.run(run(0, ServingError(Code.DEADLINE_EXCEEDED, "deadline")))  # the client's
+    s = rec.drain()[("tiny", "v2")]
+    assert (s.requests, s.errors, s.ttft_n, s.tpot_n, s.tokens) == (4, 1, 2, 1, 6)
+    assert s.ttft_s == pytest.approx(0.2) and s.tpot_s == pytest.approx(0.02)
+    assert rec.drain() == {}
+
+
+def _rollouts(**options):
+    now = [1000.0]
+    r = Rollouts(clock=lambda: now[0])
+    r.configure({"chat": ({"base": 9.0, "canary": 1.0}, RolloutOptions(window_s=10, evaluate_s=1, min_requests=20,
+                                                                        **options))})
+    return r, now
+
+
+def test_the_gate_rolls_back_a_canary_that_burns_its_error_budget_with_its_numbers():
+    r, now = _rollouts()
+    r.report({("chat", "base"): VersionStats(requests=100, errors=1), ("chat", "canary"): VersionStats(requests=19, errors=19)})
+    assert r.splits() == {"chat": {"base": 9.0, "canary": 1.0}}  # 19 requests: not judged
+    now[0] += 1
+    [d] = r.report({("chat", "canary"): VersionStats(requests=1, errors=0)})
+    assert d["action"] == "rollback" and r.splits() == {"chat": {"base": 1.0, "canary": 0.0}}
+    assert d["reason"] == "gate: error rate 0.950 burns the budget (0.010) 95.0x (max 10x; baseline 0.010)"
+    assert (d["canary"]["canary"]["requests"], d["canary"]["canary"]["errors"], d["baseline"]["base"]["errors"]) == (
+        20, 19, 1)
+    assert r.generation == 2 and [x["action"] for x in r.status()["decisions"]] == ["configured", "rollback"]
+
+
+def test_the_gate_holds_when_the_baseline_fails_as_often_and_trips_on_latency():
+    r, now = _rollouts()
+    r.report({("chat", "base"): VersionStats(requests=40, errors=20), ("chat", "canary"): VersionStats(requests=40, errors=20)})
+    assert r.splits()["chat"]["canary"] == 1.0  # as bad as the baseline: not the canary's doing
+    now[0] += 11  # the window has passed: those reports are gone
+    r.report({("chat", "base"): VersionStats(requests=40, ttft_s=4.0, ttft_n=40),
+              ("chat", "canary"): VersionStats(requests=40, ttft_s=13.0, ttft_n=40)})
+    assert r.status()["decisions"][-1]["reason"] == "gate: mean TTFT 325.0 ms is 3.2x the baseline's 100.0 ms (max 3x)"
+    r, now = _rollouts(auto_rollback=False)
+    [d] = r.report({("chat", "canary"): VersionStats(requests=30, errors=30)})
+    assert d["action"] == "gate tripped (auto_rollback off)" and r.splits()["chat"]["canary"] == 1.0
+
+
+def test_manual_splits_and_a_redeploy():
+    r, _ = _rollouts()
+    assert r.set_split("chat", {"canary": 1}, "all in")["weights"] == {"base": 0.0, "canary": 1.0}
+    for bad, message in (({"beta": 1}, "model 'chat' has no version(s) ['beta'] (versions: ['base', 'canary'])"),
+                         ({"base": 0}, "weights must be >= 0 with a positive sum, got {'base': 0}")):
+        with pytest.raises(ValueError) as e:
+            r.set_split("chat", bad, "x")
+        assert str(e.value) == message
+    with pytest.raises(ValueError, match=r"model 'code' does not exist \(models: \['chat'\]\)"):
+        r.rollback("code", "x")
+    r.configure({"chat": ({"base": 9.0, "canary": 1.0}, RolloutOptions())})  # another ingress, the same config
+    assert r.splits() == {"chat": {"base": 0.0, "canary": 1.0}}  # the live split stays
+    r.configure({"chat": ({"base": 1.0, "canary": 1.0}, RolloutOptions())})  # a redeploy with a new split
+    assert r.splits() == {"chat": {"base": 1.0, "canary": 1.0}}
+    assert r.rollback("chat", "drill")["weights"] == {"base": 1.0, "canary": 0.0}
