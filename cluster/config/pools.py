@@ -24,7 +24,10 @@ class AutoscalingOptions(Strict):
     decode on KV use and inter-token latency; up fast, down slowly. A pool reads only its own two
     targets. Set a target above what the pool can ever reach to scale on the other signal alone."""
 
-    min_replicas: int = Field(1, ge=1, description="An autoscaled pool never goes to zero")
+    min_replicas: int = Field(
+        1, ge=0, description="0: the pool sleeps after idle_timeout_s without a request and the next request wakes "
+        "it (it waits while a replica loads, bounded by its deadline)")
+    idle_timeout_s: float = Field(300.0, gt=0, description="With min_replicas 0: no request this long -> 0 replicas")
     max_replicas: int = Field(1, ge=1)
     target_queued_prefill_tokens: float = Field(
         8192, gt=0, description="prefill: prompt tokens waiting per replica (~ throughput x accepted queueing)")

@@ -24,12 +24,16 @@ highest signal's. Then:
 
 Replicas that have not reported yet (starting) do not count towards the load; with no report at
 all the pool holds. The result is always within [min_replicas, max_replicas].
+
+A pool with `min_replicas: 0` also sleeps: no request in it (Serve's count of requests running on
+its replicas and queued at its callers' handles) for `idle_timeout_s` -> 0 replicas. Load never
+takes it below one replica; Serve's own cold-start path wakes it (0 -> 1) when a request arrives.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal, Mapping, Sequence
 
 from cluster.config import AutoscalingOptions
@@ -72,15 +76,16 @@ class ScalingState:
 
     pressure_since: float | None = None
     slack_since: float | None = None
+    idle_since: float | None = None  # a pool that may sleep: since when no request was in it
 
-    KEYS = ("pdserve_pressure_since", "pdserve_slack_since")
+    KEYS = ("pdserve_pressure_since", "pdserve_slack_since", "pdserve_idle_since")
 
     @classmethod
     def from_dict(cls, state: Mapping) -> "ScalingState":
-        return cls(state.get(cls.KEYS[0]), state.get(cls.KEYS[1]))
+        return cls(*(state.get(k) for k in cls.KEYS))
 
     def as_dict(self) -> dict:
-        return dict(zip(self.KEYS, (self.pressure_since, self.slack_since)))
+        return dict(zip(self.KEYS, (self.pressure_since, self.slack_since, self.idle_since)))
 
 
 @dataclass(frozen=True)
@@ -117,15 +122,31 @@ def decide(
     opts: AutoscalingOptions,
     min_replicas: int | None = None,
     max_replicas: int | None = None,
+    requests: float | None = None,
 ) -> Decision:
     """How many replicas `pool` should have now.
 
     `metrics`: one entry per replica that has reported (possibly fewer than `replicas`);
     `replicas`: the pool's current target size; `now`: seconds on any clock that `state` also
     uses; `min_replicas`/`max_replicas`: bounds overriding the options' (Serve narrows them
-    under a target capacity).
+    under a target capacity); `requests`: the requests in the pool now, running or queued
+    (a pool with min_replicas 0 sleeps after idle_timeout_s of none; None: unknown, never sleeps).
     """
     lo = opts.min_replicas if min_replicas is None else min_replicas
+    if opts.min_replicas > 0 or requests is None:
+        return _by_load(pool, metrics, replicas, now, state, opts, lo, max_replicas)
+    if replicas == 0:
+        return Decision(1 if requests > 0 else 0, ScalingState(),
+                        f"{requests:g} requests wait: waking, 0 -> 1" if requests > 0 else "asleep")
+    idle_since = None if requests > 0 else now if state.idle_since is None else state.idle_since
+    if idle_since is not None and now - idle_since + _DELAY_EPS >= opts.idle_timeout_s:
+        return Decision(0, ScalingState(), f"no request for {now - idle_since:.1f}s: {replicas} -> 0 (asleep)")
+    d = _by_load(pool, metrics, replicas, now, state, opts, max(lo, 1), max_replicas)  # load never sleeps a pool
+    return Decision(d.replicas, replace(d.state, idle_since=idle_since), d.reason)
+
+
+def _by_load(pool: Pool, metrics: Sequence[ReplicaMetrics], replicas: int, now: float, state: ScalingState,
+             opts: AutoscalingOptions, lo: int, max_replicas: int | None) -> Decision:
     hi = opts.max_replicas if max_replicas is None else max_replicas
     if replicas < lo:
         return Decision(lo, ScalingState(), f"{replicas} replicas is below the minimum: {replicas} -> {lo}")

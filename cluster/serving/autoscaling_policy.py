@@ -48,6 +48,12 @@ def replica_metrics(aggregated: dict[str, dict], running_replicas) -> list[Repli
             for rid in running_replicas if rid in reported]
 
 
+def _value(v) -> float | None:
+    """Serve passes some context fields as values, some as callables evaluated on demand."""
+    v = v() if callable(v) else v
+    return None if v is None else float(v)
+
+
 class PoolAutoscalingPolicy:
     """Built once per deployment by Serve's controller (with `policy_kwargs`), then called every
     control-loop turn. Stateless between calls: the timers travel in Serve's `policy_state`."""
@@ -62,6 +68,7 @@ class PoolAutoscalingPolicy:
             self.pool, replica_metrics(ctx.aggregated_metrics or {}, ctx.running_replicas),
             ctx.target_num_replicas, now, ScalingState.from_dict(ctx.policy_state), self.options,
             ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas,
+            requests=_value(ctx.total_num_requests),
         )
         if decision.replicas != ctx.target_num_replicas:
             log.info("pdserve %s pool: %s", self.pool, decision.reason)

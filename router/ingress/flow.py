@@ -108,6 +108,9 @@ def _local_quotas():
     return take
 
 
+FIRST_OUTPUT_GRACE_S = 1.0  # past the deadline: a replica that has the request ends it itself, first
+
+
 class _ReplicaDied(Exception):
     """The decode replica serving a leg was lost (the request may migrate)."""
 
@@ -394,11 +397,20 @@ class RequestFlow:
         except Exception as e:  # noqa: BLE001
             raise ServingError(Code.UNAVAILABLE, f"no decode replica: {e}") from e
         finished = pulled = False
+        # Until a replica takes the request, nothing enforces its deadline (a sleeping pool is
+        # loading one, every replica's queue is full at Serve's router): bound that wait here. From
+        # its first output the engine has it, and ends it at the deadline itself.
+        remaining = ctx.remaining_s()
+        loop = asyncio.get_running_loop()
+        first_by = None if remaining is None else loop.time() + max(remaining, 0.0) + FIRST_OUTPUT_GRACE_S
+        bound = None
         try:
-            async with aclosing(coalesce(replies, merge_outputs, final=lambda o: o.finished,
-                                         alone=lambda o: o.finish_reason in FAILED)) as outs:
+            async with asyncio.timeout_at(first_by) as bound, aclosing(coalesce(
+                    replies, merge_outputs, final=lambda o: o.finished, alone=lambda o: o.finish_reason in FAILED)) as outs:
                 async for out in outs:
                     out: RequestOutput
+                    if not pulled and first_by is not None:
+                        bound.reschedule(None)
                     pulled = True
                     if out.finish_reason in FAILED:
                         raise _ended(rid, out.finish_reason, out.error, out.num_output_tokens, out.error_kind)
@@ -414,6 +426,11 @@ class RequestFlow:
                         return
         except ServingError:
             raise
+        except TimeoutError as e:
+            if bound is None or not bound.expired():
+                raise ServingError(Code.ABORTED if pulled else Code.UNAVAILABLE, f"decode failed for {rid}: {e!r}") from e
+            raise ServingError(Code.DEADLINE_EXCEEDED, f"request {rid}: deadline exceeded before a decode replica "
+                                                       "took it") from e
         except QueueFullError as e:  # the decode replica's queue is full (raised by its submit)
             raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
         except (RayActorError, ActorUnavailableError) as e:

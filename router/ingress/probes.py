@@ -29,8 +29,15 @@ async def decode_live(flow, timeout_s: float = LIVE_TIMEOUT_S) -> bool:
 
 
 async def all_live(catalog, timeout_s: float = LIVE_TIMEOUT_S) -> bool:
-    """Every model version has a live decode replica (one bounded call each, at once)."""
-    return all(await asyncio.gather(*(decode_live(f, timeout_s) for f in catalog.flows)))
+    """Every model version has a live decode replica (one bounded call each, at once), but those
+    whose decode pool may sleep (min_replicas 0): asleep is not down, and a call would wake it."""
+    awake = [f for f in catalog.flows if not may_sleep(f.config)]
+    return all(await asyncio.gather(*(decode_live(f, timeout_s) for f in awake)))
+
+
+def may_sleep(config) -> bool:
+    auto = config.decode.autoscaling
+    return auto is not None and auto.min_replicas == 0
 
 
 def package_version() -> str:

@@ -135,7 +135,29 @@ def test_options_reject_inconsistent_knobs():
     with pytest.raises(pydantic.ValidationError, match="look_back_period_s must be longer than metrics_interval_s"):
         AutoscalingOptions(look_back_period_s=1.0, metrics_interval_s=1.0)
     with pytest.raises(pydantic.ValidationError, match="min_replicas"):
-        AutoscalingOptions(min_replicas=0)
+        AutoscalingOptions(min_replicas=-1)
+
+
+SLEEPY = OPTS.model_copy(update={"min_replicas": 0, "idle_timeout_s": 30})
+
+
+def test_a_pool_that_may_sleep_sleeps_after_its_idle_timeout_and_wakes_on_a_request():
+    idle = [ReplicaMetrics()]
+    d = decide("decode", idle, 1, 100.0, ScalingState(), SLEEPY, requests=0)
+    assert (d.replicas, d.state) == (1, ScalingState(idle_since=100.0))
+    d = decide("decode", idle, 1, 120.0, d.state, SLEEPY, requests=2)  # a request: the idle clock restarts
+    assert (d.replicas, d.state) == (1, ScalingState())
+    d = decide("decode", idle, 1, 121.0, d.state, SLEEPY, requests=0)
+    d = decide("decode", idle, 1, 150.9, d.state, SLEEPY, requests=0)
+    assert (d.replicas, d.state.idle_since) == (1, 121.0)
+    d = decide("decode", idle, 1, 151.0, d.state, SLEEPY, requests=0)
+    assert (d.replicas, d.reason) == (0, "no request for 30.0s: 1 -> 0 (asleep)")
+    assert decide("decode", [], 0, 160.0, d.state, SLEEPY, requests=0).replicas == 0
+    woke = decide("decode", [], 0, 170.0, d.state, SLEEPY, requests=1)
+    assert (woke.replicas, woke.reason) == (1, "1 requests wait: waking, 0 -> 1")
+    # load alone never takes it to zero, and a pool with min_replicas 1 never sleeps
+    assert decide("decode", idle * 2, 2, 400.0, ScalingState(slack_since=300.0), SLEEPY, requests=3).replicas == 1
+    assert decide("decode", idle, 1, 1e6, ScalingState(), OPTS, requests=0).replicas == 1
 
 
 # ---- Serve's side: the wrapper its controller puts around a custom policy ----------------------
