@@ -83,15 +83,15 @@ class EngineMetrics:
 def ingress_metrics() -> IngressMetrics:
     from ray.util.metrics import Counter, Gauge, Histogram  # noqa: PLC0415
 
-    t = ("tenant",)
+    t = ("tenant", "model", "version")  # the model version that served (empty: refused before one was chosen)
     return IngressMetrics(
         requests=Counter("pdserve_requests", "Requests that reached the request flow, by final status code "
-                         "(OK, or the gRPC code the client got)", ("tenant", "code")),
+                         "(OK, or the gRPC code the client got)", ("tenant", "model", "version", "code")),
         rejected=Counter("pdserve_requests_rejected", "Requests refused before they ran (bad input, auth, "
                          "quotas, overload), by code and reason", ("tenant", "code", "reason")),
         streams=Counter("pdserve_streams", "Requests that started (not refused), by outcome: completed (ended "
                         "with a finish reason: stop or length), cancelled (by the client), failed (anything else)",
-                        ("tenant", "outcome")),
+                        ("tenant", "model", "version", "outcome")),
         ttft=Histogram("pdserve_ttft_seconds", "Time to first token at the ingress (request in -> first token "
                        "out)", LATENCY_S, t),
         tpot=Histogram("pdserve_tpot_seconds", "Time per output token after the first, per successful request "
@@ -114,7 +114,7 @@ def ingress_metrics() -> IngressMetrics:
                               "unacknowledged records was full (audit.when_full: drop)", ()),
         audit_unacked=Gauge("pdserve_audit_unacked", "Audit records an ingress holds that the writer has not "
                             "acknowledged yet (grows while the writer is down)", ()),
-        spend=Counter("pdserve_spend_usd", "Settled cost of requests in USD at budgets.prices", t),
+        spend=Counter("pdserve_spend_usd", "Settled cost of requests in USD at budgets.prices", ("tenant",)),
     )
 
 

@@ -143,6 +143,7 @@ class RequestFlow:
         manifest's, over the checkpoint's generation_config."""
         self.config = config
         self.group = config.serving_group  # the version: the router picks both replicas within it
+        self._labels = (config.model_name, config.version or "")  # its requests' metric labels
         self.admission = admission or Admission(config, _local_quotas())
         self.validator = make_validator(config)
         self.tokenizer: Tokenizer = self.validator.tokenizer
@@ -195,9 +196,9 @@ class RequestFlow:
                 self.validator.check_request_id(request_id)
             except InvalidRequestError as e:
                 if self.telemetry is not None:
-                    self.telemetry.start(tenant, None).end(e)
+                    self.telemetry.start(tenant, None, *self._labels).end(e)
                 raise
-        observed = self.telemetry.start(tenant, request_id) if self.telemetry is not None else None
+        observed = self.telemetry.start(tenant, request_id, *self._labels) if self.telemetry is not None else None
         error: BaseException | None = None
         rid = uuid.uuid4().hex  # ours: the engines' id; the client's request_id only labels replies
         trail = self._audit_trail(rid, request_id, tenant, prompt, prompt_token_ids, messages)

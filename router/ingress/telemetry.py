@@ -66,24 +66,26 @@ class IngressTelemetry:
             self.metrics = ingress_metrics()
         self.tracer = make_tracer(options, "pdserve-ingress")
 
-    def start(self, tenant: str, request_id: str | None) -> "RequestObservation":
-        """One request's observation; the flow feeds it every delta and ends it once."""
+    def start(self, tenant: str, request_id: str | None, model: str = "", version: str = "") -> "RequestObservation":
+        """One request's observation; the flow feeds it every delta and ends it once. `model` and
+        `version`: the version serving it (config names only: a bounded label set)."""
         span, trace_context = None, ()
         if self.tracer is not None:
-            attrs = {"pdserve.tenant": tenant, **({"pdserve.request_id": request_id} if request_id else {})}
+            attrs = {"pdserve.tenant": tenant, "pdserve.model": model, "pdserve.model_version": version,
+                     **({"pdserve.request_id": request_id} if request_id else {})}
             span = self.tracer.start_span("ingress", attributes=attrs)
             trace_context = inject(span)
-        return RequestObservation(self, tenant, span, trace_context)
+        return RequestObservation(self, {"tenant": tenant, "model": model, "version": version}, span, trace_context)
 
-    def _record(self, tenant: str, code: str, error: BaseException | None, start: float, first: float | None,
+    def _record(self, tags: dict, code: str, error: BaseException | None, start: float, first: float | None,
                 last_token: float | None, last: "Delta | None", span) -> None:
         end = time.monotonic()
         refused = last is None and code in REFUSAL_CODES and error is not None
         if self.metrics is not None:
-            m, tags = self.metrics, {"tenant": tenant}
+            m, tenant = self.metrics, {"tenant": tags["tenant"]}
             m.requests.inc(1, {**tags, "code": code})
             if refused:
-                m.rejected.inc(1, {**tags, "code": code, "reason": refusal_reason(error)})
+                m.rejected.inc(1, {**tenant, "code": code, "reason": refusal_reason(error)})
             else:
                 m.streams.inc(1, {**tags, "outcome": stream_outcome(code)})
             if first is not None:
@@ -113,7 +115,7 @@ class IngressTelemetry:
         """A refusal at an edge, before the flow (unknown API key, unknown model)."""
         if self.metrics is not None:
             code = error_code(error)
-            self.metrics.requests.inc(1, {"tenant": tenant, "code": code})
+            self.metrics.requests.inc(1, {"tenant": tenant, "model": "", "version": "", "code": code})
             self.metrics.rejected.inc(1, {"tenant": tenant, "code": code, "reason": refusal_reason(error)})
 
     def routed(self, decision: "RouteDecision | None", started: float, num_prompt_tokens: int,
@@ -142,9 +144,9 @@ class RequestObservation:
     """What the ingress saw of one request: called by the flow (`delta` per delta sent, `end`
     once, with the error that ended it or None); records metrics and the ingress span at the end."""
 
-    def __init__(self, telemetry: IngressTelemetry, tenant: str, span, trace_context: tuple):
+    def __init__(self, telemetry: IngressTelemetry, tags: dict, span, trace_context: tuple):
         self.telemetry = telemetry
-        self.tenant = tenant
+        self.tags = tags  # tenant, model, version
         self.span = span
         self.trace_context = trace_context  # carried to both pools in the RequestContext
         self.start = time.monotonic()
@@ -161,5 +163,5 @@ class RequestObservation:
     def end(self, error: BaseException | None) -> None:
         finished = self.last is not None and self.last.finish_reason is not None
         code = "OK" if finished else error_code(error) if error is not None else "INTERNAL"
-        self.telemetry._record(self.tenant, code, error, self.start, self.first, self.last_token, self.last,
+        self.telemetry._record(self.tags, code, error, self.start, self.first, self.last_token, self.last,
                                self.span)

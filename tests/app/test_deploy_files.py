@@ -178,3 +178,36 @@ def test_dockerfile_copies_every_package_pyproject_installs():
     assert packages <= set(sources)
     assert 'pip install -q "/src[gpu]"' in text and '"flash-attn>=2.6"' in text
     assert "gpu" in pyproject["project"]["optional-dependencies"]
+
+
+# ---- deploy/serve-models.yaml ----------------------------------------------------------------
+
+def test_the_two_model_config_passes_serves_schema_and_builds_a_pool_pair_per_version(tiny_model, tmp_path):
+    from ray.serve._private.build_app import build_app
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.app.builder import app_builder
+    from cluster.manifest import build_manifest
+
+    [app] = ServeDeploySchema.model_validate(load("serve-models.yaml")).applications
+    args = dict(app.args)
+    manifest = tmp_path / "v1.yaml"  # the checkpoints and the manifest, here: the tiny model
+    manifest.write_text(build_manifest(tiny_model, "chat", "v1").to_yaml())
+    chat, code = args["models"]["chat"], args["models"]["code"]
+    chat["versions"]["v1"]["manifest"] = str(manifest)
+    chat["versions"]["v2"]["model"] = code["versions"]["r3"]["model"] = tiny_model
+    config = AppConfig.model_validate(args)
+    assert {label: v.weight for label, v in config.models["chat"].versions.items()} == {"v1": 90.0, "v2": 10.0}
+    built = build_app(app_builder(args), name=app.name)
+    deployments = {d.name: d for d in built.deployments}
+    assert set(deployments) == {"ingress", "prefill-chat-v1", "decode-chat-v1", "prefill-chat-v2", "decode-chat-v2",
+                                "decode-code-r3"}
+    auto = {name: d._deployment_config.autoscaling_config for name, d in deployments.items()}
+    assert (auto["decode-chat-v1"].min_replicas, auto["decode-chat-v1"].max_replicas) == (2, 16)
+    assert (auto["decode-code-r3"].min_replicas, auto["decode-code-r3"].max_replicas) == (0, 4)
+    assert auto["decode-chat-v2"] is None and deployments["decode-chat-v2"].num_replicas == 1  # the app's decode
+    for name in ("decode-chat-v1", "decode-chat-v2", "decode-code-r3"):
+        replica = AppConfig.model_validate(deployments[name].init_args[0])  # what the replicas are built from
+        assert (Path(replica.model).resolve(), replica.models, replica.decode.resources) == (
+            Path(tiny_model).resolve(), {}, {"pdserve_decode": 1.0})
+    assert AppConfig.model_validate(deployments["decode-code-r3"].init_args[0]).serving_group == "code@r3"

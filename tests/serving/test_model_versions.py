@@ -7,6 +7,7 @@ against its version's in-process engine, and every pool is back at its totals af
 import concurrent.futures
 import json
 import math
+import threading
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -18,7 +19,7 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.traffic import TrafficPolicy
-from tests.helpers import grpc_stub, http_base, pool_loads, wait_for, wait_pools_whole
+from tests.helpers import grpc_stub, http_base, pool_loads, serve_replica_ids, wait_for, wait_pools_whole
 
 pytestmark = pytest.mark.ray
 
@@ -196,4 +197,46 @@ def test_shadow_requests_never_reach_the_client_and_are_counted_apart(stub, serv
     wait_for(settled, f"six mirrors settled as different (last: {shadow_outcomes(server)}, want {want})")
     assert pool_loads(POOLS["cand"])["decode-other-cand"]["generation_tokens"] - generated == 6 * MAX_TOKENS
     assert generate(stub, model="other@cand") == ("cand", reference["v2"])  # weight 0: served only when pinned
+    wait_all_pools_whole()
+
+
+def test_a_rolling_update_under_load_mixes_no_versions(server, reference):
+    """Redeploy the app with v2's decode pool changed while four clients keep asking: Serve replaces
+    the replicas (serve.run gives every deployment a new code version), one by one; every answer is
+    still one version's own tokens, and a request caught by a replica going away ends with a status."""
+    from cluster.app import builder
+    from cluster.config import AppConfig
+
+    raw = server.model_dump()
+    raw["models"]["tiny"]["versions"]["v2"]["decode"] = {**raw["decode"], "max_ongoing_requests": 128}
+    updated = AppConfig.model_validate(raw)
+    results, stop = [], threading.Event()
+
+    def client():
+        with grpc_stub(server) as stub:
+            while not stop.is_set():
+                try:
+                    results.append(generate(stub))
+                except grpc.RpcError as e:
+                    results.append(("error", e.code()))
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(results) >= 20, "load running before the update", timeout=60)
+        before = serve_replica_ids()
+        builder.start(updated)  # returns once the app is RUNNING again
+        deployed = len(results)
+        wait_for(lambda: sum(v != "error" for v, _ in results[deployed:]) >= 20, "answers after the update", timeout=60)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert serve_replica_ids()["decode-tiny-v2"] != before["decode-tiny-v2"]  # it was replaced
+    answers = [(v, tokens) for v, tokens in results if v != "error"]
+    assert [a for a in answers if a[1] != reference[a[0]]] == []  # not one mixed answer
+    errors = Counter(code for v, code in results if v == "error")
+    print(f"rolling update: {len(answers)} answers, errors {dict(errors)}")
+    assert set(errors) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
     wait_all_pools_whole()

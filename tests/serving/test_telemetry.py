@@ -158,7 +158,11 @@ def scenario(server, tiny_model):
 
 def test_counters_and_histogram_counts_grow_by_exactly_what_the_requests_did(scenario):
     before, replicas = scenario
-    a, b, unknown = {"tenant": "tele-a"}, {"tenant": "tele-b"}, {"tenant": "unknown"}
+    # the flow's metrics carry the model version that served (this app's: model tiny, no version label);
+    # a refusal at the edge, before any model was chosen, carries empty ones; rejections only the tenant
+    served = {"model": "tiny", "version": ""}
+    a, b, unknown = {"tenant": "tele-a", **served}, {"tenant": "tele-b", **served}, {"tenant": "unknown", "model": "",
+                                                                                     "version": ""}
     pre = {"pool": "prefill", "replica": replicas["prefill"]}
     dec = {"pool": "decode", "replica": replicas["decode"]}
     expected = {
@@ -166,9 +170,9 @@ def test_counters_and_histogram_counts_grow_by_exactly_what_the_requests_did(sce
         key("requests_total", **a, code="OK"): 3,
         key("requests_total", **b, code="OK"): 1,
         key("requests_total", **b, code="INVALID_ARGUMENT"): 1,
-        key("requests_rejected_total", **b, code="INVALID_ARGUMENT", reason="max_tokens"): 1,
+        key("requests_rejected_total", tenant="tele-b", code="INVALID_ARGUMENT", reason="max_tokens"): 1,
         key("requests_total", **unknown, code="UNAUTHENTICATED"): 1,
-        key("requests_rejected_total", **unknown, code="UNAUTHENTICATED", reason="unauthenticated"): 1,
+        key("requests_rejected_total", tenant="unknown", code="UNAUTHENTICATED", reason="unauthenticated"): 1,
         key("streams_total", **a, outcome="completed"): 3,  # refusals never start a stream
         key("streams_total", **b, outcome="completed"): 1,
         key("streams_total", **b, outcome="failed"): 0,
