@@ -99,7 +99,8 @@ def test_list_models_and_health(stub, server):
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
     base = http_base(server)
     with urllib.request.urlopen(f"{base}/health", timeout=30) as resp:
-        assert (resp.status, json.loads(resp.read())) == (200, {"status": "serving", "model": "tiny"})
+        assert (resp.status, json.loads(resp.read())) == (200, {"status": "serving", "model": "tiny",
+                                                               "models": ["tiny"]})
     with urllib.request.urlopen(f"{base}/version", timeout=30) as resp:
         assert json.loads(resp.read()) == {"version": "0.1.0", "model": "tiny", "mode": "disaggregated"}
     with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:

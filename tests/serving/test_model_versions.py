@@ -56,7 +56,10 @@ def server(serve_apps, checkpoints):
               "other": {"versions": {"main": {"model": checkpoints["main"], "prefill": {"num_replicas": 0}},
                                      "cand": {"model": checkpoints["v2"], "weight": 0, "prefill": {"num_replicas": 0}}},
                         "shadow": {"version": "cand", "fraction": 1.0}}}
-    with serve_apps.run(None, models=models, routing={"local_prefill_threshold": 16}) as cfg:
+    # replicas being replaced drain for up to 10 s (the tests' default, 1 s, would kill the old ingress
+    # with streams in flight: Serve's proxy then answers INTERNAL "actor died")
+    with serve_apps.run(None, models=models, routing={"local_prefill_threshold": 16},
+                        graceful_shutdown_timeout_s=10.0) as cfg:
         yield cfg
 
 
@@ -218,7 +221,7 @@ def test_a_rolling_update_under_load_mixes_no_versions(server, reference):
                 try:
                     results.append(generate(stub))
                 except grpc.RpcError as e:
-                    results.append(("error", e.code()))
+                    results.append(("error", (e.code(), e.details())))
 
     threads = [threading.Thread(target=client) for _ in range(4)]
     for t in threads:
@@ -236,7 +239,7 @@ def test_a_rolling_update_under_load_mixes_no_versions(server, reference):
     assert serve_replica_ids()["decode-tiny-v2"] != before["decode-tiny-v2"]  # it was replaced
     answers = [(v, tokens) for v, tokens in results if v != "error"]
     assert [a for a in answers if a[1] != reference[a[0]]] == []  # not one mixed answer
-    errors = Counter(code for v, code in results if v == "error")
+    errors = Counter(error for v, error in results if v == "error")
     print(f"rolling update: {len(answers)} answers, errors {dict(errors)}")
-    assert set(errors) <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
+    assert {code for code, _ in errors} <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED}, errors
     wait_all_pools_whole()
