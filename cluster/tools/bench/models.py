@@ -86,7 +86,7 @@ def main() -> None:
 
     def request(model_name: str = "m") -> tuple[str, float]:
         """(version or error code, seconds to the first response) of one short greedy request."""
-        req = pb.GenerateRequest(model=model_name, prompt="The capital of France is", sampling=pb.SamplingParams(
+        req = pb.GenerateRequest(model=model_name, text="The capital of France is", sampling=pb.SamplingParams(
             max_tokens=2, temperature=0.0, ignore_eos=True))
         t0 = time.perf_counter()
         try:
