@@ -15,12 +15,20 @@ idle through it (their background cost falls on the "on" phases). Printed: each 
 on/off ratios, the median of the per-round ratios with their spread (min, max, interquartile
 range), the pooled p50s, the load generator's CPU use, the records the log holds afterwards
 (verified), and the on-path cost of one record (build + spool write) timed in this process.
+
+Besides latency, the cluster's CPU time per request in each phase: every process this benchmark's
+`ray.init` started (GCS, raylet, Serve's controller and proxies, the ingress, both engines, the
+audit writer; psutil, user + system), the load generator itself apart. On 2 shared cores a p50
+moves by 10-30% from round to round, but the CPU the cluster spends per request is what the
+audit log adds to the machine's work, and it varies far less: its on/off ratio is printed the same
+way (median of rounds, pooled).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import tempfile
 import time
 
@@ -65,6 +73,21 @@ def _spool_cost_us(directory: str, n: int = 5000) -> float:
 KEYS = {"off": "sk-bench-audit-off", "on": "sk-bench-audit-on"}
 
 
+def _cluster_cpu_s() -> float:
+    """User + system CPU seconds of every process descended from this one (the local Ray cluster):
+    processes that are gone by now are not counted, so take it around phases, not across restarts."""
+    import psutil
+
+    total = 0.0
+    for p in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
+
+
 def _spread(v: list[float]) -> str:
     q1, med, q3 = np.percentile(v, [25, 50, 75])
     return f"{med:.3f}x (min {min(v):.3f}, max {max(v):.3f}, IQR {q1:.3f}-{q3:.3f})"
@@ -97,13 +120,19 @@ def main() -> None:
     address = f"localhost:{cfg.grpc_port}"
     for arm in ("off", "on"):  # warm-up, both tenants
         asyncio.run(_closed_loop(address, KEYS[arm], 2 * args.streams, seed=10_000, streams=args.streams))
-    pooled: dict[str, dict[str, list]] = {a: {"ttft": [], "itl": [], "cpu": [], "ok": 0, "n": 0} for a in KEYS}
-    ratios: dict[str, list[float]] = {"ttft": [], "itl": []}
+    pooled: dict[str, dict[str, list]] = {a: {"ttft": [], "itl": [], "cpu": [], "ok": 0, "n": 0, "cluster_s": 0.0}
+                                          for a in KEYS}
+    ratios: dict[str, list[float]] = {"ttft": [], "itl": [], "cluster_cpu": []}
     for rnd in range(args.rounds):
         order = ("off", "on") if rnd % 2 == 0 else ("on", "off")
         p50: dict[str, tuple[float, float]] = {}
+        per_request_ms: dict[str, float] = {}
         for arm in order:
+            cpu0 = _cluster_cpu_s()
             outcome = asyncio.run(_closed_loop(address, KEYS[arm], args.requests, seed=rnd, streams=args.streams))
+            spent = _cluster_cpu_s() - cpu0
+            pooled[arm]["cluster_s"] += spent
+            per_request_ms[arm] = spent / len(outcome.records) * 1e3
             ok = [r for r in outcome.records if r.status == "ok"]
             ttft = [r.ttft_s for r in ok]
             itl = [x for r in ok for x in r.itls_s]
@@ -115,9 +144,12 @@ def main() -> None:
             p50[arm] = (float(np.median(ttft)) * 1e3, float(np.median(itl)) * 1e3)
         ratios["ttft"].append(p50["on"][0] / p50["off"][0])
         ratios["itl"].append(p50["on"][1] / p50["off"][1])
+        ratios["cluster_cpu"].append(per_request_ms["on"] / per_request_ms["off"])
         print(f"round {rnd + 1}/{args.rounds} ({order[0]} first): TTFT p50 off {p50['off'][0]:7.2f} on "
               f"{p50['on'][0]:7.2f} ms ({ratios['ttft'][-1]:.3f}x)  ITL p50 off {p50['off'][1]:6.2f} on "
-              f"{p50['on'][1]:6.2f} ms ({ratios['itl'][-1]:.3f}x)", flush=True)
+              f"{p50['on'][1]:6.2f} ms ({ratios['itl'][-1]:.3f}x)  cluster CPU per request off "
+              f"{per_request_ms['off']:.1f} on {per_request_ms['on']:.1f} ms ({ratios['cluster_cpu'][-1]:.3f}x)",
+              flush=True)
     serve.shutdown()  # graceful: the ingress drains its spool first
     ray.shutdown()
 
@@ -131,6 +163,9 @@ def main() -> None:
     pooled_ttft = np.median(pooled["on"]["ttft"]) / np.median(pooled["off"]["ttft"])
     pooled_itl = np.median(pooled["on"]["itl"]) / np.median(pooled["off"]["itl"])
     print(f"  on / off, pooled p50s: TTFT {pooled_ttft:.3f}x  ITL {pooled_itl:.3f}x")
+    cpu_ms = {a: m["cluster_s"] / m["n"] * 1e3 for a, m in pooled.items()}
+    print(f"  the cluster's CPU per request: off {cpu_ms['off']:.2f} ms, on {cpu_ms['on']:.2f} ms; on / off median of "
+          f"rounds {_spread(ratios['cluster_cpu'])}; pooled {cpu_ms['on'] / cpu_ms['off']:.3f}x")
     result = verify(audit_dir)
     print(f"  audit log: {result.records} records (expected {pooled['on']['n']} + {2 * args.streams} warm-ups), "
           f"verify {'OK' if result.ok else result.error}")
