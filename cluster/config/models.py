@@ -82,6 +82,9 @@ class RolloutOptions(Strict):
         "error rate is above the baseline's")
     max_ttft_ratio: float = Field(3.0, gt=1, description="... or its mean TTFT reaches this x the baseline's")
     max_tpot_ratio: float = Field(3.0, gt=1, description="... or its mean time per output token this x the baseline's")
+    max_candidate_share: float = Field(
+        1.0, gt=0, le=1, description="Blast radius: the most of the model's traffic the versions other than the "
+        "baseline may take together; a split past it (config or `pdserve rollout set`) is refused")
 
 
 class ModelOptions(Strict):
@@ -103,9 +106,19 @@ class ModelOptions(Strict):
 
     @model_validator(mode="after")
     def _known_versions(self) -> "ModelOptions":
+        share = candidate_share({label: v.weight for label, v in self.versions.items()})
+        if share > self.rollout.max_candidate_share + 1e-9:
+            raise ValueError(f"the versions after the baseline take {share:.1%} of the traffic, over "
+                             f"rollout.max_candidate_share {self.rollout.max_candidate_share:.1%}")
         for tenant, label in self.tenant_overrides.items():
             if label not in self.versions:
                 raise ValueError(f"tenant_overrides.{tenant}: unknown version {label!r} (known: {list(self.versions)})")
         if self.shadow is not None and self.shadow.version not in self.versions:
             raise ValueError(f"shadow.version: unknown version {self.shadow.version!r} (known: {list(self.versions)})")
         return self
+
+
+def candidate_share(weights: dict[str, float]) -> float:
+    """The share of traffic the versions after the first (the baseline) take together."""
+    total = sum(weights.values())
+    return 0.0 if total <= 0 else (total - next(iter(weights.values()))) / total

@@ -13,6 +13,8 @@ anything (a manual `pdserve rollout set` / `rollback`, or the canary gate), and 
   burns its error budget at `max_burn_rate` or more while failing more often than the baseline,
   or is `max_ttft_ratio` / `max_tpot_ratio` slower. A trip moves all of the canary's traffic to
   the baseline (or only logs, without auto_rollback). Every decision is logged with its numbers.
+- **Blast radius**: `max_candidate_share` caps what the versions after the baseline may take
+  together, whoever sets the split (the config or `pdserve rollout set`); a rollback is always allowed.
 - **A config redeploy** that changes a model's weights wins over the run-time split (the split the
   config last set is remembered; an ingress restarted with the same config keeps the live one).
 """
@@ -25,7 +27,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator, Callable
 
-from cluster.config.models import RolloutOptions
+from cluster.config.models import RolloutOptions, candidate_share
 from router.ingress.status import Code, ServingError
 
 log = logging.getLogger(__name__)
@@ -150,7 +152,11 @@ class Rollouts:
             raise ValueError(f"model {model!r} has no version(s) {sorted(unknown)} (versions: {list(m.configured)})")
         if any(not w >= 0 for w in weights.values()) or sum(weights.values()) <= 0:
             raise ValueError(f"weights must be >= 0 with a positive sum, got {weights}")
-        m.weights = {label: float(weights.get(label, 0.0)) for label in m.configured}
+        new = {label: float(weights.get(label, 0.0)) for label in m.configured}
+        if (share := candidate_share(new)) > m.options.max_candidate_share + 1e-9:
+            raise ValueError(f"the versions after the baseline ({m.baseline}) would take {share:.1%} of {model}'s "
+                             f"traffic, over rollout.max_candidate_share {m.options.max_candidate_share:.1%}")
+        m.weights = new
         self.generation += 1
         return self._log(model, action, reason, weights=dict(m.weights))
 

@@ -42,6 +42,8 @@ TWO = {"tiny": {"versions": {"v1": {"model": "A", "weight": 9}, "v2": {"model": 
      "shadow.version: unknown version 'v9'"),
     ({"models": {"tiny": {**TWO["tiny"], "shadow": {"version": "v2", "fraction": 1.5}}}},
      "Input should be less than or equal to 1"),
+    ({"models": {"tiny": {**TWO["tiny"], "rollout": {"max_candidate_share": 0.05}}}},
+     "the versions after the baseline take 10.0% of the traffic, over rollout.max_candidate_share 5.0%"),
 ])
 def test_the_models_config_refuses_what_cannot_be_served(config, message):
     if message is None:
@@ -228,6 +230,13 @@ def test_manual_splits_and_a_redeploy():
         with pytest.raises(ValueError) as e:
             r.set_split("chat", bad, "x")
         assert str(e.value) == message
+    capped, _ = _rollouts(max_candidate_share=0.25)  # blast radius: the canary may take a quarter at most
+    assert capped.set_split("chat", {"base": 3, "canary": 1}, "canary to 25%")["weights"] == {"base": 3.0, "canary": 1.0}
+    with pytest.raises(ValueError) as e:
+        capped.set_split("chat", {"base": 1, "canary": 1}, "too far")
+    assert str(e.value) == ("the versions after the baseline (base) would take 50.0% of chat's traffic, over "
+                            "rollout.max_candidate_share 25.0%")
+    assert capped.rollback("chat", "x")["weights"] == {"base": 1.0, "canary": 0.0}  # a rollback is always allowed
     with pytest.raises(ValueError, match=r"model 'code' does not exist \(models: \['chat'\]\)"):
         r.rollback("code", "x")
     r.configure({"chat": ({"base": 9.0, "canary": 1.0}, RolloutOptions())})  # another ingress, the same config
