@@ -25,6 +25,8 @@ class BlockEventSource(Protocol):
 
     def cached_block_hashes(self) -> list[BlockHash]: ...
 
+    def tier_block_hashes(self) -> list[list[BlockHash]]: ...
+
 
 class KVEventPublisher:
     def __init__(self, replica_id: str, source: BlockEventSource, router, incarnation: str | None = None,
@@ -82,7 +84,8 @@ class KVEventPublisher:
         self._resync_due = False
         self._last_snapshot = time.monotonic()
         try:
-            self.router.resync.remote(self.replica_id, self.incarnation, self.seq, self.source.cached_block_hashes())
+            self.router.resync.remote(self.replica_id, self.incarnation, self.seq, self.source.cached_block_hashes(),
+                                      self.source.tier_block_hashes())
         except ray.exceptions.RayError as e:  # routing falls back to load; try again next turn
             log.debug("router resync not sent: %s", e)
             self.failures["unavailable"] += 1

@@ -1,7 +1,8 @@
 """Which replica holds which KV blocks: a plain class, fed by the replicas' block events.
 
 Each replica sends batches of stored/removed block-hash events with a sequence number that grows by one
-per batch, and an incarnation id that changes when the replica restarts. A batch that does not
+per batch (its device pool's, "+" / "-", and its lower tiers': "+1" / "-1" for the host tier, "+2" /
+"-2" for disk, so a prefix pushed down to host memory still counts, at its tier's weight), and an incarnation id that changes when the replica restarts. A batch that does not
 follow the last one (a gap, or a new incarnation) is refused: the caller must then resync that
 replica from a full snapshot of its cached hashes. A dead replica is forgotten at once.
 """
@@ -18,7 +19,8 @@ from cluster.engine.kv_cache.hashing import BlockHash
 class _Replica:
     incarnation: str
     seq: int
-    hashes: set[BlockHash] = field(default_factory=set)
+    hashes: set[BlockHash] = field(default_factory=set)  # its device pool's
+    tiers: dict[int, set[BlockHash]] = field(default_factory=dict)  # level (1 host, 2 disk) -> hashes
 
 
 class PrefixIndex:
@@ -49,18 +51,25 @@ class PrefixIndex:
             if kind == "+":
                 r.hashes.add(h)
                 self._where.setdefault(h, set()).add(replica_id)
-            else:
+            elif kind == "-":
                 self._drop(replica_id, r, h)
+            elif kind[0] == "+":
+                r.tiers.setdefault(int(kind[1:]), set()).add(h)
+            else:
+                r.tiers.get(int(kind[1:]), set()).discard(h)
         r.seq = seq
         return True
 
-    def resync(self, replica_id: str, incarnation: str, seq: int, hashes: Iterable[BlockHash]) -> None:
-        """Replace everything known about a replica with its full snapshot as of `seq`."""
+    def resync(self, replica_id: str, incarnation: str, seq: int, hashes: Iterable[BlockHash],
+               tiers: Sequence[Iterable[BlockHash]] = ()) -> None:
+        """Replace everything known about a replica with its full snapshot as of `seq` (its device
+        pool's hashes, and each lower tier's, top down)."""
         self.forget(replica_id)
         r = self._replicas[replica_id] = _Replica(incarnation, seq)
         for h in hashes:
             r.hashes.add(h)
             self._where.setdefault(h, set()).add(replica_id)
+        r.tiers = {level: set(t) for level, t in enumerate(tiers, start=1)}
 
     def forget(self, replica_id: str) -> None:
         r = self._replicas.pop(replica_id, None)
@@ -96,6 +105,26 @@ class PrefixIndex:
             for c in alive:
                 result[c] = i + 1
         return result
+
+    def prefix_tiers(self, hashes: Sequence[BlockHash], candidates: Iterable[str]) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """For each candidate, what its engine would find for `hashes`, as its KV cache looks up a
+        prompt: the leading blocks in its device pool, then the blocks after them that a lower
+        tier holds (the tier's level each, 1 host, 2 disk), up to the first block held nowhere."""
+        cands = list(candidates)
+        device = self.prefix_blocks(hashes, cands)
+        out = {}
+        for c in cands:
+            r = self._replicas.get(c)
+            levels: list[int] = []
+            if r is not None and r.tiers:
+                ordered = sorted(r.tiers.items())
+                for h in hashes[device[c]:]:
+                    level = next((lv for lv, held in ordered if h in held), None)
+                    if level is None:
+                        break
+                    levels.append(level)
+            out[c] = (device[c], tuple(levels))
+        return out
 
     def check_invariants(self) -> None:
         for h, holders in self._where.items():

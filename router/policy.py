@@ -83,6 +83,9 @@ class PolicyConfig:
     # Tokens: expected recompute of a cached block that a miss pushes out (block_size x the chance
     # it is asked for again). Only blocks beyond the replica's never-cached free ones count.
     evict_block_cost: float = 4.0
+    # Credit of a cached block held by a lower tier (host, then disk) against one in the device pool
+    # (1.0): it is loaded back instead of computed, but the load costs (Dynamo's KV router: 0.75 / 0.25)
+    tier_weights: tuple[float, ...] = (0.75, 0.25)
     session_bonus: float = 256.0  # tokens the replicas that served a session last are preferred by
     max_sessions: int = 100_000  # sessions remembered (least recently used forgotten first)
     session_ttl_s: float = 600.0  # a session idle this long is forgotten
@@ -134,40 +137,44 @@ class RoutingPolicy:
         prefill_rate = statistics.median(r.tokens_per_s for r in prefills if r.tokens_per_s > 0) if any(
             r.tokens_per_s > 0 for r in prefills) else 0.0
 
-        dec_cached = index.prefix_blocks(hashes, [r.replica_id for r in decodes])
+        dec_tiers = index.prefix_tiers(hashes, [r.replica_id for r in decodes])
+        dec_cached = {rid: device for rid, (device, _) in dec_tiers.items()}  # pulls fill the device pool only
         measured = [r.pull_s_per_block for r in decodes if r.pull_s_per_block > 0]
         pull_s_per_block = statistics.median(measured) if measured else 0.0
 
         def decode_cost(r: ReplicaLoad) -> float:
             cost = cfg.decode_request_cost * r.requests + cfg.decode_block_cost * r.used_blocks
             if not prefills:  # colocated: the decode replica computes the prompt too
-                cost += self._compute_cost(dec_cached[r.replica_id], r, num_prompt_tokens, index)
+                cost += self._compute_cost(*dec_tiers[r.replica_id], r, num_prompt_tokens, index)
             else:  # it pulls, and allocates, only the blocks it lacks
                 cost += self._pull_block_cost(pull_s_per_block, prefill_rate) * (prompt_blocks - dec_cached[r.replica_id])
             return cost
 
         dec_affine = session.decode if session is not None else None
         decode, reasons = self._pick(decodes, decode_cost, slow, dec_affine)
-        cached_on_decode = self._cached_tokens(dec_cached[decode.replica_id], decode, num_prompt_tokens)
+        device, lower = dec_tiers[decode.replica_id]
+        cached_on_decode = self._cached_tokens(device + len(lower) if not prefills else device, decode,
+                                               num_prompt_tokens)
         missing = num_prompt_tokens - cached_on_decode
         if not prefills or missing < cfg.local_prefill_threshold:
             why = "no prefill pool" if not prefills else f"local prefill: {missing} uncached tokens"
             return RouteDecision(None, decode.replica_id, "local", cached_on_decode, "; ".join([why, *reasons]),
                                  decode.queue_wait_s(), cached_on_decode)
 
-        pre_cached = index.prefix_blocks(hashes, [r.replica_id for r in prefills])
+        pre_tiers = index.prefix_tiers(hashes, [r.replica_id for r in prefills])
         hot = set()
 
         def prefill_cost(r: ReplicaLoad) -> float:
-            blocks = pre_cached[r.replica_id]
-            if blocks and r.requests >= cfg.hot_load_cap:
+            blocks, lower = pre_tiers[r.replica_id]
+            if (blocks or lower) and r.requests >= cfg.hot_load_cap:
                 hot.add(r.replica_id)
-                blocks = 0
-            return self._compute_cost(blocks, r, num_prompt_tokens, index)
+                blocks, lower = 0, ()
+            return self._compute_cost(blocks, lower, r, num_prompt_tokens, index)
 
         pre_affine = session.prefill if session is not None else None
         prefill, p_reasons = self._pick(prefills, prefill_cost, slow, pre_affine)
-        cached = self._cached_tokens(pre_cached[prefill.replica_id], prefill, num_prompt_tokens)
+        device, lower = pre_tiers[prefill.replica_id]
+        cached = self._cached_tokens(device + len(lower), prefill, num_prompt_tokens)
         if prefill.replica_id in hot:
             cached = 0
         why = ["cache" if cached else "load"]
@@ -176,11 +183,16 @@ class RoutingPolicy:
         return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached,
                              "; ".join([*why, *p_reasons, *reasons]), prefill.queue_wait_s(), cached_on_decode)
 
-    def _compute_cost(self, cached_blocks: int, r: ReplicaLoad, num_prompt_tokens: int, index: PrefixIndex) -> float:
+    def _compute_cost(self, cached_blocks: int, lower: Sequence[int], r: ReplicaLoad, num_prompt_tokens: int,
+                      index: PrefixIndex) -> float:
         """Prompt work on the replica that computes it: its uncached tokens, its queue, and the
         cached blocks its new blocks would push out. Never-cached free blocks are at least
-        free - cached (every cached block may be a free one); a miss beyond them evicts."""
-        cached = self._cached_tokens(cached_blocks, r, num_prompt_tokens)
+        free - cached (every cached block may be a free one); a miss beyond them evicts. `lower`:
+        the levels of the blocks after the device prefix that lower tiers hold (credited at
+        tier_weights; they still take device blocks when loaded back)."""
+        weights = self.config.tier_weights
+        credit = cached_blocks + sum(weights[level - 1] if level <= len(weights) else 0.0 for level in lower)
+        cached = min(credit * self.config.block_size, num_prompt_tokens - 1)
         new_blocks = -(-num_prompt_tokens // self.config.block_size) - cached_blocks
         room = max(0, r.free_blocks - index.num_blocks(r.replica_id))
         evicted = min(max(0, new_blocks - room), index.num_blocks(r.replica_id))

@@ -69,8 +69,10 @@ class Router:
         self._resyncs += not ok
         return ok
 
-    def resync(self, replica_id: str, incarnation: str, seq: int, hashes: Sequence[BlockHash]) -> None:
-        self.index.resync(replica_id, incarnation, seq, hashes)
+    def resync(self, replica_id: str, incarnation: str, seq: int, hashes: Sequence[BlockHash],
+               tiers: Sequence[Sequence[BlockHash]] = ()) -> None:
+        """A replica's full snapshot: its device pool's hashes and each lower tier's (host, disk)."""
+        self.index.resync(replica_id, incarnation, seq, hashes, tiers)
 
     def report_load(self, load: ReplicaLoad) -> None:
         self._loads[load.replica_id] = (self.clock(), load)

@@ -130,11 +130,22 @@ class RoutingOptions(Strict):
     evict_block_cost: float = Field(
         4.0, ge=0, description="Tokens charged for each cached block a prompt would push out of a replica's cache "
         "(what makes prefixes spread over the pool instead of thrashing one replica)")
+    tier_weights: list[float] = Field(
+        [0.75, 0.25], max_length=2, description="Credit of a cached block in a replica's host tier, then its disk tier "
+        "(engine.kv_tiers), against one in its device pool (1.0): loaded back, not computed, but the load costs")
     session_bonus: float = Field(
         256.0, ge=0, description="Tokens of work by which the replicas that served a session last are preferred "
         "(a soft preference: more load than this moves the session; 0 turns affinity off)")
     max_sessions: int = Field(100_000, ge=1, description="Sessions the router remembers (least recently used go first)")
     session_ttl_s: float = Field(600.0, gt=0, description="A session idle this long is forgotten by the router")
+
+
+    @field_validator("tier_weights")
+    @classmethod
+    def _weights(cls, v: list[float]) -> list[float]:
+        if not all(0 <= w <= 1 for w in v):
+            raise ValueError(f"each weight must be in [0, 1], got {v}")
+        return v
 
 
 class FaultToleranceOptions(Strict):

@@ -272,11 +272,20 @@ class LLMEngine:
         return [t.usage() for t in self.kv.tiers]
 
     def drain_block_events(self) -> list:
-        """Block stored/removed events since the last call, in order (the router's feed)."""
-        return self.kv.pool.drain_events()
+        """Block stored/removed events since the last call, in order (the router's feed): the
+        device pool's ("+" / "-", hash), then each lower tier's, its level appended to the kind
+        ("+1" / "-1": host, "+2" / "-2": disk)."""
+        events = self.kv.pool.drain_events()
+        for level, tier in enumerate(self.kv.tiers, start=1):
+            events += [(f"{kind}{level}", h) for kind, h in tier.drain_events()]
+        return events
 
     def cached_block_hashes(self) -> list[BlockHash]:
         return self.kv.pool.cached_hashes()
+
+    def tier_block_hashes(self) -> list[list[BlockHash]]:
+        """Each lower tier's held hashes, top down (host, disk): with the pool's, a full snapshot."""
+        return [tier.hashes() for tier in self.kv.tiers]
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_cache()

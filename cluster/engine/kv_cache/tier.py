@@ -74,6 +74,7 @@ class BlockTier:
         self._lru: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> slot, least recent first
         self._pins: dict[BlockHash, int] = {}
         self.stats = TierStats()
+        self._events: list[tuple[str, BlockHash]] = []  # held ("+") / forgotten ("-"), for the router's index
 
     @property
     def num_free(self) -> int:
@@ -125,6 +126,7 @@ class BlockTier:
                 self.stats.dropped += 1
                 continue
             self._lru[h] = slot
+            self._events.append(("+", h))
             t0 = time.perf_counter()
             self.copier.save([(block_id, slot)])
             self.stats.save_s += time.perf_counter() - t0
@@ -149,7 +151,13 @@ class BlockTier:
         gone = [h for h in self._lru if h not in self._pins]
         for h in gone:
             self._free.append(self._lru.pop(h))
+            self._events.append(("-", h))
         return len(gone)
+
+    def drain_events(self) -> list[tuple[str, BlockHash]]:
+        """Hashes this tier began ("+") and stopped ("-") holding since the last call, in order."""
+        events, self._events = self._events, []
+        return events
 
     def _take_slot(self) -> int | None:
         if self._free:
@@ -158,6 +166,7 @@ class BlockTier:
             if h not in self._pins:
                 self.stats.evicted += 1
                 slot = self._lru.pop(h)
+                self._events.append(("-", h))
                 if self.on_evict is not None:
                     self.on_evict([(slot, h)])  # the tier below copies it before the slot is reused
                 return slot
