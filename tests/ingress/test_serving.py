@@ -102,7 +102,8 @@ def test_list_models_and_health(stub, server):
         assert (resp.status, json.loads(resp.read())) == (200, {"status": "serving", "model": "tiny",
                                                                "models": ["tiny"]})
     with urllib.request.urlopen(f"{base}/version", timeout=30) as resp:
-        assert json.loads(resp.read()) == {"version": "0.1.0", "model": "tiny", "mode": "disaggregated"}
+        assert json.loads(resp.read()) == {"version": "0.1.0", "model": "tiny", "mode": "disaggregated",
+                                              "models": {"tiny": []}}
     with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
         text = resp.read().decode()
     assert "pdserve_ingress_inflight 0.0" in text and 'pdserve_ingress_info{model="tiny",version="0.1.0"} 1.0' in text
