@@ -15,6 +15,12 @@ length (no sharing), cost router against round robin, where routing cannot help:
 Printed per arm: TTFT p50/p90, engine-observed prefix hit rate (cached prompt tokens reported in
 usage / shared prefix tokens), throughput, and this process's own CPU seconds (the load generator,
 and the Ray driver it holds).
+
+`--tiers` (issue 19, tier-aware routing): each prefill replica's device pool holds 2 of the
+prompts (184 blocks) and a host tier 2 more (136 blocks): a replica holds 4 prefixes, half of
+them in host memory, and the pool all 8. Arm `cost-tier-blind` is the cost router with
+`tier_weights: [0, 0]` (host blocks earn nothing: the router sees half of each replica's cache);
+run it beside `cost`, e.g. `--tiers --arms cost cost-tier-blind round_robin --no-control`.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from cluster.tools.bench.engine import ensure_bench_model
 SYSTEM_TOKENS, SUFFIX_TOKENS, OUTPUT_TOKENS = 1024, 64, 8
 NUM_PREFIXES = 8
 PREFILL_BLOCKS = 320  # a 1088-token prompt fills 68 blocks: 4 fit (272), 5 do not (340)
+TIER_DEVICE_BLOCKS, TIER_HOST_BLOCKS = 184, 136  # --tiers: 2 prompts on the device (+ room), 2 in host memory
 
 
 def workload(n: int, shared: bool, seed: int) -> list[list[int]]:
@@ -56,8 +63,9 @@ def _wait_for_replicas(n: int, timeout: float = 30.0) -> None:
 
 
 def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency: int, warmup: int,
-            routing: dict | None = None) -> dict:
-    """`routing`: further `routing` options of the app config (an ablation, e.g. evict_block_cost=0)."""
+            routing: dict | None = None, tiers: bool = False) -> dict:
+    """`routing`: further `routing` options of the app config (an ablation, e.g. evict_block_cost=0).
+    `tiers`: the prefill replicas' device pools shrink and a host tier takes the rest (--tiers)."""
     import grpc
     import ray
     from ray import serve
@@ -69,9 +77,14 @@ def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency
     from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
     blocks_per_prompt = (SYSTEM_TOKENS + SUFFIX_TOKENS) // 16
+    prefill_engine = {"num_blocks": PREFILL_BLOCKS, "max_num_batched_tokens": 1024}
+    if tiers:
+        prefill_engine.update(num_blocks=TIER_DEVICE_BLOCKS, kv_tiers={"host_blocks": TIER_HOST_BLOCKS})
+    if strategy == "cost-tier-blind":
+        strategy, routing = "cost", {**(routing or {}), "tier_weights": [0.0, 0.0]}
     cfg = AppConfig(
         model=model_dir, http_port=free_port(), grpc_port=free_port(), graceful_shutdown_timeout_s=1.0,
-        prefill={"num_replicas": 2, "engine": {"num_blocks": PREFILL_BLOCKS, "max_num_batched_tokens": 1024}},
+        prefill={"num_replicas": 2, "engine": prefill_engine},
         decode={"engine": {"num_blocks": NUM_PREFIXES * blocks_per_prompt + concurrency * 70 + 64}},
         engine={"max_num_batched_tokens": 1024}, routing={"strategy": strategy, **(routing or {})},
     )
@@ -119,6 +132,7 @@ def main(argv=None) -> int:
                     help="shared-prefix arms to run (none: the control alone)")
     ap.add_argument("--no-control", action="store_true")
     ap.add_argument("--control-requests", type=int, default=32)
+    ap.add_argument("--tiers", action="store_true", help="prefill replicas hold half their prefixes in a host tier")
     ap.add_argument("--routing-option", action="append", default=[], metavar="NAME=VALUE",
                     help="a routing option for every arm, e.g. evict_block_cost=0 (an ablation)")
     args = ap.parse_args(argv)
@@ -133,8 +147,9 @@ def main(argv=None) -> int:
     shared = workload(args.requests, shared=True, seed=1)
     results = {}
     for arm in args.arms:
-        results[arm] = run_arm(d, arm, shared, args.concurrency, warmup=NUM_PREFIXES, routing=routing)
-        show(f"shared prefixes, {arm}", results[arm])
+        results[arm] = run_arm(d, arm, shared, args.concurrency, warmup=NUM_PREFIXES, routing=routing,
+                               tiers=args.tiers)
+        show(f"shared prefixes{', tiers' if args.tiers else ''}, {arm}", results[arm])
     if "cost" in results:
         for arm in results:
             if arm != "cost":
@@ -143,7 +158,8 @@ def main(argv=None) -> int:
                       f"p90 {r['ttft_p90'] / c['ttft_p90']:.2f}x  (goal: p50 >= 3x; cost hit rate >= 90%)")
     if not args.no_control:
         control = workload(args.control_requests, shared=False, seed=2)
-        ctl = {arm: run_arm(d, arm, control, args.concurrency, warmup=0, routing=routing) for arm in ("cost", "round_robin")}
+        ctl = {arm: run_arm(d, arm, control, args.concurrency, warmup=0, routing=routing, tiers=args.tiers)
+               for arm in ("cost", "round_robin")}
         for arm, r in ctl.items():
             show(f"no sharing (control), {arm}", r)
         ratio = ctl['cost']['ttft_p50'] / ctl['round_robin']['ttft_p50']
