@@ -147,8 +147,8 @@ def test_an_aborted_in_flight_read_keeps_its_blocks_until_it_settles(prefill, de
 
     # 4. prefill: the neighbour's lease ended with its READ ("done", at once); the victim's was
     # released by a decode whose READ might still be reading: its blocks waited out the grace
-    wait_for(lambda: (s := prefill.stats())["leases"] == 0 and s["in_grace"] == 0 and s["free"] == s["total"],
-             what="prefill blocks back after the grace")
+    wait_for(lambda: (turn(decode), (s := prefill.stats())["leases"] == 0 and s["in_grace"] == 0
+                      and s["free"] == s["total"])[1], what="prefill blocks back after the grace")
     assert prefill.stats()["grace_blocks_released"] >= 3
 
 
@@ -184,5 +184,8 @@ def test_a_handle_with_too_little_lease_left_is_recomputed(prefill, decode, refe
     st = decode.transport.stats
     assert (st.pulls_refused_lease, st.fallbacks_recompute, st.pulls_ok) == (1, 1, 0)
     assert counts(decode) == (8, 0, 0)
-    # no READ was posted: prefill frees at once ("done"), no grace
-    wait_for(lambda: (s := prefill.stats())["leases"] == 0 and s["free"] == s["total"], what="lease released")
+    # no READ was posted: prefill frees at once ("done"), no grace. The decode keeps turning as its
+    # loop does when idle: its service() progresses UCX, which is what sends the notification out
+    # (with nothing else to progress it, it can sit in the worker: 1 run in ~7 timed out here)
+    wait_for(lambda: (turn(decode), (s := prefill.stats())["leases"] == 0 and s["free"] == s["total"])[1],
+             what="lease released")
