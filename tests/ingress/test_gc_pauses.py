@@ -25,7 +25,9 @@ def test_freezing_takes_start_up_objects_out_of_collections():
     survivors = [[i] for i in range(10_000)]  # tracked containers, alive "since start-up"
     try:
         frozen = freeze_after_start()
-        assert frozen == gc.get_freeze_count() >= before + len(survivors)
+        # not frozen == get_freeze_count() later: a frozen object another thread drops is freed and
+        # leaves the count in between (11 of 675,740 did in one fresh-clone run); the survivors stay
+        assert frozen >= before + len(survivors) and gc.get_freeze_count() >= before + len(survivors)
         tracked = {id(o) for o in gc.get_objects(generation=2)}
         assert not any(id(s) in tracked for s in survivors)  # a full collection never walks them
     finally:
