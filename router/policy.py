@@ -192,7 +192,7 @@ class RoutingPolicy:
         tier_weights; they still take device blocks when loaded back)."""
         weights = self.config.tier_weights
         credit = cached_blocks + sum(weights[level - 1] if level <= len(weights) else 0.0 for level in lower)
-        cached = min(credit * self.config.block_size, num_prompt_tokens - 1)
+        cached = self._cached_tokens(credit, r, num_prompt_tokens)
         new_blocks = -(-num_prompt_tokens // self.config.block_size) - cached_blocks
         room = max(0, r.free_blocks - index.num_blocks(r.replica_id))
         evicted = min(max(0, new_blocks - room), index.num_blocks(r.replica_id))
@@ -206,7 +206,7 @@ class RoutingPolicy:
             pull = pull_s_per_block * prefill_tokens_per_s
         return self.config.decode_block_cost + pull
 
-    def _cached_tokens(self, blocks: int, replica: ReplicaLoad, num_prompt_tokens: int) -> int:
+    def _cached_tokens(self, blocks: float, replica: ReplicaLoad, num_prompt_tokens: int) -> float:
         # An engine always computes at least the last prompt token itself.
         return min(blocks * self.config.block_size, num_prompt_tokens - 1)
 

@@ -162,7 +162,7 @@ class AppConfig(Strict):
         engine and default max_tokens in place). Without `models`: this config, once. Versions
         given by a manifest are resolved first (cluster.manifest.resolve_manifests, at deploy)."""
         if not self.models:
-            return [ServedVersion(self.model_name, self.version, self, weight=1.0, single=True)]
+            return [ServedVersion(self.model_name, self.version, self, single=True)]
         out = []
         for name, m in self.models.items():
             for label, v in m.versions.items():
@@ -174,7 +174,7 @@ class AppConfig(Strict):
                     "engine": v.engine or self.engine, "prefill": v.prefill or self.prefill,
                     "decode": v.decode or self.decode,
                     "default_max_tokens": sampling.max_tokens or self.default_max_tokens})
-                out.append(ServedVersion(name, label, cfg, weight=v.weight, sampling=sampling))
+                out.append(ServedVersion(name, label, cfg, sampling=sampling))
         return out
 
 
@@ -183,7 +183,6 @@ class ServedVersion:
     name: str
     label: str | None  # None: a single-model app that names no version
     config: AppConfig
-    weight: float
     single: bool = False  # the app's one model: its deployments keep the plain names prefill and decode
     sampling: SamplingDefaults = SamplingDefaults()  # over the checkpoint's generation_config
 

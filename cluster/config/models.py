@@ -104,9 +104,14 @@ class ModelOptions(Strict):
             raise ValueError("the versions' weights must have a positive sum")
         return v
 
+    @property
+    def weights(self) -> dict[str, float]:
+        """Version label -> configured weight, in config order (the first: the baseline)."""
+        return {label: v.weight for label, v in self.versions.items()}
+
     @model_validator(mode="after")
     def _known_versions(self) -> "ModelOptions":
-        share = candidate_share({label: v.weight for label, v in self.versions.items()})
+        share = candidate_share(self.weights)
         if share > self.rollout.max_candidate_share + 1e-9:
             raise ValueError(f"the versions after the baseline take {share:.1%} of the traffic, over "
                              f"rollout.max_candidate_share {self.rollout.max_candidate_share:.1%}")

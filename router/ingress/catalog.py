@@ -101,7 +101,7 @@ class ModelCatalog:
                 policy = TrafficPolicy.of({label: 1.0 for label in by_label}, salt=name)
             else:
                 shadow = None if opts.shadow is None else Shadow(opts.shadow.version, opts.shadow.fraction)
-                policy = TrafficPolicy.of({label: v.weight for label, v in opts.versions.items()},
+                policy = TrafficPolicy.of(opts.weights,
                                           tenant_overrides=dict(opts.tenant_overrides), shadow=shadow, salt=name)
             cap = 0 if opts is None or opts.shadow is None else opts.shadow.max_inflight
             served[name] = ServedModel(name, policy, by_label, cap)
@@ -166,7 +166,7 @@ class ModelCatalog:
     def rollout_models(self) -> dict:
         """What the rollout actor is configured with: each model of several versions, its
         configured weights and gate options."""
-        return {name: ({label: v.weight for label, v in opts.versions.items()}, opts.rollout)
+        return {name: (opts.weights, opts.rollout)
                 for name, opts in self.config.models.items() if len(opts.versions) > 1}
 
     def apply(self, generation: int, splits: dict[str, dict[str, float]]) -> None:
