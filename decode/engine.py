@@ -1,7 +1,8 @@
 """The decode role: import a request's prompt KV from a prefill engine, then decode it.
 
 For each KVHandle: allocate blocks, reuse the prompt blocks this engine already holds in its own
-prefix cache (by hash), pull only the missing ones with one NIXL READ, and when it completes the
+prefix cache (by hash; its device pool, then its host and disk tiers, whose blocks are copied
+in on the loader thread while the READ runs), pull only the missing ones with one NIXL READ, and when it completes the
 request joins continuous batching after the first token (which prefill already sent). If the pull
 fails or stalls past its timeout, the policy decides: "recompute" prefills the prompt here (same
 output), "fail" ends the request with an error. Never a hang, never a leaked block.
@@ -127,6 +128,8 @@ class DecodeEngine:
     def step(self) -> list[RequestOutput]:
         outputs = []
         for rid, imp in list(self._imports.items()):
+            if self.engine.import_loading(rid):  # its prefix from this engine's own tiers: not yet
+                continue
             try:
                 done = imp.pull is None or self.transport.poll(imp.pull)
             except KVTransferError as e:
@@ -138,6 +141,13 @@ class DecodeEngine:
                 del self._imports[rid]
                 if imp.pull is None:
                     self.transport.notify_release(imp.handle)
+                if self.engine.import_load_failed(rid):  # the pulled part arrived, the local part did not
+                    log.warning("KV tier load for %s failed; recomputing the prompt locally", rid)
+                    self.engine.requeue(rid, imp.handle.first_token)
+                    self.transport.stats.fallbacks_recompute += 1
+                    if imp.pull is not None:
+                        self.transport.notify_release(imp.handle)
+                    continue
                 final = self.engine.activate(rid, imp.handle.num_prompt_tokens, imp.handle.first_token)
                 if final is not None:  # max_tokens == 1 or the first token stops it
                     outputs.append(final)

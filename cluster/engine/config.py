@@ -117,6 +117,13 @@ class KVTierOptions(BaseModel):
         "the directory must exist, be writable and have disk_gb free.")
     disk_gb: float = Field(
         1.0, gt=0, le=65536, description="Size limit of the disk tier in GiB (whole blocks: at least one must fit).")
+    async_loads: bool = Field(
+        True, description="Copy a prefix back from the tiers on a loader thread while the engine steps its other "
+        "requests (the request computes once its copy is done); false = copy at admission, on the engine's thread")
+    store_threshold: int = Field(
+        0, ge=0, le=1_000_000, description="Write a prompt block through to the host tier once it has been reused "
+        "this many times (before any eviction: its eviction then costs no copy); 0 = blocks enter the tiers only "
+        "when evicted")
 
     @model_validator(mode="after")
     def _disk_below_host(self) -> "KVTierOptions":

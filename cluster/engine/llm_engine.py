@@ -18,7 +18,7 @@ import torch
 from cluster.engine.attention import resolve_backend
 from cluster.engine.config import EngineConfig, kv_block_bytes, kv_dtype
 from cluster.engine.grammar import Grammars
-from cluster.engine.kv_cache import BlockHash, BlockTier, KVCacheManager, TierUsage, extend_salt
+from cluster.engine.kv_cache import BlockHash, BlockTier, KVCacheManager, TierLoader, TierUsage, extend_salt
 from cluster.engine.tier_arenas import DiskArena, HostArena, disk_blocks
 from cluster.engine.model.loader import load_model
 from cluster.engine.model.identity import model_identity
@@ -41,6 +41,7 @@ from cluster.errors import ErrorKind
 log = logging.getLogger(__name__)
 
 QUEUE_CACHE_LOOKUPS = 32  # waiting requests whose cached prefix a load report looks up
+LOAD_WAIT_S = 0.005  # an engine with only tier copies in flight waits this long for one (no spin)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -74,8 +75,10 @@ class LLMEngine:
         )
         self.model_identity = model_identity(config.model, mc)  # architecture + weights: the KV's identity
         salt = extend_salt(self.model_identity.encode(), config.cache_salt)
+        tiers = config.kv_tiers
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, salt,
-                                 self._tiers(config))
+                                 self._tiers(config), TierLoader(threaded=tiers.enabled and tiers.async_loads),
+                                 tiers.store_threshold)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_waiting, config.queue_ttl_s)
         backend = resolve_backend(config.attention_backend, self.device, config.block_size, dtype)
@@ -211,6 +214,14 @@ class LLMEngine:
                 self.tokenizer, list(req.prompt_token_ids) + [first_token], req.sampling.stop)
         return reused
 
+    def import_loading(self, request_id: str) -> bool:
+        """An importing request's prefix from this engine's own tiers is still copying in."""
+        return self.kv.is_loading(request_id)
+
+    def import_load_failed(self, request_id: str) -> bool:
+        """An importing request's own tier copy failed: its prompt must be recomputed (requeue)."""
+        return request_id in self.scheduler.failed_import_loads
+
     def activate(self, request_id: str, num_tokens: int, first_token: int) -> RequestOutput | None:
         """The imported KV has arrived: the request joins continuous batching after its first
         token. Returns its terminal output if that token already ends it (max_tokens 1, a stop)."""
@@ -245,7 +256,8 @@ class LLMEngine:
         s = self.scheduler
         return EngineLoad(
             free_blocks=self.kv.num_free_blocks, total_blocks=self.kv.num_blocks,
-            running=len(s.running), waiting=len(s.waiting), importing=len(s.importing), held=len(s.leased),
+            running=len(s.running), waiting=len(s.waiting), importing=len(s.importing) + len(s.loading),
+            held=len(s.leased),
             queued_prefill_tokens=self._queued_prompt_tokens(),
             quarantined_blocks=self.kv.num_quarantined_blocks,
         )
@@ -265,7 +277,7 @@ class LLMEngine:
     def queue_shape(self) -> tuple[int, int, int]:
         """(waiting, running, importing): cheap, for noticing that the queues changed."""
         s = self.scheduler
-        return len(s.waiting), len(s.running), len(s.importing)
+        return len(s.waiting), len(s.running), len(s.importing) + len(s.loading)
 
     def tier_usage(self) -> list[TierUsage]:
         """The KV tiers below the pool (host, then disk): occupancy and counters."""
@@ -309,6 +321,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
+            if self.kv.num_loading:  # only tier copies in flight: wait for one, do not spin
+                self.kv.wait_loads(LOAD_WAIT_S)
             return expired
         t0 = time.perf_counter()
         tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in out.chunks}

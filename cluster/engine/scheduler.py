@@ -8,6 +8,11 @@ Each step schedules, in this order:
      holding more than its KV budget (a fraction of the pool) waits while others are admitted.
 So a long prompt never holds up running decodes for more than one step's chunk.
 
+A waiting request whose prefix is in a lower KV tier (host, disk) is admitted to `loading`: its
+blocks are allocated and copied in while the others step; a later step finds the copy done and
+it runs from there, its prefix computed (or, if the copy failed, it goes back to the head of the
+queue and recomputes). A request that needs a block another one is loading waits for it.
+
 When blocks run out, a running request not yet scheduled in this step is preempted: the lowest
 priority class first, then the most recently admitted (recompute: its blocks are freed and it
 restarts from its prompt plus the tokens it has produced; its prefix usually comes back from
@@ -75,6 +80,8 @@ class Scheduler:
         self.waiting = FairQueue()
         self.running: list[Request] = []
         self.importing: dict[str, Request] = {}  # WAITING_FOR_KV: blocks allocated, KV arriving
+        self.loading: dict[str, Request] = {}  # WAITING_FOR_KV: its prefix copying in from a lower tier
+        self.failed_import_loads: set[str] = set()  # importing requests whose own tier copy failed
         self.leased: dict[str, Request] = {}  # finished with keep_kv: blocks held until release()
         self.requests: dict[str, Request] = {}
         self._num_deadlines = 0  # requests in flight with a deadline (expire() skips work without)
@@ -110,8 +117,11 @@ class Scheduler:
             self._num_deadlines -= 1
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req.status == RequestStatus.WAITING_FOR_KV:
+        elif request_id in self.importing:
             del self.importing[request_id]
+            self.failed_import_loads.discard(request_id)
+        elif request_id in self.loading:
+            del self.loading[request_id]
         else:
             self.waiting.remove(req)
         req.status = status
@@ -163,6 +173,7 @@ class Scheduler:
     def requeue_imported(self, request_id: str, first_token: int) -> Request:
         """The transfer failed: compute the prompt here instead (recompute), first token kept."""
         req = self.importing.pop(request_id)
+        self.failed_import_loads.discard(request_id)
         self.kv.free(request_id)
         req.append_token(first_token)
         req.num_computed_tokens = 0
@@ -171,7 +182,7 @@ class Scheduler:
         return req
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def expire(self, now: float, now_mono: float) -> list[Request]:
         """Finish requests past their deadline (`now`, wall clock; waiting or running: a request
@@ -193,10 +204,29 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------
 
+    def _settle_loads(self) -> None:
+        """Requests whose tier copy finished run from their loaded prefix; a failed copy requeues."""
+        for rid, ok in self.kv.poll_loads():
+            req = self.loading.pop(rid, None)
+            if req is None:  # an importing request's own prefix: its activation waits for it
+                if not ok:
+                    self.failed_import_loads.add(rid)
+                continue
+            if ok:
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+            else:
+                self.kv.free(rid)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                self.waiting.appendleft(req)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
+        if self.loading or self.kv.num_loading:
+            self._settle_loads()
 
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -223,7 +253,7 @@ class Scheduler:
 
         over_budget: set[str] = set()
         held: dict[str, int] | None = None  # blocks per tenant, computed when a budget applies
-        while budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+        while budget > 0 and not out.preempted and len(self.running) + len(self.loading) < self.max_num_seqs:
             req = self.waiting.peek(over_budget)
             if req is None:
                 break
@@ -238,6 +268,18 @@ class Scheduler:
             # prompt logprobs need every prompt position's logits: nothing is taken from the cache
             cached = NO_PREFIX if req.prompt_logprobs is not None else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
+            if cached.loads:  # its prefix copies in first; it computes in a later step
+                if self.kv.loads_conflict(cached) or not self.kv.allocate_slots(req, 0, cached):
+                    break  # another request is loading those blocks / no room: wait, in order
+                self.waiting.remove(req)
+                if held is not None:
+                    held[tenant] = held.get(tenant, 0) + len(self.kv.block_ids(req.request_id))
+                req.num_computed_tokens = num_cached  # once the copy is done
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_cached
+                req.status = RequestStatus.WAITING_FOR_KV
+                self.loading[req.request_id] = req
+                continue
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, cached):
                 break
@@ -258,7 +300,7 @@ class Scheduler:
 
     def _blocks_by_tenant(self) -> dict[str, int]:
         held: dict[str, int] = {}
-        for req in [*self.running, *self.importing.values()]:
+        for req in [*self.running, *self.importing.values(), *self.loading.values()]:
             held[req.ctx.tenant] = held.get(req.ctx.tenant, 0) + len(self.kv.block_ids(req.request_id))
         return held
 
@@ -338,7 +380,9 @@ class Scheduler:
     def check_invariants(self) -> None:
         self.kv.check_invariants()
         holders = self.kv.holders()
-        allowed = {r.request_id for r in self.running} | set(self.importing) | set(self.leased)
+        allowed = {r.request_id for r in self.running} | set(self.importing) | set(self.loading) | set(self.leased)
         if not holders <= allowed:
-            raise AssertionError(f"blocks held by requests neither running, importing nor leased: "
+            raise AssertionError(f"blocks held by requests neither running, importing, loading nor leased: "
                                  f"{holders - allowed}")
+        if not all(self.kv.is_loading(rid) for rid in self.loading):
+            raise AssertionError("a loading request has no copy in progress")

@@ -3,12 +3,14 @@ from the pool and loaded back with their bytes, exact counts on every tier after
 (abort right after a load included), and engine output with tiers equal to transformers' and to
 the engine's without them, for prefixes that came back from host and from disk."""
 
+import threading
+
 import pytest
 import torch
 from pydantic import ValidationError
 
 from cluster.engine.config import EngineOptions
-from cluster.engine.kv_cache import BlockTier, KVCacheManager
+from cluster.engine.kv_cache import BlockTier, KVCacheManager, TierLoader
 from cluster.engine.tier_arenas import DiskArena, HostArena, disk_blocks
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.request import Request, RequestStatus
@@ -108,6 +110,11 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_host_tier_with_its_b
     # loads took the free queue's head (b's tail first: 0, 1, 2 evicted to host), the new token 3
     assert kv.block_ids("a2") == [0, 1, 2, 3]
     assert a.device_cache[:3, 0].tolist() == [1.0, 2.0, 3.0]  # a's bytes, back in place
+    # copied (at submit: this manager's loader has no thread), but not indexed before a poll
+    assert kv.is_loading("a2") and kv.loads_conflict(kv.find_cached_prefix(Req("a3", range(13))))
+    assert [kv.pool.lookup(h) for h in first.block_hashes] == [None] * 3 and kv.host.stats.loaded == 0
+    kv.check_invariants()
+    assert kv.poll_loads() == [("a2", True)] and not kv.is_loading("a2")
     assert [kv.pool.lookup(h).block_id for h in first.block_hashes] == [0, 1, 2]
     assert kv.host.stats.loaded == 3
     assert (kv.host.num_used, kv.num_free_blocks) == (7, 0)  # + b's 4 full blocks, evicted now
@@ -147,29 +154,128 @@ def test_allocation_that_fails_loads_nothing_and_changes_nothing():
     assert kv.num_free_blocks == 4
 
 
-def test_abort_right_after_a_load_frees_the_device_blocks_and_keeps_both_tiers_exact():
-    kv, a = tiered(device_blocks=8, host_blocks=8)
+def test_blocks_reused_store_threshold_times_are_written_through_before_any_eviction():
+    a = arena(4, 8)
+    kv = KVCacheManager(4, 4, tiers=[BlockTier("host", 8, a)], store_threshold=2)
+    first = Req("a", range(13))  # 3 full blocks
+    run(kv, first)
+    run(kv, Req("a2", range(13)))  # hit once each: below the threshold
+    assert kv.host.num_used == 0
+    a.device_cache[:3] = torch.tensor([[10.0], [20.0], [30.0]])  # the pool's bytes for a's 3 blocks
+    run(kv, Req("a3", range(13)))  # hit twice: copied to the host tier now, still in the pool
+    assert [kv.host.slot_of(h) for h in first.block_hashes] == [0, 1, 2]
+    assert a.host[:3, 0].tolist() == [10.0, 20.0, 30.0]
+    assert (kv.host.stats.written_through, kv.host.stats.stored) == (3, 3)
+    assert all(kv.pool.lookup(h) is not None for h in first.block_hashes)
+    run(kv, Req("a4", range(13)))  # hit again: already in the host tier, no copy
+    run(kv, Req("b", range(100, 116)))  # evicts a's 3: already held, refreshed without a copy
+    assert (kv.host.stats.stored, kv.host.stats.refreshed, kv.host.stats.written_through) == (3, 3, 3)
+    kv.check_invariants()
+    assert (kv.num_free_blocks, kv.host.num_used) == (4, 3)
+    with pytest.raises(ValueError, match="store_threshold must be >= 0"):
+        KVCacheManager(4, 4, store_threshold=-1)
+
+
+class GatedArena(HostArena):
+    """A real host arena whose copies back wait for the test to open the gate (a slow load)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def load(self, pairs):
+        self.started.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        super().load(pairs)
+
+
+def evicted_session(threaded: bool):
+    """A scheduler over 8 device blocks and 8 host slots where request a's 4 prompt blocks were
+    evicted to the host tier by b's 8."""
+    a = GatedArena(torch.zeros(8, 4), 8)
+    kv = KVCacheManager(8, 4, tiers=[BlockTier("host", 8, a)], loader=TierLoader(threaded=threaded))
     s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
-    sp = SamplingParams(max_tokens=1, temperature=0)
-    s.add(Request("a", list(range(17)), sp))
-    a_req = s.requests["a"]
-    out = s.schedule()
-    s.update(out, {"a": 7})  # a: 17 prompt tokens, 4 blocks cached, finished (max_tokens 1)
-    s.add(Request("b", list(range(100, 132)), sp))  # 8 blocks: evicts all of a's
+    s.add(Request("a", list(range(17)), SP1))
+    s.update(s.schedule(), {"a": 7})  # a: 17 prompt tokens, 4 blocks cached, finished (max_tokens 1)
+    s.add(Request("b", list(range(100, 132)), SP1))  # 8 blocks: evicts all of a's
     s.update(s.schedule(), {"b": 7})
     assert (kv.num_free_blocks, kv.host.num_used) == (8, 4)
-    s.add(Request("a2", list(range(17)) + [9, 9], sp))
-    out = s.schedule()  # admitted: a's 4 blocks loaded from the host tier, 3 tokens to compute
-    assert [(c.request.request_id, c.start, c.num_tokens) for c in out.chunks] == [("a2", 16, 3)]
-    assert kv.host.stats.loaded == 4 and len(kv.block_ids("a2")) == 5
-    s.finish("a2", RequestStatus.FINISHED_ABORTED)  # before the step that would compute the rest
-    s.update(out, {"a2": 7})  # the step's result for an aborted request is ignored
+    return s, kv, a
+
+
+SP1 = SamplingParams(max_tokens=1, temperature=0)
+
+
+def test_a_prefix_from_the_host_tier_loads_while_other_requests_step_then_computes_the_rest():
+    s, kv, a = evicted_session(threaded=True)
+    s.add(Request("a2", list(range(17)) + [9, 9], SP1))
+    s.add(Request("c", list(range(300, 306)), SamplingParams(max_tokens=3, temperature=0)))
+    out = s.schedule()  # a2 starts loading a's 4 blocks; c (no cached prefix) is computed
+    assert [(ch.request.request_id, ch.start, ch.num_tokens) for ch in out.chunks] == [("c", 0, 6)]
+    assert list(s.loading) == ["a2"] and s.requests["a2"].status == RequestStatus.WAITING_FOR_KV
+    assert a.started.wait(10)
+    s.update(out, {"c": 1})
+    s.add(Request("a3", list(range(17)), SP1))  # needs the blocks a2 is loading: waits for them
+    for _ in range(2):  # the copy is held: c decodes, a2 and a3 wait
+        out = s.schedule()
+        assert [(ch.request.request_id, ch.num_tokens) for ch in out.chunks] == [("c", 1)]
+        s.update(out, {"c": 1})
+        s.check_invariants()
+    assert "c" not in s.requests and list(s.waiting) == [s.requests["a3"]]
+    a.gate.set()
+    while kv.is_loading("a2"):
+        kv.wait_loads(1.0)
+        out = s.schedule()
+    # loaded: a2 computes its last 3 tokens from position 16; a3 finds a's 4 blocks in the pool
+    assert [(ch.request.request_id, ch.start, ch.num_tokens) for ch in out.chunks] == [("a2", 16, 3), ("a3", 16, 1)]
+    assert kv.host.stats.loaded == 4 and kv.pool.stats.hit_blocks == 4
+    s.update(out, {"a2": 7, "a3": 7})
     s.check_invariants()
-    # device: all free, a's 4 loaded blocks still cached beside b's 3 the load left; host: the 5
-    # blocks of b it displaced went in, the first pushed out by the last (a's 4 were pinned)
-    assert (kv.num_free_blocks, kv.num_requests(), kv.host.num_used, kv.host.num_free) == (8, 0, 8, 0)
-    assert (len(kv.pool.cached_hashes()), kv.host.stats.stored, kv.host.stats.evicted) == (7, 9, 1)
-    assert all(h in kv.host and kv.pool.lookup(h) is not None for h in a_req.block_hashes)
+    assert (kv.num_free_blocks, kv.num_requests(), kv.num_loading) == (8, 0, 0)
+
+
+def test_abort_during_a_load_quarantines_its_blocks_until_the_copy_ends_then_caches_them():
+    s, kv, a = evicted_session(threaded=True)
+    s.add(Request("a2", list(range(17)) + [9, 9], SP1))
+    assert s.schedule().is_empty and a.started.wait(10)
+    s.finish("a2", RequestStatus.FINISHED_ABORTED)  # the copy is still writing its 4 blocks
+    s.check_invariants()
+    assert (kv.num_quarantined_blocks, kv.num_free_blocks, kv.num_loading, kv.num_requests()) == (4, 4, 1, 0)
+    assert s.schedule().is_empty  # nothing runs; the quarantine holds until the copy ends
+    assert kv.num_quarantined_blocks == 4
+    a.gate.set()
+    while kv.num_loading:
+        kv.wait_loads(1.0)
+        s.schedule()
+    s.check_invariants()
+    # the copy finished for nobody: its 4 blocks are cached and free (a later request hits them)
+    assert (kv.num_quarantined_blocks, kv.num_free_blocks, kv.host.stats.loaded) == (0, 8, 4)
+    again = Request("a3", list(range(17)), SP1)
+    assert len(kv.find_cached_prefix(again).blocks) == 4
+
+
+def test_a_failed_load_forgets_the_blocks_and_the_request_recomputes_its_prompt(tmp_path):
+    host = arena(4, 2)
+    disk = DiskArena(host, str(tmp_path))
+    kv = KVCacheManager(4, 4, tiers=[BlockTier("host", 2, host), BlockTier("disk", 8, disk)])
+    s = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    s.add(Request("a", list(range(13)), SP1))
+    s.update(s.schedule(), {"a": 7})
+    s.add(Request("b", list(range(100, 116)), SP1))
+    s.update(s.schedule(), {"b": 7})  # a's blocks: 2 on the host, 1 on disk
+    assert kv.tiers[1].num_used == 1
+    for f in disk.dir.iterdir():
+        f.write_bytes(b"")  # a truncated block file: the read fails
+    s.add(Request("a2", list(range(13)), SP1))
+    assert s.schedule().is_empty and list(s.loading) == ["a2"]
+    out = s.schedule()  # the copy failed: a2 went back to the queue and is computed from scratch
+    assert [(ch.request.request_id, ch.start, ch.num_tokens) for ch in out.chunks] == [("a2", 0, 13)]
+    assert (kv.tiers[0].stats.load_failed, kv.tiers[1].stats.load_failed, kv.tiers[1].num_used) == (2, 1, 0)
+    s.update(out, {"a2": 7})
+    s.check_invariants()
+    assert (kv.num_free_blocks, kv.num_requests(), kv.num_loading) == (4, 0, 0)
+    disk.close()
 
 
 def test_config_is_validated():
@@ -253,15 +359,17 @@ def test_host_evictions_go_to_disk_and_a_prefix_comes_back_from_both_tiers(tmp_p
     prefix = kv.find_cached_prefix(again)
     assert prefix.loads == ((0, h0), (0, h1), (1, h2))
     assert kv.allocate_slots(again, 1, prefix)
+    assert kv.poll_loads() == [("a2", True)]
     assert kv.block_ids("a2") == [0, 1, 2, 3]
     assert host.device_cache[:3, 0].tolist() == [1.0, 2.0, 3.0]  # a's bytes, from host and disk
-    # the loads' own allocation evicted 3 of b's blocks while both host slots were pinned: dropped;
-    # the new token's block evicted b's 4th, which pushed h0 (the host's LRU) down to disk
-    assert (h_tier.stats.loaded, d_tier.stats.loaded, h_tier.stats.dropped) == (2, 1, 3)
-    assert held(h_tier) == [(h1, 1), (b_first, 0)] and held(d_tier) == [(h2, 0), (h0, 1)]
+    # the loads' own allocation and the new token's block evicted b's 4 blocks while both host
+    # slots were pinned (until the copy was polled): all 4 dropped
+    assert (h_tier.stats.loaded, d_tier.stats.loaded, h_tier.stats.dropped) == (2, 1, 4)
+    assert held(h_tier) == [(h0, 0), (h1, 1)] and held(d_tier) == [(h2, 0)]
+    assert b_first not in h_tier and b_first not in d_tier
     kv.free("a2")
     kv.check_invariants()
-    assert (kv.num_free_blocks, h_tier.num_used, h_tier.num_free, d_tier.num_used, d_tier.num_free) == (4, 2, 0, 2, 6)
+    assert (kv.num_free_blocks, h_tier.num_used, h_tier.num_free, d_tier.num_used, d_tier.num_free) == (4, 2, 0, 1, 7)
     disk.close()
     assert not disk.dir.exists()
 

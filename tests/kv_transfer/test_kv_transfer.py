@@ -125,6 +125,28 @@ def test_only_missing_blocks_are_pulled(prefill, decode, tiny_model, reference):
     assert_pools_whole(prefill, decode)
 
 
+def test_blocks_in_the_decode_replicas_own_host_tier_are_loaded_not_pulled(prefill, tiny_model, store, reference):
+    """Delta transfer counts the decode's lower tiers too: a prefix its device pool evicted to
+    its host tier is copied back locally (on the loader thread, while the READ runs)."""
+    decode = make_decode(tiny_model, store, "decode-tiered", num_blocks=8, kv_tiers={"host_blocks": 16})
+    try:
+        prompt = PROMPTS[-1]  # 70 tokens: 4 full blocks + 1 partial
+        decode.engine.generate([prompt[:48]], SamplingParams(max_tokens=1, temperature=0))  # 3 blocks cached
+        decode.engine.generate([[256] + list(range(100, 212))], SamplingParams(max_tokens=1, temperature=0))
+        host = decode.engine.kv.host
+        assert decode.engine.kv.pool.match_prefix(decode.engine.full_block_hashes(
+            decode.engine.make_request("probe", prompt_token_ids=prompt))) == []  # evicted from the pool
+        got, finals = run_disaggregated(prefill, decode, [prompt], tag="tiered")
+        st = decode.transport.stats
+        assert (st.blocks_reused, st.blocks_pulled, host.stats.loaded) == (3, 2, 3)
+        assert finals[0].num_cached_tokens == 48
+        assert got[0] == reference[tuple(prompt)]
+        assert decode.engine.kv.num_loading == 0
+        assert_pools_whole(prefill, decode)
+    finally:
+        decode.transport.close()
+
+
 def test_lease_expiry_frees_prefill_blocks(tiny_model, store):
     proc = PrefillProcess(tiny_model, store, engine_id="prefill-lease", lease_s=0.3, num_blocks=16,
                           release_grace_s=0.3)

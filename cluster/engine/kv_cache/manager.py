@@ -3,20 +3,35 @@ then disk).
 
 The scheduler talks to this class only; it never sees blocks' internals. Two-phase admission:
 `find_cached_prefix` has no side effects, `allocate_slots` commits (or fails without a trace).
-A prefix found in a lower tier is loaded back in `allocate_slots`, synchronously: its blocks
-are allocated, copied in and cached in the pool before it returns, so they count as computed.
+
+A prefix found in a lower tier is loaded back: `allocate_slots` takes device blocks for it and
+starts the copy (kv_cache/loads.py); `poll_loads` finishes copies, caching the blocks in the pool
+under their hashes. Until then the request must not compute (`is_loading`), its blocks are not
+in the index, and a second request needing one of those hashes waits (`loads_conflict`): two
+device blocks never hold one hash. A request that ends during its copy leaves the blocks
+quarantined until the copy is over (never reused under a write), then cached.
+
+Write-through (`store_threshold` > 0): a prompt block hit that many times is copied to the host
+tier while the pool still holds it (vLLM's store_threshold), so its eviction later costs no copy
+on the allocation path and it survives the pool's LRU.
 """
 
 from __future__ import annotations
 
 import itertools
-from contextlib import ExitStack
+import concurrent.futures as cf
+import logging
 from dataclasses import dataclass
 from typing import Collection, Protocol, Sequence
 
 from cluster.engine.kv_cache.block_pool import Block, BlockPool
 from cluster.engine.kv_cache.hashing import BlockHash, extend_salt, hash_request_blocks
+from cluster.engine.kv_cache.loads import LoadJob, TierLoader
 from cluster.engine.kv_cache.tier import BlockTier
+
+log = logging.getLogger(__name__)
+
+SEEN_PER_HOST_BLOCK = 4  # hashes whose hit counts write-through remembers, per host tier block
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -56,10 +71,14 @@ NO_PREFIX = CachedPrefix()
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, salt: bytes = b"",
-                 tiers: Sequence[BlockTier] = ()):
-        """`tiers`: below the pool, top down (host, then disk); each takes the evictions of the one above."""
+                 tiers: Sequence[BlockTier] = (), loader: TierLoader | None = None, store_threshold: int = 0):
+        """`tiers`: below the pool, top down (host, then disk); each takes the evictions of the one
+        above. `loader`: runs their copies back (default: at submit, on this thread).
+        `store_threshold`: hits after which a cached block is written through to the host tier (0: off)."""
         if tiers and not enable_caching:
             raise ValueError("KV tiers need prefix caching: they hold blocks by hash")
+        if store_threshold < 0:
+            raise ValueError(f"store_threshold must be >= 0, got {store_threshold}")
         self.block_size = block_size
         self.salt = salt
         self._salts: dict[str, bytes] = {"": salt}  # per-request cache_salt -> full salt
@@ -71,6 +90,13 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # leading blocks of the request already in the index
         self._quarantines: dict[int, list[Block]] = {}  # token -> blocks an unsettled transfer holds
         self._tokens = itertools.count(1)
+        self.loader = loader or TierLoader(threaded=False)
+        self._jobs: dict[str, LoadJob] = {}  # request id -> its copy from the tiers, not yet polled
+        self._orphans: list[LoadJob] = []  # copies whose request ended: quarantined until they finish
+        self._in_flight: set[BlockHash] = set()  # hashes being copied in (not yet in the pool's index)
+        self.store_threshold = store_threshold
+        self._seen: dict[BlockHash, int] = {}  # hit counts for write-through (insertion order: oldest first)
+        self._max_seen = SEEN_PER_HOST_BLOCK * (self.tiers[0].num_blocks if self.tiers else 0)
 
     @property
     def num_blocks(self) -> int:
@@ -108,7 +134,23 @@ class KVCacheManager:
         self.pool.stats.queried_blocks += min(len(hashes), max_blocks)
         prefix = self._match(hashes[:max_blocks])
         self.pool.stats.hit_blocks += len(prefix.blocks)
+        if self.store_threshold and self.tiers and prefix.blocks:
+            self._count_hits(prefix.blocks)
         return prefix
+
+    def _count_hits(self, blocks: Sequence[Block]) -> None:
+        """Write-through: blocks hit `store_threshold` times go to the host tier now."""
+        hot = []
+        for b in blocks:
+            h = b.block_hash
+            n = self._seen.pop(h, 0) + 1
+            self._seen[h] = n  # most recent last
+            if n >= self.store_threshold and h not in self.tiers[0]:
+                hot.append((b.block_id, h))
+        while len(self._seen) > self._max_seen:
+            del self._seen[next(iter(self._seen))]
+        if hot:
+            self.tiers[0].write_through(hot)
 
     def _match(self, hashes: Sequence[BlockHash]) -> CachedPrefix:
         hits = self.pool.match_prefix(hashes)
@@ -135,7 +177,8 @@ class KVCacheManager:
 
         `cached` (from find_cached_prefix) is passed once, when the request is admitted; its tokens
         are counted in req.num_computed_tokens by the caller after this returns True. Its tier
-        loads are copied into fresh blocks, cached in the pool, before this returns.
+        loads start here: fresh blocks, copied in, cached in the pool when `poll_loads` sees the
+        copy done; until then `is_loading(req.request_id)` and nothing may compute.
         """
         new, revived = self._blocks_needed(req, num_new_tokens, cached)
         if new + len(cached.loads) + revived > self.pool.num_free:
@@ -145,26 +188,77 @@ class KVCacheManager:
             assert not blocks, "cached prefix is only taken at admission"
             self.pool.touch(cached.blocks)  # first: the allocation below must not evict them
             blocks.extend(cached.blocks)
+            self._num_cached[req.request_id] = len(cached.blocks)
             if cached.loads:
-                blocks.extend(self._load(cached.loads))
-            self._num_cached[req.request_id] = len(cached)
+                blocks.extend(self._start_load(req.request_id, cached))
         if new:
             blocks.extend(self.pool.allocate(new))
         return True
 
-    def _load(self, loads: Sequence[tuple[int, BlockHash]]) -> list[Block]:
-        """Fresh blocks holding these tiers' blocks, cached in the pool under their hashes."""
-        with ExitStack() as stack:  # this allocation's evictions store into the tiers: pin the loads
-            for i, tier in enumerate(self.tiers):
-                stack.enter_context(tier.pinned([h for t, h in loads if t == i]))
-            blocks = self.pool.allocate(len(loads))
-            for i, tier in enumerate(self.tiers):
-                mine = [(h, b.block_id) for (t, h), b in zip(loads, blocks) if t == i]
-                if mine:
-                    tier.load([h for h, _ in mine], [b for _, b in mine])
-        for b, (_, h) in zip(blocks, loads):
-            self.pool.cache(b, h)
+    def _start_load(self, request_id: str, cached: CachedPrefix) -> list[Block]:
+        """Fresh blocks for the prefix's tier loads, their copies started (pins held until polled)."""
+        loads = cached.loads
+        per_tier = [[h for t, h in loads if t == i] for i in range(len(self.tiers))]
+        # pinned first: this allocation evicts into the tiers and must not take these slots
+        slots = [tier.begin_load(hashes) for tier, hashes in zip(self.tiers, per_tier)]
+        blocks = self.pool.allocate(len(loads))
+        pairs = [list(zip(s, [b.block_id for (t, _), b in zip(loads, blocks) if t == i]))
+                 for i, s in enumerate(slots)]
+        tiers = self.tiers
+        job = LoadJob(request_id, loads, blocks, len(cached))
+        job.future = self.loader.submit(lambda: [t.copy(p) for t, p in zip(tiers, pairs)])
+        self._jobs[request_id] = job
+        self._in_flight.update(h for _, h in loads)
         return blocks
+
+    def is_loading(self, request_id: str) -> bool:
+        """Its tier copy started and has not been polled yet: it must not compute."""
+        return request_id in self._jobs
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._jobs) + len(self._orphans)
+
+    def loads_conflict(self, cached: CachedPrefix) -> bool:
+        """Some of these loads are being copied in for another request: wait for that copy."""
+        return bool(self._in_flight) and any(h in self._in_flight for _, h in cached.loads)
+
+    def wait_loads(self, timeout: float) -> None:
+        """Block until a copy finishes or `timeout` passes (an engine with nothing else to do)."""
+        futures = [j.future for j in [*self._jobs.values(), *self._orphans]]
+        if futures:
+            cf.wait(futures, timeout, return_when=cf.FIRST_COMPLETED)
+
+    def poll_loads(self) -> list[tuple[str, bool]]:
+        """Finish the copies that are over: (request id, ok) for each live request's. A finished
+        copy's blocks are cached under their hashes; a failed copy's hashes leave their tier and
+        its blocks stay uncached (the caller frees them and recomputes)."""
+        done = []
+        for job in [j for j in self._jobs.values() if j.future.done()]:
+            del self._jobs[job.request_id]
+            ok = self._end_load(job)
+            if ok:
+                self._num_cached[job.request_id] = job.num_prefix
+            done.append((job.request_id, ok))
+        for job in [j for j in self._orphans if j.future.done()]:
+            self._orphans.remove(job)
+            self._end_load(job)
+            self.release_quarantine(job.quarantine)
+        return done
+
+    def _end_load(self, job: LoadJob) -> bool:
+        error = job.future.exception()
+        seconds = job.future.result() if error is None else [0.0] * len(self.tiers)
+        for i, tier in enumerate(self.tiers):
+            tier.end_load([h for t, h in job.loads if t == i], seconds[i], ok=error is None)
+        self._in_flight.difference_update(h for _, h in job.loads)
+        if error is not None:
+            log.warning("KV tier load for %s failed (%s: %s); its prefix is recomputed",
+                        job.request_id, type(error).__name__, error)
+            return False
+        for b, (_, h) in zip(job.blocks, job.loads):
+            self.pool.cache(b, h)  # False if another request computed it meanwhile: stays uncached
+        return True
 
     def _blocks_needed(self, req: KVRequest, num_new_tokens: int, cached: CachedPrefix) -> tuple[int, int]:
         """(fresh blocks to allocate besides tier loads, cached blocks that leave the free queue
@@ -205,7 +299,12 @@ class KVCacheManager:
         return len(extra)
 
     def free(self, request_id: str) -> None:
-        """Release a request's blocks, tail first (a prompt's end is evicted before its prefix)."""
+        """Release a request's blocks, tail first (a prompt's end is evicted before its prefix).
+        Blocks a tier copy is still writing are quarantined until it finishes."""
+        job = self._jobs.pop(request_id, None)
+        if job is not None:
+            job.quarantine = self.quarantine(request_id, {b.block_id for b in job.blocks})
+            self._orphans.append(job)
         blocks = self._blocks.pop(request_id, None)
         self._num_cached.pop(request_id, None)
         if blocks:
@@ -247,9 +346,21 @@ class KVCacheManager:
         return set(self._blocks)
 
     def find_imported_prefix(self, hashes: Sequence[BlockHash]) -> CachedPrefix:
-        """Cached blocks at the start of a prompt whose KV comes from elsewhere (no compute cap).
-        Device pool only: the lower tiers are not consulted for imports (yet)."""
-        return CachedPrefix(tuple(self.pool.match_prefix(hashes))) if self.pool.enable_caching else NO_PREFIX
+        """Cached blocks at the start of a prompt whose KV comes from elsewhere (no compute cap):
+        the device pool's, then the tiers' (loaded here instead of pulled). Loads another request
+        is copying in end the run (those blocks are pulled)."""
+        if not self.pool.enable_caching:
+            return NO_PREFIX
+        prefix = self._match(hashes)
+        if self.loads_conflict(prefix):
+            loads = prefix.loads
+            n = next(i for i, (_, h) in enumerate(loads) if h in self._in_flight)
+            prefix = CachedPrefix(prefix.blocks, loads[:n])
+        return prefix
+
+    def close(self) -> None:
+        """Stop the loader thread (after its copy in progress)."""
+        self.loader.close()
 
     def reset_cache(self) -> int:
         """Forget every unreferenced cached block, in the pool and every tier. Returns how many."""
@@ -259,6 +370,8 @@ class KVCacheManager:
         self.pool.check_invariants()
         for tier in self.tiers:
             tier.check_invariants()
+        if not self._in_flight == {h for j in [*self._jobs.values(), *self._orphans] for _, h in j.loads}:
+            raise AssertionError("hashes in flight do not match the copies in progress")
         refs: dict[int, int] = {}
         for blocks in [*self._blocks.values(), *self._quarantines.values()]:
             for b in blocks:

@@ -9,10 +9,12 @@ Rules:
 - A slot is free or used (holds one hash): free + used == total. The used slots are an LRU;
   a store into a full tier takes the least recently used slot that is not pinned (handing its
   (slot, hash) to `on_evict`, the tier below, first), or is dropped when every slot is pinned.
-- A load copies slots into freshly allocated device blocks, synchronously, inside the
-  allocation that admits the request; the slots stay here (inclusive tier: a block evicted
-  again costs no copy). Slots about to be loaded are pinned across that allocation, whose own
-  evictions store into this tier and must not take them.
+- A load copies slots into freshly allocated device blocks; the slots stay here (inclusive
+  tier: a block evicted again costs no copy). It has three parts so that the copy itself can run
+  on another thread (kv_cache/loads.py): `begin_load` pins the slots (the allocation that takes
+  the device blocks evicts into this tier and must not take them, nor may a store while the copy
+  runs), `copy` moves the bytes (thread-safe: it touches no bookkeeping), `end_load` unpins them
+  and counts the copy; a failed copy `discard`s the hashes (their bytes are not trusted).
 """
 
 from __future__ import annotations
@@ -45,8 +47,15 @@ class TierStats:
     dropped: int = 0  # evictions not kept: every slot pinned
     evicted: int = 0  # hashes forgotten to make room (LRU)
     loaded: int = 0  # blocks copied back into the device pool
-    load_s: float = 0.0  # time spent in loads (synchronous, inside scheduling)
+    load_failed: int = 0  # blocks whose copy back failed (discarded; the request recomputes them)
+    written_through: int = 0  # blocks stored before any eviction (reused store_threshold times)
+    load_s: float = 0.0  # time the copies back took (on the loader thread when loads are async)
     save_s: float = 0.0  # time spent in saves (synchronous, inside scheduling)
+
+    @property
+    def load_s_per_block(self) -> float | None:
+        """Measured cost of bringing one block back from this tier; None before the first load."""
+        return self.load_s / self.loaded if self.loaded else None
 
 
 @dataclass(frozen=True)
@@ -97,21 +106,29 @@ class BlockTier:
     def slot_of(self, block_hash: BlockHash) -> int | None:
         return self._lru.get(block_hash)
 
-    @contextmanager
-    def pinned(self, hashes: Sequence[BlockHash]) -> Iterator[None]:
-        """Keep these hashes from being evicted inside the block."""
+    def pin(self, hashes: Sequence[BlockHash]) -> None:
+        """Keep these hashes from being evicted until `unpin` (pins count)."""
         for h in hashes:
             if h not in self._lru:
                 raise KeyError(f"cannot pin a hash the {self.name} tier does not hold: {h.hex()}")
+        for h in hashes:
             self._pins[h] = self._pins.get(h, 0) + 1
+
+    def unpin(self, hashes: Sequence[BlockHash]) -> None:
+        for h in hashes:
+            if self._pins[h] == 1:
+                del self._pins[h]
+            else:
+                self._pins[h] -= 1
+
+    @contextmanager
+    def pinned(self, hashes: Sequence[BlockHash]) -> Iterator[None]:
+        """Keep these hashes from being evicted inside the block."""
+        self.pin(hashes)
         try:
             yield
         finally:
-            for h in hashes:
-                if self._pins[h] == 1:
-                    del self._pins[h]
-                else:
-                    self._pins[h] -= 1
+            self.unpin(hashes)
 
     def store(self, evicted: Iterable[tuple[int, BlockHash]]) -> None:
         """Keep blocks the tier above evicts: (its block id or slot, hash). Each is copied before the
@@ -132,27 +149,62 @@ class BlockTier:
             self.stats.save_s += time.perf_counter() - t0
             self.stats.stored += 1
 
+    def write_through(self, blocks: Iterable[tuple[int, BlockHash]]) -> int:
+        """Store blocks the tier above still holds (hot prompt blocks, before any eviction), so
+        that their eviction later costs no copy. Returns how many were copied."""
+        fresh = [(b, h) for b, h in blocks if h not in self._lru]
+        before = self.stats.stored
+        self.store(fresh)
+        self.stats.written_through += self.stats.stored - before
+        return self.stats.stored - before
+
     def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> None:
-        """Copy these held hashes into these device blocks (the caller allocated them)."""
+        """Copy these held hashes into these device blocks (the caller allocated them), here and now."""
         if len(hashes) != len(block_ids):
             raise ValueError(f"{len(hashes)} hashes for {len(block_ids)} blocks")
-        pairs = []
-        for h, block_id in zip(hashes, block_ids):
-            pairs.append((self._lru[h], block_id))
-            self._lru.move_to_end(h)
-        if pairs:
-            t0 = time.perf_counter()
-            self.copier.load(pairs)
-            self.stats.load_s += time.perf_counter() - t0
-            self.stats.loaded += len(pairs)
+        pairs = list(zip(self.begin_load(hashes), block_ids))
+        try:
+            seconds = self.copy(pairs)
+        except BaseException:
+            self.end_load(hashes, 0.0, ok=False)
+            raise
+        self.end_load(hashes, seconds, ok=True)
 
-    def reset(self) -> int:
-        """Forget every unpinned hash. Returns how many."""
-        gone = [h for h in self._lru if h not in self._pins]
+    def begin_load(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Pin these held hashes for a copy out (refreshing them); their slots, in order."""
+        self.pin(hashes)
+        for h in hashes:
+            self._lru.move_to_end(h)
+        return [self._lru[h] for h in hashes]
+
+    def copy(self, pairs: Sequence[tuple[int, int]]) -> float:
+        """Move the bytes of a begun load; any thread. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        if pairs:
+            self.copier.load(pairs)
+        return time.perf_counter() - t0
+
+    def end_load(self, hashes: Sequence[BlockHash], seconds: float, ok: bool) -> None:
+        """The copy of a begun load is over: unpin; a failed one forgets the hashes."""
+        self.unpin(hashes)
+        if ok:
+            self.stats.load_s += seconds
+            self.stats.loaded += len(hashes)
+        else:
+            self.stats.load_failed += len(hashes)
+            self.discard(hashes)
+
+    def discard(self, hashes: Iterable[BlockHash]) -> int:
+        """Forget these hashes (unpinned ones; their slots go free). Returns how many."""
+        gone = [h for h in hashes if h in self._lru and h not in self._pins]
         for h in gone:
             self._free.append(self._lru.pop(h))
             self._events.append(("-", h))
         return len(gone)
+
+    def reset(self) -> int:
+        """Forget every unpinned hash. Returns how many."""
+        return self.discard(list(self._lru))
 
     def drain_events(self) -> list[tuple[str, BlockHash]]:
         """Hashes this tier began ("+") and stopped ("-") holding since the last call, in order."""
