@@ -50,6 +50,10 @@ class PeerInfo:
     mem_type: str  # "DRAM" | "VRAM"
     device_id: int
     kv_layout: KVLayout
+    # A host tier the peer serves leases from (kv_tiers.lease_from_host; DRAM, like a CPU pool):
+    # its slot s is descriptor num_blocks + s of the peer's list. 0 slots: none.
+    host_base_addr: int = 0
+    host_num_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,9 @@ class KVHandle:
     engine_id: str
     incarnation: str
     agent_name: str
-    block_ids: tuple[int, ...]  # prefill-side blocks covering the prompt, in order
+    # prefill-side blocks covering the prompt, in order: device block ids, or num_blocks + slot for
+    # a block served from the peer's host tier (PeerInfo.host_num_blocks)
+    block_ids: tuple[int, ...]
     block_hashes: tuple[BlockHash, ...]  # hashes of the prompt's full blocks
     num_prompt_tokens: int
     first_token: int

@@ -25,6 +25,7 @@ class TransferStats:
     abandoned_settled: int = 0  # of those, settled since (quarantine released)
     # prefill side
     leases_granted: int = 0
+    leases_from_host: int = 0  # of those, served from the host tier (kv_tiers.lease_from_host)
     leases_released: int = 0
     leases_expired: int = 0
     grace_blocks_released: int = 0  # blocks returned to the pool after a release/expiry grace period

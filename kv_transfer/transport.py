@@ -1,7 +1,10 @@
 """The NIXL transport: one agent per engine, the whole KV pool registered once.
 
 DRAM on CPU and VRAM on GPU take the same path: the pool tensor is registered as it is, and
-every block is one descriptor (a block of all layers is one contiguous region). Decode pulls
+every block is one descriptor (a block of all layers is one contiguous region). A prefill engine
+that serves leases from its host tier (kv_tiers.lease_from_host) registers that arena too: its
+slots follow the pool's blocks in the descriptor list a peer prepares (DRAM pools only), so a
+handle's block id num_blocks + s reads host slot s, in the same READ as device blocks. Decode pulls
 (NIXL READ) the blocks it lacks; the READ carries a notification that tells prefill it may
 release the lease. Remote agents are cached per engine id and replaced when the peer comes back
 as a new incarnation.
@@ -76,6 +79,7 @@ class NixlTransport:
         telemetry: bool = False,
         num_threads: int = 0,
         progress_thread: bool = False,
+        host_cache: torch.Tensor | None = None,  # [slots, ...] laid out like kv_cache: served to peers
     ):
         import os  # noqa: PLC0415
 
@@ -107,6 +111,15 @@ class NixlTransport:
         self._kv = kv_cache  # keep the registered memory alive
         self._reg = self.agent.register_memory(kv_cache)
         self.base_addr = kv_cache.data_ptr()
+        self._host, self._host_reg, self.host_base_addr, self.host_num_blocks = None, None, 0, 0
+        if host_cache is not None:
+            if self.mem_type != "DRAM" or host_cache.is_cuda or not host_cache.is_contiguous():
+                raise ValueError("serving leases from a host tier needs a DRAM pool and a contiguous host arena "
+                                 "(a VRAM pool's host slots would need a descriptor list of their own)")
+            if host_cache[0].numel() * host_cache.element_size() != self.block_bytes:
+                raise ValueError("the host arena's slots are not the pool's block size")
+            self._host, self._host_reg = host_cache, self.agent.register_memory(host_cache)
+            self.host_base_addr, self.host_num_blocks = host_cache.data_ptr(), host_cache.shape[0]
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._block_descs(self.base_addr, self.num_blocks), self.mem_type)
         self._remotes: dict[str, _Remote] = {}
         self._abandoned: dict[int, PendingPull] = {}  # quarantine token -> unsettled READ
@@ -120,6 +133,7 @@ class NixlTransport:
         return PeerInfo(
             self.engine_id, self.incarnation, self.agent_name, self.agent.get_agent_metadata(),
             self.base_addr, self.num_blocks, self.mem_type, self.device_id, self.layout,
+            self.host_base_addr, self.host_num_blocks,
         )
 
     def _block_descs(self, base: int, n: int) -> list[tuple[int, int, int]]:
@@ -147,6 +161,8 @@ class NixlTransport:
             name = self.agent.add_remote_agent(info.agent_metadata)
             name = name.decode() if isinstance(name, bytes) else name
             descs = self._block_descs(info.base_addr, info.num_blocks)
+            if info.host_num_blocks:  # its host tier's slots follow its blocks (DRAM peers only)
+                descs += self._block_descs(info.host_base_addr, info.host_num_blocks)
             dlist = self.agent.prep_xfer_dlist(name, descs, info.mem_type)
         except Exception as e:  # unreachable or dead peer
             try:
@@ -310,5 +326,7 @@ class NixlTransport:
         try:
             self.agent.release_dlist_handle(self._local)
             self.agent.deregister_memory(self._reg)
+            if self._host_reg is not None:
+                self.agent.deregister_memory(self._host_reg)
         except Exception as e:
             log.debug("closing NIXL agent: %s", e)

@@ -6,10 +6,16 @@ any other way (it expired, the ingress released it, a decode engine gave up on a
 still be running) keeps its blocks quarantined for `release_grace_s` more: a decode may still be
 reading them, and must never read blocks already given to another request. Quarantined blocks
 stay in the prefix cache (a hit only reads them); they are just not allocated.
+
+With a host tier registered for peers (kv_tiers.lease_from_host) a lease's full prompt blocks
+are served from the host tier instead: written there (unless already held), pinned, and their
+device blocks given back to the pool at once, so only the partial last block holds device
+memory while decode pulls. The host pins end when the lease (and its grace) does.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
@@ -52,7 +58,14 @@ class PrefillEngine:
         self.clock = clock
         self.layout = engine_layout(engine)
         self._leases: dict[str, float] = {}  # request id -> expiry (clock time)
-        self._grace: dict[int, float] = {}  # quarantine token -> when its blocks may be reused (clock time)
+        # an ended lease's blocks a READ may still read: key -> (when they may be reused (clock
+        # time), quarantine token of its device blocks or 0, its pinned host hashes)
+        self._grace: dict[int, tuple[float, int, list]] = {}
+        self._grace_keys = itertools.count(1)
+        self._host_pins: dict[str, list] = {}  # request id -> hashes its lease pins in the host tier
+        self.from_host = transport.host_num_blocks > 0
+        if self.from_host and engine.host_arena() is None:
+            raise ValueError("the transport serves a host arena but the engine's kv_tiers.lease_from_host is off")
         self._max_tokens: dict[str, int] = {}  # the whole request's, while its prefill runs
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
@@ -95,12 +108,17 @@ class PrefillEngine:
         expiry = self.clock() + self.lease_s
         self._leases[req.request_id] = expiry
         self.transport.stats.leases_granted += 1
+        block_ids = self.engine.block_ids(req.request_id)
+        served = self.engine.lease_from_host(req) if self.from_host else None
+        if served is not None:
+            block_ids, self._host_pins[req.request_id] = served
+            self.transport.stats.leases_from_host += 1
         return KVHandle(
             request_id=req.request_id,
             engine_id=self.transport.engine_id,
             incarnation=self.transport.incarnation,
             agent_name=self.transport.agent_name,
-            block_ids=tuple(self.engine.block_ids(req.request_id)),
+            block_ids=tuple(block_ids),
             block_hashes=tuple(self.engine.full_block_hashes(req)),
             num_prompt_tokens=req.num_prompt_tokens,
             first_token=req.output_token_ids[0],
@@ -127,6 +145,7 @@ class PrefillEngine:
         notices = self.transport.lease_notices()
         for rid in notices.done:
             if self._leases.pop(rid, None) is not None and self.engine.release(rid):
+                self._unpin(rid)
                 self.transport.stats.leases_released += 1
         for rid in notices.released:
             if self._leases.pop(rid, None) is not None:
@@ -138,17 +157,25 @@ class PrefillEngine:
                 del self._leases[rid]
                 self._end_lease(rid)
                 self.transport.stats.leases_expired += 1
-        for token, until in list(self._grace.items()):
+        for key, (until, token, hashes) in list(self._grace.items()):
             if now >= until:
-                del self._grace[token]
+                del self._grace[key]
                 self.transport.stats.grace_blocks_released += self.engine.release_quarantine(token)
+                if hashes:
+                    self.engine.unpin_host(hashes)
+
+    def _unpin(self, rid: str) -> None:
+        hashes = self._host_pins.pop(rid, None)
+        if hashes:
+            self.engine.unpin_host(hashes)
 
     def _end_lease(self, rid: str) -> None:
-        """A lease ended without a completed READ: its blocks wait out the grace period."""
+        """A lease ended without a completed READ: its blocks (device and host) wait out the grace period."""
         token = self.engine.quarantine(rid)
         self.engine.release(rid)
-        if token:
-            self._grace[token] = self.clock() + self.release_grace_s
+        hashes = self._host_pins.pop(rid, [])
+        if token or hashes:
+            self._grace[next(self._grace_keys)] = (self.clock() + self.release_grace_s, token, hashes)
 
     def abort(self, request_id: str) -> PrefillResult | None:
         """Stop a prefill, or end its lease early (with the grace period: a decode may already be
@@ -164,9 +191,12 @@ class PrefillEngine:
         for rid in list(self._leases):
             del self._leases[rid]
             self.engine.release(rid)
-        for token in list(self._grace):
-            del self._grace[token]
+            self._unpin(rid)
+        for key, (_, token, hashes) in list(self._grace.items()):
+            del self._grace[key]
             self.engine.release_quarantine(token)
+            if hashes:
+                self.engine.unpin_host(hashes)
 
     @property
     def num_leases(self) -> int:

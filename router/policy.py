@@ -40,6 +40,9 @@ from cluster.engine.kv_cache.hashing import BlockHash
 from router.index import PrefixIndex
 
 
+DEFAULT_TIER_WEIGHTS = (0.75, 0.25)  # host, disk, before a replica has measured its loads (Dynamo's)
+
+
 @dataclass(frozen=True)
 class ReplicaLoad:
     replica_id: str
@@ -54,6 +57,7 @@ class ReplicaLoad:
     failing: bool = False  # its last engine step failed: chosen only when every replica of its pool is
     pull_s_per_block: float = 0.0  # decode: mean seconds per block of its recent KV pulls (0: none yet)
     group: str = ""  # the model version it serves (AppConfig.serving_group): a request is routed within one
+    tier_load_s_per_block: tuple[float, ...] = ()  # measured seconds to load one block back, per lower tier (0: none yet)
 
     def queue_wait_s(self) -> float:
         """Predicted wait before a new prompt starts here: its queued prompt tokens at its pace."""
@@ -84,8 +88,10 @@ class PolicyConfig:
     # it is asked for again). Only blocks beyond the replica's never-cached free ones count.
     evict_block_cost: float = 4.0
     # Credit of a cached block held by a lower tier (host, then disk) against one in the device pool
-    # (1.0): it is loaded back instead of computed, but the load costs (Dynamo's KV router: 0.75 / 0.25)
-    tier_weights: tuple[float, ...] = (0.75, 0.25)
+    # (1.0): it is loaded back instead of computed, but the load costs. None: measured per replica
+    # (1 - its seconds per block loaded x its tokens computed a second / block_size), with Dynamo's
+    # KV router's 0.75 / 0.25 until it has loaded from that tier.
+    tier_weights: tuple[float, ...] | None = None
     session_bonus: float = 256.0  # tokens the replicas that served a session last are preferred by
     max_sessions: int = 100_000  # sessions remembered (least recently used forgotten first)
     session_ttl_s: float = 600.0  # a session idle this long is forgotten
@@ -190,13 +196,27 @@ class RoutingPolicy:
         free - cached (every cached block may be a free one); a miss beyond them evicts. `lower`:
         the levels of the blocks after the device prefix that lower tiers hold (credited at
         tier_weights; they still take device blocks when loaded back)."""
-        weights = self.config.tier_weights
+        weights = self.tier_weights(r)
         credit = cached_blocks + sum(weights[level - 1] if level <= len(weights) else 0.0 for level in lower)
         cached = self._cached_tokens(credit, r, num_prompt_tokens)
         new_blocks = -(-num_prompt_tokens // self.config.block_size) - cached_blocks
         room = max(0, r.free_blocks - index.num_blocks(r.replica_id))
         evicted = min(max(0, new_blocks - room), index.num_blocks(r.replica_id))
         return num_prompt_tokens - cached + r.queued_prefill_tokens + self.config.evict_block_cost * evicted
+
+    def tier_weights(self, r: ReplicaLoad) -> tuple[float, ...]:
+        """The credit of a block in each of r's lower tiers: configured, or what computing it
+        instead would cost less what loading it back costs (both measured on r), in blocks."""
+        if self.config.tier_weights is not None:
+            return self.config.tier_weights
+        weights = []
+        for level, prior in enumerate(DEFAULT_TIER_WEIGHTS):
+            load_s = r.tier_load_s_per_block[level] if level < len(r.tier_load_s_per_block) else 0.0
+            if load_s > 0 and r.tokens_per_s > 0:
+                weights.append(min(1.0, max(0.0, 1.0 - load_s * r.tokens_per_s / self.config.block_size)))
+            else:
+                weights.append(prior)
+        return tuple(weights)
 
     def _pull_block_cost(self, pull_s_per_block: float, prefill_tokens_per_s: float) -> float:
         """Tokens of work one block decode lacks costs it: the block it allocates, plus the pull

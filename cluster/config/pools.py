@@ -130,9 +130,11 @@ class RoutingOptions(Strict):
     evict_block_cost: float = Field(
         4.0, ge=0, description="Tokens charged for each cached block a prompt would push out of a replica's cache "
         "(what makes prefixes spread over the pool instead of thrashing one replica)")
-    tier_weights: list[float] = Field(
-        [0.75, 0.25], max_length=2, description="Credit of a cached block in a replica's host tier, then its disk tier "
-        "(engine.kv_tiers), against one in its device pool (1.0): loaded back, not computed, but the load costs")
+    tier_weights: list[float] | None = Field(
+        None, max_length=2, description="Credit of a cached block in a replica's host tier, then its disk tier "
+        "(engine.kv_tiers), against one in its device pool (1.0): loaded back, not computed, but the load costs. "
+        "None: measured per replica (1 - its seconds per block loaded x its tokens computed a second / block size; "
+        "0.75 host, 0.25 disk until it has loaded from that tier)")
     session_bonus: float = Field(
         256.0, ge=0, description="Tokens of work by which the replicas that served a session last are preferred "
         "(a soft preference: more load than this moves the session; 0 turns affinity off)")
@@ -142,8 +144,8 @@ class RoutingOptions(Strict):
 
     @field_validator("tier_weights")
     @classmethod
-    def _weights(cls, v: list[float]) -> list[float]:
-        if not all(0 <= w <= 1 for w in v):
+    def _weights(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and not all(0 <= w <= 1 for w in v):
             raise ValueError(f"each weight must be in [0, 1], got {v}")
         return v
 

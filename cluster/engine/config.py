@@ -120,6 +120,11 @@ class KVTierOptions(BaseModel):
     async_loads: bool = Field(
         True, description="Copy a prefix back from the tiers on a loader thread while the engine steps its other "
         "requests (the request computes once its copy is done); false = copy at admission, on the engine's thread")
+    lease_from_host: bool = Field(
+        False, description="Prefill: serve a finished prompt's full blocks to decode from the host tier (written "
+        "there at once if not already, pinned for the lease) and give their device blocks back to the pool at once; "
+        "only the partial last block stays leased on the device. Decode's NIXL READ reads the host arena (DRAM "
+        "pools only). For prefill pools whose device memory leases would otherwise hold")
     store_threshold: int = Field(
         0, ge=0, le=1_000_000, description="Write a prompt block through to the host tier once it has been reused "
         "this many times (before any eviction: its eviction then costs no copy); 0 = blocks enter the tiers only "
@@ -130,6 +135,9 @@ class KVTierOptions(BaseModel):
         if self.disk_dir is not None and self.host_blocks == 0:
             raise ValueError("kv_tiers.disk_dir needs kv_tiers.host_blocks > 0: the disk tier takes the host tier's "
                              "evictions")
+        if self.lease_from_host and self.host_blocks == 0:
+            raise ValueError("kv_tiers.lease_from_host needs kv_tiers.host_blocks > 0: leases are served from the "
+                             "host tier")
         return self
 
     @property

@@ -42,6 +42,12 @@ log = logging.getLogger(__name__)
 
 QUEUE_CACHE_LOOKUPS = 32  # waiting requests whose cached prefix a load report looks up
 LOAD_WAIT_S = 0.005  # an engine with only tier copies in flight waits this long for one (no spin)
+# A tier copy expected to take at most this fraction of a step runs at admission, on the engine's
+# thread, and its request computes in the same step; a longer one goes to the loader thread and
+# its request computes a step later. At 1.0 the choice is the request's: a copy shorter than the
+# step it would otherwise wait for is cheaper done now (the others wait no longer than a prompt
+# chunk makes them); a longer one would stall every running request for more than a step.
+INLINE_LOAD_STEP_FRACTION = 1.0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -182,6 +188,34 @@ class LLMEngine:
     def block_ids(self, request_id: str) -> list[int]:
         return self.kv.block_ids(request_id)
 
+    def host_arena(self) -> torch.Tensor | None:
+        """The host tier's arena when leases are served from it (kv_tiers.lease_from_host): what
+        the transport registers for peers to read."""
+        host = self.kv.host
+        return host.copier.host if host is not None and self.config.kv_tiers.lease_from_host else None
+
+    def lease_from_host(self, req: Request) -> tuple[list[int], list[BlockHash]] | None:
+        """Serve a held request's full prompt blocks from the host tier: each is written there
+        unless already held, all are pinned, and their device blocks go back to the pool now.
+        Returns (the handle's block ids: num_blocks + slot for those, then the device ids of the
+        rest; the pinned hashes, for `unpin_host` when the lease ends), or None when the tier could
+        not take them all (every slot pinned): the lease stays on the device."""
+        host, ids = self.kv.host, self.kv.block_ids(req.request_id)
+        hashes = self.full_block_hashes(req)
+        if host is None or not hashes:
+            return None
+        host.write_through(list(zip(ids, hashes)))
+        if not all(h in host for h in hashes):  # a store was dropped, or pushed an earlier one down
+            return None
+        host.pin(hashes)
+        served = [self.kv.num_blocks + host.slot_of(h) for h in hashes]
+        self.kv.free_leading(req.request_id, len(hashes))
+        return served + ids[len(hashes):], hashes
+
+    def unpin_host(self, hashes: Sequence[BlockHash]) -> None:
+        """A lease served from the host tier ended (and its grace, if any): its slots may go."""
+        self.kv.host.unpin(hashes)
+
     # ---- quarantine: blocks an unsettled transfer may still write or read ----------------------
 
     def quarantine(self, request_id: str, block_ids: Collection[int] | None = None) -> int:
@@ -318,6 +352,7 @@ class LLMEngine:
         expired = [self.final_output(r, [], "") for r in self.scheduler.expire(time.time(), time.monotonic())]
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
+        self.kv.inline_load_s = INLINE_LOAD_STEP_FRACTION * self.stats.step_s_avg
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:

@@ -268,27 +268,22 @@ class Scheduler:
             # prompt logprobs need every prompt position's logits: nothing is taken from the cache
             cached = NO_PREFIX if req.prompt_logprobs is not None else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
-            if cached.loads:  # its prefix copies in first; it computes in a later step
-                if self.kv.loads_conflict(cached) or not self.kv.allocate_slots(req, 0, cached):
-                    break  # another request is loading those blocks / no room: wait, in order
-                self.waiting.remove(req)
-                if held is not None:
-                    held[tenant] = held.get(tenant, 0) + len(self.kv.block_ids(req.request_id))
-                req.num_computed_tokens = num_cached  # once the copy is done
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_cached
-                req.status = RequestStatus.WAITING_FOR_KV
-                self.loading[req.request_id] = req
-                continue
-            n = min(req.num_tokens - num_cached, budget)
+            if cached.loads and self.kv.loads_conflict(cached):
+                break  # another request is loading some of those blocks: wait for it, in order
+            # a prefix copied in on the loader thread computes in a later step: no chunk now
+            n = min(req.num_tokens - num_cached, budget) if self.kv.load_inline(cached) else 0
             if not self.kv.allocate_slots(req, n, cached):
                 break
             self.waiting.remove(req)
             if held is not None:
                 held[tenant] = held.get(tenant, 0) + len(self.kv.block_ids(req.request_id))
-            req.num_computed_tokens = num_cached
+            req.num_computed_tokens = num_cached  # for a loading request: once its copy is done
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+            if self.kv.is_loading(req.request_id):  # on the loader thread, or an inline copy failed
+                req.status = RequestStatus.WAITING_FOR_KV
+                self.loading[req.request_id] = req
+                continue
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(self._chunk(req, num_cached, n))

@@ -82,7 +82,8 @@ class LoadReporter:
         failing = stats.consecutive_step_errors > 0 and now - stats.last_step_error_at < FAILING_HOLD_S
         return ReplicaLoad(self.replica_id, self.pool, load.free_blocks, load.total_blocks,
                            load.running + load.importing, load.waiting, load.queued_prefill_tokens,
-                           self._step_time(), self._throughput(), failing, self._pull_s_per_block(), self.group)
+                           self._step_time(), self._throughput(), failing, self._pull_s_per_block(), self.group,
+                           tuple(u.stats.load_s_per_block or 0.0 for u in self.engine.tier_usage()))
 
     def _pull_s_per_block(self) -> float:
         """Seconds per block of this replica's KV pulls so far (their fixed cost spread over their

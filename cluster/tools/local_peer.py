@@ -17,7 +17,7 @@ def prefill_worker(conn, model_dir: str, store_dir: str, engine_id: str, lease_s
 
     engine = LLMEngine.from_model(model_dir, **engine_kwargs)
     transport = NixlTransport(engine_id, engine.kv_cache, engine_layout(engine), FileMetadataStore(store_dir),
-                              num_threads=nixl_threads)
+                              num_threads=nixl_threads, host_cache=engine.host_arena())
     pe = PrefillEngine(engine, transport, lease_s=lease_s, release_grace_s=release_grace_s)
     conn.send(("ready", transport.incarnation))
     while True:
@@ -30,6 +30,7 @@ def prefill_worker(conn, model_dir: str, store_dir: str, engine_id: str, lease_s
                 load = engine.load()
                 conn.send({"free": load.free_blocks, "total": load.total_blocks, "leases": pe.num_leases,
                            "quarantined": load.quarantined_blocks, "in_grace": pe.num_in_grace,
+                           "host_pinned": engine.kv.host.num_pinned if engine.kv.host is not None else 0,
                            **asdict(transport.stats)})
             elif cmd == "abort":  # the ingress's early release of one lease
                 conn.send(pe.abort(*args))

@@ -110,11 +110,8 @@ def test_a_prefix_evicted_from_the_pool_comes_back_from_the_host_tier_with_its_b
     # loads took the free queue's head (b's tail first: 0, 1, 2 evicted to host), the new token 3
     assert kv.block_ids("a2") == [0, 1, 2, 3]
     assert a.device_cache[:3, 0].tolist() == [1.0, 2.0, 3.0]  # a's bytes, back in place
-    # copied (at submit: this manager's loader has no thread), but not indexed before a poll
-    assert kv.is_loading("a2") and kv.loads_conflict(kv.find_cached_prefix(Req("a3", range(13))))
-    assert [kv.pool.lookup(h) for h in first.block_hashes] == [None] * 3 and kv.host.stats.loaded == 0
-    kv.check_invariants()
-    assert kv.poll_loads() == [("a2", True)] and not kv.is_loading("a2")
+    # this manager has no loader thread: copied and indexed before allocate_slots returned
+    assert not kv.is_loading("a2") and kv.poll_loads() == []
     assert [kv.pool.lookup(h).block_id for h in first.block_hashes] == [0, 1, 2]
     assert kv.host.stats.loaded == 3
     assert (kv.host.num_used, kv.num_free_blocks) == (7, 0)  # + b's 4 full blocks, evicted now
@@ -235,6 +232,29 @@ def test_a_prefix_from_the_host_tier_loads_while_other_requests_step_then_comput
     assert (kv.num_free_blocks, kv.num_requests(), kv.num_loading) == (8, 0, 0)
 
 
+@pytest.mark.parametrize("budget_s, inline", [(0.0005, True), (0.0003, False)])
+def test_a_copy_that_fits_the_inline_budget_runs_at_admission_and_computes_in_the_same_step(budget_s, inline):
+    s, kv, a = evicted_session(threaded=True)
+    a.gate.set()
+    host = kv.tiers[0]
+    host.stats.load_s, host.stats.loaded = 0.001, 10  # as measured: 100 us a block
+    kv.inline_load_s = budget_s  # a's 4 blocks take ~400 us
+    s.add(Request("a2", list(range(17)) + [9, 9], SP1))
+    out = s.schedule()
+    if inline:  # copied at admission: a2 computes its last 3 tokens in this step
+        assert [(ch.request.request_id, ch.start, ch.num_tokens) for ch in out.chunks] == [("a2", 16, 3)]
+        assert not s.loading and host.stats.loaded == 14 and host.num_pinned == 0
+    else:  # on the loader thread: a2 computes in a later step
+        assert out.is_empty and list(s.loading) == ["a2"]
+        while kv.is_loading("a2"):
+            kv.wait_loads(1.0)
+            out = s.schedule()
+        assert [(ch.request.request_id, ch.start, ch.num_tokens) for ch in out.chunks] == [("a2", 16, 3)]
+    s.update(out, {"a2": 7})
+    s.check_invariants()
+    assert (kv.num_free_blocks, kv.num_requests(), kv.num_loading) == (8, 0, 0)
+
+
 def test_abort_during_a_load_quarantines_its_blocks_until_the_copy_ends_then_caches_them():
     s, kv, a = evicted_session(threaded=True)
     s.add(Request("a2", list(range(17)) + [9, 9], SP1))
@@ -289,6 +309,10 @@ def test_config_is_validated():
         EngineOptions(kv_tiers={"host_blocks": 8, "disk_blocks": 8})
     with pytest.raises(ValueError, match="host memory"):
         HostArena(torch.zeros(2, 1024), 2**40 // 4096)
+    with pytest.raises(ValidationError, match="lease_from_host needs kv_tiers.host_blocks > 0"):
+        EngineOptions(kv_tiers={"lease_from_host": True})
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        EngineOptions(kv_tiers={"host_blocks": 8, "store_threshold": -1})
 
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -359,17 +383,16 @@ def test_host_evictions_go_to_disk_and_a_prefix_comes_back_from_both_tiers(tmp_p
     prefix = kv.find_cached_prefix(again)
     assert prefix.loads == ((0, h0), (0, h1), (1, h2))
     assert kv.allocate_slots(again, 1, prefix)
-    assert kv.poll_loads() == [("a2", True)]
     assert kv.block_ids("a2") == [0, 1, 2, 3]
     assert host.device_cache[:3, 0].tolist() == [1.0, 2.0, 3.0]  # a's bytes, from host and disk
-    # the loads' own allocation and the new token's block evicted b's 4 blocks while both host
-    # slots were pinned (until the copy was polled): all 4 dropped
-    assert (h_tier.stats.loaded, d_tier.stats.loaded, h_tier.stats.dropped) == (2, 1, 4)
-    assert held(h_tier) == [(h0, 0), (h1, 1)] and held(d_tier) == [(h2, 0)]
-    assert b_first not in h_tier and b_first not in d_tier
+    # the loads' own allocation evicted 3 of b's blocks while both host slots were pinned: dropped;
+    # the new token's block (after the inline copy) evicted b's 4th, which pushed h0 (the host's
+    # LRU) down to disk
+    assert (h_tier.stats.loaded, d_tier.stats.loaded, h_tier.stats.dropped) == (2, 1, 3)
+    assert held(h_tier) == [(h1, 1), (b_first, 0)] and held(d_tier) == [(h2, 0), (h0, 1)]
     kv.free("a2")
     kv.check_invariants()
-    assert (kv.num_free_blocks, h_tier.num_used, h_tier.num_free, d_tier.num_used, d_tier.num_free) == (4, 2, 0, 1, 7)
+    assert (kv.num_free_blocks, h_tier.num_used, h_tier.num_free, d_tier.num_used, d_tier.num_free) == (4, 2, 0, 2, 6)
     disk.close()
     assert not disk.dir.exists()
 

@@ -147,6 +147,44 @@ def test_blocks_in_the_decode_replicas_own_host_tier_are_loaded_not_pulled(prefi
         decode.transport.close()
 
 
+def test_a_lease_served_from_the_prefill_host_tier_frees_its_device_blocks_at_once(tiny_model, store, decode,
+                                                                                  reference):
+    """kv_tiers.lease_from_host: the full prompt blocks go to the prefill's host tier and decode's
+    READ reads them there (NIXL, the host arena registered beside the pool); only the partial
+    last block stays leased on prefill's device. Host pins end with the lease, or its grace."""
+    proc = PrefillProcess(tiny_model, store, engine_id="prefill-host", num_blocks=48, release_grace_s=0.3,
+                          kv_tiers={"host_blocks": 32, "lease_from_host": True})
+    try:
+        decode.engine.kv.pool.reset_cache()
+        prompt = PROMPTS[-1]  # 70 tokens: 4 full blocks (host) + 1 partial (device)
+        res = proc.prefill("host-0", prompt, SP)
+        s = proc.stats()
+        assert (s["free"], s["leases"], s["host_pinned"], s["leases_from_host"]) == (47, 1, 4, 1)
+        assert [b >= 48 for b in res.handle.block_ids] == [True] * 4 + [False]
+        pulled0 = decode.transport.stats.blocks_pulled
+        tokens = [res.handle.first_token]
+        decode.submit("host-0", prompt, SP, res.handle)
+        deadline = time.monotonic() + 60
+        while decode.has_unfinished():
+            assert time.monotonic() < deadline, "decode did not finish"
+            tokens += [t for out in decode.step() for t in out.token_ids]
+        assert tokens == reference[tuple(prompt)]
+        assert decode.transport.stats.blocks_pulled - pulled0 == 5
+        assert_pools_whole(proc, decode)
+        assert proc.stats()["host_pinned"] == 0
+        # an aborted lease keeps its host slots pinned for the grace period, then lets go
+        res = proc.prefill("host-1", PROMPTS[-2], SP)  # 40 tokens: 2 full blocks + 1 partial
+        assert proc.stats()["host_pinned"] == 2
+        proc.abort("host-1")
+        s = proc.stats()
+        assert (s["leases"], s["in_grace"], s["host_pinned"], s["quarantined"]) == (0, 1, 2, 1)
+        wait_for(lambda: proc.stats()["in_grace"] == 0, what="grace over", timeout=10)
+        s = proc.stats()
+        assert (s["free"], s["host_pinned"], s["quarantined"]) == (48, 0, 0)
+    finally:
+        proc.close()
+
+
 def test_lease_expiry_frees_prefill_blocks(tiny_model, store):
     proc = PrefillProcess(tiny_model, store, engine_id="prefill-lease", lease_s=0.3, num_blocks=16,
                           release_grace_s=0.3)

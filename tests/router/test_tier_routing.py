@@ -66,6 +66,32 @@ def test_a_prefix_in_a_host_tier_is_credited_at_its_weight():
     assert costs == {"p-host", "p-none"}  # a tie, broken at random
 
 
+def test_tier_weights_default_to_each_replicas_measured_load_back_cost():
+    h = hashes(PROMPT)
+    pol = RoutingPolicy(PolicyConfig(block_size=BS), random.Random(0))
+    # 2,000 tokens/s: a block of 16 costs 8 ms to compute; loading it back 2 ms (host), 6 ms (disk)
+    measured = ReplicaLoad("p-a", "prefill", 1000, 1000, tokens_per_s=2000.0, tier_load_s_per_block=(0.002, 0.006))
+    assert pol.tier_weights(measured) == (0.75, 0.25)
+    fast = ReplicaLoad("p-a", "prefill", 1000, 1000, tokens_per_s=2000.0, tier_load_s_per_block=(0.0004, 0.0))
+    assert pol.tier_weights(fast) == (0.95, 0.25)  # disk not measured yet: its prior
+    slow = ReplicaLoad("p-a", "prefill", 1000, 1000, tokens_per_s=2000.0, tier_load_s_per_block=(0.02,))
+    assert pol.tier_weights(slow) == (0.0, 0.25)  # slower than computing it: no credit
+    assert pol.tier_weights(load("p-a", "prefill")) == (0.75, 0.25)  # nothing measured
+    fixed = RoutingPolicy(PolicyConfig(block_size=BS, tier_weights=(0.5, 0.1)), random.Random(0))
+    assert fixed.tier_weights(fast) == (0.5, 0.1)
+    # the decision follows: the prefix in p-fast's host tier is worth 4 x 0.95 blocks there
+    idx = PrefixIndex()
+    idx.resync("p-fast", "i", 0, [], [h[:4]])
+    idx.resync("p-slow", "i", 0, [], [h[:4]])
+    idx.resync("d-0", "i", 0, [])
+    loads = [ReplicaLoad("p-fast", "prefill", 1000, 1000, queued_prefill_tokens=10, tokens_per_s=2000.0,
+                         tier_load_s_per_block=(0.0004,)),
+             ReplicaLoad("p-slow", "prefill", 1000, 1000, tokens_per_s=2000.0, tier_load_s_per_block=(0.02,)),
+             load("d-0", "decode")]
+    d = pol.route(h, len(PROMPT), idx, loads)  # p-fast: 80 - 60.8 + 10 = 29.2; p-slow: 80
+    assert (d.prefill, d.predicted_cached_tokens) == ("p-fast", 64)
+
+
 def test_colocated_decode_counts_its_own_host_tier():
     h = hashes(PROMPT)
     pol = RoutingPolicy(PolicyConfig(block_size=BS), random.Random(0))

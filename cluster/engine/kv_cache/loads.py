@@ -6,8 +6,9 @@ request computes nothing until `KVCacheManager.poll_loads` sees its copy finishe
 WAITING_FOR_REMOTE_KVS, for a local tier). The thread only moves bytes (`BlockTier.copy`); every
 piece of bookkeeping (pins, the pool's index, stats) stays on the engine's thread.
 
-`threaded=False` runs each copy at submit, on the caller's thread: the same states, one step
-later, no thread (the scheduler's tests, engines that want no loader thread).
+`threaded=False` runs each copy at submit, on the caller's thread (no thread: kv_tiers.async_loads
+off, the scheduler's tests). Short copies run there even with a thread (KVCacheManager.load_inline):
+waiting a step for a copy of a few blocks costs more than the copy.
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ class TierLoader:
 
     def submit(self, copy: Callable[[], Sequence[float]]) -> cf.Future:
         """Run `copy` (returns seconds per tier) on the loader thread, or now when not threaded."""
-        if self._pool is not None:
-            return self._pool.submit(copy)
+        return self._pool.submit(copy) if self._pool is not None else self.run_here(copy)
+
+    @staticmethod
+    def run_here(copy: Callable[[], Sequence[float]]) -> cf.Future:
+        """Run `copy` now, on this thread; its outcome in a done future, as a threaded copy's."""
         fut: cf.Future = cf.Future()
         try:
             fut.set_result(copy())

@@ -5,11 +5,16 @@ The scheduler talks to this class only; it never sees blocks' internals. Two-pha
 `find_cached_prefix` has no side effects, `allocate_slots` commits (or fails without a trace).
 
 A prefix found in a lower tier is loaded back: `allocate_slots` takes device blocks for it and
-starts the copy (kv_cache/loads.py); `poll_loads` finishes copies, caching the blocks in the pool
-under their hashes. Until then the request must not compute (`is_loading`), its blocks are not
-in the index, and a second request needing one of those hashes waits (`loads_conflict`): two
-device blocks never hold one hash. A request that ends during its copy leaves the blocks
-quarantined until the copy is over (never reused under a write), then cached.
+copies them in. A copy expected to take less than `inline_load_s` (the tier's measured seconds
+per block x the blocks; the engine sets the budget to a fraction of its step time) runs there and
+then, so the request computes in this very step; a longer one, or one not measured yet, runs on
+the loader thread (kv_cache/loads.py) while the engine steps, and `poll_loads` finishes it,
+caching the blocks in the pool under their hashes. Until then the request must not compute
+(`is_loading`), its blocks are not in the index, and a second request needing one of those
+hashes waits (`loads_conflict`): two device blocks never hold one hash. A request that ends
+during its copy leaves the blocks quarantined until the copy is over (never reused under a
+write), then cached. A failed copy (inline or not) leaves the request loading until the next
+poll, which reports it: the caller recomputes.
 
 Write-through (`store_threshold` > 0): a prompt block hit that many times is copied to the host
 tier while the pool still holds it (vLLM's store_threshold), so its eviction later costs no copy
@@ -94,6 +99,8 @@ class KVCacheManager:
         self._jobs: dict[str, LoadJob] = {}  # request id -> its copy from the tiers, not yet polled
         self._orphans: list[LoadJob] = []  # copies whose request ended: quarantined until they finish
         self._in_flight: set[BlockHash] = set()  # hashes being copied in (not yet in the pool's index)
+        self.inline_load_s = 0.0  # a copy expected to take at most this runs at admission (see the docstring)
+        self.loads_inline = self.loads_async = 0  # copies (one per admitted request) by where they ran
         self.store_threshold = store_threshold
         self._seen: dict[BlockHash, int] = {}  # hit counts for write-through (insertion order: oldest first)
         self._max_seen = SEEN_PER_HOST_BLOCK * (self.tiers[0].num_blocks if self.tiers else 0)
@@ -177,8 +184,9 @@ class KVCacheManager:
 
         `cached` (from find_cached_prefix) is passed once, when the request is admitted; its tokens
         are counted in req.num_computed_tokens by the caller after this returns True. Its tier
-        loads start here: fresh blocks, copied in, cached in the pool when `poll_loads` sees the
-        copy done; until then `is_loading(req.request_id)` and nothing may compute.
+        loads start here: fresh blocks, copied in now when `load_inline(cached)` (cached in the
+        pool before this returns), else cached when `poll_loads` sees the copy done; until then
+        `is_loading(req.request_id)` and nothing may compute.
         """
         new, revived = self._blocks_needed(req, num_new_tokens, cached)
         if new + len(cached.loads) + revived > self.pool.num_free:
@@ -195,8 +203,22 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(new))
         return True
 
+    def load_inline(self, cached: CachedPrefix) -> bool:
+        """Will `allocate_slots` copy these loads in at once? Yes without a loader thread, or
+        when the tiers' measured cost per block says the copy fits `inline_load_s`."""
+        if not self.loader.threaded:
+            return True
+        estimate = 0.0
+        for t, _ in cached.loads:
+            per_block = self.tiers[t].stats.load_s_per_block
+            if per_block is None:  # never measured: off the engine's thread
+                return False
+            estimate += per_block
+        return estimate <= self.inline_load_s
+
     def _start_load(self, request_id: str, cached: CachedPrefix) -> list[Block]:
-        """Fresh blocks for the prefix's tier loads, their copies started (pins held until polled)."""
+        """Fresh blocks for the prefix's tier loads, their copies started (pins held until the
+        copy ends), or done and cached when the copy runs inline."""
         loads = cached.loads
         per_tier = [[h for t, h in loads if t == i] for i in range(len(self.tiers))]
         # pinned first: this allocation evicts into the tiers and must not take these slots
@@ -206,9 +228,22 @@ class KVCacheManager:
                  for i, s in enumerate(slots)]
         tiers = self.tiers
         job = LoadJob(request_id, loads, blocks, len(cached))
-        job.future = self.loader.submit(lambda: [t.copy(p) for t, p in zip(tiers, pairs)])
-        self._jobs[request_id] = job
+
+        def copy() -> list[float]:  # bytes only: it may run on the loader thread
+            return [t.copy(p) for t, p in zip(tiers, pairs)]
+
+        inline = self.load_inline(cached)
+        job.future = TierLoader.run_here(copy) if inline else self.loader.submit(copy)
+        if inline:
+            self.loads_inline += 1
+        else:
+            self.loads_async += 1
         self._in_flight.update(h for _, h in loads)
+        if inline and job.future.exception() is None:  # copied here and fine: cached now
+            self._end_load(job)
+            self._num_cached[request_id] = job.num_prefix
+        else:  # on the loader thread, or an inline copy that failed: reported by the next poll
+            self._jobs[request_id] = job
         return blocks
 
     def is_loading(self, request_id: str) -> bool:
@@ -284,6 +319,15 @@ class KVCacheManager:
         for i in range(start, end):
             self.pool.cache(blocks[i], hashes[i])
         self._num_cached[req.request_id] = end
+
+    def free_leading(self, request_id: str, n: int) -> int:
+        """Give the first `n` blocks of a request's table back to the pool (cached ones stay
+        cached): a lease now served from the host tier keeps only its tail. Returns how many."""
+        blocks = self._blocks.get(request_id, [])
+        head, self._blocks[request_id] = blocks[:n], blocks[n:]
+        self._num_cached[request_id] = 0  # the table no longer starts with its cached run
+        self.pool.free(reversed(head))
+        return len(head)
 
     def trim(self, request_id: str, num_tokens: int) -> int:
         """Keep only the blocks the first `num_tokens` tokens need: the slots of rejected draft

@@ -93,6 +93,10 @@ class BlockTier:
     def num_used(self) -> int:
         return len(self._lru)
 
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pins)
+
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._lru
 

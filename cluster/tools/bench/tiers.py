@@ -1,7 +1,7 @@
 """The KV tiers against the device pool alone, every arm in one run (in-process engines).
 
     python -m cluster.tools.bench.tiers [--rounds 2] [--sessions 8] [--turns 6] [--num-blocks 80]
-        [--host-blocks 512] [--disk-dir DIR [--disk-host-blocks 64] [--disk-gb 1]]
+        [--host-blocks 512] [--disk-dir DIR [--disk-host-blocks 64] [--disk-gb 1]] [--sync-arm]
 
 The engine benchmark's ~50M random model (cluster/tools/bench/engine.py; `--model smollm2` for the
 demo model, 3x the compute per token: too slow for this workload on a 2-core machine), float32,
@@ -17,6 +17,8 @@ workloads, each run on every engine:
     host tier can only cost (its saves on eviction), never help.
 With `--disk-dir DIR` a third arm runs: a small host tier (`--disk-host-blocks`, 64) over a
 disk tier in DIR (`--disk-gb`), so most of the sessions' history comes back from disk files.
+With `--sync-arm` another arm runs the device+host engine with `async_loads: false` (the copy
+back at admission, on the engine's thread, instead of on the loader thread while it steps).
 The user messages and prompts come from one seed, so every arm sees the same requests (the
 history holds each arm's own replies, greedy, so the same too unless batching changes a token:
 "same tokens" counts the requests whose output matched).
@@ -25,7 +27,8 @@ Each workload runs `--rounds` times per arm, the arms' order alternating (ABBA);
 pooled over the rounds. TTFT: from a request's add to the step that emits its first token (the driver steps the engine
 itself, so queueing in the engine counts). Prints hit rate (prompt tokens not computed / prompt
 tokens), TTFT p50/p99, output tokens/s, the ratios, the host tier's loads and saves and their cost
-per block (copies are synchronous, inside the scheduling of a step), and this process's CPU time
+per block (saves are synchronous, inside the allocation that evicts; loads run on the loader
+thread unless the arm is sync), and this process's CPU time
 (the engines run in it: the load generator's own share is the little Python around them).
 """
 
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--disk-dir", default=None, help="adds a device+host+disk arm with its disk tier here")
     ap.add_argument("--disk-host-blocks", type=int, default=64, help="host tier of the device+host+disk arm")
     ap.add_argument("--disk-gb", type=float, default=1.0, help="disk tier size of the device+host+disk arm")
+    ap.add_argument("--sync-arm", action="store_true", help="adds a device+host arm whose loads run at admission")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2, help="runs of each arm per workload, alternating order")
     args = ap.parse_args(argv)
@@ -161,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     opts = dict(num_blocks=args.num_blocks, max_model_len=1024, block_size=16)
     engines = {"device": LLMEngine.from_model(model, **opts),
                "device+host": LLMEngine.from_model(model, kv_tiers={"host_blocks": args.host_blocks}, **opts)}
+    if args.sync_arm:
+        engines["device+host sync"] = LLMEngine.from_model(
+            model, kv_tiers={"host_blocks": args.host_blocks, "async_loads": False}, **opts)
     if args.disk_dir is not None:
         engines["device+host+disk"] = LLMEngine.from_model(model, kv_tiers={
             "host_blocks": args.disk_host_blocks, "disk_dir": args.disk_dir, "disk_gb": args.disk_gb}, **opts)
@@ -219,7 +225,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"{name}, {arm}: TTFT p50 device / {arm} = {d.pct(0.5) / h.pct(0.5):.2f}x, p99 "
                 f"{d.pct(0.99) / h.pct(0.99):.2f}x; throughput {arm} / device = "
                 f"{(h.output_tokens / h.wall_s) / (d.output_tokens / d.wall_s):.2f}x; same tokens {same}/{len(d.outputs)}; "
-                + "; ".join(parts) + f"; copies {spent / h.wall_s:.2%} of the arm's wall time")
+                + "; ".join(parts) + f"; copies {spent / h.wall_s:.2%} of the arm's wall time; loads "
+                + (f"inline {e.kv.loads_inline}, on the loader thread {e.kv.loads_async} (all rounds)"
+                   if e.kv.loader.threaded else "all on the engine's thread"))
         summary.append(f"{name}: wall s per round: " + "; ".join(
             f"{arm} " + " ".join(f"{x:.1f}" for x in r.round_walls) for arm, r in results.items()))
     for line in summary:
