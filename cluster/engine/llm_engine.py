@@ -352,7 +352,8 @@ class LLMEngine:
         expired = [self.final_output(r, [], "") for r in self.scheduler.expire(time.time(), time.monotonic())]
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
-        self.kv.inline_load_s = INLINE_LOAD_STEP_FRACTION * self.stats.step_s_avg
+        # the step a copy would stall: a decode step's while requests decode (their inter-token gap)
+        self.kv.inline_load_s = INLINE_LOAD_STEP_FRACTION * (self.stats.decode_step_s_avg or self.stats.step_s_avg)
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
