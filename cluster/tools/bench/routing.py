@@ -21,6 +21,8 @@ prompts (184 blocks) and a host tier 2 more (136 blocks): a replica holds 4 pref
 them in host memory, and the pool all 8. Arm `cost-tier-blind` is the cost router with
 `tier_weights: [0, 0]` (host blocks earn nothing: the router sees half of each replica's cache);
 run it beside `cost`, e.g. `--tiers --arms cost cost-tier-blind round_robin --no-control`.
+`cost` credits a host block at the replica's measured weight (1 - its seconds per block loaded
+back x its tokens/s / 16); arm `cost-fixed-weights` at Dynamo's fixed 0.75 / 0.25.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency
         prefill_engine.update(num_blocks=TIER_DEVICE_BLOCKS, kv_tiers={"host_blocks": TIER_HOST_BLOCKS})
     if strategy == "cost-tier-blind":
         strategy, routing = "cost", {**(routing or {}), "tier_weights": [0.0, 0.0]}
+    elif strategy == "cost-fixed-weights":  # Dynamo's weights instead of each replica's measured load-back cost
+        strategy, routing = "cost", {**(routing or {}), "tier_weights": [0.75, 0.25]}
     cfg = AppConfig(
         model=model_dir, http_port=free_port(), grpc_port=free_port(), graceful_shutdown_timeout_s=1.0,
         prefill={"num_replicas": 2, "engine": prefill_engine},
