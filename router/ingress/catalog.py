@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 PIN = "@"  # model@label
 SYNC_TIMEOUT_S = 5.0
+ECHO_CHARS = 64  # of a client's unknown model name or version quoted back in the error
 
 
 @dataclass(frozen=True)
@@ -139,10 +140,11 @@ class ModelCatalog:
         served = self.models.get(name)
         if served is None:
             known = ", ".join(repr(n) for n in self.models)
-            raise ServingError(Code.NOT_FOUND, f"model {model!r} does not exist; this server serves {known}")
+            raise ServingError(Code.NOT_FOUND, f"model {_echo(model)} does not exist; this server serves {known}")
         if PIN in model and label not in served.flows:
             known = ", ".join(repr(v) for v in served.flows if v)
-            raise ServingError(Code.NOT_FOUND, f"model {name!r} has no version {label!r} (versions: {known or 'none'})")
+            raise ServingError(Code.NOT_FOUND,
+                               f"model {name!r} has no version {_echo(label)} (versions: {known or 'none'})")
         return served, (label if PIN in model else None)
 
     def select(self, model: str | None, tenant: str, session: str | None) -> Routed:
@@ -203,3 +205,9 @@ class ModelCatalog:
                 continue
             if changed is not None:
                 self.apply(*changed)
+
+
+
+def _echo(value: str) -> str:
+    """A client's value quoted in an error, at most ECHO_CHARS of it (the message stays small)."""
+    return repr(value) if len(value) <= ECHO_CHARS else f"{value[:ECHO_CHARS]!r}... ({len(value)} characters)"

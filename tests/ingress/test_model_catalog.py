@@ -134,6 +134,8 @@ def test_the_catalog_splits_pins_overrides_and_mirrors(catalog):
     ("llama", "model 'llama' does not exist; this server serves 'tiny', 'other'"),
     ("tiny@v3", "model 'tiny' has no version 'v3' (versions: 'v1', 'v2')"),
     ("tiny@", "model 'tiny' has no version '' (versions: 'v1', 'v2')"),
+    ("x" * 100_000, f"model {'x' * 64!r}... (100000 characters) does not exist; this server serves 'tiny', 'other'"),
+    ("tiny@" + "v" * 65, f"model 'tiny' has no version {'v' * 64!r}... (65 characters) (versions: 'v1', 'v2')"),
 ])
 def test_an_unknown_model_or_version_is_not_found(catalog, model, message):
     for call in (lambda: catalog.authorize("Bearer k-acme", model), lambda: catalog.select(model, "acme", None)):
