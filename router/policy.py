@@ -6,7 +6,7 @@
                       + (decode_block_cost + pull cost of a block) * prompt blocks r lacks
 
 The decode term counts the decode replica's own cache: it pulls (and allocates) only the blocks it
-lacks. A pulled block costs the pull (measured: the decode pool's median seconds per pulled block,
+lacks; a block in its host or disk tier is loaded instead, credited at that tier's weight. A pulled block costs the pull (measured: the decode pool's median seconds per pulled block,
 over the replicas that have pulled, x the prefill pool's prompt tokens a second, unless
 pull_block_cost is set; one price for the pool, so a replica that has not pulled yet, or whose
 average still carries a pull stalled long ago, is not cheaper or dearer for it) and the block it occupies,
@@ -144,7 +144,6 @@ class RoutingPolicy:
             r.tokens_per_s > 0 for r in prefills) else 0.0
 
         dec_tiers = index.prefix_tiers(hashes, [r.replica_id for r in decodes])
-        dec_cached = {rid: device for rid, (device, _) in dec_tiers.items()}  # pulls fill the device pool only
         measured = [r.pull_s_per_block for r in decodes if r.pull_s_per_block > 0]
         pull_s_per_block = statistics.median(measured) if measured else 0.0
 
@@ -152,15 +151,16 @@ class RoutingPolicy:
             cost = cfg.decode_request_cost * r.requests + cfg.decode_block_cost * r.used_blocks
             if not prefills:  # colocated: the decode replica computes the prompt too
                 cost += self._compute_cost(*dec_tiers[r.replica_id], r, num_prompt_tokens, index)
-            else:  # it pulls, and allocates, only the blocks it lacks
-                cost += self._pull_block_cost(pull_s_per_block, prefill_rate) * (prompt_blocks - dec_cached[r.replica_id])
+            else:  # it pulls, and allocates, only the blocks it lacks (its tiers' blocks are loaded, at their weight)
+                device, lower = dec_tiers[r.replica_id]
+                held = device + self._tier_credit(r, lower)
+                cost += self._pull_block_cost(pull_s_per_block, prefill_rate) * (prompt_blocks - held)
             return cost
 
         dec_affine = session.decode if session is not None else None
         decode, reasons = self._pick(decodes, decode_cost, slow, dec_affine)
-        device, lower = dec_tiers[decode.replica_id]
-        cached_on_decode = self._cached_tokens(device + len(lower) if not prefills else device, decode,
-                                               num_prompt_tokens)
+        device, lower = dec_tiers[decode.replica_id]  # its own tiers serve local prefill and imports alike
+        cached_on_decode = self._cached_tokens(device + len(lower), decode, num_prompt_tokens)
         missing = num_prompt_tokens - cached_on_decode
         if not prefills or missing < cfg.local_prefill_threshold:
             why = "no prefill pool" if not prefills else f"local prefill: {missing} uncached tokens"
@@ -196,8 +196,7 @@ class RoutingPolicy:
         free - cached (every cached block may be a free one); a miss beyond them evicts. `lower`:
         the levels of the blocks after the device prefix that lower tiers hold (credited at
         tier_weights; they still take device blocks when loaded back)."""
-        weights = self.tier_weights(r)
-        credit = cached_blocks + sum(weights[level - 1] if level <= len(weights) else 0.0 for level in lower)
+        credit = cached_blocks + self._tier_credit(r, lower)
         cached = self._cached_tokens(credit, r, num_prompt_tokens)
         new_blocks = -(-num_prompt_tokens // self.config.block_size) - cached_blocks
         room = max(0, r.free_blocks - index.num_blocks(r.replica_id))
@@ -217,6 +216,13 @@ class RoutingPolicy:
             else:
                 weights.append(prior)
         return tuple(weights)
+
+    def _tier_credit(self, r: ReplicaLoad, lower: Sequence[int]) -> float:
+        """Blocks' worth of r's lower-tier blocks (their levels: 1 host, 2 disk), at r's weights."""
+        if not lower:
+            return 0.0
+        weights = self.tier_weights(r)
+        return sum(weights[level - 1] if level <= len(weights) else 0.0 for level in lower)
 
     def _pull_block_cost(self, pull_s_per_block: float, prefill_tokens_per_s: float) -> float:
         """Tokens of work one block decode lacks costs it: the block it allocates, plus the pull

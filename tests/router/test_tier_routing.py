@@ -102,6 +102,23 @@ def test_colocated_decode_counts_its_own_host_tier():
     assert (d.decode, d.mode, d.predicted_cached_tokens) == ("d-host", "local", 64)
 
 
+def test_in_pd_mode_a_decode_replica_holding_the_prefix_in_its_host_tier_pulls_less():
+    """Imports take their prefix from the decode's own tiers (loaded, not pulled): the decode
+    choice credits them at the tier's weight, after a replica holding them on the device."""
+    h = hashes(PROMPT)
+    pol = RoutingPolicy(PolicyConfig(block_size=BS, pull_block_cost=10.0, local_prefill_threshold=0), random.Random(0))
+    idx = PrefixIndex()
+    idx.resync("p-0", "i", 0, [])
+    idx.resync("d-host", "i", 0, [], [h[:4]])
+    idx.resync("d-none", "i", 0, [])
+    loads = [load("p-0", "prefill"), load("d-host", "decode"), load("d-none", "decode")]
+    d = pol.route(h, len(PROMPT), idx, loads)
+    # d-host lacks 5 - 4 x 0.75 = 2 blocks' pull (11 tokens of work each), d-none 5
+    assert (d.decode, d.mode, d.decode_cached_tokens) == ("d-host", "remote", 64)
+    idx.resync("d-dev", "i", 0, h[:4])
+    assert pol.route(h, len(PROMPT), idx, [*loads, load("d-dev", "decode")]).decode == "d-dev"
+
+
 def test_the_engine_feeds_its_host_tier_to_the_router(tiny_model):
     engine = LLMEngine.from_model(tiny_model, num_blocks=8, max_num_batched_tokens=64, kv_tiers={"host_blocks": 16})
     greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
