@@ -142,11 +142,10 @@ class DecodeEngine:
                 if imp.pull is None:
                     self.transport.notify_release(imp.handle)
                 if self.engine.import_load_failed(rid):  # the pulled part arrived, the local part did not
+                    # (prefill was told either way: the READ's own notification, or the release above)
                     log.warning("KV tier load for %s failed; recomputing the prompt locally", rid)
                     self.engine.requeue(rid, imp.handle.first_token)
                     self.transport.stats.fallbacks_recompute += 1
-                    if imp.pull is not None:
-                        self.transport.notify_release(imp.handle)
                     continue
                 final = self.engine.activate(rid, imp.handle.num_prompt_tokens, imp.handle.first_token)
                 if final is not None:  # max_tokens == 1 or the first token stops it

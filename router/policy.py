@@ -6,7 +6,8 @@
                       + (decode_block_cost + pull cost of a block) * prompt blocks r lacks
 
 The decode term counts the decode replica's own cache: it pulls (and allocates) only the blocks it
-lacks; a block in its host or disk tier is loaded instead, credited at that tier's weight. A pulled block costs the pull (measured: the decode pool's median seconds per pulled block,
+lacks; a block in its host or disk tier is loaded instead, credited at that tier's weight. A
+pulled block costs the pull (measured: the decode pool's median seconds per pulled block,
 over the replicas that have pulled, x the prefill pool's prompt tokens a second, unless
 pull_block_cost is set; one price for the pool, so a replica that has not pulled yet, or whose
 average still carries a pull stalled long ago, is not cheaper or dearer for it) and the block it occupies,

@@ -268,7 +268,7 @@ class Scheduler:
             # prompt logprobs need every prompt position's logits: nothing is taken from the cache
             cached = NO_PREFIX if req.prompt_logprobs is not None else self.kv.find_cached_prefix(req)
             num_cached = len(cached) * self.kv.block_size
-            if cached.loads and self.kv.loads_conflict(cached):
+            if self.kv.loads_conflict(cached):
                 break  # another request is loading some of those blocks: wait for it, in order
             # a prefix copied in on the loader thread computes in a later step: no chunk now
             n = min(req.num_tokens - num_cached, budget) if self.kv.load_inline(cached) else 0

@@ -207,7 +207,6 @@ class ModelCatalog:
                 self.apply(*changed)
 
 
-
 def _echo(value: str) -> str:
     """A client's value quoted in an error, at most ECHO_CHARS of it (the message stays small)."""
     return repr(value) if len(value) <= ECHO_CHARS else f"{value[:ECHO_CHARS]!r}... ({len(value)} characters)"

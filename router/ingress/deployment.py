@@ -85,7 +85,8 @@ class Ingress:
             router.configure.remote(PolicyConfig(
                 block_size=self.config.engine.block_size, local_prefill_threshold=r.local_prefill_threshold,
                 hot_load_cap=r.hot_load_cap, slow_factor=r.slow_factor, pull_block_cost=r.pull_block_cost,
-                evict_block_cost=r.evict_block_cost, tier_weights=None if r.tier_weights is None else tuple(r.tier_weights),
+                evict_block_cost=r.evict_block_cost,
+                tier_weights=None if r.tier_weights is None else tuple(r.tier_weights),
                 session_bonus=r.session_bonus, max_sessions=r.max_sessions,
                 session_ttl_s=r.session_ttl_s), r.strategy)
         actor = get_admission(self.config.admission)

@@ -63,7 +63,10 @@ def one_rep(engine: LLMEngine, rng: random.Random, prefix_tokens: int, streams: 
                 steps = 0
             elif o.request_id in last and o.token_ids:
                 gap = now - last[o.request_id]
-                (gaps_during if added is not None and first is None else gaps_before if added is None else []).append(gap)
+                if added is None:
+                    gaps_before.append(gap)
+                elif first is None:  # between the prefix's arrival and its first token
+                    gaps_during.append(gap)
             if o.token_ids:
                 last[o.request_id] = now
         if len(last) == streams and added is None:
@@ -127,7 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for arm, rs in results.items():
         e = engines[arm]
-        med = lambda k: statistics.median(r[k] for r in rs)  # noqa: E731
+
+        def med(key: str) -> float:
+            return statistics.median(r[key] for r in rs)
+
         per_block = sum(r["load_s"] for r in rs) / max(1, sum(r["loaded"] for r in rs))
         print(f"| {arm} | {1e3 * med('itl_before'):.1f} | {1e3 * med('max_gap'):.1f} | {1e3 * med('ttft'):.1f} | "
               f"{rs[0]['loaded']} | {1e6 * per_block:.0f} | {1e3 * med('save_s'):.1f} | "
