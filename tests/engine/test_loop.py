@@ -1,6 +1,7 @@
 """Async streaming: tokens arrive as produced; leaving the stream early frees the blocks."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -117,12 +118,33 @@ def test_chunk_tokens_auto_grows_with_the_streams_and_is_capped():
 def test_a_stream_interval_sends_the_first_token_alone_then_chunks(tiny_model):
     from cluster.engine.outputs import merge_outputs
 
-    ae = EngineLoop(LLMEngine.from_model(tiny_model, num_blocks=64), stream_interval=4)
+    class HoldSecondStep:
+        """Keeps the second step's token from being delivered until the consumer took the first:
+        otherwise a slow consumer finds both queued and merges them (as it should), and the first
+        message holds 2 tokens (1 fresh-clone run in ~20 on a busy machine)."""
+
+        def __init__(self):
+            self.steps, self.first_taken = 0, threading.Event()
+
+        def after_step(self, now):  # runs before the step's outputs are delivered
+            self.steps += 1
+            if self.steps == 2:
+                self.first_taken.wait(10)
+
+        def service(self, now, busy):
+            pass
+
+    hold = HoldSecondStep()
+    ae = EngineLoop(LLMEngine.from_model(tiny_model, num_blocks=64), stream_interval=4, hooks=[hold])
     prompt = [256] + list(range(1, 30))
 
     async def run():
         req = ae.engine.make_request("si", None, prompt, SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
-        return [out async for out in ae.stream("si", lambda: ae.engine.add(req), merge=merge_outputs)]
+        chunks = []
+        async for out in ae.stream("si", lambda: ae.engine.add(req), merge=merge_outputs):
+            chunks.append(out)
+            hold.first_taken.set()
+        return chunks
 
     try:
         chunks = asyncio.run(run())
