@@ -124,7 +124,9 @@ class AuditOptions(Strict):
         None, description="Each ingress's local spool of unacknowledged records; default: <dir>/spool (same node)")
     max_file_bytes: int = Field(64 * 2**20, ge=4096, description="Rotate to a new file past this size (and each UTC day)")
     batch_records: int = Field(512, ge=1, description="Most records an ingress sends the writer in one call")
-    flush_interval_s: float = Field(0.05, gt=0, description="How long an ingress gathers records before sending")
+    flush_interval_s: float = Field(
+        1.0, gt=0, description="How long an ingress gathers records before a writer call (sooner when a batch is "
+                               "full or it drains); records are in its local spool meanwhile")
     max_buffered: int = Field(
         100_000, ge=1, description="Unacknowledged records an ingress holds (writer down); past it: when_full")
     when_full: Literal["drop", "refuse"] = Field(

@@ -165,7 +165,8 @@ class AuditShipper:
         self.spool = Spool(options.spool_dir or os.path.join(options.dir, "spool"))
         self.metrics = metrics  # (dropped counter, unacked gauge) or None
         self.dropped = 0
-        self._wake = asyncio.Event()
+        self._wake = asyncio.Event()  # a record was spooled: the idle shipper starts gathering
+        self._send_now = asyncio.Event()  # a full batch, or a drain: the gathering ends early
         self._empty = asyncio.Event()  # set while nothing waits for the writer
         self._task: asyncio.Task | None = None
         self._adopt_at = 0.0
@@ -195,8 +196,9 @@ class AuditShipper:
         self.spool.add(record)
         self._empty.clear()
         self._ensure_task()
+        self._wake.set()
         if len(self.spool) >= self.options.batch_records:
-            self._wake.set()
+            self._send_now.set()
         return True
 
     def _ensure_task(self) -> None:
@@ -221,7 +223,7 @@ class AuditShipper:
                 except (TimeoutError, asyncio.TimeoutError):
                     continue
             if len(self.spool) < self.options.batch_records:
-                await asyncio.sleep(self.options.flush_interval_s)  # gather a batch: one writer call, one fsync
+                await self._gather()
             batch = self.spool.batch(self.options.batch_records)
             try:
                 if self._writer is None:
@@ -241,12 +243,23 @@ class AuditShipper:
                 self._empty.set()
             self._export()
 
+    async def _gather(self) -> None:
+        """Wait flush_interval_s for more records (one writer call and one fsync per batch, so a
+        call's fixed cost is paid once a second, not once a record), or until a batch fills or
+        a drain begins."""
+        self._send_now.clear()
+        try:
+            await asyncio.wait_for(self._send_now.wait(), self.options.flush_interval_s)
+        except (TimeoutError, asyncio.TimeoutError):
+            pass
+
     async def drain(self, timeout_s: float) -> bool:
         """Until every spooled record is acknowledged, or timeout_s (a replica shutting down).
         What is left stays in the spool, for the next ingress on this node to adopt."""
         if self.spool.pending:
             self._ensure_task()
             self._wake.set()
+            self._send_now.set()
             try:
                 await asyncio.wait_for(self._empty.wait(), timeout_s)
             except (TimeoutError, asyncio.TimeoutError):

@@ -41,6 +41,10 @@ class AuditWriter:
         """(records written so far, the chain's head hash)."""
         return self.log.next_seq, self.log.head
 
+    def fsyncs(self) -> int:
+        """Batches this writer made durable since it started (one write + fsync each)."""
+        return self.log.fsyncs
+
 
 def get_audit_writer(options: AuditOptions):
     """The cluster's audit writer, created by whoever asks first (with that caller's options)."""

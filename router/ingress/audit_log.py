@@ -73,6 +73,7 @@ class AuditLog:
         self._file: Path | None = None
         self._fd: int | None = None
         self._size = 0
+        self.fsyncs = 0  # batches made durable by this instance (the benchmark's writer calls)
         self._recover()
 
     # ---- start-up: the chain's head and the dedup window, from the log's tail ------------------
@@ -160,6 +161,7 @@ class AuditLog:
                 n = os.write(self._fd, view)
                 view = view[n:]
             os.fsync(self._fd)
+            self.fsyncs += 1
 
     def _remember(self, rid: str) -> None:
         self._seen[rid] = None

@@ -116,6 +116,8 @@ def test_duplicates_are_skipped_and_dedup_survives_a_restart_from_the_log_tail(t
     again = AuditLog(tmp_path, max_file_bytes=4096, clock=Clock())
     assert (again.next_seq, again.head) == head
     assert again.append([rec(0), rec(30), rec(31)]) == (1, 2)
+    assert again.append([rec(31)]) == (0, 1)
+    assert again.fsyncs == 1  # one durable batch: an all-duplicate batch writes nothing
     ids = [r["request_id"] for r in read_records(tmp_path)]
     assert len(ids) == len(set(ids)) == 32 and verify(tmp_path).ok
 
@@ -263,6 +265,89 @@ def test_drain_waits_for_the_writers_acknowledgement_and_is_bounded(tmp_path):
     assert asyncio.run(scenario(lambda: Writer)) == (True, 0)
     assert [r["request_id"] for r in read_records(tmp_path / "log")] == [f"r{i:04d}" for i in range(5)]
     assert asyncio.run(scenario(down)) == (False, 5)  # left in the spool for adoption
+
+
+def test_records_reach_the_writer_one_flush_interval_after_they_are_spooled(tmp_path):
+    import asyncio
+    import time
+
+    from cluster.config import AuditOptions
+    from router.ingress.audit import ADOPT_INTERVAL_S, AuditShipper
+
+    log = AuditLog(tmp_path / "log")
+
+    class Writer:  # the writer actor's `append`, in process
+        class append:  # noqa: N801
+            @staticmethod
+            async def remote(batch):
+                return log.append(batch)
+
+    async def arrival(shipper, n: int) -> float:
+        t0 = time.monotonic()
+        while log.next_seq < n and time.monotonic() - t0 < 2 * ADOPT_INTERVAL_S:
+            await asyncio.sleep(0.005)
+        return time.monotonic() - t0
+
+    async def scenario():
+        shipper = AuditShipper(AuditOptions(enabled=True, dir=str(tmp_path / "spools"), flush_interval_s=0.05,
+                                            batch_records=512), lambda: Writer)
+        shipper.start()
+        await asyncio.sleep(0.01)  # the shipper now idles: nothing is spooled
+        for i in range(3):  # far fewer than a batch
+            shipper.submit(rec(i))
+        first = await arrival(shipper, 3)
+        shipper.submit(rec(3))
+        second = await arrival(shipper, 4)
+        shipper._task.cancel()
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    # sent after one flush interval, not when the shipper's idle wait (ADOPT_INTERVAL_S) ran out
+    assert first < 1.0 and second < 1.0, (first, second)
+    assert log.fsyncs == 2  # the three records gathered into one call, the fourth in the next
+    assert [r["request_id"] for r in read_records(tmp_path / "log")] == [f"r{i:04d}" for i in range(4)]
+
+
+def test_a_full_batch_or_a_drain_ends_the_gathering_early(tmp_path):
+    import asyncio
+    import time
+
+    from cluster.config import AuditOptions
+    from router.ingress.audit import AuditShipper
+
+    log = AuditLog(tmp_path / "log")
+    calls: list[int] = []
+
+    class Writer:  # the writer actor's `append`, in process
+        class append:  # noqa: N801
+            @staticmethod
+            async def remote(batch):
+                calls.append(len(batch))
+                return log.append(batch)
+
+    async def scenario():
+        # a flush interval far longer than the test: only a full batch or the drain can send
+        shipper = AuditShipper(AuditOptions(enabled=True, dir=str(tmp_path / "spools"), flush_interval_s=60.0,
+                                            batch_records=4), lambda: Writer)
+        shipper.start()
+        await asyncio.sleep(0.01)
+        for i in range(3):
+            shipper.submit(rec(i))
+        await asyncio.sleep(0.05)  # the shipper is gathering now
+        t0 = time.monotonic()
+        for i in range(3, 5):  # the fourth fills a batch
+            shipper.submit(rec(i))
+        while log.next_seq < 4 and time.monotonic() - t0 < 5.0:
+            await asyncio.sleep(0.005)
+        full_batch = time.monotonic() - t0
+        drained = await shipper.drain(5.0)  # the fifth, gathering for its 60 s: the drain sends it now
+        took = time.monotonic() - t0
+        shipper._task.cancel()
+        return full_batch, drained, took
+
+    full_batch, drained, took = asyncio.run(scenario())
+    assert full_batch < 1.0 and drained and took < 2.0, (full_batch, drained, took)
+    assert calls == [4, 1] and log.next_seq == 5
 
 
 def test_a_tenant_with_audit_off_gets_no_record_and_no_audit_refusal(tmp_path, tiny_model):
