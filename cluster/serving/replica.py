@@ -27,6 +27,7 @@ from cluster.engine.loop import EngineLoop
 from cluster.serving import faults
 from cluster.serving.registry import RayMetadataStore, get_registry
 from cluster.serving.reporting import LoadReporter
+from cluster.telemetry import gc_pauses
 from cluster.telemetry.replica import ReplicaTelemetry
 from kv_transfer.layout import engine_layout
 from kv_transfer.stats import TransferStats
@@ -94,6 +95,12 @@ class EngineReplica:
         self.loop = EngineLoop(self.role, idle_poll_s=self.idle_poll_s, name=f"pdserve-{self.pool}", hooks=hooks,
                                nice=getattr(cfg, self.pool).compute_nice,
                                stream_interval=getattr(cfg, self.pool).stream_interval)
+        # A full collection holds the GIL, so it stalls the engine's step thread and every stream with
+        # it: the model, torch's and transformers' start-up objects are frozen out of the collector,
+        # as in the ingress (cluster/telemetry/gc_pauses.py).
+        if gc_pauses.freeze_enabled():
+            gc_pauses.freeze_after_start()
+        gc_pauses.PAUSES.install()
 
     def make_role(self, engine: LLMEngine, transport: NixlTransport, config: AppConfig):
         raise NotImplementedError
@@ -106,7 +113,8 @@ class EngineReplica:
     async def load(self, target_replica: str | None = None) -> dict:
         """This replica's load (`target_replica`, read by the request router, picks the replica)."""
         self.arrived(target_replica)
-        return {"replica_id": self.replica_id, "routed": dict(self.routed), **await self.loop.call(self.reporter.report)}
+        return {"replica_id": self.replica_id, "routed": dict(self.routed), "gc_pauses": gc_pauses.PAUSES.summary(),
+                **await self.loop.call(self.reporter.report)}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom-metrics hook (called only when the pool autoscales): the pool's signals

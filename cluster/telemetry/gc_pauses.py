@@ -57,6 +57,10 @@ class GcPauses:
             self._installed = True
         return self
 
+    def summary(self) -> dict[int, tuple[int, float, float]]:
+        """{generation: (collections, total seconds, longest seconds)}."""
+        return {gen: (p.count, p.total_s, p.max_s) for gen, p in enumerate(self.by_generation)}
+
     def uninstall(self) -> None:
         if self._installed:
             gc.callbacks.remove(self._callback)

@@ -18,6 +18,8 @@ def test_collections_are_counted_by_generation():
     full, middle = pauses.by_generation[2], pauses.by_generation[1]
     assert (full.count, middle.count) == (1, 2)
     assert 0 < full.max_s <= full.total_s and 0 < middle.max_s <= middle.total_s
+    summary = pauses.summary()  # what an engine replica's load() reports
+    assert summary[2] == (1, full.total_s, full.max_s) and summary[1] == (2, middle.total_s, middle.max_s)
 
 
 def test_freezing_takes_start_up_objects_out_of_collections():

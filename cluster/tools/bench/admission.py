@@ -86,6 +86,20 @@ def _gc_pauses(http_port: int, key: str | None = None) -> dict[str, tuple[int, f
     return {g: (n, stat.get((g, "total"), 0.0), stat.get((g, "max"), 0.0)) for g, n in count.items()}
 
 
+def _engine_gc_pauses() -> dict[str, dict]:
+    """Each engine pool's (first replica's) garbage collections so far, from its load()."""
+    from ray import serve
+
+    out = {}
+    for pool in ("prefill", "decode"):
+        try:
+            load = serve.get_deployment_handle(pool, "pdserve").load.remote().result(timeout_s=30)
+        except Exception:  # noqa: BLE001 — a colocated app has no prefill pool
+            continue
+        out[pool] = {int(g): tuple(v) for g, v in load["gc_pauses"].items()}
+    return out
+
+
 def _serve_pids() -> dict[str, int]:
     """The app's processes by Ray's titles: every Serve replica, the proxy, the router."""
     import psutil
@@ -273,6 +287,7 @@ def bench_noisy(base: AppConfig, seconds: float, window_s: float = 10.0, flood_r
 
     b_run, flood_runs, windows = asyncio.run(interleaved())
     gc = _gc_pauses(cfg.http_port, KEY_B)
+    engine_gc = _engine_gc_pauses()
     serve_app.delete_app(cfg)
 
     def arm(at: float) -> str | None:
@@ -299,6 +314,7 @@ def bench_noisy(base: AppConfig, seconds: float, window_s: float = 10.0, flood_r
     arm_s = rounds * window_s
     return {"solo": summary(by_arm["solo"]), "noisy": summary(by_arm["noisy"]), "rounds": rounds,
             "cores": {a: {k: v / arm_s for k, v in c.items()} for a, c in cpu.items()}, "gc": gc,
+            "engine_gc": engine_gc,
             "flood": a_codes,
             "flood_reject_p99_ms": _pct([r.latency_s for r in flood if r.code == "RESOURCE_EXHAUSTED"], 99) * 1e3,
             # both tenants' clients share one process and loop: B's run covers the whole time
@@ -396,6 +412,9 @@ def main() -> None:
                 f"{k.strip()} {v:.2f}" for k, v in sorted(r["cores"][a].items()) if v >= 0.01))
         print("  ingress garbage collections (whole run): " + ", ".join(
             f"gen{g} {n} ({t * 1e3:.0f} ms, longest {m * 1e3:.1f} ms)" for g, (n, t, m) in sorted(r["gc"].items())))
+        for pool, pauses in sorted(r["engine_gc"].items()):
+            print(f"  {pool} replica garbage collections (whole run): " + ", ".join(
+                f"gen{g} {n} ({t * 1e3:.0f} ms, longest {m * 1e3:.1f} ms)" for g, (n, t, m) in sorted(pauses.items())))
         print(f"  A's requests  {r['flood']}  (rejection p99 {r['flood_reject_p99_ms']:.1f} ms)")
         print(f"  B's p99 TTFT with A / alone = {n['p99_ms'] / s['p99_ms']:.2f}x (goal <= 1.5x); "
               f"p50 {n['p50_ms'] / s['p50_ms']:.2f}x")
