@@ -7,7 +7,8 @@ from typing import Sequence
 from cluster.serving.replica import EngineReplica
 from cluster.engine.request import DEFAULT_CONTEXT, RequestContext
 from cluster.engine.sampling_params import SamplingParams
-from prefill.engine import PrefillEngine, PrefillResult
+from prefill.engine import PrefillEngine
+from prefill.result import PrefillResult
 
 
 class PrefillServer(EngineReplica):

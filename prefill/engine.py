@@ -17,29 +17,17 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.outputs import FinishReason, TokenLogprob
+from cluster.engine.outputs import FinishReason
 from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle
 from kv_transfer.layout import engine_layout
 from kv_transfer.transport import NixlTransport
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    request_id: str
-    handle: KVHandle | None  # None when the request ended here (error, or nothing to decode)
-    finish_reason: str | None  # set when no decode is needed (stop on the first token, max_tokens=1)
-    error: str | None = None
-    first_token: int | None = None
-    num_cached_tokens: int = 0  # prompt tokens this prefill engine found in its prefix cache
-    finished: bool = True  # one result per request (the async loop's contract)
-    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs: the first token's
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # when it asked for the prompt's
+from prefill.result import PrefillResult
 
 
 class PrefillEngine:

@@ -109,3 +109,23 @@ def test_the_front_door_never_imports_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_what_the_engines_send_the_front_door_unpickles_without_torch():
+    """A class's module is imported where its instance is unpickled: a prefill result defined beside
+    the engine made every ingress import torch and the engine at its first request (~860 modules,
+    walked by every later full garbage collection)."""
+    import pickle
+
+    from cluster.engine.outputs import RequestOutput
+    from kv_transfer.handle import KVHandle
+    from prefill.result import PrefillResult
+
+    sent = pickle.dumps([PrefillResult, RequestOutput, KVHandle])  # by reference, as instances are
+    code = ("import pickle, sys\n"
+            f"pickle.loads({sent!r})\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'cluster.engine.llm'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+

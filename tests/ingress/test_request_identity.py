@@ -11,7 +11,7 @@ from cluster.config import AppConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle, KVLayout
-from prefill.engine import PrefillResult
+from prefill.result import PrefillResult
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.ingress.flow import RequestFlow
 from tests.helpers import grpc_stub, serve_replica_ids, wait_for
