@@ -167,6 +167,7 @@ class AuditShipper:
         self.dropped = 0
         self._wake = asyncio.Event()  # a record was spooled: the idle shipper starts gathering
         self._send_now = asyncio.Event()  # a full batch, or a drain: the gathering ends early
+        self._draining = False  # from drain() on, nothing waits to gather
         self._empty = asyncio.Event()  # set while nothing waits for the writer
         self._task: asyncio.Task | None = None
         self._adopt_at = 0.0
@@ -222,7 +223,7 @@ class AuditShipper:
                     await asyncio.wait_for(self._wake.wait(), ADOPT_INTERVAL_S)
                 except (TimeoutError, asyncio.TimeoutError):
                     continue
-            if len(self.spool) < self.options.batch_records:
+            if len(self.spool) < self.options.batch_records and not self._draining:
                 await self._gather()
             batch = self.spool.batch(self.options.batch_records)
             try:
@@ -257,6 +258,7 @@ class AuditShipper:
         """Until every spooled record is acknowledged, or timeout_s (a replica shutting down).
         What is left stays in the spool, for the next ingress on this node to adopt."""
         if self.spool.pending:
+            self._draining = True
             self._ensure_task()
             self._wake.set()
             self._send_now.set()

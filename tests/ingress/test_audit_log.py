@@ -349,6 +349,19 @@ def test_a_full_batch_or_a_drain_ends_the_gathering_early(tmp_path):
     assert full_batch < 1.0 and drained and took < 2.0, (full_batch, drained, took)
     assert calls == [4, 1] and log.next_seq == 5
 
+    async def drain_before_the_shipper_ran():  # the drain's signal must not be lost to a later gather
+        shipper = AuditShipper(AuditOptions(enabled=True, dir=str(tmp_path / "spools2"), flush_interval_s=60.0,
+                                            batch_records=4), lambda: Writer)
+        shipper.submit(rec(5))  # the shipper task exists but has not run yet
+        t0 = time.monotonic()
+        drained = await shipper.drain(5.0)
+        shipper._task.cancel()
+        return drained, time.monotonic() - t0
+
+    drained, took = asyncio.run(drain_before_the_shipper_ran())
+    assert drained and took < 2.0, (drained, took)
+    assert calls == [4, 1, 1] and log.next_seq == 6
+
 
 def test_a_tenant_with_audit_off_gets_no_record_and_no_audit_refusal(tmp_path, tiny_model):
     import asyncio
