@@ -98,9 +98,7 @@ class EngineReplica:
         # A full collection holds the GIL, so it stalls the engine's step thread and every stream with
         # it: the model, torch's and transformers' start-up objects are frozen out of the collector,
         # as in the ingress (cluster/telemetry/gc_pauses.py).
-        if gc_pauses.freeze_enabled():
-            gc_pauses.freeze_after_start()
-        gc_pauses.PAUSES.install()
+        gc_pauses.settle_after_start()
 
     def make_role(self, engine: LLMEngine, transport: NixlTransport, config: AppConfig):
         raise NotImplementedError

@@ -83,3 +83,12 @@ def freeze_after_start() -> int:
     frozen = gc.get_freeze_count()
     log.info("gc: froze %d start-up objects (collections walk only what requests allocate)", frozen)
     return frozen
+
+
+def settle_after_start() -> None:
+    """A serving process's last start-up step: freeze (unless PDSERVE_GC_FREEZE=0), then time every
+    collection from here on into PAUSES."""
+    if freeze_enabled():
+        freeze_after_start()
+    PAUSES.install()
+

@@ -115,9 +115,7 @@ class Ingress:
         if self.models.rollout_models():  # a model with several versions: live splits and the canary gate
             self.models.connect(get_rollout(), ACTOR_START_TIMEOUT_S)
         bind_replica(self.models, Idempotent(actor, admission))
-        if gc_pauses.freeze_enabled():
-            gc_pauses.freeze_after_start()  # last: everything start-up made is never walked again
-        gc_pauses.PAUSES.install()  # the collections while serving
+        gc_pauses.settle_after_start()  # last: everything start-up made is never walked again
 
     async def __del__(self):
         """Serve's graceful shutdown: send the audit records still spooled (bounded); a replica

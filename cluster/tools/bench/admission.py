@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import re
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.config import AppConfig
+from cluster.tools.bench.processes import cpu_seconds, serve_pids
 
 KEY_A, KEY_B = "sk-bench-a", "sk-bench-b"
 
@@ -97,42 +97,6 @@ def _engine_gc_pauses() -> dict[str, dict]:
         except Exception:  # noqa: BLE001 — a colocated app has no prefill pool
             continue
         out[pool] = {int(g): tuple(v) for g, v in load["gc_pauses"].items()}
-    return out
-
-
-def _serve_pids() -> dict[str, int]:
-    """The app's processes by Ray's titles: every Serve replica, the proxy, the router."""
-    import psutil
-
-    found = {}
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        title = " ".join(p.info["cmdline"] or [])
-        if "ServeReplica:pdserve:" in title:
-            name = title.split("ServeReplica:pdserve:", 1)[1].split()[0]
-            found[f"{name}[{p.info['pid']}]"] = p.info["pid"]
-        elif "ray::ProxyActor" in title:
-            found["proxy"] = p.info["pid"]
-        elif "ray::RouterActor" in title:
-            found["router"] = p.info["pid"]
-    return found
-
-
-def _cpu_s(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds (user + system) each process, and each thread of an ingress, has used so far."""
-    import psutil
-
-    out = {}
-    for name, pid in pids.items():
-        with contextlib.suppress(psutil.Error):
-            proc = psutil.Process(pid)
-            t = proc.cpu_times()
-            out[name] = t.user + t.system
-            if name.startswith("ingress"):
-                for th in proc.threads():
-                    with contextlib.suppress(OSError):
-                        comm = Path(f"/proc/{pid}/task/{th.id}/comm").read_text().strip()
-                        key = f"  {name} thread {comm}"
-                        out[key] = out.get(key, 0.0) + th.user_time + th.system_time
     return out
 
 
@@ -201,10 +165,10 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
 
             profile.mkdir(parents=True, exist_ok=True)
             spies = _profile({k: v for k, v in _pids().items() if k != "router"}, burst_s, profile)
-        pids = _serve_pids()
-        cpu_before, t_before = _cpu_s(pids), time.perf_counter()
+        pids = serve_pids()
+        cpu_before, t_before = cpu_seconds(pids, ingress_threads=True), time.perf_counter()
         outcome = asyncio.run(_run(address, None, [(rate, burst_s), (capacity / 2, 20.0)], seed=2))
-        cpu_after, elapsed = _cpu_s(pids), time.perf_counter() - t_before
+        cpu_after, elapsed = cpu_seconds(pids, ingress_threads=True), time.perf_counter() - t_before
         for p in spies:
             p.wait(timeout=60)
         recs = outcome.records
@@ -262,11 +226,11 @@ def bench_noisy(base: AppConfig, seconds: float, window_s: float = 10.0, flood_r
     rounds = max(1, round(seconds / window_s))
     total = 2 * rounds * window_s
 
-    pids = _serve_pids()
+    pids = serve_pids()
     cpu = {"solo": {}, "noisy": {}}  # CPU seconds each process used in each arm's windows
 
     def account(arm_name: str, before: dict[str, float]) -> dict[str, float]:
-        now = _cpu_s(pids)
+        now = cpu_seconds(pids, ingress_threads=True)
         for k in now.keys() & before.keys():
             cpu[arm_name][k] = cpu[arm_name].get(k, 0.0) + now[k] - before[k]
         return now
@@ -275,7 +239,7 @@ def bench_noisy(base: AppConfig, seconds: float, window_s: float = 10.0, flood_r
         t0 = time.perf_counter()
         quiet = asyncio.create_task(_run(address, KEY_B, [(2.0, total)], seed=3))
         floods, windows = [], []
-        sample = _cpu_s(pids)
+        sample = cpu_seconds(pids, ingress_threads=True)
         for i in range(2 * rounds):
             begin = t0 + i * window_s
             await asyncio.sleep(max(0.0, begin + window_s - time.perf_counter()))

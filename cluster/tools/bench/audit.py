@@ -44,6 +44,7 @@ import time
 import numpy as np
 
 from cluster.config import AppConfig, AuditOptions
+from cluster.tools.bench.processes import cpu_seconds, serve_pids
 
 
 async def _closed_loop(address: str, key: str, n: int, seed: int, streams: int):
@@ -82,46 +83,22 @@ def _spool_cost_us(directory: str, n: int = 5000) -> float:
 KEYS = {"off": "sk-bench-audit-off", "on": "sk-bench-audit-on"}
 
 
-def _process_cpu_s(pid: int | None) -> float:
-    import psutil
-
-    if pid is None:
-        return 0.0
-    try:
-        t = psutil.Process(pid).cpu_times()
-    except psutil.Error:
-        return 0.0
-    return t.user + t.system
-
-
-def _actor_pids() -> dict[str, int]:
-    """The audit writer's and the ingress's worker processes (the first ingress replica)."""
-    from ray._private.state import actors  # the GCS's actor table (no dashboard here)
-
-    pids: dict[str, int] = {}
-    for a in actors().values():
-        if a["State"] != "ALIVE":
-            continue
-        if a["ActorClassName"] == "AuditWriter":
-            pids["writer"] = a["Pid"]
-        elif a["ActorClassName"].endswith(":ingress") and "ingress" not in pids:
-            pids["ingress"] = a["Pid"]
-    return pids
-
-
-def _call_cost_us(writer, n: int = 500) -> tuple[float, float]:
+def _call_cost_us(writer, writer_pid: int | None, n: int = 500) -> tuple[float, float]:
     """CPU microseconds per writer call: (the caller's, the writer's), timed over n empty appends."""
     import psutil
     import ray
 
+    def spent() -> tuple[float, float]:
+        me = psutil.Process(os.getpid()).cpu_times()
+        theirs = cpu_seconds({"writer": writer_pid}) if writer_pid else {}
+        return me.user + me.system, theirs.get("writer", 0.0)
 
-    me = psutil.Process(os.getpid())
-    wpid = _actor_pids().get("writer")
     ray.get(writer.append.remote([]))
-    c0, w0 = sum(me.cpu_times()[:2]), _process_cpu_s(wpid)
+    c0, w0 = spent()
     for _ in range(n):
         ray.get(writer.append.remote([]))
-    return (sum(me.cpu_times()[:2]) - c0) / n * 1e6, (_process_cpu_s(wpid) - w0) / n * 1e6
+    c1, w1 = spent()
+    return (c1 - c0) / n * 1e6, (w1 - w0) / n * 1e6
 
 
 def _bootstrap(rounds: list[dict], key: str, reps: int = 2000, seed: int = 0) -> tuple[float, float, float]:
@@ -188,7 +165,10 @@ def main() -> None:
     for arm in ("off", "on"):  # warm-up, both tenants
         asyncio.run(_closed_loop(address, KEYS[arm], 2 * args.streams, seed=10_000, streams=args.streams))
     writer = ray.get_actor(AUDIT_WRITER_NAME, namespace=ROUTER_NAMESPACE)
-    pids = _actor_pids()
+    found = serve_pids()
+    pids = {"writer": found.get("audit writer"),  # the first ingress replica
+            "ingress": next((pid for name, pid in sorted(found.items()) if name.startswith("ingress[")), None)}
+    pids = {k: v for k, v in pids.items() if v is not None}
     pooled: dict[str, dict[str, list]] = {a: {"ttft": [], "itl": [], "cpu": [], "ok": 0, "n": 0, "cluster_s": 0.0,
                                               "writer_s": 0.0, "ingress_s": 0.0, "wall_s": 0.0, "fsyncs": 0}
                                           for a in KEYS}
@@ -200,13 +180,14 @@ def main() -> None:
         per_request_ms: dict[str, float] = {}
         per_round.append({})
         for arm in order:
-            cpu0, w0, i0 = _cluster_cpu_s(), _process_cpu_s(pids.get("writer")), _process_cpu_s(pids.get("ingress"))
+            cpu0, own0 = _cluster_cpu_s(), cpu_seconds(pids)
             f0, t0 = ray.get(writer.fsyncs.remote()), time.perf_counter()
             outcome = asyncio.run(_closed_loop(address, KEYS[arm], args.requests, seed=rnd, streams=args.streams))
             pooled[arm]["wall_s"] += time.perf_counter() - t0
             spent = _cluster_cpu_s() - cpu0
-            pooled[arm]["writer_s"] += _process_cpu_s(pids.get("writer")) - w0
-            pooled[arm]["ingress_s"] += _process_cpu_s(pids.get("ingress")) - i0
+            own1 = cpu_seconds(pids)
+            for proc in ("writer", "ingress"):
+                pooled[arm][f"{proc}_s"] += own1.get(proc, 0.0) - own0.get(proc, 0.0)
             pooled[arm]["fsyncs"] += ray.get(writer.fsyncs.remote()) - f0
             pooled[arm]["cluster_s"] += spent
             per_request_ms[arm] = spent / len(outcome.records) * 1e3
@@ -228,7 +209,7 @@ def main() -> None:
               f"{p50['on'][1]:6.2f} ms ({ratios['itl'][-1]:.3f}x)  cluster CPU per request off "
               f"{per_request_ms['off']:.1f} on {per_request_ms['on']:.1f} ms ({ratios['cluster_cpu'][-1]:.3f}x)",
               flush=True)
-    call_us, writer_call_us = _call_cost_us(writer)
+    call_us, writer_call_us = _call_cost_us(writer, pids.get("writer"))
     serve.shutdown()  # graceful: the ingress drains its spool first
     ray.shutdown()
 

@@ -1,0 +1,48 @@
+"""The local cluster's processes, found by the titles Ray gives them, and the CPU they have used:
+what the benchmarks charge to each part of the serving path."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+
+def serve_pids() -> dict[str, int]:
+    """The app's processes: every Serve replica (`ingress[pid]`, `decode[pid]`, ...), the proxy, the
+    router, the audit writer. A title carries the method running at that moment
+    (`ServeReplica:pdserve:prefill.handle_request`): only the deployment's name is kept."""
+    import psutil
+
+    found = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        title = " ".join(p.info["cmdline"] or [])
+        if "ServeReplica:pdserve:" in title:
+            name = title.split("ServeReplica:pdserve:", 1)[1].split()[0].split(".")[0]
+            found[f"{name}[{p.info['pid']}]"] = p.info["pid"]
+        elif "ray::ProxyActor" in title:
+            found["proxy"] = p.info["pid"]
+        elif "ray::RouterActor" in title:
+            found["router"] = p.info["pid"]
+        elif "ray::AuditWriter" in title:
+            found["audit writer"] = p.info["pid"]
+    return found
+
+
+def cpu_seconds(pids: dict[str, int], ingress_threads: bool = False) -> dict[str, float]:
+    """CPU seconds (user + system) each process has used so far; with ingress_threads, each
+    thread of an ingress apart too (keys `  ingress[pid] thread <name>`)."""
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            t = proc.cpu_times()
+            out[name] = t.user + t.system
+            if ingress_threads and name.startswith("ingress"):
+                for th in proc.threads():
+                    with contextlib.suppress(OSError):
+                        comm = Path(f"/proc/{pid}/task/{th.id}/comm").read_text().strip()
+                        key = f"  {name} thread {comm}"
+                        out[key] = out.get(key, 0.0) + th.user_time + th.system_time
+    return out
