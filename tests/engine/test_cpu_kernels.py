@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cluster.engine.attention import AttentionMetadata, PrefillSpan, resolve_backend
 from cluster.engine.kernels.cpu import KernelUnavailable, load
@@ -82,7 +83,23 @@ def test_the_kernel_refuses_a_length_past_its_table():
                                            meta.block_tables, torch.tensor([33], dtype=torch.int32), 1.0)
 
 
-@pytest.mark.parametrize("rows", [1, 2, SMALL_ROWS, SMALL_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [1, 4, 5, 6, 7, 8, 9, 13, 40, 64])
+@pytest.mark.parametrize("n, k", [(200, 96), (203, 100), (3, 7)])
+def test_small_linear_equals_a_float64_reference_on_every_tile_path(rows, n, k):
+    """Rows up to 4 take the dot path, more the tiled one (4 rows x 4 weight rows per tile on
+    AVX-512, 2 x 4 on AVX2): tails of rows, of weight rows (n not a multiple of 4) and of k (not a
+    multiple of the vector width) each take their own code."""
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    want = F.linear(x.double(), w.double(), b.double())
+    got = torch.ops.pdserve_cpu.small_linear(x, w, b)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(torch.ops.pdserve_cpu.small_linear(x, w, None).double(), want - b.double(),
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, SMALL_ROWS, SMALL_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 def test_model_ops_equal_torch(rows, bias):
     g = torch.Generator().manual_seed(rows)

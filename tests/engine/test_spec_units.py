@@ -12,7 +12,7 @@ from cluster.engine.request import Request, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
 from cluster.engine.spec.controller import Speculator
-from cluster.engine.spec.cost import PROBE_EVERY, StepCosts, expected_accepted
+from cluster.engine.spec.cost import PROBE_EVERY, StepCosts, draft_probabilities
 from cluster.engine.spec.proposer import NgramProposer, Proposer
 from cluster.engine.spec.state import SpecState
 from cluster.engine.spec.verify import accept_greedy, accept_rejection, accept_sampled
@@ -162,37 +162,75 @@ def test_the_textbook_rejection_sampler_agrees():
 
 # ---- the adaptive switch's cost model (cluster/engine/spec/cost.py) ------------------------------
 
-def test_step_costs_give_the_min_gain_from_measured_step_times():
+def test_step_costs_price_a_row_count_measured_interpolated_or_extrapolated():
     c = StepCosts()
-    assert c.min_gain(8) is None  # nothing measured: drafts go ahead (that is how c(b) is measured)
-    c.observe(8, 2, 0.5)  # a drafted step before any plain one at this batch: no c(8) sample
-    assert c.estimate(8) == (None, None) and c.min_gain(8) is None
-    c.observe(8, 0, 0.100)
-    assert c.min_gain(8) is None  # T(8) known, c(8) not yet
-    c.observe(8, 2, 0.140)  # 2 drafted requests cost 40 ms more: 20 ms each
-    assert c.estimate(8) == pytest.approx((0.100, 0.020))
-    assert c.min_gain(8) == pytest.approx(8 * 0.020 / 0.100)  # 1.6 accepted drafts per drafted request
-    c.observe(8, 0, 0.150)  # EWMA 0.2: T = 0.8 * 0.100 + 0.2 * 0.150
-    assert c.estimate(8) == pytest.approx((0.110, 0.020))
-    c.observe(1, 0, 0.050)
-    c.observe(1, 1, 0.060)
-    assert c.min_gain(1) == pytest.approx(0.2)  # the same extra cost is cheap at batch 1
-    c.observe(1, 1, 0.040)  # a drafted step faster than a plain one (noise): c goes down, min_gain >= 0
-    assert c.estimate(1)[1] == pytest.approx(0.8 * 0.010 + 0.2 * -0.010)
-    for _ in range(PROBE_EVERY - 1):
-        c.held_back(8)
-    assert c.min_gain(8) == pytest.approx(8 * 0.020 / 0.110)
-    c.held_back(8)  # the 64th held step: the next step drafts anyway, then holding starts over
-    assert c.min_gain(8) is None
-    c.probed(8)
-    assert c.min_gain(8) == pytest.approx(8 * 0.020 / 0.110)
+    assert c.seconds(8, 8) is None
+    c.observe(8, 8, 0.050)
+    assert c.seconds(8, 8) == 0.050 and c.seconds(8, 16) is None  # one row count: nothing to draw a line with
+    c.observe(8, 40, 0.130)
+    assert c.seconds(8, 24) == pytest.approx(0.090)  # halfway between 8 and 40 rows
+    assert c.seconds(8, 48) == pytest.approx(0.150)  # past the largest: along the last segment
+    c.observe(8, 40, 0.180)  # EWMA 0.2
+    assert c.table(8) == pytest.approx({8: 0.050, 40: 0.8 * 0.130 + 0.2 * 0.180})
+    c.observe(2, 2, 0.050)
+    c.observe(2, 4, 0.040)  # a faster step with drafts (noise): extrapolation never falls
+    assert c.seconds(2, 6) == pytest.approx(0.040) and c.seconds(2, 3) == pytest.approx(0.045)
+    assert c.table(4) == {}
 
 
-def test_expected_accepted_drafts():
-    assert expected_accepted(0.5, 1) == 0.5
-    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
-    assert expected_accepted(0.8, 4) == pytest.approx(0.8 + 0.64 + 0.512 + 0.4096)
-    assert expected_accepted(1.0, 4) == 4 and expected_accepted(0.0, 4) == 0
+def test_plan_explores_the_far_end_then_the_plain_step():
+    c = StepCosts()
+    assert c.plan(8, []) == 0
+    assert c.plan(8, [0.9] * 32) == 32  # nothing measured: every draft (measures the far end)
+    c.observe(8, 40, 0.130)
+    assert c.plan(8, [0.9] * 32) == 0  # the far end but no plain step: none
+    c.observe(8, 8, 0.050)
+    assert c.plan(8, [0.1] * 32) == 0  # both ends measured: priced (3.2 tokens for 80 ms more do not pay)
+    c2 = StepCosts()
+    c2.observe(1, 1, 0.020)
+    assert c2.plan(1, [0.5, 0.25]) == 2  # only the plain step measured: the far end next
+
+
+def jumped() -> StepCosts:
+    """Batch 8: a plain step 50 ms; the first draft leaves the small-row kernel (+30 ms); then
+    1.6 ms a row up to 40 rows."""
+    c = StepCosts()
+    c.observe(8, 8, 0.050)
+    c.observe(8, 9, 0.080)
+    c.observe(8, 40, 0.080 + 31 * 0.0016)
+    return c
+
+
+def test_plan_pays_the_jump_once_when_most_drafts_are_accepted():
+    # 32 drafts at 0.95: 38.4 tokens in 130 ms beats 8 in 50 ms, though 1 draft alone would not pay
+    assert jumped().plan(8, [0.95] * 32) == 32
+    assert jumped().plan(8, [0.95]) == 0  # 8.95 tokens in 80 ms < 8 in 50 ms
+    assert jumped().plan(8, [0.2] * 32) == 0  # 14.4 tokens in 130 ms < 8 in 50 ms
+
+
+def test_plan_takes_the_best_drafts_when_only_some_pay():
+    c = StepCosts()
+    c.observe(8, 8, 0.050)
+    c.observe(8, 12, 0.055)
+    c.observe(8, 40, 0.200)
+    # 4 likely drafts: 11.8 tokens in 55 ms (214/s) beats plain (160/s), all 32 (73/s), or 5 (197/s)
+    assert c.plan(8, [0.95] * 4 + [0.1] * 28) == 4
+
+
+def test_every_probe_every_plans_the_end_not_being_chosen_is_measured_again():
+    c = jumped()
+    choices = [c.plan(8, [0.95] * 32) for _ in range(2 * PROBE_EVERY)]
+    assert [i for i, n in enumerate(choices) if n != 32] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    c = jumped()
+    choices = [c.plan(8, [0.2] * 32) for _ in range(PROBE_EVERY)]
+    assert [i for i, n in enumerate(choices) if n != 0] == [PROBE_EVERY - 1]
+
+
+def test_draft_probabilities_rank_every_candidate_draft():
+    ranked = draft_probabilities([0.5, 0.9], [2, 3])
+    assert [i for _, i in ranked] == [1, 1, 1, 0, 0]
+    assert [p for p, _ in ranked] == pytest.approx([0.9, 0.81, 0.729, 0.5, 0.25])
+    assert draft_probabilities([1.0, 0.0], [2, 1]) == [(1.0, 0), (1.0, 0), (0.0, 1)]
 
 
 class FixedProposer(Proposer):
@@ -212,50 +250,33 @@ def speculator(**options) -> Speculator:
     return Speculator(SpeculativeOptions(method="ngram", **options), FixedProposer(), EngineStats(), 2048)
 
 
-@pytest.mark.parametrize("batch, acceptance, k, drafts", [
-    (8, 0.8, 4, 4),  # expects 2.36 accepted > min_gain(8) 1.6: drafts
-    (8, 0.6, 2, 0),  # 0.96 <= 1.6: held back
-    (8, 0.9, 1, 0),  # 0.9: one draft cannot pay at batch 8 even when it is nearly always accepted
-    (1, 0.3, 1, 1),  # 0.3 > min_gain(1) 0.2: drafts at batch 1
-    (1, 0.15, 1, 0),  # 0.15 < 0.2: held back
-    (4, 0.1, 1, 1),  # batch 4 not measured: drafts go ahead
-])
-def test_a_request_drafts_only_when_its_expected_accepted_drafts_pay_at_the_batch(batch, acceptance, k, drafts):
+@pytest.mark.parametrize("acceptance, drafts", [(0.95, 4), (0.2, 0)])
+def test_a_batch_drafts_when_its_drafts_pay_for_the_step_they_make(acceptance, drafts):
     s = speculator()
-    s.costs.observe(8, 0, 0.100)
-    s.costs.observe(8, 2, 0.140)  # min_gain(8) = 1.6
-    s.costs.observe(1, 0, 0.050)
-    s.costs.observe(1, 1, 0.060)  # min_gain(1) = 0.2
-    reqs = [decoding_request(f"r{i}", acceptance, k) for i in range(batch)]
+    s.costs = jumped()
+    reqs = [decoding_request(f"r{i}", acceptance, 4) for i in range(8)]
     s.propose(reqs)
-    assert [len(r.draft_token_ids) for r in reqs] == [drafts] * batch
+    assert [len(r.draft_token_ids) for r in reqs] == [drafts] * 8
     assert s.stats.spec_off == ({} if drafts else {"cost": 1})  # one count per step that held any back
 
 
-def test_held_back_requests_mix_with_drafting_ones_and_cost_model_off_ignores_costs():
+def test_a_request_gets_the_drafts_that_pay_and_cost_model_off_ignores_costs():
     s = speculator()
-    s.costs.observe(2, 0, 0.100)
-    s.costs.observe(2, 1, 0.150)  # min_gain(2) = 2 * 0.05 / 0.1 = 1.0
-    good, bad = decoding_request("good", 0.8, 4), decoding_request("bad", 0.5, 4)  # 2.36 and 0.94
-    s.propose([good, bad])
+    s.costs.observe(2, 2, 0.050)
+    s.costs.observe(2, 6, 0.060)
+    s.costs.observe(2, 10, 0.200)
+    good, bad = decoding_request("good", 0.95, 4), decoding_request("bad", 0.3, 4)
+    s.propose([good, bad])  # good's 4 drafts: 5.5 tokens in 60 ms; a fifth (bad's 0.3) costs 35 ms
     assert (good.draft_token_ids, bad.draft_token_ids, s.stats.spec_off) == ((7, 7, 7, 7), (), {"cost": 1})
+    one = speculator()
+    one.costs.observe(1, 1, 0.020)
+    one.costs.observe(1, 3, 0.022)
+    one.costs.observe(1, 5, 0.050)
+    r = decoding_request("r", 0.9, 4)
+    one.propose([r])  # 2 drafts: 2.71 tokens in 22 ms; 3: 3.44 in 36 ms; 4: 4.06 in 50 ms
+    assert r.draft_token_ids == (7, 7) and one.stats.spec_off == {}
     off = speculator(cost_model="off")
-    off.costs.observe(2, 0, 0.100)
-    off.costs.observe(2, 1, 0.150)
-    bad = decoding_request("bad", 0.5, 4)
+    off.costs = s.costs
+    bad = decoding_request("bad", 0.3, 4)
     off.propose([bad])
     assert bad.draft_token_ids == (7, 7, 7, 7) and off.stats.spec_off == {}
-
-
-def test_after_probe_every_held_steps_one_step_drafts_then_holding_resumes():
-    s = speculator()
-    s.costs.observe(1, 0, 0.050)
-    s.costs.observe(1, 1, 0.100)  # min_gain(1) = 1.0
-    drafted = []
-    for step in range(2 * PROBE_EVERY + 2):
-        r = decoding_request("r", 0.5, 2)  # expects 0.75 < 1.0
-        s.propose([r])
-        if r.draft_token_ids:
-            drafted.append(step)
-    assert drafted == [PROBE_EVERY, 2 * PROBE_EVERY + 1]
-    assert s.stats.spec_off == {"cost": 2 * PROBE_EVERY}

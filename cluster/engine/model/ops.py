@@ -2,8 +2,9 @@
 
 `TorchOps` is plain torch and the reference. `CPUKernelOps` (CPU, float32, when the kernels in
 cluster/engine/kernels build here) sends a linear over at most SMALL_ROWS rows, a decode step's
-shape, to a kernel that streams each weight row once for all rows; larger batches stay with
-torch's GEMM. RMSNorm, the residual add with the norm after it, RoPE (in place) and silu(gate) * up are one
+shape, to a kernel that streams each weight row once for all rows (tiled over rows and weight
+rows past a few rows, so it stays ahead of torch's GEMM while a batch grows); larger batches stay
+with torch's GEMM. RMSNorm, the residual add with the norm after it, RoPE (in place) and silu(gate) * up are one
 kernel call each (a decode step's cost beyond its weights is mostly per-op dispatch). Chosen by measurement
 (docs/benchmarks.md).
 """
@@ -19,10 +20,11 @@ from cluster.engine.model.rope import apply_rope
 
 log = logging.getLogger(__name__)
 
-# Up to here one pass over the weights beats torch's GEMM (the kernel takes at most 8 rows). The
-# demo model's linears, 2 threads, this VM (2026-11-26): 8 rows 18.4 ms vs torch 26.1 ms for a
-# step's worth, 5 rows (one request verifying 4 drafts) 10.7 vs 22.7 ms, 1 row 3.7 vs 11.6 ms.
-SMALL_ROWS = 8
+# Up to here one pass over the weights beats torch's GEMM. The demo model's 120 layer linears (one
+# step's worth), 2 threads, the AVX-512 VM (2026-11-26): 1 row 14.6 ms vs torch 39.2 ms; 8 rows 26.8
+# vs 42.0; 16: 36.7 vs 51.5; 40: 68.3 vs 104.1; 64: 106.1 vs 116.5; 128: 185.7 vs 193.6 (the kernel
+# still ahead, by less than the run-to-run spread; prefill chunks stay with torch).
+SMALL_ROWS = 64
 
 
 class TorchOps:

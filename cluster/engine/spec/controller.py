@@ -11,10 +11,10 @@ after each update.
   capped at options.k. A request whose r falls below options.min_acceptance stops speculating
   for 16 output tokens, then 32, 64, ... (up to 1024), and tries again: a workload with nothing
   to copy costs a few verify steps per pause. A good run (r >= 0.6) resets the pause length.
-- Drafts must pay at the current decode batch (cluster/engine/spec/cost.py): a request drafts
-  only when its expected accepted drafts, r (1 - r^k) / (1 - r), exceed min_gain(b) = b c(b) / T(b),
-  from the replica's measured step times (T(b): a decode step of b without drafts; c(b): the extra
-  seconds per drafted request). A step that holds any request back counts off reason "cost".
+- Drafts must pay at the current decode batch (cluster/engine/spec/cost.py): of the step's
+  candidate drafts (request i's j-th accepted with probability r_i^j) it verifies the n most
+  likely, n chosen for the most tokens a second from the replica's measured step times by rows
+  computed. A step that leaves any candidate request without drafts counts off reason "cost".
 - The replica does not speculate while more than options.max_batch requests are decoding: a
   large batch is compute-bound and drafts then cost more than they save.
 - Drafts never exceed what the request may still emit (max_tokens, the context length), and
@@ -24,13 +24,14 @@ after each update.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Iterable
 
 from cluster.engine.config import SpeculativeOptions
 from cluster.engine.outputs import EngineStats
 from cluster.engine.request import Request
 from cluster.engine.scheduler import SchedulerOutput
-from cluster.engine.spec.cost import StepCosts, expected_accepted
+from cluster.engine.spec.cost import StepCosts, draft_probabilities
 from cluster.engine.spec.proposer import Proposer
 from cluster.engine.spec.state import SpecState
 
@@ -77,13 +78,7 @@ class Speculator:
             self._count_off("batch")
             return
         t0 = time.perf_counter()
-        batch = len(decoding)
-        measured = self.options.cost_model == "measured"
-        min_gain = self.costs.min_gain(batch) if measured else None  # None: drafts go ahead
-        if measured and min_gain is None:
-            self.costs.probed(batch)
-        held = False
-        asks: list[tuple[Request, int]] = []
+        cands: list[tuple[Request, int]] = []
         for req in decoding:
             state = req.spec or self._start(req)
             if state.off_reason is not None or req.num_output_tokens < state.paused_until:
@@ -91,19 +86,20 @@ class Speculator:
             sp = req.sampling
             room = min(sp.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
             k = min(state.k, room)
-            if k <= 0:
-                continue
-            if min_gain is not None and expected_accepted(state.acceptance, k) <= min_gain:
-                held = True
-                continue
-            asks.append((req, k))
+            if k > 0:
+                cands.append((req, k))
+        asks = cands
+        if cands and self.options.cost_model == "measured":  # the n most likely drafts, n from step costs
+            best = draft_probabilities([req.spec.acceptance for req, _ in cands], [k for _, k in cands])
+            n = self.costs.plan(len(decoding), [p for p, _ in best])
+            take = Counter(i for _, i in best[:n])
+            asks = [(req, take[i]) for i, (req, _) in enumerate(cands) if take[i]]
+            if len(asks) < len(cands):
+                self._count_off("cost")
         self._asked = [req for req, _ in asks]
         if asks:  # one call for the step: a draft model batches its forwards across the requests
             for (req, _), draft in zip(asks, self.proposer.propose_batch(asks)):
                 req.draft_token_ids = draft
-        if held:
-            self.costs.held_back(batch)
-            self._count_off("cost")
         self._propose_s = time.perf_counter() - t0
         self.stats.spec_proposer_s += self._propose_s
 
@@ -113,7 +109,7 @@ class Speculator:
         what drafts cost (an n-gram lookup's are next to nothing)."""
         propose_s, self._propose_s = self._propose_s, 0.0
         if all(c.num_tokens == 1 + len(c.draft) and c.start >= c.request.num_prompt_tokens for c in out.chunks):
-            self.costs.observe(len(out.chunks), sum(1 for c in out.chunks if c.draft), seconds + propose_s)
+            self.costs.observe(len(out.chunks), out.num_tokens, seconds + propose_s)
 
     def release(self, request_id: str) -> None:
         """The request left the engine (or was preempted): the proposer frees what it holds for it."""

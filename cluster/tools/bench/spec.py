@@ -10,17 +10,20 @@ The demo model (SmolLM2-135M-Instruct, float32). Three workloads:
     mostly rejected, and the adaptive switch must keep speculation from costing more than it
     saves. Seeded sampling gives the same tokens with and without speculation, so both arms
     produce the same text here too.
-For each workload and each stream count C, C requests run at once (the 1-stream arm runs the
-prompts one after another), on two engines of the same checkpoint and options but `speculative`
-(n-gram or draft, k 4) in one and off in the other. The arms alternate per batch of prompts. Prints output
-tokens/s of each arm, the ratio, the acceptance rate, whether both arms gave the same tokens (greedy:
-they must), and the process's own CPU time (this benchmark drives the engines in-process: its CPU
-use is the engines' plus its own).
+For each workload and each stream count C, the workload's requests run through C streams: C
+requests in flight, the next one added as soon as one finishes (a closed loop, like a load test's
+concurrency: at 1 stream one request after another), on two engines of the same checkpoint and
+options but `speculative` (n-gram or draft, k 4) in one and off in the other. The arms alternate
+ABBA over the rounds. Prints output tokens/s of each arm (all output tokens over the time from the
+first request's add to the last one's end), the ratio, the acceptance rate, whether both arms gave
+the same tokens (greedy: they must), and the process's own CPU time (this benchmark drives the
+engines in-process: its CPU use is the engines' plus its own).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 from cluster.engine.chat_template import render_chat
@@ -61,13 +64,17 @@ OPEN_PROMPTS = [
     "Explain why the sky is blue in simple words.", "Write a short story about a robot who learns to paint.",
     "What are some tips for learning a new language?", "Describe a perfect autumn day in the mountains.",
     "Invent a recipe for a new kind of sandwich.", "Write a letter to a friend about a trip to Japan.",
+    "How do bees make honey?", "Describe your ideal weekend in three sentences.",
+    "What should I pack for a week of camping?", "Explain how a bicycle stays upright.",
+    "Write a haiku about winter mornings.", "Give me some advice for a first job interview.",
+    "Why do cats purr?", "Suggest a name for a small bakery and explain it.",
 ]
 
 
 def chat_prompts(engine: LLMEngine, workload: str) -> list[list[int]]:
     tok = engine.tokenizer
-    if workload == "copy":
-        texts = [COPY_ASKS[i % 2].format(p=p) for i, p in enumerate(PARAGRAPHS)]
+    if workload == "copy":  # every paragraph under both asks, alternating
+        texts = [COPY_ASKS[(i + j) % 2].format(p=p) for j in range(2) for i, p in enumerate(PARAGRAPHS)]
     else:
         texts = OPEN_PROMPTS
     return [tok.encode(render_chat(tok, [{"role": "user", "content": t}]), add_special_tokens=False)
@@ -80,19 +87,35 @@ def sampling(workload: str, max_tokens: int, n: int) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=max_tokens, temperature=0)] * n
 
 
-def run(engine: LLMEngine, batches: list[list[list[int]]], sp: list[SamplingParams]):
-    """Each batch at once, one after another: (seconds, output tokens, CPU seconds, token lists)."""
+_ids = itertools.count()
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], sp: list[SamplingParams], streams: int):
+    """All prompts through `streams` streams (closed loop: the next request is added as soon as one
+    finishes): (seconds, output tokens, CPU seconds, token lists in prompt order)."""
     t, cpu = time.perf_counter(), time.process_time()
-    outs = [o for batch in batches for o in engine.generate(batch, sp[:len(batch)])]
-    return (time.perf_counter() - t, sum(o.num_output_tokens for o in outs), time.process_time() - cpu,
-            [o.token_ids for o in outs])
+    pending = list(range(len(prompts)))
+    live: dict[str, int] = {}
+    tokens: list[list[int]] = [[] for _ in prompts]
+    while pending or live:
+        while pending and len(live) < streams:
+            i = pending.pop(0)
+            rid = f"spec-bench-{next(_ids)}"
+            engine.add_request(rid, prompt_token_ids=prompts[i], sampling=sp[i])
+            live[rid] = i
+        for o in engine.step():
+            tokens[live[o.request_id]] += o.token_ids
+            if o.finished:
+                del live[o.request_id]
+    return time.perf_counter() - t, sum(map(len, tokens)), time.process_time() - cpu, tokens
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--rounds", type=int, default=1, help="repeat each arm this many times (alternating)")
+    ap.add_argument("--rounds", type=int, default=1, help="run each arm this many times (ABBA order)")
+    ap.add_argument("--requests", type=int, default=16, help="requests per workload (its prompts, cycled)")
     ap.add_argument("--workloads", nargs="+", default=["copy", "open", "sampled"],
                     choices=["copy", "open", "sampled"])
     ap.add_argument("--k", type=int, default=4)
@@ -119,20 +142,21 @@ def main(argv: list[str] | None = None) -> None:
           "drafts / token | same tokens | CPU s (plain, spec) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for workload in args.workloads:
-        prompts = chat_prompts(plain, "copy" if workload == "copy" else "open")
+        base = chat_prompts(plain, "copy" if workload == "copy" else "open")
+        prompts = [base[i % len(base)] for i in range(args.requests)]
         params = sampling(workload, args.max_tokens, len(prompts))
         for c in args.streams:
-            batches = [(prompts[i:i + c], params[i:i + c]) for i in range(0, len(prompts), c)]
             tp = ts = n_p = n_s = cpu_p = cpu_s = 0.0
             same = total = 0
             st0 = (spec.stats.spec_proposed_tokens, spec.stats.spec_accepted_tokens)
-            for _ in range(args.rounds):
-                for batch, sp in batches:  # alternate the arms batch by batch: drift hits both alike
-                    dp, np_, cp, toks_p = run(plain, [batch], sp)
-                    ds, ns, cs, toks_s = run(spec, [batch], sp)
-                    tp, ts, n_p, n_s, cpu_p, cpu_s = tp + dp, ts + ds, n_p + np_, n_s + ns, cpu_p + cp, cpu_s + cs
-                    same += sum(a == b for a, b in zip(toks_p, toks_s))
-                    total += len(batch)
+            for r in range(args.rounds):  # ABBA: drift hits both arms alike
+                order = (plain, spec) if r % 2 == 0 else (spec, plain)
+                got = {e: run(e, prompts, params, c) for e in order}
+                dp, np_, cp, toks_p = got[plain]
+                ds, ns, cs, toks_s = got[spec]
+                tp, ts, n_p, n_s, cpu_p, cpu_s = tp + dp, ts + ds, n_p + np_, n_s + ns, cpu_p + cp, cpu_s + cs
+                same += sum(a == b for a, b in zip(toks_p, toks_s))
+                total += len(prompts)
             proposed = spec.stats.spec_proposed_tokens - st0[0]
             accepted = spec.stats.spec_accepted_tokens - st0[1]
             rate_p, rate_s = n_p / tp, n_s / ts
@@ -147,11 +171,9 @@ def main(argv: list[str] | None = None) -> None:
         draft.check_invariants()
         assert draft.num_free_blocks == draft.num_blocks
     print(f"speculation off events: {spec.stats.spec_off}; proposer time {spec.stats.spec_proposer_s:.3f} s")
-    for c in args.streams:  # the adaptive switch's cost model (cluster/engine/spec/cost.py) at each batch
-        t, extra = spec.speculator.costs.estimate(c)
-        gain = spec.speculator.costs.min_gain(c)
-        print(f"batch {c}: plain decode step T = {_ms(t)}, extra per drafted request c = {_ms(extra)}, "
-              f"min expected accepted drafts to speculate = {'-' if gain is None else f'{gain:.2f}'}")
+    for c in args.streams:  # the adaptive switch's step costs (cluster/engine/spec/cost.py) at each batch
+        table = spec.speculator.costs.table(c)
+        print(f"batch {c}: decode step T(rows) = " + (", ".join(f"{r}: {_ms(t)}" for r, t in table.items()) or "-"))
 
 
 def _ms(seconds: float | None) -> str:

@@ -190,12 +190,79 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
 }
 
 
-// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for a few rows of x: one pass over w (the bytes that
-// bound a decode step), each w row read once for all m. x: [M, K], w: [N, K] contiguous.
+// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for the few rows of a decode step (x: [M, K], w: [N, K],
+// both contiguous, so every product is a dot along K). One pass over w, the bytes that bound a decode
+// step: each thread takes tiles of TN weight rows and multiplies every row of x against a tile while it
+// sits in L1. Up to DOT_ROWS rows the step is memory-bound and each weight row is dotted with each x
+// row (fewer live registers, more loads in flight); above, TM x TN dot products run at once on vector
+// accumulators (TM + TN loads for TM * TN FMAs), which keeps the FMA units busy as the rows grow.
+constexpr int64_t DOT_ROWS = 4;
+#if defined(__AVX512F__)
+constexpr int VL = 16;  // floats per vector register
+constexpr int TM = 4, TN = 4;  // 16 accumulators + 4 weight vectors + 1 x vector of 32 registers
+#else
+constexpr int VL = 8;
+constexpr int TM = 2, TN = 4;  // 8 + 4 + 1 of 16
+#endif
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+
+inline vf loadu(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);  // an unaligned vector load
+  return v;
+}
+
+template <int MR, int NR>
+inline void linear_tile(const float* __restrict x, int64_t K, const float* __restrict w, float* __restrict y,
+                        int64_t N, const float* bias) {
+  vf acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[i][j] = vf{};
+  int64_t k = 0;
+  for (; k + VL <= K; k += VL) {
+    vf wv[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) wv[j] = loadu(w + j * K + k);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const vf xv = loadu(x + i * K + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];  // an FMA (-ffp-contract=fast)
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+      float s = 0.f;
+#pragma GCC unroll 16
+      for (int l = 0; l < VL; ++l) s += acc[i][j][l];
+      for (int64_t kk = k; kk < K; ++kk) s += x[i * K + kk] * w[j * K + kk];
+      y[i * N + j] = bias ? s + bias[j] : s;
+    }
+}
+
+template <int NR, int R>
+inline void linear_tail(int64_t rows, const float* x, int64_t K, const float* w, float* y, int64_t N, const float* bias) {
+  if constexpr (R >= 1) {
+    if (rows == R) linear_tile<R, NR>(x, K, w, y, N, bias);
+    else linear_tail<NR, R - 1>(rows, x, K, w, y, N, bias);
+  }
+}
+
+// Every row of x against NR weight rows: TM rows at a time, then the rest.
+template <int NR>
+inline void linear_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, const float* bias) {
+  int64_t m = 0;
+  for (; m + TM <= M; m += TM) linear_tile<TM, NR>(x + m * K, K, w, y + m * N, N, bias);
+  linear_tail<NR, TM - 1>(M - m, x + m * K, K, w, y + m * N, N, bias);
+}
+
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(x.size(0) <= 8, "small_linear is for at most 8 rows");
   const auto xc = x.contiguous();
   const auto wc = w.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
@@ -210,12 +277,25 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
     TORCH_CHECK(bc.numel() == N, "bias [N]");
     bp = bc.data_ptr<float>();
   }
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const float* wr = wp + n * K;
-      for (int64_t m = 0; m < M; ++m) {
-        const float v = dot(xp + m * K, wr, K);
-        yp[m * N + n] = bp ? v + bp[n] : v;
+  if (M <= DOT_ROWS) {
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const float* wr = wp + n * K;
+        for (int64_t m = 0; m < M; ++m) {
+          const float v = dot(xp + m * K, wr, K);
+          yp[m * N + n] = bp ? v + bp[n] : v;
+        }
+      }
+    });
+    return y;
+  }
+  at::parallel_for(0, (N + TN - 1) / TN, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * TN;
+      if (n + TN <= N) {
+        linear_rows<TN>(xp, M, K, wp + n * K, yp + n, N, bp ? bp + n : nullptr);
+      } else {  // the last weight rows, one at a time
+        for (int64_t j = n; j < N; ++j) linear_rows<1>(xp, M, K, wp + j * K, yp + j, N, bp ? bp + j : nullptr);
       }
     }
   });
