@@ -89,6 +89,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    ops = TORCH_OPS  # replaced by use_ops
+
     def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.cfg = cfg
@@ -102,9 +104,22 @@ class LlamaForCausalLM(nn.Module):
 
     def use_ops(self, ops) -> None:
         """Route every linear and norm through `ops` (model/ops.py), chosen once at load."""
+        self.ops = ops
         for m in self.modules():
             if isinstance(m, (Linear, RMSNorm)):
                 m.ops = ops
+
+    def layer_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The layers' weights in the order ops.decode_layers takes them (6 a layer), and the qkv
+        biases (none, or one a layer)."""
+        weights, biases = [], []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights += (layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+            if attn.qkv_proj.bias is not None:
+                biases.append(attn.qkv_proj.bias)
+        return weights, biases
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
@@ -122,7 +137,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [S, vocab] float32
         x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, backend)
+        if not meta.prefills and 0 < meta.num_decode <= self.ops.fused_decode_rows:  # one kernel call
+            weights, qkv_bias = self.layer_weights()
+            attn = self.layers[0].self_attn
+            x, residual = self.ops.decode_layers(x, weights, qkv_bias, kv_cache, meta, cos, sin, attn.h, attn.hkv,
+                                                 self.norm.eps, attn.scale)
+        else:
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, backend)
         x = self.norm(residual.add_(x)[logits_indices])
         return self.lm_head(x).float()

@@ -399,6 +399,42 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// A decode-only step's whole layer stack in one call: per layer the ops the model runs with these
+// kernels (model/llama.py: norm, fused qkv, RoPE, KV write, attention, o_proj, norm, gate_up, SiLU-mul,
+// down), attention by paged_decode, and no Python between them (at one stream the ~14 op dispatches a
+// layer cost about as much as the layer's non-linear work). x: [T, C] the embeddings (T decode rows);
+// weights: 6 per layer [input_norm, qkv, o, post_attention_norm, gate_up, down]; qkv_bias: none or one
+// per layer; kv_cache: [num_blocks, L, 2, block_size, H_kv, D]; cos, signed_sin: [T, D]. Returns
+// (x, residual) after the last layer: the final norm of their sum is the model's.
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& x0, at::TensorList weights, at::TensorList qkv_bias, const at::Tensor& kv_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& slot_blocks,
+    const at::Tensor& slot_offsets, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t num_heads,
+    int64_t num_kv_heads, double eps, double scale) {
+  TORCH_CHECK(kv_cache.dim() == 6 && x0.dim() == 2, "kv_cache [N, L, 2, bs, H_kv, D], x [T, C]");
+  const int64_t L = kv_cache.size(1), D = kv_cache.size(5), T = x0.size(0);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * L, "6 weights per layer");
+  TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == L, "no qkv bias or one per layer");
+  TORCH_CHECK(kv_cache.size(4) == num_kv_heads, "kv heads");
+  const int64_t qk = (num_heads + num_kv_heads) * D;
+  at::Tensor x = x0, residual = x0;
+  for (int64_t i = 0; i < L; ++i) {
+    const at::Tensor* w = weights.data() + 6 * i;
+    at::Tensor h = i == 0 ? rms_norm(x, w[0], eps) : add_rms_norm(x, residual, w[0], eps);
+    const at::Tensor qkv = small_linear(h, w[1], qkv_bias.empty() ? c10::optional<at::Tensor>() : qkv_bias[i]);
+    const at::Tensor qkh = qkv.narrow(1, 0, qk).view({T, num_heads + num_kv_heads, D});
+    rope_(qkh, cos, signed_sin);
+    const at::Tensor layer = kv_cache.select(1, i);
+    const at::Tensor k_cache = layer.select(1, 0), v_cache = layer.select(1, 1);
+    write_kv(k_cache, v_cache, qkh.narrow(1, num_heads, num_kv_heads),
+             qkv.narrow(1, qk, num_kv_heads * D).view({T, num_kv_heads, D}), slot_blocks, slot_offsets);
+    const at::Tensor o = paged_decode(qkh.narrow(1, 0, num_heads), k_cache, v_cache, block_tables, seq_lens, scale);
+    h = add_rms_norm(small_linear(o.view({T, num_heads * D}), w[2], c10::nullopt), residual, w[3], eps);
+    x = small_linear(silu_mul(small_linear(h, w[4], c10::nullopt)), w[5], c10::nullopt);
+  }
+  return {x, residual};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
@@ -408,6 +444,9 @@ TORCH_LIBRARY(pdserve_cpu, m) {
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor w, float eps) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor[] weights, Tensor[] qkv_bias, Tensor(a!) kv_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor slot_blocks, Tensor slot_offsets, Tensor cos, Tensor signed_sin, int num_heads, "
+        "int num_kv_heads, float eps, float scale) -> (Tensor, Tensor)");
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slot_blocks, Tensor slot_offsets) -> ()");
 }
 
@@ -419,4 +458,5 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("decode_layers", &decode_layers);
 }
