@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from cluster.engine.attention import AttentionMetadata, PrefillSpan, resolve_backend
 from cluster.engine.kernels.cpu import KernelUnavailable, load
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.model.ops import FUSED_DECODE_ROWS, SMALL_ROWS, CPUKernelOps, TorchOps
+from cluster.engine.model.ops import FUSED_MAX_CHUNK, SMALL_ROWS, CPUKernelOps, TorchOps
 from cluster.engine.model.rope import RotaryEmbedding
 from cluster.engine.sampling_params import SamplingParams
 
@@ -146,36 +146,51 @@ def test_engines_on_the_kernels_and_on_torch_give_the_same_greedy_tokens(tiny_mo
     assert got["cpu_paged"] == got["torch"]
 
 
+def test_row_tables_make_every_row_of_a_short_chunk_a_decode_of_its_own():
+    meta = step_metadata([40, 16], (32, 5), random.Random(0))  # two decodes, then 5 rows from position 32
+    tables, lens = meta.row_tables
+    assert lens.tolist() == [40, 16, 33, 34, 35, 36, 37] and lens.dtype == torch.int32
+    assert torch.equal(tables, meta.block_tables[[0, 1, 2, 2, 2, 2, 2]])
+    decode_only = step_metadata([40, 16], None, random.Random(0))
+    assert decode_only.row_tables == (decode_only.block_tables, decode_only.seq_lens)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
-@pytest.mark.parametrize("decode_lens", [[1], [17], [40, 16], [130, 64, 33, 2]])
-def test_fused_decode_layers_equal_the_layer_by_layer_forward(model_factory, arch, decode_lens):
-    """A decode-only step of at most FUSED_DECODE_ROWS requests runs every layer in one kernel call
-    (CPUKernelOps.decode_layers): the same logits and the same KV written as the model's own layer
-    loop on the kernels, and as plain torch ops over the torch attention backend."""
+@pytest.mark.parametrize("decode_lens, chunk", [
+    ([1], None), ([17], None), ([40, 16], None), ([130, 64, 33, 2], None),
+    ([40, 16], (32, 5)),  # a request verifying 4 drafts beside two decodes
+    ([], (0, 9)),  # a whole short prompt
+    ([7], (20, FUSED_MAX_CHUNK)),
+])
+def test_fused_decode_layers_equal_the_layer_by_layer_forward(model_factory, arch, decode_lens, chunk):
+    """A step of at most FUSED_DECODE_ROWS rows whose chunks are at most FUSED_MAX_CHUNK long runs
+    every layer in one kernel call (CPUKernelOps.decode_layers, each row attended as a decode): the
+    same logits and the same KV written as the model's own layer loop on the kernels, and as plain
+    torch ops over the torch attention backend."""
     model = LLMEngine.from_model(model_factory(f"fused-{arch}", layers=3, hidden=64, heads=4, kv_heads=2, arch=arch,
                                                seed=7), num_blocks=8).model
     cfg = model.cfg
-    assert len(decode_lens) <= FUSED_DECODE_ROWS
-    rng = random.Random(len(decode_lens))
-    meta = step_metadata(decode_lens, None, rng)
+    meta = step_metadata(decode_lens, chunk, random.Random(len(decode_lens)))
+    rows = len(meta.slot_blocks)
+    assert CPUKernelOps().fuses(meta) and not CPUKernelOps(fused_decode_rows=0).fuses(meta)
     g = torch.Generator().manual_seed(1)
     pool = torch.randn(BLOCKS, cfg.num_layers, 2, BS, cfg.num_kv_heads, cfg.head_dim, generator=g)
-    ids = torch.randint(0, cfg.vocab_size, (len(decode_lens),), generator=g)
-    positions = torch.tensor([n - 1 for n in decode_lens])
-    rows = torch.arange(len(decode_lens))
+    ids = torch.randint(0, cfg.vocab_size, (rows,), generator=g)
+    positions = torch.tensor([n - 1 for n in decode_lens] + (list(range(chunk[0], sum(chunk))) if chunk else []))
+    logit_rows = torch.arange(rows)
     runs = []
     for ops, attention in ((CPUKernelOps(), "torch"), (CPUKernelOps(fused_decode_rows=0), "torch"),
                            (TorchOps(), "torch")):
         model.use_ops(ops)
         cache = pool.clone()
-        logits = model(ids, positions, cache, meta, resolve_backend(attention, torch.device("cpu"), BS), rows)
+        logits = model(ids, positions, cache, meta, resolve_backend(attention, torch.device("cpu"), BS), logit_rows)
         runs.append((logits, cache))
     (fused, fused_cache), (layered, layered_cache), (ref, ref_cache) = runs
     # Rounding apart (attention: the paged kernel vs torch SDPA; torch's own linears), nothing else:
     # every layer's K/V written to the same slots, the rest of the pool untouched.
     untouched = (fused_cache == pool).all(dim=(1, 2, 4, 5))  # [blocks, block positions]
     assert torch.equal(untouched, (layered_cache == pool).all(dim=(1, 2, 4, 5)))
-    assert int((~untouched).sum()) == len(decode_lens)  # one new token's slot per request
+    assert int((~untouched).sum()) == rows  # one slot per new token
     torch.testing.assert_close(fused_cache, layered_cache, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_cache, ref_cache, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused, layered, rtol=1e-5, atol=1e-5)
@@ -191,5 +206,5 @@ def test_only_small_decode_only_steps_take_the_fused_layers(tiny_model):
     prompts = [[5 + i] * (10 + i) for i in range(6)]
     # request i makes i + 1 tokens: after the prompts' step, decode steps of 5, 4, 3, 2 and 1 requests
     engine.generate(prompts, [SamplingParams(max_tokens=i + 1, temperature=0, ignore_eos=True) for i in range(6)])
-    assert calls == [4, 3, 2, 1]  # 5 rows, and the prompts' step, layer by layer
+    assert calls == [4, 3, 2, 1]  # 5 rows, and the prompts' step (75 rows), layer by layer
     assert engine.kv.num_free_blocks == engine.kv.num_blocks

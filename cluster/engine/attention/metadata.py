@@ -48,6 +48,21 @@ class AttentionMetadata:
     block_size: int
 
     @cached_property
+    def row_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token row as a decode of its own: (block tables [T, max_blocks] int32, context
+        lengths [T] int32). Row j of a chunk that ends at context length L (q_len n) sees L - n + 1 + j
+        tokens, its own K/V written before attention: causal within the chunk. For kernels that
+        attend row by row (ops.decode_layers); a decode-only step's are its own tables."""
+        if self.max_q_len == 1:
+            return self.block_tables, self.seq_lens
+        q_lens = self.cu_seqlens_q.diff()
+        rows = int(self.cu_seqlens_q[-1])
+        after = self.cu_seqlens_q[1:].repeat_interleave(q_lens, output_size=rows)  # the row's chunk's end
+        lens = self.seq_lens.repeat_interleave(q_lens, output_size=rows)
+        lens = lens - (after - 1 - torch.arange(rows, device=lens.device, dtype=after.dtype))
+        return self.block_tables.repeat_interleave(q_lens, dim=0, output_size=rows), lens.to(torch.int32)
+
+    @cached_property
     def decode_groups(self) -> tuple[DecodeGroup, ...]:
         """The decodes in <= MAX_DECODE_GROUPS padded batches of similar length (the torch
         backend's plan; computed on first use, so backends that read the pool in place skip it)."""

@@ -137,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [S, vocab] float32
         x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
-        if not meta.prefills and 0 < meta.num_decode <= self.ops.fused_decode_rows:  # one kernel call
+        if self.ops.fuses(meta):  # the whole layer stack in one kernel call
             weights, qkv_bias = self.layer_weights()
             attn = self.layers[0].self_attn
             x, residual = self.ops.decode_layers(x, weights, qkv_bias, kv_cache, meta, cos, sin, attn.h, attn.hkv,

@@ -32,13 +32,19 @@ SMALL_ROWS = 64
 # layer's non-linear work. Decode step medians, SmolLM2-135M, 129-160-token contexts, the AVX-512 VM
 # (2026-11-26), fused vs layer by layer: 1 request 16.7-18.4 vs 23.0-23.9 ms, 4: 26.1-30.1 vs
 # 29.6-30.1, 8: 46.8-48.2 vs 50.1-52.1, 16: 66.6-70.6 vs 73.3-74.6, 32: 114.9-116.7 vs 117.8-119.0.
-# Larger batches were not measured.
+# Larger batches were not measured. Counted in rows: a verify step's drafts are rows too.
 FUSED_DECODE_ROWS = 32
+# ... and so do steps whose multi-token chunks are this short (a request verifying up to 16 drafts):
+# each of their rows attends alone, as a decode over the context up to its own position.
+FUSED_MAX_CHUNK = 17
 
 
 class TorchOps:
     name = "torch"
-    fused_decode_rows = 0  # never: the model's layers run one op at a time
+
+    @staticmethod
+    def fuses(meta) -> bool:
+        return False  # the model's layers run one op at a time
 
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -99,12 +105,18 @@ class CPUKernelOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._silu_mul(gate_up) if gate_up.dim() == 2 else TorchOps.silu_mul(gate_up)
 
+    def fuses(self, meta) -> bool:
+        """Whether this step's layers run in one decode_layers call."""
+        rows = int(meta.cu_seqlens_q[-1]) if meta.max_q_len > 1 else meta.num_decode
+        return 0 < rows <= self.fused_decode_rows and meta.max_q_len <= FUSED_MAX_CHUNK
+
     def decode_layers(self, x, weights, qkv_bias, kv_cache, meta, cos, sin, num_heads: int, num_kv_heads: int,
                       eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode-only step's layers in one call, attention by the paged decode kernel (the
-        cpu_paged backend's, tested equal to the torch backend): (x, residual) after the last layer."""
-        return self._decode_layers(x, weights, qkv_bias, kv_cache, meta.block_tables, meta.seq_lens,
-                                   meta.slot_blocks, meta.slot_offsets, cos, sin, num_heads, num_kv_heads, eps, scale)
+        """A step's layers in one call, every row attended as a decode by the paged decode kernel
+        (the cpu_paged backend's, tested equal to the torch backend): (x, residual) after the last layer."""
+        tables, lens = meta.row_tables
+        return self._decode_layers(x, weights, qkv_bias, kv_cache, tables, lens, meta.slot_blocks, meta.slot_offsets,
+                                   cos, sin, num_heads, num_kv_heads, eps, scale)
 
 
 TORCH_OPS = TorchOps()
