@@ -1,6 +1,6 @@
 """Builds and loads the CPU kernels (csrc/cpu_kernels.cpp) as torch ops (torch.ops.pdserve_cpu.*):
-paged decode attention and the KV write (attention/cpu_paged.py), and the small-batch linear
-and RMSNorm (model/ops.py).
+paged decode attention and the KV write (attention/cpu_paged.py), and the small-batch linear,
+RMSNorm, RoPE, SiLU-mul and the fused layer stack of a small step (model/ops.py).
 
 Compiled once per (source, torch version, CPU capability) with the system C++ compiler into
 ~/.cache/pdserve/ext/ and loaded with `torch.ops.load_library`; later processes load the cached

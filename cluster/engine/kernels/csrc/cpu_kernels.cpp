@@ -1,6 +1,8 @@
 // CPU kernels for the fp32 engine. Paged attention for decode: each query row attends to its request's keys and values where
 // they lie in the block pool, so the gathered [B, L, H_kv, D] copy the torch backend makes is never
-// built. Also the KV write (one call for K and V). fp32 only (the CPU path's dtype).
+// built. Also the KV write (one call for K and V), the small-batch linear, RMSNorm (with the residual
+// add), RoPE, SiLU-mul, and decode_layers: a small step's whole layer stack in one call. fp32 only
+// (the CPU path's dtype).
 //
 // Cache views are [num_blocks, block_size, H_kv, D] with the inner three dims contiguous and any
 // stride between blocks (a layer's K or V slice of the pool's [N, L, 2, bs, H_kv, D] tensor).
