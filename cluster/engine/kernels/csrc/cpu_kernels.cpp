@@ -43,6 +43,34 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// A vector register of floats (GCC vector extensions: zmm with AVX-512, ymm with AVX2; the FMAs
+// come from -ffp-contract=fast).
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+#else
+constexpr int VL = 8;
+#endif
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+
+inline vf loadu(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);  // an unaligned vector load
+  return v;
+}
+
+inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(vf v) {  // pairwise, in a fixed order
+  float a[VL];
+  std::memcpy(a, &v, sizeof v);
+#pragma GCC unroll 4
+  for (int w = VL / 2; w >= 1; w /= 2) {
+#pragma GCC unroll 8
+    for (int l = 0; l < w; ++l) a[l] += a[l + w];
+  }
+  return a[0];
+}
+
 void check_cache(const at::Tensor& c, const char* name) {
   TORCH_CHECK(c.dim() == 4 && c.scalar_type() == at::kFloat && c.device().is_cpu(),
               name, " must be a [N, block_size, H_kv, D] float32 CPU tensor");
@@ -110,19 +138,22 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       scores.resize(static_cast<size_t>(G * L));
       float* sc = scores.data();
       const float* qrow = qp + (b * H + h * G) * D;
-      // scores[g, t] = q_g . k_t * scale: k_t loaded once for all G heads, 8 lanes per head.
+      // scores[g, t] = q_g . k_t * scale: one vector accumulator per dot, reduced pairwise.
       for (int64_t t = 0; t < L; ++t) {
         const float* k = kp + table[t / bs] * k_stride + (t % bs) * tok + h * D;
-        float acc[kMaxGroup][8] = {};
-        for (int64_t i = 0; i < D; i += 8) {
-          for (int64_t g = 0; g < G; ++g) {
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; ++j) acc[g][j] += qrow[g * D + i + j] * k[i + j];
-          }
+        if (t % bs == 0 && t + bs < L) {  // the next block's rows of this head, ahead of the loads
+          const float* next = kp + table[t / bs + 1] * k_stride + h * D;
+          for (int64_t r = 0; r < bs; ++r)
+            for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(next + r * tok + i);
         }
         for (int64_t g = 0; g < G; ++g) {
-          const float* a = acc[g];
-          sc[g * L + t] = (((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]))) * fscale;
+          const float* qg = qrow + g * D;
+          vf acc = {};
+          int64_t i = 0;
+          for (; i + VL <= D; i += VL) acc += loadu(qg + i) * loadu(k + i);
+          float dot_qk = hsum(acc);
+          for (; i < D; ++i) dot_qk += qg[i] * k[i];
+          sc[g * L + t] = dot_qk * fscale;
         }
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -156,6 +187,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       float* orow = op + (b * H + h * G) * D;
       for (int64_t t = 0; t < L; ++t) {
         const float* v = vp + table[t / bs] * v_stride + (t % bs) * tok + h * D;
+        if (t % bs == 0 && t + bs < L) {
+          const float* next = vp + table[t / bs + 1] * v_stride + h * D;
+          for (int64_t r = 0; r < bs; ++r)
+            for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(next + r * tok + i);
+        }
         for (int64_t g = 0; g < G; ++g) axpy(orow + g * D, sc[g * L + t], v, D);
       }
     }
@@ -200,19 +236,10 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
 // accumulators (TM + TN loads for TM * TN FMAs), which keeps the FMA units busy as the rows grow.
 constexpr int64_t DOT_ROWS = 4;
 #if defined(__AVX512F__)
-constexpr int VL = 16;  // floats per vector register
 constexpr int TM = 4, TN = 4;  // 16 accumulators + 4 weight vectors + 1 x vector of 32 registers
 #else
-constexpr int VL = 8;
 constexpr int TM = 2, TN = 4;  // 8 + 4 + 1 of 16
 #endif
-typedef float vf __attribute__((vector_size(VL * sizeof(float))));
-
-inline vf loadu(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);  // an unaligned vector load
-  return v;
-}
 
 template <int MR, int NR>
 inline void linear_tile(const float* __restrict x, int64_t K, const float* __restrict w, float* __restrict y,
