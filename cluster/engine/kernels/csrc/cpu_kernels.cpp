@@ -60,15 +60,18 @@ inline vf loadu(const float* p) {
 
 inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-inline float hsum(vf v) {  // pairwise, in a fixed order
-  float a[VL];
-  std::memcpy(a, &v, sizeof v);
-#pragma GCC unroll 4
-  for (int w = VL / 2; w >= 1; w /= 2) {
-#pragma GCC unroll 8
-    for (int l = 0; l < w; ++l) a[l] += a[l + w];
-  }
-  return a[0];
+typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
+
+inline float hsum(vf v) {  // halves added pairwise in registers, in a fixed order
+#if defined(__AVX512F__)
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const vf8 a = v;
+#endif
+  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 void check_cache(const at::Tensor& c, const char* name) {
@@ -95,6 +98,12 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return x < -87.0f ? 0.0f : e * scale;
+}
+
+// Ask for `rows` rows of `d` floats, `stride` floats apart, ahead of their loads.
+inline void prefetch_rows(const float* p, int64_t rows, int64_t stride, int64_t d) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(p + r * stride + i);
 }
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head handled in registers
@@ -138,22 +147,24 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       scores.resize(static_cast<size_t>(G * L));
       float* sc = scores.data();
       const float* qrow = qp + (b * H + h * G) * D;
-      // scores[g, t] = q_g . k_t * scale: one vector accumulator per dot, reduced pairwise.
-      for (int64_t t = 0; t < L; ++t) {
-        const float* k = kp + table[t / bs] * k_stride + (t % bs) * tok + h * D;
-        if (t % bs == 0 && t + bs < L) {  // the next block's rows of this head, ahead of the loads
-          const float* next = kp + table[t / bs + 1] * k_stride + h * D;
-          for (int64_t r = 0; r < bs; ++r)
-            for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(next + r * tok + i);
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qrow + g * D;
-          vf acc = {};
-          int64_t i = 0;
-          for (; i + VL <= D; i += VL) acc += loadu(qg + i) * loadu(k + i);
-          float dot_qk = hsum(acc);
-          for (; i < D; ++i) dot_qk += qg[i] * k[i];
-          sc[g * L + t] = dot_qk * fscale;
+      // scores[g, t] = q_g . k_t * scale: one vector accumulator per dot, reduced pairwise. Block
+      // by block (no division per token); the next block's rows of this head are fetched ahead.
+      const int64_t nblk = (L + bs - 1) / bs;
+      for (int64_t blk = 0; blk < nblk; ++blk) {
+        const float* kb = kp + table[blk] * k_stride + h * D;
+        if (blk + 1 < nblk) prefetch_rows(kp + table[blk + 1] * k_stride + h * D, bs, tok, D);
+        const int64_t t0 = blk * bs, rows = std::min(bs, L - t0);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* k = kb + r * tok;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qrow + g * D;
+            vf acc = {};
+            int64_t i = 0;
+            for (; i + VL <= D; i += VL) acc += loadu(qg + i) * loadu(k + i);
+            float dot_qk = hsum(acc);
+            for (; i < D; ++i) dot_qk += qg[i] * k[i];
+            sc[g * L + t0 + r] = dot_qk * fscale;
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -185,14 +196,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
         for (t = 0; t < L; ++t) s[t] *= inv;
       }
       float* orow = op + (b * H + h * G) * D;
-      for (int64_t t = 0; t < L; ++t) {
-        const float* v = vp + table[t / bs] * v_stride + (t % bs) * tok + h * D;
-        if (t % bs == 0 && t + bs < L) {
-          const float* next = vp + table[t / bs + 1] * v_stride + h * D;
-          for (int64_t r = 0; r < bs; ++r)
-            for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(next + r * tok + i);
+      for (int64_t blk = 0; blk < nblk; ++blk) {
+        const float* vb = vp + table[blk] * v_stride + h * D;
+        if (blk + 1 < nblk) prefetch_rows(vp + table[blk + 1] * v_stride + h * D, bs, tok, D);
+        const int64_t t0 = blk * bs, rows = std::min(bs, L - t0);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t g = 0; g < G; ++g) axpy(orow + g * D, sc[g * L + t0 + r], vb + r * tok, D);
         }
-        for (int64_t g = 0; g < G; ++g) axpy(orow + g * D, sc[g * L + t], v, D);
       }
     }
   });
