@@ -75,6 +75,18 @@ def test_cpu_paged_equals_the_torch_backend(decode_lens, prefill):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("h, hkv, d", [(34, 2, 20), (8, 1, 8), (3, 3, 36)])  # 17 heads a KV head; MQA; D off the vector width
+def test_cpu_paged_takes_any_head_grouping_and_head_size(h, hkv, d):
+    meta = step_metadata([70, 33, 1], None, random.Random(h))
+    g = torch.Generator().manual_seed(d)
+    pool = torch.randn(BLOCKS, 1, 2, BS, hkv, d, generator=g)
+    q = torch.randn(3, h, d, generator=g)
+    outs = [resolve_backend(name, torch.device("cpu"), BS).attend(q, None, None, pool[:, 0, 0], pool[:, 0, 1], meta,
+                                                                   d**-0.5)
+            for name in ("torch", "cpu_paged")]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+
+
 def test_the_kernel_refuses_a_length_past_its_table():
     meta = step_metadata([20], None, random.Random(0))  # 2 blocks
     pool = torch.zeros(BLOCKS, 1, 2, BS, HKV, D)
