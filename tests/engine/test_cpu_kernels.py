@@ -54,6 +54,7 @@ def step_metadata(decode_lens, prefill, rng):
 
 @pytest.mark.parametrize("decode_lens,prefill", [
     ([1], None), ([16], None), ([17], None), ([200, 120, 33, 16, 5, 1], None),
+    ([200, 120, 90, 64, 33, 17, 16, 5, 1], None),  # 4 x 2 threads or more: a whole request per work item
     ([90, 40], (32, 20)), ([], (0, 40)), ([64], (0, 9)),
 ])
 def test_cpu_paged_equals_the_torch_backend(decode_lens, prefill):

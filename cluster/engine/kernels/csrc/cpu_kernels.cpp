@@ -135,38 +135,42 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   auto out = at::zeros({B, H, D}, qc.options());
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  // One work item is one (request, kv head): its G query heads read each key and value once.
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // One work item is a request's KV heads [h0, h0 + nh) and their nh * G query heads, which read
+  // each key and value once. With enough requests for the threads an item is a whole request (its
+  // token rows read front to back); with few, one KV head (more items than threads).
+  const int64_t nh = B >= 4 * at::get_num_threads() ? Hkv : 1, QH = nh * G;
+  at::parallel_for(0, B * (Hkv / nh), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t b = item / (Hkv / nh), h0 = item % (Hkv / nh) * nh;
       const int64_t L = lp[b];
       const int32_t* table = tp + b * max_blocks;
-      scores.resize(static_cast<size_t>(G * L));
+      scores.resize(static_cast<size_t>(QH * L));
       float* sc = scores.data();
-      const float* qrow = qp + (b * H + h * G) * D;
-      // scores[g, t] = q_g . k_t * scale: one vector accumulator per dot, reduced pairwise. Block
-      // by block (no division per token); the next block's rows of this head are fetched ahead.
+      const float* qrow = qp + (b * H + h0 * G) * D;
+      // scores[j, t] = q_j . k_t * scale (j: the item's query heads, k_t of j's KV head): one vector
+      // accumulator per dot, reduced in registers. Block by block (no division per token); the next
+      // block's rows of the item's heads are fetched ahead.
       const int64_t nblk = (L + bs - 1) / bs;
       for (int64_t blk = 0; blk < nblk; ++blk) {
-        const float* kb = kp + table[blk] * k_stride + h * D;
-        if (blk + 1 < nblk) prefetch_rows(kp + table[blk + 1] * k_stride + h * D, bs, tok, D);
+        const float* kb = kp + table[blk] * k_stride + h0 * D;
+        if (blk + 1 < nblk) prefetch_rows(kp + table[blk + 1] * k_stride + h0 * D, bs, tok, nh * D);
         const int64_t t0 = blk * bs, rows = std::min(bs, L - t0);
         for (int64_t r = 0; r < rows; ++r) {
-          const float* k = kb + r * tok;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qrow + g * D;
+          for (int64_t jq = 0; jq < QH; ++jq) {
+            const float* k = kb + r * tok + (jq / G) * D;
+            const float* qj = qrow + jq * D;
             vf acc = {};
             int64_t i = 0;
-            for (; i + VL <= D; i += VL) acc += loadu(qg + i) * loadu(k + i);
+            for (; i + VL <= D; i += VL) acc += loadu(qj + i) * loadu(k + i);
             float dot_qk = hsum(acc);
-            for (; i < D; ++i) dot_qk += qg[i] * k[i];
-            sc[g * L + t0 + r] = dot_qk * fscale;
+            for (; i < D; ++i) dot_qk += qj[i] * k[i];
+            sc[jq * L + t0 + r] = dot_qk * fscale;
           }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = sc + g * L;
+      for (int64_t jq = 0; jq < QH; ++jq) {
+        float* s = sc + jq * L;
         float m8[8];
         for (int j = 0; j < 8; ++j) m8[j] = -std::numeric_limits<float>::infinity();
         int64_t t = 0;
@@ -193,13 +197,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
         const float inv = 1.0f / sum;
         for (t = 0; t < L; ++t) s[t] *= inv;
       }
-      float* orow = op + (b * H + h * G) * D;
+      float* orow = op + (b * H + h0 * G) * D;
       for (int64_t blk = 0; blk < nblk; ++blk) {
-        const float* vb = vp + table[blk] * v_stride + h * D;
-        if (blk + 1 < nblk) prefetch_rows(vp + table[blk + 1] * v_stride + h * D, bs, tok, D);
+        const float* vb = vp + table[blk] * v_stride + h0 * D;
+        if (blk + 1 < nblk) prefetch_rows(vp + table[blk + 1] * v_stride + h0 * D, bs, tok, nh * D);
         const int64_t t0 = blk * bs, rows = std::min(bs, L - t0);
         for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t g = 0; g < G; ++g) axpy(orow + g * D, sc[g * L + t0 + r], vb + r * tok, D);
+          for (int64_t jq = 0; jq < QH; ++jq) axpy(orow + jq * D, sc[jq * L + t0 + r], vb + r * tok + (jq / G) * D, D);
         }
       }
     }
