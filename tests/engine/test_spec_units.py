@@ -280,3 +280,27 @@ def test_a_request_gets_the_drafts_that_pay_and_cost_model_off_ignores_costs():
     bad = decoding_request("bad", 0.3, 4)
     off.propose([bad])
     assert bad.draft_token_ids == (7, 7, 7, 7) and off.stats.spec_off == {}
+
+
+def test_a_new_request_is_priced_at_the_replicas_recent_acceptance():
+    """Where drafts are mostly rejected, a request not verified yet counts at the replica's recent
+    rate, not its own optimistic start, so new requests do not each pay a verify step to find out."""
+    fresh = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=64, temperature=0)) for i in range(8)]
+    for r in fresh:
+        r.append_token(5)
+        r.num_computed_tokens = 3
+    s = speculator()
+    s.costs = jumped()
+    s.propose(fresh)  # prior 0.8 (the start): 8 + 18.9 expected tokens in 130 ms beat 8 in 50 ms
+    assert [len(r.draft_token_ids) for r in fresh] == [4] * 8 and all(r.spec.verified_steps == 0 for r in fresh)
+    s.prior_acceptance = 0.2
+    for r in fresh:
+        r.draft_token_ids = ()
+    s.propose(fresh)
+    assert [len(r.draft_token_ids) for r in fresh] == [0] * 8 and s.stats.spec_off == {"cost": 1}
+    s.costs = StepCosts()  # 4 drafts cheap, more dear: 8 + 3.5 tokens in 55 ms beat 8 in 50 ms
+    for rows, seconds in ((8, 0.050), (12, 0.055), (40, 0.200)):
+        s.costs.observe(8, rows, seconds)
+    verified = decoding_request("v", 0.95, 4)  # its own rate, once verified
+    s.propose([verified] + fresh[:7])
+    assert len(verified.draft_token_ids) == 4 and [len(r.draft_token_ids) for r in fresh[:7]] == [0] * 7

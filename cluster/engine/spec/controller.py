@@ -14,7 +14,9 @@ after each update.
 - Drafts must pay at the current decode batch (cluster/engine/spec/cost.py): of the step's
   candidate drafts (request i's j-th accepted with probability r_i^j) it verifies the n most
   likely, n chosen for the most tokens a second from the replica's measured step times by rows
-  computed. A step that leaves any candidate request without drafts counts off reason "cost".
+  computed. A request not verified yet counts at no more than the replica's recent acceptance
+  over all requests (`prior_acceptance`). A step that leaves any candidate request without drafts
+  counts off reason "cost".
 - The replica does not speculate while more than options.max_batch requests are decoding: a
   large batch is compute-bound and drafts then cost more than they save.
 - Drafts never exceed what the request may still emit (max_tokens, the context length), and
@@ -37,6 +39,7 @@ from cluster.engine.spec.state import SpecState
 
 EWMA = 0.3  # weight of the latest verified step in the acceptance rate
 START_ACCEPTANCE = 0.8  # optimistic: a new request starts at the full k
+PRIOR_EWMA = 0.05  # weight of the latest verified step in the replica's acceptance (the prior)
 RESUME_ACCEPTANCE = 0.45  # after a pause, one more bad step pauses it again
 MIN_STEPS = 3  # verified steps before a request may be paused
 PAUSE_TOKENS = 16
@@ -64,6 +67,10 @@ class Speculator:
         self.stats = stats
         self.max_model_len = max_model_len
         self.costs = StepCosts()
+        # The replica's recent acceptance over all requests: what the cost plan expects of a request
+        # not verified yet (its own rate starts optimistic, for k), so that where drafts are mostly
+        # rejected a stream of new requests does not pay a verify step each to find out again.
+        self.prior_acceptance = START_ACCEPTANCE
         self._propose_s = 0.0  # the last propose() call's time, counted in its step's cost
         self._asked: list[Request] = []  # the requests the proposer drafted for in that call
 
@@ -90,7 +97,9 @@ class Speculator:
                 cands.append((req, k))
         asks = cands
         if cands and self.options.cost_model == "measured":  # the n most likely drafts, n from step costs
-            best = draft_probabilities([req.spec.acceptance for req, _ in cands], [k for _, k in cands])
+            rates = [req.spec.acceptance if req.spec.verified_steps else min(req.spec.acceptance, self.prior_acceptance)
+                     for req, _ in cands]
+            best = draft_probabilities(rates, [k for _, k in cands])
             n = self.costs.plan(len(decoding), [p for p, _ in best])
             take = Counter(i for _, i in best[:n])
             asks = [(req, take[i]) for i, (req, _) in enumerate(cands) if take[i]]
@@ -131,6 +140,7 @@ class Speculator:
             st.spec_proposed_tokens += proposed
             st.spec_accepted_tokens += a
             state = req.spec
+            self.prior_acceptance = (1 - PRIOR_EWMA) * self.prior_acceptance + PRIOR_EWMA * a / proposed
             r = state.acceptance = (1 - EWMA) * state.acceptance + EWMA * a / proposed
             state.verified_steps += 1
             state.k = max(1, min(self.options.k, 1 + int(r / (1 - r)) if r < 1 else self.options.k))
