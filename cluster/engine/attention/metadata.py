@@ -56,7 +56,7 @@ class AttentionMetadata:
         if self.max_q_len == 1:
             return self.block_tables, self.seq_lens
         q_lens = self.cu_seqlens_q.diff()
-        rows = int(self.cu_seqlens_q[-1])
+        rows = self.slot_blocks.shape[0]  # one new token's slot per row
         after = self.cu_seqlens_q[1:].repeat_interleave(q_lens, output_size=rows)  # the row's chunk's end
         lens = self.seq_lens.repeat_interleave(q_lens, output_size=rows)
         lens = lens - (after - 1 - torch.arange(rows, device=lens.device, dtype=after.dtype))

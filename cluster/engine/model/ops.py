@@ -107,8 +107,7 @@ class CPUKernelOps:
 
     def fuses(self, meta) -> bool:
         """Whether this step's layers run in one decode_layers call."""
-        rows = int(meta.cu_seqlens_q[-1]) if meta.max_q_len > 1 else meta.num_decode
-        return 0 < rows <= self.fused_decode_rows and meta.max_q_len <= FUSED_MAX_CHUNK
+        return 0 < meta.slot_blocks.shape[0] <= self.fused_decode_rows and meta.max_q_len <= FUSED_MAX_CHUNK
 
     def decode_layers(self, x, weights, qkv_bias, kv_cache, meta, cos, sin, num_heads: int, num_kv_heads: int,
                       eps: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -277,9 +277,7 @@ inline void linear_tile(const float* __restrict x, int64_t K, const float* __res
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
-      float s = 0.f;
-#pragma GCC unroll 16
-      for (int l = 0; l < VL; ++l) s += acc[i][j][l];
+      float s = hsum(acc[i][j]);
       for (int64_t kk = k; kk < K; ++kk) s += x[i * K + kk] * w[j * K + kk];
       y[i * N + j] = bias ? s + bias[j] : s;
     }
