@@ -33,7 +33,7 @@ from kv_transfer.errors import KVTransferError
 from kv_transfer.handle import KVHandle, KVLayout, PeerInfo
 from kv_transfer.metadata_store import MetadataStore
 from kv_transfer.stats import TransferStats
-from kv_transfer.transports import check_required
+from kv_transfer.transports import check_required, enable_cuda_ipc_reads
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ class NixlTransport:
         if ucx_proto_info:
             os.environ.setdefault("UCX_PROTO_INFO", "y")  # UCX logs its choice per endpoint
         available = check_required(list(required_transports))
+        if kv_cache.is_cuda:
+            enable_cuda_ipc_reads()
         from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415 — lazy: heavy import
 
         if not kv_cache.is_contiguous():

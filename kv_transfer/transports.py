@@ -84,3 +84,15 @@ def check_required(required: list[str]) -> list[str]:
             "Refusing to start rather than fall back to a slower transport."
         )
     return available
+
+
+def enable_cuda_ipc_reads() -> None:
+    """Let UCX READ GPU memory over cuda_ipc on GPUs without NVLink.
+
+    A pull is a READ (ucp_get). UCX turns cuda_ipc's get_zcopy off when it finds no NVLink ("cuda-ipc
+    get zcopy disabled as no nvlinks detected"), and the READ then falls to software emulation over
+    TCP: 0.5 GB/s between two processes on one H200 (docs/benchmarks.md, "The GPU path"). With it
+    on, the same READ is a device copy through a CUDA IPC handle. Set before the UCX context is made
+    (an agent's creation); a value the operator set wins."""
+    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+

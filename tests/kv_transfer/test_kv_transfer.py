@@ -292,6 +292,26 @@ def test_a_required_transport_that_is_missing_refuses_to_start(tiny_model, store
                           required_transports=required)
 
 
+def test_cuda_ipc_reads_are_turned_on_for_vram_pools_only_and_never_over_the_operator(tiny_model, store,
+                                                                                     monkeypatch):
+    """Without NVLink UCX turns cuda_ipc's GET off and a pull of VRAM falls to TCP emulation (0.5 GB/s
+    on an H200, docs/benchmarks.md): a VRAM pool's transport turns it on, a DRAM pool's leaves UCX be."""
+    import os
+
+    from kv_transfer.transports import enable_cuda_ipc_reads
+
+    var = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+    monkeypatch.delenv(var, raising=False)
+    engine = LLMEngine.from_model(tiny_model, num_blocks=8)
+    NixlTransport("dram-pool", engine.kv_cache, engine_layout(engine), FileMetadataStore(store)).close()
+    assert var not in os.environ
+    enable_cuda_ipc_reads()  # what NixlTransport calls for a CUDA pool (tests/gpu runs that path)
+    assert os.environ[var] == "y"
+    monkeypatch.setenv(var, "n")
+    enable_cuda_ipc_reads()
+    assert os.environ[var] == "n"
+
+
 class UnansweredLookups(FileMetadataStore):
     """The real store, with its lookups failing as RayMetadataStore's do when the registry actor
     is dead, restarting or too slow (an injected fault, not a fake: publishing still works)."""
