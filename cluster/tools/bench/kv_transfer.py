@@ -1,14 +1,18 @@
 """KV transfer throughput over NIXL between two OS processes, against memcpy in one process.
 
     python -m cluster.tools.bench.kv_transfer [--lengths 128 512 1024 2048 4096] [--bulk-mib 256]
+    python -m cluster.tools.bench.kv_transfer --device cuda --model smollm2-shape --dtype bfloat16 \
+        --bulk-mib 1 4 16 64 256 1024          (a GPU machine: both pools and the bulk region in VRAM)
 
 Part 1 (engines): a prefill engine in a child process prefills each prompt; this process's
 decode engine pulls all of its blocks (own prefix cache emptied first) with one NIXL READ. For
 each length: bytes moved, pull time and bandwidth, a torch copy of the same number of bytes in
 this process from cold memory (the memcpy arm; see memcpy_gbps) and the ratio, the cache-hot copy
 beside it, descriptors per block, and the prefill time of the same prompt beside the transfer.
-Part 2 (bulk): one contiguous region (default 256 MiB) registered in both processes and pulled
-as one descriptor, against a torch copy of the same size.
+Part 2 (bulk): one contiguous region per --bulk-mib size registered in both processes and pulled
+as one descriptor, against a torch copy of the same size in one process (on CUDA a device-to-device
+cudaMemcpy, timed with events, from a window of a buffer larger than L2 that moves each time).
+On CUDA, set UCX_PROTO_INFO=y to see which UCX transport carried the bytes (cuda_ipc, cuda_copy).
 Only the pull is timed (post + completion), never the handshake: each peer is warmed up first.
 """
 
@@ -24,6 +28,7 @@ import tempfile
 import torch
 
 from cluster.tools.bench.engine import ensure_bench_model
+from cluster.tools.bench.ttft_tpot import model_dir
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from decode.engine import DecodeEngine
@@ -31,7 +36,7 @@ from kv_transfer.layout import engine_layout
 from cluster.tools.local_peer import PrefillProcess
 from kv_transfer.metadata_store import FileMetadataStore
 from kv_transfer.transport import NixlTransport
-from kv_transfer.transports import available_transports
+from kv_transfer.transports import available_transports, enable_cuda_ipc_reads
 
 
 def memcpy_gbps(nbytes: int, reps: int = 7, cold: bool = False) -> float:
@@ -64,15 +69,39 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def bench_engines(model_dir: str, lengths: list[int], store: Path, reps: int, threads: int) -> list[dict]:
+def cuda_copy_gbps(nbytes: int, reps: int = 7) -> float:
+    """Median device-to-device copy of `nbytes` in this process (cudaMemcpy through torch), timed
+    with CUDA events; each rep copies another window of buffers larger than L2 (no cache hits)."""
+    arena = max(512 * 2**20, 2 * nbytes)
+    src = torch.empty(arena, dtype=torch.uint8, device="cuda").fill_(1)
+    dst = torch.zeros(arena, dtype=torch.uint8, device="cuda")
+    times = []
+    for i in range(reps + 1):
+        off = (i * nbytes) % (arena - nbytes + 1)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst[off:off + nbytes].copy_(src[off:off + nbytes])
+        b.record()
+        b.synchronize()
+        if i:
+            times.append(a.elapsed_time(b) / 1e3)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def copy_gbps(nbytes: int, device: str, cold: bool) -> float:
+    return cuda_copy_gbps(nbytes) if device.startswith("cuda") else memcpy_gbps(nbytes, cold=cold)
+
+
+def bench_engines(model_dir: str, lengths: list[int], store: Path, reps: int, threads: int, device: str = "cpu",
+                  dtype: str = "auto") -> list[dict]:
     max_len = max(lengths)
     blocks = (max_len // 16 + 2) * 2
-    prefill = PrefillProcess(model_dir, store, engine_id=f"bench-prefill-{threads}", nixl_threads=threads, num_blocks=blocks,
-                             max_num_batched_tokens=1024, max_model_len=max_len + 8)
-    engine = LLMEngine.from_model(model_dir, num_blocks=blocks, max_num_batched_tokens=1024, max_model_len=max_len + 8)
+    kw = dict(num_blocks=blocks, max_num_batched_tokens=1024, max_model_len=max_len + 8, device=device, dtype=dtype)
+    prefill = PrefillProcess(model_dir, store, engine_id=f"bench-prefill-{threads}", nixl_threads=threads, **kw)
+    engine = LLMEngine.from_model(model_dir, **kw)
     transport = NixlTransport(f"bench-decode-{threads}", engine.kv_cache, engine_layout(engine),
                               FileMetadataStore(store), telemetry=True, num_threads=threads)
-    decode = DecodeEngine(engine, transport, transfer_timeout_s=60)
+    decode = DecodeEngine(engine, transport, transfer_timeout_s=10)  # < the 30 s lease: pulled, not recomputed
     sp = SamplingParams(max_tokens=1 + 1, temperature=0, ignore_eos=True)
     rows = []
     try:
@@ -85,7 +114,7 @@ def bench_engines(model_dir: str, lengths: list[int], store: Path, reps: int, th
                 samples.append(dt_pull)
                 prefill_s.append(dt_prefill)
             pull = statistics.median(samples)
-            cold, hot = memcpy_gbps(nbytes, cold=True), memcpy_gbps(nbytes)
+            cold, hot = copy_gbps(nbytes, device, cold=True), copy_gbps(nbytes, device, cold=False)
             rows.append({"tokens": n, "bytes": nbytes, "blocks": nblocks, "descriptors": ndesc,
                          "pull_ms": pull * 1e3, "nixl_gbps": nbytes / pull / 1e9, "memcpy_gbps": cold,
                          "memcpy_hot_gbps": hot, "ratio": nbytes / pull / 1e9 / cold,
@@ -111,30 +140,33 @@ def _pull_once(prefill, decode, prompt, sp, rid):
             st.descriptors_used - before[3])
 
 
-def _bulk_peer(conn, nbytes: int, threads: int):
+def _bulk_peer(conn, nbytes: int, threads: int, device: str):
     from nixl._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent("bulk-src", nixl_agent_config(backends=["UCX"], num_threads=threads))
-    src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(3.0)
+    agent = nixl_agent(f"bulk-src-{nbytes}", nixl_agent_config(backends=["UCX"], num_threads=threads))
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(3.0)
     agent.register_memory(src)
     conn.send((agent.get_agent_metadata(), src.data_ptr()))
     conn.recv()  # until told to exit
 
 
-def bench_bulk(nbytes: int, reps: int, threads: int) -> dict:
+def bench_bulk(nbytes: int, reps: int, threads: int, device: str = "cpu") -> dict:
     from nixl._api import nixl_agent, nixl_agent_config
 
+    if device.startswith("cuda"):
+        enable_cuda_ipc_reads()  # as NixlTransport does for a VRAM pool (the child inherits it)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_bulk_peer, args=(child, nbytes, threads), daemon=True)
+    proc = ctx.Process(target=_bulk_peer, args=(child, nbytes, threads, device), daemon=True)
     proc.start()
     md, remote_addr = parent.recv()
-    agent = nixl_agent(f"bulk-dst-{threads}", nixl_agent_config(backends=["UCX"], num_threads=threads))
-    dst = torch.zeros(nbytes // 4, dtype=torch.float32)
+    agent = nixl_agent(f"bulk-dst-{threads}-{nbytes}", nixl_agent_config(backends=["UCX"], num_threads=threads))
+    dst = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
     agent.register_memory(dst)
     name = agent.add_remote_agent(md)
-    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(dst.data_ptr(), nbytes, 0)], "DRAM")
-    remote = agent.prep_xfer_dlist(name, [(remote_addr, nbytes, 0)], "DRAM")
+    mem, dev = ("VRAM", dst.device.index or 0) if dst.is_cuda else ("DRAM", 0)
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(dst.data_ptr(), nbytes, dev)], mem)
+    remote = agent.prep_xfer_dlist(name, [(remote_addr, nbytes, dev)], mem)
     times = []
     dst.fill_(0.0)
     for i in range(reps + 1):
@@ -152,36 +184,44 @@ def bench_bulk(nbytes: int, reps: int, threads: int) -> dict:
     parent.send("exit")
     proc.join(10)
     nixl = nbytes / statistics.median(times) / 1e9
-    copy = memcpy_gbps(nbytes)
+    copy = copy_gbps(nbytes, device, cold=False)
     return {"bytes": nbytes, "nixl_gbps": nixl, "memcpy_gbps": copy, "ratio": nixl / copy}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=".bench/llama-50m")
+    ap.add_argument("--model", default=None, help="instead of --model-dir: a named random shape "
+                    "(cluster/tools/bench/ttft_tpot.py SHAPES), written once under ~/.cache/pdserve/bench-shapes")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096])
-    ap.add_argument("--bulk-mib", type=int, default=256)
+    ap.add_argument("--bulk-mib", type=int, nargs="*", default=[256])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--nixl-threads", type=int, nargs="+", default=[0],
                     help="UCX backend progress threads (0 = NIXL's default); one run per value")
     args = ap.parse_args(argv)
-    d = ensure_bench_model(args.model_dir, max(args.lengths) + 8)
+    if args.model:
+        d = model_dir(args.model, Path.home() / ".cache" / "pdserve" / "bench-shapes", args.dtype)
+    else:
+        d = ensure_bench_model(args.model_dir, max(args.lengths) + 8)
     print(f"UCX transports available: {', '.join(available_transports())}; torch threads {torch.get_num_threads()}")
     for threads in args.nixl_threads:
         with tempfile.TemporaryDirectory() as store:
-            rows = bench_engines(str(d), args.lengths, Path(store), args.reps, threads)
+            rows = bench_engines(str(d), args.lengths, Path(store), args.reps, threads, args.device, args.dtype)
         print(f"\nNIXL num_threads={threads}")
         print(f"{'tokens':>6} {'MiB':>7} {'blocks':>6} {'desc/blk':>8} {'pull ms':>8} {'NIXL GB/s':>9} "
-              f"{'memcpy GB/s':>11} {'ratio':>6} {'hot memcpy':>10} {'prefill ms':>10}")
+              f"{'copy GB/s':>11} {'ratio':>6} {'hot memcpy':>10} {'prefill ms':>10}")
         for r in rows:
             print(f"{r['tokens']:>6} {r['bytes'] / 2**20:>7.2f} {r['blocks']:>6} "
                   f"{r['descriptors'] / r['blocks']:>8.2f} {r['pull_ms']:>8.2f} {r['nixl_gbps']:>9.2f} "
                   f"{r['memcpy_gbps']:>11.2f} {r['ratio']:>6.2f} {r['memcpy_hot_gbps']:>10.2f} "
                   f"{r['prefill_ms']:>10.1f}")
-        if args.bulk_mib:
-            b = bench_bulk(args.bulk_mib * 2**20, args.reps, threads)  # 256 MiB: cache plays no part
-            print(f"bulk {args.bulk_mib} MiB, one descriptor: NIXL {b['nixl_gbps']:.2f} GB/s, "
-                  f"memcpy {b['memcpy_gbps']:.2f} GB/s, ratio {b['ratio']:.2f}")
+        for mib in args.bulk_mib:  # 256 MiB on a CPU: cache plays no part
+            b = bench_bulk(mib * 2**20, args.reps, threads, args.device)
+            print(f"bulk {mib} MiB, one descriptor: NIXL {b['nixl_gbps']:.2f} GB/s, "
+                  f"{'cudaMemcpy' if args.device.startswith('cuda') else 'memcpy'} {b['memcpy_gbps']:.2f} GB/s, "
+                  f"ratio {b['ratio']:.2f}", flush=True)
     return 0
 
 
