@@ -1,4 +1,4 @@
-"""Attention backends, resolved once by name ("auto" -> flash_attn on CUDA when usable, else torch)."""
+"""Attention backends, resolved once by name ("auto" -> torch; the others are opt-in)."""
 
 from cluster.engine.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSpan
 from cluster.engine.attention.registry import AttentionBackend, resolve_backend

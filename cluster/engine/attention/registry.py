@@ -1,8 +1,13 @@
 """Backend registry: each backend is imported only when chosen; "auto" is resolved once, logged.
 
-"auto": flash_attn on CUDA when usable, else torch. cpu_paged (decode attention in place in the
-paged pool, a compiled kernel) is opt-in: measured on SmolLM2 at 2 threads it is 1.05x torch at one
-stream and 0.84x at 32 (docs/benchmarks.md, "Single stream and batches at the hardware's limit").
+"auto" is torch on every device; the others are opt-in, each for a measured reason:
+- cpu_paged (decode attention in place in the paged pool, a compiled kernel): measured on SmolLM2 at
+  2 threads it is 1.05x torch at one stream and 0.84x at 32 (docs/benchmarks.md, "Single stream and
+  batches at the hardware's limit").
+- flash_attn (CUDA, block_size % 256 == 0): never yet run on a GPU (no wheel on PyPI; its build does
+  not fit a lent machine's time). On an H200 the torch backend's kernels (cuDNN's SDPA and the block
+  gather) take 4-9% of a decode step's wall time, the rest is the host launching 350-600 kernels
+  (docs/benchmarks.md, "The GPU path"): no attention kernel moves TPOT until that overhead goes.
 """
 
 from __future__ import annotations
@@ -67,9 +72,8 @@ def cpu_paged_usable(device: torch.device, dtype: torch.dtype) -> tuple[bool, st
 def resolve_backend(name: str, device: torch.device, block_size: int,
                     dtype: torch.dtype = torch.float32) -> AttentionBackend:
     if name == "auto":
-        ok, why = flash_attn_usable(device, block_size)
-        name = "flash_attn" if ok else "torch"
-        log.info("attention backend auto -> %s (%s)", name, why)
+        name = "torch"
+        log.info("attention backend auto -> torch")
     elif name == "cpu_paged":
         ok, why = cpu_paged_usable(device, dtype)
         if not ok:
