@@ -17,19 +17,19 @@ import torch
 from cluster.engine.config import kv_block_bytes
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
+from cluster.tools.bench.ttft_tpot import SHAPES
 
 DEVICE = os.environ.get("PDSERVE_GPU_TEST_DEVICE", "cuda")
 REPORT = os.environ.get("PDSERVE_GPU_REPORT")  # a JSON-lines file the measured errors are appended to
+REAL_MODEL = os.environ.get("PDSERVE_GPU_REAL_MODEL")  # a real checkpoint dir; else SmolLM2 when cached
 pytestmark = pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="needs CUDA")
 
-# SmolLM2-135M-Instruct's shape (the embedded default), random weights: the real checkpoint is
-# used too when it is in the cache (the GPU machine has no network to fetch it).
-SMOLLM2_SHAPE = dict(layers=30, hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152,
-                     tie_embeddings=True, max_positions=2048)
+# SmolLM2-135M-Instruct's shape (the embedded default), random weights; "real" is the real SmolLM2
+# when it is in the cache (a GPU machine without network cannot fetch it) or PDSERVE_GPU_REAL_MODEL.
 MODELS = {
     "gqa": dict(layers=2, hidden=128, heads=4, kv_heads=2, vocab=320),
     "mha-wide": dict(layers=4, hidden=512, heads=4, kv_heads=4, vocab=1024),  # head_dim 128
-    "smollm2-shape": SMOLLM2_SHAPE,
+    "smollm2-shape": SHAPES["smollm2-shape"],
 }
 PROMPTS = [[256] + [(7 * i + 3 * n) % 250 for i in range(n - 1)] for n in (5, 300, 700)]
 SP = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -47,10 +47,13 @@ def cuda_backends() -> list[str]:
 @pytest.fixture(scope="module")
 def model_dirs(model_factory, request):
     out = {name: model_factory(name.replace("-", "_"), **kw) for name, kw in MODELS.items()}
-    try:
-        out["smollm2"] = request.getfixturevalue("smollm2")
-    except pytest.skip.Exception:
-        pass
+    if REAL_MODEL:
+        out["real"] = REAL_MODEL
+    else:
+        try:
+            out["real"] = request.getfixturevalue("smollm2")
+        except pytest.skip.Exception:
+            pass
     return out
 
 
@@ -99,14 +102,14 @@ def reference(model_dirs):
     return get
 
 
-MODEL_NAMES = [*MODELS, "smollm2"]
+MODEL_NAMES = [*MODELS, "real"]
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_float32_on_the_device_equals_the_cpu_reference(model_dirs, reference, name):
     """float32 on the device (TF32 off, torch's default): the same greedy tokens, logits to 1e-4."""
     if name not in model_dirs:
-        pytest.skip("the SmolLM2 checkpoint is not in the cache")
+        pytest.skip("no real checkpoint: SmolLM2 is not in the cache and PDSERVE_GPU_REAL_MODEL is unset")
     ref_tokens, ref_logits = reference(name)
     tokens, logits = run(model_dirs[name], DEVICE, "float32", "torch")
     assert tokens == ref_tokens
@@ -122,7 +125,7 @@ def test_bfloat16_backends_track_the_cpu_reference(model_dirs, reference, name, 
     and greedy tokens equal until a step whose reference top two are closer than the step's own
     error (a near tie bf16 may break either way; vLLM's tests allow the same)."""
     if name not in model_dirs:
-        pytest.skip("the SmolLM2 checkpoint is not in the cache")
+        pytest.skip("no real checkpoint: SmolLM2 is not in the cache and PDSERVE_GPU_REAL_MODEL is unset")
     ref_tokens, ref_logits = reference(name)
     tokens, logits = run(model_dirs[name], DEVICE, "bfloat16", backend)
     matched, worst = 0, 0.0

@@ -6,7 +6,7 @@
   batches at the hardware's limit").
 - flash_attn (CUDA, block_size % 256 == 0): never yet run on a GPU (no wheel on PyPI; its build does
   not fit a lent machine's time). On an H200 the torch backend's kernels (cuDNN's SDPA and the block
-  gather) take 4-9% of a decode step's wall time, the rest is the host launching 350-600 kernels
+  gather) run in 5-16% of a decode step's time, the rest is the host launching 300-600 kernels
   (docs/benchmarks.md, "The GPU path"): no attention kernel moves TPOT until that overhead goes.
 """
 
