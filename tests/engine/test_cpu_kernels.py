@@ -22,19 +22,19 @@ except KernelUnavailable as e:  # no C++ compiler here: the torch backend is wha
 BS, H, HKV, D, LAYERS, BLOCKS = 16, 6, 2, 32, 3, 64
 
 
-def step_metadata(decode_lens, prefill, rng):
+def step_metadata(decode_lens, prefill, rng, bs=BS):
     """Decodes (one token each, context `decode_lens`, longest first) then one prefill chunk
     (start, q_len); each request's blocks are random distinct pool blocks."""
     free = list(range(1, BLOCKS))
     rng.shuffle(free)
     ctxs = list(decode_lens) + ([prefill[0] + prefill[1]] if prefill else [])
-    tables = [[free.pop() for _ in range(-(-c // BS))] for c in ctxs]
+    tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctxs]
     slot_b, slot_o = [], []
     for i, c in enumerate(ctxs):
         first = c - 1 if i < len(decode_lens) else prefill[0]
         for pos in range(first, c):
-            slot_b.append(tables[i][pos // BS])
-            slot_o.append(pos % BS)
+            slot_b.append(tables[i][pos // bs])
+            slot_o.append(pos % bs)
     width = max(len(t) for t in tables)
     spans = ()
     if prefill:
@@ -49,7 +49,7 @@ def step_metadata(decode_lens, prefill, rng):
         prefills=spans, cu_seqlens_q=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
         seq_lens=torch.tensor(ctxs, dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        max_q_len=max(q_lens), max_seq_len=max(ctxs), block_size=BS)
+        max_q_len=max(q_lens), max_seq_len=max(ctxs), block_size=bs)
 
 
 @pytest.mark.parametrize("decode_lens,prefill", [
@@ -86,6 +86,23 @@ def test_cpu_paged_takes_any_head_grouping_and_head_size(h, hkv, d):
                                                                    d**-0.5)
             for name in ("torch", "cpu_paged")]
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("h, hkv, d, bs", [(9, 3, 64, 16), (12, 4, 128, 16), (16, 4, 128, 32), (12, 4, 64, 32)])
+def test_cpu_paged_register_blocked_paths_equal_the_torch_backend(h, hkv, d, bs):
+    """q . k sixteen token rows at a time (the rows after the last full sixteen of a block one by
+    one) and P . V in registers, for head sizes 64 and 128, 3 and 4 query heads a KV head (128 takes
+    them two at a time, then the rest), blocks of 16 and 32 rows; few requests (a KV head a work
+    item) and many (a whole request)."""
+    for lens in ([70, 33, 1], [90, 64, 48, 40, 33, 31, 17, 16, 15, 2]):
+        meta = step_metadata(lens, None, random.Random(d + bs), bs)
+        g = torch.Generator().manual_seed(h + len(lens))
+        pool = torch.randn(BLOCKS, 1, 2, bs, hkv, d, generator=g)
+        q = torch.randn(len(lens), h, d, generator=g)
+        outs = [resolve_backend(name, torch.device("cpu"), bs).attend(q, None, None, pool[:, 0, 0], pool[:, 0, 1],
+                                                                       meta, d**-0.5)
+                for name in ("torch", "cpu_paged")]
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
 
 
 def test_the_kernel_refuses_a_length_past_its_table():

@@ -100,12 +100,121 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : e * scale;
 }
 
+typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
+
+inline vf vsplat(float a) { return vf{} + a; }
+
+// exp_nonpositive on a vector: the same reduction and polynomial, n rounded to nearest by adding
+// and subtracting 1.5 * 2^23 (for |n| <= 126 that is exact), so the compiler need not vectorise
+// floor (it does not: the scalar loop compiled to one vrndscaless per element).
+inline vf exp_nonpositive_v(vf x) {
+  const vi under = x < vsplat(-87.0f);
+  const vf xc = under ? vsplat(-87.0f) : x;
+  const vf magic = vsplat(12582912.0f);
+  const vf n = (xc * 1.44269504088896341f + magic) - magic;
+  const vf r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  vf p = vsplat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vf e = p * r * r + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return under ? vsplat(0.0f) : e * scale;
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < VL; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
 // Ask for `rows` rows of `d` floats, `stride` floats apart, ahead of their loads.
 inline void prefetch_rows(const float* p, int64_t rows, int64_t stride, int64_t d) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < d; i += 16) __builtin_prefetch(p + r * stride + i);
 }
 
+
+// out[g] = sum over the context's tokens t of s[g][t] * v_t, for GB query heads of one KV head
+// (`voff`: its offset in a token's row), each output kept in NV vector registers across every token,
+// so a value row is loaded once for the GB heads and the outputs are stored once. Tokens are added
+// in order, as the axpy loop does (the same sums).
+template <int NV, int GB>
+void pv_rows(const float* vp, int64_t v_stride, const int32_t* table, int64_t L, int64_t bs, int64_t tok,
+             int64_t voff, const float* const* s, float* const* out) {
+  vf acc[GB][NV] = {};
+  const int64_t nblk = (L + bs - 1) / bs;
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const float* vb = vp + table[blk] * v_stride + voff;
+    if (blk + 1 < nblk) prefetch_rows(vp + table[blk + 1] * v_stride + voff, bs, tok, NV * VL);
+    const int64_t t0 = blk * bs, rows = std::min(bs, L - t0);
+    for (int64_t r = 0; r < rows; ++r) {
+      vf v[NV];
+#pragma GCC unroll 8
+      for (int i = 0; i < NV; ++i) v[i] = loadu(vb + r * tok + i * VL);
+#pragma GCC unroll 8
+      for (int g = 0; g < GB; ++g) {
+        const vf w = vsplat(s[g][t0 + r]);
+#pragma GCC unroll 8
+        for (int i = 0; i < NV; ++i) acc[g][i] += w * v[i];
+      }
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int i = 0; i < NV; ++i) storeu(out[g] + i * VL, acc[g][i]);
+}
+
+using PvFn = void (*)(const float*, int64_t, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                      const float* const*, float* const*);
+
+// The register-blocked PV for head size D and up to `g` heads at once, or null (D not a multiple of
+// the vector width, or too wide): (function, heads it takes). Accumulators take at most half the
+// vector registers (32 with AVX-512, 16 with AVX2), at most 4 heads at once.
+std::pair<PvFn, int> pv_kernel(int64_t D, int64_t g) {
+  constexpr int64_t budget = VL == 16 ? 16 : 8;
+  if (D % VL != 0 || D / VL > budget) return {nullptr, 0};
+  const int64_t nv = D / VL;
+  const int64_t gb = std::min({g, budget / nv, int64_t{4}});
+#define PV_CASE(NV_, GB_) if (nv == NV_ && gb == GB_) return {&pv_rows<NV_, GB_>, GB_};
+  PV_CASE(1, 1) PV_CASE(1, 2) PV_CASE(1, 3) PV_CASE(1, 4)
+  PV_CASE(2, 1) PV_CASE(2, 2) PV_CASE(2, 3) PV_CASE(2, 4)
+  PV_CASE(4, 1) PV_CASE(4, 2) PV_CASE(4, 3) PV_CASE(4, 4)
+  PV_CASE(8, 1) PV_CASE(8, 2)
+  PV_CASE(16, 1)
+#undef PV_CASE
+  return {nullptr, 0};
+}
+
+#if defined(__AVX512F__)
+// 16 accumulators -> one vector whose lane j is the sum of acc[j]'s lanes: a tree of two-source
+// shuffles (46 operations, against 16 horizontal sums of about 7 each).
+inline vf reduce16(const vf* acc) {
+  vf v1[8], v2[4], v3[2];
+  for (int m = 0; m < 8; ++m) {
+    const vf a = acc[2 * m], b = acc[2 * m + 1];
+    v1[m] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int n = 0; n < 4; ++n) {
+    const vf c = v1[2 * n], d = v1[2 * n + 1];
+    v2[n] = __builtin_shufflevector(c, d, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+            __builtin_shufflevector(c, d, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int p = 0; p < 2; ++p) {
+    const vf e = v2[2 * p], f = v2[2 * p + 1];
+    v3[p] = __builtin_shufflevector(e, f, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+            __builtin_shufflevector(e, f, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  const vf v4 = __builtin_shufflevector(v3[0], v3[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                __builtin_shufflevector(v3[0], v3[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  // lane i holds token [0,8,4,12,2,10,6,14,1,9,5,13,3,11,7,15][i]: the bit reversal, its own inverse
+  return __builtin_shufflevector(v4, v4, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+#endif
 
 // q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32 -> out [B, H, D]
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -139,6 +248,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   // each key and value once. With enough requests for the threads an item is a whole request (its
   // token rows read front to back); with few, one KV head (more items than threads).
   const int64_t nh = B >= 4 * at::get_num_threads() ? Hkv : 1, QH = nh * G;
+  const auto pv = pv_kernel(D, G);
   at::parallel_for(0, B * (Hkv / nh), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -156,7 +266,24 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
         const float* kb = kp + table[blk] * k_stride + h0 * D;
         if (blk + 1 < nblk) prefetch_rows(kp + table[blk + 1] * k_stride + h0 * D, bs, tok, nh * D);
         const int64_t t0 = blk * bs, rows = std::min(bs, L - t0);
-        for (int64_t r = 0; r < rows; ++r) {
+        int64_t r = 0;
+#if defined(__AVX512F__)
+        // 16 token rows at a time: one accumulator per token, reduced together
+        for (; D % VL == 0 && r + 16 <= rows; r += 16) {
+          for (int64_t jq = 0; jq < QH; ++jq) {
+            const float* k = kb + r * tok + (jq / G) * D;
+            const float* qj = qrow + jq * D;
+            vf acc[16] = {};
+            for (int64_t i = 0; i < D; i += VL) {
+              const vf qv = loadu(qj + i);
+#pragma GCC unroll 16
+              for (int j = 0; j < 16; ++j) acc[j] += qv * loadu(k + j * tok + i);
+            }
+            storeu(sc + jq * L + t0 + r, reduce16(acc) * fscale);
+          }
+        }
+#endif
+        for (; r < rows; ++r) {
           for (int64_t jq = 0; jq < QH; ++jq) {
             const float* k = kb + r * tok + (jq / G) * D;
             const float* qj = qrow + jq * D;
@@ -169,35 +296,49 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
           }
         }
       }
+      // softmax of each query head's row, VL lanes at a time
       for (int64_t jq = 0; jq < QH; ++jq) {
         float* s = sc + jq * L;
-        float m8[8];
-        for (int j = 0; j < 8; ++j) m8[j] = -std::numeric_limits<float>::infinity();
+        vf mv = vsplat(-std::numeric_limits<float>::infinity());
         int64_t t = 0;
-        for (; t + 8 <= L; t += 8) {
-#pragma GCC unroll 8
-          for (int j = 0; j < 8; ++j) m8[j] = s[t + j] > m8[j] ? s[t + j] : m8[j];
+        for (; t + VL <= L; t += VL) {
+          const vf x = loadu(s + t);
+          mv = x > mv ? x : mv;
         }
-        float m = m8[0];
-        for (int j = 1; j < 8; ++j) m = std::max(m, m8[j]);
+        float m = hmax(mv);
         for (; t < L; ++t) m = std::max(m, s[t]);
-        float sum8[8] = {};
-        for (t = 0; t + 8 <= L; t += 8) {
-#pragma GCC unroll 8
-          for (int j = 0; j < 8; ++j) {
-            s[t + j] = exp_nonpositive(s[t + j] - m);
-            sum8[j] += s[t + j];
-          }
+        const vf mm = vsplat(m);
+        vf sv = {};
+        for (t = 0; t + VL <= L; t += VL) {
+          const vf e = exp_nonpositive_v(loadu(s + t) - mm);
+          storeu(s + t, e);
+          sv += e;
         }
-        float sum = ((sum8[0] + sum8[1]) + (sum8[2] + sum8[3])) + ((sum8[4] + sum8[5]) + (sum8[6] + sum8[7]));
+        float sum = hsum(sv);
         for (; t < L; ++t) {
           s[t] = exp_nonpositive(s[t] - m);
           sum += s[t];
         }
-        const float inv = 1.0f / sum;
-        for (t = 0; t < L; ++t) s[t] *= inv;
+        const vf inv = vsplat(1.0f / sum);
+        for (t = 0; t + VL <= L; t += VL) storeu(s + t, loadu(s + t) * inv);
+        for (; t < L; ++t) s[t] *= inv[0];
       }
       float* orow = op + (b * H + h0 * G) * D;
+      if (pv.first != nullptr) {
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          for (int64_t g0 = 0; g0 < G; g0 += pv.second) {
+            const int64_t n = std::min<int64_t>(pv.second, G - g0);
+            const float* srows[16];
+            float* orows[16];
+            for (int64_t g = 0; g < n; ++g) {
+              srows[g] = sc + (hh * G + g0 + g) * L;
+              orows[g] = orow + (hh * G + g0 + g) * D;
+            }
+            (n == pv.second ? pv.first : pv_kernel(D, n).first)(vp, v_stride, table, L, bs, tok, (h0 + hh) * D, srows, orows);
+          }
+        }
+        continue;
+      }
       for (int64_t blk = 0; blk < nblk; ++blk) {
         const float* vb = vp + table[blk] * v_stride + h0 * D;
         if (blk + 1 < nblk) prefetch_rows(vp + table[blk + 1] * v_stride + h0 * D, bs, tok, nh * D);
