@@ -1,4 +1,4 @@
-"""Attention backends, resolved once by name ("auto" -> torch; the others are opt-in)."""
+"""Attention backends, resolved once by name ("auto" -> cpu_paged on CPU float32 when it builds, else torch)."""
 
 from cluster.engine.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSpan
 from cluster.engine.attention.registry import AttentionBackend, resolve_backend

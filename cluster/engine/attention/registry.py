@@ -1,9 +1,9 @@
 """Backend registry: each backend is imported only when chosen; "auto" is resolved once, logged.
 
-"auto" is torch on every device; the others are opt-in, each for a measured reason:
-- cpu_paged (decode attention in place in the paged pool, a compiled kernel): measured on SmolLM2 at
-  2 threads it is 1.05x torch at one stream and 0.84x at 32 (docs/benchmarks.md, "Single stream and
-  batches at the hardware's limit").
+"auto" is cpu_paged on CPU float32 when the kernels build (decode attention in place in the paged
+pool: 1.20x torch at 64 streams on the 50M benchmark model, 2 threads; docs/benchmarks.md, issue 24
+session 11; steps of at most 32 decodes take the fused layers, which use the same kernel whatever
+the backend), else torch. The others are opt-in:
 - flash_attn (CUDA, block_size % 256 == 0): never yet run on a GPU (no wheel on PyPI; its build does
   not fit a lent machine's time). On an H200 the torch backend's kernels (cuDNN's SDPA and the block
   gather) run in 5-16% of a decode step's time, the rest is the host launching 300-600 kernels
@@ -72,8 +72,9 @@ def cpu_paged_usable(device: torch.device, dtype: torch.dtype) -> tuple[bool, st
 def resolve_backend(name: str, device: torch.device, block_size: int,
                     dtype: torch.dtype = torch.float32) -> AttentionBackend:
     if name == "auto":
-        name = "torch"
-        log.info("attention backend auto -> torch")
+        ok, why = cpu_paged_usable(device, dtype)
+        name = "cpu_paged" if ok else "torch"
+        log.info("attention backend auto -> %s (%s)", name, why)
     elif name == "cpu_paged":
         ok, why = cpu_paged_usable(device, dtype)
         if not ok:
