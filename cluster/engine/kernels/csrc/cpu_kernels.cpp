@@ -81,33 +81,15 @@ void check_cache(const at::Tensor& c, const char* name) {
               name, ": each block's [block_size, H_kv, D] must be contiguous");
 }
 
-// exp(x) for x <= 0 (softmax after the max shift), vectorisable: Cody-Waite range reduction and
-// Cephes' expf polynomial (relative error ~1e-7); below -87 it returns 0 as expf underflows.
-inline float exp_nonpositive(float x) {
-  const float xc = x < -87.0f ? -87.0f : x;
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : e * scale;
-}
-
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
 
 inline vf vsplat(float a) { return vf{} + a; }
 
-// exp_nonpositive on a vector: the same reduction and polynomial, n rounded to nearest by adding
-// and subtracting 1.5 * 2^23 (for |n| <= 126 that is exact), so the compiler need not vectorise
-// floor (it does not: the scalar loop compiled to one vrndscaless per element).
-inline vf exp_nonpositive_v(vf x) {
+// exp(x) for x <= 0 (softmax after the max shift), a vector at a time: Cody-Waite range reduction
+// and Cephes' expf polynomial (relative error ~1e-7); below -87 (and -inf) it returns 0 as expf
+// underflows. n is rounded to nearest by adding and subtracting 1.5 * 2^23 (exact for |n| <= 126):
+// a scalar version's std::floor compiled to one scalar vrndscaless per element.
+inline vf exp_nonpositive(vf x) {
   const vi under = x < vsplat(-87.0f);
   const vf xc = under ? vsplat(-87.0f) : x;
   const vf magic = vsplat(12582912.0f);
@@ -310,15 +292,18 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
         const vf mm = vsplat(m);
         vf sv = {};
         for (t = 0; t + VL <= L; t += VL) {
-          const vf e = exp_nonpositive_v(loadu(s + t) - mm);
+          const vf e = exp_nonpositive(loadu(s + t) - mm);
           storeu(s + t, e);
           sv += e;
         }
-        float sum = hsum(sv);
-        for (; t < L; ++t) {
-          s[t] = exp_nonpositive(s[t] - m);
-          sum += s[t];
+        if (t < L) {  // the last L % VL scores, the other lanes -inf (their exp is 0)
+          vf x = vsplat(-std::numeric_limits<float>::infinity());
+          for (int64_t i = 0; t + i < L; ++i) x[i] = s[t + i] - m;
+          const vf e = exp_nonpositive(x);
+          for (int64_t i = 0; t + i < L; ++i) s[t + i] = e[i];
+          sv += e;
         }
+        const float sum = hsum(sv);
         const vf inv = vsplat(1.0f / sum);
         for (t = 0; t + VL <= L; t += VL) storeu(s + t, loadu(s + t) * inv);
         for (; t < L; ++t) s[t] *= inv[0];
