@@ -7,6 +7,8 @@ fused at load time (one matmul each).
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 from torch import nn
 
@@ -109,9 +111,11 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(m, (Linear, RMSNorm)):
                 m.ops = ops
 
+    @cached_property
     def layer_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The layers' weights in the order ops.decode_layers takes them (6 a layer), and the qkv
-        biases (none, or one a layer)."""
+        biases (none, or one a layer). Collected on the first fused step, after loading (the loader
+        copies into the parameters, never replaces them), not on every step."""
         weights, biases = [], []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -138,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
         if self.ops.fuses(meta):  # the whole layer stack in one kernel call
-            weights, qkv_bias = self.layer_weights()
+            weights, qkv_bias = self.layer_weights
             attn = self.layers[0].self_attn
             x, residual = self.ops.decode_layers(x, weights, qkv_bias, kv_cache, meta, cos, sin, attn.h, attn.hkv,
                                                  self.norm.eps, attn.scale)
