@@ -113,12 +113,14 @@ def test_the_kernel_refuses_a_length_past_its_table():
                                            meta.block_tables, torch.tensor([33], dtype=torch.int32), 1.0)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 6, 7, 8, 9, 13, 40, 64])
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 13, 16, 17, 23, 24, 25, 32, 40, 41, 47, 64])
 @pytest.mark.parametrize("n, k", [(200, 96), (203, 100), (3, 7)])
 def test_small_linear_equals_a_float64_reference_on_every_tile_path(rows, n, k):
-    """Rows up to 4 take the dot path, more the tiled one (4 rows x 4 weight rows per tile on
-    AVX-512, 2 x 4 on AVX2): tails of rows, of weight rows (n not a multiple of 4) and of k (not a
-    multiple of the vector width) each take their own code."""
+    """Rows up to 4 take the dot path; 5-8 the dot tiles (4 rows x 4 weight rows on AVX-512, 2 x 4
+    on AVX2); more go in blocks of two vectors' or one vector's worth of rows (zero-padded) through
+    the broadcast kernel, 12 weight rows a tile, and the last <= 8 rows through the dot tiles. Tails
+    of rows, of weight rows (n not a multiple of 12 or of 4) and of k (not a multiple of the vector
+    width) each take their own code."""
     g = torch.Generator().manual_seed(rows * 1000 + n)
     x, w, b = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     want = F.linear(x.double(), w.double(), b.double())
@@ -133,8 +135,8 @@ def test_small_linear_equals_a_float64_reference_on_every_tile_path(rows, n, k):
 @pytest.mark.parametrize("bias", [False, True])
 def test_model_ops_equal_torch(rows, bias):
     g = torch.Generator().manual_seed(rows)
-    x, w = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g)
-    b = torch.randn(200, generator=g) if bias else None
+    x, w = torch.randn(rows, 96, generator=g), torch.randn(SMALL_ROWS + 3, 96, generator=g)
+    b = torch.randn(SMALL_ROWS + 3, generator=g) if bias else None
     norm_w = torch.randn(96, generator=g)
     fast, ref = CPUKernelOps(), TorchOps()
     torch.testing.assert_close(fast.linear(x, w, b), ref.linear(x, w, b), rtol=1e-5, atol=1e-5)
@@ -145,6 +147,20 @@ def test_model_ops_equal_torch(rows, bias):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     gate_up = torch.randn(rows, 2 * 96, generator=g)
     torch.testing.assert_close(fast.silu_mul(gate_up), ref.silu_mul(gate_up), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("width", [1, 16, 37])
+def test_silu_mul_equals_a_float64_reference_over_the_whole_range(width):
+    """The vector exp behind SiLU, for gates far into both tails (where exp(-x) would overflow or
+    underflow), zero, and widths that leave a partial vector."""
+    g = torch.Generator().manual_seed(width)
+    gate = torch.cat([torch.tensor([-200.0, -88.0, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.0, 200.0]),
+                      torch.randn(4 * width, generator=g) * 10])
+    gate = gate[: (gate.numel() // width) * width].view(-1, width)
+    up = torch.randn(gate.shape, generator=g)
+    got = CPUKernelOps().silu_mul(torch.cat([gate, up], dim=1))
+    want = F.silu(gate.double()) * up.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-30)
 
 
 def test_rope_in_place_equals_torch():

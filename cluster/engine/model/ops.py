@@ -1,8 +1,8 @@
 """The model's dense ops (linear, RMSNorm, RoPE, SiLU-and-multiply) as a strategy chosen once at load.
 
 `TorchOps` is plain torch and the reference. `CPUKernelOps` (CPU, float32, when the kernels in
-cluster/engine/kernels build here) sends a linear over at most SMALL_ROWS rows, a decode step's
-shape, to a kernel that streams each weight row once for all rows (tiled over rows and weight
+cluster/engine/kernels build here) sends a linear over at most SMALL_ROWS rows (decode steps, short
+chunks) to a kernel that streams each weight row once for all rows (tiled over rows and weight
 rows past a few rows, so it stays ahead of torch's GEMM while a batch grows); larger batches stay
 with torch's GEMM. RMSNorm, the residual add with the norm after it, RoPE (in place) and silu(gate) * up are one
 kernel call each (a decode step's cost beyond its weights is mostly per-op dispatch). Chosen by measurement
@@ -21,10 +21,12 @@ from cluster.engine.model.rope import apply_rope
 log = logging.getLogger(__name__)
 
 # Up to here one pass over the weights beats torch's GEMM. The demo model's 120 layer linears (one
-# step's worth), 2 threads, the AVX-512 VM (2026-11-26): 1 row 14.6 ms vs torch 39.2 ms; 8 rows 26.8
-# vs 42.0; 16: 36.7 vs 51.5; 40: 68.3 vs 104.1; 64: 106.1 vs 116.5; 128: 185.7 vs 193.6 (the kernel
-# still ahead, by less than the run-to-run spread; prefill chunks stay with torch).
-SMALL_ROWS = 64
+# step's worth), 2 threads, the AVX-512 VM (2026-11-26, kernel vs torch, two runs each): 1 row 18.2
+# vs 43.4 ms; 8 rows 26.1-29.6 vs 40.0-41.4; 16: 25.7-26.0 vs 49.1-50.2; 40: 51.5-52.0 vs 76.0-77.1;
+# 64: 81.4-82.1 vs 103.8-103.9; 128: 159.6-177.9 vs 184.7-201.1; 192: 248.0-248.2 vs 296.3-301.6;
+# 256: 318.3-334.9 vs 323.6-324.8 (a tie); 384: 484.9-489.1 vs 485.2-606.4. The 50M benchmark
+# model's shapes: the kernel ahead to 256 rows (179 vs 165 GFLOP/s), torch from 512 (181 vs 173).
+SMALL_ROWS = 256
 
 
 # Decode-only steps of at most this many requests run the whole layer stack in one kernel call
