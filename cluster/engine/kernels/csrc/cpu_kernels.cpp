@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -37,6 +38,17 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// f(begin, end) over [0, n) in chunks the threads take as they finish the last: when one core is
+// slower (a busy neighbour, an interrupt) or items differ in cost (requests of different lengths),
+// the others take more, where at::parallel_for's equal split would wait on the slowest.
+template <typename F>
+void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), (n + chunk - 1) / chunk), 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.fetch_add(chunk); b < n; b = next.fetch_add(chunk)) f(b, std::min(n, b + chunk));
+  });
 }
 
 inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
@@ -239,8 +251,8 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   // token rows read front to back); with few, one KV head (more items than threads).
   const int64_t nh = B >= 4 * at::get_num_threads() ? Hkv : 1, QH = nh * G;
   const auto pv = pv_kernel(D, G);
-  at::parallel_for(0, B * (Hkv / nh), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  parallel_chunks(B * (Hkv / nh), 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores;  // reused across items and calls
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (Hkv / nh), h0 = item % (Hkv / nh) * nh;
       const int64_t L = lp[b];
@@ -535,7 +547,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
       for (int64_t k = 0; k < K; ++k) d[k * width + r] = src[k];
     }
   }
-  at::parallel_for(0, (N + COLS_NR - 1) / COLS_NR, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks((N + COLS_NR - 1) / COLS_NR, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * COLS_NR, nr = std::min<int64_t>(COLS_NR, N - n);
       const float* wt = wp + n * K;
