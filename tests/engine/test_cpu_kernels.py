@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from cluster.engine.attention import AttentionMetadata, PrefillSpan, resolve_backend
 from cluster.engine.kernels.cpu import KernelUnavailable, load
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.model.ops import FUSED_MAX_CHUNK, SMALL_ROWS, CPUKernelOps, TorchOps
+from cluster.engine.model.ops import FUSED_MAX_CHUNK, ROW_PAD, SMALL_ROWS, WEIGHT_ALIGN, CPUKernelOps, TorchOps
 from cluster.engine.model.rope import RotaryEmbedding
 from cluster.engine.sampling_params import SamplingParams
 
@@ -129,6 +129,11 @@ def test_small_linear_equals_a_float64_reference_on_every_tile_path(rows, n, k):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(torch.ops.pdserve_cpu.small_linear(x, w, None).double(), want - b.double(),
                                rtol=1e-5, atol=1e-4)
+    # rows further apart than k (as place_weight lays them out), and a transposed view (copied first)
+    padded = torch.full((n, k + 5), float("nan"))[:, :k].copy_(w)
+    assert torch.equal(torch.ops.pdserve_cpu.small_linear(x, padded, b), got)
+    wt = w.t().contiguous().t()
+    torch.testing.assert_close(torch.ops.pdserve_cpu.small_linear(x, wt, b).double(), want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8, SMALL_ROWS, SMALL_ROWS + 1])
@@ -190,6 +195,38 @@ def test_engines_on_the_kernels_and_on_torch_give_the_same_greedy_tokens(tiny_mo
         got[attention] = [o.token_ids for o in engine.generate(prompts, sp)]
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert got["cpu_paged"] == got["torch"]
+
+
+def test_weights_with_rows_a_multiple_of_128_floats_are_laid_out_apart_and_give_the_same_tokens(model_factory):
+    """hidden 128: every linear but none of the norms has K a multiple of WEIGHT_ALIGN, so the kernels'
+    model reads weights ROW_PAD floats apart; the tied embedding shares the LM head's."""
+    model = model_factory("aligned", layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=320,
+                          max_positions=512, seed=1, tie_embeddings=True)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(320) for _ in range(n)] for n in (1, 17, 40, 130)]
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    got = {}
+    for ops in ("torch", "cpu_kernels"):
+        engine = LLMEngine.from_model(model, num_blocks=64, max_num_batched_tokens=48, model_ops=ops)
+        m = engine.model
+        strides = {m.lm_head.weight.stride(), m.layers[0].mlp.down_proj.weight.stride(),
+                   m.layers[1].self_attn.qkv_proj.weight.stride()}
+        if ops == "torch":
+            assert strides == {(128, 1), (256, 1)}
+        else:
+            assert strides == {(128 + ROW_PAD, 1), (256 + ROW_PAD, 1)} and WEIGHT_ALIGN == 128
+        assert m.embed_tokens.weight is m.lm_head.weight
+        got[ops] = [o.token_ids for o in engine.generate(prompts, sp)]
+    assert got["cpu_kernels"] == got["torch"]
+
+
+def test_place_weight_leaves_other_widths_and_placed_weights_alone():
+    ops = CPUKernelOps()
+    w = torch.randn(10, 96)
+    assert ops.place_weight(w) is w
+    placed = ops.place_weight(torch.randn(10, 256))
+    assert placed.stride() == (256 + ROW_PAD, 1) and ops.place_weight(placed) is placed
+    assert TorchOps.place_weight(placed) is placed
 
 
 def test_row_tables_make_every_row_of_a_short_chunk_a_decode_of_its_own():

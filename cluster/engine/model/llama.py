@@ -105,17 +105,20 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)
 
     def use_ops(self, ops) -> None:
-        """Route every linear and norm through `ops` (model/ops.py), chosen once at load."""
+        """Route every linear and norm through `ops` (model/ops.py), chosen once at load, and lay
+        the linears' weights out as its kernels read them best (the tied embedding's with the LM head's)."""
         self.ops = ops
         for m in self.modules():
             if isinstance(m, (Linear, RMSNorm)):
                 m.ops = ops
+            if isinstance(m, Linear):
+                m.weight.data = ops.place_weight(m.weight.data)
 
     @cached_property
     def layer_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The layers' weights in the order ops.decode_layers takes them (6 a layer), and the qkv
-        biases (none, or one a layer). Collected on the first fused step, after loading (the loader
-        copies into the parameters, never replaces them), not on every step."""
+        biases (none, or one a layer). Collected on the first fused step, after loading and use_ops
+        (which may replace a parameter's data, never the parameter), not on every step."""
         weights, biases = [], []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp

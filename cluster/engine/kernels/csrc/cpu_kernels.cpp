@@ -406,8 +406,8 @@ constexpr int COLS_NR = 4;     // 8 + 2 + 1
 static_assert(COLS_NR % TN == 0, "a linear_cols tile is whole dot tiles for the last rows");
 
 template <int MR, int NR>
-inline void linear_tile(const float* __restrict x, int64_t K, const float* __restrict w, float* __restrict y,
-                        int64_t N, const float* bias) {
+inline void linear_tile(const float* __restrict x, int64_t K, const float* __restrict w, int64_t ldw,
+                        float* __restrict y, int64_t N, const float* bias) {
   vf acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -417,7 +417,7 @@ inline void linear_tile(const float* __restrict x, int64_t K, const float* __res
   for (; k + VL <= K; k += VL) {
     vf wv[NR];
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; ++j) wv[j] = loadu(w + j * K + k);
+    for (int j = 0; j < NR; ++j) wv[j] = loadu(w + j * ldw + k);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const vf xv = loadu(x + i * K + k);
@@ -430,25 +430,27 @@ inline void linear_tile(const float* __restrict x, int64_t K, const float* __res
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
       float s = hsum(acc[i][j]);
-      for (int64_t kk = k; kk < K; ++kk) s += x[i * K + kk] * w[j * K + kk];
+      for (int64_t kk = k; kk < K; ++kk) s += x[i * K + kk] * w[j * ldw + kk];
       y[i * N + j] = bias ? s + bias[j] : s;
     }
 }
 
 template <int NR, int R>
-inline void linear_tail(int64_t rows, const float* x, int64_t K, const float* w, float* y, int64_t N, const float* bias) {
+inline void linear_tail(int64_t rows, const float* x, int64_t K, const float* w, int64_t ldw, float* y, int64_t N,
+                        const float* bias) {
   if constexpr (R >= 1) {
-    if (rows == R) linear_tile<R, NR>(x, K, w, y, N, bias);
-    else linear_tail<NR, R - 1>(rows, x, K, w, y, N, bias);
+    if (rows == R) linear_tile<R, NR>(x, K, w, ldw, y, N, bias);
+    else linear_tail<NR, R - 1>(rows, x, K, w, ldw, y, N, bias);
   }
 }
 
 // Every row of x against NR weight rows: TM rows at a time, then the rest.
 template <int NR>
-inline void linear_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, const float* bias) {
+inline void linear_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t ldw, float* y, int64_t N,
+                        const float* bias) {
   int64_t m = 0;
-  for (; m + TM <= M; m += TM) linear_tile<TM, NR>(x + m * K, K, w, y + m * N, N, bias);
-  linear_tail<NR, TM - 1>(M - m, x + m * K, K, w, y + m * N, N, bias);
+  for (; m + TM <= M; m += TM) linear_tile<TM, NR>(x + m * K, K, w, ldw, y + m * N, N, bias);
+  linear_tail<NR, TM - 1>(M - m, x + m * K, K, w, ldw, y + m * N, N, bias);
 }
 
 // x transposed, [K, MV * VL] per block of rows (zero-padded), against NR weight rows: for each k one
@@ -456,8 +458,8 @@ inline void linear_rows(const float* x, int64_t M, int64_t K, const float* w, fl
 // accumulators, MV loads and NR broadcasts per k, no horizontal sums; each lane sums its dot product
 // along k in order.
 template <int MV, int NR>
-inline void linear_cols(const float* __restrict xt, int64_t K, const float* __restrict w, float* __restrict y,
-                        int64_t rows, int64_t N, const float* bias) {
+inline void linear_cols(const float* __restrict xt, int64_t K, const float* __restrict w, int64_t ldw,
+                        float* __restrict y, int64_t rows, int64_t N, const float* bias) {
   vf acc[MV][NR];
 #pragma GCC unroll 16
   for (int i = 0; i < MV; ++i)
@@ -469,7 +471,7 @@ inline void linear_cols(const float* __restrict xt, int64_t K, const float* __re
     for (int i = 0; i < MV; ++i) xv[i] = loadu(xt + k * (MV * VL) + i * VL);
 #pragma GCC unroll 16
     for (int j = 0; j < NR; ++j) {
-      const float b = w[j * K + k];
+      const float b = w[j * ldw + k];
 #pragma GCC unroll 16
       for (int i = 0; i < MV; ++i) acc[i][j] += xv[i] * b;  // an FMA with a broadcast operand
     }
@@ -482,27 +484,28 @@ inline void linear_cols(const float* __restrict xt, int64_t K, const float* __re
 }
 
 template <int MV, int R>
-inline void linear_cols_tail(int64_t nr, const float* xt, int64_t K, const float* w, float* y, int64_t rows,
-                             int64_t N, const float* bias) {
+inline void linear_cols_tail(int64_t nr, const float* xt, int64_t K, const float* w, int64_t ldw, float* y,
+                             int64_t rows, int64_t N, const float* bias) {
   if constexpr (R >= 1) {
-    if (nr == R) linear_cols<MV, R>(xt, K, w, y, rows, N, bias);
-    else linear_cols_tail<MV, R - 1>(nr, xt, K, w, y, rows, N, bias);
+    if (nr == R) linear_cols<MV, R>(xt, K, w, ldw, y, rows, N, bias);
+    else linear_cols_tail<MV, R - 1>(nr, xt, K, w, ldw, y, rows, N, bias);
   }
 }
 
 template <int MV>
-inline void linear_cols_any(int64_t nr, const float* xt, int64_t K, const float* w, float* y, int64_t rows,
-                            int64_t N, const float* bias) {
-  if (nr == COLS_NR) linear_cols<MV, COLS_NR>(xt, K, w, y, rows, N, bias);
-  else linear_cols_tail<MV, COLS_NR - 1>(nr, xt, K, w, y, rows, N, bias);
+inline void linear_cols_any(int64_t nr, const float* xt, int64_t K, const float* w, int64_t ldw, float* y,
+                            int64_t rows, int64_t N, const float* bias) {
+  if (nr == COLS_NR) linear_cols<MV, COLS_NR>(xt, K, w, ldw, y, rows, N, bias);
+  else linear_cols_tail<MV, COLS_NR - 1>(nr, xt, K, w, ldw, y, rows, N, bias);
 }
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "float32 only");
   const auto xc = x.contiguous();
-  const auto wc = w.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  // Weight rows may lie further apart than K (CPUKernelOps.place_weight pads them; see there).
+  const auto wc = w.stride(1) == 1 && w.stride(0) >= w.size(1) ? w : w.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0), ldw = wc.stride(0);
   auto y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
@@ -517,7 +520,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   if (M <= DOT_ROWS) {
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
-        const float* wr = wp + n * K;
+        const float* wr = wp + n * ldw;
         for (int64_t m = 0; m < M; ++m) {
           const float v = dot(xp + m * K, wr, K);
           yp[m * N + n] = bp ? v + bp[n] : v;
@@ -550,19 +553,19 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   parallel_chunks((N + COLS_NR - 1) / COLS_NR, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * COLS_NR, nr = std::min<int64_t>(COLS_NR, N - n);
-      const float* wt = wp + n * K;
+      const float* wt = wp + n * ldw;
       const float* bt = bp ? bp + n : nullptr;
       for (const Block& b : blocks) {
         float* yb = yp + b.row * N + n;
-        if (b.mv == 2) linear_cols_any<2>(nr, xt.data() + b.off, K, wt, yb, M - b.row, N, bt);
-        else linear_cols_any<1>(nr, xt.data() + b.off, K, wt, yb, M - b.row, N, bt);
+        if (b.mv == 2) linear_cols_any<2>(nr, xt.data() + b.off, K, wt, ldw, yb, M - b.row, N, bt);
+        else linear_cols_any<1>(nr, xt.data() + b.off, K, wt, ldw, yb, M - b.row, N, bt);
       }
       if (dot_row == M) continue;
       const float* xd = xp + dot_row * K;
       float* yd = yp + dot_row * N;
       int64_t j = 0;
-      for (; j + TN <= nr; j += TN) linear_rows<TN>(xd, M - dot_row, K, wt + j * K, yd + n + j, N, bt ? bt + j : nullptr);
-      for (; j < nr; ++j) linear_rows<1>(xd, M - dot_row, K, wt + j * K, yd + n + j, N, bt ? bt + j : nullptr);
+      for (; j + TN <= nr; j += TN) linear_rows<TN>(xd, M - dot_row, K, wt + j * ldw, ldw, yd + n + j, N, bt ? bt + j : nullptr);
+      for (; j < nr; ++j) linear_rows<1>(xd, M - dot_row, K, wt + j * ldw, ldw, yd + n + j, N, bt ? bt + j : nullptr);
     }
   });
   return y;
