@@ -386,15 +386,15 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
 }
 
 
-// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for the few rows of a decode step (x: [M, K], w: [N, K]
-// contiguous). One pass over w, the bytes that bound a decode step: each thread takes tiles of weight
-// rows and multiplies every row of x against a tile while it sits in cache. Up to DOT_ROWS rows the
-// step is memory-bound and each weight row is dotted with each x row (fewer live registers, more loads
-// in flight). Past that the FMA units bound it: rows of x go in blocks of 2 * VL (or VL) through
-// linear_cols, vectorised along the rows, and the last few rows (at most DOT_TAIL) through TM x TN
-// dot-product tiles. Rows 5-64 against one step's linears, the demo model's shapes, 2 threads, the
-// AVX-512 VM (2026-11-26, dot tiles only -> with linear_cols): 16 rows 91 -> 121 GFLOP/s, 32 rows
-// 122 -> 150, 64 rows 152 -> 169 (torch's 2048^3 matmul: 165-190).
+// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for the few rows of a decode step (x: [M, K] contiguous,
+// w: [N, K] with its rows ldw >= K floats apart). One pass over w, the bytes that bound a decode step:
+// each thread takes tiles of weight rows and multiplies every row of x against a tile while it sits in
+// cache. Up to DOT_ROWS rows the step is memory-bound and each weight row is dotted with each x row
+// (fewer live registers, more loads in flight). Past that the FMA units bound it: rows of x go in
+// blocks of 2 * VL (or VL) through linear_cols, vectorised along the rows, and the last few rows (at
+// most DOT_TAIL) through TM x TN dot-product tiles. One step's linears of the 50M benchmark model, 2
+// threads, the AVX-512 VM (2026-11-26, dot tiles only -> with linear_cols): 16 rows 90 -> 103-125
+// GFLOP/s, 32 rows 117-127 -> 141-152, 64 rows 134-153 -> 152-170 (torch's 2048^3 matmul: 165-190).
 constexpr int64_t DOT_ROWS = 4, DOT_TAIL = 8;
 #if defined(__AVX512F__)
 constexpr int TM = 4, TN = 4;  // 16 accumulators + 4 weight vectors + 1 x vector of 32 registers
