@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from cluster.engine.attention import AttentionMetadata, PrefillSpan, resolve_backend
 from cluster.engine.kernels.cpu import KernelUnavailable, load
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.model.ops import FUSED_MAX_CHUNK, ROW_PAD, SMALL_ROWS, WEIGHT_ALIGN, CPUKernelOps, TorchOps
+from cluster.engine.model.ops import FUSED_MAX_CHUNK, ROW_PAD, SMALL_ROWS, CPUKernelOps, TorchOps
 from cluster.engine.model.rope import RotaryEmbedding
 from cluster.engine.sampling_params import SamplingParams
 
@@ -136,6 +136,20 @@ def test_small_linear_equals_a_float64_reference_on_every_tile_path(rows, n, k):
     torch.testing.assert_close(torch.ops.pdserve_cpu.small_linear(x, wt, b).double(), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [8, 9, 32])
+def test_small_linear_is_as_accurate_as_torch_over_a_long_k(rows):
+    """K = 8192 (a 1B model's down_proj): each path's error against float64 within 2x torch's own
+    (one sequential sum per output along K would be ~6x at 32 rows)."""
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 8192, generator=g), torch.randn(48, 8192, generator=g) / 8192**0.5
+    want = F.linear(x.double(), w.double())
+
+    def rms(y):
+        return (y.double() - want).pow(2).mean().sqrt().item()
+
+    assert rms(torch.ops.pdserve_cpu.small_linear(x, w, None)) <= 2 * rms(F.linear(x, w))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 8, SMALL_ROWS, SMALL_ROWS + 1])
 @pytest.mark.parametrize("bias", [False, True])
 def test_model_ops_equal_torch(rows, bias):
@@ -197,10 +211,10 @@ def test_engines_on_the_kernels_and_on_torch_give_the_same_greedy_tokens(tiny_mo
     assert got["cpu_paged"] == got["torch"]
 
 
-def test_weights_with_rows_a_multiple_of_128_floats_are_laid_out_apart_and_give_the_same_tokens(model_factory):
-    """hidden 128: every linear but none of the norms has K a multiple of WEIGHT_ALIGN, so the kernels'
-    model reads weights ROW_PAD floats apart; the tied embedding shares the LM head's."""
-    model = model_factory("aligned", layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=320,
+def test_weights_with_rows_a_multiple_of_512_floats_are_laid_out_apart_and_give_the_same_tokens(model_factory):
+    """hidden 512: every linear but down_proj (K = 640) has K a multiple of WEIGHT_ALIGN, so the kernels'
+    model reads those weights ROW_PAD floats apart; the tied embedding shares the LM head's."""
+    model = model_factory("aligned", layers=2, hidden=512, heads=8, kv_heads=2, intermediate=640, vocab=320,
                           max_positions=512, seed=1, tie_embeddings=True)
     rng = random.Random(4)
     prompts = [[rng.randrange(320) for _ in range(n)] for n in (1, 17, 40, 130)]
@@ -209,24 +223,27 @@ def test_weights_with_rows_a_multiple_of_128_floats_are_laid_out_apart_and_give_
     for ops in ("torch", "cpu_kernels"):
         engine = LLMEngine.from_model(model, num_blocks=64, max_num_batched_tokens=48, model_ops=ops)
         m = engine.model
-        strides = {m.lm_head.weight.stride(), m.layers[0].mlp.down_proj.weight.stride(),
-                   m.layers[1].self_attn.qkv_proj.weight.stride()}
-        if ops == "torch":
-            assert strides == {(128, 1), (256, 1)}
-        else:
-            assert strides == {(128 + ROW_PAD, 1), (256 + ROW_PAD, 1)} and WEIGHT_ALIGN == 128
+        strides = {name: w.stride() for name, w in (("lm_head", m.lm_head.weight),
+                                                    ("down", m.layers[0].mlp.down_proj.weight),
+                                                    ("qkv", m.layers[1].self_attn.qkv_proj.weight))}
+        pad = ROW_PAD if ops == "cpu_kernels" else 0
+        assert strides == {"lm_head": (512 + pad, 1), "down": (640, 1), "qkv": (512 + pad, 1)}
         assert m.embed_tokens.weight is m.lm_head.weight
         got[ops] = [o.token_ids for o in engine.generate(prompts, sp)]
     assert got["cpu_kernels"] == got["torch"]
 
 
-def test_place_weight_leaves_other_widths_and_placed_weights_alone():
+def test_place_weight_pads_only_rows_a_multiple_of_512_floats_and_only_once():
     ops = CPUKernelOps()
-    w = torch.randn(10, 96)
-    assert ops.place_weight(w) is w
-    placed = ops.place_weight(torch.randn(10, 256))
-    assert placed.stride() == (256 + ROW_PAD, 1) and ops.place_weight(placed) is placed
-    assert TorchOps.place_weight(placed) is placed
+    for k in (96, 1408):  # rows that already spread over L1's sets
+        w = torch.randn(10, k)
+        assert ops.place_weight(w) is w
+    weight = torch.randn(10, 1024)
+    placed = ops.place_weight(weight)
+    assert placed.stride() == (1024 + ROW_PAD, 1) and torch.equal(placed, weight)
+    padding = torch.as_strided(placed, (10, ROW_PAD), (1024 + ROW_PAD, 1), placed.storage_offset() + 1024)
+    assert torch.equal(padding, torch.zeros(10, ROW_PAD))
+    assert ops.place_weight(placed) is placed and TorchOps.place_weight(placed) is placed
 
 
 def test_row_tables_make_every_row_of_a_short_chunk_a_decode_of_its_own():

@@ -29,16 +29,17 @@ log = logging.getLogger(__name__)
 SMALL_ROWS = 256
 
 
-# A weight [N, K] with K a multiple of WEIGHT_ALIGN floats (rows a multiple of 512 bytes apart: K = 512,
-# 1024, 2048, ...) is stored with its rows ROW_PAD floats further apart. The small-row kernel reads 12
-# weight rows at the same column; rows 2 KiB apart (4 KiB, 8 KiB) fall in the same two (one) of L1's
-# 64 sets and evict each other; one cache line more per row spreads them over all the sets. 32 rows,
-# the AVX-512 VM (2026-11-26), contiguous vs padded: the 50M benchmark model's 48 layer linears,
-# 2 threads, 15.07 vs 14.34-14.72 ms, its LM head 7.07-7.15 vs 6.93; a Llama-3.2-1B-shaped layer
-# (K = 2048, down K = 8192) 21.95-22.31 vs 20.38-21.21 ms, 1 thread 41.75-42.09 vs 38.92-39.54; in the
-# engine (32-stream decode steps, alternated in one process) 2-3% faster in 14 of 16 pairs. Costs
-# ROW_PAD / K more weight memory (3% at 512, 0.8% at 2048).
-WEIGHT_ALIGN, ROW_PAD = 128, 16
+# A weight [N, K] with K a multiple of WEIGHT_ALIGN floats (its rows a multiple of 2 KiB apart: K = 512,
+# 1024, 1536, 2048, ...) is stored with its rows ROW_PAD floats further apart. The small-row kernel reads
+# 12 weight rows at the same column; rows 2 KiB apart fall in two of L1's 64 sets (4 KiB apart: one)
+# and evict each other, while one cache line more per row spreads them over all the sets (other
+# widths already spread them over 8 or more). 32 rows, the AVX-512 VM (2026-11-26), contiguous vs
+# padded: the 50M benchmark model's 48 layer linears (K = 512 but down_proj's 1408), 2 threads, 15.07
+# vs 14.34-14.72 ms, its LM head 7.07-7.15 vs 6.93; a Llama-3.2-1B-shaped layer (K = 2048, down
+# K = 8192) 21.95-22.31 vs 20.38-21.21 ms, 1 thread 41.75-42.09 vs 38.92-39.54. In the engine (decode
+# steps alternated in one process) the 50M model's 32-stream steps gain 0-3%, within this host's
+# noise, and one stream's 0.998x. Costs ROW_PAD / K more weight memory (3% at K = 512, 0.8% at 2048).
+WEIGHT_ALIGN, ROW_PAD = 512, 16
 
 
 # Decode-only steps of at most this many requests run the whole layer stack in one kernel call
@@ -110,7 +111,7 @@ class CPUKernelOps:
         n, k = weight.shape
         if k % WEIGHT_ALIGN or weight.stride() == (k + ROW_PAD, 1):
             return weight
-        placed = torch.empty(n, k + ROW_PAD, dtype=weight.dtype, device=weight.device)[:, :k]
+        placed = torch.zeros(n, k + ROW_PAD, dtype=weight.dtype, device=weight.device)[:, :k]
         return placed.copy_(weight)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

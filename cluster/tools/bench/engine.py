@@ -8,9 +8,9 @@ greedy, EOS ignored) are submitted at once to each arm:
   - hf-cb:   transformers `generate_batch` (its continuous batching)
   - hf:      transformers `generate` on the padded batch (left padding)
 Only generation is timed (model loading and a warm-up are not). Prints output tokens/s per arm,
-the ratios, and pdserve's fraction of the CPU matmul roofline: 2 * params FLOP per generated
-token, and per prompt token too (the issue's count), against the best fp32 matmul rate measured in
-the run. That count credits the LM head's FLOP for every prompt token, which no engine computes
+the ratios, and pdserve's fraction of the CPU matmul roofline: 2 * params FLOP per generated token
+(params: every parameter but an untied embedding table, which is a lookup), and per prompt token
+too (the issue's count), against the best fp32 matmul rate measured in the run. That count credits the LM head's FLOP for every prompt token, which no engine computes
 (only the last one's logits are needed), so a third figure counts the FLOP a step must do: the LM
 head for output tokens only.
 
@@ -115,15 +115,18 @@ def main(argv=None) -> int:
 
     d = ensure_bench_model(args.model_dir)
     engine = LLMEngine.from_model(str(d), num_blocks=4096, max_num_batched_tokens=args.budget)
-    params = sum(p.numel() for p in engine.model.parameters())
-    head = engine.model_config.vocab_size * engine.model_config.hidden_size  # the LM head's weights
+    mc = engine.model_config
+    head = mc.vocab_size * mc.hidden_size  # the LM head's weights
+    # Weights a token multiplies by: every parameter but an untied embedding table (a lookup; the
+    # norms' few are counted too, as the issue's 2 * params does).
+    params = sum(p.numel() for p in engine.model.parameters()) - (0 if mc.tie_word_embeddings else head)
     hf = None
     if {"hf-cb", "hf"} & set(args.arms):
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
     peak = matmul_gflops()
-    print(f"model: {params / 1e6:.1f}M params, fp32, {torch.get_num_threads()} threads; "
+    print(f"model: {params / 1e6:.1f}M matmul params, fp32, {torch.get_num_threads()} threads; "
           f"matmul roofline before the runs {peak:.1f} GFLOP/s (2048^3 fp32)")
 
     warm = make_prompts(2, seed=99)

@@ -40,14 +40,17 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return s;
 }
 
-// f(begin, end) over [0, n) in chunks the threads take as they finish the last: when one core is
-// slower (a busy neighbour, an interrupt) or items differ in cost (requests of different lengths),
-// the others take more, where at::parallel_for's equal split would wait on the slowest.
-template <typename F>
+// f(state, begin, end) over [0, n) in chunks the threads take as they finish the last: when one core
+// is slower (a busy neighbour, an interrupt) or items differ in cost (requests of different lengths),
+// the others take more, where at::parallel_for's equal split would wait on the slowest. Each thread
+// has one State for the call (scratch space, freed when the call returns).
+struct NoState {};
+template <typename State = NoState, typename F>
 void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), (n + chunk - 1) / chunk), 1, [&](int64_t, int64_t) {
-    for (int64_t b = next.fetch_add(chunk); b < n; b = next.fetch_add(chunk)) f(b, std::min(n, b + chunk));
+    State state{};
+    for (int64_t b = next.fetch_add(chunk); b < n; b = next.fetch_add(chunk)) f(state, b, std::min(n, b + chunk));
   });
 }
 
@@ -251,8 +254,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   // token rows read front to back); with few, one KV head (more items than threads).
   const int64_t nh = B >= 4 * at::get_num_threads() ? Hkv : 1, QH = nh * G;
   const auto pv = pv_kernel(D, G);
-  parallel_chunks(B * (Hkv / nh), 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores;  // reused across items and calls
+  parallel_chunks<std::vector<float>>(B * (Hkv / nh), 1, [&](std::vector<float>& scores, int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (Hkv / nh), h0 = item % (Hkv / nh) * nh;
       const int64_t L = lp[b];
@@ -455,31 +457,42 @@ inline void linear_rows(const float* x, int64_t M, int64_t K, const float* w, in
 
 // x transposed, [K, MV * VL] per block of rows (zero-padded), against NR weight rows: for each k one
 // vector load gives MV * VL rows' x[m, k] and each w[n, k] is a broadcast FMA operand. MV * NR
-// accumulators, MV loads and NR broadcasts per k, no horizontal sums; each lane sums its dot product
-// along k in order.
+// accumulators, MV loads and NR broadcasts per k, no horizontal sums. Each lane sums COLS_KC
+// products in order, then adds that partial sum to the lane's total (kept in memory: the registers
+// are the accumulators'): the rounding error grows with K / COLS_KC + COLS_KC, not with K.
+constexpr int64_t COLS_KC = 64;
+
 template <int MV, int NR>
 inline void linear_cols(const float* __restrict xt, int64_t K, const float* __restrict w, int64_t ldw,
                         float* __restrict y, int64_t rows, int64_t N, const float* bias) {
-  vf acc[MV][NR];
+  vf total[MV][NR] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += COLS_KC) {
+    const int64_t k1 = std::min(K, k0 + COLS_KC);
+    vf acc[MV][NR];
 #pragma GCC unroll 16
-  for (int i = 0; i < MV; ++i)
+    for (int i = 0; i < MV; ++i)
 #pragma GCC unroll 16
-    for (int j = 0; j < NR; ++j) acc[i][j] = vf{};
-  for (int64_t k = 0; k < K; ++k) {
-    vf xv[MV];
+      for (int j = 0; j < NR; ++j) acc[i][j] = vf{};
+    for (int64_t k = k0; k < k1; ++k) {
+      vf xv[MV];
 #pragma GCC unroll 16
-    for (int i = 0; i < MV; ++i) xv[i] = loadu(xt + k * (MV * VL) + i * VL);
+      for (int i = 0; i < MV; ++i) xv[i] = loadu(xt + k * (MV * VL) + i * VL);
 #pragma GCC unroll 16
-    for (int j = 0; j < NR; ++j) {
-      const float b = w[j * ldw + k];
+      for (int j = 0; j < NR; ++j) {
+        const float b = w[j * ldw + k];
 #pragma GCC unroll 16
-      for (int i = 0; i < MV; ++i) acc[i][j] += xv[i] * b;  // an FMA with a broadcast operand
+        for (int i = 0; i < MV; ++i) acc[i][j] += xv[i] * b;  // an FMA with a broadcast operand
+      }
     }
+#pragma GCC unroll 16
+    for (int i = 0; i < MV; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) total[i][j] += acc[i][j];
   }
   for (int i = 0; i < MV; ++i)
     for (int j = 0; j < NR; ++j) {
       const float bj = bias ? bias[j] : 0.0f;
-      for (int64_t l = 0; l < VL && i * VL + l < rows; ++l) y[(i * VL + l) * N + j] = acc[i][j][l] + bj;
+      for (int64_t l = 0; l < VL && i * VL + l < rows; ++l) y[(i * VL + l) * N + j] = total[i][j][l] + bj;
     }
 }
 
@@ -550,7 +563,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
       for (int64_t k = 0; k < K; ++k) d[k * width + r] = src[k];
     }
   }
-  parallel_chunks((N + COLS_NR - 1) / COLS_NR, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks((N + COLS_NR - 1) / COLS_NR, 1, [&](NoState&, int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * COLS_NR, nr = std::min<int64_t>(COLS_NR, N - n);
       const float* wt = wp + n * ldw;
