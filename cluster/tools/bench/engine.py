@@ -10,9 +10,9 @@ greedy, EOS ignored) are submitted at once to each arm:
 Only generation is timed (model loading and a warm-up are not). Prints output tokens/s per arm,
 the ratios, and pdserve's fraction of the CPU matmul roofline: 2 * params FLOP per generated token
 (params: every parameter but an untied embedding table, which is a lookup), and per prompt token
-too (the issue's count), against the best fp32 matmul rate measured in the run. That count credits the LM head's FLOP for every prompt token, which no engine computes
-(only the last one's logits are needed), so a third figure counts the FLOP a step must do: the LM
-head for output tokens only.
+too (the issue's count), against the best fp32 matmul rate measured in the run. That count credits
+the LM head's FLOP for every prompt token, which no engine computes (only the last one's logits are
+needed), so a third figure counts the FLOP a step must do: the LM head for output tokens only.
 
 The roofline is torch's 2048^3 fp32 GEMM, best of three timings of five products, taken before
 the runs and again after them; the fractions are against the higher of the two (the host is shared:
