@@ -1,8 +1,9 @@
-"""The synchronous engine: validate, schedule, run, sample, detokenize.
+"""The synchronous engine: validate, schedule, run, sample; its OutputProcessor detokenizes.
 
     out = scheduler.schedule()
     sampled = runner.execute(out.chunks, block_tables)
     finished = scheduler.update(out, sampled.tokens)  # sampled.failed: ended alone first
+    outputs = output_processor.process(out.chunks, sampled, before)  # stop strings end requests here
 
 Not thread-safe: EngineLoop drives it from one thread.
 """
@@ -25,16 +26,16 @@ from cluster.engine.model.identity import model_identity
 from cluster.engine.model.ops import resolve_ops
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.model_runner import ModelRunner
-from cluster.engine.outputs import EngineLoad, EngineStats, RequestOutput, TokenLogprob, merge_outputs
+from cluster.engine.output_processor import OutputProcessor
+from cluster.engine.outputs import EngineLoad, EngineStats, RequestOutput, merge_outputs
 from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext, RequestStatus
-from cluster.engine.sampler import RequestFailure
+from cluster.engine.sampler import RequestFailure, SamplerOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.spec.controller import Speculator
 from cluster.engine.spec.draft import DraftProposer
 from cluster.engine.spec.proposer import make_proposer
 from cluster.engine.probe import EngineProbe
-from cluster.engine.tokenizer import IncrementalDetokenizer
 from cluster.engine.validation import RequestValidator
 from cluster.errors import ErrorKind
 
@@ -93,8 +94,8 @@ class LLMEngine:
                             tuple(t for t in self.eos_token_ids if t < self.tokenizer.vocab_size))
         self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size, self.device, config.seed,
                                   grammars)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self.stats = EngineStats()
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.stats, self._finished)
         spec = config.speculative
         self.speculator = None
         if spec.enabled:
@@ -153,7 +154,7 @@ class LLMEngine:
         req.keep_kv = hold_kv
         self.scheduler.add(req)
         self.stats.requests_received += 1
-        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.sampling.stop)
+        self.output_processor.add(req, req.prompt_token_ids)
 
     def add_request(self, request_id: str, prompt=None, prompt_token_ids=None, sampling=None) -> Request:
         req = self.make_request(request_id, prompt, prompt_token_ids, sampling)
@@ -162,7 +163,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
-        return None if req is None else self.final_output(req, [], "")
+        return None if req is None else self.output_processor.final_output(req, [], "")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -173,7 +174,7 @@ class LLMEngine:
         if req is None:
             return None
         req.error = error
-        return self.final_output(req, [], "")
+        return self.output_processor.final_output(req, [], "")
 
     # ---- verbs of the prefill role: blocks held for a peer -------------------------------------
 
@@ -244,8 +245,7 @@ class LLMEngine:
         reused = self.scheduler.add_importing(req, block_hashes, num_tokens)
         if reused is not None:
             self.stats.requests_received += 1
-            self._detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, list(req.prompt_token_ids) + [first_token], req.sampling.stop)
+            self.output_processor.add(req, list(req.prompt_token_ids) + [first_token])
         return reused
 
     def import_loading(self, request_id: str) -> bool:
@@ -260,7 +260,7 @@ class LLMEngine:
         """The imported KV has arrived: the request joins continuous batching after its first
         token. Returns its terminal output if that token already ends it (max_tokens 1, a stop)."""
         req = self.scheduler.activate_imported(request_id, num_tokens, first_token)
-        return self.final_output(req, [], "") if req.status.finished else None
+        return self.output_processor.final_output(req, [], "") if req.status.finished else None
 
     def requeue(self, request_id: str, first_token: int) -> None:
         """The import failed: compute the prompt here instead, keeping the first token."""
@@ -281,8 +281,7 @@ class LLMEngine:
         for t in generated:
             req.append_token(t)
         self.add(req)
-        self._detok[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, list(req.prompt_token_ids) + list(generated), req.sampling.stop)
+        self.output_processor.add(req, list(req.prompt_token_ids) + list(generated))
 
     # ---- state for load reports, the router's feed and telemetry -------------------------------
 
@@ -338,6 +337,74 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------------
 
+    def step(self) -> list[RequestOutput]:
+        """One iteration: expire, schedule, execute, update, outputs. Returns the outputs of the
+        requests it ended or moved on: the expired first, then the failed, then the step's."""
+        outputs = self._expire()
+        out = self._schedule()
+        if out.is_empty:
+            if self.kv.num_loading:  # only tier copies in flight: wait for one, do not spin
+                self.kv.wait_loads(LOAD_WAIT_S)
+            return outputs
+        t0 = time.perf_counter()
+        tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in out.chunks}
+        try:
+            sampled = self.runner.execute(out.chunks, tables)
+        except Exception as e:  # a broken step fails its requests, never the loop
+            return outputs + self._step_failed(out, e)
+        # Requests whose own numbers failed end alone, before update(), which then skips them.
+        outputs += self._fail(sampled.failed)
+        before = self._update(out, sampled)
+        self._count_step(out, t0)
+        return outputs + self.output_processor.process(out.chunks, sampled, before)
+
+    def _expire(self) -> list[RequestOutput]:
+        expired = self.scheduler.expire(time.time(), time.monotonic())
+        return [self.output_processor.final_output(r, [], "") for r in expired]
+
+    def _schedule(self) -> SchedulerOutput:
+        if self.speculator is not None:  # drafts first: the scheduler budgets their tokens
+            self.speculator.propose(self.scheduler.running)
+        # the step a copy would stall: a decode step's while requests decode (their inter-token gap)
+        self.kv.inline_load_s = INLINE_LOAD_STEP_FRACTION * (self.stats.decode_step_s_avg or self.stats.step_s_avg)
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        return out
+
+    def _step_failed(self, out: SchedulerOutput, e: Exception) -> list[RequestOutput]:
+        """The forward raised: all the step's requests fail (counted: the replica's health reads
+        the failures in a row). Called while `e` is handled, so its traceback is logged."""
+        log.exception("engine step failed")
+        self.stats.step_errors += 1
+        self.stats.consecutive_step_errors += 1
+        self.stats.last_step_error_at = time.monotonic()
+        failure = RequestFailure(ErrorKind.INTERNAL, f"engine step failed: {type(e).__name__}: {e}")
+        return self._fail({c.request.request_id: failure for c in out.chunks})
+
+    def _update(self, out: SchedulerOutput, sampled: SamplerOutput) -> dict[str, int]:
+        """Append the step's tokens (ending the requests they end). Returns each sampling
+        request's number of output tokens before them: the output processor emits from there."""
+        before = {c.request.request_id: c.request.num_output_tokens for c in out.chunks if c.samples}
+        self.scheduler.update(out, sampled.tokens, sampled.accepted)
+        if self.speculator is not None:
+            self.speculator.observe(out, sampled.accepted)
+        return before
+
+    def _count_step(self, out: SchedulerOutput, t0: float) -> None:
+        """A step that ran: the counters, its time (the speculator's cost model measures it too)
+        and the probe."""
+        st = self.stats
+        st.steps += 1
+        st.consecutive_step_errors = 0
+        st.last_step_s = time.perf_counter() - t0
+        st.busy_s += st.last_step_s
+        self._time_step(out, st.last_step_s)
+        if self.speculator is not None:
+            self.speculator.observe_step(out, st.last_step_s)
+        if self.probe is not None:
+            self.probe.step(out, time.monotonic(), st.last_step_s)
+        st.tokens_computed += out.num_tokens
+
     def _time_step(self, out: SchedulerOutput, seconds: float) -> None:
         st = self.stats
         st.step_s_avg = _smooth(st.step_s_avg, seconds)
@@ -348,75 +415,6 @@ class LLMEngine:
             st.prompt_steps += 1
             st.prompt_s_per_token_avg = _smooth(st.prompt_s_per_token_avg, seconds / out.num_tokens)
 
-    def step(self) -> list[RequestOutput]:
-        expired = [self.final_output(r, [], "") for r in self.scheduler.expire(time.time(), time.monotonic())]
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
-        # the step a copy would stall: a decode step's while requests decode (their inter-token gap)
-        self.kv.inline_load_s = INLINE_LOAD_STEP_FRACTION * (self.stats.decode_step_s_avg or self.stats.step_s_avg)
-        out = self.scheduler.schedule()
-        self.stats.preemptions += len(out.preempted)
-        if out.is_empty:
-            if self.kv.num_loading:  # only tier copies in flight: wait for one, do not spin
-                self.kv.wait_loads(LOAD_WAIT_S)
-            return expired
-        t0 = time.perf_counter()
-        tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in out.chunks}
-        try:
-            sampled = self.runner.execute(out.chunks, tables)
-        except Exception as e:  # a broken step fails its requests, never the loop
-            log.exception("engine step failed")
-            self.stats.step_errors += 1
-            self.stats.consecutive_step_errors += 1
-            self.stats.last_step_error_at = time.monotonic()
-            failure = RequestFailure(ErrorKind.INTERNAL, f"engine step failed: {type(e).__name__}: {e}")
-            return expired + self._fail({c.request.request_id: failure for c in out.chunks})
-        # Requests whose own numbers failed end alone, before update(), which then skips them.
-        outputs = expired + self._fail(sampled.failed)
-        before = {c.request.request_id: c.request.num_output_tokens for c in out.chunks if c.samples}
-        self.scheduler.update(out, sampled.tokens, sampled.accepted)
-        if self.speculator is not None:
-            self.speculator.observe(out, sampled.accepted)
-        self.stats.steps += 1
-        self.stats.consecutive_step_errors = 0
-        self.stats.last_step_s = time.perf_counter() - t0
-        self.stats.busy_s += self.stats.last_step_s
-        self._time_step(out, self.stats.last_step_s)
-        if self.speculator is not None:
-            self.speculator.observe_step(out, self.stats.last_step_s)
-        if self.probe is not None:
-            self.probe.step(out, time.monotonic(), self.stats.last_step_s)
-
-        self.stats.tokens_computed += out.num_tokens
-        for c in out.chunks:
-            req = c.request
-            if req.request_id not in sampled.tokens:  # nothing to sample yet, or failed
-                continue
-            if req.num_output_tokens == 1:  # its prompt is done: count what the cache saved once
-                self.stats.cached_prompt_tokens += req.num_cached_tokens
-            tokens = req.output_token_ids[before[req.request_id]:]  # one, or a speculative step's several
-            detok = self._detok[req.request_id]
-            for i, token in enumerate(tokens):
-                detok.add(token)
-                if detok.stopped:  # a stop string: the tokens after it are never emitted
-                    if i + 1 < len(tokens):
-                        req.drop_last_tokens(len(tokens) - i - 1)
-                        tokens = tokens[: i + 1]
-                        if req.status.finished:  # by a later token: the stop string came first
-                            req.status = RequestStatus.FINISHED_STOPPED
-                    break
-            self.stats.generation_tokens += len(tokens)
-            if detok.stopped and not req.status.finished:
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-            finished = req.status.finished
-            text = detok.take(final=finished)
-            lp = sampled.logprobs.get(req.request_id)
-            out = (self.final_output if finished else self._delta)(req, tokens, text, None if lp is None else [lp])
-            if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:  # the prompt is done: once
-                out.prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
-            outputs.append(out)
-        return outputs
-
     def _fail(self, failures: dict[str, RequestFailure]) -> list[RequestOutput]:
         """End these requests with finish reason "error" (blocks freed); their terminal outputs."""
         outputs = []
@@ -426,28 +424,17 @@ class LLMEngine:
                 continue
             log.warning("request %s failed (%s): %s", rid, failure.kind.value, failure.reason)
             req.error, req.error_kind = failure.reason, failure.kind
-            outputs.append(self.final_output(req, [], ""))
+            outputs.append(self.output_processor.final_output(req, [], ""))
         return outputs
 
-    def _delta(self, req: Request, tokens: list[int], text: str, logprobs=None) -> RequestOutput:
-        return RequestOutput(
-            req.request_id, tokens, text, False, None,
-            req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), logprobs=logprobs,
-        )
-
-    def final_output(self, req: Request, tokens: list[int], text: str,
-                     logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        self._detok.pop(req.request_id, None)
+    def _finished(self, req: Request) -> None:
+        """The output processor's `on_finish`: every way a request ends makes its terminal output
+        there, so this is the one place its sampler state goes and its end is counted."""
         self.runner.sampler.release(req.request_id)
         reason = req.status.finish_reason
         self.stats.finished_by_reason[reason] = self.stats.finished_by_reason.get(reason, 0) + 1
         if self.probe is not None:
             self.probe.finished(req)
-        kind = req.error_kind or (ErrorKind.INTERNAL if req.status == RequestStatus.FINISHED_ERROR else None)
-        return RequestOutput(
-            req.request_id, tokens, text, True, reason,
-            req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), req.error, kind, logprobs,
-        )
 
     # ---- convenience -------------------------------------------------------------------------
 
