@@ -5,7 +5,7 @@ costs at most that long), and the longest text a match can depend on.
 That span is what makes an output check exact: with every output rule's span at most the hold-back
 window, a match that touches text not yet released lies wholly within the last `window`
 characters plus what is held, so it is found before any of it goes out
-(router/ingress/guardrails.py). The span is computed on Python's own parse of the pattern (`re`
+(router/ingress/gateway/guardrails.py). The span is computed on Python's own parse of the pattern (`re`
 syntax: the `regex` module's extensions are accepted for input-only rules). A match is "settled"
 once `lookahead` characters follow it: one for the word boundaries and `$` a rule may end with,
 or the longest lookahead assertion's width (it reads text after the match)."""
@@ -35,7 +35,7 @@ class CompiledRule:
 
 
 def _words_pattern(words: tuple[str, ...]) -> str:
-    """Whole words, matched against folded text (router/ingress/guardrails.py `fold`: NFKC and
+    """Whole words, matched against folded text (router/ingress/gateway/guardrails.py `fold`: NFKC and
     casefold per character), so the words are folded the same way (the span is the folded one)."""
     alternatives = sorted({"".join(unicodedata.normalize("NFKC", c).casefold() for c in w.strip()) for w in words},
                           key=lambda w: (-len(w), w))

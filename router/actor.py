@@ -35,10 +35,16 @@ class RouterActor(Router):
                                      namespace=ROUTER_NAMESPACE)
 
 
+def named_actor(actor_class, name: str, *args, namespace: str = ROUTER_NAMESPACE, options: dict | None = None,
+                **kwargs):
+    """The cluster's one actor of this name, created (detached, with these arguments and actor
+    `options`) by whoever asks first; every later caller gets that one, whatever it passes."""
+    return actor_class.options(name=name, namespace=namespace, get_if_exists=True, lifetime="detached",
+                               **(options or {})).remote(*args, **kwargs)
+
+
 def get_router(**kwargs):
     """The cluster's router actor, created by whoever asks first. Restarted by Ray if it dies,
     with the last configured policy; a restarted router refuses the next event batch of every
     replica, which then resyncs."""
-    return RouterActor.options(
-        name=ROUTER_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True, lifetime="detached"
-    ).remote(**kwargs)
+    return named_actor(RouterActor, ROUTER_NAME, **kwargs)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, Sequence
 
 from cluster.engine.kv_cache.hashing import BlockHash
@@ -96,6 +96,16 @@ class PolicyConfig:
     session_bonus: float = 256.0  # tokens the replicas that served a session last are preferred by
     max_sessions: int = 100_000  # sessions remembered (least recently used forgotten first)
     session_ttl_s: float = 600.0  # a session idle this long is forgotten
+
+    @classmethod
+    def of(cls, options, block_size: int) -> "PolicyConfig":
+        """From the app config's routing options (cluster/config/pools.py RoutingOptions), field by
+        field by name: what the config declares for the policy is taken, the rest keeps its default
+        here (tests/router/test_policy_config.py holds the two declarations together)."""
+        taken = {f.name: getattr(options, f.name) for f in fields(cls) if hasattr(options, f.name)}
+        if taken.get("tier_weights") is not None:
+            taken["tier_weights"] = tuple(taken["tier_weights"])
+        return cls(**{**taken, "block_size": block_size})
 
 
 @dataclass(frozen=True)
@@ -168,6 +178,14 @@ class RoutingPolicy:
             return RouteDecision(None, decode.replica_id, "local", cached_on_decode, "; ".join([why, *reasons]),
                                  decode.queue_wait_s(), cached_on_decode)
 
+        return self._remote(hashes, num_prompt_tokens, index, prefills, slow, session, decode.replica_id,
+                            cached_on_decode, reasons)
+
+    def _remote(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, index: PrefixIndex,
+                prefills: Sequence[ReplicaLoad], slow: set[str], session: SessionHint | None, decode: str,
+                cached_on_decode: int, reasons: list[str]) -> RouteDecision:
+        """Remote prefill: the prefill replica for a request whose decode replica is chosen."""
+        cfg = self.config
         pre_tiers = index.prefix_tiers(hashes, [r.replica_id for r in prefills])
         hot = set()
 
@@ -187,7 +205,7 @@ class RoutingPolicy:
         why = ["cache" if cached else "load"]
         if hot:
             why.append(f"hot prefix spread past cap on {sorted(hot)}")
-        return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached,
+        return RouteDecision(prefill.replica_id, decode, "remote", cached,
                              "; ".join([*why, *p_reasons, *reasons]), prefill.queue_wait_s(), cached_on_decode)
 
     def _compute_cost(self, cached_blocks: int, lower: Sequence[int], r: ReplicaLoad, num_prompt_tokens: int,

@@ -187,3 +187,30 @@ def grpc_stub(cfg: AppConfig, options: tuple = ()) -> Iterator:
 
 def http_base(cfg: AppConfig) -> str:
     return f"http://localhost:{cfg.http_port}"
+
+
+def front_door(cfg: "AppConfig", prefill=None, decode=None, **kw):
+    """A FrontDoor for `cfg` in this process (local quotas, no Ray actors), every model version
+    on the same pools (None: none)."""
+    from router.ingress.gateway.front_door import FrontDoor
+
+    return FrontDoor.build(cfg, {v.config.serving_group: (prefill, decode) for v in cfg.served_versions()}, **kw)
+
+
+async def generate(door, prompt=None, ids=None, tenant: str = "default", **kw):
+    """One request's deltas through `door` (kw: SamplingSpec fields, or ClientRequest fields:
+    model, messages, tools, n, deadline, session, label)."""
+    from router.ingress.request import ClientRequest, SamplingSpec
+
+    request_fields = {"model", "messages", "tools", "n", "deadline", "session", "label"}
+    spec = SamplingSpec(**{k: v for k, v in kw.items() if k not in request_fields})
+    request = ClientRequest(tenant, spec, prompt=prompt, prompt_token_ids=None if ids is None else tuple(ids),
+                            **{k: v for k, v in kw.items() if k in request_fields})
+    reply = await door.serve(request)
+    stream = reply.choices[0].stream
+    try:
+        yield reply.choices[0].first
+        async for d in stream:
+            yield d
+    finally:
+        await stream.aclose()  # the client's going away: both legs stop

@@ -1,6 +1,8 @@
-"""The layer rule, checked on every import of the project's own modules (function-local ones
-too): engine <- serving <- app; kv_transfer and router use the engine layer only; the front door
-(router.ingress) never imports torch; nothing imports the tools or the app."""
+"""The layer rule, checked on every import of the project's own modules (function-local and
+type-checking ones too): engine <- serving <- app; kv_transfer and router use the engine layer
+only; the front door (router.ingress) is itself in layers, request/status <- flow <- versions <-
+gateway <- api <- deployment, and never imports torch; nothing imports the tools or the app; and
+no two modules under cluster/ or router/ import each other, directly or round a longer circle."""
 
 from __future__ import annotations
 
@@ -29,10 +31,23 @@ ALLOWED: dict[str, set[str]] = {
     "cluster.serving": ENGINE | {"cluster.config", "cluster.telemetry", "kv_transfer", "router"},
     "prefill": ENGINE | {"cluster.config", "cluster.serving", "kv_transfer"},
     "decode": ENGINE | {"cluster.config", "cluster.serving", "kv_transfer"},
-    "router.ingress": ENGINE | {"cluster.config", "cluster.guardrail_rules", "cluster.telemetry", "router", "protos"},
+    # the front door's own layers, bottom up
+    "router.ingress": set(),  # its package file only
+    "router.ingress.request": ENGINE,
+    "router.ingress.status": ENGINE,
+    "router.ingress.flow": (FRONT := ENGINE | {"cluster.config", "router", "router.ingress.request",
+                                               "router.ingress.status"}),
+    "router.ingress.versions": FRONT | {"router.ingress.flow"},
+    "router.ingress.gateway": FRONT | {"router.ingress.flow", "router.ingress.versions", "cluster.telemetry",
+                                       "cluster.guardrail_rules"},
+    "router.ingress.api": FRONT | {"router.ingress.flow", "router.ingress.gateway", "cluster.telemetry", "protos"},
+    "router.ingress.deployment": FRONT | {"router.ingress.flow", "router.ingress.versions", "router.ingress.gateway",
+                                          "router.ingress.api", "cluster.telemetry", "protos"},
     "cluster.app": set(ALLOWED_ALL := {"protos", "cluster.errors", "cluster.engine", "kv_transfer", "router",
                                        "cluster.config", "cluster.guardrail_rules", "cluster.manifest", "cluster.telemetry", "cluster.serving",
-                                       "prefill", "decode", "router.ingress"}),
+                                       "prefill", "decode", "router.ingress", "router.ingress.request",
+                                       "router.ingress.status", "router.ingress.flow", "router.ingress.versions",
+                                       "router.ingress.gateway", "router.ingress.api", "router.ingress.deployment"}),
     "cluster.tools": ALLOWED_ALL | {"cluster.app"},
 }
 
@@ -89,8 +104,16 @@ def test_no_module_imports_a_higher_layer():
 @pytest.mark.parametrize("path, source, expected", [
     ("cluster/engine/scheduler.py", "from router.policy import RouteDecision",
      ["cluster/engine/scheduler.py:1: cluster.engine imports router.policy.RouteDecision (router)"]),
-    ("router/policy.py", "def f():\n    from router.ingress.flow import Delta",
-     ["router/policy.py:2: router imports router.ingress.flow.Delta (router.ingress)"]),
+    ("router/policy.py", "def f():\n    from router.ingress.flow.request_flow import RequestFlow",
+     ["router/policy.py:2: router imports router.ingress.flow.request_flow.RequestFlow (router.ingress.flow)"]),
+    ("router/ingress/flow/legs.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                    "    from router.ingress.gateway.stages import Outcome",
+     ["router/ingress/flow/legs.py:3: router.ingress.flow imports router.ingress.gateway.stages.Outcome "
+      "(router.ingress.gateway)"]),
+    ("router/ingress/api/grpc_api.py", "from router.ingress.versions.catalog import ModelCatalog",
+     ["router/ingress/api/grpc_api.py:1: router.ingress.api imports router.ingress.versions.catalog.ModelCatalog "
+      "(router.ingress.versions)"]),
+    ("router/ingress/gateway/stages.py", "from router.ingress.flow.request_flow import RequestFlow", []),
     ("kv_transfer/handle.py", "import cluster.serving.replica",
      ["kv_transfer/handle.py:1: kv_transfer imports cluster.serving.replica (cluster.serving)"]),
     ("cluster/serving/replica.py", "from cluster.tools.netutil import free_port",
@@ -103,8 +126,8 @@ def test_the_rule_catches_an_upward_import(path, source, expected):
 
 def test_the_front_door_never_imports_torch():
     code = ("import sys\n"
-            "import router.ingress.deployment, router.ingress.flow, router.ingress.openai_api\n"
-            "import router.ingress.grpc_api, router.ingress.admission_actor, router.ingress.telemetry\n"
+            "import router.ingress.deployment, router.ingress.gateway.front_door, router.ingress.api.openai_api\n"
+            "import router.ingress.api.grpc_api, router.ingress.gateway.admission_actor, router.ingress.api.probes\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -129,3 +152,88 @@ def test_what_the_engines_send_the_front_door_unpickles_without_torch():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """module -> the project modules it imports (any import: top level, in a function, under
+    TYPE_CHECKING; relative ones resolved). `sources`: module name -> its source."""
+    graph = {}
+    for module, source in sources.items():
+        package = module if module in PACKAGE_MODULES else module.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(source)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            for name in names:
+                while name and name not in sources:
+                    name = name.rpartition(".")[0]
+                if name and name != module and not module.startswith(name + "."):
+                    found.add(name)
+        graph[module] = found
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each strongly connected set of more than one module (Tarjan), sorted."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                members.append(w)
+                if w == v:
+                    break
+            if len(members) > 1:
+                out.append(sorted(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+PACKAGE_MODULES: set[str] = set()  # modules that are packages (their __init__): relative imports start there
+
+
+def project_sources(roots=("cluster", "router")) -> dict[str, str]:
+    sources = {}
+    for root in roots:
+        for p in (ROOT / root).rglob("*.py"):
+            if "_pb2" in p.name:
+                continue
+            module = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+            if module.endswith(".__init__"):
+                module = module.removesuffix(".__init__")
+                PACKAGE_MODULES.add(module)
+            sources[module] = p.read_text()
+    return sources
+
+
+def test_no_import_cycle_under_cluster_or_router():
+    assert import_cycles(import_graph(project_sources())) == []
+
+
+def test_a_cycle_through_a_type_checking_import_is_found():
+    sources = {"router.a": "from router.b import B", "router.b": "import router.c",
+               "router.c": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from router.a import A",
+               "router.d": "from router.a import A"}
+    assert import_cycles(import_graph(sources)) == [["router.a", "router.b", "router.c"]]

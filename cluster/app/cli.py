@@ -213,7 +213,7 @@ def _rollout(args) -> int:
     import ray  # noqa: PLC0415
 
     from router.actor import ROUTER_NAMESPACE  # noqa: PLC0415
-    from router.ingress.rollout_actor import ROLLOUT_NAME  # noqa: PLC0415
+    from router.ingress.versions.rollout_actor import ROLLOUT_NAME  # noqa: PLC0415
 
     if not ray.is_initialized():
         ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="pdserve",
@@ -304,7 +304,7 @@ def _slo_rules(args) -> int:
 
 
 def _audit_verify(args) -> int:
-    from router.ingress.audit_log import verify  # noqa: PLC0415
+    from router.ingress.gateway.audit_log import verify  # noqa: PLC0415
 
     result = verify(args.path)
     if not result.ok:
@@ -317,7 +317,7 @@ def _audit_verify(args) -> int:
 def _budget(args) -> int:
     """Each tenant's spend this month: from the running cluster's ledger actor, or its file."""
     if args.file:
-        from router.ingress.budget import Ledger  # noqa: PLC0415
+        from router.ingress.gateway.budget import Ledger  # noqa: PLC0415
 
         snap = Ledger(args.file).snapshot()
     else:
@@ -326,7 +326,7 @@ def _budget(args) -> int:
         import ray  # noqa: PLC0415
 
         from router.actor import ROUTER_NAMESPACE  # noqa: PLC0415
-        from router.ingress.budget_actor import LEDGER_NAME  # noqa: PLC0415
+        from router.ingress.gateway.budget_actor import LEDGER_NAME  # noqa: PLC0415
 
         if not ray.is_initialized():
             ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="pdserve",
@@ -509,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     mo.set_defaults(func=_models)
 
     ro = sub.add_parser("rollout", help="each model's live traffic split (changed without a redeploy) and the "
-                                        "canary gate's decisions (router/ingress/rollout.py)")
+                                        "canary gate's decisions (router/ingress/versions/rollout.py)")
     ros = ro.add_subparsers(dest="rollout_command", required=True)
     rst = ros.add_parser("status", help="splits, each version's outcomes over the gate's window, decisions")
     rst.add_argument("--json", action="store_true")

@@ -64,7 +64,7 @@ class TenantOptions(KeySources):
 class AdmissionOptions(Strict):
     max_inflight: int | Literal["auto"] = Field(
         "auto", description="Requests in flight per ingress replica; more get 429. auto: sized from the decode "
-        "pool's KV (router/ingress/capacity.py InflightCap: twice the requests its blocks hold at the "
+        "pool's KV (router/ingress/gateway/capacity.py InflightCap: twice the requests its blocks hold at the "
         "recent requests' prompt + max_tokens, this ingress's share, at least 64; 1024 until measured)")
     max_queue_wait_s: float | None = Field(
         None, gt=0, description="Refuse (429) when the predicted wait before a request's prompt starts is "

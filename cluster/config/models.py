@@ -67,7 +67,7 @@ class ShadowOptions(Strict):
 
 
 class RolloutOptions(Strict):
-    """The canary gate (router/ingress/rollout.py): every `evaluate_s`, each version that is not the
+    """The canary gate (router/ingress/versions/rollout.py): every `evaluate_s`, each version that is not the
     baseline (the first listed) and takes traffic is compared with the baseline over the last
     `window_s`; when it burns its error budget too fast, or its latency is too far behind, all its
     traffic goes back to the baseline and the decision is logged with its numbers."""

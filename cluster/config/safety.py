@@ -12,7 +12,7 @@ from cluster.config.common import Strict
 class GuardrailRule(Strict):
     """A built-in check: a word list (whole words, matched on NFKC-normalised, casefolded text:
     any case or full-width form of a word) or a regular expression (on the text as generated).
-    Compiled once (router/ingress/guardrails.py) with the `regex` module and run with a timeout.
+    Compiled once (router/ingress/gateway/guardrails.py) with the `regex` module and run with a timeout.
     A rule that checks output must have a bounded match length that fits the policy's hold-back
     window (so no match can reach released text): refused at load otherwise. Output rules use
     Python `re` syntax (how their length is bounded); lookbehind is fine, lookahead adds its width."""
@@ -93,7 +93,7 @@ class GuardrailPolicy(Strict):
 
 
 class ResponseCacheOptions(Strict):
-    """The response cache (router/ingress/response_cache.py): each ingress replica keeps finished
+    """The response cache (router/ingress/gateway/response_cache.py): each ingress replica keeps finished
     temperature-0 completions of the tenants that opt in, keyed by tenant, model, prompt token
     ids and every sampling parameter."""
 

@@ -16,15 +16,12 @@ import functools
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-if TYPE_CHECKING:
-    from cluster.engine.tokenizer import Tokenizer
 
 DEFAULT = "default"
 TOOL_USE = "tool_use"  # transformers picks this named template when tools are given
@@ -54,8 +51,15 @@ def load_chat_templates(model_dir: str | Path, tokenizer_config: dict) -> dict[s
     return {}
 
 
+class Templated(Protocol):
+    """What rendering needs of a tokenizer (cluster/engine/tokenizer.py Tokenizer has it)."""
+
+    chat_templates: dict[str, str]  # name -> Jinja source
+    special_tokens: dict[str, str]  # bos_token, eos_token, ...: the template's variables
+
+
 def render_chat(
-    tokenizer: "Tokenizer",
+    tokenizer: Templated,
     messages: list[dict],
     add_generation_prompt: bool = True,
     *,

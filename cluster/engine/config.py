@@ -43,6 +43,11 @@ class RequestLimits(BaseModel):
     def prompt_chars(self, max_model_len: int) -> int:
         return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len
 
+    def check_logit_bias(self, entries: int) -> None:
+        """The entry cap, for the edges to check before converting a client's logit_bias entry by entry."""
+        if entries > self.max_logit_bias:
+            raise InvalidRequestError("logit_bias", f"has {entries} entries; at most {self.max_logit_bias} are accepted")
+
     def check_counts(self, stop_strings: int, stop_token_ids: int) -> None:
         """The count caps, for the edges to check before building a request's lists."""
         if stop_strings > self.max_stop_strings:

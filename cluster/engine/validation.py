@@ -128,10 +128,8 @@ class RequestValidator:
                                max_depth=self.limits.max_schema_depth)
 
     def check_logit_bias_size(self, n: int) -> None:
-        """The entry cap; the edges call it before converting a client's logit_bias entry by entry."""
-        cap = self.limits.max_logit_bias
-        if n > cap:
-            raise InvalidRequestError("logit_bias", f"has {n} entries; at most {cap} are accepted")
+        """The entry cap, checked before a client's logit_bias is converted entry by entry."""
+        self.limits.check_logit_bias(n)
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's token ids; its size is checked first, so the tokenizer never sees a huge one."""

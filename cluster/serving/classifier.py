@@ -1,6 +1,6 @@
 """The guardrail classifier deployment: its own Serve deployment with its own CPUs, so a check
 never shares an engine's step. The ingress calls `classify(text) -> score in [0, 1]`
-(router/ingress/guardrails.py: ClassifierCheck, bounded by the policy's timeout).
+(router/ingress/gateway/guardrails.py: ClassifierCheck, bounded by the policy's timeout).
 
 `KeywordClassifierStandIn` is a RULE-BASED STAND-IN for a classifier model: it scores 1.0 when one
 of its words occurs (whole word, case-insensitive), else 0.0. A model-backed classifier keeps the

@@ -14,6 +14,7 @@ import time
 import ray
 
 from kv_transfer.errors import KVTransferError
+from router.actor import named_actor
 from kv_transfer.handle import PeerInfo
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,7 @@ class RegistryActor(Registry):
 
 def get_registry():
     """The cluster's registry actor, created by whoever asks first."""
-    return RegistryActor.options(
-        name=REGISTRY_NAME, namespace=REGISTRY_NAMESPACE, get_if_exists=True, lifetime="detached"
-    ).remote()
+    return named_actor(RegistryActor, REGISTRY_NAME, namespace=REGISTRY_NAMESPACE)
 
 
 # A registry that is dead, restarting or too slow to answer.

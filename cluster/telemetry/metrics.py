@@ -152,7 +152,7 @@ def audit_writer_metrics() -> AuditWriterMetrics:
 
 @dataclass(frozen=True)
 class GuardrailMetrics:
-    """Recorded by each ingress replica (router/ingress/guardrails.py, response_cache.py); tenant,
+    """Recorded by each ingress replica (router/ingress/gateway/guardrails.py, response_cache.py); tenant,
     policy and check names come from the config; stage, action, cause and result are closed sets."""
 
     interventions: object

@@ -1,4 +1,4 @@
-"""n > 1 on one engine, as the front door runs it (router/ingress/openai_api.py `_start_choices`):
+"""n > 1 on one engine, as the front door runs it (router/ingress/api/openai_api.py `_start_choices`):
 choice 0 first, the other choices once it has its first token. They share the prompt's full blocks
 through the prefix cache: exact block ids and counts while all four run, and after they finish."""
 

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 from cluster.config import AppConfig
 from cluster.errors import InvalidRequestError
 from cluster.engine.request import Priority
-from router.ingress.admission import Admission, IdempotencyStore, Quotas, TokenBucket
+from router.ingress.gateway.admission import Admission, Quotas, TokenBucket
+from router.ingress.gateway.idempotency import IdempotencyStore
 from router.ingress.status import Code, Rejected, ServingError
 
 
@@ -223,13 +224,13 @@ def test_predicted_queue_wait_over_the_bound_or_the_deadline_is_refused(tiny_mod
     import time
 
     from cluster.engine.request import RequestContext
-    from router.ingress.flow import RequestFlow
+    from router.ingress.gateway.capacity import Capacity
 
-    flow = RequestFlow(AppConfig(model=tiny_model, admission={"max_queue_wait_s": 2.0}), None, None)
-    flow.capacity.check_queue_wait("r", 1.9, RequestContext())
+    capacity = Capacity(AppConfig(model=tiny_model, admission={"max_queue_wait_s": 2.0}).admission)
+    capacity.check_queue_wait("r", 1.9, RequestContext())
     with pytest.raises(Rejected, match="predicted queue wait 2.50 s exceeds max_queue_wait_s 2") as e:
-        flow.capacity.check_queue_wait("r", 2.5, RequestContext())
+        capacity.check_queue_wait("r", 2.5, RequestContext())
     assert e.value.retry_after_s == pytest.approx(0.5)
     with pytest.raises(Rejected, match="left before its deadline"):
-        flow.capacity.check_queue_wait("r", 1.0, RequestContext(deadline=time.time() + 0.5))
-    flow.capacity.check_queue_wait("r", 1.0, RequestContext(deadline=time.time() + 30))
+        capacity.check_queue_wait("r", 1.0, RequestContext(deadline=time.time() + 0.5))
+    capacity.check_queue_wait("r", 1.0, RequestContext(deadline=time.time() + 30))

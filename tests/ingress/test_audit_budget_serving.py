@@ -16,7 +16,7 @@ import pytest
 
 from cluster.app.cli import main
 from protos.pdserve.v1 import generation_pb2 as pb
-from router.ingress.audit_log import canonical, log_files, read_records, verify
+from router.ingress.gateway.audit_log import canonical, log_files, read_records, verify
 from tests.helpers import grpc_stub, http_base, serve_replica_ids, wait_for, wait_pools_whole, wait_until
 
 KEYS = {"audited": "k-audited", "capped": "k-capped"}

@@ -6,8 +6,8 @@ import json
 import os
 
 from cluster.app.cli import main
-from router.ingress.audit import Spool
-from router.ingress.audit_log import GENESIS, AuditLog, canonical, log_files, read_records, record_hash, verify
+from router.ingress.gateway.audit import Spool
+from router.ingress.gateway.audit_log import GENESIS, AuditLog, canonical, log_files, read_records, record_hash, verify
 
 DAY = 86400.0
 T0 = 1_795_000_000.0  # 2026-11-18 UTC
@@ -141,7 +141,7 @@ def test_a_batch_cut_off_by_a_crash_is_truncated_at_restart(tmp_path):
 
 
 def test_the_spool_keeps_records_until_acknowledged_and_deletes_finished_segments(tmp_path, monkeypatch):
-    monkeypatch.setattr("router.ingress.audit.SEGMENT_BYTES", 200)
+    monkeypatch.setattr("router.ingress.gateway.audit.SEGMENT_BYTES", 200)
     spool = Spool(tmp_path)
     for i in range(10):
         spool.add(rec(i))
@@ -172,7 +172,7 @@ def test_a_full_buffer_refuses_requests_or_drops_their_records_as_configured(tmp
     import asyncio
 
     from cluster.config import AuditOptions
-    from router.ingress.audit import AuditShipper
+    from router.ingress.gateway.audit import AuditShipper
     from router.ingress.status import Code
 
     def down():
@@ -198,27 +198,23 @@ def test_a_trail_records_counts_code_and_interventions_and_text_only_when_the_te
     from dataclasses import dataclass, replace
 
     from cluster.config import AuditOptions
-    from router.ingress.audit import AuditShipper, AuditTrail
-    from router.ingress.flow import Delta
+    from router.ingress.gateway.audit import AuditShipper, AuditTrail
+    from router.ingress.request import Delta
     from router.ingress.status import Code, ServingError
 
     @dataclass(frozen=True)
-    class Intervention:  # the guardrails' record (router/ingress/guardrails.py) as the final delta carries it
+    class Intervention:  # the guardrails' record (router/ingress/gateway/guardrails.py) as the Outcome keeps it
         policy: str
         action: str
-
-    @dataclass
-    class GuardedDelta(Delta):
-        guardrail_interventions: tuple = ()
 
     async def scenario():
         shipper = AuditShipper(AuditOptions(enabled=True, dir=str(tmp_path)), lambda: None)
         shipper._ensure_task = lambda: None  # the spool only: no writer here
         plain = AuditTrail(shipper, "r1", "mine", "t", "m", "fp", keep_text=False)
-        first = GuardedDelta("mine", "secret", [5], None, 3, 1)
+        first = Delta("mine", "secret", [5], None, 3, 1)
         plain.delta(first)
-        plain.delta(replace(first, text=" text", token_ids=[6], finish_reason="content_filter", completion_tokens=2,
-                            guardrail_interventions=(Intervention("p", "stopped"),)), cost_usd=0.25)
+        plain.delta(replace(first, text=" text", token_ids=[6], finish_reason="content_filter", completion_tokens=2),
+                    cost_usd=0.25, interventions=[Intervention("p", "stopped")])
         plain.end(None)  # already submitted at the final delta: nothing more
         kept = AuditTrail(shipper, "r2", None, "t", "m", "fp", keep_text=True, prompt_input="hello")
         kept.delta(Delta("r2", "out", [7], None, 1, 1))
@@ -240,7 +236,7 @@ def test_drain_waits_for_the_writers_acknowledgement_and_is_bounded(tmp_path):
     import asyncio
 
     from cluster.config import AuditOptions
-    from router.ingress.audit import AuditShipper
+    from router.ingress.gateway.audit import AuditShipper
 
     log = AuditLog(tmp_path / "log")
 
@@ -272,7 +268,7 @@ def test_records_reach_the_writer_one_flush_interval_after_they_are_spooled(tmp_
     import time
 
     from cluster.config import AuditOptions
-    from router.ingress.audit import ADOPT_INTERVAL_S, AuditShipper
+    from router.ingress.gateway.audit import ADOPT_INTERVAL_S, AuditShipper
 
     log = AuditLog(tmp_path / "log")
 
@@ -313,7 +309,7 @@ def test_a_full_batch_or_a_drain_ends_the_gathering_early(tmp_path):
     import time
 
     from cluster.config import AuditOptions
-    from router.ingress.audit import AuditShipper
+    from router.ingress.gateway.audit import AuditShipper
 
     log = AuditLog(tmp_path / "log")
     calls: list[int] = []
@@ -367,36 +363,37 @@ def test_a_tenant_with_audit_off_gets_no_record_and_no_audit_refusal(tmp_path, t
     import asyncio
 
     from cluster.config import AppConfig, AuditOptions
-    from cluster.engine.sampling_params import SamplingParams
-    from router.ingress.audit import AuditShipper, AuditTrail
-    from router.ingress.flow import RequestFlow
+    from router.ingress.gateway.audit import AuditShipper
     from router.ingress.status import Code
+    from tests.helpers import front_door, generate
 
     cfg = AppConfig(model=tiny_model, audit={"enabled": True, "dir": str(tmp_path)},
                     tenants={"quiet": {"api_keys": ["sk-q"], "audit": False}, "loud": {"api_keys": ["sk-l"]}})
 
-    async def first_error(flow, tenant):
+    async def first_error(door, tenant):
         try:
-            async for _ in flow.generate("hi", None, SamplingParams(max_tokens=1), tenant=tenant):
+            async for _ in generate(door, "hi", tenant=tenant, max_tokens=1):
                 pass
         except Exception as e:  # noqa: BLE001 — what stopped it is the point
             return e
 
     async def scenario():
-        shipper = AuditShipper(AuditOptions(enabled=True, dir=str(tmp_path), max_buffered=1, when_full="refuse"),
+        shipper = AuditShipper(AuditOptions(enabled=True, dir=str(tmp_path), max_buffered=2, when_full="refuse"),
                                lambda: None)
         shipper._ensure_task = lambda: None  # the spool only: no writer here
-        flow = RequestFlow(cfg, None, None, audit=shipper)
-        trails = {t: flow._audit_trail("r", None, t, "hi", None, None) for t in ("quiet", "loud", "default")}
-        shipper.submit(rec(0))  # the buffer is now full: audited requests are refused
-        errors = {t: await first_error(flow, t) for t in ("quiet", "loud")}
-        return trails, errors, len(shipper.spool)
+        door = front_door(cfg, audit=shipper)
+        errors = {t: await first_error(door, t) for t in ("quiet", "loud", "default")}
+        held_before = len(shipper.spool)  # the buffer is now full: audited requests are refused
+        errors |= {f"{t} full": await first_error(door, t) for t in ("quiet", "loud")}
+        return held_before, errors, len(shipper.spool)
 
-    trails, errors, held = asyncio.run(scenario())
-    assert trails["quiet"] is None
-    assert isinstance(trails["loud"], AuditTrail) and isinstance(trails["default"], AuditTrail)
+    held_before, errors, held = asyncio.run(scenario())
+    # with room in the buffer: the audited tenants' failed requests each left a record, the quiet one none
+    assert held_before == 2
+    assert all(str(errors[t]).startswith("no decode replica") for t in ("quiet", "loud", "default"))
     # the unaudited tenant went past the full buffer to the engines (none here); the audited one was refused
-    assert str(errors["quiet"]).startswith("no decode replica")
-    assert (errors["loud"].code, str(errors["loud"])) == (Code.UNAVAILABLE, "the audit log is unavailable (1 records "
-                                                          "wait for its writer): requests are refused until it catches up")
-    assert held == 1  # neither request added a record
+    assert str(errors["quiet full"]).startswith("no decode replica")
+    assert (errors["loud full"].code, str(errors["loud full"])) == (
+        Code.UNAVAILABLE, "the audit log is unavailable (2 records wait for its writer): requests are refused until it "
+                          "catches up")
+    assert held == 2  # neither request added a record

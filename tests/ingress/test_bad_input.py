@@ -87,7 +87,7 @@ def test_engine_keeps_serving_after_bad_input(engine):
 
 def test_the_ingress_validates_with_the_configured_limits(tiny_model):
     from cluster.config import AppConfig
-    from router.ingress.flow import RequestFlow
+    from router.ingress.flow.request_flow import RequestFlow
 
     flow = RequestFlow(AppConfig(model=tiny_model, engine={"limits": {"max_prompt_chars": 10}}), None, None)
     with pytest.raises(InvalidRequestError) as e:
@@ -125,17 +125,15 @@ def _post(app, path: str, body: dict) -> tuple[int, dict]:
 )
 def test_a_chat_prompt_meets_the_prompt_caps_before_tokenizing(tiny_model, content, message):
     from cluster.config import AppConfig
-    from router.ingress import openai_api
-    from router.ingress.catalog import ModelCatalog
-    from router.ingress.flow import RequestFlow
+    from router.ingress.api import openai_api
+    from tests.helpers import front_door
 
-    flow = RequestFlow(AppConfig(model=tiny_model, engine={"limits": {"max_prompt_chars": 150}}), None, None)
-    openai_api.bind_replica(ModelCatalog.of(flow), None)
+    openai_api.bind(front_door(AppConfig(model=tiny_model, engine={"limits": {"max_prompt_chars": 150}})))
     try:
-        status, body = _post(openai_api.build_openai_app(), "/v1/chat/completions",
+        status, body = _post(openai_api.app, "/v1/chat/completions",
                              {"messages": [{"role": "user", "content": content}], "max_tokens": 4})
     finally:
-        openai_api._replica.clear()
+        openai_api.bind(None)
     assert status == 400 and body["error"]["param"] == "messages"
     assert body["error"]["message"].startswith(message)
 
@@ -144,8 +142,8 @@ def test_a_chat_prompt_meets_the_prompt_caps_before_tokenizing(tiny_model, conte
     ("max_tokens", True, "max_tokens"), ("temperature", False, "temperature"), ("top_k", True, "top_k"),
     ("seed", True, "seed"), ("stop_token_ids", [5, True], "stop_token_ids.1")])
 def test_a_boolean_is_not_a_number_in_the_http_body(field, value, param):
-    from router.ingress import openai_api
+    from router.ingress.api import openai_api
 
-    status, body = _post(openai_api.build_openai_app(), "/v1/completions", {"prompt": "hi", field: value})
+    status, body = _post(openai_api.app, "/v1/completions", {"prompt": "hi", field: value})
     assert (status, body["error"]["param"]) == (400, param)
     assert body["error"]["message"] == f"{param}: Value error, a boolean is not a number"

@@ -6,7 +6,7 @@ import json
 
 from cluster.app.cli import main
 from cluster.config import ModelPrice
-from router.ingress.budget import Ledger, cost_micros, next_month_start, to_micros
+from router.ingress.gateway.budget import Ledger, cost_micros, next_month_start, to_micros
 
 T0 = 1_795_000_000.0  # 2026-11-18 UTC
 PRICE = ModelPrice(prompt_per_1k=0.5, completion_per_1k=1.5)

@@ -1,4 +1,4 @@
-"""The ingress's first-token queue (router/ingress/capacity.py) with an injected clock: exact
+"""The ingress's first-token queue (router/ingress/gateway/capacity.py) with an injected clock: exact
 pending counts through every lifecycle, the rate measured over backlogged time only, and the
 predicted wait; then the flow's refusal by it (before any await) and batch work shed first."""
 
@@ -9,8 +9,8 @@ import pytest
 
 from cluster.config import AppConfig
 from cluster.engine.request import Priority, RequestContext
-from router.ingress.admission import Admission, Quotas
-from router.ingress.capacity import MIN_SAMPLE_S, FirstTokenQueue
+from router.ingress.gateway.admission import Admission, Quotas
+from router.ingress.gateway.capacity import MIN_SAMPLE_S, FirstTokenQueue
 from router.ingress.status import Rejected
 
 
@@ -78,49 +78,49 @@ def test_each_request_s_prediction_is_compared_with_its_first_token():
     assert list(q.errors) == [0.5, -0.25]
 
 
-def _flow(tiny_model, **admission):
-    from router.ingress.flow import RequestFlow
+def _door(tiny_model, **admission):
+    from tests.helpers import front_door
 
     cfg = AppConfig.model_validate({"model": tiny_model, "admission": admission, "tenants": {
         "batchy": {"api_keys": ["kb"], "priority": "batch"}, "live": {"api_keys": ["ki"]}}})
-    return RequestFlow(cfg, None, None)
+    return front_door(cfg)
 
 
 def test_a_request_the_queue_would_keep_past_the_bound_is_refused_before_any_work(tiny_model):
-    flow = _flow(tiny_model, max_queue_wait_s=2.0, batch_share=0.5)
-    q = flow.capacity.first_tokens
+    door = _door(tiny_model, max_queue_wait_s=2.0, batch_share=0.5)
+    q = door.capacity.first_tokens
     q.rate = 1000.0
     held = q.admit(1500)  # 1.5 s ahead
-    flow.capacity.check(RequestContext(priority=Priority.INTERACTIVE))
+    door.capacity.check(RequestContext(priority=Priority.INTERACTIVE))
     with pytest.raises(Rejected, match=r"predicted queue wait 1.50 s exceeds max_queue_wait_s 1 \(batch share\)") as e:
-        flow.capacity.check(RequestContext(priority=Priority.BATCH))
+        door.capacity.check(RequestContext(priority=Priority.BATCH))
     assert e.value.retry_after_s == pytest.approx(0.5)
     with pytest.raises(Rejected, match="left before its deadline"):
-        flow.capacity.check(RequestContext(deadline=time.time() + 1.0))
+        door.capacity.check(RequestContext(deadline=time.time() + 1.0))
     more = q.admit(1000)  # 2.5 s ahead: interactive work is refused too
     with pytest.raises(Rejected, match="predicted queue wait 2.50 s exceeds max_queue_wait_s 2:"):
-        flow.capacity.check(RequestContext())
+        door.capacity.check(RequestContext())
     held.done(1500)
     more.done(1000)
-    flow.capacity.check(RequestContext(priority=Priority.BATCH))  # drained: both pass
+    door.capacity.check(RequestContext(priority=Priority.BATCH))  # drained: both pass
 
 
-def test_the_flow_refuses_by_predicted_wait_without_touching_a_pool_and_releases_the_slot(tiny_model):
-    from cluster.engine.sampling_params import SamplingParams
+def test_the_front_door_refuses_by_predicted_wait_without_touching_a_pool_and_releases_the_slot(tiny_model):
+    from tests.helpers import generate
 
-    flow = _flow(tiny_model, max_queue_wait_s=1.0)
-    flow.capacity.first_tokens.rate = 100.0
-    ahead = flow.capacity.first_tokens.admit(500)  # 5 s ahead
+    door = _door(tiny_model, max_queue_wait_s=1.0)
+    door.capacity.first_tokens.rate = 100.0
+    ahead = door.capacity.first_tokens.admit(500)  # 5 s ahead
 
     async def one():
-        async for _ in flow.generate(None, [1, 2, 3], SamplingParams(max_tokens=2), tenant="live"):
+        async for _ in generate(door, ids=[1, 2, 3], tenant="live", max_tokens=2):
             pass
 
     with pytest.raises(Rejected) as e:  # the pools are None: any call to them would fail differently
         asyncio.run(one())
     assert e.value.reason == "queue_wait"
-    assert flow.admission.total_inflight == 0  # the in-flight slot went back
-    assert (flow.capacity.first_tokens.pending_requests, flow.capacity.first_tokens.pending_tokens) == (1, 500)
+    assert door.admission.total_inflight == 0  # the in-flight slot went back
+    assert (door.capacity.first_tokens.pending_requests, door.capacity.first_tokens.pending_tokens) == (1, 500)
     ahead.done(500)
 
 
@@ -145,7 +145,7 @@ def test_batch_work_is_refused_at_its_share_of_the_in_flight_cap():
 
 
 def test_stream_pace_caps_by_its_gradient_once_over_the_target_and_probes_back_up():
-    from router.ingress.capacity import StreamPace
+    from router.ingress.gateway.capacity import StreamPace
 
     clock = Clock()
     pace = StreamPace(clock, alpha=1.0, target_itl_s=0.1)
@@ -189,36 +189,35 @@ def test_stream_pace_caps_by_its_gradient_once_over_the_target_and_probes_back_u
 
 
 def test_the_decode_pace_cap_refuses_new_work_interactive_last(tiny_model):
-    flow = _flow(tiny_model, target_itl_s=0.1, batch_share=0.5)
+    door = _door(tiny_model, target_itl_s=0.1, batch_share=0.5)
     clock = Clock()
-    flow.capacity.pace.clock = clock
-    flow.capacity.pace._last = clock.t
+    door.capacity.pace.clock = clock
+    door.capacity.pace._last = clock.t
     for _ in range(12):
-        flow.capacity.pace.start()
+        door.capacity.pace.start()
     for _ in range(2):  # two windows in a row
         clock.t += 0.5
-        flow.capacity.pace.tokens(30)  # 12 streams at 200 ms: the cap at 100 ms is 6
+        door.capacity.pace.tokens(30)  # 12 streams at 200 ms: the cap at 100 ms is 6
     for _ in range(9):
-        flow.capacity.pace.end()
-    flow.capacity.check(RequestContext())  # 3 streams < 6
+        door.capacity.pace.end()
+    door.capacity.check(RequestContext())  # 3 streams < 6
     with pytest.raises(Rejected, match=r"target_itl_s 0.1 \(measured 200 ms per token over 12.0 streams\) \(batch share\)"):
-        flow.capacity.check(RequestContext(priority=Priority.BATCH))  # 3 >= 6 x 0.5
-    waiting = [flow.capacity.first_tokens.admit(10) for _ in range(3)]  # 3 streams + 3 waiting for a first token = 6
+        door.capacity.check(RequestContext(priority=Priority.BATCH))  # 3 >= 6 x 0.5
+    waiting = [door.capacity.first_tokens.admit(10) for _ in range(3)]  # 3 streams + 3 waiting for a first token = 6
     with pytest.raises(Rejected) as e:
-        flow.capacity.check(RequestContext())
+        door.capacity.check(RequestContext())
     assert e.value.reason == "capacity"
     for p in waiting:
         p.done(10)
 
 
 def test_the_ingress_scrape_shows_the_prediction_error(tiny_model):
-    from router.ingress.catalog import ModelCatalog
-    from router.ingress.probes import metrics_text
+    from router.ingress.api.probes import metrics_text
 
-    flow = _flow(tiny_model)
-    assert b"pdserve_ingress_ttft_prediction_error_seconds" not in metrics_text(ModelCatalog.of(flow))  # nothing compared yet
-    flow.capacity.first_tokens.errors.extend([0.5, -0.25])
-    text = metrics_text(ModelCatalog.of(flow)).decode()
+    door = _door(tiny_model)
+    assert b"pdserve_ingress_ttft_prediction_error_seconds" not in metrics_text(door)  # nothing compared yet
+    door.capacity.first_tokens.errors.extend([0.5, -0.25])
+    text = metrics_text(door).decode()
     assert 'pdserve_ingress_ttft_prediction_error_seconds{stat="median"} 0.125' in text
     assert 'pdserve_ingress_ttft_prediction_error_seconds{stat="abs_p90"} 0.5' in text
     assert "pdserve_ingress_ttft_predictions 2.0" in text
@@ -226,14 +225,13 @@ def test_the_ingress_scrape_shows_the_prediction_error(tiny_model):
 
 def test_the_ingress_scrape_shows_the_collections(tiny_model):
     from cluster.telemetry import gc_pauses
-    from router.ingress.catalog import ModelCatalog
-    from router.ingress.probes import metrics_text
+    from router.ingress.api.probes import metrics_text
 
     saved = gc_pauses.PAUSES.by_generation
     gc_pauses.PAUSES.by_generation = [gc_pauses.GenerationPauses(), gc_pauses.GenerationPauses(),
                                       gc_pauses.GenerationPauses(count=3, total_s=0.25, max_s=0.125)]
     try:
-        text = metrics_text(ModelCatalog.of(_flow(tiny_model))).decode()
+        text = metrics_text(_door(tiny_model)).decode()
     finally:
         gc_pauses.PAUSES.by_generation = saved
     assert 'pdserve_ingress_gc_pauses{generation="2"} 3.0' in text
@@ -243,7 +241,7 @@ def test_the_ingress_scrape_shows_the_collections(tiny_model):
 
 
 def test_the_auto_inflight_cap_is_sized_from_the_decode_pool_s_kv():
-    from router.ingress.capacity import AUTO_MIN, AUTO_UNMEASURED, REFRESH_S, InflightCap
+    from router.ingress.gateway.capacity import AUTO_MIN, AUTO_UNMEASURED, REFRESH_S, InflightCap
 
     clock = Clock()
     assert InflightCap(16)() == 16 and not InflightCap(16).due()  # a number is a number

@@ -10,8 +10,8 @@ import pytest
 
 from cluster.config import AppConfig
 from cluster.errors import InvalidRequestError
-from router.ingress.catalog import ModelCatalog
-from router.ingress.admission import Admission, IdempotencyStore, Idempotent, Quotas, key_digest, load_key_digests
+from router.ingress.gateway.admission import Admission, Quotas, key_digest, load_key_digests
+from router.ingress.gateway.idempotency import IdempotencyStore, Idempotent
 from router.ingress.status import Code, Rejected, ServingError
 
 
@@ -62,10 +62,11 @@ def test_a_refusal_after_the_reservation_gives_the_slot_back():
 
 
 def test_tokenizing_runs_off_the_loop_and_only_after_the_cheap_checks(tiny_model):
-    from router.ingress.flow import RequestFlow
+    from tests.helpers import front_door, generate
 
     cfg = AppConfig.model_validate({"model": tiny_model, "admission": {"max_inflight": 1}})
-    flow = RequestFlow(cfg, None, None)
+    door = front_door(cfg)
+    flow = door.catalog.default
     threads = []
     real = flow.validator
 
@@ -78,12 +79,11 @@ def test_tokenizing_runs_off_the_loop_and_only_after_the_cheap_checks(tiny_model
             return real.make_request(*args, **kwargs)
 
     flow.validator = Spy()
-    from cluster.engine.sampling_params import SamplingParams
 
     async def first(prompt):
-        return await anext(flow.generate(prompt, None, SamplingParams(max_tokens=2)))
+        return await anext(generate(door, prompt, max_tokens=2))
 
-    held = flow.admission.reserve("default")  # the ingress is at capacity
+    held = door.admission.reserve("default")  # the ingress is at capacity
     with pytest.raises(Rejected, match="at capacity"):
         asyncio.run(first("x" * 100_000))
     assert threads == []  # refused before any tokenizing
@@ -91,7 +91,7 @@ def test_tokenizing_runs_off_the_loop_and_only_after_the_cheap_checks(tiny_model
     with pytest.raises(ServingError):  # admitted, tokenized, then no decode pool (None here)
         asyncio.run(first("hello"))
     assert len(threads) == 1 and threads[0] is not threading.main_thread()
-    assert flow.admission.total_inflight == 0
+    assert door.admission.total_inflight == 0
 
 
 # ---- idempotency bounds ----------------------------------------------------------------------
@@ -290,14 +290,14 @@ def asgi(app, path, body: bytes | list[bytes], headers=(), method="POST"):
 
 @pytest.fixture()
 def app(tiny_model):
-    from router.ingress import openai_api
-    from router.ingress.flow import RequestFlow
+    from router.ingress.api import openai_api
+    from tests.helpers import front_door
 
     cfg = AppConfig.model_validate({"model": tiny_model, "ingress_limits": {"max_body_bytes": 2048,
                                                                            "max_chat_messages": 3}})
-    openai_api.bind_replica(ModelCatalog.of(RequestFlow(cfg, None, None)), None)
-    yield openai_api.build_openai_app()
-    openai_api._replica.clear()
+    openai_api.bind(front_door(cfg))
+    yield openai_api.app
+    openai_api.bind(None)
 
 
 def test_a_large_body_is_413_before_parsing(app):
@@ -375,16 +375,16 @@ def test_usable_tool_choices_pass_validation(app, extra):
 @pytest.mark.parametrize("extra", [{"tools": [TOOL]}, {"tools": [TOOL], "tool_choice": "auto", "parallel_tool_calls": False},
                                    {"tools": [TOOL], "response_format": {"type": "json_object"}}])
 def test_tool_choice_auto_passes_validation_with_a_tool_call_parser(tiny_model, extra):
-    from router.ingress import openai_api
-    from router.ingress.flow import RequestFlow
+    from router.ingress.api import openai_api
+    from tests.helpers import front_door
 
     cfg = AppConfig.model_validate({"model": tiny_model, "tool_call_parser": "hermes"})
-    openai_api.bind_replica(ModelCatalog.of(RequestFlow(cfg, None, None)), None)
+    openai_api.bind(front_door(cfg))
     try:
-        status, err = asgi(openai_api.build_openai_app(), "/v1/chat/completions",
+        status, err = asgi(openai_api.app, "/v1/chat/completions",
                            json.dumps({"messages": [USER], "max_tokens": 2, **extra}).encode())
     finally:
-        openai_api._replica.clear()
+        openai_api.bind(None)
     assert status == 503, err  # past validation and admission: this test has no decode pool
 
 
@@ -445,16 +445,16 @@ def test_bad_sampling_values_are_400_naming_the_field_and_the_limit(app, path, f
 
 
 def test_ten_thousand_logit_bias_entries_are_refused_by_their_count(tiny_model):
-    from router.ingress import openai_api
-    from router.ingress.flow import RequestFlow
+    from router.ingress.api import openai_api
+    from tests.helpers import front_door
 
     cfg = AppConfig.model_validate({"model": tiny_model})  # the default body cap (4 MiB) lets it in
-    openai_api.bind_replica(ModelCatalog.of(RequestFlow(cfg, None, None)), None)
+    openai_api.bind(front_door(cfg))
     try:
         body = {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(10_000)}}
-        status, err = asgi(openai_api.build_openai_app(), "/v1/completions", json.dumps(body).encode())
+        status, err = asgi(openai_api.app, "/v1/completions", json.dumps(body).encode())
     finally:
-        openai_api._replica.clear()
+        openai_api.bind(None)
     assert (status, err["error"]["param"]) == (400, "logit_bias")
     assert err["error"]["message"] == "logit_bias: has 10000 entries; at most 300 are accepted"
 
@@ -496,7 +496,7 @@ def test_a_good_session_key_passes_the_edge(app, headers, extra):
 
 
 def test_session_key_sources_in_order():
-    from router.ingress.session import session_key
+    from router.ingress.api.headers import session_key
 
     assert session_key("h", "p", "u", 8) == "s:h"
     assert session_key(None, "p", "u", 8) == "s:p"

@@ -9,9 +9,9 @@ import pytest
 
 from cluster.config import AppConfig
 from protos.pdserve.v1 import generation_pb2 as pb
-from router.ingress.flow import RequestFlow
-from router.ingress.grpc_api import sampling_from_proto
-from router.ingress.openai_schema import CompletionRequest, to_sampling_params
+from router.ingress.api.grpc_api import sampling_from_proto
+from router.ingress.api.openai_schema import CompletionRequest, sampling_spec
+from router.ingress.flow.request_flow import RequestFlow
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def model(model_factory):
 
 
 def flow(model, **cfg):
-    return RequestFlow(AppConfig(model=model, **cfg), None, None)
+    return RequestFlow(AppConfig(model=model, default_max_tokens=16, **cfg), None, None)
 
 
 def test_the_flow_reads_the_checkpoints_defaults_or_none(model, tiny_model):
@@ -32,17 +32,17 @@ def test_the_flow_reads_the_checkpoints_defaults_or_none(model, tiny_model):
     assert flow(tiny_model).sampling_defaults == {}  # its generation_config.json names only bos/eos
 
 
-def test_both_edges_fill_only_the_unset_fields(model):
+def test_both_edges_fill_only_the_unset_fields(model, tiny_model):
     f = flow(model)
-    defaults, v = f.sampling_defaults, f.validator
-    unset = sampling_from_proto(pb.SamplingParams(max_tokens=4), 16, v, defaults)
+    limits = f.config.engine.limits
+    unset = f.sampling(sampling_from_proto(pb.SamplingParams(max_tokens=4), limits)).params
     assert (unset.temperature, unset.top_p, unset.top_k, unset.max_tokens) == (0.6, 0.9, 20, 4)
-    chosen = sampling_from_proto(pb.SamplingParams(temperature=0.0, top_k=0), 16, v, defaults)
+    chosen = f.sampling(sampling_from_proto(pb.SamplingParams(temperature=0.0, top_k=0), limits)).params
     assert (chosen.temperature, chosen.top_p, chosen.top_k, chosen.max_tokens) == (0.0, 0.9, 0, 16)
 
-    unset = to_sampling_params(CompletionRequest(prompt="hi"), 16, v, defaults)
+    unset = f.sampling(sampling_spec(CompletionRequest(prompt="hi"), limits)).params
     assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.9, 20)
-    chosen = to_sampling_params(CompletionRequest(prompt="hi", temperature=1.0, top_p=0.5), 16, v, defaults)
+    chosen = f.sampling(sampling_spec(CompletionRequest(prompt="hi", temperature=1.0, top_p=0.5), limits)).params
     assert (chosen.temperature, chosen.top_p, chosen.top_k) == (1.0, 0.5, 20)
-    plain = to_sampling_params(CompletionRequest(prompt="hi"), 16, v, {})
+    plain = flow(tiny_model).sampling(sampling_spec(CompletionRequest(prompt="hi"), limits)).params
     assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)

@@ -9,13 +9,19 @@ from cluster.config import AppConfig
 from cluster.engine.chat_template import render_chat
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
-from cluster.engine.outputs import TokenLogprob
-from router.ingress.flow import Delta, RequestFlow
 from cluster.engine.grammar import ResponseFormat
-from cluster.engine.outputs import FinishReason
-from router.ingress.grpc_api import (ToolOutput, chat_tools_from_proto, delta_to_proto, prompt_from_proto,
-                                     sampling_from_proto, with_tools)
-from router.ingress.openai_schema import tool_use
+from cluster.engine.outputs import FinishReason, TokenLogprob
+from router.ingress.api.grpc_api import (ToolOutput, delta_to_proto, prompt_from_proto, sampling_from_proto,
+                                         tools_from_proto)
+from router.ingress.flow.request_flow import RequestFlow
+from router.ingress.flow.tools import tool_use
+from router.ingress.gateway.front_door import Choice
+from router.ingress.request import Delta, SamplingSpec
+
+
+def params(flow, sp: "pb.SamplingParams"):
+    """What the gRPC edge and the version's flow make of a SamplingParams message."""
+    return flow.sampling(sampling_from_proto(sp, flow.config.engine.limits)).params
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +31,12 @@ def flow(smollm2):
 
 def test_each_prompt_form(flow):
     assert prompt_from_proto(pb.GenerateRequest(text="Hi"), 8) == ("Hi", None, None)
-    assert prompt_from_proto(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])), 8) == (None, [5, 6], None)
+    assert prompt_from_proto(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6])), 8) == (None, (5, 6), None)
     req = pb.GenerateRequest()
     req.chat.messages.add(role="system", content="Be brief.")
     req.chat.messages.add(role="user", content="What is the capital of France?")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
-    assert prompt_from_proto(req, 8) == (None, None, messages)
+    assert prompt_from_proto(req, 8) == (None, None, tuple(messages))
     text = render_chat(flow.tokenizer, messages)
     assert text.endswith("<|im_start|>assistant\n")
     assert flow.chat_ids(messages) == flow.tokenizer.encode(text, add_special_tokens=False)
@@ -64,15 +70,15 @@ def _history() -> pb.GenerateRequest:
 
 
 def test_a_call_and_its_result_in_the_history_reach_the_template_as_over_http():
-    from router.ingress.openai_api import _message
-    from router.ingress.openai_schema import ChatMessage
+    from router.ingress.api.openai_api import _message
+    from router.ingress.api.openai_schema import ChatMessage
 
     http = [{"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": "", "tool_calls": [
                 {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Paris"}'}}]},
             {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}]
     expected = [_message(ChatMessage.model_validate(m), i) for i, m in enumerate(http)]
-    assert prompt_from_proto(_history(), 8) == (None, None, expected)
+    assert prompt_from_proto(_history(), 8) == (None, None, tuple(expected))
 
 
 @pytest.mark.parametrize("edit, field, message", [
@@ -103,16 +109,16 @@ def test_an_empty_chat_is_refused(flow):
 
 @pytest.fixture(scope="module")
 def tiny_flow(tiny_model):
-    return RequestFlow(AppConfig(model=tiny_model), None, None)
+    return RequestFlow(AppConfig(model=tiny_model, default_max_tokens=16), None, None)
 
 
 def test_the_sampling_fields_reach_sampling_params(tiny_flow):
     sp = pb.SamplingParams(max_tokens=4, presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.5,
                            min_p=0.125, logprobs=3, logit_bias={7: -100.0, 3: 2.5})
-    got = sampling_from_proto(sp, 16, tiny_flow.validator)
+    got = params(tiny_flow, sp)
     assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty, got.min_p, got.logprobs,
             got.logit_bias) == (0.5, -0.25, 1.5, 0.125, 3, ((3, 2.5), (7, -100.0)))
-    unset = sampling_from_proto(pb.SamplingParams(), 16, tiny_flow.validator)
+    unset = params(tiny_flow, pb.SamplingParams())
     assert unset.plain and unset.logprobs is None and unset.repetition_penalty == 1.0
 
 
@@ -126,21 +132,19 @@ def test_the_sampling_fields_reach_sampling_params(tiny_flow):
 ])
 def test_bad_sampling_fields_name_the_field_and_the_limit(tiny_flow, sp, field, message):
     with pytest.raises(InvalidRequestError) as e:
-        sampling_from_proto(sp, 16, tiny_flow.validator)
+        params(tiny_flow, sp)
     assert (e.value.field, e.value.message) == (field, message)
 
 
 def test_a_response_format_reaches_sampling_params(tiny_flow):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    got = sampling_from_proto(pb.SamplingParams(response_format=pb.ResponseFormat(
-        type="json_schema", json_schema=json.dumps(schema, indent=2), strict=True)), 16, tiny_flow.validator)
+    got = params(tiny_flow, pb.SamplingParams(response_format=pb.ResponseFormat(
+        type="json_schema", json_schema=json.dumps(schema, indent=2), strict=True)))
     assert got.response_format == ResponseFormat("json_schema", json.dumps(schema, separators=(",", ":"),
                                                                            sort_keys=True), True)
-    obj = sampling_from_proto(pb.SamplingParams(response_format=pb.ResponseFormat(type="json_object")), 16,
-                              tiny_flow.validator)
+    obj = params(tiny_flow, pb.SamplingParams(response_format=pb.ResponseFormat(type="json_object")))
     assert obj.response_format == ResponseFormat("json_object") and not obj.plain
-    text = sampling_from_proto(pb.SamplingParams(response_format=pb.ResponseFormat(type="text")), 16,
-                               tiny_flow.validator)
+    text = params(tiny_flow, pb.SamplingParams(response_format=pb.ResponseFormat(type="text")))
     assert text.response_format is None and text.plain
 
 
@@ -161,7 +165,7 @@ def _schema(text: str) -> pb.SamplingParams:
 ])
 def test_a_bad_response_format_is_refused_naming_it(tiny_flow, sp, message):
     with pytest.raises(InvalidRequestError) as e:
-        tiny_flow.validator.make_request("r", None, [1, 2], sampling_from_proto(sp, 16, tiny_flow.validator))
+        tiny_flow.validator.make_request("r", None, [1, 2], params(tiny_flow, sp))
     assert (e.value.field, e.value.message) == ("response_format", message)
 
 
@@ -171,7 +175,7 @@ def test_a_bad_response_format_is_refused_naming_it(tiny_flow, sp, message):
 ])
 def test_the_validator_refuses_what_only_the_model_bounds(tiny_flow, sp, field, message):
     with pytest.raises(InvalidRequestError) as e:
-        tiny_flow.validator.make_request("r", None, [1, 2], sampling_from_proto(sp, 16, tiny_flow.validator))
+        tiny_flow.validator.make_request("r", None, [1, 2], params(tiny_flow, sp))
     assert (e.value.field, e.value.message) == (field, message)
 
 
@@ -187,7 +191,7 @@ def test_logprobs_travel_in_the_response():
 def test_n_choices_interleave_with_their_index_and_a_failure_stops_the_others():
     import asyncio
 
-    from router.ingress.choices import interleave
+    from router.ingress.api.choices import interleave
     from router.ingress.status import Code, ServingError
 
     closed = []
@@ -204,7 +208,7 @@ def test_n_choices_interleave_with_their_index_and_a_failure_stops_the_others():
 
     async def run():
         streams = [stream(0, ["a", "b"]), stream(1, ["c", "d"], fail=True)]
-        choices = [(s, await anext(s)) for s in streams]
+        choices = [Choice(s, await anext(s), None) for s in streams]
         got = []
         try:
             async for i, d in interleave(choices):
@@ -239,7 +243,7 @@ F = pb.Tool(name="f", parameters='{"type": "object"}')
 ])
 def test_bad_tool_fields_name_the_field(chat, field, message):
     with pytest.raises(InvalidRequestError) as e:
-        chat_tools_from_proto(chat, pb.SamplingParams(), 32768)
+        tools_from_proto(chat, pb.SamplingParams(), 32768)
     assert (e.value.field, e.value.message) == (field, message)
 
 
@@ -252,22 +256,23 @@ def test_bad_tool_fields_name_the_field(chat, field, message):
 ])
 def test_tool_choices_are_checked_as_over_http(chat, parser, field, message):
     with pytest.raises(InvalidRequestError) as e:
-        tool_use(chat_tools_from_proto(chat, pb.SamplingParams(), 32768), parser)
+        tool_use(tools_from_proto(chat, pb.SamplingParams(), 32768), None, parser)
     assert e.value.field == field and message in e.value.message
 
 
 def test_a_forced_call_becomes_the_requests_grammar(tiny_flow):
-    req = chat_tools_from_proto(_tools_chat(tools=[F], tool_choice="function", function_name="f"),
-                                pb.SamplingParams(), 32768)
-    use = tool_use(req)
+    tools = tools_from_proto(_tools_chat(tools=[F], tool_choice="function", function_name="f"),
+                             pb.SamplingParams(), 32768)
+    use = tool_use(tools, None)
     assert (use.forced, use.name) == ("named", "f")
-    sp = with_tools(sampling_from_proto(pb.SamplingParams(), 16, tiny_flow.validator), req, use, tiny_flow.validator)
-    assert sp.response_format == tiny_flow.validator.response_format("json_schema", {"type": "object"}, False)
+    sampling = tiny_flow.sampling(SamplingSpec(), tools)
+    assert sampling.use == use
+    assert sampling.params.response_format == tiny_flow.validator.response_format("json_schema", {"type": "object"},
+                                                                                  False)
     with pytest.raises(InvalidRequestError) as e:
-        with_tools(sampling_from_proto(pb.SamplingParams(ignore_eos=True), 16, tiny_flow.validator), req, use,
-                   tiny_flow.validator)
+        tiny_flow.sampling(SamplingSpec(ignore_eos=True), tools)
     assert (e.value.field, e.value.message) == ("tool_choice", "a forced tool call cannot be combined with ignore_eos")
-    assert chat_tools_from_proto(_tools_chat(), pb.SamplingParams(), 32768) is None
+    assert tools_from_proto(_tools_chat(), pb.SamplingParams(), 32768) is None
 
 
 def _shape(use, deltas):
@@ -276,7 +281,7 @@ def _shape(use, deltas):
 
 
 def test_auto_calls_are_text_until_an_opener_then_one_tool_calls_response():
-    use = tool_use(chat_tools_from_proto(_tools_chat(tools=[F]), pb.SamplingParams(), 32768), "hermes")
+    use = tool_use(tools_from_proto(_tools_chat(tools=[F]), pb.SamplingParams(), 32768), None, "hermes")
     got = _shape(use, [Delta("r", "Sure.\n<tool", []), Delta("r", '_call>{"name": "f", "arguments": {"a": 1}}', []),
                        Delta("r", "</tool_call>", [], finish_reason=FinishReason.STOP)])
     assert [r.text for r in got] == ["Sure.", "", ""]
@@ -288,8 +293,8 @@ def test_auto_calls_are_text_until_an_opener_then_one_tool_calls_response():
 
 
 def test_a_forced_call_is_held_and_sent_whole():
-    use = tool_use(chat_tools_from_proto(_tools_chat(tools=[F], tool_choice="function", function_name="f"),
-                                         pb.SamplingParams(), 32768))
+    use = tool_use(tools_from_proto(_tools_chat(tools=[F], tool_choice="function", function_name="f"),
+                                    pb.SamplingParams(), 32768), None)
     got = _shape(use, [Delta("r", '{"a"', []), Delta("r", ": 1}", [], finish_reason=FinishReason.STOP)])
     assert [r.text for r in got] == ["", ""]
     assert [(c.name, c.arguments) for c in got[-1].tool_calls] == [("f", '{"a": 1}')]

@@ -12,10 +12,10 @@ from cluster.config import AppConfig, GuardrailPolicy, ResponseCacheOptions
 from cluster.engine.outputs import FinishReason, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 from cluster.guardrail_rules import RuleError, compile_rule
-from router.ingress.flow import Delta
-from router.ingress.guardrails import (Action, Cause, GuardrailRejected, Guardrails, HoldBack, Intervention,
+from router.ingress.request import Delta
+from router.ingress.gateway.guardrails import (Action, Cause, GuardrailRejected, Guardrails, HoldBack, Intervention,
                                        RuleCheck, Stage)
-from router.ingress.response_cache import ResponseCache
+from router.ingress.gateway.response_cache import ResponseCache
 
 # ---- rules and their bounds ------------------------------------------------------------------
 
@@ -146,23 +146,25 @@ def run(guard, source):
 def test_a_clean_stream_is_released_whole_and_in_order():
     pieces = ["The ", "skill", "ed ", "killer", "s ", "sang"]  # "kill" only inside other words
     source = Source(pieces)
-    out = run(guard_for(), source)
+    guard = guard_for()
+    out = run(guard, source)
     assert "".join(d.text for d in out) == "".join(pieces) and out[-1].finish_reason == "length"
     assert [t for d in out for t in d.token_ids] == [1, 2, 3, 4, 5, 6]  # deltas released together are merged
     assert [d.text for d in out] == ["The ", "skill", "ed ", "killers sang"]  # the window's text, at the end
-    assert out[-1].guardrail_interventions == () and not source.closed_early
+    assert guard.interventions == [] and not source.closed_early
 
 
 def test_a_flagged_word_is_never_released_and_the_source_is_closed():
     pieces = ["I ", "said ", "that ", "I ", "will ", "ki", "ll ", "them ", "all ", "now"]
     source = Source(pieces)
-    out = run(guard_for(window=8), source)
+    guard = guard_for(window=8)
+    out = run(guard, source)
     released = "".join(d.text for d in out)
     assert released == "I said that "  # each piece once 8 characters followed it; "I will kill " held
     assert out[-1].finish_reason == FinishReason.CONTENT_FILTER and out[-1].text == "" and out[-1].token_ids == []
     assert out[-1].completion_tokens == 7  # "ll " settled "kill": its tokens were generated, never delivered
     assert source.closed_early and source.pulled == 7
-    assert out[-1].guardrail_interventions == (Intervention("p", "r1", Stage.OUTPUT, Action.STOPPED, Cause.FLAGGED),)
+    assert guard.interventions == [Intervention("p", "r1", Stage.OUTPUT, Action.STOPPED, Cause.FLAGGED)]
 
 
 def test_a_match_at_the_end_of_the_stream_is_caught_by_the_final_check():
@@ -186,7 +188,7 @@ def test_random_splits_never_release_any_character_of_a_match():
 
 
 def test_fold_is_nfkc_and_casefold_per_character():
-    from router.ingress.guardrails import fold
+    from router.ingress.gateway.guardrails import fold
 
     assert fold("KiLL") == "kill"
     assert fold("\uff2b\uff49\uff4c\uff4c") == "kill"  # full-width ＫｉＬＬ
@@ -198,9 +200,10 @@ def test_fold_is_nfkc_and_casefold_per_character():
 def test_a_full_width_or_mixed_case_word_is_caught_and_delivered_text_is_never_changed():
     # a clean stream with full-width and mixed-case text goes out exactly as generated
     pieces = ["\uff34\uff48\uff45 ", "SKILL", "ed ", "\uff2b\uff29\uff2c\uff2c\uff25\uff32", "s ", "sang"]
-    out = run(guard_for(), Source(pieces))
+    guard = guard_for()
+    out = run(guard, Source(pieces))
     assert [d.text for d in out] == ["\uff34\uff48\uff45 ", "SKILL", "ed ", "\uff2b\uff29\uff2c\uff2c\uff25\uff32s sang"]
-    assert out[-1].finish_reason == "length" and out[-1].guardrail_interventions == ()
+    assert out[-1].finish_reason == "length" and guard.interventions == []
     # full-width "ｋｉＬＬ" (split across deltas) is the listed "Kill": stopped, none of it released
     pieces = ["I ", "said ", "that ", "I ", "will ", "\uff4b\uff49", "\uff2c\uff2c ", "them ", "all ", "now"]
     source = Source(pieces)
@@ -242,12 +245,14 @@ def test_the_input_check_folds_the_prompt():
 
 def test_a_failing_check_follows_the_policy():
     evil = r"(a|aa){1,30}b"
-    out = run(guard_for(pattern=evil, window=64), Source(["a" * 40, "a" * 20, "c"]))
+    guard = guard_for(pattern=evil, window=64)
+    out = run(guard, Source(["a" * 40, "a" * 20, "c"]))
     assert out[-1].finish_reason == FinishReason.CONTENT_FILTER
-    assert out[-1].guardrail_interventions[0].cause is Cause.TIMEOUT
-    out = run(guard_for(pattern=evil, window=64, on_error="open"), Source(["a" * 40, "a" * 20, "c"]))
+    assert guard.interventions[0].cause is Cause.TIMEOUT
+    guard = guard_for(pattern=evil, window=64, on_error="open")
+    out = run(guard, Source(["a" * 40, "a" * 20, "c"]))
     assert "".join(d.text for d in out) == "a" * 60 + "c" and out[-1].finish_reason == "length"
-    assert {iv.action for iv in out[-1].guardrail_interventions} == {Action.PASSED_ON_ERROR}
+    assert {iv.action for iv in guard.interventions} == {Action.PASSED_ON_ERROR}
 
 
 def test_the_input_check_refuses_naming_the_policy_and_check():
@@ -330,13 +335,14 @@ def test_a_hit_replays_the_stored_deltas_without_starting_the_source():
         for i, t in enumerate(pieces):
             yield Delta("r1", t, [i], "stop" if i == len(pieces) - 1 else None, 2, i + 1, 0, lp)
 
-    async def go(label, started):
-        return [d async for d in c.through("t", [1, 2], GREEDY, label, flow(["a", "b"], started))]
+    async def go(label, started, hits):
+        return [d async for d in c.through("t", [1, 2], GREEDY, label, flow(["a", "b"], started),
+                                           lambda: hits.append(label))]
 
-    first_started, second_started = [], []
-    first = asyncio.run(go("r1", first_started))
-    second = asyncio.run(go("r2", second_started))
-    assert first_started == [True] and second_started == []
+    first_started, second_started, hits = [], [], []
+    first = asyncio.run(go("r1", first_started, hits))
+    second = asyncio.run(go("r2", second_started, hits))
+    assert first_started == [True] and second_started == [] and hits == ["r2"]
     assert [(d.text, d.token_ids, d.finish_reason, d.logprobs) for d in second] == \
         [(d.text, d.token_ids, d.finish_reason, d.logprobs) for d in first]
-    assert [(d.request_id, d.response_cache_hit, d.cached_prompt_tokens) for d in second] == [("r2", True, 2)] * 2
+    assert [(d.request_id, d.cached_prompt_tokens) for d in second] == [("r2", 2)] * 2

@@ -14,9 +14,11 @@ from pydantic import ValidationError
 
 from cluster.config import AppConfig
 from cluster.manifest import ManifestError, build_manifest, resolve_manifests
-from router.ingress.catalog import ModelCatalog
-from router.ingress.flow import RequestFlow
-from router.ingress.rollout import Recorder, Rollouts, VersionStats
+from router.ingress.versions.catalog import ModelCatalog
+from router.ingress.flow.request_flow import RequestFlow
+from router.ingress.gateway.admission import Admission
+from router.ingress.gateway.front_door import FrontDoor, local_quotas
+from router.ingress.versions.rollout import Recorder, Rollouts, VersionStats
 from router.ingress.status import Code, ServingError
 from cluster.config.models import RolloutOptions
 
@@ -138,7 +140,8 @@ def test_the_catalog_splits_pins_overrides_and_mirrors(catalog):
     ("tiny@" + "v" * 65, f"model 'tiny' has no version {'v' * 64!r}... (65 characters) (versions: 'v1', 'v2')"),
 ])
 def test_an_unknown_model_or_version_is_not_found(catalog, model, message):
-    for call in (lambda: catalog.authorize("Bearer k-acme", model), lambda: catalog.select(model, "acme", None)):
+    door = FrontDoor(catalog.config, catalog, {}, {}, Admission(catalog.config, local_quotas()))
+    for call in (lambda: door.authorize("Bearer k-acme", model), lambda: catalog.select(model, "acme", None)):
         with pytest.raises(ServingError) as e:
             call()
         assert (e.value.code, e.value.message) == (Code.NOT_FOUND, message)

@@ -13,7 +13,7 @@ from cluster.config import AppConfig
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.tokenizer import Tokenizer
 from protos.pdserve.v1 import generation_pb2 as pb
-from router.ingress.flow import RequestFlow
+from router.ingress.flow.request_flow import RequestFlow
 from tests.engine.test_logits_processing import PROMPT, reference_greedy
 from tests.helpers import grpc_stub, http_base, pool_loads, wait_pools_whole
 from tests.reference import hf_last_logits, hf_prompt_logprobs

@@ -1,11 +1,11 @@
-"""router/ingress/relay.py: items arrive in order and complete; what queued while the consumer
+"""router/ingress/flow/relay.py: items arrive in order and complete; what queued while the consumer
 was busy comes merged; errors arrive after the items before them; leaving early stops the source."""
 
 import asyncio
 
 import pytest
 
-from router.ingress.relay import coalesce
+from router.ingress.flow.relay import coalesce
 
 
 def merge(a, b):

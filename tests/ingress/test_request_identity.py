@@ -13,8 +13,7 @@ from cluster.engine.sampling_params import SamplingParams
 from kv_transfer.handle import KVHandle, KVLayout
 from prefill.result import PrefillResult
 from protos.pdserve.v1 import generation_pb2 as pb
-from router.ingress.flow import RequestFlow
-from tests.helpers import grpc_stub, serve_replica_ids, wait_for
+from tests.helpers import front_door, generate, grpc_stub, serve_replica_ids, wait_for
 
 SP = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 LAYOUT = KVLayout("fp", 16, "float32", 2, 2, 8)
@@ -47,10 +46,11 @@ class FakePrefill:
 
 def test_client_ids_are_labels_and_a_disconnect_after_the_first_token_releases_on_the_holder(tiny_model):
     prefill = FakePrefill(holder="prefill-replica-B")
-    flow = RequestFlow(AppConfig(model=tiny_model), prefill, decode_handle=None)
+    door = front_door(AppConfig(model=tiny_model), prefill=prefill, decode=None)
 
     async def first_delta_then_leave(label):
-        stream = flow.generate(None, [256] + list(range(1, 20)), SP, request_id=label)
+        stream = generate(door, ids=[256] + list(range(1, 20)), label=label, max_tokens=8, temperature=0,
+                          ignore_eos=True)
         d = await stream.__anext__()
         await stream.aclose()  # the client is gone before any decode leg started
         return d

@@ -16,7 +16,7 @@ from cluster.engine.grammar import ResponseFormat
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
-from router.ingress.tool_parser import HermesToolParser
+from router.ingress.flow.tool_parser import HermesToolParser
 from tests.engine.test_structured_output import ASK, COLOR, PERSON
 from tests.helpers import grpc_stub, http_base, pool_loads, wait_pools_whole
 

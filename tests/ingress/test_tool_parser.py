@@ -3,7 +3,7 @@ a stream fed in chunks sends exactly the whole output's content, holding a split
 
 import pytest
 
-from router.ingress.tool_parser import HermesToolParser, ParsedCall, ParsedOutput, ToolCallStream
+from router.ingress.flow.tool_parser import HermesToolParser, ParsedCall, ParsedOutput, ToolCallStream
 
 P = HermesToolParser()
 NAMES = frozenset({"get_weather", "add"})

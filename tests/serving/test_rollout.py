@@ -14,7 +14,7 @@ from ray import serve
 from cluster.app import cli
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.actor import ROUTER_NAMESPACE
-from router.ingress.rollout_actor import ROLLOUT_NAME
+from router.ingress.versions.rollout_actor import ROLLOUT_NAME
 from tests.helpers import grpc_stub, serve_replica_ids, wait_for, wait_pools_whole
 
 pytestmark = pytest.mark.ray

@@ -25,7 +25,7 @@ from cluster.engine.model.identity import model_identity
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.actor import get_router
-from router.ingress.telemetry import refusal_reason
+from router.ingress.gateway.telemetry import refusal_reason
 from tests.helpers import grpc_stub, serve_replica_ids, wait_for, wait_until
 
 KEYS = {"tele-a": "sk-tele-a", "tele-b": "sk-tele-b"}

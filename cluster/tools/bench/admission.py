@@ -44,7 +44,7 @@ def _pct(values: list[float], p: float) -> float:
     return float(np.percentile(values, p)) if values else float("nan")
 
 
-# Where a refusal was decided, from its message (router/ingress/flow.py, admission.py): the
+# Where a refusal was decided, from its message (router/ingress/gateway/capacity.py, admission.py): the
 # ingress's own checks run before any await; the router's prediction after a router call; the
 # engine's bounds after the request reached a replica's queue.
 REFUSED_BY = (

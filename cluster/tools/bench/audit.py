@@ -64,8 +64,8 @@ async def _closed_loop(address: str, key: str, n: int, seed: int, streams: int):
 def _spool_cost_us(directory: str, n: int = 5000) -> float:
     """Microseconds per record on the request path: AuditTrail built, fed a final delta, spooled."""
     from cluster.config import AuditOptions
-    from router.ingress.audit import AuditShipper, AuditTrail
-    from router.ingress.flow import Delta
+    from router.ingress.gateway.audit import AuditShipper, AuditTrail
+    from router.ingress.request import Delta
 
     async def run() -> float:
         shipper = AuditShipper(AuditOptions(enabled=True, dir=directory, max_buffered=n + 1), lambda: None)
@@ -142,8 +142,8 @@ def main() -> None:
     import cluster.app.builder as serve_app
     from cluster.tools.netutil import free_port
     from router.actor import ROUTER_NAMESPACE
-    from router.ingress.audit_actor import AUDIT_WRITER_NAME
-    from router.ingress.audit_log import verify
+    from router.ingress.gateway.audit_actor import AUDIT_WRITER_NAME
+    from router.ingress.gateway.audit_log import verify
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=96, help="per arm per round")

@@ -131,8 +131,8 @@ def scan_cost(window: int, streams: list[list[str]] | None = None, rounds: int =
     RequestGuard.output, against the same streams with no policy; microseconds per delta."""
     from pathlib import Path
 
-    from router.ingress.flow import Delta
-    from router.ingress.guardrails import Guardrails
+    from router.ingress.request import Delta
+    from router.ingress.gateway.guardrails import Guardrails
 
     if streams is None:
         text = (Path(__file__).resolve().parents[3] / "README.md").read_text()[:20_000]

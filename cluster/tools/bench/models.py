@@ -30,8 +30,8 @@ WINDOW_S, MIN_REQUESTS, IDLE_S = 5.0, 10, 4.0
 
 
 def select_cost(model_dir: str, calls: int = 200_000) -> dict[str, float]:
-    from router.ingress.catalog import ModelCatalog
-    from router.ingress.flow import RequestFlow
+    from router.ingress.versions.catalog import ModelCatalog
+    from router.ingress.flow.request_flow import RequestFlow
 
     cfg = AppConfig.model_validate({"models": {"m": {"versions": {"base": {"model": model_dir, "weight": 9},
                                                                   "canary": {"model": model_dir, "weight": 1}}}}})
@@ -57,7 +57,7 @@ def main() -> None:
     from protos.pdserve.v1 import generation_pb2 as pb
     from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
     from router.actor import ROUTER_NAMESPACE
-    from router.ingress.rollout_actor import ROLLOUT_NAME
+    from router.ingress.versions.rollout_actor import ROLLOUT_NAME
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)

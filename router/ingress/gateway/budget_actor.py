@@ -1,5 +1,5 @@
 """The ledger actor: every tenant's monthly spend for the whole cluster (a thin Ray shell over
-router/ingress/budget.py's Ledger). Detached, named, restarted by Ray, pinned to the head node
+router/ingress/gateway/budget.py's Ledger). Detached, named, restarted by Ray, pinned to the head node
 where its file is. Each call that changes the ledger returns only once the file holding the
 change is fsynced; calls arriving while a save runs share the next one (group commit)."""
 
@@ -10,9 +10,9 @@ import asyncio
 import ray
 
 from cluster.config import BudgetOptions
-from router.actor import ROUTER_NAMESPACE
-from router.ingress.audit_actor import HEAD_NODE
-from router.ingress.budget import Ledger, usd
+from router.actor import named_actor
+from router.ingress.gateway.audit_actor import HEAD_NODE
+from router.ingress.gateway.budget import Ledger, usd
 
 LEDGER_NAME = "pdserve-ledger"
 
@@ -73,7 +73,5 @@ class LedgerActor:
 
 def get_ledger(options: BudgetOptions):
     """The cluster's ledger actor, created by whoever asks first (with that caller's options)."""
-    return LedgerActor.options(
-        name=LEDGER_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True, lifetime="detached",
-        max_concurrency=1000,
-    ).remote(options.ledger_path, options.reservation_ttl_s)
+    return named_actor(LedgerActor, LEDGER_NAME, options.ledger_path, options.reservation_ttl_s,
+                       options={"max_concurrency": 1000})

@@ -1,33 +1,30 @@
 """The ingress side of telemetry: what clients see, per request and per tenant.
 
-`IngressTelemetry.generate` wraps `RequestFlow.generate` (both the gRPC and the HTTP edge call it):
-it opens the request's root span ("ingress"), hands its W3C context to the flow (which puts it in
-the RequestContext both pools receive), and at the end records TTFT, time per output token,
-end-to-end latency, tokens per tenant, and the final status code, or the refusal's code and reason.
-The flow reports each routing decision through `routed` (reason, router latency, predicted cached
-tokens, and the "route" span). Metric names and labels: cluster/telemetry/metrics.py.
+`TelemetryStage`, the gateway's first stage, observes every request (refusals too): it opens the
+request's root span ("ingress"), puts its W3C context in the RequestContext both pools receive,
+and at the end records TTFT, time per output token, end-to-end latency, tokens per tenant, and the
+final status code, or the refusal's code and reason. The flow reports each routing decision
+(reason, router latency, predicted cached tokens, and the "route" span). Metric names and labels:
+cluster/telemetry/metrics.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from cluster.errors import InvalidRequestError
 from cluster.telemetry.metrics import ingress_metrics
 from cluster.telemetry.tracing import extract, inject, make_tracer, record_span
-from router.ingress.status import Code, ServingError
+from router.ingress.gateway.stages import Outcome, Stage
+from router.ingress.status import Code, code_of, error_code
 
 if TYPE_CHECKING:
     from cluster.config import TelemetryOptions
     from cluster.engine.request import RequestContext
-    from router.ingress.flow import Delta
+    from router.ingress.request import Delta
     from router.policy import RouteDecision
-
-REFUSAL_CODES = frozenset(c.grpc_name for c in (Code.INVALID_ARGUMENT, Code.UNAUTHENTICATED, Code.NOT_FOUND,
-                                                Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED))
-
 
 def route_reason(decision: "RouteDecision | None") -> str:
     """A bounded label for a decision (its `reason` text names replicas and token counts)."""
@@ -36,16 +33,6 @@ def route_reason(decision: "RouteDecision | None") -> str:
     if decision.mode == "remote":
         return "cache" if decision.predicted_cached_tokens else "load"
     return "no_prefill_pool" if decision.reason.startswith("no prefill pool") else "local_prefill"
-
-
-def error_code(error: BaseException) -> str:
-    if isinstance(error, InvalidRequestError):
-        return Code.INVALID_ARGUMENT.grpc_name
-    if isinstance(error, ServingError):
-        return error.code.grpc_name
-    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        return Code.CANCELLED.grpc_name
-    return Code.INTERNAL.grpc_name
 
 
 def stream_outcome(code: str) -> str:
@@ -80,7 +67,7 @@ class IngressTelemetry:
     def _record(self, tags: dict, code: str, error: BaseException | None, start: float, first: float | None,
                 last_token: float | None, last: "Delta | None", span) -> None:
         end = time.monotonic()
-        refused = last is None and code in REFUSAL_CODES and error is not None
+        refused = last is None and error is not None and code_of(error).refusal
         if self.metrics is not None:
             m, tenant = self.metrics, {"tenant": tags["tenant"]}
             m.requests.inc(1, {**tags, "code": code})
@@ -165,3 +152,26 @@ class RequestObservation:
         code = "OK" if finished else error_code(error) if error is not None else "INTERNAL"
         self.telemetry._record(self.tags, code, error, self.start, self.first, self.last_token, self.last,
                                self.span)
+
+
+class TelemetryStage(Stage):
+    def __init__(self, telemetry: IngressTelemetry, model: str, version: str):
+        self.telemetry = telemetry
+        self.labels = (model, version)  # the version's metric labels
+
+    async def admit(self, o: Outcome) -> None:
+        o.observation = self.telemetry.start(o.tenant, o.request.label, *self.labels)
+
+    async def charge(self, o: Outcome) -> None:
+        if o.observation.trace_context:  # the span's context travels to both pools
+            o.ctx = replace(o.ctx, trace_context=o.observation.trace_context)
+
+    def delta(self, o: Outcome, d: "Delta") -> None:
+        o.observation.delta(d)
+
+    def routed(self, o: Outcome, decision, started: float, num_prompt_tokens: int, ctx: "RequestContext") -> None:
+        self.telemetry.routed(decision, started, num_prompt_tokens, ctx)
+
+    def finish(self, o: Outcome, error: BaseException | None) -> None:
+        if o.observation is not None:
+            o.observation.end(error)

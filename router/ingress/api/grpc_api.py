@@ -1,24 +1,27 @@
-"""The gRPC edge: converts between protos and the request flow. Generated code is imported here
-and in the CLI client only."""
+"""The gRPC edge: a GenerateRequest -> ClientRequest, the front door's Reply -> GenerateResponses,
+an error -> a status. Generated code is imported here and in the CLI client only."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from typing import AsyncIterator
 
 import grpc
 from pydantic import ValidationError
 
+from cluster.config import AppConfig
+from cluster.engine.config import RequestLimits
 from cluster.engine.outputs import FinishReason
-from cluster.engine.sampling_params import SamplingParams
-from cluster.engine.validation import RequestValidator
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
-from router.ingress.flow import Delta
-from router.ingress.choices import tool_result
-from router.ingress.openai_schema import MAX_TOOLS, ChatMessage, ChatRequest, ToolUse, check_messages, tool_schema
-from router.ingress.tool_parser import ToolCallStream, openai_tool_calls
-from router.ingress.status import Code, ServingError, retry_after_seconds
+from router.ingress.api.choices import interleave, tool_result
+from router.ingress.api.openai_schema import MAX_TOOLS, ChatMessage, ChatRequest, check_messages, tools_spec
+from router.ingress.api.headers import SESSION_HEADER, TIMEOUT_HEADER, parse_deadline, session_key
+from router.ingress.flow.tool_parser import ToolCallStream, openai_tool_calls
+from router.ingress.flow.tools import ToolUse
+from router.ingress.gateway.front_door import Reply
+from router.ingress.request import ClientRequest, Delta, ResponseFormatSpec, SamplingSpec, ToolsSpec
+from router.ingress.status import Code, ServingError, code_of, retry_after_seconds
 
 FINISH = {  # the finish reasons a client sees (deadline and rejected become status codes)
     None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -27,30 +30,46 @@ FINISH = {  # the finish reasons a client sees (deadline and rejected become sta
 }
 
 
-def sampling_from_proto(sp: "pb.SamplingParams", default_max_tokens: int, validator: RequestValidator,
-                        defaults: dict | None = None) -> SamplingParams:
-    """`defaults`: the model's sampling defaults (RequestFlow.sampling_defaults) for unset fields."""
-    kw = {**(defaults or {}), "max_tokens": sp.max_tokens if sp.HasField("max_tokens") else default_max_tokens}
-    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_p", "logprobs", "prompt_logprobs"):
-        if sp.HasField(name):
-            kw[name] = getattr(sp, name)
+def request_from_proto(req: "pb.GenerateRequest", metadata: dict, tenant: str, config: AppConfig) -> ClientRequest:
+    """A GenerateRequest as the front door takes it, its wire-level bounds checked here: the
+    message's size, the counts and sizes that must be known before anything is parsed (the app's
+    limits; the version's flow checks its own again)."""
+    limits, engine_limits = config.ingress_limits, config.engine.limits
+    size = req.ByteSize()  # Serve's proxy may take more (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE)
+    if size > limits.grpc_max_receive_bytes:
+        raise InvalidRequestError("request", f"message of {size} bytes exceeds grpc_max_receive_bytes "
+                                             f"{limits.grpc_max_receive_bytes}")
+    deadline = parse_deadline(metadata.get(TIMEOUT_HEADER), limits.max_timeout_header_chars)
+    session = session_key(metadata.get(SESSION_HEADER), None, None, limits.max_session_id_chars)
+    prompt, ids, messages = prompt_from_proto(req, limits.max_chat_messages)
+    engine_limits.check_counts(len(req.sampling.stop), len(req.sampling.stop_token_ids))
+    sampling = sampling_from_proto(req.sampling, engine_limits)
+    tools = None if messages is None else tools_from_proto(req.chat, req.sampling, engine_limits.max_schema_bytes)
+    return ClientRequest(tenant, sampling, req.model or None, prompt, ids, messages, tools,
+                         req.n if req.HasField("n") else 1, deadline, session, req.request_id or None)
+
+
+def sampling_from_proto(sp: "pb.SamplingParams", limits: RequestLimits) -> SamplingSpec:
+    kw = {name: getattr(sp, name) for name in SAMPLING_FIELDS if sp.HasField(name)}
     if sp.HasField("max_tokens") and sp.max_tokens == 0:
         raise InvalidRequestError("max_tokens", "must be >= 1, got 0")
-    validator.check_logit_bias_size(len(sp.logit_bias))  # before the entries are looked at
-    return SamplingParams(
+    limits.check_logit_bias(len(sp.logit_bias))  # before the entries are looked at
+    return SamplingSpec(
         **kw, stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-        logit_bias=dict(sp.logit_bias),
-        response_format=_response_format(sp.response_format, validator) if sp.HasField("response_format") else None,
-    )
+        logit_bias=dict(sp.logit_bias) or None,
+        response_format=_response_format(sp.response_format, limits) if sp.HasField("response_format") else None)
 
 
-def _response_format(rf: "pb.ResponseFormat", validator: RequestValidator):
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "min_p", "logprobs", "prompt_logprobs")
+
+
+def _response_format(rf: "pb.ResponseFormat", limits: RequestLimits) -> ResponseFormatSpec | None:
     if rf.type in ("", "text"):
         return None
     if rf.type != "json_schema":
-        return validator.response_format(rf.type)
-    cap = validator.limits.max_schema_bytes
+        return ResponseFormatSpec(rf.type)
+    cap = limits.max_schema_bytes
     n = len(rf.json_schema.encode())
     if n > cap:  # before parsing it
         raise InvalidRequestError("response_format", f"the JSON schema has {n} bytes; at most {cap} are accepted")
@@ -58,11 +77,11 @@ def _response_format(rf: "pb.ResponseFormat", validator: RequestValidator):
         schema = json.loads(rf.json_schema)
     except (ValueError, RecursionError):
         raise InvalidRequestError("response_format", "json_schema is not JSON text, or nests too deep") from None
-    return validator.response_format("json_schema", schema, rf.strict)
+    return ResponseFormatSpec("json_schema", schema, rf.strict)
 
 
 def prompt_from_proto(req: "pb.GenerateRequest", max_chat_messages: int) -> tuple[
-        str | None, list[int] | None, list[dict] | None]:
+        str | None, tuple[int, ...] | None, tuple[dict, ...] | None]:
     """The request's prompt: text, token ids, or chat messages (which the flow renders with the
     model's template after admission, off the event loop, as it does for /v1/chat/completions)."""
     if req.priority:
@@ -71,12 +90,12 @@ def prompt_from_proto(req: "pb.GenerateRequest", max_chat_messages: int) -> tupl
     if which == "text":
         return req.text, None, None
     if which == "token_ids":
-        return None, list(req.token_ids.ids), None
+        return None, tuple(req.token_ids.ids), None
     if which == "chat":
         n = len(req.chat.messages)
         if n > max_chat_messages:
             raise InvalidRequestError("messages", f"has {n} messages; at most {max_chat_messages} are accepted")
-        return None, None, _chat_messages(req.chat.messages)
+        return None, None, tuple(_chat_messages(req.chat.messages))
     raise InvalidRequestError("prompt", "set text, token_ids or chat")
 
 
@@ -108,7 +127,8 @@ def _token_logprob(lp) -> "pb.TokenLogprob":
                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
-def delta_to_proto(d: Delta, index: int = 0, request_id: str | None = None) -> "pb.GenerateResponse":
+def delta_to_proto(d: Delta, index: int = 0, request_id: str | None = None,
+                   cache_hit: bool = False) -> "pb.GenerateResponse":
     """`request_id`: the reply's label when n > 1 (every choice answers under one id)."""
     resp = pb.GenerateResponse(request_id=request_id or d.request_id, text=d.text, token_ids=d.token_ids,
                                finish_reason=FINISH[d.finish_reason], index=index)
@@ -117,40 +137,54 @@ def delta_to_proto(d: Delta, index: int = 0, request_id: str | None = None) -> "
         resp.prompt_logprobs.extend(_token_logprob(lp) for lp in d.prompt_logprobs[1:])
     if d.finish_reason is not None:
         resp.usage.CopyFrom(pb.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
-                                     cached_prompt_tokens=d.cached_prompt_tokens,
-                                     response_cache_hit=d.response_cache_hit))
+                                     cached_prompt_tokens=d.cached_prompt_tokens, response_cache_hit=cache_hit))
     return resp
+
+
+async def responses(reply: Reply) -> AsyncIterator["pb.GenerateResponse"]:
+    """Every choice's deltas as they come, each response naming its choice's index and the
+    request's label; a choice's first response names the version that serves it."""
+    label = reply.choices[0].first.request_id
+    shapers = [ToolOutput(reply.use) if reply.use.active else None for _ in reply.choices]
+    first: set[int] = set()
+    async for i, d in interleave(reply.choices):
+        resp = delta_to_proto(d, i, label, reply.choices[i].outcome.cache_hit)
+        if shapers[i] is not None:
+            resp = shapers[i].shape(resp, d.finish_reason)
+        if i not in first:
+            first.add(i)
+            resp.model_version = reply.version
+        yield resp
 
 
 class GrpcAbort(Exception):
     """Raised after setting the code on Serve's gRPC context: Serve keeps a code set before a raise.
-    `grpc_code` lets the ingress's log filter tell a client's fault from a server error."""
+    `code` lets the ingress's log filter tell a client's fault from a server error (it is not
+    pickled: the exception crosses to Serve's proxy with its details only)."""
 
-    def __init__(self, details: str, grpc_code: grpc.StatusCode | None = None):
+    def __init__(self, details: str, code: Code | None = None):
         super().__init__(details)
-        self.grpc_code = grpc_code
+        self.code = code
 
 
 def fail(grpc_context, error: InvalidRequestError | ServingError) -> GrpcAbort:
     """Set the error's status on Serve's context, for the caller to raise. A retry-after goes in
     the details ("retry after N s", whole seconds like HTTP's Retry-After): Serve's gRPC proxy
     drops trailing metadata on the error path."""
-    if isinstance(error, InvalidRequestError):
-        code, details, retry = Code.INVALID_ARGUMENT, str(error), None
-    else:
-        code, details, retry = error.code, error.message, error.retry_after_s
+    code = code_of(error)
+    details = str(error) if isinstance(error, InvalidRequestError) else error.message
+    retry = getattr(error, "retry_after_s", None)
     if retry is not None:
         details = f"{details}; retry after {retry_after_seconds(retry)} s"
-    status = getattr(grpc.StatusCode, code.grpc_name)
-    grpc_context.set_code(status)
+    grpc_context.set_code(getattr(grpc.StatusCode, code.grpc_name))
     grpc_context.set_details(details)
-    return GrpcAbort(details, status)
+    return GrpcAbort(details, code)
 
 
-def chat_tools_from_proto(chat: "pb.Chat", sampling: "pb.SamplingParams", max_schema_bytes: int) -> ChatRequest | None:
-    """Chat.tools, tool_choice and parallel_tool_calls as /v1/chat/completions' fields, so both
-    edges check them with one code (openai_schema.tool_use) and the same limits; None: no tool
-    field is set. The count and each schema's size are checked before anything is parsed."""
+def tools_from_proto(chat: "pb.Chat", sampling: "pb.SamplingParams", max_schema_bytes: int) -> ToolsSpec | None:
+    """Chat.tools, tool_choice and parallel_tool_calls, checked as /v1/chat/completions' fields are
+    (openai_schema.ChatRequest: the same caps and messages); None: no tool field is set. The count
+    and each schema's size are checked before anything is parsed."""
     if not chat.tools and not chat.tool_choice and not chat.function_name and not chat.HasField("parallel_tool_calls"):
         return None
     if len(chat.tools) > MAX_TOOLS:
@@ -178,7 +212,7 @@ def chat_tools_from_proto(chat: "pb.Chat", sampling: "pb.SamplingParams", max_sc
             "response_format": ({"type": sampling.response_format.type or "text"}
                                 if sampling.HasField("response_format") else None)}
     try:
-        return ChatRequest.model_validate(body)
+        return tools_spec(ChatRequest.model_validate(body))
     except ValidationError as e:
         err = e.errors()[0]
         loc = [str(p) for p in err["loc"] if p != "function"]  # tools.0.function.name -> tools.0.name
@@ -218,19 +252,3 @@ class ToolOutput:
             resp.tool_calls.add(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
         if calls:
             resp.finish_reason = pb.FINISH_REASON_TOOL_CALLS if reason == "tool_calls" else pb.FINISH_REASON_STOP
-
-
-def with_tools(sp: SamplingParams, req: ChatRequest, use: ToolUse, validator: RequestValidator) -> SamplingParams:
-    """A forced call's grammar as the request's response_format (as to_sampling_params does)."""
-    if use.forced is None:
-        return sp
-    if sp.ignore_eos:
-        raise InvalidRequestError("tool_choice", "a forced tool call cannot be combined with ignore_eos")
-    try:
-        return replace(sp, response_format=validator.response_format("json_schema", *tool_schema(req, use)))
-    except InvalidRequestError as e:
-        raise InvalidRequestError("tools", e.message) from e
-
-
-def shaped(shaper: "ToolOutput | None", resp: "pb.GenerateResponse", d: Delta) -> "pb.GenerateResponse":
-    return resp if shaper is None else shaper.shape(resp, d.finish_reason)

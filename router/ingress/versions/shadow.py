@@ -23,10 +23,12 @@ import logging
 import uuid
 from collections import Counter
 from dataclasses import replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
-from cluster.engine.request import Priority
-from router.ingress.flow import Delta, RequestFlow
+from cluster.engine.request import Priority, RequestContext
+from cluster.engine.sampling_params import SamplingParams
+from router.ingress.flow.request_flow import RequestFlow
+from router.ingress.request import ClientRequest, Delta
 from router.ingress.status import Rejected
 
 log = logging.getLogger(__name__)
@@ -44,28 +46,28 @@ class ShadowRunner:
     def count(self, flow: RequestFlow, outcome: str) -> None:
         self.outcomes[flow.config.model_name, flow.config.version or "", outcome] += 1
 
-    def mirror(self, primary: AsyncIterator[Delta], candidate: RequestFlow, max_inflight: int, prompt, ids, sampling,
-               tenant: str, deadline: float | None, messages, tools) -> AsyncIterator[Delta]:
+    def mirror(self, primary: AsyncIterator[Delta], candidate: RequestFlow, max_inflight: int, request: ClientRequest,
+               sampling: SamplingParams, ctx: RequestContext, busy: Callable[[], bool]) -> AsyncIterator[Delta]:
         """The primary's deltas, unchanged. The candidate starts with the primary's first delta
-        (a request refused or failed before it is not mirrored), or is shed then."""
+        (a request refused or failed before it is not mirrored), or is shed then. `ctx`: what the
+        tenant's request would be scheduled by; `busy()`: the ingress is too loaded to mirror."""
         def start() -> asyncio.Future | None:
-            adm, model = candidate.admission, candidate.config.model_name
-            if self.inflight[model] >= max_inflight or 2 * adm.total_inflight > adm.max_inflight():
+            model = candidate.config.model_name
+            if self.inflight[model] >= max_inflight or busy():
                 self.count(candidate, "shed")
                 return None
             self.inflight[model] += 1  # until settled (counted), so a scrape never sees it half done
-            return asyncio.ensure_future(self._candidate(candidate, prompt, ids, sampling, tenant, deadline,
-                                                         messages, tools))
+            mirror_ctx = replace(ctx, tenant=SHADOW_TENANT, priority=Priority.BATCH)
+            return asyncio.ensure_future(self._candidate(candidate, request, sampling, mirror_ctx))
 
         return self._watch(primary, candidate, start)
 
-    async def _candidate(self, flow: RequestFlow, prompt, ids, sampling, tenant, deadline, messages, tools) -> str:
+    async def _candidate(self, flow: RequestFlow, request: ClientRequest, sampling: SamplingParams,
+                         ctx: RequestContext) -> str:
         rid = uuid.uuid4().hex
-        req = await asyncio.get_running_loop().run_in_executor(
-            flow._tokenize_pool, flow._make_request, rid, prompt, ids, sampling, messages, None, tools)
-        ctx = replace(flow.admission.context(tenant, deadline), tenant=SHADOW_TENANT, priority=Priority.BATCH)
+        req = await flow.prepare(rid, request, sampling)
         text = []
-        async for d in flow._run(rid, rid, req.prompt_token_ids, sampling, ctx):
+        async for d in flow.run(rid, rid, req.prompt_token_ids, sampling, ctx):
             text.append(d.text)
         return "".join(text)
 

@@ -1,7 +1,7 @@
 """Rollouts at run time (issue 18): each model's live traffic split, changed without redeploying
 anything (a manual `pdserve rollout set` / `rollback`, or the canary gate), and the gate itself.
 
-- **Where the split lives**: the rollout actor (router/ingress/rollout_actor.py) holds every
+- **Where the split lives**: the rollout actor (router/ingress/versions/rollout_actor.py) holds every
   model's current weights, starting from the config. Each ingress sends it its per-version request
   outcomes every `evaluate_s` and gets the split back when it changed; a change reaches every
   ingress within one period, and every version keeps its warm pools whatever its weight, so a

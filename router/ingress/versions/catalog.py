@@ -17,12 +17,15 @@ import random
 
 import ray
 from dataclasses import dataclass, replace
+from typing import AsyncIterator, Callable
 
 from cluster.config import AppConfig
+from cluster.engine.request import RequestContext
 from cluster.engine.sampling_params import SamplingParams
-from router.ingress.flow import RequestFlow
-from router.ingress.rollout import Recorder
-from router.ingress.shadow import ShadowRunner
+from router.ingress.flow.request_flow import RequestFlow
+from router.ingress.request import ClientRequest, Delta
+from router.ingress.versions.rollout import Recorder
+from router.ingress.versions.shadow import ShadowRunner
 from router.ingress.status import Code, ServingError
 from router.traffic import Assignment, Shadow, TrafficPolicy
 
@@ -48,7 +51,7 @@ class ServedModel:
 @dataclass(frozen=True)
 class Routed:
     """A request's version (its flow) and, when the model's shadow picked it, the candidate it is
-    mirrored to (router/ingress/shadow.py)."""
+    mirrored to (router/ingress/versions/shadow.py)."""
 
     flow: RequestFlow
     assignment: Assignment
@@ -57,17 +60,16 @@ class Routed:
     shadow_cap: int = 0  # the model's shadow.max_inflight
     recorder: Recorder | None = None  # the rollout gate's outcomes by version (models with several)
 
-    def generate(self, prompt, ids, sampling: SamplingParams, request_id: str | None = None, **kw):
-        """As RequestFlow.generate, its outcome recorded for the rollout gate, mirrored to the
-        candidate if there is one (not a request with a response_format or tools: their grammar
-        is compiled for the served version's tokenizer)."""
-        deltas = self.flow.generate(prompt, ids, sampling, request_id, **kw)
+    def watch(self, deltas: AsyncIterator[Delta], request: ClientRequest, sampling: SamplingParams,
+              ctx: RequestContext, busy: Callable[[], bool]) -> AsyncIterator[Delta]:
+        """A request's stream on this version, its outcome recorded for the rollout gate, mirrored
+        to the candidate if there is one (not a request with a response_format or tools: their
+        grammar is compiled for the served version's tokenizer)."""
         if self.recorder is not None:
             deltas = self.recorder.observe((self.flow.config.model_name, self.assignment.version), deltas)
-        if self.shadow is None or sampling.response_format is not None or kw.get("tools"):
+        if self.shadow is None or sampling.response_format is not None or request.tools is not None:
             return deltas
-        return self.runner.mirror(deltas, self.shadow, self.shadow_cap, prompt, ids, sampling, kw["tenant"],
-                                  kw.get("deadline"), kw.get("messages"), kw.get("tools"))
+        return self.runner.mirror(deltas, self.shadow, self.shadow_cap, request, sampling, ctx, busy)
 
     def for_choices(self, n: int) -> "Routed":
         """What serves each of n choices: a request with n > 1 is not mirrored."""
@@ -117,22 +119,7 @@ class ModelCatalog:
     def flows(self) -> list[RequestFlow]:
         return [f for m in self.models.values() for f in m.flows.values()]
 
-    def authorize(self, authorization: str | None, model: str | None) -> str:
-        """The caller's tenant, for both edges: refuses an unknown key (UNAUTHENTICATED) or model
-        (NOT_FOUND), counting the refusal."""
-        tenant = "unknown"
-        flow = self.default
-        try:
-            tenant = flow.admission.authenticate(authorization)
-            if model:
-                self._lookup(model)
-        except ServingError as e:
-            if flow.telemetry is not None:
-                flow.telemetry.refused(e, tenant)
-            raise
-        return tenant
-
-    def _lookup(self, model: str | None) -> tuple[ServedModel, str | None]:
+    def lookup(self, model: str | None) -> tuple[ServedModel, str | None]:
         """(model, pinned version label or None) for a request's `model`."""
         if not model:
             return next(iter(self.models.values())), None
@@ -150,7 +137,7 @@ class ModelCatalog:
     def select(self, model: str | None, tenant: str, session: str | None) -> Routed:
         """The version that serves this request (and the one it is mirrored to, if any)."""
         self._ensure_sync()
-        served, pinned = self._lookup(model)
+        served, pinned = self.lookup(model)
         if pinned is not None:
             assignment = Assignment(pinned, "pinned")
         else:
@@ -163,7 +150,7 @@ class ModelCatalog:
     def model_info(self) -> list[dict]:
         return [m.info() for m in self.models.values()]
 
-    # ---- run-time splits (router/ingress/rollout.py) ------------------------------------------
+    # ---- run-time splits (router/ingress/versions/rollout.py) ------------------------------------------
 
     def rollout_models(self) -> dict:
         """What the rollout actor is configured with: each model of several versions, its

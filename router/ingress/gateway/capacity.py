@@ -28,6 +28,7 @@ from typing import Callable
 
 from cluster.config import AdmissionOptions
 from cluster.engine.request import Priority, RequestContext
+from router.ingress.gateway.stages import Outcome, Stage
 from router.ingress.status import Rejected
 
 SLOW_WINDOWS = 2  # windows in a row over target_itl_s before the pace limit shrinks
@@ -288,3 +289,44 @@ class Capacity:
         if remaining is not None and wait_s > remaining:
             raise Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds the {remaining:.2f} s "
                            f"left before its deadline", wait_s, reason="queue_wait")
+
+
+class CapacityStage(Stage):
+    """This ingress's measured capacity (Capacity above): refuses before any work, refuses when
+    the router's decision predicts too long a queue, keeps the request's place in the first-token
+    queue until its first token, and counts its stream's pace."""
+
+    def __init__(self, capacity: Capacity):
+        self.capacity = capacity
+
+    async def admit(self, o: Outcome) -> None:
+        self.capacity.check(o.ctx)  # no await yet: a refusal here touched nothing
+
+    def wrap(self, o: Outcome, deltas):
+        # the request joins the queue once every charge passed; a cache hit never starts it
+        o.place = self.capacity.first_tokens.admit(o.prepared.num_prompt_tokens)
+        return deltas
+
+    def routed(self, o: Outcome, decision, started: float, num_prompt_tokens: int, ctx: RequestContext) -> None:
+        if decision is not None:
+            self.capacity.check_queue_wait(f"request {o.rid}", decision.queue_wait_s, ctx)
+
+    def first_token(self, o: Outcome, computed_tokens: int) -> None:
+        o.place.done(computed_tokens)
+
+    def delta(self, o: Outcome, d) -> None:
+        pace = self.capacity.pace
+        if o.streaming:
+            pace.tokens(len(d.token_ids))
+            if d.finish_reason is not None:  # ended now, not when the client's side lets go
+                pace.end()
+                o.streaming = False
+        elif d.finish_reason is None:
+            pace.start()
+            o.streaming = True
+
+    def finish(self, o: Outcome, error: BaseException | None) -> None:
+        if o.place is not None:
+            o.place.done()  # no first token (refused, failed, cancelled): nothing measured
+        if o.streaming:
+            self.capacity.pace.end()

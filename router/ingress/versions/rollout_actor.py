@@ -1,4 +1,4 @@
-"""The rollout actor: every model's live traffic split and the canary gate (router/ingress/rollout.py),
+"""The rollout actor: every model's live traffic split and the canary gate (router/ingress/versions/rollout.py),
 shared by every ingress replica and reached by `pdserve rollout`. Restarted by Ray if it dies: the
 first ingress to sync configures it again from its config (a run-time split is then lost)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import ray
 
 from cluster.config.models import RolloutOptions
-from router.actor import ROUTER_NAMESPACE
-from router.ingress.rollout import Key, Rollouts, VersionStats
+from router.actor import named_actor
+from router.ingress.versions.rollout import Key, Rollouts, VersionStats
 
 ROLLOUT_NAME = "pdserve-rollout"
 
@@ -40,5 +40,4 @@ class RolloutActor:
 
 
 def get_rollout():
-    return RolloutActor.options(
-        name=ROLLOUT_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True, lifetime="detached").remote()
+    return named_actor(RolloutActor, ROLLOUT_NAME)

@@ -35,13 +35,13 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from router.ingress.audit_log import canonical
-from router.ingress.status import Code, ServingError
-from router.ingress.telemetry import error_code
+from router.ingress.gateway.audit_log import canonical
+from router.ingress.gateway.stages import Outcome, Stage
+from router.ingress.status import Code, ServingError, error_code
 
 if TYPE_CHECKING:
-    from cluster.config import AuditOptions
-    from router.ingress.flow import Delta
+    from cluster.config import AppConfig, AuditOptions
+    from router.ingress.request import ClientRequest, Delta
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ class AuditTrail:
             self.rec["output"] = ""
         self.submitted = False
 
-    def delta(self, d: "Delta", cost_usd: float | None = None) -> None:
+    def delta(self, d: "Delta", cost_usd: float | None = None, interventions=(), cache_hit: bool = False) -> None:
         rec = self.rec
         if rec["ttft_s"] is None and d.token_ids:
             rec["ttft_s"] = round(time.monotonic() - self.started, 6)
@@ -303,15 +303,14 @@ class AuditTrail:
         rec["cached_prompt_tokens"] = d.cached_prompt_tokens
         if d.finish_reason is not None:
             rec["finish_reason"] = str(d.finish_reason)
-            if getattr(d, "response_cache_hit", False):
+            if cache_hit:
                 rec["response_cache_hit"] = True
-            self._submit("OK", cost_usd, getattr(d, "guardrail_interventions", None))
+            self._submit("OK", cost_usd, interventions)
 
-    def end(self, error: BaseException | None, cost_usd: float | None = None) -> None:
+    def end(self, error: BaseException | None, cost_usd: float | None = None, interventions=()) -> None:
         if not self.submitted:
             # the code only: an error's message may quote the client's input
-            self._submit("INTERNAL" if error is None else error_code(error), cost_usd,
-                         getattr(error, "guardrail_interventions", None))
+            self._submit("INTERNAL" if error is None else error_code(error), cost_usd, interventions)
 
     def _submit(self, code: str, cost_usd: float | None, interventions) -> None:
         self.submitted = True
@@ -320,6 +319,45 @@ class AuditTrail:
         rec["duration_s"] = round(time.monotonic() - self.started, 6)
         if cost_usd is not None:
             rec["cost_usd"] = cost_usd
-        if interventions:  # the guardrails' events (router/ingress/guardrails.py): never any text
+        if interventions:  # the guardrails' events (router/ingress/gateway/guardrails.py): never any text
             rec["interventions"] = [asdict(i) if is_dataclass(i) else str(i) for i in interventions]
         self.shipper.submit(rec)
+
+
+class AuditStage(Stage):
+    """One record per request (its tenant's `audit` allowing), spooled before the final delta
+    reaches the client, or at the end with the error's code. With the buffer full and `when_full:
+    refuse`, nothing runs unaudited."""
+
+    def __init__(self, shipper: AuditShipper, config: "AppConfig", fingerprint: str):
+        self.shipper = shipper
+        self.config = config  # the version's: its model name and the tenants' audit options
+        self.fingerprint = fingerprint
+
+    async def admit(self, o: Outcome) -> None:
+        opts = self.config.tenants.get(o.tenant)
+        if opts is not None and not opts.audit:
+            return
+        refusal = self.shipper.refusal()
+        if refusal is not None:  # its record could not be kept either; the refusal is counted in the metrics
+            raise refusal
+        keep_text = opts is not None and opts.audit_text
+        o.trail = AuditTrail(self.shipper, o.rid, o.request.label, o.tenant, self.config.model_name, self.fingerprint,
+                             keep_text, _prompt_input(o.request) if keep_text else None)
+
+    def delta(self, o: Outcome, d: "Delta") -> None:
+        if o.trail is not None:  # the final delta's record is spooled before the client gets it
+            cost = None
+            if d.finish_reason is not None:
+                cost = o.price(d.prompt_tokens, d.completion_tokens) if o.price and d.completion_tokens else 0.0
+            o.trail.delta(d, cost, o.interventions, o.cache_hit)
+
+    def finish(self, o: Outcome, error: BaseException | None) -> None:
+        if o.trail is not None:
+            o.trail.end(error, o.cost_usd, o.interventions)
+
+
+def _prompt_input(r: "ClientRequest"):
+    """What a text-keeping tenant's record holds of the prompt: messages, text or token ids."""
+    return list(r.messages) if r.messages is not None else r.prompt if r.prompt is not None else list(
+        r.prompt_token_ids or ())

@@ -1,5 +1,5 @@
 """The audit writer actor: the one process that appends to the audit log (a thin Ray shell over
-router/ingress/audit_log.py's AuditLog). Detached, named, restarted by Ray when it dies, and
+router/ingress/gateway/audit_log.py's AuditLog). Detached, named, restarted by Ray when it dies, and
 pinned to the head node, where the log's directory is. A restarted writer reads the chain's head
 and the last `dedup_window` request ids back from the log's tail, so a batch resent because its
 acknowledgement was lost is not written twice."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import ray
 
 from cluster.config import AuditOptions
-from router.actor import ROUTER_NAMESPACE
-from router.ingress.audit_log import AuditLog
+from router.actor import named_actor
+from router.ingress.gateway.audit_log import AuditLog
 
 AUDIT_WRITER_NAME = "pdserve-audit-writer"
 HEAD_NODE = {"node:__internal_head__": 0.001}
@@ -48,6 +48,4 @@ class AuditWriter:
 
 def get_audit_writer(options: AuditOptions):
     """The cluster's audit writer, created by whoever asks first (with that caller's options)."""
-    return AuditWriter.options(
-        name=AUDIT_WRITER_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True, lifetime="detached"
-    ).remote(options.dir, options.max_file_bytes, options.dedup_window)
+    return named_actor(AuditWriter, AUDIT_WRITER_NAME, options.dir, options.max_file_bytes, options.dedup_window)

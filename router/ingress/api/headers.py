@@ -1,6 +1,8 @@
-"""The request's session key, for session affinity in the router (router/sessions.py).
+"""What a request's headers (HTTP) or metadata (gRPC) carry besides its body: its deadline
+(`x-pdserve-timeout-s`) and its session key.
 
-Where it comes from, first found wins:
+The session key is for session affinity in the router (router/sessions.py). Where it comes
+from, first found wins:
 - the `x-session-id` HTTP header, or gRPC metadata of that name (what routers in front of vLLM
   key sticky sessions on: llm-d, the production stack's `--session-key`);
 - the OpenAI body's `prompt_cache_key` (OpenAI's own routing hint for prompt-cache hits);
@@ -11,10 +13,13 @@ characters) here, before the router sees it; `user` keeps its own cap (256 chara
 
 from __future__ import annotations
 
+import math
 import re
+import time
 
 from cluster.errors import InvalidRequestError
 
+TIMEOUT_HEADER = "x-pdserve-timeout-s"  # the request's deadline, seconds from now (HTTP header or gRPC metadata)
 SESSION_HEADER = "x-session-id"
 _SESSION_CHARS = re.compile(r"[A-Za-z0-9._:@/+=-]+")
 _ALLOWED = "letters, digits and . _ : @ / + = -"
@@ -33,3 +38,18 @@ def session_key(header: str | None, prompt_cache_key: str | None, user: str | No
             raise InvalidRequestError(field, f"must be 1 to {max_chars} characters: {_ALLOWED}")
         return f"{tag}:{value}"
     return None if not user else f"u:{user}"
+
+
+def parse_deadline(value: str | None, max_chars: int = 32) -> float | None:
+    """Wall-clock deadline from a timeout header; None without one."""
+    if value is None:
+        return None
+    if len(value) > max_chars:
+        raise InvalidRequestError(TIMEOUT_HEADER, f"longer than {max_chars} characters")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise InvalidRequestError(TIMEOUT_HEADER, f"must be a positive number of seconds, got {value!r}")
+    return time.time() + seconds

@@ -35,6 +35,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from router.ingress.gateway.stages import Outcome, Stage
 from router.ingress.status import Code, Rejected, ServingError
 
 if TYPE_CHECKING:
@@ -310,3 +311,19 @@ class Budget:
         if self.metrics is not None and hold.cost:
             self.metrics.spend.inc(usd(hold.cost), {"tenant": hold.tenant})
 
+
+
+class BudgetStage(Stage):
+    """The request's worst case (prompt + max_tokens) reserved against its tenant's monthly
+    budget once the prompt's length is known; settled at its end with what it used."""
+
+    def __init__(self, budget: Budget):
+        self.budget = budget
+
+    async def charge(self, o: Outcome) -> None:
+        o.price = self.budget.cost_usd
+        o.hold = await self.budget.reserve(o.tenant, o.rid, o.prepared.num_prompt_tokens, o.sampling.max_tokens)
+
+    def finish(self, o: Outcome, error: BaseException | None) -> None:
+        if o.hold is not None:
+            o.cost_usd = o.hold.settle(o.prepared.num_prompt_tokens, o.completion_tokens)

@@ -9,11 +9,13 @@ import time
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from router.ingress.choices import Choice, close_streams, collect, interleave, tool_result
-from router.ingress.flow import Delta
-from router.ingress.openai_schema import ChatRequest, RequestBody, ToolUse
+from router.ingress.api.choices import collect, interleave, tool_result
+from router.ingress.api.openai_schema import ChatRequest, RequestBody
+from router.ingress.flow.tool_parser import ToolCallStream, openai_tool_calls
+from router.ingress.flow.tools import ToolUse
+from router.ingress.gateway.front_door import Choice, Reply, close_streams
+from router.ingress.request import Delta
 from router.ingress.status import Code, ServingError, retry_after_seconds
-from router.ingress.tool_parser import ToolCallStream, openai_tool_calls
 
 
 def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -32,20 +34,20 @@ def serving_error_response(e: ServingError) -> JSONResponse:
                           None if retry is None else {"Retry-After": str(retry_after_seconds(retry))})
 
 
-async def respond(flow, body: RequestBody, choices: list[Choice], chat: bool, use: ToolUse = ToolUse(),
-                   echo: str | None = None):
+async def respond(reply: Reply, body: RequestBody, chat: bool, echo: str | None = None):
     """`echo` (completions): the prompt's text, put before each choice's completion (and, with
     logprobs, the prompt's logprobs before the completion's, the first token's null, as OpenAI)."""
-    rid = ("chatcmpl-" if chat else "cmpl-") + choices[0][1].request_id
+    choices, use = reply.choices, reply.use
+    rid = ("chatcmpl-" if chat else "cmpl-") + choices[0].first.request_id
     created = int(time.time())
     # the model, and the version that served (OpenAI's system_fingerprint: the backend configuration)
-    model = {"model": flow.config.model_name} | ({"system_fingerprint": v} if (v := flow.config.version) else {})
-    shapers = [Logprobs(flow.tokenizer, chat) if asks_logprobs(body) else None for _ in choices]
+    model = {"model": reply.model} | ({"system_fingerprint": reply.version} if reply.version else {})
+    shapers = [Logprobs(reply.tokenizer, chat) if asks_logprobs(body) else None for _ in choices]
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(sse(choices, rid, created, model, chat, include_usage, shapers, use, echo),
-                                 media_type="text/event-stream", headers=version_header(flow))
-    tasks = [asyncio.ensure_future(collect(s, first)) for s, first in choices]
+                                 media_type="text/event-stream", headers=version_header(reply.version))
+    tasks = [asyncio.ensure_future(collect(c.stream, c.first)) for c in choices]
     try:
         results = await asyncio.gather(*tasks)
     except ServingError as e:
@@ -54,11 +56,11 @@ async def respond(flow, body: RequestBody, choices: list[Choice], chat: bool, us
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await close_streams([s for s, _ in choices])
+        await close_streams([c.stream for c in choices])
     out = []
-    for i, ((text, last, logprobs), shaper, (_, first)) in enumerate(zip(results, shapers, choices)):
+    for i, ((text, last, logprobs), shaper, c) in enumerate(zip(results, shapers, choices)):
         if not chat:
-            lp = None if shaper is None else shaper.shape(logprobs, first if echo is not None else None)
+            lp = None if shaper is None else shaper.shape(logprobs, c.first if echo is not None else None)
             out.append({"index": i, "text": (echo or "") + text, "logprobs": lp, "finish_reason": last.finish_reason})
             continue
         lp = None if shaper is None else shaper.shape(logprobs)
@@ -67,14 +69,14 @@ async def respond(flow, body: RequestBody, choices: list[Choice], chat: bool, us
         message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
         out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            **model, "choices": out, "usage": usage([last for _, last, _ in results])}
+            **model, "choices": out, "usage": usage([last for _, last, _ in results], choices)}
 
 
 VERSION_HEADER = "x-pdserve-model-version"
 
 
-def version_header(flow) -> dict[str, str]:
-    return {VERSION_HEADER: flow.config.version} if flow.config.version else {}
+def version_header(version: str) -> dict[str, str]:
+    return {VERSION_HEADER: version} if version else {}
 
 
 def with_version_header(result):
@@ -84,12 +86,12 @@ def with_version_header(result):
     return result
 
 
-def usage(lasts: list[Delta]) -> dict:
+def usage(lasts: list[Delta], choices: list[Choice]) -> dict:
     """The prompt once (every choice has the same), the completions summed, as OpenAI bills n > 1."""
     prompt, completion = lasts[0].prompt_tokens, sum(d.completion_tokens for d in lasts)
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
              "prompt_tokens_details": {"cached_tokens": lasts[0].cached_prompt_tokens}}
-    if all(d.response_cache_hit for d in lasts):  # pdserve's field: every choice replayed from the response cache
+    if all(c.outcome.cache_hit for c in choices):  # pdserve's field: every choice replayed from the response cache
         usage["pdserve_response_cache_hit"] = True
     return usage
 
@@ -137,71 +139,85 @@ class Logprobs:
         return out
 
 
-async def sse(choices: list[Choice], rid, created, model: dict, chat: bool, include_usage: bool,
-               shapers: list["Logprobs | None"], use: ToolUse = ToolUse(), echo: str | None = None):
-    """Server-sent events: every choice's deltas as they come (each chunk names its choice's
-    index; a choice's first chunk carries the role), then usage (if asked) and [DONE]. A failure
-    of any choice ends the stream with an error event and stops the other choices. A forced tool
-    call is held back and sent whole (its tool_calls delta, with the finish reason) once the
-    grammar completed it. tool_choice "auto": text streams until a call opener may begin; from
-    there it is held, and sent at the end as the calls or, if none parse, as content."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    held_text, held_lps = [""] * len(choices), [[] for _ in choices]
-    autos = [ToolCallStream(use.parser, use.names, use.parallel) if chat and use.parser else None for _ in choices]
+class _Chunks:
+    """One streamed reply's server-sent events, choice by choice. A forced tool call is held back
+    and sent whole (its tool_calls delta, with the finish reason) once the grammar completed it.
+    tool_choice "auto": text streams until a call opener may begin; from there it is held, and sent
+    at the end as the calls or, if none parse, as content."""
 
-    def payload(i: int, body: dict, finish: str | None, logprobs, echoed: Delta | None = None) -> str:
-        shaper = shapers[i]
+    def __init__(self, n: int, rid: str, created: int, model: dict, chat: bool, include_usage: bool,
+                 shapers: list["Logprobs | None"], use: ToolUse, echo: str | None):
+        self.rid, self.created, self.model, self.chat = rid, created, model, chat
+        self.include_usage, self.shapers, self.use, self.echo = include_usage, shapers, use, echo
+        self.obj = "chat.completion.chunk" if chat else "text_completion"
+        self.held_text, self.held_lps = [""] * n, [[] for _ in range(n)]
+        self.autos = [ToolCallStream(use.parser, use.names, use.parallel) if chat and use.parser else None
+                      for _ in range(n)]
+
+    def payload(self, i: int, body: dict, finish: str | None, logprobs, echoed: Delta | None = None) -> str:
+        shaper = self.shapers[i]
         lp = None if shaper is None or not (logprobs or echoed) else shaper.shape(logprobs or [], echoed)
-        choice = ({"index": i, "delta": body, "logprobs": lp, "finish_reason": finish} if chat
+        choice = ({"index": i, "delta": body, "logprobs": lp, "finish_reason": finish} if self.chat
                   else {"index": i, "text": body["content"], "logprobs": lp, "finish_reason": finish})
-        out = {"id": rid, "object": obj, "created": created, **model, "choices": [choice]}
-        if include_usage:
+        out = {"id": self.rid, "object": self.obj, "created": self.created, **self.model, "choices": [choice]}
+        if self.include_usage:
             out["usage"] = None
         return f"data: {json.dumps(out)}\n\n"
 
-    def chunk(i: int, d: Delta, role: bool = False) -> str | None:
+    def chunk(self, i: int, d: Delta, role: bool = False) -> str | None:
         head = {"role": "assistant"} if role else {}
-        if not (chat and use.active):
-            if role and echo is not None:  # the first chunk: the prompt, then the first token's text
-                return payload(i, {"content": echo + d.text}, d.finish_reason, d.logprobs, d)
-            return payload(i, head | {"content": d.text}, d.finish_reason, d.logprobs)
-        if autos[i] is not None:
-            return auto_chunk(i, d, head)
-        held_text[i] += d.text
-        held_lps[i] += d.logprobs or ()
+        if not (self.chat and self.use.active):
+            if role and self.echo is not None:  # the first chunk: the prompt, then the first token's text
+                return self.payload(i, {"content": self.echo + d.text}, d.finish_reason, d.logprobs, d)
+            return self.payload(i, head | {"content": d.text}, d.finish_reason, d.logprobs)
+        if self.autos[i] is not None:
+            return self.auto_chunk(i, d, head)
+        self.held_text[i] += d.text
+        self.held_lps[i] += d.logprobs or ()
         if d.finish_reason is None:
-            return payload(i, head | {"content": None}, None, None) if role else None
-        calls, content, finish = tool_result(use, held_text[i], d.finish_reason)
+            return self.payload(i, head | {"content": None}, None, None) if role else None
+        calls, content, finish = tool_result(self.use, self.held_text[i], d.finish_reason)
         body = head | ({"content": None, "tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
                        if calls else {"content": content})
-        return payload(i, body, finish, held_lps[i])
+        return self.payload(i, body, finish, self.held_lps[i])
 
-    def auto_chunk(i: int, d: Delta, head: dict) -> str | None:
-        s = autos[i]
+    def auto_chunk(self, i: int, d: Delta, head: dict) -> str | None:
+        s = self.autos[i]
         text, lps = s.feed(d.text), d.logprobs
         if s.opened:  # a held token's logprobs go with what it becomes
-            held_lps[i] += lps or ()
+            self.held_lps[i] += lps or ()
             lps = None
         if d.finish_reason is None:
-            return payload(i, head | {"content": text}, None, lps) if text or head or lps else None
+            return self.payload(i, head | {"content": text}, None, lps) if text or head or lps else None
         rest, calls = s.finish(stopped=d.finish_reason == "stop")
-        lps = held_lps[i] + list(lps or ())
+        lps = self.held_lps[i] + list(lps or ())
         if calls:
             tool_calls = [{"index": k, **c} for k, c in enumerate(openai_tool_calls(calls))]
-            return payload(i, head | {"content": text or None, "tool_calls": tool_calls}, "tool_calls", lps)
-        return payload(i, head | {"content": text + rest}, d.finish_reason, lps)
+            return self.payload(i, head | {"content": text or None, "tool_calls": tool_calls}, "tool_calls", lps)
+        return self.payload(i, head | {"content": text + rest}, d.finish_reason, lps)
 
-    lasts = [first for _, first in choices]
+    def usage(self, lasts: list[Delta], choices: list[Choice]) -> str:
+        last = {"id": self.rid, "object": self.obj, "created": self.created, **self.model, "choices": [],
+                "usage": usage(lasts, choices)}
+        return f"data: {json.dumps(last)}\n\n"
+
+
+async def sse(choices: list[Choice], rid, created, model: dict, chat: bool, include_usage: bool,
+              shapers: list["Logprobs | None"], use: ToolUse = ToolUse(), echo: str | None = None):
+    """Server-sent events: every choice's deltas as they come (each chunk names its choice's
+    index; a choice's first chunk carries the role), then usage (if asked) and [DONE]. A failure
+    of any choice ends the stream with an error event and stops the other choices."""
+    chunks = _Chunks(len(choices), rid, created, model, chat, include_usage, shapers, use, echo)
+    lasts = [c.first for c in choices]
     failed = False
     try:  # closing this generator (the client went away) stops every choice at its source
         async for i, d in interleave(choices):
             lasts[i] = d
-            if (c := chunk(i, d, role=d is choices[i][1])) is not None:
+            if (c := chunks.chunk(i, d, role=d is choices[i].first)) is not None:
                 yield c
     except ServingError as e:
         failed = True
         yield f"data: {json.dumps({'error': {'message': e.message, 'type': 'server_error', 'code': e.code.grpc_name}})}\n\n"
     if include_usage and not failed and all(d.finish_reason is not None for d in lasts):
-        last = {"id": rid, "object": obj, "created": created, **model, "choices": [], "usage": usage(lasts)}
-        yield f"data: {json.dumps(last)}\n\n"
+        yield chunks.usage(lasts, choices)
     yield "data: [DONE]\n\n"

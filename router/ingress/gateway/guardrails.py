@@ -16,9 +16,9 @@ released so far, then a final delta with finish reason `content_filter`.
 Checks are pluggable (`Check`): the built-in `RuleCheck` (a word list or regex, run with the
 `regex` module's timeout); a classifier served as its own deployment would be another `Check`
 whose failures and timeouts follow the policy's `on_error` (closed: as flagged; open: passed and
-recorded). Every intervention is an `Intervention`, counted in metrics and put on the request's
-final delta (`Delta.guardrail_interventions`) or, for a refused prompt, on the error
-(`GuardrailRejected.interventions`): what the audit log reads.
+recorded). Every intervention is an `Intervention`, counted in metrics and kept in the request's
+`Outcome` (gateway/stages.py), which the audit log reads; a refused prompt's error carries them too
+(`GuardrailRejected.interventions`).
 """
 
 from __future__ import annotations
@@ -30,15 +30,16 @@ import unicodedata
 from collections import deque
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, AsyncIterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 
 from cluster.config import AppConfig, ClassifierCheckOptions, GuardrailPolicy, GuardrailRule
 from cluster.engine.outputs import FinishReason
 from cluster.guardrail_rules import compile_rule
+from router.ingress.gateway.stages import Outcome, Stage as GatewayStage
 from router.ingress.status import Code, ServingError
 
 if TYPE_CHECKING:
-    from router.ingress.flow import Delta
+    from router.ingress.request import Delta
 
 
 class Stage(str, enum.Enum):
@@ -272,9 +273,9 @@ class Guardrails:
             self.by_tenant.setdefault("default", compiled[config.guardrail_policy])
         self.metrics = metrics  # GuardrailMetrics (cluster/telemetry/metrics.py) or None
 
-    def for_request(self, tenant: str) -> "RequestGuard | None":
+    def for_request(self, tenant: str, interventions: list | None = None) -> "RequestGuard | None":
         policy = self.by_tenant.get(tenant)
-        return None if policy is None else RequestGuard(policy, tenant, self.metrics)
+        return None if policy is None else RequestGuard(policy, tenant, self.metrics, interventions)
 
     def window(self, tenant: str) -> int:
         policy = self.by_tenant.get(tenant)
@@ -284,11 +285,11 @@ class Guardrails:
 class RequestGuard:
     """One request under its tenant's policy: the input check, then the output stream."""
 
-    def __init__(self, policy: CompiledPolicy, tenant: str, metrics=None):
+    def __init__(self, policy: CompiledPolicy, tenant: str, metrics=None, interventions: list | None = None):
         self.policy = policy
         self.tenant = tenant
         self.metrics = metrics
-        self.interventions: list[Intervention] = []
+        self.interventions: list[Intervention] = [] if interventions is None else interventions  # the Outcome's
         self._input: tuple[str, str] | None = None  # (prompt text, param) for the remote input checks
 
     def _record(self, check: str, stage: Stage, action: Action, cause: Cause) -> Intervention:
@@ -353,13 +354,10 @@ class RequestGuard:
 
     async def output(self, deltas: AsyncIterator["Delta"]) -> AsyncIterator["Delta"]:
         """The flow's deltas, released through the hold-back window. On a flag the flow's stream
-        is closed (both legs stop, blocks freed) and a last delta ends it with content_filter.
-        The final delta carries the request's interventions."""
+        is closed (both legs stop, blocks freed) and a last delta ends it with content_filter."""
         if not self.policy.for_stage(Stage.OUTPUT):
             async with aclosing(deltas):
                 async for d in deltas:
-                    if d.finish_reason is not None:
-                        d.guardrail_interventions = tuple(self.interventions)
                     yield d
             return
         hold = HoldBack(self.policy.window)
@@ -369,12 +367,31 @@ class RequestGuard:
                 final = d.finish_reason is not None
                 if await self._flagged(hold, final):
                     await deltas.aclose()  # the flow's cancel path: both legs stop and free their blocks
-                    yield replace(d, text="", token_ids=[], logprobs=None, finish_reason=FinishReason.CONTENT_FILTER,
-                                  guardrail_interventions=tuple(self.interventions))
+                    yield replace(d, text="", token_ids=[], logprobs=None, finish_reason=FinishReason.CONTENT_FILTER)
                     return
                 released = hold.release(final)
                 if released:
-                    merged = _merge(released)
-                    if merged.finish_reason is not None:
-                        merged.guardrail_interventions = tuple(self.interventions)
-                    yield merged
+                    yield _merge(released)
+
+
+class GuardStage(GatewayStage):
+    """The tenant's policy on the prompt (local rules in the tokenizing thread, then the remote
+    classifier) and on the output (a hold-back window inside the response cache, so what is
+    stored passed the checks)."""
+
+    def __init__(self, guardrails: Guardrails):
+        self.guardrails = guardrails
+
+    async def admit(self, o: Outcome) -> None:
+        o.guard = self.guardrails.for_request(o.tenant, o.interventions)
+
+    def inspect(self, o: Outcome, text: Callable[[], str]) -> None:
+        if o.guard is not None:
+            o.guard.check_input(text(), o.request.param)
+
+    async def charge(self, o: Outcome) -> None:
+        if o.guard is not None:
+            await o.guard.check_input_remote()  # a classifier: on the loop, bounded by its timeout
+
+    def wrap(self, o: Outcome, deltas: AsyncIterator["Delta"]) -> AsyncIterator["Delta"]:
+        return deltas if o.guard is None else o.guard.output(deltas)

@@ -3,41 +3,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from importlib import metadata
 
 from cluster.telemetry import gc_pauses
+from router.ingress.gateway.front_door import FrontDoor
 
 log = logging.getLogger(__name__)
 
 LIVE_TIMEOUT_S = 1.0  # a decode replica that cannot answer its load within this is not serving
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-async def decode_live(flow, timeout_s: float = LIVE_TIMEOUT_S) -> bool:
-    """One bounded call to a decode replica (Serve picks a live one; with none it waits: the bound
-    answers). Any failure is "not live"."""
-    if flow.decode is None:
-        return False
-    try:
-        await asyncio.wait_for(flow.decode.load.remote(), timeout_s)
-        return True
-    except Exception as e:  # noqa: BLE001
-        log.info("health: no live decode replica (%r)", e)
-        return False
-
-
-async def all_live(catalog, timeout_s: float = LIVE_TIMEOUT_S) -> bool:
-    """Every model version has a live decode replica (one bounded call each, at once), but those
-    whose decode pool may sleep (min_replicas 0): asleep is not down, and a call would wake it."""
-    awake = [f for f in catalog.flows if not may_sleep(f.config)]
-    return all(await asyncio.gather(*(decode_live(f, timeout_s) for f in awake)))
-
-
-def may_sleep(config) -> bool:
-    auto = config.decode.autoscaling
-    return auto is not None and auto.min_replicas == 0
 
 
 def package_version() -> str:
@@ -47,27 +22,27 @@ def package_version() -> str:
         return "unknown"
 
 
-def version_info(catalog) -> dict:
+def version_info(door: FrontDoor) -> dict:
     """pdserve's version, the first model (as before several models) and every model's versions."""
-    return {"version": package_version(), "model": catalog.default.config.model_name, "mode": catalog.config.mode,
-            "models": {m["id"]: m["versions"] for m in catalog.model_info()}}
+    models = door.model_info()
+    return {"version": package_version(), "model": models[0]["id"], "mode": door.config.mode,
+            "models": {m["id"]: m["versions"] for m in models}}
 
 
-def metrics_text(catalog) -> bytes:
+def metrics_text(door: FrontDoor) -> bytes:
     """In-flight requests per tenant and on this ingress, as a Prometheus scrape (prometheus_client,
     a registry of its own, so nothing global is touched)."""
     from prometheus_client import CollectorRegistry, Gauge, generate_latest  # noqa: PLC0415
 
     registry = CollectorRegistry()
-    flow = catalog.default
-    adm = flow.admission
+    adm = door.admission
     Gauge("pdserve_ingress_inflight", "Requests in flight on this ingress", registry=registry).set(adm.total_inflight)
     cap = Gauge("pdserve_ingress_max_inflight", "max_inflight of this ingress (auto: as sized now)", registry=registry)
     cap.set(adm.max_inflight())
     per = Gauge("pdserve_ingress_tenant_inflight", "Requests in flight per tenant", ["tenant"], registry=registry)
     for tenant, n in adm.inflight_by_tenant().items():
         per.labels(tenant).set(n)
-    err = flow.capacity.first_tokens.prediction_error()
+    err = door.capacity.first_tokens.prediction_error()
     if err is not None:  # the queue model's predicted time to first token vs the actual, latest requests
         g = Gauge("pdserve_ingress_ttft_prediction_error_seconds",
                   "Actual minus predicted time to first token (median) and its absolute quantiles, latest "
@@ -88,12 +63,13 @@ def metrics_text(catalog) -> bytes:
     shadow = Gauge("pdserve_ingress_shadow_requests", "Mirrored requests by model, candidate version and outcome "
                    "(same / different text than the client got, failed, shed)", ["model", "version", "outcome"],
                    registry=registry)
-    for (model, version, outcome), n in sorted(catalog.shadow.outcomes.items()):
+    shadow_runner = door.catalog.shadow
+    for (model, version, outcome), n in sorted(shadow_runner.outcomes.items()):
         shadow.labels(model, version, outcome).set(n)
     mirrors = Gauge("pdserve_ingress_shadow_inflight", "Mirrored requests running or not yet counted, by model",
                     ["model"], registry=registry)
-    for model, n in sorted(catalog.shadow.inflight.items()):
+    for model, n in sorted(shadow_runner.inflight.items()):
         mirrors.labels(model).set(n)
     info = Gauge("pdserve_ingress_info", "Version and model", ["version", "model"], registry=registry)
-    info.labels(package_version(), flow.config.model_name).set(1)
+    info.labels(package_version(), door.model_info()[0]["id"]).set(1)
     return generate_latest(registry)

@@ -18,7 +18,7 @@ format, seed...). What is cached and what is not:
     `content_filter` is never stored. What is stored is what the client got, after the tenant's
     guardrail, so a hit passed the same output checks;
   - concurrent identical misses each run (no coalescing); the last to finish is stored.
-A hit is marked in usage (all prompt tokens cached, `Delta.response_cache_hit`) and counted in
+A hit is marked in usage (all prompt tokens cached, and the request's `Outcome.cache_hit`) and counted in
 `pdserve_response_cache_requests{result}` (hit, miss, bypass: an opted-in tenant's request that is
 not cacheable). A hit still goes through admission (rate and token quotas count it).
 """
@@ -37,8 +37,10 @@ from cluster.config import AppConfig, ResponseCacheOptions
 from cluster.engine.outputs import FinishReason
 from cluster.engine.sampling_params import SamplingParams
 
+from router.ingress.gateway.stages import Outcome, Stage
+
 if TYPE_CHECKING:
-    from router.ingress.flow import Delta
+    from router.ingress.request import Delta
 
 CACHED_FINISH = (FinishReason.STOP, FinishReason.LENGTH)
 DELTA_OVERHEAD_BYTES = 64
@@ -118,17 +120,17 @@ class ResponseCache:
             self.metrics.cache_requests.inc(1, {"tenant": tenant, "result": result})
 
     async def through(self, tenant: str, ids: Sequence[int], sampling: SamplingParams, label: str,
-                      deltas: AsyncIterator["Delta"]) -> AsyncIterator["Delta"]:
-        """A hit: the stored deltas, relabelled, and `deltas` closed unstarted (no engine sees
-        the request). A miss: `deltas` passed through, and stored when they end in stop/length."""
+                      deltas: AsyncIterator["Delta"], hit: Callable[[], None] = lambda: None) -> AsyncIterator["Delta"]:
+        """A hit: `hit()`, the stored deltas, relabelled, and `deltas` closed unstarted (no engine
+        sees the request). A miss: `deltas` passed through, and stored when they end in stop/length."""
         key = self.key(tenant, ids, sampling)
         async with aclosing(deltas):
             stored = None if key is None else self.get(key)
             if stored is not None:
                 self._count(tenant, "hit")
+                hit()
                 for d in stored:
-                    yield replace(d, request_id=label, token_ids=list(d.token_ids), cached_prompt_tokens=d.prompt_tokens,
-                                  response_cache_hit=True)
+                    yield replace(d, request_id=label, token_ids=list(d.token_ids), cached_prompt_tokens=d.prompt_tokens)
                 return
             if key is not None:
                 self._count(tenant, "miss")
@@ -136,10 +138,22 @@ class ResponseCache:
             nbytes = 0
             async for d in deltas:
                 if key is not None:
-                    seen.append(replace(d, token_ids=list(d.token_ids), guardrail_interventions=()))
+                    seen.append(replace(d, token_ids=list(d.token_ids)))
                     nbytes += delta_bytes(d)
                     if nbytes > self.options.max_entry_bytes:  # too large to store: stop collecting
                         key, seen = None, []
                 yield d
             if key is not None and seen and seen[-1].finish_reason in CACHED_FINISH:
                 self.put(key, seen)
+
+
+class ResponseCacheStage(Stage):
+    """Replays a stored completion (the flow never starts), or stores the one that ran."""
+
+    def __init__(self, cache: ResponseCache):
+        self.cache = cache
+
+    def wrap(self, o: Outcome, deltas: AsyncIterator["Delta"]) -> AsyncIterator["Delta"]:
+        def hit() -> None:
+            o.cache_hit = True
+        return self.cache.through(o.tenant, o.prepared.prompt_token_ids, o.sampling, o.label, deltas, hit)

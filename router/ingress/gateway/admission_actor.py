@@ -1,5 +1,5 @@
 """The admission actor: cluster-wide rate-limit buckets and idempotency records, shared by every
-ingress replica (a thin Ray shell over router/ingress/admission.py's plain classes)."""
+ingress replica (a thin Ray shell over router/ingress/gateway/admission.py's plain classes)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ import asyncio
 import ray
 
 from cluster.config import AdmissionOptions
-from router.actor import ROUTER_NAMESPACE
-from router.ingress.admission import IdempotencyStore, Quotas
+from router.actor import named_actor
+from router.ingress.gateway.admission import Quotas
+from router.ingress.gateway.idempotency import IdempotencyStore
 
 ADMISSION_NAME = "pdserve-admission"
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
 class AdmissionActor:
-    """Cluster-wide rate-limit buckets and idempotency records (router/ingress/admission.py), shared by
+    """Cluster-wide rate-limit buckets and idempotency records (router/ingress/gateway/admission.py), shared by
     every ingress replica. Restarted by Ray if it dies, with its constructor's arguments: buckets
     start full again and idempotency records are lost (a retry after a restart runs again)."""
 
@@ -67,6 +68,5 @@ class AdmissionActor:
 def get_admission(options: AdmissionOptions | None = None):
     """The cluster's admission actor, created by whoever asks first (with that caller's options)."""
     o = options or AdmissionOptions()
-    return AdmissionActor.options(
-        name=ADMISSION_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True, lifetime="detached"
-    ).remote(o.idempotency_ttl_s, o.idempotency_max_keys, o.idempotency_max_waiters)
+    return named_actor(AdmissionActor, ADMISSION_NAME, o.idempotency_ttl_s, o.idempotency_max_keys,
+                       o.idempotency_max_waiters)

@@ -9,8 +9,9 @@ requests needing as much itself, so a flood against a quota costs one actor call
 tenant's rate holds across ingress replicas, and the actor sees one call per slice, not one per
 request. Refusals are ServingErrors with a gRPC code and, for overload, a retry-after.
 
-The plain classes (TokenBucket, Quotas, IdempotencyStore) have injected clocks and no Ray; the
-actor in router/actor.py is a thin shell over Quotas + IdempotencyStore.
+The plain classes (TokenBucket, Quotas) have injected clocks and no Ray; the quota actor
+(gateway/admission_actor.py) is a thin shell over Quotas and the IdempotencyStore
+(gateway/idempotency.py). Two gateway stages apply it: AdmissionStage (slots) and QuotaStage.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import logging
 import math
 import os
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -30,7 +30,8 @@ from typing import Awaitable, Callable
 from cluster.config import AppConfig, KeySources, TenantOptions
 from cluster.errors import InvalidRequestError
 from cluster.engine.request import Priority, RequestContext
-from router.ingress.capacity import InflightCap
+from router.ingress.gateway.capacity import InflightCap
+from router.ingress.gateway.stages import Outcome, Stage
 from router.ingress.status import Code, Rejected, ServingError
 
 log = logging.getLogger(__name__)
@@ -72,88 +73,6 @@ class Quotas:
         if bucket is None or bucket.capacity != per_min:  # first use, or the quota was reconfigured
             bucket = self._buckets[(tenant, kind)] = TokenBucket(per_min, self.clock)
         return bucket.take(need, want)
-
-
-@dataclass
-class _Record:
-    fingerprint: str
-    expires: float
-    result: object = None
-    done: bool = False
-    waiters: int = 0
-
-
-class IdempotencyStore:
-    """Results of non-streaming requests by (tenant, key), kept for a TTL. The first request with
-    a key runs; a duplicate gets the stored result, or waits for the running one (`begin` says which).
-    A failed run forgets its key, so a retry runs again.
-
-    Bounded: at most `max_keys` records per tenant (the least recently used finished record makes
-    room; a tenant whose records are all still running gets "full") and `max_waiters` duplicates
-    waiting on one running key (`join` refuses the next)."""
-
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, max_keys: int = 1024,
-                 max_waiters: int = 8):
-        self.ttl_s = ttl_s
-        self.clock = clock
-        self.max_keys = max_keys
-        self.max_waiters = max_waiters
-        self._tenants: dict[str, OrderedDict[str, _Record]] = {}  # per tenant, least recently used first
-
-    def begin(self, tenant: str, key: str, fingerprint: str) -> tuple[str, object]:
-        """("run", None): execute it; ("done", result); ("running", None): wait and ask again;
-        ("conflict", None): the key was used with a different request; ("full", None): the
-        tenant has max_keys requests running under keys."""
-        records = self._tenants.setdefault(tenant, OrderedDict())
-        self._expire(records)
-        rec = records.get(key)
-        if rec is not None and rec.fingerprint != fingerprint:
-            return "conflict", None
-        if rec is None:
-            if len(records) >= self.max_keys and not self._evict_one(records):
-                return "full", None
-            records[key] = _Record(fingerprint, self.clock() + self.ttl_s)
-            return "run", None
-        records.move_to_end(key)
-        return ("done", rec.result) if rec.done else ("running", None)
-
-    def finish(self, tenant: str, key: str, result: object) -> None:
-        rec = self._tenants.get(tenant, {}).get(key)
-        if rec is not None:
-            rec.result, rec.done, rec.expires = result, True, self.clock() + self.ttl_s
-
-    def abandon(self, tenant: str, key: str) -> None:
-        self._tenants.get(tenant, {}).pop(key, None)
-
-    def join(self, tenant: str, key: str) -> bool:
-        """One more duplicate waits on a running key; False when max_waiters already do."""
-        rec = self._tenants.get(tenant, {}).get(key)
-        if rec is None or rec.done:
-            return True  # nothing to wait for: the caller asks again at once
-        if rec.waiters >= self.max_waiters:
-            return False
-        rec.waiters += 1
-        return True
-
-    def leave(self, tenant: str, key: str) -> None:
-        rec = self._tenants.get(tenant, {}).get(key)
-        if rec is not None and rec.waiters > 0:
-            rec.waiters -= 1
-
-    def __len__(self) -> int:
-        return sum(len(r) for r in self._tenants.values())
-
-    def _evict_one(self, records: "OrderedDict[str, _Record]") -> bool:
-        for k, r in records.items():  # oldest use first; a running record is never dropped
-            if r.done:
-                del records[k]
-                return True
-        return False
-
-    def _expire(self, records: "OrderedDict[str, _Record]") -> None:
-        now = self.clock()
-        for k in [k for k, r in records.items() if r.expires <= now]:
-            del records[k]
 
 
 @dataclass
@@ -366,75 +285,52 @@ class Admission:
             self._credits[key] = self._credits.get(key, 0.0) + unused
 
 
-class Idempotent:
-    """Runs a non-streaming request at most once per (tenant, key) within the TTL, across ingress
-    replicas, through the admission actor's IdempotencyStore.
+class AdmissionStage(Stage):
+    """An in-flight slot (this ingress's, and the tenant's share of max_concurrent), taken before
+    any await so N concurrent callers can never all pass a check of the same count, and the
+    RequestContext both engines schedule the request by. With max_inflight "auto", the decode
+    pool's KV is read in the background when due, and each admitted request's size measured."""
 
-    A duplicate that waits holds one of its tenant's in-flight slots (admission.reserve) and is one
-    of at most `idempotency_max_waiters` on its key. Every actor call is bounded by
-    `actor_timeout_s`: `begin` fails closed (UNAVAILABLE: without the store, running could run
-    twice); `finish`/`abandon` failing is logged (the record expires, waiters time out)."""
-
-    def __init__(self, actor, admission: Admission):
-        self.actor = actor
+    def __init__(self, admission: Admission, read_timeout_s: float = 2.0):
         self.admission = admission
-        opts = admission.config.admission
-        self.wait_s = opts.idempotency_wait_s
-        self.timeout_s = opts.actor_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._background: set[asyncio.Task] = set()  # reads off the request path (kept referenced)
 
-    async def _call(self, method, *args, timeout_s: float | None = None):
-        return await asyncio.wait_for(method.remote(*args), timeout_s or self.timeout_s)
+    async def admit(self, o: Outcome) -> None:
+        if self.admission.max_inflight.due():
+            self._read_decode_kv(o.flow)
+        o.ticket = self.admission.reserve(o.tenant, o.request.deadline)
+        o.ctx = o.ticket.ctx
 
-    async def run(self, tenant: str, key: str, fingerprint: str, execute: Callable[[], Awaitable[object]],
-                  succeeded: Callable[[object], bool]) -> object:
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            try:
-                state, result = await self._call(self.actor.begin, tenant, key, fingerprint)
-            except Exception as e:  # noqa: BLE001 — fail closed
-                raise ServingError(Code.UNAVAILABLE, f"the idempotency store is unavailable ({e!r}); "
-                                                     f"retry with the same Idempotency-Key", 1.0) from e
-            if state == "done":
-                return result
-            if state == "conflict":
-                raise ServingError(Code.FAILED_PRECONDITION,
-                                   f"Idempotency-Key {key!r} was already used with a different request")
-            if state == "full":
-                raise Rejected(f"tenant {tenant!r} has {self.admission.config.admission.idempotency_max_keys} "
-                               f"requests with an Idempotency-Key running", 1.0, reason="concurrency")
-            if state == "running":
-                if time.monotonic() >= deadline:
-                    raise ServingError(Code.ABORTED, f"the request with Idempotency-Key {key!r} is still running")
-                await self._wait(tenant, key, deadline)
-                continue
-            try:
-                result = await execute()
-            except BaseException:
-                await self._settle(self.actor.abandon, tenant, key)
-                raise
-            if succeeded(result):
-                await self._settle(self.actor.finish, tenant, key, result)
-            else:  # an error is not stored: the client may retry with the same key
-                await self._settle(self.actor.abandon, tenant, key)
-            return result
+    async def charge(self, o: Outcome) -> None:
+        self.admission.max_inflight.admitted(o.prepared.num_prompt_tokens + o.sampling.max_tokens)
 
-    async def _wait(self, tenant: str, key: str, deadline: float) -> None:
-        """Wait for the running request, holding an in-flight slot of the tenant's."""
-        ticket = self.admission.reserve(tenant)  # Rejected: the tenant is at its cap
-        try:
-            left = max(deadline - time.monotonic(), 0.0)
-            try:
-                joined = await self._call(self.actor.wait, tenant, key, left, timeout_s=left + self.timeout_s)
-            except Exception as e:  # noqa: BLE001
-                raise ServingError(Code.UNAVAILABLE, f"the idempotency store is unavailable ({e!r})", 1.0) from e
-            if not joined:
-                raise Rejected(f"{self.admission.config.admission.idempotency_max_waiters} requests already wait "
-                               f"for Idempotency-Key {key!r}", 1.0, reason="concurrency")
-        finally:
-            ticket.done()
+    def finish(self, o: Outcome, error: BaseException | None) -> None:
+        if o.ticket is not None:
+            o.ticket.done(o.completion_tokens)
 
-    async def _settle(self, method, *args) -> None:
-        try:
-            await self._call(method, *args)
-        except Exception as e:  # noqa: BLE001
-            log.warning("idempotency store: %s failed (%r); the record expires after its TTL", method, e)
+    def _read_decode_kv(self, flow) -> None:
+        """The decode pool's KV tokens for the auto cap (gateway/capacity.py InflightCap); a
+        failed read keeps the last one."""
+        cap = self.admission.max_inflight
+        cap.kv_read(None)  # not due again for REFRESH_S, whatever the read does
+
+        async def read():
+            cap.kv_read(await flow.decode_kv_tokens(self.read_timeout_s))
+
+        self._background.add(task := asyncio.ensure_future(read()))
+        task.add_done_callback(self._background.discard)
+
+
+class QuotaStage(Stage):
+    """The tenant's rates: requests_per_min before the prompt is tokenized, its size limits and
+    tokens_per_min once its length is known (unused output tokens are refunded with the slot)."""
+
+    def __init__(self, admission: Admission):
+        self.admission = admission
+
+    async def admit(self, o: Outcome) -> None:
+        await self.admission.start(o.ticket)
+
+    async def charge(self, o: Outcome) -> None:
+        await self.admission.charge(o.ticket, o.prepared.num_prompt_tokens, o.sampling.max_tokens)

@@ -1,0 +1,1 @@
+"""API edges: wire formats <-> ClientRequest / Delta, nothing else."""

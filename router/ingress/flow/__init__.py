@@ -1,0 +1,1 @@
+"""P/D orchestration, no policy: route -> first token -> decode legs, migration, relay."""

@@ -1,0 +1,217 @@
+"""A request's legs on the pools: remote prefill (the first token and a handle of the prompt's
+KV, held under a lease) and the decode legs (the rest of the tokens; a new leg on another replica
+when one dies). Every failure ends in a ServingError with its code; nothing here decides policy."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from cluster.engine.outputs import FinishReason, RequestOutput, merge_outputs
+from cluster.engine.request import RequestContext
+from cluster.engine.sampling_params import SamplingParams
+from cluster.errors import ErrorKind, QueueFullError
+from router.ingress.flow.relay import coalesce
+from router.ingress.flow.stream import ClientStream
+from router.ingress.request import Delta
+from router.ingress.status import Code, Rejected, ServingError
+
+log = logging.getLogger(__name__)
+
+OVERLOAD_RETRY_S = 1.0  # retry-after for an engine's refusal (full queue, queue time-to-live)
+FIRST_OUTPUT_GRACE_S = 1.0  # past the deadline: a replica that has the request ends it itself, first
+FAILED = (FinishReason.ERROR, FinishReason.DEADLINE, FinishReason.REJECTED)  # an engine ended it unfinished
+
+
+class ReplicaDied(Exception):
+    """The decode replica serving a leg was lost (the request may migrate)."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def ended(rid: str, reason: FinishReason, error: str | None, sent: int, kind: ErrorKind | None = None) -> ServingError:
+    """The error for a request an engine ended without finishing it."""
+    if kind == ErrorKind.INVALID_INPUT:  # its own numbers failed it (e.g. sampling overflow): a 400
+        return ServingError(Code.INVALID_ARGUMENT, f"request {rid}: {error}")
+    if reason == FinishReason.DEADLINE:
+        return ServingError(Code.DEADLINE_EXCEEDED, f"request {rid}: {error or 'deadline exceeded'}")
+    if reason == FinishReason.REJECTED:
+        return Rejected(f"request {rid}: {error or 'overloaded'}", OVERLOAD_RETRY_S)
+    return ServingError(Code.ABORTED if sent else Code.INTERNAL, f"request {rid} failed after {sent} tokens: {error}")
+
+
+class PrefillLeg:
+    """Remote prefill on the prefill pool (its Serve handle)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def first_token(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
+                          target: str | None, stream: ClientStream):
+        """The first token's delta (sent at once, before any transfer) and the handle of the
+        prompt's KV for decode to pull (None when the first token ends the request). None when
+        prefill failed: decode prefills locally."""
+        result = await self._prefill(rid, ids, sampling, ctx, target)
+        if result is None:
+            return None
+        stream.cached = result.num_cached_tokens
+        first_lp = None if result.first_logprob is None else [result.first_logprob]
+        if result.handle is None:  # the first token ends it
+            return stream.delta([result.first_token], result.finish_reason, first_lp, result.prompt_logprobs), None
+        d = stream.delta([result.handle.first_token], None, first_lp, result.prompt_logprobs)
+        if d.finish_reason is not None:  # a stop string in the first token's text
+            await self.release(rid, result.handle.engine_id)
+        return d, result.handle
+
+    async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
+                       target: str | None):
+        call = self.handle.prefill.remote(rid, ids, sampling, ctx, target_replica=target)
+        remaining = ctx.remaining_s()
+        try:
+            result = await (call if remaining is None else asyncio.wait_for(call, max(remaining, 0.0)))
+        except (TimeoutError, asyncio.TimeoutError) as e:  # cancelling the call aborts the prefill
+            raise ServingError(Code.DEADLINE_EXCEEDED, f"request {rid}: deadline exceeded during prefill") from e
+        except QueueFullError as e:
+            raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
+        except Exception as e:  # noqa: BLE001 — any other prefill failure: decode prefills locally
+            log.warning("prefill of %s failed (%s); prefilling on decode", rid, e)
+            return None
+        if result.finish_reason in (FinishReason.DEADLINE, FinishReason.REJECTED):
+            raise ended(rid, result.finish_reason, result.error, 0)
+        if result.finish_reason == FinishReason.ERROR:
+            log.warning("prefill of %s failed (%s); prefilling on decode", rid, result.error)
+            return None
+        return result
+
+    async def release(self, rid: str, holder: str) -> None:
+        """End a lease early, on the prefill replica that holds it (the handle's engine id is its
+        Serve replica id; the request router honours target_replica). If that replica is gone
+        the router picks another, which holds nothing of `rid` (ids are ours and unique): a no-op."""
+        try:
+            await self.handle.release.remote(rid, target_replica=holder)
+        except Exception as e:  # noqa: BLE001 — the lease expires anyway
+            log.warning("release of %s on %s failed (its lease will expire): %s", rid, holder, e)
+
+
+class DecodeLegs:
+    """The decode leg, and its migrations. If its replica dies, another decode replica gets the
+    prompt and every token sent so far, as the request's output (prefilled there: max_tokens,
+    min_tokens and the penalties count them as before), and produces the rest, so the client's
+    stream goes on without a gap or a repeat (greedy output is identical; a seeded sampler
+    restarts its random stream at the migration)."""
+
+    def __init__(self, handle, max_migrations: int, prefill: PrefillLeg | None):
+        self.handle = handle
+        self.max_migrations = max_migrations
+        self.prefill = prefill  # where a handle's lease is released when decode never took it
+
+    async def stream(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext, kv_handle,
+                     target: str | None, client: ClientStream) -> AsyncIterator[Delta]:
+        generated = client.generated
+        leg_rid, leg_generated = rid, []
+        for migration in range(self.max_migrations + 1):
+            if migration:
+                leg_rid, leg_generated = f"{rid}.m{migration}", list(generated)
+                log.warning("decode replica of %s died after %d tokens; migrating (%d of %d)",
+                            rid, len(generated), migration, self.max_migrations)
+            try:
+                async with aclosing(self._leg(leg_rid, ids, sampling, kv_handle, ctx, target, client,
+                                              leg_generated)) as leg:
+                    async for d in leg:
+                        if kv_handle is None and migration == 0:
+                            client.cached = d.cached_prompt_tokens
+                        d.cached_prompt_tokens = client.cached  # a migrated leg's count covers tokens already sent
+                        yield d
+                        if d.finish_reason is not None:
+                            return
+            except ReplicaDied as e:
+                kv_handle, target = None, None  # the next leg prefills on its own replica
+                if migration < self.max_migrations:
+                    continue
+                raise self._gave_up(rid, len(generated), e) from e
+            raise ServingError(Code.INTERNAL, f"decode stream for {rid} ended without a finish")
+
+    def _gave_up(self, rid: str, sent: int, e: ReplicaDied) -> ServingError:
+        if not sent:  # the last try never started
+            return ServingError(Code.UNAVAILABLE, f"decode failed for {rid}: {e.cause}")
+        return ServingError(Code.ABORTED, f"decode replica of {rid} died after {sent} tokens were sent "
+                                          f"({self.max_migrations} migrations allowed): {e.cause}")
+
+    async def _leg(self, rid: str, ids: list[int], sampling: SamplingParams, kv_handle, ctx: RequestContext,
+                   target: str | None, client: ClientStream, generated: list[int]) -> AsyncIterator[Delta]:
+        """One decode leg: the replica's outputs as deltas. Raises ReplicaDied when the replica is
+        lost (the caller migrates), ServingError for the request's own failures. `generated`:
+        tokens sent by earlier legs (the replica's output counts include them)."""
+        from ray.exceptions import ActorUnavailableError, RayActorError  # noqa: PLC0415
+
+        try:
+            replies = self.handle.options(stream=True).generate.remote(
+                rid, ids, sampling, kv_handle, ctx, target_replica=target, generated=generated)
+        except Exception as e:  # noqa: BLE001
+            raise ServingError(Code.UNAVAILABLE, f"no decode replica: {e}") from e
+        state = _LegState()
+        try:
+            async with aclosing(self._outputs(rid, replies, kv_handle, ctx, client, state)) as outputs:
+                async for d in outputs:
+                    yield d
+        except ServingError:
+            raise
+        except TimeoutError as e:
+            if state.bound is None or not state.bound.expired():
+                raise ServingError(Code.ABORTED if state.pulled else Code.UNAVAILABLE,
+                                   f"decode failed for {rid}: {e!r}") from e
+            raise ServingError(Code.DEADLINE_EXCEEDED, f"request {rid}: deadline exceeded before a decode replica "
+                                                       "took it") from e
+        except QueueFullError as e:  # the decode replica's queue is full (raised by its submit)
+            raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
+        except (RayActorError, ActorUnavailableError) as e:
+            raise ReplicaDied(e) from e
+        except Exception as e:
+            raise ServingError(Code.ABORTED if state.pulled else Code.UNAVAILABLE, f"decode failed for {rid}: {e}") from e
+        finally:
+            if not state.finished:
+                replies.cancel()
+            if kv_handle is not None and not state.pulled and self.prefill is not None:
+                await self.prefill.release(rid, kv_handle.engine_id)  # only the first leg has a handle
+
+    async def _outputs(self, rid: str, replies, kv_handle, ctx: RequestContext, client: ClientStream,
+                       state: "_LegState") -> AsyncIterator[Delta]:
+        # Until a replica takes the request, nothing enforces its deadline (a sleeping pool is
+        # loading one, every replica's queue is full at Serve's router): bound that wait here. From
+        # its first output the engine has it, and ends it at the deadline itself.
+        remaining = ctx.remaining_s()
+        first_by = None if remaining is None else (
+            asyncio.get_running_loop().time() + max(remaining, 0.0) + FIRST_OUTPUT_GRACE_S)
+        async with asyncio.timeout_at(first_by) as state.bound, aclosing(coalesce(
+                replies, merge_outputs, final=lambda o: o.finished, alone=lambda o: o.finish_reason in FAILED)) as outs:
+            async for out in outs:
+                out: RequestOutput
+                if not state.pulled and first_by is not None:
+                    state.bound.reschedule(None)
+                state.pulled = True
+                if out.finish_reason in FAILED:
+                    raise ended(rid, out.finish_reason, out.error, out.num_output_tokens, out.error_kind)
+                d = client.delta(out.token_ids, out.finish_reason if out.finished else None, out.logprobs,
+                                 out.prompt_logprobs)
+                if kv_handle is None:  # the prompt was computed on this replica: what its cache saved
+                    d.cached_prompt_tokens = out.num_cached_tokens
+                state.finished = d.finish_reason is not None
+                if d.text or d.token_ids or d.finish_reason:
+                    yield d
+                if state.finished:
+                    return
+
+
+class _LegState:
+    """What one leg's cleanup needs to know of how far it got."""
+
+    __slots__ = ("bound", "pulled", "finished")
+
+    def __init__(self):
+        self.bound = None  # the deadline's bound on the first output (asyncio.Timeout)
+        self.pulled = False  # the replica sent an output: it has the request (and pulled the KV)
+        self.finished = False

@@ -1,0 +1,1 @@
+"""Which model version serves a request: catalog, traffic split, rollout, shadow."""
