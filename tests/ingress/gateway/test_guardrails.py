@@ -346,3 +346,4 @@ def test_a_hit_replays_the_stored_deltas_without_starting_the_source():
     assert [(d.text, d.token_ids, d.finish_reason, d.logprobs) for d in second] == \
         [(d.text, d.token_ids, d.finish_reason, d.logprobs) for d in first]
     assert [(d.request_id, d.cached_prompt_tokens) for d in second] == [("r2", 2)] * 2
+
