@@ -10,8 +10,8 @@ import yaml
 from pydantic import Field, model_validator
 
 from cluster.config.common import Strict
-from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionOptions, AuditOptions, BudgetOptions, IngressLimits,
-                                       KeySources, TenantOptions)
+from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionOptions, ApiKey, AuditOptions, BudgetOptions,
+                                       IngressLimits, KeySources, TenantOptions)
 from cluster.config.models import MAX_MODELS, ModelOptions, SamplingDefaults, check_name
 from cluster.config.pools import (FaultToleranceOptions, KVTransferOptions, PoolOptions, RoutingOptions,
                                   ServingEngineOptions)
@@ -52,7 +52,7 @@ class AppConfig(Strict):
     tool_call_parser: Literal["none", "hermes"] = Field(
         "none", description="How tool calls are found in this model's free text, for OpenAI tool_choice 'auto' "
         "(vLLM's names; hermes: <tool_call>{\"name\", \"arguments\"}</tool_call>); none: 'auto' is refused with 400")
-    api_keys: list[str] = Field(
+    api_keys: list[ApiKey] = Field(
         default_factory=list, description="Bearer keys of the 'default' tenant (no quotas); no keys and no tenants = no auth")
     api_keys_env: str | None = Field(None, description="Env var with the 'default' tenant's keys (ingress only)")
     api_keys_file: str | None = Field(None, description="Secret file with the 'default' tenant's keys (ingress only)")

@@ -3,15 +3,16 @@ budgets."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, StringConstraints
 
 from cluster.config.common import Strict
 from cluster.errors import InvalidRequestError
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+ApiKey = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]  # a blank key would match nothing
 
 
 class KeySources(Strict):
@@ -20,7 +21,8 @@ class KeySources(Strict):
     Only the ingress reads them, and keeps only their SHA-256; the engine replicas' config carries
     none of them (cluster/app/builder.py strips them)."""
 
-    api_keys: list[str] = Field(default_factory=list, description="Keys in clear (prefer the env or file)")
+    api_keys: list[ApiKey] = Field(
+        default_factory=list, description="Keys in clear (prefer the env or file); never blank")
     api_keys_env: str | None = Field(None, description="Environment variable holding the keys (read by the ingress)")
     api_keys_file: str | None = Field(None, description="Secret file holding the keys, one a line (read by the ingress)")
 
@@ -46,7 +48,8 @@ class TenantOptions(KeySources):
     max_output_tokens: int | None = Field(None, ge=1)
     kv_budget: float = Field(1.0, gt=0, le=1, description="Most of a replica's KV pool its requests may hold")
     cache_group: str | None = Field(
-        None, description="Tenants with the same group share cached prefixes; default: the tenant's own")
+        None, min_length=1, description="Tenants with the same group share cached prefixes; default: the tenant's "
+        "own (never empty: an empty group would share the unsalted cache of the default tenant)")
     guardrail_policy: str | None = Field(
         None, description="Name of a policy in guardrail_policies checking this tenant's prompts and output")
     response_cache: bool = Field(

@@ -54,6 +54,9 @@ def test_cluster_yaml_passes_rays_validation_with_one_worker_type_per_pool():
     assert config["file_mounts"] == {"/home/ray/pdserve": "."}
     assert 'pip install -q -e "/home/ray/pdserve[gpu]"' in config["head_setup_commands"]
     assert 'pip install -q -e "/home/ray/pdserve[gpu]"' in config["worker_setup_commands"]
+    # the dashboard runs jobs: loopback only (the launcher's tunnel reaches it), unless tokens are on
+    [start] = [c for c in config["head_start_ray_commands"] if "ray start --head" in c]
+    assert "--dashboard-host=127.0.0.1" in start or "RAY_AUTH_MODE=token" in start
 
 
 @pytest.mark.parametrize("break_it, error", [

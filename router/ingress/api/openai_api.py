@@ -84,7 +84,7 @@ async def _too_large(scope, receive, send, cap: int):
                          code="request_too_large")(scope, receive, send)
 
 
-app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)  # no schema served: 404
 app.add_middleware(BodyLimit)
 
 

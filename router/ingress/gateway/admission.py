@@ -101,17 +101,24 @@ def key_digest(key: str) -> bytes:
 
 
 def read_keys(source: KeySources, environ=os.environ) -> list[str]:
-    """A tenant's keys from all its sources. A named variable or file that is missing is an error:
-    a server that silently started with no keys would be open."""
-    keys = list(source.api_keys)
+    """A tenant's keys from all its sources. A named variable or file that is missing, or that
+    holds no key (empty, blank, comments only), is an error: a server that silently started with
+    no keys would be open."""
+    keys = [k for k in source.api_keys if k]
     if source.api_keys_env is not None:
         if source.api_keys_env not in environ:
             raise ValueError(f"api_keys_env: the environment variable {source.api_keys_env!r} is not set")
-        keys += [k.strip() for k in environ[source.api_keys_env].replace(",", "\n").splitlines()]
+        found = [k.strip() for k in environ[source.api_keys_env].replace(",", "\n").splitlines() if k.strip()]
+        if not found:
+            raise ValueError(f"api_keys_env: the environment variable {source.api_keys_env!r} holds no key")
+        keys += found
     if source.api_keys_file is not None:
         lines = Path(source.api_keys_file).read_text().splitlines()
-        keys += [line.strip() for line in lines if not line.lstrip().startswith("#")]
-    return [k for k in keys if k]
+        found = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not found:
+            raise ValueError(f"api_keys_file: {source.api_keys_file!r} holds no key (one a line; # comments)")
+        keys += found
+    return keys
 
 
 def load_key_digests(config: AppConfig, environ=os.environ) -> dict[bytes, str]:

@@ -15,7 +15,7 @@ format, seed...). What is cached and what is not:
     cached and replayed on its own; usage marks a hit when every choice was one;
   - logprobs are stored with the tokens and replayed (the key includes how many were asked for);
   - only completions that ended with `stop` or `length`: an error, a cancel or a guardrail's
-    `content_filter` is never stored. What is stored is what the client got, after the tenant's
+    `content_filter` is never stored, nor one a guardrail passed because a check failed open. What is stored is what the client got, after the tenant's
     guardrail, so a hit passed the same output checks;
   - concurrent identical misses each run (no coalescing); the last to finish is stored.
 A hit is marked in usage (all prompt tokens cached, and the request's `Outcome.cache_hit`) and counted in
@@ -37,6 +37,7 @@ from cluster.config import AppConfig, ResponseCacheOptions
 from cluster.engine.outputs import FinishReason
 from cluster.engine.sampling_params import SamplingParams
 
+from router.ingress.gateway.guardrails import Action
 from router.ingress.gateway.stages import Outcome, Stage
 
 if TYPE_CHECKING:
@@ -47,8 +48,15 @@ DELTA_OVERHEAD_BYTES = 64
 
 
 def delta_bytes(d: "Delta") -> int:
-    lp = sum(16 + 16 * len(x.top) for x in d.logprobs or ())
-    return DELTA_OVERHEAD_BYTES + len(d.text.encode()) + 4 * len(d.token_ids) + lp
+    """What a stored delta holds: its text, token ids, logprobs, and the first delta's prompt
+    logprobs and prompt token ids (an 8k-token prompt's are most of an entry)."""
+    lp = sum(_logprob_bytes(x) for x in d.logprobs or ()) + sum(_logprob_bytes(x) for x in d.prompt_logprobs or ())
+    ids = len(d.token_ids) + len(d.prompt_token_ids or ())
+    return DELTA_OVERHEAD_BYTES + len(d.text.encode()) + 4 * ids + lp
+
+
+def _logprob_bytes(lp) -> int:
+    return 8 if lp is None else 16 + 16 * len(lp.top)
 
 
 @dataclass
@@ -120,9 +128,11 @@ class ResponseCache:
             self.metrics.cache_requests.inc(1, {"tenant": tenant, "result": result})
 
     async def through(self, tenant: str, ids: Sequence[int], sampling: SamplingParams, label: str,
-                      deltas: AsyncIterator["Delta"], hit: Callable[[], None] = lambda: None) -> AsyncIterator["Delta"]:
+                      deltas: AsyncIterator["Delta"], hit: Callable[[], None] = lambda: None,
+                      storable: Callable[[], bool] = lambda: True) -> AsyncIterator["Delta"]:
         """A hit: `hit()`, the stored deltas, relabelled, and `deltas` closed unstarted (no engine
-        sees the request). A miss: `deltas` passed through, and stored when they end in stop/length."""
+        sees the request). A miss: `deltas` passed through, and stored when they end in stop/length
+        and `storable()` still holds then (a guardrail that failed open passed them unchecked)."""
         key = self.key(tenant, ids, sampling)
         async with aclosing(deltas):
             stored = None if key is None else self.get(key)
@@ -143,7 +153,7 @@ class ResponseCache:
                     if nbytes > self.options.max_entry_bytes:  # too large to store: stop collecting
                         key, seen = None, []
                 yield d
-            if key is not None and seen and seen[-1].finish_reason in CACHED_FINISH:
+            if key is not None and seen and seen[-1].finish_reason in CACHED_FINISH and storable():
                 self.put(key, seen)
 
 
@@ -156,4 +166,8 @@ class ResponseCacheStage(Stage):
     def wrap(self, o: Outcome, deltas: AsyncIterator["Delta"]) -> AsyncIterator["Delta"]:
         def hit() -> None:
             o.cache_hit = True
-        return self.cache.through(o.tenant, o.prepared.prompt_token_ids, o.sampling, o.label, deltas, hit)
+
+        def checked() -> bool:  # every check decided: nothing passed because a check failed open
+            return not any(iv.action is Action.PASSED_ON_ERROR for iv in o.interventions)
+
+        return self.cache.through(o.tenant, o.prepared.prompt_token_ids, o.sampling, o.label, deltas, hit, checked)

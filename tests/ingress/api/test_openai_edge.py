@@ -266,3 +266,8 @@ def test_fastapis_own_refusals_carry_the_openai_error_object(app, path, body, me
         status, {"error"}, {"message", "type", "param", "code"}, param), err
     assert err["error"]["message"]
 
+
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc"])
+def test_no_api_schema_or_docs_page_is_served(app, path):
+    status, err = asgi(app, path, b"", method="GET")
+    assert (status, err["error"]["message"]) == (404, "Not Found")

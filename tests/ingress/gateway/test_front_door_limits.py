@@ -228,6 +228,35 @@ def test_keys_from_env_and_file_are_kept_hashed(tmp_path):
         load_key_digests(cfg, {})
 
 
+@pytest.mark.parametrize("env, file, message", [
+    ("", "sk-1\n", "api_keys_env: the environment variable 'PDS_KEYS' holds no key"),
+    (" , \n ,", "sk-1\n", "api_keys_env: the environment variable 'PDS_KEYS' holds no key"),
+    ("sk-1", "", "holds no key (one a line; # comments)"),
+    ("sk-1", "# rotated out\n\n   \n", "holds no key (one a line; # comments)"),
+])
+def test_a_key_source_that_holds_no_key_refuses_to_start(tmp_path, env, file, message):
+    """An empty key file or variable is not "no auth": the ingress refuses to start (it read such
+    a source as configured keys, none of which matched, and ran with auth off)."""
+    keys = tmp_path / "keys"
+    keys.write_text(file)
+    cfg = AppConfig.model_validate({"host": "0.0.0.0", "api_keys_env": "PDS_KEYS", "tenants": {
+        "acme": {"api_keys_file": str(keys)}}})
+    cfg.check_startable()  # the config names key sources: only reading them tells
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_key_digests(cfg, {"PDS_KEYS": env})
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"api_keys": [""]}, "api_keys"), ({"api_keys": ["  "]}, "api_keys"),
+    ({"tenants": {"a": {"api_keys": ["k"], "cache_group": ""}}}, "cache_group"),
+])
+def test_a_blank_key_or_an_empty_cache_group_is_refused_by_the_config(options, field):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=field):
+        AppConfig.model_validate(options)
+
+
 @pytest.mark.parametrize("header", ["Bearer ключ", "Bearer \ud800", "Bearer " + "k" * 600, "Bearer é"])
 def test_a_strange_or_long_bearer_key_is_unauthenticated(header):
     adm = Admission(AppConfig(api_keys=["sk-1"]), None)

@@ -15,7 +15,7 @@ from cluster.guardrail_rules import RuleError, compile_rule
 from router.ingress.request import Delta
 from router.ingress.gateway.guardrails import (Action, Cause, GuardrailRejected, Guardrails, HoldBack, Intervention,
                                        RuleCheck, Stage)
-from router.ingress.gateway.response_cache import ResponseCache
+from router.ingress.gateway.response_cache import ResponseCache, delta_bytes
 
 # ---- rules and their bounds ------------------------------------------------------------------
 
@@ -347,3 +347,41 @@ def test_a_hit_replays_the_stored_deltas_without_starting_the_source():
         [(d.text, d.token_ids, d.finish_reason, d.logprobs) for d in first]
     assert [(d.request_id, d.cached_prompt_tokens) for d in second] == [("r2", 2)] * 2
 
+
+def test_an_entry_counts_its_prompt_logprobs_and_prompt_ids():
+    """An 8k-token prompt's echo (prompt_logprobs, prompt_token_ids) is most of its entry: counted,
+    max_bytes bounds the memory it holds (it counted 70 bytes before)."""
+    prompt = list(range(8192))
+    lps = [None] + [TokenLogprob(t, -1.0, ((t, -1.0),)) for t in prompt[1:]]
+    first = Delta("r", "a", [5], None, 8192, 1, 0, None, lps, prompt)
+    assert delta_bytes(first) == 64 + 1 + 4 * (1 + 8192) + 8 + 8191 * 32
+    c = ResponseCache(ResponseCacheOptions(max_bytes=100_000, max_entry_bytes=1 << 20), {"t"}, "v1")
+    assert c.put(b"k", [first, D("b", "stop", 2)]) is False and c.nbytes == 0  # over max_bytes: not stored
+
+
+def test_a_completion_a_guardrail_passed_because_a_check_failed_open_is_not_stored():
+    from types import SimpleNamespace
+
+    from router.ingress.gateway.response_cache import ResponseCacheStage
+    from router.ingress.gateway.stages import Outcome
+    from router.ingress.request import ClientRequest, SamplingSpec
+
+    c = cache(Clock())
+    stage = ResponseCacheStage(c)
+
+    async def source():
+        yield D("a", None, 1)
+        yield D("b", "stop", 2)
+
+    def run(interventions) -> int:
+        o = Outcome("rid", ClientRequest("t", SamplingSpec()), GREEDY, None,
+                    prepared=SimpleNamespace(prompt_token_ids=[1, 2]), interventions=interventions)
+
+        async def go():
+            return [d async for d in stage.wrap(o, source())]
+        asyncio.run(go())
+        return len(c)
+
+    failed_open = Intervention("p", "classifier", Stage.OUTPUT, Action.PASSED_ON_ERROR, Cause.TIMEOUT)
+    assert run([failed_open]) == 0  # unchecked output is never replayed
+    assert run([]) == 1
