@@ -3,6 +3,8 @@ budgets."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
@@ -13,6 +15,20 @@ from cluster.errors import InvalidRequestError
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 ApiKey = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]  # a blank key would match nothing
+
+
+def state_home() -> Path:
+    """This user's directory for state that must survive a reboot: $XDG_STATE_HOME/pdserve, else
+    ~/.local/state/pdserve (the XDG base directory spec). Never /tmp: a reboot may empty it, and any
+    local user may create files there first."""
+    base = os.environ.get("XDG_STATE_HOME")
+    return (Path(base) if base and os.path.isabs(base) else Path.home() / ".local" / "state") / "pdserve"
+
+
+def state_path(configured: str | None, default: str) -> Path:
+    """A configured path (`~` expanded), or `default` under state_home(). Resolved at use, in the
+    process that uses it (the writer and ledger actors on the head node), not where the config was built."""
+    return Path(os.path.expanduser(configured)) if configured else state_home() / default
 
 
 class KeySources(Strict):
@@ -117,14 +133,17 @@ class IngressLimits(Strict):
 
 
 class AuditOptions(Strict):
-    """The audit log (router/ingress/audit*.py): one hash-chained JSON line per request, written by
+    """The audit log (router/ingress/gateway/audit*.py): one hash-chained JSON line per request, written by
     one writer actor on the head node; each ingress spools its records locally and resends until
     the writer acknowledges them (at-least-once; the writer drops duplicates by request id)."""
 
     enabled: bool = Field(False, description="Write an audit record for every request that reaches the flow")
-    dir: str = Field("/tmp/pdserve-audit", description="The log's directory, on the head node (the writer's)")
+    dir: str | None = Field(
+        None, description="The log's directory, on the head node (the writer's); default: "
+        "$XDG_STATE_HOME/pdserve/audit (~/.local/state/pdserve/audit) of the user the writer runs as")
     spool_dir: str | None = Field(
-        None, description="Each ingress's local spool of unacknowledged records; default: <dir>/spool (same node)")
+        None, description="Each ingress's local spool of unacknowledged records (created mode 0700); default: "
+        "<dir>/spool (same node)")
     max_file_bytes: int = Field(64 * 2**20, ge=4096, description="Rotate to a new file past this size (and each UTC day)")
     batch_records: int = Field(512, ge=1, description="Most records an ingress sends the writer in one call")
     flush_interval_s: float = Field(
@@ -138,6 +157,12 @@ class AuditOptions(Strict):
         200_000, ge=1, description="Recent request ids the writer remembers (read back from the log's tail at start)")
     writer_timeout_s: float = Field(5.0, gt=0, description="Bound on one writer call; on failure the ingress retries")
 
+    def log_dir(self) -> Path:
+        return state_path(self.dir, "audit")
+
+    def spool_directory(self) -> Path:
+        return state_path(self.spool_dir, "audit") if self.spool_dir else self.log_dir() / "spool"
+
 
 class ModelPrice(Strict):
     prompt_per_1k: float = Field(0.0, ge=0, description="USD per 1,000 prompt tokens")
@@ -145,17 +170,22 @@ class ModelPrice(Strict):
 
 
 class BudgetOptions(Strict):
-    """Prices and the spend ledger (router/ingress/budget*.py). A request of a tenant with a
+    """Prices and the spend ledger (router/ingress/gateway/budget*.py). A request of a tenant with a
     monthly budget reserves its worst case (prompt + max_tokens at the model's prices) before it
     runs and settles the actual cost at its end; the ledger refuses a reservation that would pass
     the budget, so spend never exceeds it (docs/architecture.md, Budgets)."""
 
     prices: dict[str, ModelPrice] = Field(
         default_factory=dict, description="Per served model name; a model without a price costs 0")
-    ledger_path: str = Field("/tmp/pdserve-ledger.json", description="The ledger's file, on the head node")
+    ledger_path: str | None = Field(
+        None, description="The ledger's file, on the head node; default: $XDG_STATE_HOME/pdserve/ledger.json "
+        "(~/.local/state/pdserve/ledger.json) of the user the ledger actor runs as")
     when_unreachable: Literal["closed", "open"] = Field(
         "closed", description="Ledger unreachable at admission: refuse (503) or admit unchecked (charged later)")
     timeout_s: float = Field(1.0, gt=0, description="Bound on the ledger call at admission")
     reservation_ttl_s: float = Field(
         3600.0, gt=0, description="A reservation never settled (its ingress died) is charged in full after this")
     alert_fraction: float = Field(0.8, gt=0, le=1, description="The spend alert fires past this share of a budget")
+
+    def ledger_file(self) -> Path:
+        return state_path(self.ledger_path, "ledger.json")

@@ -9,7 +9,9 @@ survives the process being killed, not the node) before the final delta is yield
 raised, and it stays in memory and in the spool until the writer acknowledges the batch that
 carried it. A failed or timed-out call is retried with backoff. An ingress that dies leaves its
 spool behind; any ingress on the node adopts it (its lock file is free once its owner is dead)
-and resends what it holds; the writer drops records whose request id it already wrote.
+and resends what it holds; the writer drops records whose request id it already wrote. Spool
+directories are created mode 0700, and only files this server's user could have written alone are
+adopted (`Spool.adopt`): a symlink, another user's file or one writable by group or others is refused.
 
 Writer down for long: records pile up (memory + spool) to `audit.max_buffered` per ingress; then
 `when_full: refuse` refuses new requests with UNAVAILABLE (fail closed: nothing runs unaudited;
@@ -28,6 +30,7 @@ import fcntl
 import json
 import logging
 import os
+import stat
 import time
 import uuid
 from collections import deque
@@ -56,9 +59,15 @@ class Spool:
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's only: adopted records are trusted
+        st = self.dir.stat()
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            log.warning("audit spool directory %s is not private to this user (owner uid %d, mode %o): other users "
+                        "may plant or remove spool files there (their files are refused at adoption)", self.dir,
+                        st.st_uid, st.st_mode & 0o777)
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._lock_fd = os.open(self.dir / f"{self.owner}.lock", os.O_RDWR | os.O_CREAT, 0o640)
+        self._refused: set[str] = set()  # spool files already refused (logged once)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         self.pending: deque[tuple[int, dict]] = deque()  # (segment, record), oldest first
         self._unacked: dict[int, int] = {}
@@ -119,24 +128,36 @@ class Spool:
 
     def adopt(self) -> int:
         """Take over the spools of dead owners on this node (their lock is free): their records
-        join this spool (resent; the writer drops any it already has), then their files go."""
+        join this spool (resent; the writer drops any it already has), then their files go.
+        A file this server could not have written (a symlink, another user's, or writable by group
+        or others: anyone could have put records in it) is refused: left where it is, logged once."""
         adopted = 0
         for lock in self.dir.glob("*.lock"):
             owner = lock.stem
             if owner == self.owner:
                 continue
             try:
-                fd = os.open(lock, os.O_RDWR)
+                fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
             except FileNotFoundError:
                 continue
+            except OSError as e:  # a symlink (ELOOP), or not ours to open
+                self._refuse(lock, f"cannot be opened ({e.strerror})")
+                continue
             try:
+                if not self._trusted(lock, fd):
+                    continue
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue  # alive
                 segments = sorted(self.dir.glob(f"{owner}.*.jsonl"), key=lambda p: int(p.name.split(".")[-2]))
+                taken = []
                 for seg in segments:
-                    for line in seg.read_bytes().splitlines():
+                    data = self._read_trusted(seg)
+                    if data is None:
+                        continue
+                    taken.append(seg)
+                    for line in data.splitlines():
                         try:
                             rec = json.loads(line)
                         except ValueError:  # a line its owner was killed in the middle of writing
@@ -144,7 +165,7 @@ class Spool:
                             continue
                         self.add(rec)
                         adopted += 1
-                for seg in segments:
+                for seg in taken:
                     seg.unlink(missing_ok=True)
                 lock.unlink(missing_ok=True)
             finally:
@@ -152,6 +173,42 @@ class Spool:
         if adopted:
             log.warning("audit: adopted %d unacknowledged records from dead ingress spools in %s", adopted, self.dir)
         return adopted
+
+    def _trusted(self, path: Path, fd: int) -> bool:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            self._refuse(path, "is not a regular file")
+        elif st.st_uid != os.geteuid():
+            self._refuse(path, f"is not owned by this user (uid {st.st_uid}, this server runs as {os.geteuid()})")
+        elif st.st_mode & 0o022:
+            self._refuse(path, f"is writable by group or others (mode {st.st_mode & 0o777:o})")
+        else:
+            return True
+        return False
+
+    def _read_trusted(self, path: Path) -> bytes | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            self._refuse(path, f"cannot be opened ({e.strerror})")
+            return None
+        try:
+            if not self._trusted(path, fd):
+                return None
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def _refuse(self, path: Path, why: str) -> None:
+        if path.name not in self._refused:
+            self._refused.add(path.name)
+            log.error("audit spool file %s refused: it %s, so this server did not write it alone; its records are "
+                      "not sent (left in place for someone to look at)", path, why)
 
 
 class AuditShipper:
@@ -162,7 +219,7 @@ class AuditShipper:
         self.options = options
         self._writer_fn = writer
         self._writer = None
-        self.spool = Spool(options.spool_dir or os.path.join(options.dir, "spool"))
+        self.spool = Spool(options.spool_directory())  # resolved here, on this ingress's node
         self.metrics = metrics  # (dropped counter, unacked gauge) or None
         self.dropped = 0
         self._wake = asyncio.Event()  # a record was spooled: the idle shipper starts gathering

@@ -2,13 +2,16 @@
 router/ingress/gateway/audit_log.py's AuditLog). Detached, named, restarted by Ray when it dies, and
 pinned to the head node, where the log's directory is. A restarted writer reads the chain's head
 and the last `dedup_window` request ids back from the log's tail, so a batch resent because its
-acknowledgement was lost is not written twice."""
+acknowledgement was lost is not written twice. A log whose end was removed (it ends before its
+HEAD) makes the writer refuse to start (AuditLogDamaged): the ingresses keep their records and,
+past audit.max_buffered, refuse requests, until someone looks."""
 
 from __future__ import annotations
 
 import ray
 
 from cluster.config import AuditOptions
+from cluster.config.front_door import state_path
 from router.actor import named_actor
 from router.ingress.gateway.audit_log import AuditLog
 
@@ -18,8 +21,9 @@ HEAD_NODE = {"node:__internal_head__": 0.001}
 
 @ray.remote(num_cpus=0, max_restarts=-1, resources=HEAD_NODE)
 class AuditWriter:
-    def __init__(self, directory: str, max_file_bytes: int, dedup_window: int):
-        self.log = AuditLog(directory, max_file_bytes, dedup_window)
+    def __init__(self, directory: str | None, max_file_bytes: int, dedup_window: int):
+        # None: the default state directory of the user this actor runs as, on this (the head) node
+        self.log = AuditLog(state_path(directory, "audit"), max_file_bytes, dedup_window)
         self._metrics = None
         try:
             from cluster.telemetry.metrics import audit_writer_metrics  # noqa: PLC0415
@@ -29,7 +33,8 @@ class AuditWriter:
             pass
 
     def append(self, records: list[dict]) -> tuple[int, int]:
-        """Durable (fsync) when it returns: (written, duplicates skipped)."""
+        """Durable (fsync) and anchored (HEAD) when it returns: (written, duplicates skipped). A
+        failed write raises with nothing of the batch counted: the ingress's resend writes it."""
         result = self.log.append(records)
         if self._metrics is not None:
             for result_name, n in (("written", result.written), ("duplicate", result.duplicates)):

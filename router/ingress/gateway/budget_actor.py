@@ -10,6 +10,7 @@ import asyncio
 import ray
 
 from cluster.config import BudgetOptions
+from cluster.config.front_door import state_path
 from router.actor import named_actor
 from router.ingress.gateway.audit_actor import HEAD_NODE
 from router.ingress.gateway.budget import Ledger, usd
@@ -19,8 +20,9 @@ LEDGER_NAME = "pdserve-ledger"
 
 @ray.remote(num_cpus=0, max_restarts=-1, resources=HEAD_NODE)
 class LedgerActor:
-    def __init__(self, path: str, reservation_ttl_s: float):
-        self.ledger = Ledger(path, reservation_ttl_s)
+    def __init__(self, path: str | None, reservation_ttl_s: float):
+        # None: the default state directory of the user this actor runs as, on this (the head) node
+        self.ledger = Ledger(state_path(path, "ledger.json"), reservation_ttl_s)
         self._changes = 0  # mutations so far
         self._saved = 0  # mutations covered by the file
         self._lock = asyncio.Lock()

@@ -2,11 +2,15 @@
 the first bad record, deduplication by request id that survives a restart, and the ingress spool
 (acknowledgement, adoption of a dead owner's records)."""
 
+import errno
 import json
 import os
 
+import pytest
+
 from cluster.app.cli import main
 from router.ingress.gateway.audit import Spool
+from router.ingress.gateway import audit_log
 from router.ingress.gateway.audit_log import GENESIS, AuditLog, canonical, log_files, read_records, record_hash, verify
 
 DAY = 86400.0
@@ -397,3 +401,271 @@ def test_a_tenant_with_audit_off_gets_no_record_and_no_audit_refusal(tmp_path, t
         Code.UNAVAILABLE, "the audit log is unavailable (2 records wait for its writer): requests are refused until it "
                           "catches up")
     assert held == 2  # neither request added a record
+
+
+# ---- a failed write or fsync loses nothing (issue 39) -------------------------------------------------
+
+class DiskFull:
+    """A fault from outside the class: `os.<name>` fails with ENOSPC on its calls number `fail_on`
+    (1-based, counted from when it is installed); `partial` makes a failing write first write
+    that many bytes, as a write cut short by a full disk does."""
+
+    def __init__(self, monkeypatch, name: str, fail_on=(1,), partial: int = 0):
+        self.real, self.calls, self.fail_on, self.partial = getattr(os, name), 0, set(fail_on), partial
+        monkeypatch.setattr(os, name, self)
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            if self.partial:
+                fd, data = args
+                self.real(fd, bytes(data[:self.partial]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real(*args)
+
+
+def ids_in(directory) -> list[str]:
+    return [r["request_id"] for r in read_records(directory)]
+
+
+@pytest.mark.parametrize("fault", ["write", "partial write", "fsync"])
+def test_a_failed_write_or_fsync_leaves_the_log_as_it_was_and_the_resend_is_written_in_full(tmp_path, monkeypatch,
+                                                                                           fault):
+    log = write(tmp_path, n=10, max_file_bytes=1 << 20)
+    [path] = log_files(tmp_path)
+    before = (path.read_bytes(), log.next_seq, log.head)
+    batch = [rec(i) for i in range(10, 15)]
+    name = "fsync" if fault == "fsync" else "write"
+    disk = DiskFull(monkeypatch, name, partial=40 if fault == "partial write" else 0)
+    with pytest.raises(OSError) as e:
+        log.append(batch)
+    assert e.value.errno == errno.ENOSPC and disk.calls >= 1
+    assert (path.read_bytes(), log.next_seq, log.head) == before  # nothing written, nothing committed
+    assert [log.seen(r["request_id"]) for r in batch] == [False] * 5
+    assert verify(tmp_path).ok and verify(tmp_path).records == 10
+    assert log.append(batch) == (5, 0)  # the sender's resend: written in full, not taken for duplicates
+    assert ids_in(tmp_path) == [f"r{i:04d}" for i in range(15)]
+    assert verify(tmp_path).ok and verify(tmp_path).records == 15
+    log.close()
+    again = AuditLog(tmp_path, clock=Clock())  # and the restarted writer agrees
+    assert (again.next_seq, again.head) == (15, log.head)
+
+
+def test_a_disk_that_stays_full_is_cut_back_before_the_next_batch(tmp_path, monkeypatch):
+    log = write(tmp_path, n=10, max_file_bytes=1 << 20)
+    [path] = log_files(tmp_path)
+    size = path.stat().st_size
+    # the batch's fsync fails, then the fsync of the truncation back, then the next try's
+    DiskFull(monkeypatch, "fsync", fail_on=(1, 2, 3))
+    for _ in range(2):
+        with pytest.raises(OSError):
+            log.append([rec(10), rec(11)])
+    assert path.stat().st_size == size
+    assert log.append([rec(10), rec(11), rec(12)]) == (3, 0)
+    assert ids_in(tmp_path) == [f"r{i:04d}" for i in range(13)] and verify(tmp_path).ok
+
+
+def test_a_batch_that_fails_after_a_rotation_keeps_the_part_already_durable(tmp_path, monkeypatch):
+    log = write(tmp_path, n=10, max_file_bytes=1024)
+    batch = [rec(i) for i in range(10, 30)]  # crosses into a new file: the write to it fails
+    disk = DiskFull(monkeypatch, "write", fail_on=(2,))
+    with pytest.raises(OSError):
+        log.append(batch)
+    assert disk.calls == 2
+    written = log.next_seq - 10
+    assert 0 < written < 20 and verify(tmp_path).ok
+    assert log.append(batch) == (20 - written, written)  # the durable part is acknowledged as duplicates
+    assert ids_in(tmp_path) == [f"r{i:04d}" for i in range(30)]
+    assert verify(tmp_path).ok and verify(tmp_path).records == 30
+
+
+def test_a_duplicate_inside_one_batch_is_written_once(tmp_path):
+    log = AuditLog(tmp_path, clock=Clock())
+    assert log.append([rec(0), rec(1), rec(0)]) == (2, 1)
+    assert ids_in(tmp_path) == ["r0000", "r0001"] and verify(tmp_path).ok
+
+
+# ---- the chain's end is anchored (issue 39) -----------------------------------------------------------
+
+def test_an_intact_log_passes_and_its_head_file_names_the_last_record(tmp_path, capsys):
+    log = write(tmp_path)
+    head = json.loads((tmp_path / "HEAD").read_bytes())
+    assert (head["seq"], head["hash"], head["file"]) == (99, log.head, log_files(tmp_path)[-1].name)
+    result = verify(tmp_path)
+    assert (result.ok, result.records, result.head, result.unanchored) == (True, 100, log.head, 0)
+    assert main(["audit", "verify", str(tmp_path)]) == 0
+    assert f"chain head {log.head}" in capsys.readouterr().out
+
+
+def test_removing_the_last_records_fails_verify(tmp_path, capsys):
+    log = write(tmp_path, n=20, max_file_bytes=1 << 20)
+    [path] = log_files(tmp_path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:-1]))  # the last record cut away: the chain itself is still whole
+    result = verify(tmp_path)
+    assert not result.ok and result.records == 19
+    assert result.error == (f"{tmp_path / 'HEAD'}: the log ends at record seq 18 but its HEAD names record seq 19 "
+                            f"(hash {log.head}) in {path.name}: records were removed from its end")
+    assert main(["audit", "verify", str(tmp_path)]) == 1
+    assert "records were removed from its end" in capsys.readouterr().err
+
+
+def test_deleting_the_last_file_fails_verify(tmp_path):
+    write(tmp_path)
+    files = log_files(tmp_path)
+    files[-1].unlink()
+    result = verify(tmp_path)
+    assert not result.ok
+    assert f"in {files[-1].name} (missing): records were removed from its end" in result.error
+
+
+def test_a_rewritten_end_fails_verify(tmp_path):
+    """Records removed and others chained in their place: the record at HEAD's seq is not HEAD's."""
+    write(tmp_path, n=20, max_file_bytes=1 << 20)
+    [path] = log_files(tmp_path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    forged = json.loads(lines[-1])
+    forged["completion_tokens"] = 0
+    forged["hash"] = record_hash(forged)
+    path.write_bytes(b"".join(lines[:-1]) + canonical(forged) + b"\n")
+    assert "its hash is not the one its HEAD names" in verify(tmp_path).error
+
+
+def test_a_log_without_its_head_file_fails_verify(tmp_path):
+    write(tmp_path, n=5)
+    (tmp_path / "HEAD").unlink()
+    assert "no HEAD file" in verify(tmp_path).error
+
+
+def test_a_log_recovered_after_a_crash_mid_batch_still_passes(tmp_path):
+    write(tmp_path, n=10, max_file_bytes=1 << 20).close()
+    [path] = log_files(tmp_path)
+    with open(path, "ab") as f:  # a batch cut off by a crash: never acknowledged, HEAD not moved
+        f.write(b'{"request_id": "r0010", "seq": 10, "pre')
+    log = AuditLog(tmp_path, clock=Clock())
+    assert verify(tmp_path).ok and verify(tmp_path).records == 10
+    assert log.append([rec(10)]) == (1, 0)
+    assert verify(tmp_path).ok and verify(tmp_path).records == 11
+
+
+def test_records_past_the_head_from_a_crash_before_it_moved_pass_and_are_anchored_at_restart(tmp_path):
+    log = write(tmp_path, n=10, max_file_bytes=1 << 20)
+    old_head = (tmp_path / "HEAD").read_bytes()
+    log.append([rec(10), rec(11)])
+    log.close()
+    (tmp_path / "HEAD").write_bytes(old_head)  # the crash came between the batch's fsync and HEAD's
+    result = verify(tmp_path)
+    assert (result.ok, result.records, result.unanchored) == (True, 12, 2)
+    again = AuditLog(tmp_path, clock=Clock())
+    assert json.loads((tmp_path / "HEAD").read_bytes())["seq"] == 11
+    assert again.append([rec(11)]) == (0, 1)  # the unacknowledged batch's resend
+    assert verify(tmp_path).unanchored == 0
+
+
+def test_the_writer_does_not_start_on_a_log_whose_end_was_removed(tmp_path):
+    write(tmp_path).close()
+    log_files(tmp_path)[-1].unlink()
+    with pytest.raises(getattr(audit_log, "AuditLogDamaged", ()), match="records were removed from its end"):
+        AuditLog(tmp_path, max_file_bytes=4096, clock=Clock())
+
+
+def test_an_anchor_kept_elsewhere_is_checked(tmp_path, capsys):
+    log = write(tmp_path, n=20, max_file_bytes=1 << 20)
+    anchor = (log.next_seq - 1, log.head)
+    assert verify(tmp_path, anchor=anchor).ok
+    assert main(["audit", "verify", str(tmp_path), "--anchor", f"{anchor[0]}:{anchor[1]}"]) == 0
+    [path] = log_files(tmp_path)
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:-3]))  # the end cut away, HEAD rewritten to match: only the anchor knows
+    last = json.loads(lines[-4])
+    (tmp_path / "HEAD").write_text(json.dumps({"seq": last["seq"], "hash": last["hash"], "file": path.name}))
+    assert verify(tmp_path).ok
+    assert "the log ends at record seq 16 but the anchor names record seq 19" in verify(tmp_path, anchor=anchor).error
+    assert main(["audit", "verify", str(tmp_path), "--anchor", f"{anchor[0]}:{anchor[1]}"]) == 1
+    assert "the anchor names record seq 19" in capsys.readouterr().err
+
+
+# ---- state outside /tmp; a spool not written by this server is refused (issue 39) ---------------------
+
+def test_state_defaults_to_the_users_state_directory_not_tmp(tmp_path, monkeypatch):
+    from cluster.config import AppConfig, AuditOptions, BudgetOptions
+    from cluster.config.front_door import state_path
+
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = AppConfig()
+    assert "/tmp" not in json.dumps(cfg.audit.model_dump()) + json.dumps(cfg.budgets.model_dump())
+    assert AuditOptions().log_dir() == tmp_path / "home/.local/state/pdserve/audit"
+    assert AuditOptions().spool_directory() == tmp_path / "home/.local/state/pdserve/audit/spool"
+    assert BudgetOptions().ledger_file() == tmp_path / "home/.local/state/pdserve/ledger.json"
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # read at use, not when the config was built
+    assert AuditOptions().log_dir() == tmp_path / "state/pdserve/audit"
+    assert cfg.budgets.ledger_file() == tmp_path / "state/pdserve/ledger.json"
+    assert state_path("~/audit", "audit") == tmp_path / "home/audit"  # an explicit path: `~` expanded
+    assert AuditOptions(dir="/srv/a", spool_dir="~/s").spool_directory() == tmp_path / "home/s"
+
+
+def test_the_default_shipper_spools_under_the_state_directory_in_a_private_directory(tmp_path, monkeypatch):
+    import asyncio
+
+    from cluster.config import AuditOptions
+    from router.ingress.gateway.audit import AuditShipper
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+    async def scenario():
+        return AuditShipper(AuditOptions(enabled=True), lambda: None).spool.dir
+
+    spool = asyncio.run(scenario())
+    assert spool == tmp_path / "state/pdserve/audit/spool"
+    assert spool.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_spool_directory_is_private(tmp_path):
+    spool = Spool(tmp_path / "spool")
+    assert spool.dir.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_spool_file_not_written_by_this_server_is_refused(tmp_path, caplog):
+    def dead_spool(ids):
+        s = Spool(tmp_path)
+        for i in ids:
+            s.add(rec(i))
+        os.close(s._lock_fd)  # its process died
+        return s
+
+    planted_writable = dead_spool([100])  # a segment others may write: anyone could have put records in it
+    for f in tmp_path.glob(f"{planted_writable.owner}.*.jsonl"):
+        f.chmod(0o666)
+    if os.geteuid() == 0:
+        planted_foreign = dead_spool([200])  # owned by another user
+        for f in tmp_path.glob(f"{planted_foreign.owner}.*"):
+            os.chown(f, 65534, 65534)
+    honest = dead_spool([1, 2])
+    me = Spool(tmp_path)
+    with caplog.at_level("ERROR", logger="router.ingress.gateway.audit"):
+        assert me.adopt() == 2
+    assert me.batch(10) == [rec(1), rec(2)]
+    assert not list(tmp_path.glob(f"{honest.owner}.*"))
+    assert list(tmp_path.glob(f"{planted_writable.owner}.*.jsonl"))  # left where it is, for someone to look at
+    assert "writable by group or others" in caplog.text
+    if os.geteuid() == 0:
+        assert list(tmp_path.glob(f"{planted_foreign.owner}.*.jsonl")) and "not owned by" in caplog.text
+    assert caplog.text.count("refused") == (2 if os.geteuid() == 0 else 1)
+    caplog.clear()
+    with caplog.at_level("ERROR", logger="router.ingress.gateway.audit"):
+        assert me.adopt() == 0
+    assert "refused" not in caplog.text  # said once, not at every adoption pass (5 s)
+
+
+def test_a_symlinked_spool_file_is_refused(tmp_path):
+    outside = tmp_path / "outside.jsonl"
+    outside.write_bytes(canonical(rec(7)) + b"\n")
+    spool_dir = tmp_path / "spool"
+    dead = Spool(spool_dir)
+    os.close(dead._lock_fd)
+    seg = spool_dir / f"{dead.owner}.0.jsonl"
+    seg.unlink()
+    seg.symlink_to(outside)
+    me = Spool(spool_dir)
+    assert me.adopt() == 0 and outside.exists()
