@@ -193,6 +193,7 @@ def _up(args) -> int:
         print(f"  HTTP    http://{host}:{config.http_port}/v1   (OpenAI-compatible)", flush=True)
         if not joined and args.dashboard:
             print("  Ray dashboard   http://127.0.0.1:8265   (this machine only: README, \"Exposure\")", flush=True)
+        print(f"  {config.admission_bounds.describe()}", flush=True)
         print("Ctrl-C to stop.", flush=True)
         stop.wait()
     except KeyboardInterrupt:

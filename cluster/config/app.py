@@ -108,6 +108,13 @@ class AppConfig(Strict):
         return KeySources(api_keys=self.api_keys, api_keys_env=self.api_keys_env, api_keys_file=self.api_keys_file)
 
     @property
+    def admission_bounds(self) -> AdmissionOptions:
+        """The admission options with `auto` bounds derived from the SLO (telemetry.slo): what the
+        ingress enforces and logs at start."""
+        slo = self.telemetry.slo
+        return self.admission.resolved(slo.ttft_threshold_s, slo.itl_threshold_s)
+
+    @property
     def has_keys(self) -> bool:
         return self.default_keys.has_keys or any(t.has_keys for t in self.tenants.values())
 

@@ -7,13 +7,15 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import Field, PositiveFloat, StringConstraints
 
 from cluster.config.common import Strict
 from cluster.errors import InvalidRequestError
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+AUTO_QUEUE_WAIT_SHARE = 0.5  # max_queue_wait_s auto: this share of the TTFT objective (the rest is the prompt's own time)
+AUTO_ITL_SHARE = 0.8  # target_itl_s auto: this share of the token-interval objective (headroom for the relay)
 ApiKey = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]  # a blank key would match nothing
 
 
@@ -78,6 +80,10 @@ class TenantOptions(KeySources):
     audit: bool = Field(
         True, description="With audit.enabled: each of this tenant's requests gets an audit record; False: none "
         "does (e.g. an internal load-test tenant), and a full audit buffer does not refuse its requests")
+    pin_versions: bool = Field(
+        False, description="May name a model version (`model@label`): any version, a canary at weight 0 or one "
+        "rolled back included (an operator's probe). Pinned requests are no sample for the rollout gate. "
+        "Without auth (no keys configured) the one caller may pin")
 
 
 class AdmissionOptions(Strict):
@@ -85,13 +91,15 @@ class AdmissionOptions(Strict):
         "auto", description="Requests in flight per ingress replica; more get 429. auto: sized from the decode "
         "pool's KV (router/ingress/gateway/capacity.py InflightCap: twice the requests its blocks hold at the "
         "recent requests' prompt + max_tokens, this ingress's share, at least 64; 1024 until measured)")
-    max_queue_wait_s: float | None = Field(
-        None, gt=0, description="Refuse (429) when the predicted wait before a request's prompt starts is "
-        "longer (the ingress's own first-token queue, then the router's view of the replica); None = off")
-    target_itl_s: float | None = Field(
-        None, gt=0, description="Refuse (429) new work while the decode pool's streams, as the ingress relays "
+    max_queue_wait_s: PositiveFloat | Literal["auto", "none"] | None = Field(
+        "auto", description="Refuse (429) when the predicted wait before a request's prompt starts is "
+        "longer (the ingress's own first-token queue, then the router's view of the replica). auto: half the "
+        "TTFT objective (telemetry.slo.ttft_threshold_s: 0.5 s by default); none (or null): off")
+    target_itl_s: PositiveFloat | Literal["auto", "none"] | None = Field(
+        "auto", description="Refuse (429) new work while the decode pool's streams, as the ingress relays "
         "them, would run slower than this per token (a limit on streams, set when they are measured slower, "
-        "probed back up while they keep pace); None = off")
+        "probed back up while they keep pace). auto: 0.8 of the token-interval objective "
+        "(telemetry.slo.itl_threshold_s: 80 ms by default); none (or null): off")
     batch_share: float = Field(
         0.5, gt=0, le=1, description="Batch-priority tenants are refused at this share of max_queue_wait_s and "
         "of max_inflight and of the target_itl_s cap: under overload batch work is shed before interactive work")
@@ -107,6 +115,24 @@ class AdmissionOptions(Strict):
     actor_timeout_s: float = Field(
         1.0, gt=0, description="Bound on each admission-actor call on the request path (rate limits fail "
         "open, idempotency fails closed: docs/architecture.md)")
+
+    def resolved(self, ttft_objective_s: float, itl_objective_s: float) -> "AdmissionOptions":
+        """These options with `auto` derived from the objectives and `none` as None (off): what the
+        ingress's capacity checks read. Protection is on unless a config turns it off: a server that
+        accepts everything in a burst misses every deadline in it (docs/benchmarks.md, 10x burst)."""
+        def value(v, auto: float) -> float | None:
+            return auto if v == "auto" else None if v in ("none", None) else v
+        return self.model_copy(update={
+            "max_queue_wait_s": value(self.max_queue_wait_s, AUTO_QUEUE_WAIT_SHARE * ttft_objective_s),
+            "target_itl_s": value(self.target_itl_s, AUTO_ITL_SHARE * itl_objective_s)})
+
+    def describe(self) -> str:
+        """One line for the start-up log (resolved options)."""
+        wait = "off" if self.max_queue_wait_s is None else f"{self.max_queue_wait_s:g} s"
+        pace = "off" if self.target_itl_s is None else f"{self.target_itl_s * 1e3:g} ms per token"
+        return (f"admission: refuse (429) work predicted to wait longer than {wait} for its prompt to start "
+                f"(max_queue_wait_s), and new work while the decode streams run slower than {pace} (target_itl_s); "
+                f"'none' turns either off")
 
 
 class IngressLimits(Strict):

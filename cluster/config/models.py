@@ -80,7 +80,7 @@ class RolloutOptions(Strict):
     max_burn_rate: float = Field(
         10.0, gt=0, description="Roll back when the canary's error rate / (1 - error_slo) reaches this and its "
         "error rate is above the baseline's")
-    max_ttft_ratio: float = Field(3.0, gt=1, description="... or its mean TTFT reaches this x the baseline's")
+    max_ttft_ratio: float = Field(3.0, gt=1, description="... or its TTFT per prompt token reaches this x the baseline's")
     max_tpot_ratio: float = Field(3.0, gt=1, description="... or its mean time per output token this x the baseline's")
     max_candidate_share: float = Field(
         1.0, gt=0, le=1, description="Blast radius: the most of the model's traffic the versions other than the "

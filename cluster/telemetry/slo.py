@@ -20,8 +20,8 @@ from cluster.config import SLOOptions
 # What the availability SLI counts as the server's failure. Client errors (bad input, unknown key or
 # model, quotas, cancelled by the client) are neither good nor bad; RESOURCE_EXHAUSTED is the
 # server's only when the refusal's reason is overload rather than a tenant's quota.
-CLIENT_CODES = ("INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "FAILED_PRECONDITION", "CANCELLED",
-                "RESOURCE_EXHAUSTED")
+CLIENT_CODES = ("INVALID_ARGUMENT", "UNAUTHENTICATED", "PERMISSION_DENIED", "NOT_FOUND", "FAILED_PRECONDITION",
+                "CANCELLED", "RESOURCE_EXHAUSTED")
 SERVER_CODES = ("INTERNAL", "ABORTED", "UNAVAILABLE", "DEADLINE_EXCEEDED")
 OVERLOAD_REASONS = ("capacity", "queue_wait", "overloaded")
 QUOTA_REASONS = ("concurrency", "requests_per_min", "tokens_per_min")

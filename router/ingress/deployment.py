@@ -86,6 +86,7 @@ class Ingress:
         self.config.check_startable()
         logging.getLogger("ray.serve").addFilter(_QuietClientErrors())
         self.door = build_front_door(self.config, pools, classifier_handle)
+        log.info("%s", self.config.admission_bounds.describe())
         openai_api.bind(self.door)
         gc_pauses.settle_after_start()  # last: everything start-up made is never walked again
 

@@ -87,7 +87,7 @@ class ClientRequest:
     tools: ToolsSpec | None = None
     n: int = 1  # choices: each a request of its own
     deadline: float | None = None  # wall-clock time (time.time())
-    session: str | None = None  # the session key: a routing preference only (api/session.py)
+    session: str | None = None  # the session key: a routing preference only (api/headers.py)
     label: str | None = None  # the client's request_id: echoed in replies, never an engine's id
 
     @property

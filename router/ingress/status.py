@@ -17,6 +17,7 @@ class Code(enum.Enum):
     #                     gRPC name              HTTP  OpenAI error type        refusal client_fault
     INVALID_ARGUMENT = ("INVALID_ARGUMENT", 400, "invalid_request_error", True, True)
     UNAUTHENTICATED = ("UNAUTHENTICATED", 401, "authentication_error", True, True)
+    PERMISSION_DENIED = ("PERMISSION_DENIED", 403, "permission_error", True, True)
     NOT_FOUND = ("NOT_FOUND", 404, "not_found_error", True, True)
     FAILED_PRECONDITION = ("FAILED_PRECONDITION", 422, "invalid_request_error", True, False)
     RESOURCE_EXHAUSTED = ("RESOURCE_EXHAUSTED", 429, "rate_limit_error", True, True)
@@ -34,15 +35,22 @@ class Code(enum.Enum):
         self.client_fault = client_fault
 
 
+REPLICA_FAULTS = frozenset({Code.INTERNAL, Code.UNAVAILABLE, Code.ABORTED})
+
+
 class ServingError(Exception):
     """A request failed inside the cluster, with its `Code`. `retry_after_s` is set when the
-    client may retry later (over a quota, overloaded)."""
+    client may retry later (over a quota, overloaded). `replica_fault`: the serving version's
+    replicas failed it (what the rollout gate counts); by default the codes that say so, and also
+    a deadline spent waiting for a replica that never took the request."""
 
-    def __init__(self, code: Code | str, message: str, retry_after_s: float | None = None):
+    def __init__(self, code: Code | str, message: str, retry_after_s: float | None = None,
+                 replica_fault: bool | None = None):
         super().__init__(message)
         self.code = code if isinstance(code, Code) else Code[code]
         self.message = message
         self.retry_after_s = retry_after_s
+        self.replica_fault = self.code in REPLICA_FAULTS if replica_fault is None else replica_fault
 
 
 class Rejected(ServingError):

@@ -1,6 +1,7 @@
-"""n > 1 on one engine, as the front door runs it (router/ingress/api/openai_api.py `_start_choices`):
-choice 0 first, the other choices once it has its first token. They share the prompt's full blocks
-through the prefix cache: exact block ids and counts while all four run, and after they finish."""
+"""n > 1 on one engine, as the front door runs it (router/ingress/gateway/front_door.py,
+`FrontDoor._start_choices`): choice 0 first, the other choices once it has its first token. They
+share the prompt's full blocks through the prefix cache: exact block ids and counts while all four
+run, and after they finish."""
 
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams

@@ -39,7 +39,7 @@ def _neutral(*allowed):
 # flow/tools.py (forced calls by grammar; "auto" by the model's tool_call_parser, refused without one). Accepted but
 # not implemented, at a value that changes nothing: best_of 1. Accepted and ignored (they
 # never change the output): metadata. n: 1..IngressLimits.max_choices (checked in openai_api).
-# prompt_cache_key (else user) is the request's session key for routing (router/ingress/api/session.py).
+# prompt_cache_key (else user) is the request's session key for routing (router/ingress/api/headers.py).
 # README: "OpenAI fields".
 COMPLETIONS_MAX_LOGPROBS = 5  # OpenAI's bound on /v1/completions `logprobs` (chat: RequestLimits.max_logprobs)
 class RequestBody(BaseModel):

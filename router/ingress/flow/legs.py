@@ -104,10 +104,11 @@ class DecodeLegs:
     stream goes on without a gap or a repeat (greedy output is identical; a seeded sampler
     restarts its random stream at the migration)."""
 
-    def __init__(self, handle, max_migrations: int, prefill: PrefillLeg | None):
+    def __init__(self, handle, max_migrations: int, prefill: PrefillLeg | None, replica_wait_s: float = 120.0):
         self.handle = handle
         self.max_migrations = max_migrations
         self.prefill = prefill  # where a handle's lease is released when decode never took it
+        self.replica_wait_s = replica_wait_s  # the bound on waiting for a replica, deadline or not
 
     async def stream(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext, kv_handle,
                      target: str | None, client: ClientStream) -> AsyncIterator[Delta]:
@@ -164,8 +165,11 @@ class DecodeLegs:
             if state.bound is None or not state.bound.expired():
                 raise ServingError(Code.ABORTED if state.pulled else Code.UNAVAILABLE,
                                    f"decode failed for {rid}: {e!r}") from e
-            raise ServingError(Code.DEADLINE_EXCEEDED, f"request {rid}: deadline exceeded before a decode replica "
-                                                       "took it") from e
+            if state.deadline_first:  # the client's deadline, spent on the version's replicas: their fault too
+                raise ServingError(Code.DEADLINE_EXCEEDED, f"request {rid}: deadline exceeded before a decode "
+                                                           "replica took it", replica_fault=True) from e
+            raise ServingError(Code.UNAVAILABLE, f"request {rid}: no decode replica took it within "
+                                                 f"{self.replica_wait_s:g} s (fault_tolerance.replica_wait_s)") from e
         except QueueFullError as e:  # the decode replica's queue is full (raised by its submit)
             raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
         except (RayActorError, ActorUnavailableError) as e:
@@ -181,16 +185,18 @@ class DecodeLegs:
     async def _outputs(self, rid: str, replies, kv_handle, ctx: RequestContext, client: ClientStream,
                        state: "_LegState") -> AsyncIterator[Delta]:
         # Until a replica takes the request, nothing enforces its deadline (a sleeping pool is
-        # loading one, every replica's queue is full at Serve's router): bound that wait here. From
-        # its first output the engine has it, and ends it at the deadline itself.
-        remaining = ctx.remaining_s()
-        first_by = None if remaining is None else (
-            asyncio.get_running_loop().time() + max(remaining, 0.0) + FIRST_OUTPUT_GRACE_S)
+        # loading one, every replica's queue full at Serve's router): bound that wait here, by the
+        # deadline or replica_wait_s, whichever comes first. From its first output the engine has
+        # it, and ends it at the deadline itself.
+        now, remaining = asyncio.get_running_loop().time(), ctx.remaining_s()
+        first_by = now + self.replica_wait_s
+        if remaining is not None and now + max(remaining, 0.0) + FIRST_OUTPUT_GRACE_S < first_by:
+            first_by, state.deadline_first = now + max(remaining, 0.0) + FIRST_OUTPUT_GRACE_S, True
         async with asyncio.timeout_at(first_by) as state.bound, aclosing(coalesce(
                 replies, merge_outputs, final=lambda o: o.finished, alone=lambda o: o.finish_reason in FAILED)) as outs:
             async for out in outs:
                 out: RequestOutput
-                if not state.pulled and first_by is not None:
+                if not state.pulled:
                     state.bound.reschedule(None)
                 state.pulled = True
                 if out.finish_reason in FAILED:
@@ -209,9 +215,10 @@ class DecodeLegs:
 class _LegState:
     """What one leg's cleanup needs to know of how far it got."""
 
-    __slots__ = ("bound", "pulled", "finished")
+    __slots__ = ("bound", "deadline_first", "pulled", "finished")
 
     def __init__(self):
-        self.bound = None  # the deadline's bound on the first output (asyncio.Timeout)
+        self.bound = None  # the bound on the first output (asyncio.Timeout)
+        self.deadline_first = False  # the request's deadline, not replica_wait_s, sets that bound
         self.pulled = False  # the replica sent an output: it has the request (and pulled the KV)
         self.finished = False

@@ -87,7 +87,8 @@ class RequestFlow:
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
         self._decode_handle = decode_handle
         self._prefill = None if prefill_handle is None else PrefillLeg(prefill_handle)
-        self._decode = DecodeLegs(decode_handle, config.fault_tolerance.max_migrations, self._prefill)
+        ft = config.fault_tolerance
+        self._decode = DecodeLegs(decode_handle, ft.max_migrations, self._prefill, ft.replica_wait_s)
 
     # ---- before a request runs -----------------------------------------------------------------
 

@@ -17,6 +17,12 @@ closed` refuses with UNAVAILABLE (overspend stays 0); `open` admits the request 
 charges its actual cost when the ledger answers again (overspend bounded only by the traffic
 admitted while it is down). Tenants without a budget are charged at the end, off the request path.
 
+Whatever happens to the caller, a reservation is settled or released at the request's end: a
+reserve call that timed out or whose caller went away may still have reserved, so its request ends
+with `Ledger.finish` (settle the reservation if it is open, else charge), never leaving it to
+expire at the worst case, and never charging twice. Only an ingress that dies mid-request leaves a
+reservation to `reservation_ttl_s`.
+
 The ledger persists to one JSON file (written to a temporary file, fsynced, renamed) before it
 answers any call that changed it, so a restart keeps the month's spend and open reservations.
 
@@ -166,6 +172,14 @@ class Ledger:
         state["spent"] += actual
         return True
 
+    def finish(self, tenant: str, rid: str, actual: int) -> bool:
+        """The cost of a request whose reservation may or may not have been made (its reserve call
+        timed out or its caller went away): settle the reservation if it is open, else charge once.
+        Never both, and an open reservation never waits for its expiry."""
+        if rid in self._tenant(tenant)["reserved"]:
+            return self.settle(tenant, rid, actual)
+        return self.charge(tenant, rid, actual) if actual else False
+
     def charge(self, tenant: str, rid: str, actual: int) -> bool:
         """Add a cost with no reservation (no budget, or admitted while the ledger was
         unreachable). Once per id (the last CHARGED_IDS_KEPT ids are remembered)."""
@@ -202,9 +216,12 @@ class BudgetExhausted(Rejected):
 
 
 class Hold:
-    """One request's place in the ledger; `settle` once at its end (off the request path)."""
+    """One request's place in the ledger; `settle` once at its end (off the request path).
+    `reserved`: True (a reservation was granted: settled), False (none was made: charged), or
+    None (unknown: its reserve call failed or was cancelled, so the ledger may hold one; `finish`
+    settles it if so, else charges)."""
 
-    def __init__(self, budget: "Budget", tenant: str, rid: str, reserved: bool):
+    def __init__(self, budget: "Budget", tenant: str, rid: str, reserved: bool | None):
         self.budget, self.tenant, self.rid, self.reserved = budget, tenant, rid, reserved
         self.cost = 0
 
@@ -212,7 +229,7 @@ class Hold:
         """The request's cost in USD (0 when it sent no token); the ledger is told in the background."""
         b = self.budget
         self.cost = cost_micros(b.price, prompt_tokens, completion_tokens) if completion_tokens else 0
-        if self.reserved or self.cost:
+        if self.reserved is not False or self.cost:
             b.background(self)
         return usd(self.cost)
 
@@ -255,7 +272,7 @@ class Budget:
                 raise ServingError(Code.UNAVAILABLE, f"the budget ledger is unavailable ({type(e).__name__}); "
                                                      f"retry later", 1.0) from e
             log.warning("budget ledger unreachable (%r): request %s of %r admitted unchecked", e, rid, tenant)
-            return Hold(self, tenant, rid, reserved=False)
+            return Hold(self, tenant, rid, reserved=None)  # the call may have reserved: finished, not charged twice
         if not granted:
             now = time.time()
             renews = next_month_start(now)
@@ -284,6 +301,11 @@ class Budget:
                     raise
                 await asyncio.sleep(0.05)
 
+    def uncertain(self, tenant: str, rid: str) -> Hold | None:
+        """The hold of a request whose reserve call did not answer (it failed, timed out, or its
+        caller was cancelled): the ledger may hold a reservation, which `finish` releases."""
+        return None if tenant not in self.budgets else Hold(self, tenant, rid, reserved=None)
+
     def background(self, hold: Hold) -> None:
         task = asyncio.get_running_loop().create_task(self._tell(hold))
         self._tasks.add(task)
@@ -295,7 +317,7 @@ class Budget:
         delay = 0.1
         for attempt in range(SETTLE_TRIES):
             try:
-                method = self.ledger.settle if hold.reserved else self.ledger.charge
+                method = {True: self.ledger.settle, False: self.ledger.charge, None: self.ledger.finish}[hold.reserved]
                 await asyncio.wait_for(method.remote(hold.tenant, hold.rid, hold.cost),
                                        max(self.options.timeout_s, 5.0))
                 break
@@ -322,7 +344,13 @@ class BudgetStage(Stage):
 
     async def charge(self, o: Outcome) -> None:
         o.price = self.budget.cost_usd
-        o.hold = await self.budget.reserve(o.tenant, o.rid, o.prepared.num_prompt_tokens, o.sampling.max_tokens)
+        try:
+            o.hold = await self.budget.reserve(o.tenant, o.rid, o.prepared.num_prompt_tokens, o.sampling.max_tokens)
+        except BudgetExhausted:
+            raise  # the ledger refused: it holds nothing of this request
+        except BaseException:  # timed out, unreachable (closed), or the caller left mid-call: release it at the end
+            o.hold = self.budget.uncertain(o.tenant, o.rid)
+            raise
 
     def finish(self, o: Outcome, error: BaseException | None) -> None:
         if o.hold is not None:

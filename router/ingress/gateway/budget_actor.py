@@ -69,6 +69,11 @@ class LedgerActor:
         await self._durable()
         return done
 
+    async def finish(self, tenant: str, rid: str, actual: int) -> bool:
+        done = self.ledger.finish(tenant, rid, actual)
+        await self._durable()
+        return done
+
     async def snapshot(self) -> dict:
         return self.ledger.snapshot()
 

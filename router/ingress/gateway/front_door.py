@@ -33,8 +33,8 @@ from router.ingress.gateway.response_cache import ResponseCache, ResponseCacheSt
 from router.ingress.gateway.stages import Gateway, Outcome, Stage
 from router.ingress.gateway.telemetry import IngressTelemetry, TelemetryStage
 from router.ingress.request import ClientRequest, Delta
-from router.ingress.status import ServingError
-from router.ingress.versions.catalog import ModelCatalog, Routed
+from router.ingress.status import Code, ServingError
+from router.ingress.versions.catalog import PIN, ModelCatalog, Routed
 
 
 class Choice(NamedTuple):
@@ -91,7 +91,7 @@ class FrontDoor:
             prefill, decode = pools[v.config.serving_group]
             flow = RequestFlow(v.config, prefill, decode, router, sampling_defaults=v.sampling.overrides())
             flows[v.name, v.label] = flow
-            capacities[flow.group] = Capacity(v.config.admission)
+            capacities[flow.group] = Capacity(v.config.admission_bounds)
             metrics = None if telemetry is None else telemetry.metrics
             budget = None if ledger is None else Budget(v.config, ledger, metrics)
             gateways[flow.group] = Gateway(version_stages(
@@ -136,6 +136,8 @@ class FrontDoor:
         """Every choice started and past its first delta. Bad input (InvalidRequestError) and
         refusals (ServingError) raise here, before any delta; later failures raise from a
         choice's stream."""
+        if request.model and PIN in request.model:
+            self._check_pin(request)
         routed = self.catalog.select(request.model, request.tenant, request.session)
         flow = routed.flow
         sampling = flow.sampling(request.sampling, request.tools)
@@ -146,6 +148,16 @@ class FrontDoor:
             request = replace(request, session=f"choices:{uuid.uuid4().hex}")
         choices = await self._start_choices(routed.for_choices(request.n), request, sampling.params)
         return Reply(choices, flow.config.model_name, flow.config.version or "", sampling.use, flow.tokenizer)
+
+    def _check_pin(self, request: ClientRequest) -> None:
+        """Pinning a version is a tenant's permission (`pin_versions`; anyone's without auth)."""
+        opts = self.config.tenants.get(request.tenant)
+        if self.admission.auth_enabled and not (opts is not None and opts.pin_versions):
+            e = ServingError(Code.PERMISSION_DENIED, f"model: tenant {request.tenant!r} may not pin a version "
+                                                     "(model@label; the tenant's pin_versions)")
+            if self.telemetry is not None:
+                self.telemetry.refused(e, request.tenant)
+            raise e
 
     def _check_label(self, flow: RequestFlow, request: ClientRequest) -> None:
         try:

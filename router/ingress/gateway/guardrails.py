@@ -220,8 +220,9 @@ def _merge(deltas: list["Delta"]) -> "Delta":
         return deltas[0]
     last = deltas[-1]
     logprobs = None if all(d.logprobs is None for d in deltas) else [lp for d in deltas for lp in d.logprobs or ()]
+    echo = next((d for d in deltas if d.prompt_logprobs is not None), last)  # the first delta's prompt logprobs
     return replace(last, text="".join(d.text for d in deltas), token_ids=[t for d in deltas for t in d.token_ids],
-                   logprobs=logprobs)
+                   logprobs=logprobs, prompt_logprobs=echo.prompt_logprobs, prompt_token_ids=echo.prompt_token_ids)
 
 
 class GuardrailRejected(ServingError):

@@ -4,8 +4,9 @@ own (its tokenizer, its pools, its router group), and each model a traffic polic
 replicas of a request are then chosen within that version, so no request mixes versions.
 
 A request names a model (`model`; none: the first one configured) or pins a version with
-`name@label` (an operator's probe of a canary, a test); an unknown model or version is NOT_FOUND
-and the message lists what exists. The sticky key is the request's session key (x-session-id,
+`name@label` (an operator's probe of a canary, a test: a permission of the tenant's, checked by the
+front door, and no sample for the rollout gate); an unknown model or version is NOT_FOUND and the
+message lists what exists. The sticky key is the request's session key (x-session-id,
 prompt_cache_key or the OpenAI `user`), scoped to its tenant as the routing key is.
 """
 
@@ -144,7 +145,8 @@ class ModelCatalog:
             key = None if session is None else f"{tenant}\n{session}"  # as the routing key: tenants never share one
             assignment = served.policy.choose(key, tenant, self.rng)
         shadow = None if assignment.shadow is None else served.flows[assignment.shadow]
-        recorder = self.recorder if len(served.flows) > 1 else None
+        # the gate judges a version by the traffic its split sends it: a probe pinned to it is no sample
+        recorder = self.recorder if len(served.flows) > 1 and pinned is None else None
         return Routed(served.flows[assignment.version], assignment, shadow, self.shadow, served.shadow_cap, recorder)
 
     def model_info(self) -> list[dict]:

@@ -32,7 +32,6 @@ from router.ingress.status import Code, ServingError
 
 log = logging.getLogger(__name__)
 
-SERVER_FAULTS = {Code.INTERNAL, Code.UNAVAILABLE, Code.ABORTED}  # the version's fault, not the client's
 MAX_DECISIONS = 256
 
 
@@ -44,6 +43,7 @@ class VersionStats:
     errors: int = 0
     ttft_s: float = 0.0  # summed over ttft_n requests
     ttft_n: int = 0
+    ttft_prompt_tokens: int = 0  # the prompt tokens of those ttft_n requests (TTFT grows with them)
     tpot_s: float = 0.0  # summed over tpot_n requests (those with 2 tokens or more)
     tpot_n: int = 0
     tokens: int = 0
@@ -59,6 +59,12 @@ class VersionStats:
     @property
     def mean_ttft_s(self) -> float | None:
         return self.ttft_s / self.ttft_n if self.ttft_n else None
+
+    @property
+    def ttft_per_prompt_token_s(self) -> float | None:
+        """TTFT per prompt token: what the gate compares, so a version sent longer prompts (a tenant's
+        pinned probes, a shift in traffic) is not judged slower for it."""
+        return self.ttft_s / self.ttft_prompt_tokens if self.ttft_prompt_tokens else None
 
     @property
     def mean_tpot_s(self) -> float | None:
@@ -82,13 +88,13 @@ class Recorder:
         self.pending: dict[Key, VersionStats] = {}
 
     async def observe(self, key: Key, deltas: AsyncIterator) -> AsyncIterator:
-        start, first, last, tokens, error = self.clock(), None, None, 0, None
+        start, first, last, tokens, prompt, error = self.clock(), None, None, 0, 0, None
         try:
             async for d in deltas:
                 last = self.clock()
                 if first is None:
                     first = last
-                tokens = d.completion_tokens
+                tokens, prompt = d.completion_tokens, d.prompt_tokens
                 yield d
         except ServingError as e:
             error = e
@@ -96,11 +102,12 @@ class Recorder:
         finally:
             s = self.pending.setdefault(key, VersionStats())
             s.requests += 1
-            s.errors += error is not None and error.code in SERVER_FAULTS
+            s.errors += error is not None and error.replica_fault
             s.tokens += tokens
             if first is not None:
                 s.ttft_s += first - start
                 s.ttft_n += 1
+                s.ttft_prompt_tokens += max(prompt, 1)
                 if tokens >= 2:
                     s.tpot_s += (last - first) / (tokens - 1)
                     s.tpot_n += 1
@@ -218,7 +225,8 @@ class Rollouts:
         if burn >= o.max_burn_rate and canary.error_rate > base.error_rate:
             return (f"error rate {canary.error_rate:.3f} burns the budget ({1 - o.error_slo:.3f}) "
                     f"{burn:.1f}x (max {o.max_burn_rate:g}x; baseline {base.error_rate:.3f})")
-        for name, c, b, cap in (("TTFT", canary.mean_ttft_s, base.mean_ttft_s, o.max_ttft_ratio),
+        for name, c, b, cap in (("TTFT per prompt token", canary.ttft_per_prompt_token_s,
+                                 base.ttft_per_prompt_token_s, o.max_ttft_ratio),
                                 ("TPOT", canary.mean_tpot_s, base.mean_tpot_s, o.max_tpot_ratio)):
             if c is not None and b is not None and b > 0 and c / b >= cap:
                 return f"mean {name} {c * 1e3:.1f} ms is {c / b:.1f}x the baseline's {b * 1e3:.1f} ms (max {cap:g}x)"

@@ -385,3 +385,20 @@ def test_a_completion_a_guardrail_passed_because_a_check_failed_open_is_not_stor
     failed_open = Intervention("p", "classifier", Stage.OUTPUT, Action.PASSED_ON_ERROR, Cause.TIMEOUT)
     assert run([failed_open]) == 0  # unchecked output is never replayed
     assert run([]) == 1
+
+
+def test_a_guarded_streams_prompt_logprobs_survive_the_merge():
+    """The hold-back window merges the deltas it releases together: the first delta's prompt
+    logprobs and prompt ids (echo, prompt_logprobs) went with it (the merge kept the last's)."""
+    plp = [None, TokenLogprob(7, -0.5, ((7, -0.5),))]
+
+    async def source():
+        yield Delta("r", "ab", [1], None, 2, 1, 0, None, plp, [3, 7])
+        yield Delta("r", "cd", [2], None, 2, 2)
+        yield Delta("r", "ef", [3], "length", 2, 3)
+
+    async def collect():
+        return [d async for d in guard_for(window=8).output(source())]
+    out = asyncio.run(collect())
+    assert [d.text for d in out] == ["abcdef"]
+    assert (out[0].prompt_logprobs, out[0].prompt_token_ids) == (plp, [3, 7])

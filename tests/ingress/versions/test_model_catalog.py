@@ -162,7 +162,7 @@ def test_live_splits_keep_the_overrides_and_the_salt(catalog):
 
 class _D:
     def __init__(self, n: int):
-        self.completion_tokens, self.text = n, "x"
+        self.completion_tokens, self.prompt_tokens, self.text = n, 4, "x"
 
 
 def test_the_recorder_counts_server_faults_only_and_times_first_tokens():
@@ -188,7 +188,7 @@ def test_the_recorder_counts_server_faults_only_and_times_first_tokens():
     asyncio.run(run(0, ServingError(Code.RESOURCE_EXHAUSTED, "overloaded")))  # not the version's fault
     asyncio.run(run(0, ServingError(Code.DEADLINE_EXCEEDED, "deadline")))  # the client's
     s = rec.drain()[("tiny", "v2")]
-    assert (s.requests, s.errors, s.ttft_n, s.tpot_n, s.tokens) == (4, 1, 2, 1, 6)
+    assert (s.requests, s.errors, s.ttft_n, s.tpot_n, s.tokens, s.ttft_prompt_tokens) == (4, 1, 2, 1, 6, 8)
     assert s.ttft_s == pytest.approx(0.2) and s.tpot_s == pytest.approx(0.02)
     assert rec.drain() == {}
 
@@ -219,9 +219,10 @@ def test_the_gate_holds_when_the_baseline_fails_as_often_and_trips_on_latency():
     r.report({("chat", "base"): VersionStats(requests=40, errors=20), ("chat", "canary"): VersionStats(requests=40, errors=20)})
     assert r.splits()["chat"]["canary"] == 1.0  # as bad as the baseline: not the canary's doing
     now[0] += 11  # the window has passed: those reports are gone
-    r.report({("chat", "base"): VersionStats(requests=40, ttft_s=4.0, ttft_n=40),
-              ("chat", "canary"): VersionStats(requests=40, ttft_s=13.0, ttft_n=40)})
-    assert r.status()["decisions"][-1]["reason"] == "gate: mean TTFT 325.0 ms is 3.2x the baseline's 100.0 ms (max 3x)"
+    r.report({("chat", "base"): VersionStats(requests=40, ttft_s=4.0, ttft_n=40, ttft_prompt_tokens=4000),
+              ("chat", "canary"): VersionStats(requests=40, ttft_s=13.0, ttft_n=40, ttft_prompt_tokens=4000)})
+    assert r.status()["decisions"][-1]["reason"] == ("gate: mean TTFT per prompt token 3.2 ms is 3.2x the baseline's "
+                                                     "1.0 ms (max 3x)")
     r, now = _rollouts(auto_rollback=False)
     [d] = r.report({("chat", "canary"): VersionStats(requests=30, errors=30)})
     assert d["action"] == "gate tripped (auto_rollback off)" and r.splits()["chat"]["canary"] == 1.0
@@ -249,3 +250,31 @@ def test_manual_splits_and_a_redeploy():
     r.configure({"chat": ({"base": 1.0, "canary": 1.0}, RolloutOptions())})  # a redeploy with a new split
     assert r.splits() == {"chat": {"base": 1.0, "canary": 1.0}}
     assert r.rollback("chat", "drill")["weights"] == {"base": 1.0, "canary": 0.0}
+
+
+def test_pinning_a_version_is_a_tenants_permission_and_no_sample_for_the_gate(tiny_model, model_factory):
+    """Any tenant could pin `model@label` (a weight-0 or rolled-back version too) and feed the
+    canary gate: one tenant could force a rollback for all. Now only a tenant with pin_versions may,
+    and its pinned requests are not recorded."""
+    import asyncio
+
+    from router.ingress.request import ClientRequest, SamplingSpec
+    from tests.helpers import front_door
+
+    v2 = model_factory("catalog-v2", layers=2, hidden=64, heads=4, kv_heads=2, vocab=320, max_positions=512, seed=1)
+    cfg = AppConfig.model_validate({
+        "tenants": {"acme": {"api_keys": ["k-acme"]}, "ops": {"api_keys": ["k-ops"], "pin_versions": True}},
+        "models": {"tiny": {"versions": {"v1": {"model": tiny_model}, "v2": {"model": v2, "weight": 0}}}}})
+    door = front_door(cfg)
+
+    async def code(tenant: str, model: str) -> Code:
+        try:
+            await door.serve(ClientRequest(tenant, SamplingSpec(max_tokens=2), model=model, prompt="hi"))
+        except ServingError as e:
+            return e.code
+
+    assert asyncio.run(code("acme", "tiny@v2")) is Code.PERMISSION_DENIED
+    assert asyncio.run(code("acme", "tiny")) is Code.UNAVAILABLE  # past the front door: this test has no pools
+    assert asyncio.run(code("ops", "tiny@v2")) is Code.UNAVAILABLE
+    assert door.catalog.select("tiny@v2", "ops", None).recorder is None
+    assert door.catalog.select("tiny", "ops", None).recorder is door.catalog.recorder
