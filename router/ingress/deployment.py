@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 
-import grpc
 import ray
 from grpc_health.v1 import health_pb2
 from ray import serve

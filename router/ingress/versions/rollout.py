@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator, Callable
 
 from cluster.config.models import RolloutOptions, candidate_share
-from router.ingress.status import Code, ServingError
+from router.ingress.status import ServingError
 
 log = logging.getLogger(__name__)
 
