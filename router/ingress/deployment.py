@@ -47,7 +47,10 @@ class _QuietClientErrors(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         err = record.exc_info[1] if record.exc_info else None
-        code = getattr(err, "code", None)
+        # Serve logs its own gRPCStatusError, whose grpc_code is the code set on the context
+        # (grpc_api.fail); in this process a GrpcAbort carries our Code
+        status = getattr(err, "grpc_code", None)
+        code = Code.__members__.get(status.name) if status is not None else getattr(err, "code", None)
         return not (isinstance(code, Code) and code.client_fault)
 
 
