@@ -83,6 +83,10 @@ class Sampler:
         grammar_failed: dict[int, RequestFailure] = {}
         if not extra:
             greedy = torch.where(finite, top_idx, -1).tolist()  # -1: not finite (one sync)
+            if all(r.sampling.greedy for r in requests) and min(greedy, default=0) >= 0:
+                # Every row greedy and finite (the common step): its tokens, without the
+                # per-request branches below (which give the same for such a step).
+                return SamplerOutput(tokens=dict(zip([r.request_id for r in requests], greedy)))
         else:
             logits, processed_ok = self._process(logits, [requests[i] for i in extra], extra)
             logits, grammar_failed = self._constrain(logits, requests)
