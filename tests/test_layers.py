@@ -237,3 +237,15 @@ def test_a_cycle_through_a_type_checking_import_is_found():
                "router.c": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from router.a import A",
                "router.d": "from router.a import A"}
     assert import_cycles(import_graph(sources)) == [["router.a", "router.b", "router.c"]]
+
+
+MAX_FUNCTION_LINES = 60  # in router/: a longer one is two jobs (issue 38)
+
+
+def test_no_function_in_router_is_longer_than_sixty_lines():
+    long = [f"{p.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for p in sorted((ROOT / "router").rglob("*.py"))
+            for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert long == []

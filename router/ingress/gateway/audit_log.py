@@ -318,13 +318,10 @@ def _lines(files: list[Path]) -> Iterator[tuple[Path, int, bytes]]:
                 yield path, n, line
 
 
-def verify(path: str | Path, anchor: tuple[int, str] | None = None) -> VerifyResult:
-    """Check the chain of a log directory (every file, in order, and its end against HEAD) or of
-    one file (its first record's `prev` taken on trust, no HEAD). `anchor`: (seq, hash) of a record
-    kept elsewhere (an earlier head): the log must still hold it. Stops at the first failure."""
-    p = Path(path)
-    is_dir = p.is_dir()
-    anchors: list[tuple[str, int, str, str | None]] = []  # (where, seq, hash, file), checked alike
+def _anchors(p: Path, is_dir: bool, anchor: tuple[int, str] | None):
+    """What the log's end is checked against: [(where, seq, hash, file)] (HEAD's, then the given
+    anchor's), or the VerifyResult of a HEAD that is unreadable or missing."""
+    anchors: list[tuple[str, int, str, str | None]] = []
     if is_dir:
         try:  # read before the files: a live writer moves HEAD only after its records are durable
             head_file = read_head(p)
@@ -340,6 +337,18 @@ def verify(path: str | Path, anchor: tuple[int, str] | None = None) -> VerifyRes
             anchors.append((f"{p / HEAD}", head_file["seq"], head_file["hash"], head_file.get("file")))
     if anchor is not None:
         anchors.append(("anchor", int(anchor[0]), anchor[1], None))
+    return anchors
+
+
+def verify(path: str | Path, anchor: tuple[int, str] | None = None) -> VerifyResult:
+    """Check the chain of a log directory (every file, in order, and its end against HEAD) or of
+    one file (its first record's `prev` taken on trust, no HEAD). `anchor`: (seq, hash) of a record
+    kept elsewhere (an earlier head): the log must still hold it. Stops at the first failure."""
+    p = Path(path)
+    is_dir = p.is_dir()
+    anchors = _anchors(p, is_dir, anchor)
+    if isinstance(anchors, VerifyResult):
+        return anchors
     files = log_files(p) if is_dir else [p]
     if not files:
         return VerifyResult(False, 0, 0, GENESIS, f"{p}: no audit files ({PATTERN})")
