@@ -275,3 +275,16 @@ def test_admission_refuses_at_the_auto_cap_naming_it(tiny_model):
     for t in tickets:
         t.done(0)
     assert adm.total_inflight == 0
+
+
+@pytest.mark.parametrize("admission, slo, bounds", [
+    ({}, {}, (0.5, 0.08)),  # protection on by default: half the TTFT objective, 0.8 of the interval's
+    ({}, {"ttft_threshold_s": 2.5, "itl_threshold_s": 0.3}, (1.25, 0.24)),
+    ({"max_queue_wait_s": "none", "target_itl_s": None}, {}, (None, None)),
+    ({"max_queue_wait_s": 3, "target_itl_s": "auto"}, {}, (3.0, 0.08)),
+])
+def test_admission_bounds_default_to_the_slo_and_none_turns_them_off(admission, slo, bounds):
+    cfg = AppConfig.model_validate({"admission": admission, "telemetry": {"slo": slo}})
+    b = cfg.admission_bounds
+    assert (b.max_queue_wait_s, None if b.target_itl_s is None else round(b.target_itl_s, 6)) == bounds
+    assert cfg.admission.max_queue_wait_s == admission.get("max_queue_wait_s", "auto")  # the config as written
