@@ -91,7 +91,8 @@ def kill_app_actors() -> None:
 # Admission's load bounds off (they are on by default, `auto` from telemetry.slo): the Ray test apps
 # share two cores with each other's pools, and the tests that push load count tokens, cancellations
 # or audit records, not refusals; with the default 0.5 s bound the ingress shed a few of their requests
-# in some runs (a flaky test). The modules about admission set their bounds; the default itself is
+# in some runs (a flaky test), and during a rolling update (tests/serving/test_model_versions.py) it
+# predicted 10-20 s waits while the new replicas started and refused those requests. The modules about admission set their bounds; the default itself is
 # tested in tests/ingress/gateway/test_capacity.py and measured by the burst benchmark's defaults arm.
 APP_DEFAULTS = {"engine": {"num_blocks": 64}, "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5},
                 "admission": {"max_queue_wait_s": "none", "target_itl_s": "none"},

@@ -58,12 +58,7 @@ def server(serve_apps, checkpoints):
                         "shadow": {"version": "cand", "fraction": 1.0}}}
     # replicas being replaced drain for up to 10 s (the tests' default, 1 s, kills the old ingress with
     # most streams in flight: Serve's proxy then answers INTERNAL "actor died")
-    # Admission off: six pools share two cores here, and these tests count which version answers,
-    # not the door. With the default bounds (0.5 s / 80 ms) the ingress shed some of the 400-request
-    # split (predicted waits 0.6-0.7 s) and, during the rolling update, predicted 10-20 s waits while
-    # the new replicas started, and refused those requests with 429 (issue 39's note).
     with serve_apps.run(None, models=models, routing={"local_prefill_threshold": 16},
-                        admission={"max_queue_wait_s": "none", "target_itl_s": "none"},
                         graceful_shutdown_timeout_s=10.0) as cfg:
         yield cfg
 

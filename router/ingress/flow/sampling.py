@@ -30,7 +30,7 @@ def to_sampling(spec: SamplingSpec, tools: ToolsSpec | None, validator: RequestV
     validator.limits.check_counts(len(spec.stop), len(spec.stop_token_ids))
     fmt_type = None if spec.response_format is None else spec.response_format.type
     use = tool_use(tools, fmt_type, tool_call_parser)
-    kw: dict[str, Any] = {k: v for k, v in defaults.items()}
+    kw: dict[str, Any] = dict(defaults)
     kw.update((k, getattr(spec, k)) for k in SamplingSpec.OVERRIDABLE if getattr(spec, k) is not None)
     try:
         if use.forced is not None:  # the call is enforced like a json_schema response_format (its caps, its compiling)
