@@ -99,3 +99,76 @@ def test_restarted_router_keeps_its_configured_policy(router):
         assert ray.get(router.policy_settings.remote()) == (configured, "round_robin")
     finally:  # the cluster's default policy again for the next test module's router
         ray.get(router.configure.remote(PolicyConfig(), "cost"))
+
+
+class GrowingSource:
+    """A pool that stores one new block each step (the BlockEventSource the publisher reads)."""
+
+    def __init__(self):
+        self.stored: list[bytes] = []
+        self._events: list = []
+
+    def step(self) -> None:
+        self.stored.append(len(self.stored).to_bytes(16, "big"))
+        self._events.append(("+", self.stored[-1]))
+
+    def drain_block_events(self) -> list:
+        events, self._events = self._events, []
+        return events
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return list(self.stored)
+
+    def tier_block_hashes(self) -> list:
+        return []
+
+
+@ray.remote
+class HeldRouter:
+    """A real Router that answers no call until released (a router stuck behind a long call);
+    it counts the calls that reached it."""
+
+    def __init__(self):
+        import asyncio
+
+        from router.router import Router
+
+        self.router, self.gate, self.calls = Router(), asyncio.Event(), 0
+
+    async def events(self, *args):
+        self.calls += 1
+        await self.gate.wait()
+        return self.router.events(*args)
+
+    async def resync(self, *args):
+        self.calls += 1
+        await self.gate.wait()
+        return self.router.resync(*args)
+
+    async def release(self):
+        self.gate.set()
+
+    async def received(self) -> int:
+        return self.calls
+
+    async def hashes(self, replica_id):
+        return self.router.hashes(replica_id)
+
+
+def test_a_router_that_does_not_answer_holds_at_most_max_unacked_calls(ray_session):
+    """500 steps' events to a router that answers nothing: the publisher waits on exactly
+    max_unacked calls (the first snapshot and 7 batches), not 500, and the router's mailbox holds
+    no more; once the router answers, a snapshot brings its index to the pool's 500 blocks."""
+    router, source = HeldRouter.remote(), GrowingSource()
+    pub = KVEventPublisher("replica", source, router, min_resync_interval_s=0, max_unacked=8)
+    for _ in range(500):
+        source.step()
+        pub.publish()
+    assert (pub.unacknowledged, pub.seq) == (8, 8)
+    wait_until(lambda: ray.get(router.received.remote()) == 8, "the 8 calls reach the router")
+    ray.get(router.release.remote())
+    wait_until(lambda: (pub.publish(), ray.get(router.hashes.remote("replica")))[1] == set(source.stored)
+               and pub.unacknowledged == 0, "the router's index matches the pool after a snapshot")
+    assert (pub.resyncs, pub.unacknowledged, len(source.stored)) == (2, 0, 500)
+    assert ray.get(router.received.remote()) == 9  # the 8 held calls, then the one snapshot
+    ray.kill(router)
