@@ -150,9 +150,15 @@ def _up(args) -> int:
     from ray import serve  # noqa: PLC0415
 
     import cluster.app.builder as serve_app  # noqa: PLC0415
+    from cluster.manifest import ManifestError, resolve_manifests  # noqa: PLC0415
 
     config = serve_app.ensure_model(_load_app_config(args))
     config.check_startable()  # before Ray starts: an open non-loopback bind is refused
+    try:  # before Ray starts too: a version whose checkpoint changed since its manifest is refused
+        config = resolve_manifests(config)  # what is deployed and printed: each version's checkpoint
+    except ManifestError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
     address = os.environ.get("RAY_ADDRESS")
     joined = address is not None
 
