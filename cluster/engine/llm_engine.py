@@ -95,6 +95,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size, self.device, config.seed,
                                   grammars)
         self.stats = EngineStats()
+        self._save_failures_seen = 0  # the tiers' failed saves already counted as step errors
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.stats, self._finished)
         spec = config.speculative
         self.speculator = None
@@ -342,6 +343,7 @@ class LLMEngine:
         requests it ended or moved on: the expired first, then the failed, then the step's."""
         outputs = self._expire()
         out = self._schedule()
+        saves_failed = self._saves_failed()
         if out.is_empty:
             if self.kv.num_loading:  # only tier copies in flight: wait for one, do not spin
                 self.kv.wait_loads(LOAD_WAIT_S)
@@ -355,7 +357,7 @@ class LLMEngine:
         # Requests whose own numbers failed end alone, before update(), which then skips them.
         outputs += self._fail(sampled.failed)
         before = self._update(out, sampled)
-        self._count_step(out, t0)
+        self._count_step(out, t0, clean=not saves_failed)
         return outputs + self.output_processor.process(out.chunks, sampled, before)
 
     def _expire(self) -> list[RequestOutput]:
@@ -375,11 +377,26 @@ class LLMEngine:
         """The forward raised: all the step's requests fail (counted: the replica's health reads
         the failures in a row). Called while `e` is handled, so its traceback is logged."""
         log.exception("engine step failed")
+        self.count_step_error()
+        failure = RequestFailure(ErrorKind.INTERNAL, f"engine step failed: {type(e).__name__}: {e}")
+        return self._fail({c.request.request_id: failure for c in out.chunks})
+
+    def count_step_error(self) -> None:
+        """A step that failed, in whole or in part: the replica's health reads the failures in a row."""
         self.stats.step_errors += 1
         self.stats.consecutive_step_errors += 1
         self.stats.last_step_error_at = time.monotonic()
-        failure = RequestFailure(ErrorKind.INTERNAL, f"engine step failed: {type(e).__name__}: {e}")
-        return self._fail({c.request.request_id: failure for c in out.chunks})
+
+    def _saves_failed(self) -> bool:
+        """Did a KV tier fail to save a block since the last step (while scheduling, or between
+        steps: a role's lease or import)? The save was skipped, no request failed for it, but the
+        step counts as a step error, so a tier that keeps failing (a full disk) trips health."""
+        failures = self.kv.save_failures
+        if failures == self._save_failures_seen:
+            return False
+        self._save_failures_seen = failures
+        self.count_step_error()
+        return True
 
     def _update(self, out: SchedulerOutput, sampled: SamplerOutput) -> dict[str, int]:
         """Append the step's tokens (ending the requests they end). Returns each sampling
@@ -390,12 +407,13 @@ class LLMEngine:
             self.speculator.observe(out, sampled.accepted)
         return before
 
-    def _count_step(self, out: SchedulerOutput, t0: float) -> None:
+    def _count_step(self, out: SchedulerOutput, t0: float, clean: bool) -> None:
         """A step that ran: the counters, its time (the speculator's cost model measures it too)
-        and the probe."""
+        and the probe. A clean one (no failed tier save) ends a run of step errors."""
         st = self.stats
         st.steps += 1
-        st.consecutive_step_errors = 0
+        if clean:
+            st.consecutive_step_errors = 0
         st.last_step_s = time.perf_counter() - t0
         st.busy_s += st.last_step_s
         self._time_step(out, st.last_step_s)

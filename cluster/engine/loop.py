@@ -212,10 +212,19 @@ class EngineLoop:
                 outputs = self.core.step()
             except Exception:  # the engine step already fails its own requests; this is a bug
                 log.exception("engine loop error; failing all requests")
+                self._count_step_error()
                 outputs = self._fail_all("engine loop error")
             self._call_hooks("after_step", time.monotonic())
             for out in outputs:
                 self._deliver(out)
+
+    def _count_step_error(self) -> None:
+        """A step that raised is a failed step too: counted where the replica's health reads step
+        errors in a row, so an engine that raises every step is replaced, not left failing every
+        request it is given. (A core without an LLMEngine underneath counts nothing.)"""
+        count = getattr(self.engine, "count_step_error", None)
+        if count is not None:
+            count()
 
     def _call_hooks(self, name: str, *args) -> None:
         for hook in self.hooks:

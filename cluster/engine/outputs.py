@@ -73,7 +73,7 @@ class EngineStats:
     generation_tokens: int = 0
     cached_prompt_tokens: int = 0
     preemptions: int = 0
-    step_errors: int = 0  # steps that failed as a whole (the forward raised)
+    step_errors: int = 0  # steps that failed: the forward raised, a KV tier save failed, or the step raised
     consecutive_step_errors: int = 0  # since the last step that ran: the replica's health reads it
     last_step_error_at: float = 0.0  # time.monotonic() of the latest failed step
     last_step_s: float = 0.0

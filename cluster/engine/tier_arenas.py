@@ -82,7 +82,10 @@ class DiskArena:
     def save(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(host slot, disk slot) pairs: the host tier's victims, before their slots are reused."""
         for host_slot, slot in pairs:
-            self.host.host[host_slot].view(torch.uint8).numpy().tofile(self._path(slot))
+            # not numpy's tofile: it ignores a failed flush at close, and a full disk there
+            # would pass for a save (the block then fails to load, or loads short)
+            with open(self._path(slot), "wb") as f:
+                f.write(self.host.host[host_slot].view(torch.uint8).numpy())
 
     def load(self, pairs: Sequence[tuple[int, int]]) -> None:
         """(disk slot, device block id) pairs."""

@@ -137,3 +137,19 @@ def test_a_prefix_hit_on_free_cached_blocks_allocates_only_the_tail():
     assert kv.num_free_blocks == 5
     kv.free("b")
     kv.check_invariants()
+
+
+def test_an_allocation_whose_eviction_hook_raises_takes_no_block():
+    def failing_tier(evicted):
+        raise OSError(28, "No space left on device")
+
+    pool = BlockPool(4, on_evict=failing_tier)
+    a = pool.allocate(2)  # 0 1
+    for i, blk in enumerate(a):
+        assert pool.cache(blk, bytes([i]) * 16)
+    pool.free(reversed(a))  # free queue: 2 3 1 0
+    with pytest.raises(OSError, match="No space left"):
+        pool.allocate(3)  # 2, 3, then 1 (cached: evicted, the hook raises)
+    assert (pool.num_free, pool.stats.allocated) == (4, 2)
+    assert pool.free_block_ids() == [2, 3, 1, 0]  # taken back to the head, in their order
+    pool.check_invariants()

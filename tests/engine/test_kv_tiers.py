@@ -3,6 +3,8 @@ from the pool and loaded back with their bytes, exact counts on every tier after
 (abort right after a load included), and engine output with tiers equal to transformers' and to
 the engine's without them, for prefixes that came back from host and from disk."""
 
+import asyncio
+import os
 import threading
 
 import pytest
@@ -428,3 +430,83 @@ def test_a_prompt_reloaded_from_the_disk_tier_gives_the_same_tokens(tiny_model, 
     engine.check_invariants()
     assert engine.kv.num_free_blocks == 8 and engine.kv.num_requests() == 0
     assert (host.num_used + host.num_free, disk.num_used + disk.num_free) == (2, 64)
+
+
+# ---- a tier whose saves fail (a full disk) -------------------------------------------------------
+
+
+def fill_disk(disk: DiskArena, slots: int) -> None:
+    """Every slot file of the arena is /dev/full: each block written there fails with ENOSPC, as on
+    a full file system (the arena's real write path, the kernel's real error)."""
+    for slot in range(slots):
+        os.symlink("/dev/full", disk.dir / f"{slot}.kv")
+
+
+def test_a_failed_save_is_skipped_the_slot_stays_free_and_the_allocation_gets_its_blocks(tmp_path):
+    host = arena(4, 2)
+    disk = DiskArena(host, str(tmp_path))
+    fill_disk(disk, 8)
+    kv = KVCacheManager(4, 4, tiers=[BlockTier("host", 2, host), BlockTier("disk", 8, disk)])
+    h_tier, d_tier = kv.tiers
+    first = Req("a", range(13))
+    assert run(kv, first) == [0, 1, 2, 3]
+    h_tier.drain_events(), d_tier.drain_events()
+    free_before = kv.num_free_blocks
+    b = Req("b", range(100, 116))
+    assert run(kv, b) == [3, 2, 1, 0]  # evicts a's 3 cached blocks: the host keeps 2, the disk fails 1
+    assert kv.num_free_blocks == free_before == 4
+    h0, h1, h2 = first.block_hashes
+    assert held(h_tier) == [(h1, 1), (h0, 0)] and held(d_tier) == []
+    assert (d_tier.stats.save_failed, d_tier.stats.stored, d_tier.num_free, kv.save_failures) == (1, 0, 8, 1)
+    assert d_tier.drain_events() == []  # the router never hears of a block the disk does not hold
+    kv.check_invariants()
+    again = Req("a2", range(13))  # a's prefix: 2 blocks from the host, the third is recomputed
+    assert kv.find_cached_prefix(again).loads == ((0, h0), (0, h1))
+    disk.close()
+
+
+def test_a_full_disk_fails_no_request_leaks_no_block_and_trips_health_after_n_steps(tiny_model, tmp_path):
+    from tests.serving.test_replica_health import replica_around
+
+    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prompts = [[256] + [i + 1] * 47 for i in range(8)]  # 3 full blocks each, nothing shared
+    expected = [o.token_ids for o in LLMEngine.from_model(tiny_model, num_blocks=8).generate(prompts, sp)]
+    engine = LLMEngine.from_model(tiny_model, num_blocks=8, kv_tiers={
+        "host_blocks": 2, "disk_dir": str(tmp_path), "disk_gb": 16 * 8192 / 2**30})
+    host, disk = engine.kv.tiers
+    fill_disk(disk.copier, 16)
+    replica = replica_around(engine, max_errors=3)
+    errors_in_a_row, healthy, tokens = [], [], []
+
+    async def one(i: int) -> None:
+        outs = [o async for o in replica.loop.generate(f"r{i}", prompt_token_ids=prompts[i], sampling=sp)]
+        tokens.append(outs[-1].token_ids)
+        assert outs[-1].finish_reason == "length"  # a failed save fails no request
+
+    try:
+        for i in range(7):
+            asyncio.run(one(i))  # one step each: the prompt, then its one token
+            errors_in_a_row.append(engine.stats.consecutive_step_errors)
+            try:
+                replica.check_health()
+                healthy.append("ok")
+            except RuntimeError as e:
+                healthy.append(str(e))
+        # 8 blocks: the first two requests take fresh ones, the third evicts 1 block into the host
+        # tier, the fourth 3 (the host's 2nd slot takes one, then its LRU goes down to the disk,
+        # which fails: 2), each later one 3 more failures: 2 + 3 * 3
+        assert errors_in_a_row == [0, 0, 0, 1, 2, 3, 4]
+        assert healthy == ["ok"] * 5 + [f"decode engine: the last {n} steps failed (max_consecutive_step_errors 3)"
+                                        for n in (3, 4)]
+        assert tokens == expected[:7]
+        assert (disk.stats.save_failed, disk.num_used, disk.stats.stored, host.num_used) == (11, 0, 0, 2)
+        assert (engine.stats.step_errors, engine.kv.num_free_blocks, engine.kv.num_requests()) == (4, 8, 0)
+        asyncio.run(replica.loop.call(engine.check_invariants))
+        for f in disk.copier.dir.iterdir():  # room on the disk again: the next save succeeds
+            f.unlink()
+        asyncio.run(one(7))
+        assert (engine.stats.consecutive_step_errors, disk.stats.stored, tokens[7]) == (0, 3, expected[7])
+        replica.check_health()
+    finally:
+        replica.loop.shutdown(timeout=5)
+        disk.copier.close()

@@ -102,3 +102,31 @@ def test_a_replica_whose_last_step_failed_is_reported_failing_for_a_while(engine
     engine.add_request("ok", prompt_token_ids=[256, 1, 2, 3], sampling=SP)
     engine.step()
     assert not reporter.replica_load(engine.load(), failed_at + 1.0).failing
+
+
+class RaisingScheduler:
+    """The real scheduler, whose schedule raises (a bug in the scheduling path, not the forward)."""
+
+    def __init__(self, scheduler):
+        self._scheduler = scheduler
+
+    def schedule(self):
+        raise RuntimeError("injected: scheduling bug")
+
+    def __getattr__(self, name):
+        return getattr(self._scheduler, name)
+
+
+def test_a_step_that_raises_out_of_the_engine_counts_and_trips_health(tiny_model):
+    engine = LLMEngine.from_model(tiny_model, num_blocks=32)
+    engine.scheduler = RaisingScheduler(engine.scheduler)
+    replica = replica_around(engine, max_errors=2)
+    try:
+        failed_step_on_loop(replica, "f0")  # the loop fails every request of the replica ...
+        replica.check_health()
+        failed_step_on_loop(replica, "f1")  # ... and counts each such step: health trips
+        with pytest.raises(RuntimeError, match=r"the last 2 steps failed \(max_consecutive_step_errors 2\)"):
+            replica.check_health()
+        assert engine.stats.step_errors == 2 and engine.kv.num_free_blocks == 32
+    finally:
+        replica.loop.shutdown(timeout=5)

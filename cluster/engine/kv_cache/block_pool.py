@@ -7,7 +7,8 @@ Rules:
 - Freed blocks go to the tail, in the order the caller gives (callers free a request's blocks
   tail-first, so the end of a prompt is evicted before its shared prefix).
 - `on_evict`, when set, receives the (block id, hash) pairs an allocation evicts, before it
-  returns: their bytes are intact until a step writes them (a lower tier copies them then).
+  returns: their bytes are intact until a step writes them (a lower tier copies them then). If
+  it raises, the allocation raises with every block it took back in the free queue.
   `reset_cache` drops hashes without it.
 - A quarantined block is held by an unsettled transfer (a NIXL READ that may still write it, or a
   peer that may still read it): the quarantine keeps the reference its request had, so the block
@@ -108,9 +109,13 @@ class BlockPool:
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block)
-        self.stats.allocated += n
         if evicted and self.on_evict is not None:
-            self.on_evict(evicted)
+            try:
+                self.on_evict(evicted)
+            except BaseException:  # the allocation fails without taking a block (their hashes are gone)
+                self.free_unused(reversed(out))
+                raise
+        self.stats.allocated += n
         return out
 
     def free(self, blocks: Iterable[Block]) -> None:

@@ -110,6 +110,11 @@ class KVCacheManager:
         return self.pool.num_blocks
 
     @property
+    def save_failures(self) -> int:
+        """Blocks the tiers failed to save since start (each skipped; see kv_cache/tier.py)."""
+        return sum(t.stats.save_failed for t in self.tiers)
+
+    @property
     def host(self) -> BlockTier | None:
         """The first tier below the pool, if any."""
         return self.tiers[0] if self.tiers else None

@@ -15,10 +15,16 @@ Rules:
   the device blocks evicts into this tier and must not take them, nor may a store while the copy
   runs), `copy` moves the bytes (thread-safe: it touches no bookkeeping), `end_load` unpins them
   and counts the copy; a failed copy `discard`s the hashes (their bytes are not trusted).
+- A save only keeps an evicted block for later, so a failed one (a full disk, a dead file system)
+  is skipped: the slot goes back free, the hash is not held, nothing raises into the allocation
+  that evicted the block (whose device blocks its request still gets). It is counted
+  (`stats.save_failed`); the engine counts a step with failed saves as a step error, so a tier
+  that keeps failing trips the replica's health.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -27,6 +33,7 @@ from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 from cluster.engine.kv_cache.hashing import BlockHash
 
+log = logging.getLogger(__name__)
 
 class BlockCopier(Protocol):
     """Moves whole blocks (all layers, K and V) into a tier and from it into the device pool."""
@@ -49,6 +56,7 @@ class TierStats:
     loaded: int = 0  # blocks copied back into the device pool
     load_failed: int = 0  # blocks whose copy back failed (discarded; the request recomputes them)
     written_through: int = 0  # blocks stored before any eviction (reused store_threshold times)
+    save_failed: int = 0  # blocks whose copy in failed (skipped: not held, slot free again)
     load_s: float = 0.0  # time the copies back took (on the loader thread when loads are async)
     save_s: float = 0.0  # time spent in saves (synchronous, inside scheduling)
 
@@ -84,6 +92,7 @@ class BlockTier:
         self._pins: dict[BlockHash, int] = {}
         self.stats = TierStats()
         self._events: list[tuple[str, BlockHash]] = []  # held ("+") / forgotten ("-"), for the router's index
+        self._failing = False  # the last save failed (its warning is logged once per run)
 
     @property
     def num_free(self) -> int:
@@ -146,12 +155,26 @@ class BlockTier:
             if slot is None:
                 self.stats.dropped += 1
                 continue
+            t0 = time.perf_counter()
+            try:
+                self.copier.save([(block_id, slot)])
+            except Exception as e:  # noqa: BLE001 — a save is an optimisation: skip it, count it
+                self._free.append(slot)
+                self._save_failed(e)
+                continue
+            finally:
+                self.stats.save_s += time.perf_counter() - t0
             self._lru[h] = slot
             self._events.append(("+", h))
-            t0 = time.perf_counter()
-            self.copier.save([(block_id, slot)])
-            self.stats.save_s += time.perf_counter() - t0
             self.stats.stored += 1
+            self._failing = False
+
+    def _save_failed(self, error: Exception) -> None:
+        self.stats.save_failed += 1
+        if not self._failing:  # once per run of failures: a full disk fails every eviction
+            log.warning("KV %s tier: saving a block failed (%s: %s); evicted blocks are not kept here "
+                        "until a save succeeds", self.name, type(error).__name__, error)
+        self._failing = True
 
     def write_through(self, blocks: Iterable[tuple[int, BlockHash]]) -> int:
         """Store blocks the tier above still holds (hot prompt blocks, before any eviction), so
