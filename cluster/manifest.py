@@ -23,9 +23,10 @@ import json
 from pathlib import Path
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, FieldSerializationInfo, field_serializer, field_validator
 
 from cluster.config import AppConfig, PoolOptions, ServingEngineOptions, Strict
+from cluster.config.common import as_written, overlay
 from cluster.config.models import SamplingDefaults, VersionOptions, check_name
 from cluster.engine.model.identity import WEIGHT_SUFFIXES, file_sha256
 
@@ -68,9 +69,15 @@ class ModelManifest(Strict):
     files: dict[str, str] = Field(description="Versioned file name -> sha256")
     sampling: SamplingDefaults = SamplingDefaults()
     max_model_len: int | None = Field(None, ge=1, description="None: the engine's (or the checkpoint's) limit")
-    engine: ServingEngineOptions | None = Field(None, description="Engine options this version needs")
-    prefill: PoolOptions | None = Field(None, description="Its prefill pool (None: the app's)")
-    decode: PoolOptions | None = Field(None, description="Its decode pool (None: the app's)")
+    engine: ServingEngineOptions | None = Field(None, description="Engine options this version needs (laid over "
+                                                "the app's key by key)")
+    prefill: PoolOptions | None = Field(None, description="Its prefill pool's keys (the rest: the app's)")
+    decode: PoolOptions | None = Field(None, description="Its decode pool's keys (the rest: the app's)")
+
+    @field_serializer("engine", "prefill", "decode")
+    def _as_written(self, section, info: FieldSerializationInfo):
+        """The keys it was given: laid over the app's sections at deploy, the rest the app's."""
+        return as_written(section, info)
 
     @field_validator("name")
     @classmethod
@@ -183,9 +190,10 @@ def _short(v) -> str:
 
 def resolve_manifests(config: AppConfig) -> AppConfig:
     """`config` with every version given by a manifest replaced by what the manifest pins (its
-    checkpoint, engine with its max_model_len, pools and sampling defaults; what the version sets
-    itself wins), after re-hashing the checkpoint: a version whose files changed is refused
-    here, before anything deploys."""
+    checkpoint, engine with its max_model_len, pools and sampling defaults), after re-hashing the
+    checkpoint: a version whose files changed is refused here, before anything deploys. The
+    version's own keys are laid over the manifest's key by key (cluster.config.common.overlay),
+    and both over the app's when the version is served (AppConfig.served_versions)."""
     if not any(v.manifest is not None for m in config.models.values() for v in m.versions.values()):
         return config
     models = {}
@@ -199,11 +207,12 @@ def resolve_manifests(config: AppConfig) -> AppConfig:
                     raise ManifestError(f"{where}: manifest {v.manifest} is for model {man.name!r}")
                 if problems := check(man):
                     raise ManifestError(f"{where}: manifest {v.manifest} does not hold: " + "; ".join(problems))
-                engine = v.engine or man.engine
-                if v.engine is None and man.max_model_len is not None:
-                    engine = (engine or config.engine).model_copy(update={"max_model_len": man.max_model_len})
-                v = VersionOptions(model=man.source, weight=v.weight, engine=engine, prefill=v.prefill or man.prefill,
-                                   decode=v.decode or man.decode, sampling=v.sampling or man.sampling)
+                engine = man.engine
+                if man.max_model_len is not None:
+                    engine = overlay(engine, ServingEngineOptions(max_model_len=man.max_model_len))
+                v = VersionOptions(model=man.source, weight=v.weight, engine=overlay(engine, v.engine),
+                                   prefill=overlay(man.prefill, v.prefill), decode=overlay(man.decode, v.decode),
+                                   sampling=overlay(man.sampling, v.sampling))
             versions[label] = v
         models[name] = m.model_copy(update={"versions": versions})
     return config.model_copy(update={"models": models})

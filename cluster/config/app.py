@@ -9,10 +9,10 @@ from typing import Literal
 import yaml
 from pydantic import Field, model_validator
 
-from cluster.config.common import Strict
+from cluster.config.common import Strict, overlay
 from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionOptions, ApiKey, AuditOptions, BudgetOptions,
                                        IngressLimits, KeySources, TenantOptions)
-from cluster.config.models import MAX_MODELS, ModelOptions, SamplingDefaults, check_name
+from cluster.config.models import MAX_MODELS, ModelOptions, SamplingDefaults, VersionOptions, check_name
 from cluster.config.pools import (FaultToleranceOptions, KVTransferOptions, PoolOptions, RoutingOptions,
                                   ServingEngineOptions)
 from cluster.config.safety import ClassifierDeploymentOptions, GuardrailPolicy, ResponseCacheOptions
@@ -91,8 +91,16 @@ class AppConfig(Strict):
                            for d in version_deployments(name, label)]
             if len(set(deployments)) != len(deployments):
                 raise ValueError(f"models: two versions make the same deployment names ({sorted(deployments)})")
+            for name, m in self.models.items():  # every version's sections laid over the app's hold
+                for label, v in m.versions.items():
+                    self._version_sections(f"models.{name}.versions.{label}", v)
         elif self.version is not None:
             check_name("version", self.version)
+        for pool in ("prefill", "decode"):
+            try:
+                self.engine_for(pool)
+            except ValueError as e:
+                raise ValueError(f"{pool}.engine, laid over the app's engine: {e}") from e
         if self.decode.num_replicas < 1 and self.decode.autoscaling is None:
             raise ValueError("decode.num_replicas must be >= 1 (the decode pool serves every request)")
         seen: dict[str, str] = {}
@@ -150,7 +158,8 @@ class AppConfig(Strict):
         return cls.model_validate(yaml.safe_load(Path(path).read_text()) or {})
 
     def engine_for(self, pool: Literal["prefill", "decode"]) -> ServingEngineOptions:
-        return getattr(self, pool).engine or self.engine
+        """The pool's engine: its own `engine` keys laid over the app-wide (or version's) engine."""
+        return overlay(self.engine, getattr(self, pool).engine)
 
     @property
     def model_name(self) -> str:
@@ -166,8 +175,10 @@ class AppConfig(Strict):
     def served_versions(self) -> list["ServedVersion"]:
         """Every (model, version) the app serves, in config order, each with the config its pools
         and its ingress flow are built from (the app's, with the version's checkpoint, pools,
-        engine and default max_tokens in place). Without `models`: this config, once. Versions
-        given by a manifest are resolved first (cluster.manifest.resolve_manifests, at deploy)."""
+        engine and default max_tokens in place: its `engine`, `prefill` and `decode` laid over the
+        app's key by key, cluster.config.common.overlay). Without `models`: this config, once.
+        Versions given by a manifest are resolved first (cluster.manifest.resolve_manifests, at
+        deploy; `pdserve up` resolves them before Ray starts)."""
         if not self.models:
             return [ServedVersion(self.model_name, self.version, self, single=True)]
         out = []
@@ -178,10 +189,25 @@ class AppConfig(Strict):
                 sampling = v.sampling or SamplingDefaults()
                 cfg = self.model_copy(update={
                     "model": v.model, "served_model_name": name, "version": label, "models": {},
-                    "engine": v.engine or self.engine, "prefill": v.prefill or self.prefill,
-                    "decode": v.decode or self.decode,
+                    **self._version_sections(f"models.{name}.versions.{label}", v),
                     "default_max_tokens": sampling.max_tokens or self.default_max_tokens})
                 out.append(ServedVersion(name, label, cfg, sampling=sampling))
+        return out
+
+    def _version_sections(self, where: str, v: VersionOptions) -> dict:
+        """A version's engine and pools: its keys laid over the app's (a ValueError names the
+        section whose result is not valid)."""
+        out = {}
+        for section in ("engine", "prefill", "decode"):
+            try:
+                out[section] = overlay(getattr(self, section), getattr(v, section))
+            except ValueError as e:
+                raise ValueError(f"{where}.{section}, laid over the app's {section}: {e}") from e
+        for pool in ("prefill", "decode"):
+            try:
+                overlay(out["engine"], out[pool].engine)
+            except ValueError as e:
+                raise ValueError(f"{where}.{pool}.engine, laid over its engine: {e}") from e
         return out
 
 

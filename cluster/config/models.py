@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import re
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, FieldSerializationInfo, field_serializer, field_validator, model_validator
 
-from cluster.config.common import Strict
+from cluster.config.common import Strict, as_written
 from cluster.config.pools import PoolOptions, ServingEngineOptions
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # model names and version labels
@@ -37,17 +37,31 @@ class SamplingDefaults(Strict):
 
 class VersionOptions(Strict):
     """One version of a model: its checkpoint (or a manifest pinning it), its share of the traffic
-    and, where it differs from the app's, its pools and engine."""
+    and, where it differs from the app's, its pools and engine.
+
+    `engine`, `prefill` and `decode` are laid over the app-wide sections key by key, at every
+    level (cluster.config.common.overlay): the keys a version sets win, every other key is the
+    app's. `engine: {max_num_seqs: 8}` keeps the app's `num_blocks`; `decode: {num_replicas: 2}`
+    keeps the app's `num_cpus` (and its `autoscaling`, if it has one: set `autoscaling: null`
+    to use num_replicas). A version given by a manifest: the app's, then the manifest's, then
+    the version's own keys."""
 
     model: str | None = Field(None, description="HF checkpoint directory (or give `manifest`)")
     manifest: str | None = Field(
         None, description="A model manifest (`pdserve models manifest`): the checkpoint at its source, refused at "
-        "deploy if any pinned file changed; its engine and pool options apply unless set here")
+        "deploy if any pinned file changed; its engine, pool and sampling keys apply unless set here")
     weight: float = Field(1.0, ge=0, description="Share of the model's traffic (relative to its other versions)")
-    engine: ServingEngineOptions | None = Field(None, description="Overrides the app-wide engine options")
-    prefill: PoolOptions | None = Field(None, description="This version's prefill pool (None: the app's `prefill`)")
-    decode: PoolOptions | None = Field(None, description="This version's decode pool (None: the app's `decode`)")
+    engine: ServingEngineOptions | None = Field(
+        None, description="Laid over the app-wide `engine` key by key: the keys set here win, the rest are the app's")
+    prefill: PoolOptions | None = Field(
+        None, description="Laid over the app's `prefill` key by key (its pool: prefill-<model>-<label>)")
+    decode: PoolOptions | None = Field(
+        None, description="Laid over the app's `decode` key by key (its pool: decode-<model>-<label>)")
     sampling: SamplingDefaults | None = Field(None, description="Defaults for what a request leaves unset")
+
+    @field_serializer("engine", "prefill", "decode", "sampling")
+    def _as_written(self, section, info: FieldSerializationInfo):
+        return as_written(section, info)
 
     @model_validator(mode="after")
     def _one_source(self) -> "VersionOptions":

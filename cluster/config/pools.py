@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, FieldSerializationInfo, field_serializer, field_validator, model_validator
 
-from cluster.config.common import Strict
+from cluster.config.common import Strict, as_written
 from cluster.engine.config import EngineOptions
 
 
@@ -69,7 +69,13 @@ class PoolOptions(Strict):
         "token alone; auto sends 1 up to 8 streams on a replica, then one more per 8 streams, up to 8, so the "
         "per-message cost (replica, Ray, ingress relay, client frame) stays flat as streams grow. The first token, "
         "the end and a failure go at once (decode and colocated replicas)")
-    engine: ServingEngineOptions | None = Field(None, description="Overrides the app-wide engine options")
+    engine: ServingEngineOptions | None = Field(
+        None, description="This pool's engine: laid over the app-wide (or the version's) `engine` key by key, the "
+        "keys set here win")
+
+    @field_serializer("engine")
+    def _as_written(self, section, info: FieldSerializationInfo):
+        return as_written(section, info)
 
     @field_validator("stream_interval")
     @classmethod

@@ -75,6 +75,58 @@ def test_each_version_gets_its_own_pools_engine_and_sampling_defaults():
     assert AppConfig(model="A").served_versions()[0].config.serving_group == "A"
 
 
+def test_a_versions_sections_are_laid_over_the_apps_key_by_key():
+    """A version's `engine`, `prefill` and `decode` (and a pool's `engine`) keep every key they do
+    not set from the app-wide sections, at every level; a mapping value (resources) is replaced.
+    (A version's `engine:` once replaced the app's whole: num_blocks 64 became the default.)"""
+    cfg = AppConfig.model_validate({
+        "engine": {"num_blocks": 64, "block_size": 32, "speculative": {"method": "ngram", "k": 2}},
+        "prefill": {"num_cpus": 0.5, "engine": {"max_num_batched_tokens": 256}},
+        "decode": {"num_cpus": 0.5, "resources": {"a": 1.0}},
+        "models": {"tiny": {"versions": {
+            "v1": {"model": "A"},
+            "v2": {"model": "B", "engine": {"max_num_seqs": 8, "speculative": {"k": 6}},
+                   "decode": {"num_replicas": 2, "resources": {"b": 2.0}, "engine": {"num_blocks": 128}}}}}}})
+
+    def seen(c: AppConfig) -> list:
+        return [(p, (e := c.engine_for(p)).num_blocks, e.block_size, e.max_num_seqs, e.max_num_batched_tokens,
+                 e.speculative.method, e.speculative.k, getattr(c, p).num_replicas, getattr(c, p).num_cpus,
+                 getattr(c, p).resources) for p in ("prefill", "decode")]
+
+    v1, v2 = (v.config for v in cfg.served_versions())
+    # defaults: max_num_seqs 64, max_num_batched_tokens 512
+    assert seen(v1) == [("prefill", 64, 32, 64, 256, "ngram", 2, 1, 0.5, {}),
+                        ("decode", 64, 32, 64, 512, "ngram", 2, 1, 0.5, {"a": 1.0})]
+    assert seen(v2) == [("prefill", 64, 32, 8, 256, "ngram", 6, 1, 0.5, {}),
+                        ("decode", 128, 32, 8, 512, "ngram", 6, 2, 0.5, {"b": 2.0})]
+    # the ingress gets the app's config as a dump, a replica its version's: both read the same sections
+    again = [v.config for v in AppConfig.model_validate(cfg.model_dump()).served_versions()]
+    assert [seen(c) for c in again] == [seen(v1), seen(v2)]
+    assert seen(AppConfig.model_validate(v2.without_keys().model_dump())) == seen(v2)
+    assert cfg.model_dump()["models"]["tiny"]["versions"]["v2"]["engine"] == {"max_num_seqs": 8,
+                                                                            "speculative": {"k": 6}}
+    # a section that holds alone but not laid over the app's is refused, naming both
+    with pytest.raises(ValidationError) as e:
+        AppConfig.model_validate({"decode": {"autoscaling": {"min_replicas": 3, "max_replicas": 4}}, "models": {
+            "tiny": {"versions": {"v1": {"model": "A", "decode": {"autoscaling": {"max_replicas": 1}}}}}}})
+    assert "models.tiny.versions.v1.decode, laid over the app's decode: 1 validation error for AutoscalingOptions" \
+           in str(e.value) and "max_replicas (1) must be >= min_replicas (3)" in str(e.value)
+
+
+def test_a_manifest_versions_sections_go_between_the_apps_and_the_versions(tiny_model, tmp_path):
+    """app < manifest < version, key by key (a version that set any engine key once lost the
+    manifest's max_model_len, and both lost the app's engine)."""
+    path = tmp_path / "v1.yaml"
+    path.write_text(build_manifest(tiny_model, "tiny", "v1", max_model_len=256, engine={"max_num_seqs": 4},
+                                   decode={"num_replicas": 2, "max_ongoing_requests": 8}).to_yaml())
+    cfg = AppConfig.model_validate({"engine": {"num_blocks": 64}, "decode": {"num_cpus": 0.5}, "models": {"tiny": {
+        "versions": {"v1": {"manifest": str(path), "engine": {"max_num_seqs": 6}, "decode": {"num_replicas": 3}}}}}})
+    v1 = resolve_manifests(cfg).served_versions()[0].config
+    e, d = v1.engine_for("decode"), v1.decode
+    assert (e.num_blocks, e.max_model_len, e.max_num_seqs, d.num_replicas, d.max_ongoing_requests, d.num_cpus) == (
+        64, 256, 6, 3, 8, 0.5)
+
+
 def test_a_manifest_version_is_resolved_at_deploy_and_refused_when_its_files_changed(tiny_model, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_model, ckpt)
