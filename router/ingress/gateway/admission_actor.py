@@ -10,7 +10,7 @@ import ray
 from cluster.config import AdmissionOptions
 from router.actor import named_actor
 from router.ingress.gateway.admission import Quotas
-from router.ingress.gateway.idempotency import IdempotencyStore
+from router.ingress.gateway.idempotency import LEASE_S, IdempotencyStore
 
 ADMISSION_NAME = "pdserve-admission"
 
@@ -19,29 +19,46 @@ ADMISSION_NAME = "pdserve-admission"
 class AdmissionActor:
     """Cluster-wide rate-limit buckets and idempotency records (router/ingress/gateway/admission.py), shared by
     every ingress replica. Restarted by Ray if it dies, with its constructor's arguments: buckets
-    start full again and idempotency records are lost (a retry after a restart runs again)."""
+    start full again and idempotency records are lost (a retry after a restart runs again).
+    A running record belongs to the ingress running it: when that ingress stops renewing its
+    lease (it died), its records are dropped within 4/3 lease_s (gateway/idempotency.py)."""
 
-    def __init__(self, idempotency_ttl_s: float = 600.0, max_keys: int = 1024, max_waiters: int = 8):
+    def __init__(self, idempotency_ttl_s: float = 600.0, max_keys: int = 1024, max_waiters: int = 8,
+                 lease_s: float = LEASE_S):
         self.quotas = Quotas()
-        self.results = IdempotencyStore(idempotency_ttl_s, max_keys=max_keys, max_waiters=max_waiters)
+        self.results = IdempotencyStore(idempotency_ttl_s, max_keys=max_keys, max_waiters=max_waiters, lease_s=lease_s)
         self._settled: dict[tuple[str, str], asyncio.Event] = {}
+        self._sweeping: asyncio.Task | None = None
 
     async def take(self, tenant: str, kind: str, per_min: float, need: float, want: float):
         return self.quotas.take(tenant, kind, per_min, need, want)
 
-    async def begin(self, tenant: str, key: str, fingerprint: str):
-        state, result = self.results.begin(tenant, key, fingerprint)
+    async def begin(self, tenant: str, key: str, fingerprint: str, owner: str | None = None):
+        state, result = self.results.begin(tenant, key, fingerprint, owner)
         if state == "run":
             self._settled[(tenant, key)] = asyncio.Event()
+            if owner is not None and (self._sweeping is None or self._sweeping.done()):
+                self._sweeping = asyncio.ensure_future(self._sweep())
         return state, result
 
-    async def finish(self, tenant: str, key: str, result) -> None:
-        self.results.finish(tenant, key, result)
-        self._settle(tenant, key)
+    async def finish(self, tenant: str, key: str, result, owner: str | None = None) -> None:
+        if self.results.finish(tenant, key, result, owner):  # else: not its record (dropped, maybe run again)
+            self._settle(tenant, key)
 
-    async def abandon(self, tenant: str, key: str) -> None:
-        self.results.abandon(tenant, key)
-        self._settle(tenant, key)
+    async def abandon(self, tenant: str, key: str, owner: str | None = None) -> None:
+        if self.results.abandon(tenant, key, owner):
+            self._settle(tenant, key)
+
+    async def renew(self, owner: str) -> None:
+        self.results.renew(owner)
+
+    async def _sweep(self) -> None:
+        """Every lease_s / 3 while an ingress's lease holds running records: drop those of the
+        ingresses gone silent and wake their waiters (one of them runs the request)."""
+        while self.results.owned_running():
+            await asyncio.sleep(self.results.lease_s / 3)
+            for tenant, key in self.results.lapsed():
+                self._settle(tenant, key)
 
     async def wait(self, tenant: str, key: str, timeout_s: float) -> bool:
         """Until the running request with this key finishes or is abandoned (or timeout_s).

@@ -1,12 +1,22 @@
 """Idempotency-Key (HTTP): a non-streaming request runs at most once per (tenant, key) within a
 TTL, across ingress replicas. `IdempotencyStore` is the plain, clocked store the admission actor
-holds (gateway/admission_actor.py); `Idempotent` is one ingress's side of it."""
+holds (gateway/admission_actor.py); `Idempotent` is one ingress's side of it.
+
+A running record is owned by the ingress replica running it, which holds a lease on the store
+(`lease_s`, renewed every lease_s / 3 while it runs anything under a key). An ingress that dies
+stops renewing: within lease_s of its last renewal its running records are dropped (and their
+waiters woken, one of them then runs the request), instead of blocking the key for the whole TTL.
+The actor checks leases every lease_s / 3, so a dead ingress's keys are free again at most
+4/3 lease_s (13.3 s) after its death. The cost: an ingress whose event loop stalls longer than
+lease_s (it could not renew) loses its records as a dead one would, and a duplicate may then run
+the request a second time; its late finish or abandon no longer touches the key."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Awaitable, Callable
@@ -24,6 +34,10 @@ class _Record:
     result: object = None
     done: bool = False
     waiters: int = 0
+    owner: str | None = None  # the ingress running it (None: no lease, kept until the TTL)
+
+
+LEASE_S = 10.0  # an ingress's lease on its running records (module docstring)
 
 
 class IdempotencyStore:
@@ -36,17 +50,20 @@ class IdempotencyStore:
     waiting on one running key (`join` refuses the next)."""
 
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, max_keys: int = 1024,
-                 max_waiters: int = 8):
+                 max_waiters: int = 8, lease_s: float = LEASE_S):
         self.ttl_s = ttl_s
         self.clock = clock
         self.max_keys = max_keys
         self.max_waiters = max_waiters
+        self.lease_s = lease_s
         self._tenants: dict[str, OrderedDict[str, _Record]] = {}  # per tenant, least recently used first
+        self._leases: dict[str, float] = {}  # owner -> when its lease lapses
 
-    def begin(self, tenant: str, key: str, fingerprint: str) -> tuple[str, object]:
-        """("run", None): execute it; ("done", result); ("running", None): wait and ask again;
-        ("conflict", None): the key was used with a different request; ("full", None): the
-        tenant has max_keys requests running under keys."""
+    def begin(self, tenant: str, key: str, fingerprint: str, owner: str | None = None) -> tuple[str, object]:
+        """("run", None): execute it (the record is `owner`'s, which holds a lease from now);
+        ("done", result); ("running", None): wait and ask again; ("conflict", None): the key was
+        used with a different request; ("full", None): the tenant has max_keys requests running
+        under keys."""
         records = self._tenants.setdefault(tenant, OrderedDict())
         self._expire(records)
         rec = records.get(key)
@@ -55,18 +72,51 @@ class IdempotencyStore:
         if rec is None:
             if len(records) >= self.max_keys and not self._evict_one(records):
                 return "full", None
-            records[key] = _Record(fingerprint, self.clock() + self.ttl_s)
+            records[key] = _Record(fingerprint, self.clock() + self.ttl_s, owner=owner)
+            if owner is not None:
+                self.renew(owner)
             return "run", None
         records.move_to_end(key)
         return ("done", rec.result) if rec.done else ("running", None)
 
-    def finish(self, tenant: str, key: str, result: object) -> None:
-        rec = self._tenants.get(tenant, {}).get(key)
+    def finish(self, tenant: str, key: str, result: object, owner: str | None = None) -> bool:
+        """Store the result of `owner`'s run. False: not its running record (it was dropped)."""
+        rec = self._running(tenant, key, owner)
         if rec is not None:
             rec.result, rec.done, rec.expires = result, True, self.clock() + self.ttl_s
+        return rec is not None
 
-    def abandon(self, tenant: str, key: str) -> None:
-        self._tenants.get(tenant, {}).pop(key, None)
+    def abandon(self, tenant: str, key: str, owner: str | None = None) -> bool:
+        """Forget `owner`'s run (a retry runs again). False: not its running record."""
+        rec = self._running(tenant, key, owner)
+        if rec is not None:
+            del self._tenants[tenant][key]
+        return rec is not None
+
+    def _running(self, tenant: str, key: str, owner: str | None) -> _Record | None:
+        rec = self._tenants.get(tenant, {}).get(key)
+        return rec if rec is not None and not rec.done and rec.owner == owner else None
+
+    def renew(self, owner: str) -> None:
+        """The owner is alive: its running records are kept for lease_s more."""
+        self._leases[owner] = self.clock() + self.lease_s
+
+    def lapsed(self) -> list[tuple[str, str]]:
+        """Drop the running records of owners whose lease lapsed (a dead ingress): their
+        (tenant, key)s, whose waiters the caller wakes."""
+        now = self.clock()
+        gone = {o for o, until in self._leases.items() if until <= now}
+        for o in gone:
+            del self._leases[o]
+        dropped = [(t, k) for t, records in self._tenants.items() for k, r in records.items()
+                   if not r.done and r.owner is not None and r.owner not in self._leases]
+        for t, k in dropped:
+            del self._tenants[t][k]
+        return dropped
+
+    def owned_running(self) -> int:
+        """Running records that an ingress's lease holds (what lapsed() may drop)."""
+        return sum(not r.done and r.owner is not None for records in self._tenants.values() for r in records.values())
 
     def join(self, tenant: str, key: str) -> bool:
         """One more duplicate waits on a running key; False when max_waiters already do."""
@@ -108,12 +158,16 @@ class Idempotent:
     `actor_timeout_s`: `begin` fails closed (UNAVAILABLE: without the store, running could run
     twice); `finish`/`abandon` failing is logged (the record expires, waiters time out)."""
 
-    def __init__(self, actor, admission: Admission):
+    def __init__(self, actor, admission: Admission, lease_s: float = LEASE_S):
         self.actor = actor
         self.admission = admission
         opts = admission.config.admission
         self.wait_s = opts.idempotency_wait_s
         self.timeout_s = opts.actor_timeout_s
+        self.owner = uuid.uuid4().hex  # this ingress replica, owner of the records it runs
+        self.lease_s = lease_s
+        self._running = 0  # requests this ingress runs under a key: renewing while > 0
+        self._renewing: asyncio.Task | None = None
 
     async def _call(self, method, *args, timeout_s: float | None = None):
         return await asyncio.wait_for(method.remote(*args), timeout_s or self.timeout_s)
@@ -123,7 +177,7 @@ class Idempotent:
         deadline = time.monotonic() + self.wait_s
         while True:
             try:
-                state, result = await self._call(self.actor.begin, tenant, key, fingerprint)
+                state, result = await self._call(self.actor.begin, tenant, key, fingerprint, self.owner)
             except Exception as e:  # noqa: BLE001 — fail closed
                 raise ServingError(Code.UNAVAILABLE, f"the idempotency store is unavailable ({e!r}); "
                                                      f"retry with the same Idempotency-Key", 1.0) from e
@@ -140,16 +194,33 @@ class Idempotent:
                     raise ServingError(Code.ABORTED, f"the request with Idempotency-Key {key!r} is still running")
                 await self._wait(tenant, key, deadline)
                 continue
+            self._hold(1)
             try:
                 result = await execute()
             except BaseException:
-                await self._settle(self.actor.abandon, tenant, key)
+                await self._settle(self.actor.abandon, tenant, key, self.owner)
                 raise
+            finally:
+                self._hold(-1)
             if succeeded(result):
-                await self._settle(self.actor.finish, tenant, key, result)
+                await self._settle(self.actor.finish, tenant, key, result, self.owner)
             else:  # an error is not stored: the client may retry with the same key
-                await self._settle(self.actor.abandon, tenant, key)
+                await self._settle(self.actor.abandon, tenant, key, self.owner)
             return result
+
+    def _hold(self, n: int) -> None:
+        """Count a run in or out; the lease is renewed while any runs."""
+        self._running += n
+        if self._running > 0 and (self._renewing is None or self._renewing.done()):
+            self._renewing = asyncio.ensure_future(self._renew())
+
+    async def _renew(self) -> None:
+        while self._running > 0:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                await self._call(self.actor.renew, self.owner)
+            except Exception as e:  # noqa: BLE001 — the next renewal may reach it; past lease_s the keys are freed
+                log.warning("idempotency store: renewing this ingress's lease failed (%r)", e)
 
     async def _wait(self, tenant: str, key: str, deadline: float) -> None:
         """Wait for the running request, holding an in-flight slot of the tenant's."""

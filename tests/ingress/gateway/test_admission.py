@@ -220,6 +220,31 @@ def test_idempotency_store_runs_once_then_returns_the_result_until_the_ttl():
     assert store.begin("t", "k", "fp") == ("run", None)  # a failed run leaves nothing behind
 
 
+def test_a_silent_ingress_loses_its_running_records_when_its_lease_lapses():
+    """A running record is its ingress's while that ingress renews its lease: one that stops (it
+    died) loses its records lease_s after its last renewal, not at the TTL; its late finish or
+    abandon then touches nothing."""
+    clock = Clock()
+    store = IdempotencyStore(ttl_s=600, clock=clock, lease_s=10)
+    assert store.begin("t", "k", "fp", "ingress-a") == ("run", None)
+    assert store.begin("t", "j", "fp", "ingress-b") == ("run", None)
+    assert store.begin("t", "n", "fp") == ("run", None)  # no owner: kept until the TTL
+    clock.t = 1006.0
+    store.renew("ingress-b")
+    clock.t = 1009.99
+    assert (store.lapsed(), store.owned_running()) == ([], 2)
+    clock.t = 1010.0  # a's lease, taken at 1000, lapses; b renewed at 1006
+    assert (store.lapsed(), store.owned_running()) == ([("t", "k")], 1)
+    assert store.begin("t", "k", "fp", "ingress-b") == ("run", None)  # a duplicate runs it again
+    assert store.finish("t", "k", {"late": 1}, "ingress-a") is False
+    assert store.abandon("t", "k", "ingress-a") is False
+    assert store.begin("t", "k", "fp", "ingress-c") == ("running", None)  # still b's
+    assert store.finish("t", "k", {"id": 2}, "ingress-b") is True
+    clock.t = 1599.0  # b silent since 1010: its running j goes, its finished k and the ownerless n stay
+    assert store.lapsed() == [("t", "j")]
+    assert [store.begin("t", key, "fp")[0] for key in ("k", "n")] == ["done", "running"]
+
+
 def test_predicted_queue_wait_over_the_bound_or_the_deadline_is_refused(tiny_model):
     import time
 
