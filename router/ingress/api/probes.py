@@ -30,8 +30,10 @@ def version_info(door: FrontDoor) -> dict:
 
 
 def metrics_text(door: FrontDoor) -> bytes:
-    """In-flight requests per tenant and on this ingress, as a Prometheus scrape (prometheus_client,
-    a registry of its own, so nothing global is touched)."""
+    """In-flight requests on this ingress (and per tenant while auth is off: there is only
+    `default` then), as a Prometheus scrape (prometheus_client, a registry of its own, so nothing
+    global is touched). Served without a key: with keys configured it names no tenant (the
+    per-tenant series are on Ray's metrics endpoint, inside the cluster network)."""
     from prometheus_client import CollectorRegistry, Gauge, generate_latest  # noqa: PLC0415
 
     registry = CollectorRegistry()
@@ -39,9 +41,10 @@ def metrics_text(door: FrontDoor) -> bytes:
     Gauge("pdserve_ingress_inflight", "Requests in flight on this ingress", registry=registry).set(adm.total_inflight)
     cap = Gauge("pdserve_ingress_max_inflight", "max_inflight of this ingress (auto: as sized now)", registry=registry)
     cap.set(adm.max_inflight())
-    per = Gauge("pdserve_ingress_tenant_inflight", "Requests in flight per tenant", ["tenant"], registry=registry)
-    for tenant, n in adm.inflight_by_tenant().items():
-        per.labels(tenant).set(n)
+    if not adm.auth_enabled:
+        per = Gauge("pdserve_ingress_tenant_inflight", "Requests in flight per tenant", ["tenant"], registry=registry)
+        for tenant, n in adm.inflight_by_tenant().items():
+            per.labels(tenant).set(n)
     err = door.capacity.first_tokens.prediction_error()
     if err is not None:  # the queue model's predicted time to first token vs the actual, latest requests
         g = Gauge("pdserve_ingress_ttft_prediction_error_seconds",

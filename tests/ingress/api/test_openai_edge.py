@@ -13,8 +13,9 @@ from cluster.errors import InvalidRequestError
 
 # ---- HTTP: limits before parsing, fields, codes ------------------------------------------------
 
-def asgi(app, path, body: bytes | list[bytes], headers=(), method="POST"):
-    """One request through the ASGI app; `body` as a list is sent in chunks (no Content-Length)."""
+def asgi(app, path, body: bytes | list[bytes], headers=(), method="POST", raw=False):
+    """One request through the ASGI app; `body` as a list is sent in chunks (no Content-Length).
+    (status, the JSON body), or with `raw` (status, the body's bytes)."""
     chunks = body if isinstance(body, list) else [body]
     inbox = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
     sent = []
@@ -32,7 +33,8 @@ def asgi(app, path, body: bytes | list[bytes], headers=(), method="POST"):
              "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": hdrs,
              "server": ("test", 80), "client": ("test", 1)}
     asyncio.run(app(scope, receive, send))
-    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    content = b"".join(m.get("body", b"") for m in sent[1:])
+    return sent[0]["status"], content if raw else json.loads(content)
 
 
 @pytest.fixture()
@@ -271,3 +273,48 @@ def test_fastapis_own_refusals_carry_the_openai_error_object(app, path, body, me
 def test_no_api_schema_or_docs_page_is_served(app, path):
     status, err = asgi(app, path, b"", method="GET")
     assert (status, err["error"]["message"]) == (404, "Not Found")
+
+
+# ---- /metrics: no key, no tenant names with keys configured (docs/architecture.md, threat model) ---
+
+@pytest.fixture()
+def keyed(tiny_model):
+    """The app with tenant acme's key configured (auth on), acme holding one in-flight slot."""
+    from router.ingress.api import openai_api
+    from tests.helpers import front_door
+
+    door = front_door(AppConfig.model_validate({"model": tiny_model, "tenants": {"acme": {"api_keys": ["sk-acme"]}}}))
+    openai_api.bind(door)
+    ticket = door.admission.reserve("acme")
+    yield openai_api.app
+    ticket.done()
+    openai_api.bind(None)
+
+
+@pytest.mark.parametrize("headers", [(), [("authorization", "Bearer sk-wrong")], [("authorization", "Bearer sk-acme")]])
+def test_metrics_answer_without_a_key_and_name_no_tenant_when_keys_are_configured(keyed, headers):
+    """A Prometheus scraper has no API key (vLLM's /metrics asks for none), so /metrics is 200
+    with or without one; a key-less caller must not learn the tenants, so with keys configured
+    no series names one."""
+    status, text = asgi(keyed, "/metrics", b"", headers, method="GET", raw=True)
+    assert status == 200
+    series = [line for line in text.decode().splitlines() if not line.startswith("#")]
+    assert "pdserve_ingress_inflight 1.0" in series
+    assert b"acme" not in text and b"tenant" not in text
+    assert asgi(keyed, "/v1/models", b"", headers, method="GET")[0] == (200 if headers and "sk-acme" in headers[0][1]
+                                                                       else 401)  # auth is on elsewhere
+
+
+def test_metrics_count_in_flight_per_tenant_when_auth_is_off(tiny_model):
+    from router.ingress.api import openai_api
+    from tests.helpers import front_door
+
+    door = front_door(AppConfig.model_validate({"model": tiny_model}))
+    openai_api.bind(door)
+    ticket = door.admission.reserve("default")
+    try:
+        status, text = asgi(openai_api.app, "/metrics", b"", method="GET", raw=True)
+    finally:
+        ticket.done()
+        openai_api.bind(None)
+    assert status == 200 and 'pdserve_ingress_tenant_inflight{tenant="default"} 1.0' in text.decode().splitlines()
