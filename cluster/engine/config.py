@@ -174,7 +174,8 @@ class EngineOptions(BaseModel):
     max_waiting: int | None = Field(
         None, ge=0, description="Most requests waiting for admission; more are refused (overload). None = unbounded.")
     queue_ttl_s: float | None = Field(
-        None, gt=0, description="A request not admitted within this long is rejected (overload). None = no limit.")
+        None, gt=0, description="A request waiting in the queue this long is rejected (overload): since its arrival, "
+        "or since it went back to the queue (preempted). None = no limit.")
     limits: RequestLimits = Field(default_factory=RequestLimits, description="Caps on one request's input (400).")
     speculative: SpeculativeOptions = Field(
         default_factory=SpeculativeOptions, description="Speculative decoding (off by default).")

@@ -361,7 +361,7 @@ class LLMEngine:
         return outputs + self.output_processor.process(out.chunks, sampled, before)
 
     def _expire(self) -> list[RequestOutput]:
-        expired = self.scheduler.expire(time.time(), time.monotonic())
+        expired = self.scheduler.expire(time.time(), self.scheduler.clock())
         return [self.output_processor.final_output(r, [], "") for r in expired]
 
     def _schedule(self) -> SchedulerOutput:

@@ -76,6 +76,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache; -1 = not admitted yet
     num_preemptions: int = 0
+    # monotonic: when it last went back to the waiting queue (preempted, its KV import or tier
+    # load failed); None while it never did. The queue time-to-live counts from here (else arrival).
+    requeued_at: float | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
     error: str | None = None
     error_kind: ErrorKind | None = None  # set with FINISHED_ERROR: whose fault `error` was

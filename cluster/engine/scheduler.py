@@ -18,14 +18,20 @@ priority class first, then the most recently admitted (recompute: its blocks are
 restarts from its prompt plus the tokens it has produced; its prefix usually comes back from
 the cache).
 
-Overload: the waiting queue is bounded (`add` raises QueueFullError), a request never admitted
-within `queue_ttl_s` is rejected, and any request past its deadline is stopped (`expire`).
+Overload: the waiting queue is bounded (`add` raises QueueFullError), a request that waits in
+the queue for `queue_ttl_s` is rejected, and any request past its deadline is stopped (`expire`).
+The time-to-live counts the current wait: from arrival for a request never admitted, from the
+moment it went back to the queue for one that did (preempted, or its import or tier load failed).
+So a request is never rejected for the time it spent running, and a preempted one that does not
+get its blocks back within the time-to-live ends ("rejected", with the tokens it already sent)
+instead of waiting without a bound behind an overload.
 
 The scheduler never touches tensors; it is tested with a KV manager and token ids alone.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -70,8 +76,10 @@ class Scheduler:
         max_model_len: int,
         max_waiting: int | None = None,
         queue_ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.kv = kv
+        self.clock = clock  # monotonic, like Request.arrival_time: when a request goes back to the queue
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -177,17 +185,23 @@ class Scheduler:
         self.kv.free(request_id)
         req.append_token(first_token)
         req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
+        self._requeue(req)
         self.waiting.append(req)
         return req
+
+    def _requeue(self, req: Request) -> None:
+        """Back to waiting (its blocks already freed): the queue time-to-live counts from now."""
+        req.status = RequestStatus.WAITING
+        req.requeued_at = self.clock()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
 
     def expire(self, now: float, now_mono: float) -> list[Request]:
         """Finish requests past their deadline (`now`, wall clock; waiting or running: a request
-        importing KV is left to its transfer timeout) and requests never admitted within
-        queue_ttl_s (`now_mono`, monotonic like arrival_time). Their blocks are freed."""
+        importing KV is left to its transfer timeout) and requests that have waited in the queue
+        for queue_ttl_s (`now_mono`, monotonic like arrival_time): since arrival, or since they
+        went back to the queue (see the module docstring). Their blocks are freed."""
         expired = []
         if self._num_deadlines:
             for req in [*self.waiting, *self.running]:
@@ -197,8 +211,11 @@ class Scheduler:
         if self.queue_ttl_s is not None and now_mono >= self._next_ttl_check:
             self._next_ttl_check = now_mono + min(0.1, self.queue_ttl_s / 10)  # not every step: it scans the queue
             cutoff = now_mono - self.queue_ttl_s
-            for req in [r for r in self.waiting if r.num_cached_tokens < 0 and r.arrival_time <= cutoff]:
-                req.error = f"not admitted within the queue time-to-live ({self.queue_ttl_s:g} s): overloaded"
+            for req in [r for r in self.waiting if _queued_since(r) <= cutoff]:
+                req.error = (f"not admitted within the queue time-to-live ({self.queue_ttl_s:g} s): overloaded"
+                             if req.requeued_at is None else
+                             f"back in the queue after {req.num_output_tokens} output tokens (preempted) and not "
+                             f"resumed within the queue time-to-live ({self.queue_ttl_s:g} s): overloaded")
                 expired.append(self.finish(req.request_id, RequestStatus.FINISHED_REJECTED))
         return expired
 
@@ -218,7 +235,7 @@ class Scheduler:
             else:
                 self.kv.free(rid)
                 req.num_computed_tokens = 0
-                req.status = RequestStatus.WAITING
+                self._requeue(req)
                 self.waiting.appendleft(req)
 
     def schedule(self) -> SchedulerOutput:
@@ -322,7 +339,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         if self.on_free is not None:
             self.on_free(req.request_id)
-        req.status = RequestStatus.WAITING
+        self._requeue(req)
         req.draft_token_ids = ()
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -381,3 +398,8 @@ class Scheduler:
                                  f"{holders - allowed}")
         if not all(self.kv.is_loading(rid) for rid in self.loading):
             raise AssertionError("a loading request has no copy in progress")
+
+
+def _queued_since(req: Request) -> float:
+    """Where its current wait in the queue began (monotonic)."""
+    return req.arrival_time if req.requeued_at is None else req.requeued_at

@@ -1,8 +1,9 @@
 """Tenants in the scheduler (no model): priority classes, weighted fair queueing, KV budgets,
 priority-aware preemption, bounded queues, queue time-to-live and deadlines — exact orders and
-exact block counts."""
+exact block counts. The queue time-to-live of a preempted request runs on the real engine."""
 
 import itertools
+import time
 
 import pytest
 
@@ -12,6 +13,7 @@ from cluster.engine.kv_cache import KVCacheManager
 from cluster.engine.request import Priority, Request, RequestContext, RequestStatus
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler
+from tests.reference import hf_greedy
 
 
 def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, **kw):
@@ -136,7 +138,7 @@ def test_a_full_waiting_queue_refuses_more():
     assert "c" not in s.requests
 
 
-def test_queue_ttl_rejects_requests_never_admitted_but_not_preempted_ones():
+def test_queue_ttl_rejects_requests_never_admitted_from_their_arrival():
     s = make(budget=4, max_seqs=1, queue_ttl_s=5.0)
     s.add(req("first", max_tokens=30, arrival=0.0))
     s.add(req("second", arrival=1.0))
@@ -146,6 +148,47 @@ def test_queue_ttl_rejects_requests_never_admitted_but_not_preempted_ones():
     assert [(r.request_id, r.status) for r in expired] == [("second", RequestStatus.FINISHED_REJECTED)]
     assert "time-to-live (5 s)" in expired[0].error
     assert [r.request_id for r in s.running] == ["first"]
+
+
+def test_a_preempted_request_is_rejected_after_queue_ttl_s_waiting_since_its_preemption(tiny_model):
+    """The time-to-live counts the wait, not the time the request ran: one that ran 60 s and was
+    preempted is still resumable 4.9 s later, and rejected at 5 s (the old rule never did: a
+    preempted request waited without a bound)."""
+    from cluster.engine.llm_engine import LLMEngine
+
+    now = [0.0]
+    engine = LLMEngine.from_model(tiny_model, num_blocks=4, max_num_batched_tokens=64, queue_ttl_s=5.0)
+    now[0] = time.monotonic()  # the requests' arrival times are real monotonic times
+    engine.scheduler.clock = lambda: now[0]
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    pa, pb = [256] + list(range(1, 20)), [256] + list(range(40, 59))  # 2 blocks of 16 each: the pool is full
+    engine.add_request("a", prompt_token_ids=pa, sampling=sp)
+    engine.add_request("b", prompt_token_ids=pb, sampling=sp)
+    outs: dict[str, list] = {"a": [], "b": []}
+    while engine.stats.preemptions == 0:  # at 33 tokens each needs a 3rd block: b (the later) goes
+        now[0] += 5.0  # they run a long time: a TTL counted from arrival would reject b at once
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    preempted_at = now[0]
+    assert [r.request_id for r in engine.scheduler.waiting] == ["b"] and len(outs["b"]) == 13
+    now[0] = preempted_at + 4.9
+    for o in engine.step():
+        outs[o.request_id].append(o)
+    assert [r.request_id for r in engine.scheduler.waiting] == ["b"]  # still waiting: a holds 3 of 4 blocks
+    now[0] = preempted_at + 5.0
+    for o in engine.step():
+        outs[o.request_id].append(o)
+    last = outs["b"][-1]
+    assert (last.finished, last.finish_reason, last.error) == (True, "rejected", (
+        "back in the queue after 13 output tokens (preempted) and not resumed within the queue "
+        "time-to-live (5 s): overloaded"))
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    assert sum((o.token_ids for o in outs["a"]), []) == hf_greedy(tiny_model, pa, 20)
+    assert outs["a"][-1].finish_reason == "length"
+    engine.check_invariants()
+    assert engine.kv.num_free_blocks == 4 and engine.stats.finished_by_reason == {"length": 1, "rejected": 1}
 
 
 def test_deadline_stops_running_and_waiting_requests_and_frees_their_blocks():
