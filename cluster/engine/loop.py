@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
@@ -151,8 +152,11 @@ class EngineLoop:
     ) -> AsyncIterator[Any]:
         """Plain engine: stream a request's deltas. Bad input raises before the first yield."""
         req = self.engine.make_request(request_id, prompt, prompt_token_ids, sampling)
-        async for out in self.stream(request_id, lambda: self.engine.add(req)):
-            yield out
+        # closed with this generator, so leaving early aborts now (not when the event loop
+        # finalizes the inner generator)
+        async with aclosing(self.stream(request_id, lambda: self.engine.add(req))) as outs:
+            async for out in outs:
+                yield out
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

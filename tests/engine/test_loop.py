@@ -19,12 +19,12 @@ def aengine(tiny_model):
     ae.shutdown()
 
 
-async def wait_idle(ae: EngineLoop, timeout=10.0):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while ae.engine.kv.num_free_blocks != ae.engine.kv.num_blocks or ae.engine.has_unfinished():
-        assert loop.time() < deadline, "engine did not release its blocks"
-        await asyncio.sleep(0.01)
+async def engine_state(ae: EngineLoop) -> tuple[int, bool, int]:
+    """(free blocks, unfinished work, cancelled so far), read on the loop thread. Its command
+    queue is FIFO, so this runs after the aborts queued before it: no polling, no wait."""
+    eng = ae.engine
+    return await ae.call(lambda: (eng.kv.num_free_blocks, eng.has_unfinished(),
+                                  eng.stats.finished_by_reason.get("cancelled", 0)))
 
 
 def test_stream_is_incremental_and_equals_the_reference(aengine, tiny_model):
@@ -63,6 +63,7 @@ def test_concurrent_streams(aengine, tiny_model):
 def test_leaving_the_stream_early_aborts_and_frees_blocks(aengine):
     async def run():
         n = 0
+        cancelled = (await engine_state(aengine))[2]
         agen = aengine.generate("cancel-me", prompt_token_ids=[256] + [3] * 40,
                                 sampling=SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
         async for _ in agen:
@@ -70,29 +71,37 @@ def test_leaving_the_stream_early_aborts_and_frees_blocks(aengine):
             if n == 3:
                 break
         await agen.aclose()
-        await wait_idle(aengine)
-        return n
+        return n, cancelled, await engine_state(aengine)
 
-    assert asyncio.run(run()) == 3
+    n, cancelled, state = asyncio.run(run())
+    assert n == 3
+    assert state == (aengine.engine.kv.num_blocks, False, cancelled + 1)  # aborted at once, not run out
     aengine.engine.check_invariants()
-    assert aengine.engine.stats.finished_by_reason.get("cancelled", 0) >= 1
 
 
 def test_cancelled_task_frees_blocks(aengine):
+    streaming = asyncio.Event()
+    received = []
+
     async def consume():
-        async for _ in aengine.generate("task", prompt_token_ids=[256] + [4] * 40,
-                                        sampling=SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)):
-            pass
+        async for out in aengine.generate("task", prompt_token_ids=[256] + [4] * 40,
+                                          sampling=SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)):
+            received.append(out)
+            streaming.set()
 
     async def run():
+        cancelled = (await engine_state(aengine))[2]
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(streaming.wait(), 30)  # cancelled mid-stream, its blocks held
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await wait_idle(aengine)
+        return cancelled, await engine_state(aengine)
 
-    asyncio.run(run())
+    cancelled, state = asyncio.run(run())
+    # the abort, not the request running out its 400 tokens, freed the blocks
+    assert state == (aengine.engine.kv.num_blocks, False, cancelled + 1)
+    assert 1 <= len(received) < 400 and not received[-1].finished
     aengine.engine.check_invariants()
 
 
