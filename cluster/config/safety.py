@@ -10,8 +10,11 @@ from cluster.config.common import Strict
 
 
 class GuardrailRule(Strict):
-    """A built-in check: a word list (whole words, matched on NFKC-normalised, casefolded text:
-    any case or full-width form of a word) or a regular expression (on the text as generated).
+    """A built-in check: a word list (whole words, matched on normalised text: zero-width
+    characters and soft hyphens removed, NFKC, casefolded: any case, full-width or decomposed form
+    of a word, or one split by invisible characters) or a regular expression (on the text as
+    generated). Output a client parses as JSON (tools, a JSON response format) is also read with
+    its string escapes decoded, by both kinds.
     Compiled once (router/ingress/gateway/guardrails.py) with the `regex` module and run with a timeout.
     A rule that checks output must have a bounded match length that fits the policy's hold-back
     window (so no match can reach released text): refused at load otherwise. Output rules use
@@ -34,12 +37,24 @@ class GuardrailRule(Strict):
 class ClassifierCheckOptions(Strict):
     """A policy's call to the guardrail classifier deployment (AppConfig.guardrail_classifier):
     flagged when its score is >= threshold. A call that fails or runs past timeout_s follows the
-    policy's on_error. On output it is called once per release (each delta), over the window."""
+    policy's on_error. On output it is called once per release (each delta), over the window. A
+    prompt is sent in overlapping chunks, `input_concurrency` calls at a time, each bounded by
+    timeout_s: the input check's bound is timeout_s x ceil(chunks / input_concurrency), so a
+    long prompt is neither refused (closed) nor passed unchecked (open) for its length."""
 
     name: str = Field("classifier", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Metric label and audit name")
     threshold: float = Field(0.5, gt=0, le=1)
     timeout_s: float = Field(0.5, gt=0, le=30, description="Bound on one call (input and output alike)")
     applies_to: Literal["input", "output", "both"] = "both"
+    input_chunk_chars: int = Field(4096, ge=64, le=200_000, description="A prompt is classified in chunks this long")
+    input_overlap_chars: int = Field(256, ge=0, description="Characters a chunk shares with the next")
+    input_concurrency: int = Field(8, ge=1, le=256, description="A prompt's chunks classified at once")
+
+    @model_validator(mode="after")
+    def _overlap_fits(self) -> "ClassifierCheckOptions":
+        if self.input_overlap_chars >= self.input_chunk_chars:
+            raise ValueError("input_overlap_chars must be less than input_chunk_chars")
+        return self
 
 
 class ClassifierDeploymentOptions(Strict):
@@ -65,8 +80,9 @@ class GuardrailPolicy(Strict):
         64, ge=1, le=4096, description="Hold-back window, in characters of output text: at least every "
         "output rule's longest match plus its lookahead (one character for word boundaries)")
     rule_timeout_s: float = Field(
-        0.05, gt=0, le=1, description="Bound on one rule's scan of an output delta (the `regex` module's timeout, "
-        "wall clock: a loaded machine needs slack); a prompt's scan gets 20 times this")
+        0.05, gt=0, le=1, description="Bound on one rule's scan of an output delta, and of each 4,096-character "
+        "chunk of a prompt (the `regex` module's timeout, wall clock: a loaded machine needs slack); a prompt's "
+        "bound grows with its length, and a word list costs about 0.3 us per character however many words")
     on_error: Literal["closed", "open"] = Field(
         "closed", description="A check that times out or fails: closed = treat as flagged, open = pass (counted)")
 

@@ -1,8 +1,11 @@
 """Guardrails: per-tenant checks on the prompt (before any engine work) and on the output stream.
 
-Output is released on a hold-back window. The flow's deltas are held until the text after them is
-at least `holdback_chars` long (or the stream ends), and each check scans the text that is not yet
-released plus the `holdback_chars` before it. Every output rule's match (and the lookahead it
+Output is released on a hold-back window (gateway/guard_text.py). The flow's deltas are held until
+the text after them is at least `holdback_chars` long (or the stream ends), and each check scans
+the text that is not yet released plus the `holdback_chars` before it. Both are measured on the
+text rules match: normalised (invisible characters removed, NFKC, casefold) for word lists, and
+with JSON escapes decoded when the client parses the output as JSON (tools, a JSON response
+format), so `b\u200bomb` and `"\u0062omb"` read as `bomb`. Every output rule's match (and the lookahead it
 reads) is at most `holdback_chars` long (cluster/guardrail_rules.py; refused at config load
 otherwise), so a match touching unreleased text is found before any of it is released: flagged
 text never reaches the client. A match at the very end of the text is not acted on until the
@@ -12,6 +15,9 @@ stream ends.
 On a flag the flow's stream is closed: that is the flow's cancel path, which aborts the decode leg
 and releases prefill's lease, so both pools free the request's blocks. The client gets the text
 released so far, then a final delta with finish reason `content_filter`.
+
+Logprob alternatives (`top_logprobs`, `prompt_logprobs`' top) are read by the local output rules
+(`Alternatives`): a flagged one is left out, the text goes on.
 
 Checks are pluggable (`Check`): the built-in `RuleCheck` (a word list or regex, run with the
 `regex` module's timeout); a classifier served as its own deployment would be another `Check`
@@ -26,15 +32,14 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-import unicodedata
-from collections import deque
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 
 from cluster.config import AppConfig, ClassifierCheckOptions, GuardrailPolicy, GuardrailRule
 from cluster.engine.outputs import FinishReason
-from cluster.guardrail_rules import compile_rule
+from cluster.guardrail_rules import compile_rule, fold
+from router.ingress.gateway.guard_text import FOLDED, PLAIN, HoldBack, MatchView
 from router.ingress.gateway.stages import Outcome, Stage as GatewayStage
 from router.ingress.status import Code, ServingError
 
@@ -51,6 +56,7 @@ class Action(str, enum.Enum):
     REFUSED = "refused"  # the prompt: 400 / INVALID_ARGUMENT, no engine work
     STOPPED = "stopped"  # the output: generation stopped, finish reason content_filter
     PASSED_ON_ERROR = "passed_on_error"  # a check failed or timed out and the policy fails open
+    REDACTED = "redacted"  # logprob alternatives left out of a reply (the text goes on)
 
 
 class Cause(str, enum.Enum):
@@ -80,69 +86,90 @@ class Check(Protocol):
     """A guardrail check. `flags_input` gets the whole prompt text: in a worker thread for a local
     check, awaited on the event loop for a `remote` one (a coroutine function then, so a slow
     classifier never holds a tokenize thread); `flags_output` on the event loop, on `text[start:]`
-    (with `text[:start]` as context for boundaries and lookbehind), `final` when no more text will
-    come. True = flagged; raise CheckFailed when the check could not decide (timeout, a classifier down)."""
+    (with `text[:start]` as context for boundaries and lookbehind, at least `context` characters),
+    `final` when no more text will come. `text` is a view's (guard_text.py): `reads` says which
+    (PLAIN or FOLDED); `every_view`: each view, else the last (the JSON-decoded one when there is
+    one). True = flagged; raise CheckFailed when the check could not decide (timeout, a classifier down)."""
 
     name: str
     stages: frozenset[Stage]
     remote: bool
+    reads: int
+    context: int
+    every_view: bool
 
     def flags_input(self, text: str) -> bool: ...
 
     async def flags_output(self, text: str, start: int, final: bool) -> bool: ...
 
 
-def fold(text: str) -> str:
-    """What a word rule sees: each character NFKC-normalised and casefolded on its own (a
-    full-width or compatibility form, or any case, of a listed word matches it). Never what is
-    delivered. Per character, so every character folds to one or more (never none): a match of n
-    folded characters covers at most n generated ones, and the hold-back window, counted in
-    generated characters, still holds every match that touches unreleased text."""
-    if text.isascii():
-        return text.lower()  # NFKC leaves ASCII as is; casefold is lower
-    return "".join(unicodedata.normalize("NFKC", c).casefold() for c in text)
+INPUT_CHUNK_CHARS = 4096  # a prompt is scanned in chunks this long, each within the rule's timeout
 
 
 class RuleCheck:
-    """A word list or regular expression, compiled once; each search bounded by `timeout_s`.
-    A word list matches the folded text (`fold`); a pattern the text as generated."""
+    """A word list or regular expression, compiled once. A word list matches the folded text
+    (`fold`), a pattern the plain one (guard_text.py: JSON-decoded when the output is JSON).
 
-    def __init__(self, rule: GuardrailRule, timeout_s: float, input_timeout_s: float):
+    Every search is bounded by `timeout_s`. On output it scans the window (the last
+    `holdback_chars` and what is held). A prompt is scanned in chunks of `INPUT_CHUNK_CHARS`, each
+    search with its own `timeout_s` (a chunk overlaps the next by the rule's span, so a match
+    across their seam is found whole): the bound grows with the prompt, and a search costs the
+    same per character wherever it is, so padding a prompt neither times the check out nor
+    hides a match. A rule with no bounded span (input-only) is one search bounded by
+    `timeout_s` per chunk of the prompt's length."""
+
+    def __init__(self, rule: GuardrailRule, timeout_s: float):
         self.name = rule.name
         self.stages = STAGES[rule.applies_to]
         self.remote = False
-        self.folds = bool(rule.words)
+        self.every_view = True
+        self.reads = FOLDED if rule.words else PLAIN
         compiled = compile_rule(rule.words, rule.pattern)
         self.pattern = compiled.pattern
+        self.span = compiled.span
         self.lookahead = compiled.lookahead
+        self.context = compiled.lookbehind
         self.timeout_s = timeout_s
-        self.input_timeout_s = input_timeout_s
 
-    def _search(self, text: str, pos: int, deadline: float):
+    def _search(self, text: str, pos: int, endpos: int, deadline: float):
         try:
-            return self.pattern.search(text, pos, timeout=max(deadline - time.monotonic(), 1e-6))
+            return self.pattern.search(text, pos, endpos, timeout=max(deadline - time.monotonic(), 1e-6))
         except TimeoutError as e:
             raise CheckFailed(Cause.TIMEOUT, f"rule {self.name} timed out") from e
 
     def flags_input(self, text: str) -> bool:
-        return self._search(fold(text) if self.folds else text, 0,
-                            time.monotonic() + self.input_timeout_s) is not None
+        text = fold(text) if self.reads == FOLDED else text
+        chunks = range(0, max(len(text), 1), INPUT_CHUNK_CHARS)
+        if self.span is None:
+            return self._search(text, 0, len(text), time.monotonic() + self.timeout_s * len(chunks)) is not None
+        for start in chunks:  # a match starting in the chunk ends, lookahead included, before endpos
+            m = self._search(text, start, min(len(text), start + INPUT_CHUNK_CHARS + self.span),
+                             time.monotonic() + self.timeout_s)
+            if m is not None and m.start() < start + INPUT_CHUNK_CHARS:
+                return True
+        return False
 
     async def flags_output(self, text: str, start: int, final: bool) -> bool:
-        if self.folds:  # text[start:] folded, and the character before it: a word rule's lookbehind
-            context = max(0, start - 1)
-            before = fold(text[context:start])
-            return self.scan(before + fold(text[start:]), len(before), final)
         return self.scan(text, start, final)
 
     def scan(self, text: str, start: int, final: bool) -> bool:
         """A settled match in text[start:]: one with `lookahead` characters after it (or the end)."""
         deadline = time.monotonic() + self.timeout_s
         pos = start
-        while (m := self._search(text, pos, deadline)) is not None:
+        while (m := self._search(text, pos, len(text), deadline)) is not None:
             if final or m.end() + self.lookahead <= len(text):
                 return True
             pos = m.start() + 1  # not settled yet: the text is held; look for a settled one after it
+        return False
+
+    def touches(self, text: str, boundary: int) -> bool:
+        """A match in `text` (complete: nothing follows) that ends past `boundary`."""
+        deadline = time.monotonic() + self.timeout_s
+        pos = max(0, boundary - (self.span or len(text)))
+        while (m := self._search(text, pos, len(text), deadline)) is not None:
+            if m.end() > boundary:
+                return True
+            pos = m.start() + 1
         return False
 
 
@@ -159,12 +186,34 @@ class ClassifierCheck:
         self.name = options.name
         self.stages = STAGES[options.applies_to]
         self.remote = True
+        self.every_view = False  # the last view: the text as the client reads it
+        self.reads, self.context = PLAIN, 0
         self.threshold = options.threshold
         self.timeout_s = options.timeout_s
+        self.chunk, self.overlap = options.input_chunk_chars, options.input_overlap_chars
+        self.concurrency = asyncio.Semaphore(options.input_concurrency)
         self.handle = handle
 
     async def flags_input(self, text: str) -> bool:
-        return await self._classify(text)
+        """The prompt in overlapping chunks of `input_chunk_chars`, `input_concurrency` calls at a
+        time, each bounded by `timeout_s`: the bound grows with the prompt. Flagged when any
+        chunk is; otherwise a chunk that could not be classified fails the check."""
+        step = self.chunk - self.overlap
+        chunks = [text[i:i + self.chunk] for i in range(0, max(len(text) - self.overlap, 1), step)]
+
+        async def one(chunk: str) -> "bool | CheckFailed":
+            async with self.concurrency:
+                try:
+                    return await self._classify(chunk)
+                except CheckFailed as e:
+                    return e
+        verdicts = await asyncio.gather(*(one(c) for c in chunks))
+        if True in verdicts:
+            return True
+        failed = next((v for v in verdicts if isinstance(v, CheckFailed)), None)
+        if failed is not None:
+            raise failed
+        return False
 
     async def flags_output(self, text: str, start: int, final: bool) -> bool:
         return await self._classify(text[start:])
@@ -177,39 +226,6 @@ class ClassifierCheck:
         except Exception as e:  # noqa: BLE001 — down, dying, refusing: the policy decides
             raise CheckFailed(Cause.ERROR, f"classifier {self.name} failed: {e}") from e
         return score >= self.threshold
-
-
-class HoldBack:
-    """The hold-back window over one stream's deltas (anything with `.text`): a delta is released
-    once `window` characters of text follow its end, or when the stream ends. Plain and
-    synchronous; the checks decide whether to release, this decides what."""
-
-    def __init__(self, window: int):
-        self.window = window
-        self.text = ""
-        self.released = 0  # characters released to the client
-        self._pending: deque[tuple[int, object]] = deque()  # (end offset of its text, delta)
-
-    def add(self, delta) -> None:
-        self.text += delta.text
-        self._pending.append((len(self.text), delta))
-
-    @property
-    def scan_from(self) -> int:
-        """Where a check must start: a match touching unreleased text starts at most `window` before it."""
-        return max(0, self.released - self.window)
-
-    def release(self, final: bool) -> list:
-        bound = len(self.text) if final else len(self.text) - self.window
-        out = []
-        while self._pending and self._pending[0][0] <= bound:
-            self.released, d = self._pending.popleft()
-            out.append(d)
-        return out
-
-    @property
-    def held(self) -> int:
-        return len(self.text) - self.released
 
 
 def _merge(deltas: list["Delta"]) -> "Delta":
@@ -251,9 +267,9 @@ class CompiledPolicy:
         return tuple(c for c in self.checks if stage in c.stages)
 
 
-def compile_policy(name: str, policy: GuardrailPolicy, input_timeout_s: float, classifier=None) -> CompiledPolicy:
+def compile_policy(name: str, policy: GuardrailPolicy, classifier=None) -> CompiledPolicy:
     """Rules first (cheap), then the classifier; `classifier` is its deployment's handle."""
-    checks: tuple = tuple(RuleCheck(r, policy.rule_timeout_s, input_timeout_s) for r in policy.rules)
+    checks: tuple = tuple(RuleCheck(r, policy.rule_timeout_s) for r in policy.rules)
     if policy.classifier is not None:
         if classifier is None:
             raise ValueError(f"guardrail policy {name!r} names a classifier, and no classifier deployment is given")
@@ -264,19 +280,20 @@ def compile_policy(name: str, policy: GuardrailPolicy, input_timeout_s: float, c
 class Guardrails:
     """Each tenant's compiled policy (once, at the ingress's start) and its metrics."""
 
-    INPUT_TIMEOUT_FACTOR = 20  # a prompt is up to the prompt cap long; its bound is this x the rule's
-
     def __init__(self, config: AppConfig, metrics=None, classifier=None):
-        compiled = {name: compile_policy(name, p, p.rule_timeout_s * self.INPUT_TIMEOUT_FACTOR, classifier)
-                    for name, p in config.guardrail_policies.items()}
+        compiled = {name: compile_policy(name, p, classifier) for name, p in config.guardrail_policies.items()}
         self.by_tenant = {t: compiled[o.guardrail_policy] for t, o in config.tenants.items() if o.guardrail_policy}
         if config.guardrail_policy is not None:
             self.by_tenant.setdefault("default", compiled[config.guardrail_policy])
         self.metrics = metrics  # GuardrailMetrics (cluster/telemetry/metrics.py) or None
 
-    def for_request(self, tenant: str, interventions: list | None = None) -> "RequestGuard | None":
+    def for_request(self, tenant: str, interventions: list | None = None, json_output: bool = False,
+                    tokenizer=None) -> "RequestGuard | None":
+        """`json_output`: the client parses the output as JSON (its escapes are decoded before
+        matching); `tokenizer`: the version's, to read logprob alternatives (None: not checked)."""
         policy = self.by_tenant.get(tenant)
-        return None if policy is None else RequestGuard(policy, tenant, self.metrics, interventions)
+        return None if policy is None else RequestGuard(policy, tenant, self.metrics, interventions, json_output,
+                                                        tokenizer)
 
     def window(self, tenant: str) -> int:
         policy = self.by_tenant.get(tenant)
@@ -286,12 +303,16 @@ class Guardrails:
 class RequestGuard:
     """One request under its tenant's policy: the input check, then the output stream."""
 
-    def __init__(self, policy: CompiledPolicy, tenant: str, metrics=None, interventions: list | None = None):
+    def __init__(self, policy: CompiledPolicy, tenant: str, metrics=None, interventions: list | None = None,
+                 json_output: bool = False, tokenizer=None):
         self.policy = policy
         self.tenant = tenant
         self.metrics = metrics
         self.interventions: list[Intervention] = [] if interventions is None else interventions  # the Outcome's
         self._input: tuple[str, str] | None = None  # (prompt text, param) for the remote input checks
+        self.json_output = json_output  # read as generated and JSON-decoded: the last view is the decoded one
+        rules = tuple(c for c in policy.for_stage(Stage.OUTPUT) if not c.remote)
+        self.alternatives = None if tokenizer is None or not rules else Alternatives(self, rules, tokenizer, policy.window)
 
     def _record(self, check: str, stage: Stage, action: Action, cause: Cause) -> Intervention:
         iv = Intervention(self.policy.name, check, stage, action, cause)
@@ -342,12 +363,18 @@ class RequestGuard:
         if flagged:
             raise GuardrailRejected(self.interventions[-1], param, tuple(self.interventions))
 
+    def views(self) -> tuple[MatchView, ...]:
+        return (MatchView(), MatchView(decode_json=True)) if self.json_output else (MatchView(),)
+
     async def _flagged(self, hold: HoldBack, final: bool) -> bool:
+        last = len(hold.views) - 1
         for check in self.policy.for_stage(Stage.OUTPUT):
             try:
-                if await check.flags_output(hold.text, hold.scan_from, final):
-                    self._record(check.name, Stage.OUTPUT, Action.STOPPED, Cause.FLAGGED)
-                    return True
+                for v in range(len(hold.views)) if check.every_view else (last,):
+                    text, start = hold.views[v].window_text(check.reads, hold.scan_from(v, check.reads), check.context)
+                    if await check.flags_output(text, start, final):
+                        self._record(check.name, Stage.OUTPUT, Action.STOPPED, Cause.FLAGGED)
+                        return True
             except CheckFailed as e:
                 if self._failed(check.name, Stage.OUTPUT, e, Action.STOPPED):
                     return True
@@ -361,11 +388,13 @@ class RequestGuard:
                 async for d in deltas:
                     yield d
             return
-        hold = HoldBack(self.policy.window)
+        hold = HoldBack(self.policy.window, self.views())
         async with aclosing(deltas):
             async for d in deltas:
-                hold.add(d)
+                if self.alternatives is not None:
+                    d = self.alternatives.redact(d, hold.views)
                 final = d.finish_reason is not None
+                hold.add(d, final)
                 if await self._flagged(hold, final):
                     await deltas.aclose()  # the flow's cancel path: both legs stop and free their blocks
                     yield replace(d, text="", token_ids=[], logprobs=None, finish_reason=FinishReason.CONTENT_FILTER)
@@ -373,6 +402,68 @@ class RequestGuard:
                 released = hold.release(final)
                 if released:
                     yield _merge(released)
+
+
+class Alternatives:
+    """Logprob alternatives (each generated token's `top`, and the prompt's in `prompt_logprobs`)
+    read by the policy's local output rules, as the text is: each alternative's token text alone
+    and after the text before its token (the reply's, or the prompt's), in every view. A flagged
+    one is left out of its token's `top` (the token and its logprob are the text's, checked by the
+    window) and recorded once per check (`redacted`); a check that cannot decide follows
+    `on_error`. The classifier does not read them: one call per alternative is not affordable,
+    and a token is no text to classify."""
+
+    def __init__(self, guard: "RequestGuard", rules: tuple, tokenizer, window: int):
+        self.guard, self.rules, self.tok = guard, rules, tokenizer
+        self.keep = window + max(r.context for r in rules)  # the text before a token that a match may read
+        self.recorded: set[tuple[str, Action]] = set()
+
+    def redact(self, d: "Delta", views: tuple[MatchView, ...]) -> "Delta":
+        """`views`: the stream's text before `d`."""
+        logprobs, prompt = d.logprobs, d.prompt_logprobs
+        if logprobs and any(lp.top for lp in logprobs):
+            logprobs = self._read([lp.token_id for lp in logprobs], logprobs, [v.clone(self.keep) for v in views])
+        if prompt and d.prompt_token_ids and any(lp is not None and lp.top for lp in prompt):
+            prompt = self._read(d.prompt_token_ids, prompt, [MatchView(v.decode_json) for v in views])
+        return d if (logprobs, prompt) == (d.logprobs, d.prompt_logprobs) else replace(
+            d, logprobs=logprobs, prompt_logprobs=prompt)
+
+    def _read(self, token_ids: list[int], lps: list, context: list[MatchView]) -> list:
+        out = []
+        for token_id, lp in zip(token_ids, lps):
+            if lp is not None and lp.top:
+                top = tuple((t, v) for t, v in lp.top if t == lp.token_id or not self._flagged(t, context))
+                lp = lp if len(top) == len(lp.top) else replace(lp, top=top)
+            out.append(lp)
+            context = [v.feed(self.tok.token_text(token_id), False).clone(self.keep) for v in context]
+        return out
+
+    def _flagged(self, token_id: int, context: list[MatchView]) -> bool:
+        alt = self.tok.token_text(token_id)
+        for check in self.rules:
+            try:
+                if any(check.touches(MatchView(view.decode_json).feed(alt, True).committed[check.reads], 0)
+                       or check.touches(view.clone(self.keep).feed(alt, True).committed[check.reads],
+                                        len(view.committed[check.reads])) for view in context):
+                    return self._once(check.name, Action.REDACTED, Cause.FLAGGED)
+            except CheckFailed as e:  # closed: as flagged; open: kept, recorded
+                closed = self.guard.policy.on_error == "closed"
+                if self._once(check.name, Action.REDACTED if closed else Action.PASSED_ON_ERROR, e.cause):
+                    return True
+        return False
+
+    def _once(self, check: str, action: Action, cause: Cause) -> bool:
+        """Records the event the first time (per check and action); True: `action` redacts."""
+        if (check, action) not in self.recorded:
+            self.recorded.add((check, action))
+            self.guard._record(check, Stage.OUTPUT, action, cause)
+        return action is Action.REDACTED
+
+
+def json_output(request) -> bool:
+    """The client parses the output as JSON: tools it may call, or a JSON response format."""
+    tools, fmt = request.tools, request.sampling.response_format
+    return bool(tools and tools.functions and tools.choice != "none") or (fmt is not None and fmt.type != "text")
 
 
 class GuardStage(GatewayStage):
@@ -384,7 +475,8 @@ class GuardStage(GatewayStage):
         self.guardrails = guardrails
 
     async def admit(self, o: Outcome) -> None:
-        o.guard = self.guardrails.for_request(o.tenant, o.interventions)
+        tokenizer = None if o.flow is None else o.flow.tokenizer
+        o.guard = self.guardrails.for_request(o.tenant, o.interventions, json_output(o.request), tokenizer)
 
     def inspect(self, o: Outcome, text: Callable[[], str]) -> None:
         if o.guard is not None:

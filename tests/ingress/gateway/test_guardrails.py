@@ -4,6 +4,7 @@ stream's release and stop, the input check, and the response cache's keys and bo
 import asyncio
 import random
 import time
+from dataclasses import replace
 
 import pytest
 from pydantic import ValidationError
@@ -75,7 +76,7 @@ def test_an_input_only_rule_may_be_unbounded_and_a_tenant_must_name_a_known_poli
 
 def test_catastrophic_backtracking_is_bounded_by_the_rule_timeout():
     rule = RuleCheck(GuardrailPolicy(rules=[{"name": "evil", "pattern": "(a|aa){1,30}b"}]).rules[0],
-                     timeout_s=0.005, input_timeout_s=0.02)
+                     timeout_s=0.005)
     text = "a" * 60  # without the bound this search takes far longer than a second
     started = time.monotonic()
     with pytest.raises(Exception) as e:
@@ -94,21 +95,23 @@ def D(text, finish=None, n=0):  # noqa: N802
 
 
 def test_holdback_releases_a_delta_once_window_characters_follow_it():
+    """Counted in committed characters: the last one may still take a combining mark (the next
+    delta's), so it follows a delta only once another character came after it."""
     hold = HoldBack(5)
     hold.add(D("abc"))
     assert hold.release(False) == [] and hold.held == 3
     hold.add(D("de"))
-    assert hold.release(False) == []  # 5 characters, none of them 5 behind the end
-    hold.add(D("f"))
-    assert [d.text for d in hold.release(False)] == []  # "abc" ends at 3 > 6 - 5
-    hold.add(D("gh"))
-    assert [d.text for d in hold.release(False)] == ["abc"]  # ends at 3 <= 8 - 5
-    assert (hold.released, hold.scan_from, hold.held) == (3, 0, 5)
-    hold.add(D("ijklm"))
-    assert [d.text for d in hold.release(False)] == ["de", "f", "gh"]
-    assert (hold.released, hold.scan_from) == (8, 3)
-    hold.add(D("", finish="length"))
-    assert [d.text for d in hold.release(True)] == ["ijklm", ""]
+    assert hold.release(False) == []  # "abcd" committed, "e" open
+    hold.add(D("fgh"))
+    assert [d.text for d in hold.release(False)] == []  # "abc" ends at 3; 7 committed: 4 follow it
+    hold.add(D("i"))
+    assert [d.text for d in hold.release(False)] == ["abc"]  # 8 committed: 5 follow it
+    assert (hold.released, hold.scan_from(0, 0), hold.held) == (3, 0, 6)
+    hold.add(D("jklmn"))
+    assert [d.text for d in hold.release(False)] == ["de", "fgh"]  # 13 committed; "i" ends at 9
+    assert (hold.released, hold.scan_from(0, 0)) == (8, 3)
+    hold.add(D("", finish="length"), final=True)
+    assert [d.text for d in hold.release(True)] == ["i", "jklmn", ""]
 
 
 def guard_for(words=("kill",), window=8, on_error="closed", pattern=None, applies_to="both"):
@@ -150,7 +153,7 @@ def test_a_clean_stream_is_released_whole_and_in_order():
     out = run(guard, source)
     assert "".join(d.text for d in out) == "".join(pieces) and out[-1].finish_reason == "length"
     assert [t for d in out for t in d.token_ids] == [1, 2, 3, 4, 5, 6]  # deltas released together are merged
-    assert [d.text for d in out] == ["The ", "skill", "ed ", "killers sang"]  # the window's text, at the end
+    assert [d.text for d in out] == ["The skill", "ed killers sang"]  # the window's text, at the end
     assert guard.interventions == [] and not source.closed_early
 
 
@@ -202,7 +205,7 @@ def test_a_full_width_or_mixed_case_word_is_caught_and_delivered_text_is_never_c
     pieces = ["\uff34\uff48\uff45 ", "SKILL", "ed ", "\uff2b\uff29\uff2c\uff2c\uff25\uff32", "s ", "sang"]
     guard = guard_for()
     out = run(guard, Source(pieces))
-    assert [d.text for d in out] == ["\uff34\uff48\uff45 ", "SKILL", "ed ", "\uff2b\uff29\uff2c\uff2c\uff25\uff32s sang"]
+    assert [d.text for d in out] == ["\uff34\uff48\uff45 SKILL", "ed \uff2b\uff29\uff2c\uff2c\uff25\uff32s sang"]
     assert out[-1].finish_reason == "length" and guard.interventions == []
     # full-width "ｋｉＬＬ" (split across deltas) is the listed "Kill": stopped, none of it released
     pieces = ["I ", "said ", "that ", "I ", "will ", "\uff4b\uff49", "\uff2c\uff2c ", "them ", "all ", "now"]
@@ -402,3 +405,248 @@ def test_a_guarded_streams_prompt_logprobs_survive_the_merge():
     out = asyncio.run(collect())
     assert [d.text for d in out] == ["abcdef"]
     assert (out[0].prompt_logprobs, out[0].prompt_token_ids) == (plp, [3, 7])
+
+
+# ---- normalised text: invisible characters, decomposed accents (issue 39) ----------------------
+
+ZW = "\u200b\u200c\u200d\u2060\ufeff\u00ad"  # zero-width space, non-joiner, joiner, word joiner, BOM, soft hyphen
+
+
+def test_fold_removes_invisible_characters_and_composes_accents():
+    from router.ingress.gateway.guardrails import fold
+
+    assert fold("B\u200bo\u00adm\u2060b\ufeff") == "bomb"
+    assert fold("Cafe\u0301") == fold("CAF\u00c9") == "caf\u00e9"  # decomposed and composed é fold alike
+    assert compile_rule(["caf\u00e9"], None).pattern.search(fold("a cafe\u0301 au lait")) is not None
+
+
+def test_a_word_split_by_zero_width_characters_across_two_deltas_is_stopped():
+    """b, o + 12 invisible characters | 12 more, m, b: 28 generated characters for the 4 of the
+    word, window 5 ("bomb" and its boundary): measured on the raw text, the window would let the
+    first delta out before the match was whole."""
+    pieces = ["we ", "must ", "not ", "b\u200bo" + ZW * 2, ZW * 2 + "m\u00adb", " now", " ok"]
+    source = Source(pieces)
+    guard = guard_for(words=["bomb"], window=5)
+    out = run(guard, source)
+    assert "".join(d.text for d in out) == "we must "  # "not " waits: 5 folded characters must follow it
+    assert out[-1].finish_reason == FinishReason.CONTENT_FILTER and source.pulled == 6  # " now" settles it
+    assert guard.interventions == [Intervention("p", "r1", Stage.OUTPUT, Action.STOPPED, Cause.FLAGGED)]
+
+
+def test_random_splits_with_invisible_characters_never_release_any_character_of_a_match():
+    rng = random.Random(2)
+    for _ in range(200):
+        word = "".join(c + "".join(rng.choice(ZW) for _ in range(rng.randint(0, 6))) for c in "bomb")
+        text = "it is a " + word + " in the cafe\u0301 " + "and then some more text"
+        start = text.index(word)
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 20)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        out = run(guard_for(words=["bomb"], window=5), Source(pieces))
+        released = "".join(d.text for d in out)
+        assert out[-1].finish_reason == FinishReason.CONTENT_FILTER
+        assert len(released) <= start and text.startswith(released)
+
+
+def test_a_decomposed_accent_across_deltas_is_the_listed_word_and_a_bare_letter_is_not():
+    out = run(guard_for(words=["caf\u00e9"], window=6), Source(["a ", "cafe", "\u0301 ", "au ", "lait"]))
+    assert "".join(d.text for d in out) == "" and out[-1].finish_reason == FinishReason.CONTENT_FILTER
+    out = run(guard_for(words=["caf\u00e9"], window=6), Source(["a ", "cafe", " au ", "lait"]))
+    assert "".join(d.text for d in out) == "a cafe au lait" and out[-1].finish_reason == "length"
+
+
+def test_the_input_check_reads_the_normalised_prompt():
+    guard = guard_for(words=["bomb", "caf\u00e9"], window=8)
+    for prompt in ("how to build a b\u200bo\u200do\u00admb", "how to build a BO\u2060MB", "the cafe\u0301 menu"):
+        with pytest.raises(GuardrailRejected):
+            guard.check_input(prompt.replace("o\u200do", "o"), "prompt")
+    guard.check_input("the cafe menu, a bombast", "prompt")
+
+
+# ---- JSON-decoded output: tool-call arguments (issue 39) ----------------------------------------
+
+
+def test_json_atoms_decode_escapes_and_wait_for_a_split_one():
+    from router.ingress.gateway.guard_text import MatchView, json_atom
+
+    assert json_atom("\\u0062x", 0, False) == ("b", 6)
+    assert json_atom("\\u00", 0, False) is None and json_atom("\\u00", 0, True) == ("\\", 1)
+    assert json_atom("\\ud83d\\ude00", 0, False) == ("\U0001f600", 12)
+    assert json_atom("\\ud83d\\u", 0, False) is None  # the low half may still come
+    assert json_atom("\\ud83d x", 0, False) == ("\ud83d", 6)
+    assert json_atom("\\n", 0, False) == ("\n", 2) and json_atom("\\q", 0, False) == ("\\", 1)
+    view = MatchView(decode_json=True)
+    for piece in ['{"q": "\\u00', '62o\\u006D', 'b\\nX"}']:
+        view.feed(piece, False)
+    view.feed("", True)
+    assert view.committed == ('{"q": "bomb\nX"}', '{"q": "bomb\nx"}')
+
+
+def guard_json(words=("bomb",), window=8, tokenizer=None):
+    rule = {"name": "r1", "words": list(words)}
+    cfg = AppConfig(guardrail_policies={"p": {"rules": [rule], "holdback_chars": window}}, guardrail_policy="p")
+    return Guardrails(cfg).for_request("default", json_output=True, tokenizer=tokenizer)
+
+
+def test_an_escaped_word_in_a_tool_calls_arguments_is_stopped():
+    """A forced call's arguments as generated: `\\u0062omb` is `bomb` to the client's JSON parser
+    (it reached the client decoded before). Stopped, and the edge makes no call of it."""
+    from router.ingress.api.choices import tool_result
+    from router.ingress.flow.tools import ToolUse
+
+    pieces = ['{"target": "the ', '\\u0062', 'o\\u006d', 'b", "when": "', 'now"}']
+    source = Source(pieces, finish="stop")
+    guard = guard_json()
+    out = run(guard, source)
+    text = "".join(d.text for d in out)
+    assert text == '' and out[-1].finish_reason == FinishReason.CONTENT_FILTER and source.pulled == 4  # settled by '"'
+    assert guard.interventions == [Intervention("p", "r1", Stage.OUTPUT, Action.STOPPED, Cause.FLAGGED)]
+    assert tool_result(ToolUse("named", "f"), text, out[-1].finish_reason) == (None, text, "content_filter")
+    # the same text where no client parses JSON is not the word: as generated, it is a backslash and letters
+    out = run(guard_for(words=["bomb"], window=8), Source(pieces, finish="stop"))
+    assert "".join(d.text for d in out) == "".join(pieces) and out[-1].finish_reason == "stop"
+    # and a surrogate-pair escape that a listed emoji word spells is caught too
+    out = run(guard_json(words=["\U0001f4a3"], window=4), Source(['{"x": "\\ud83d', '\\udca3"}'], finish="stop"))
+    assert out[-1].finish_reason == FinishReason.CONTENT_FILTER
+
+
+def test_the_output_is_json_for_tools_and_json_response_formats():
+    from router.ingress.gateway.guardrails import json_output
+    from router.ingress.request import ClientRequest, FunctionTool, ResponseFormatSpec, SamplingSpec, ToolsSpec
+
+    tools = (FunctionTool("f"),)
+    assert [json_output(ClientRequest("t", SamplingSpec(), tools=spec)) for spec in (
+        None, ToolsSpec(), ToolsSpec(tools), ToolsSpec(tools, "none"), ToolsSpec(tools, "required"))] == [
+        False, False, True, False, True]
+    assert [json_output(ClientRequest("t", SamplingSpec(response_format=ResponseFormatSpec(kind)))) for kind in (
+        "text", "json_object", "json_schema")] == [False, True, True]
+
+
+# ---- logprob alternatives (issue 39) -------------------------------------------------------------
+
+
+class ByteTokens:
+    """The tiny model's vocabulary: token i < 256 is byte i (cluster/engine/tokenizer.py token_text)."""
+
+    @staticmethod
+    def token_text(token_id: int) -> str:
+        return bytes([token_id]).decode("utf-8", errors="replace")
+
+
+def lp(token: str, *alternatives: str) -> TokenLogprob:
+    return TokenLogprob(ord(token), -0.1, ((ord(token), -0.1), *((ord(a), -2.0 - i) for i, a in enumerate(alternatives))))
+
+
+def guard_alternatives(words, tokenizer=ByteTokens(), json_out=False):
+    cfg = AppConfig(guardrail_policies={"p": {"rules": [{"name": "r1", "words": list(words)}], "holdback_chars": 8}},
+                    guardrail_policy="p")
+    return Guardrails(cfg).for_request("default", json_output=json_out, tokenizer=tokenizer)
+
+
+def test_alternatives_that_make_a_listed_word_are_left_out_and_the_text_goes_on():
+    """Each generated token's alternatives, alone and after the text before it: at "e" of "the
+    bomber", " " would make "the bomb " (left out), "q" is a listed word alone (left out), "x"
+    stays; the prompt's alternatives alike ("b" after the prompt's "a bom"). The text, the sampled
+    tokens and their logprobs are unchanged: it is not stopped."""
+    text, prompt = "the bomber", "a bomx"
+    top = {8: (" ", "x", "q")}
+    deltas = [Delta("r", c, [ord(c)], None if i < len(text) - 1 else "length", len(prompt), i + 1, 0,
+                    [lp(c, *top.get(i, ("z",)))]) for i, c in enumerate(text)]
+    deltas[0] = replace(deltas[0], prompt_token_ids=[ord(c) for c in prompt],
+                        prompt_logprobs=[None, lp(" ", "q"), *(lp(c, "z") for c in "bom"), lp("x", "b", "k")])
+
+    async def source():
+        for d in deltas:
+            yield d
+
+    guard = guard_alternatives(["bomb", "q"])
+
+    async def collect():
+        return [d async for d in guard.output(source())]
+    out = asyncio.run(collect())
+    assert "".join(d.text for d in out) == text and out[-1].finish_reason == "length"
+    assert [t for d in out for t in d.token_ids] == [ord(c) for c in text]
+    assert ["".join(chr(t) for t, _ in x.top) for d in out for x in d.logprobs] == [
+        "tz", "hz", "ez", " z", "bz", "oz", "mz", "bz", "ex", "rz"]
+    assert ["".join(chr(t) for t, _ in x.top) if x else None for x in out[0].prompt_logprobs] == [
+        None, " ", "bz", "oz", "mz", "xk"]
+    assert [v for d in out for x in d.logprobs for _, v in x.top][16:18] == [-0.1, -3.0]  # "x" kept its logprob
+    assert guard.interventions == [Intervention("p", "r1", Stage.OUTPUT, Action.REDACTED, Cause.FLAGGED)]
+
+
+def test_a_clean_streams_alternatives_are_untouched_and_without_a_tokenizer_none_are_read():
+    d = Delta("r", "ok", [1], "stop", 1, 1, 0, [lp("o", "q")])
+
+    async def collect(guard):
+        async def source():
+            yield d
+        return [x async for x in guard.output(source())]
+    assert asyncio.run(collect(guard_alternatives(["bomb"])))[0].logprobs == d.logprobs
+    assert asyncio.run(collect(guard_alternatives(["q"], tokenizer=None)))[0].logprobs == d.logprobs
+
+
+# ---- the input check's bound grows with the prompt (issue 39) -----------------------------------
+
+_RNG = random.Random(3)
+MANY_WORDS = sorted({"".join(_RNG.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(_RNG.randint(4, 12)))
+                     for _ in range(10_100)} - {"lorem", "ipsum", "dolor", "amet", "now", "the"})[:9_999] + ["bomb"]
+LONG_CLEAN = "lorem ipsum dolor sit amet " * 8_000  # 216,000 characters
+
+
+@pytest.mark.parametrize("on_error", ["open", "closed"])
+def test_a_long_prompt_is_checked_whole_within_the_bound_however_it_is_padded(on_error):
+    """10,000 listed words, a 216k-character prompt. It was one search bounded by 20 x
+    rule_timeout_s (1 s), and a flat alternation of 10,000 words costs ~15 us a character (~3 s):
+    open passed the padded prompt unchecked, closed refused the clean one. Now chunks, each
+    within rule_timeout_s, of a trie (~0.3 us a character)."""
+    cfg = AppConfig(guardrail_policies={"p": {"rules": [{"name": "r1", "words": MANY_WORDS, "applies_to": "input"}],
+                                              "on_error": on_error}}, guardrail_policy="p")
+    guard = Guardrails(cfg).for_request("default")
+    guard.check_input(LONG_CLEAN, "prompt")
+    assert guard.interventions == []
+    with pytest.raises(GuardrailRejected) as e:
+        guard.check_input(LONG_CLEAN + "now the bomb", "prompt")
+    assert e.value.interventions == (Intervention("p", "r1", Stage.INPUT, Action.REFUSED, Cause.FLAGGED),)
+
+
+def test_chunks_find_a_match_across_their_seam_and_never_one_their_cut_makes():
+    from router.ingress.gateway.guardrails import INPUT_CHUNK_CHARS
+
+    rule = RuleCheck(GuardrailPolicy(rules=[{"name": "r", "words": ["kill"]}]).rules[0], timeout_s=0.05)
+    for at in range(INPUT_CHUNK_CHARS - 5, INPUT_CHUNK_CHARS + 2):
+        assert rule.flags_input("x " * (at // 2) + " " * (at % 2) + "kill now")  # "kill" on or near the seam
+        assert not rule.flags_input("x " * (at // 2) + " " * (at % 2) + "killer")  # a cut after "kill" is no end
+
+
+class LocalClassifier:
+    """The classifier deployment's class in this process, called as its Serve handle is."""
+
+    def __init__(self, **options):
+        from cluster.serving.classifier import KeywordClassifierStandIn
+        from types import SimpleNamespace
+
+        self.impl = KeywordClassifierStandIn({"guardrail_classifier": options})
+        self.calls: list[int] = []
+
+        async def classify(text):
+            self.calls.append(len(text))
+            return await self.impl.classify(text)
+        self.classify = SimpleNamespace(remote=classify)
+
+
+@pytest.mark.parametrize("on_error", ["open", "closed"])
+def test_the_classifier_reads_a_long_prompt_in_chunks(on_error):
+    """The deployment refuses a text over max_text_chars (an error): a prompt padded past it was
+    passed unchecked (open) or refused (closed). Chunks of input_chunk_chars overlapping by
+    input_overlap_chars, each a call within timeout_s."""
+    handle = LocalClassifier(words=["classified"], max_text_chars=5000)
+    cfg = AppConfig(guardrail_policies={"p": {"classifier": {"timeout_s": 0.5}, "on_error": on_error}},
+                    guardrail_policy="p", guardrail_classifier={"words": ["classified"], "max_text_chars": 5000})
+    guard = Guardrails(cfg, classifier=handle).for_request("default")
+    prompt = "lorem ipsum " * 1000  # 12,000 characters
+    guard.check_input(prompt, "prompt")
+    asyncio.run(guard.check_input_remote())
+    assert guard.interventions == [] and handle.calls == [4096, 4096, 4096, 480]  # steps of 3,840
+    guard.check_input(prompt[:4089] + " classified " + prompt, "prompt")  # across the end of the first chunk
+    with pytest.raises(GuardrailRejected):
+        asyncio.run(guard.check_input_remote())
+    assert guard.interventions[-1] == Intervention("p", "classifier", Stage.INPUT, Action.REFUSED, Cause.FLAGGED)
