@@ -5,6 +5,7 @@ never given to engine replicas), and the exposure rule."""
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 
@@ -190,26 +191,52 @@ def test_duplicates_wait_holding_a_slot_and_are_capped_per_key():
     asyncio.run(main())
 
 
+def timed(coro, bound_s: float = 5.0):
+    """(what `coro` returned or raised, seconds it took); a coroutine still running after
+    `bound_s` fails the test instead of hanging it."""
+    async def run():
+        t0 = time.monotonic()
+        try:
+            result = await asyncio.wait_for(coro, bound_s)
+        except (ServingError, InvalidRequestError) as e:
+            result = e
+        return result, time.monotonic() - t0
+    return asyncio.run(run())
+
+
+ACTOR_TIMEOUT_S = 0.3
+
+
 def test_an_unreachable_idempotency_store_fails_closed_within_the_timeout():
-    cfg = AppConfig.model_validate({"admission": {"actor_timeout_s": 0.05}})
+    """A store that never answers: UNAVAILABLE after actor_timeout_s (0.3 s), not before, not much after."""
+    cfg = AppConfig.model_validate({"admission": {"actor_timeout_s": ACTOR_TIMEOUT_S}})
     idem = Idempotent(FakeActor(IdempotencyStore(60), slow=True), Admission(cfg, local_take()))
 
     async def never():
         raise AssertionError("must not run without the store")
 
-    with pytest.raises(ServingError) as e:
-        asyncio.run(idem.run("default", "k", "fp", never, succeeded=bool))
-    assert e.value.code is Code.UNAVAILABLE and e.value.retry_after_s == 1.0
+    err, took = timed(idem.run("default", "k", "fp", never, succeeded=bool))
+    assert (err.code, err.retry_after_s) == (Code.UNAVAILABLE, 1.0)
+    assert ACTOR_TIMEOUT_S <= took < ACTOR_TIMEOUT_S + 0.25
 
 
 def test_a_slow_quota_actor_fails_open_within_the_timeout():
+    """A quota actor that never answers: the request is admitted (rate limits fail open) after
+    actor_timeout_s (0.3 s), not before, not much after, and its slot is held until done."""
     cfg = AppConfig.model_validate({"tenants": {"a": {"api_keys": ["k"], "requests_per_min": 60}},
-                                    "admission": {"actor_timeout_s": 0.05}})
+                                    "admission": {"actor_timeout_s": ACTOR_TIMEOUT_S}})
+    calls = []
 
     async def stalled(*args):
+        calls.append(args)
         await asyncio.Event().wait()
 
-    asyncio.run(Admission(cfg, stalled).admit("a", 1, 1)).done()  # admitted: rate limits fail open
+    adm = Admission(cfg, stalled)
+    ticket, took = timed(adm.admit("a", 1, 1))
+    assert (ticket.tenant, adm.inflight_by_tenant(), len(calls)) == ("a", {"a": 1}, 1)
+    assert ACTOR_TIMEOUT_S <= took < ACTOR_TIMEOUT_S + 0.25
+    ticket.done()
+    assert adm.inflight_by_tenant() == {"a": 0}
 
 
 # ---- API keys --------------------------------------------------------------------------------
