@@ -41,6 +41,8 @@ class Tokenizer:
         self.chat_templates: dict[str, str] = load_chat_templates(model_dir, self.config)
         self.chat_template: str | None = self.chat_templates.get(DEFAULT)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # ids `decode` drops (skip_special_tokens, the default): special tokens
+        self.skipped_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self._byte_level = _is_byte_level(json.loads(path.read_text(encoding="utf-8")).get("decoder"))
 
     def _add_missing_tokens(self, added: dict[str, dict]) -> None:
@@ -129,21 +131,35 @@ def _content(token: str | dict | None) -> str | None:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas without re-decoding everything.
+    """Turns a growing list of token ids into text deltas, with work per token bounded whatever the
+    output's length (vLLM's prefix_offset / read_offset scheme, with the window kept bounded).
 
-    Decodes a small window (prefix_offset..end) and emits what is new past the part already
-    emitted (prefix_offset..read_offset); holds back text that ends in an incomplete UTF-8
-    sequence (U+FFFD) until the next token completes it. Stop strings are matched on the full
-    text and the last max(len(stop)) - 1 characters are held back until they cannot start a stop.
+    It keeps only a window of ids: the last committed run (decoded for context: spacing, merges)
+    then the pending ids. Each token decodes the window with and without the pending ids and
+    commits what is new once it does not end in an incomplete UTF-8 sequence (U+FFFD), which the
+    next token may complete. Two things could stall the window and make each token decode the
+    whole output (quadratic): ids that decode to nothing (special tokens, skipped as decode skips
+    them: never added), and invalid bytes at the end that no later token fixes (a random or
+    broken model). For the latter, past MAX_PENDING pending ids the text of all but the last
+    STRADDLE of them is committed as soon as the whole window's text starts with it (a character
+    is at most 4 bytes and every token carries one: what those ids decode to can no longer
+    change). So the text emitted equals `tokenizer.decode(output ids)` (with the prompt's last
+    ids as context), and a token costs at most three decodes of at most
+    CONTEXT + 2 * MAX_PENDING + 1 ids.
+
+    Stop strings are matched on the full text and the last max(len(stop)) - 1 characters are held
+    back until they cannot start a stop.
     """
 
-    _CONTEXT = 4  # prompt tokens decoded with the first outputs, so spacing comes out right
+    CONTEXT = 4  # prompt tokens decoded with the first outputs, so spacing comes out right
+    MAX_PENDING = 8  # ids past the committed text before those that can no longer change are committed
+    STRADDLE = 3  # trailing ids that may still complete a character (4 bytes at most, >= 1 per id)
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
         self.tok = tokenizer
-        self.ids = list(prompt_ids[-self._CONTEXT:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self._skipped = tokenizer.skipped_ids
+        self.ids = [i for i in prompt_ids if i not in self._skipped][-self.CONTEXT:]  # the window
+        self.read_offset = len(self.ids)  # ids before it are committed (decoded for context only)
         self.text = ""  # all decoded output text (after truncation at a stop string)
         self.emitted = 0  # characters of self.text already returned
         self.stop = tuple(stop)
@@ -151,15 +167,28 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def add(self, token_id: int) -> None:
-        self.ids.append(token_id)
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tok.decode(self.ids[self.prefix_offset :])
+        if token_id in self._skipped or token_id >= self.tok.vocab_size:  # decodes to nothing (decode drops it)
+            return
+        ids = self.ids
+        ids.append(token_id)
+        prefix = self.tok.decode(ids[: self.read_offset])
+        full = self.tok.decode(ids)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            start = len(self.text)
-            self.text += full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            if self.stop:
-                self._match_stop(max(0, start - self.hold))
+            self._commit(full[len(prefix):], len(ids))
+        elif len(ids) - self.read_offset > self.MAX_PENDING:  # stalled: commit what cannot change
+            end = len(ids) - self.STRADDLE
+            settled = self.tok.decode(ids[:end])
+            if full.startswith(settled) and settled.startswith(prefix):
+                self._commit(settled[len(prefix):], end)
+
+    def _commit(self, text: str, end: int) -> None:
+        """`text` is what ids[read_offset:end] add: append it; those ids become the context."""
+        start = len(self.text)
+        self.text += text
+        del self.ids[: self.read_offset]
+        self.read_offset = end - self.read_offset
+        if self.stop:
+            self._match_stop(max(0, start - self.hold))
 
     def _match_stop(self, search_from: int) -> None:
         hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
@@ -170,13 +199,9 @@ class IncrementalDetokenizer:
     def flush(self) -> None:
         """At the end, bytes held back as an incomplete character are emitted as they are."""
         if self.read_offset < len(self.ids) and not self.stopped:
-            prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
-            full = self.tok.decode(self.ids[self.prefix_offset :])
-            start = len(self.text)
-            self.text += full[len(prefix):]
-            self.read_offset = len(self.ids)
-            if self.stop:
-                self._match_stop(max(0, start - self.hold))
+            prefix = self.tok.decode(self.ids[: self.read_offset])
+            full = self.tok.decode(self.ids)
+            self._commit(full[len(prefix):], len(self.ids))
 
     def take(self, final: bool) -> str:
         """The text that is safe to send now (all of it when the request is finished)."""
