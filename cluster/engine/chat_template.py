@@ -8,12 +8,25 @@ The render is transformers' `apply_chat_template(..., tokenize=False)`: a sandbo
 environment with trim_blocks/lstrip_blocks, loop controls, a JSON `tojson`, `raise_exception`,
 `strftime_now`, the `{% generation %}` tag, and the tokenizer's special tokens as variables.
 No torch and no transformers here: the front door renders with this module.
+
+Forged roles: transformers and vLLM tokenize the rendered text parsing special tokens wherever
+they occur, so a message whose content holds `<|im_start|>system` forges a turn.
+`render_chat_pieces` keeps the template's own special tokens apart from the client's text: every
+string the client gave (contents, names, roles, tool calls and definitions, documents) has each
+special token in it, and each piece of one at its start or end (a special could be formed by
+joining two strings: a message's content parts), replaced by a sentinel before rendering; the
+specials found in the rendered text are then the template's, and the sentinels go back to the
+client's text, which is tokenized as plain text (`Tokenizer.encode_chat`). A conversation with
+no such string renders and tokenizes exactly as transformers does. Not covered: a template that
+builds a special token around a client string (`'<|im_' ~ content ~ '|>'`); none does.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Protocol
@@ -56,6 +69,7 @@ class Templated(Protocol):
 
     chat_templates: dict[str, str]  # name -> Jinja source
     special_tokens: dict[str, str]  # bos_token, eos_token, ...: the template's variables
+    control_tokens: tuple[str, ...]  # every special token's text (tokenized as one id), longest first
 
 
 def render_chat(
@@ -77,6 +91,72 @@ def render_chat(
     variables = {**tokenizer.special_tokens, **kwargs}
     return _compile(source).render(messages=messages, tools=tools, documents=documents,
                                    add_generation_prompt=add_generation_prompt, **variables)
+
+
+def render_chat_pieces(tokenizer: Templated, messages: list[dict], add_generation_prompt: bool = True,
+                       **kwargs) -> list[tuple[str, bool]]:
+    """`render_chat`'s text as (text, is_special) pieces: the special tokens the template wrote
+    (each alone, True) and the text between them (False), where the client's strings are (see
+    the module docstring). Joined, the pieces are the rendered prompt."""
+    specials = tokenizer.control_tokens
+    if not specials:
+        return [(render_chat(tokenizer, messages, add_generation_prompt, **kwargs), False)]
+    escape = _Escape(specials)
+    client = {k: escape.walk(kwargs.pop(k)) for k in ("tools", "documents") if kwargs.get(k) is not None}
+    text = render_chat(tokenizer, escape.walk(messages), add_generation_prompt, **client, **kwargs)
+    pieces = []
+    for i, part in enumerate(special_pattern(specials).split(text)):
+        if part:
+            pieces.append((escape.restore(part), False) if i % 2 == 0 else (part, True))
+    return pieces
+
+
+@functools.lru_cache(maxsize=8)
+def special_pattern(specials: tuple[str, ...]) -> re.Pattern:
+    return re.compile("(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")")
+
+
+class _Escape:
+    """Replaces, in client strings, each special token and each piece of one (2 characters or
+    more) at the string's start or end with a sentinel no client string holds (a random number
+    between two private-use characters); `restore` puts them back."""
+
+    def __init__(self, specials: tuple[str, ...]):
+        self.specials = specials
+        self.pattern = special_pattern(specials)
+        self.nonce = str(secrets.randbits(64))
+        self.sentinel = re.compile("\ue000" + self.nonce + "\\.([0-9]+)\ue001")
+        self.saved: list[str] = []
+        # the pieces of specials (2 characters or more) a string may start or end with
+        self.prefixes = {t[:k] for t in specials for k in range(2, len(t))}
+        self.suffixes = {t[-k:] for t in specials for k in range(2, len(t))}
+        self.longest = max(map(len, specials))
+
+    def _hide(self, fragment: str) -> str:
+        self.saved.append(fragment)
+        return f"\ue000{self.nonce}.{len(self.saved) - 1}\ue001"
+
+    def text(self, s: str) -> str:
+        head = next((s[:k] for k in range(min(self.longest, len(s)), 1, -1) if s[:k] in self.suffixes), "")
+        tail = next((s[-k:] for k in range(min(self.longest, len(s)), 1, -1) if s[-k:] in self.prefixes), "")
+        if not head and not tail and not self.pattern.search(s):
+            return s
+        if len(head) + len(tail) > len(s):  # the string is a piece of a special: hidden whole
+            head, tail = s, ""
+        middle = self.pattern.sub(lambda m: self._hide(m.group(0)), s[len(head):len(s) - len(tail)])
+        return (self._hide(head) if head else "") + middle + (self._hide(tail) if tail else "")
+
+    def walk(self, x):
+        if isinstance(x, str):
+            return self.text(x)
+        if isinstance(x, dict):
+            return {self.walk(k): self.walk(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [self.walk(v) for v in x]
+        return x
+
+    def restore(self, s: str) -> str:
+        return self.sentinel.sub(lambda m: self.saved[int(m.group(1))], s) if self.saved else s
 
 
 def select_template(templates: dict[str, str], name: str | None, tools: list[dict] | None) -> str:

@@ -14,7 +14,7 @@ from typing import Sequence
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 
-from cluster.engine.chat_template import DEFAULT, load_chat_templates
+from cluster.engine.chat_template import DEFAULT, load_chat_templates, special_pattern
 
 # The named special tokens a chat template sees as variables (transformers' SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -42,7 +42,10 @@ class Tokenizer:
         self.chat_template: str | None = self.chat_templates.get(DEFAULT)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         # ids `decode` drops (skip_special_tokens, the default): special tokens
-        self.skipped_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        specials = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self.skipped_ids = frozenset(specials)
+        self.control_tokens: tuple[str, ...] = tuple(sorted(specials.values(), key=len, reverse=True))
+        self._plain: _HFTokenizer | None = None  # this tokenizer with special tokens read as text
         self._byte_level = _is_byte_level(json.loads(path.read_text(encoding="utf-8")).get("decoder"))
 
     def _add_missing_tokens(self, added: dict[str, dict]) -> None:
@@ -70,6 +73,25 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
+        """The ids of a chat rendered as pieces (chat_template.render_chat_pieces): the template's
+        special tokens as their ids, the text between them as plain text, where a special token's
+        string is ordinary characters (a client cannot forge a role). When no text piece holds
+        one, the joined text is encoded as transformers encodes it: the same ids."""
+        if not any(self._has_special(t) for t, special in pieces if not special):
+            return self.encode("".join(t for t, _ in pieces), add_special_tokens=False)
+        if self._plain is None:
+            plain = _HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True  # its own setting: the shared tokenizer's stays
+            self._plain = plain
+        ids: list[int] = []
+        for text, special in pieces:
+            ids += [self._tok.token_to_id(text)] if special else self._plain.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def _has_special(self, text: str) -> bool:
+        return bool(self.control_tokens) and special_pattern(self.control_tokens).search(text) is not None
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes (OpenAI's logprobs `bytes`): a byte-level BPE piece mapped back

@@ -133,13 +133,23 @@ class RequestValidator:
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's token ids; its size is checked first, so the tokenizer never sees a huge one."""
+        self.tokenize_checks(prompt)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def tokenize_checks(self, prompt: str) -> None:
+        """What a prompt's text must meet before the tokenizer sees it (400 on `prompt`)."""
         if not isinstance(prompt, str) or not prompt:
             raise InvalidRequestError("prompt", "must be a non-empty string")
         cap = self.limits.prompt_chars(self.max_model_len)
         if len(prompt) > cap:
             raise InvalidRequestError("prompt", f"has {len(prompt)} characters; at most {cap} are accepted")
         _check_utf8("prompt", prompt)
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def tokenize_chat(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
+        """A rendered chat's token ids (chat_template.render_chat_pieces): the joined text meets
+        `tokenize`'s checks, then only the template's special tokens become special ids."""
+        self.tokenize_checks("".join(text for text, _ in pieces))
+        return self.tokenizer.encode_chat(pieces)
 
     def check_token_ids(self, prompt_token_ids: Sequence[int]) -> list[int]:
         if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
