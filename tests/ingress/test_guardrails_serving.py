@@ -20,7 +20,10 @@ from protos.pdserve.v1 import generation_pb2 as pb
 from tests.helpers import grpc_stub, http_base, pool_loads, serve_replica_ids, wait_for, wait_pools_whole
 
 KEYS = {"guarded": "k-guarded", "plain": "k-plain", "early": "k-early", "cls-closed": "k-cls-closed",
-        "cls-open": "k-cls-open"}
+        "cls-open": "k-cls-open", "cls-out": "k-cls-out", "cls-kill": "k-cls-kill", "cls-kill-open": "k-cls-kill-open",
+        "alts": "k-alts"}
+KILL_TIMEOUT_S = 30.0  # the killed-classifier tenants' bound: their calls end by the replica's death, not by this
+TOP = 5
 CLASSIFIER_TIMEOUT_S = 0.5
 PROMPT = [256] + list(range(1, 40))  # 40 tokens: prefilled remotely (threshold 16), so both legs hold blocks
 MAX_TOKENS = 120
@@ -30,8 +33,8 @@ WINDOW = 16
 @pytest.fixture(scope="module")
 def reference(tiny_model):
     engine = LLMEngine.from_model(tiny_model, num_blocks=64)
-    out = engine.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))[0]
-    return out
+    return engine.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                                                    logprobs=TOP))[0]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,54 @@ def flagged(reference):
 
 
 @pytest.fixture(scope="module")
-def server(serve_apps, tiny_model, flagged, reference):
+def classified(reference):
+    """A word of the reference output first seen (whole, as the classifier stand-in reads words)
+    past its 24th character: the classifier flags it, so an output check of the classifier stops there."""
+    text = reference.text
+    for m in re.finditer(r"\w{2,}", text):
+        first = re.search(r"(?i)(?<!\w)" + re.escape(m.group()) + r"(?!\w)", text)
+        if first.start() >= 24 and m.group().isascii() and first.start() == m.start():
+            return m.start(), m.group()
+    pytest.fail("no word of the reference output fits")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    from cluster.engine.tokenizer import Tokenizer
+
+    return Tokenizer(tiny_model)
+
+
+def contexts(tok, token_ids) -> list[str]:
+    """The text before each token, as the guard reads it when tokens come one a delta: the tokens' texts."""
+    out, text = [], ""
+    for t in token_ids:
+        out.append(text)
+        text += tok.token_text(t)
+    return out
+
+
+@pytest.fixture(scope="module")
+def alternative(reference, tok):
+    """A 3-character pattern that two generated ASCII characters and an alternative of the token
+    after them make, and that the output itself never holds: the rule of tenant "alts". (Its two
+    characters are never followed by a byte the detokenizer may hold back, so the text before a
+    token reads the same however deltas split.)"""
+    ids = reference.token_ids
+    for j in range(2, len(ids)):
+        pair = ids[j - 2:j]
+        if not all(32 <= t < 127 for t in pair) or any(
+                ids[k:k + 2] == pair and k + 2 < len(ids) and 128 <= ids[k + 2] < 256 for k in range(len(ids))):
+            continue
+        for t, _ in reference.logprobs[j].top:
+            piece = tok.token_text(pair[0]) + tok.token_text(pair[1]) + tok.token_text(t)
+            if t != ids[j] and len(piece) == 3 and piece.isascii() and piece.isprintable() and piece not in reference.text:
+                return piece
+    pytest.fail("no alternative fits")
+
+
+@pytest.fixture(scope="module")
+def server(serve_apps, tiny_model, flagged, reference, classified, alternative):
     policy = {"rules": [{"name": "secret", "pattern": re.escape(flagged[1]), "applies_to": "output"},
                         {"name": "banned-prompt", "words": ["forbidden topic"], "applies_to": "input"}],
               "holdback_chars": WINDOW}
@@ -56,12 +106,19 @@ def server(serve_apps, tiny_model, flagged, reference):
         guardrail_policies={"strict": policy, "early": {"rules": [  # the output's first two characters
             {"name": "first", "pattern": re.escape(reference.text[:2]), "applies_to": "output"}]},
             "cls-closed": {"classifier": {"timeout_s": CLASSIFIER_TIMEOUT_S}, "on_error": "closed"},
-            "cls-open": {"classifier": {"timeout_s": CLASSIFIER_TIMEOUT_S, "applies_to": "input"}, "on_error": "open"}},
-        guardrail_classifier={"words": ["classified"]}, fault_tolerance={"fault_injection": True},
+            "cls-open": {"classifier": {"timeout_s": CLASSIFIER_TIMEOUT_S, "applies_to": "input"}, "on_error": "open"},
+            "cls-out": {"classifier": {"timeout_s": 5.0, "applies_to": "output"}, "on_error": "closed"},
+            "cls-kill": {"classifier": {"timeout_s": KILL_TIMEOUT_S, "applies_to": "input"}, "on_error": "closed"},
+            "cls-kill-open": {"classifier": {"timeout_s": KILL_TIMEOUT_S, "applies_to": "input"}, "on_error": "open"},
+            "alts": {"rules": [{"name": "alt", "pattern": re.escape(alternative), "applies_to": "output"}],
+                     "holdback_chars": WINDOW}},
+        guardrail_classifier={"words": ["classified", classified[1]]}, fault_tolerance={"fault_injection": True},
         tenants={"guarded": {"api_keys": [KEYS["guarded"]], "guardrail_policy": "strict"},
                  "early": {"api_keys": [KEYS["early"]], "guardrail_policy": "early"},
                  "cls-closed": {"api_keys": [KEYS["cls-closed"]], "guardrail_policy": "cls-closed"},
                  "cls-open": {"api_keys": [KEYS["cls-open"]], "guardrail_policy": "cls-open"},
+                 **{t: {"api_keys": [KEYS[t]], "guardrail_policy": t} for t in ("cls-out", "cls-kill", "cls-kill-open",
+                                                                               "alts")},
                  "plain": {"api_keys": [KEYS["plain"]], "response_cache": True}},
     ) as cfg:
         yield cfg
@@ -187,11 +244,18 @@ def short(text=None):
     return request(PROMPT, 6)
 
 
-def test_the_classifier_deployment_flags_a_prompt_and_checks_the_output(stub, reference):
+def test_the_classifier_deployment_flags_a_prompt_and_checks_the_output(stub, reference, classified):
     assert outcome(stub, "cls-closed", short("this is Classified material"))[0] == (
         "INVALID_ARGUMENT", "prompt: refused by guardrail policy 'cls-closed', check 'classifier'")
-    # its output is classified on every release too (applies_to both); the stand-in passes noise
-    assert outcome(stub, "cls-closed", short())[0] == ("OK", reference.token_ids[:6])
+    assert outcome(stub, "cls-closed", short())[0] == ("OK", reference.token_ids[:6])  # noise passes
+    # the output is classified on every release: the stream stops before the classified word goes out
+    responses = list(stub.Generate(request(), metadata=meta("cls-out"), timeout=120))
+    text = "".join(r.text for r in responses)
+    tokens = [t for r in responses for t in r.token_ids]
+    start, word = classified
+    assert responses[-1].finish_reason == pb.FINISH_REASON_CONTENT_FILTER and not responses[-1].text
+    assert len(text) <= start and text == reference.text[:len(text)] and tokens == reference.token_ids[:len(tokens)]
+    assert len(tokens) < responses[-1].usage.completion_tokens < MAX_TOKENS  # stopped at the source
     wait_pools_whole()
 
 
@@ -214,23 +278,63 @@ def test_a_stalled_classifier_fails_closed_or_open_within_its_timeout(stub, refe
     wait_pools_whole()
 
 
-def test_a_killed_classifier_fails_closed_or_open_within_its_timeout(stub, reference):
+def test_a_classifier_killed_under_its_calls_fails_them_closed_or_open(stub, reference):
+    """Both tenants' prompt checks are in flight on the classifier's one replica (stalled there)
+    when it is killed: each call fails at once with the replica's death (an error, long before
+    their 30 s bound), closed refuses and open passes. It accepted OK for closed before (a call
+    could reach a replacement)."""
     import ray
 
     (replica,) = serve_replica_ids()["guardrail-classifier"]
-    ray.kill(ray.get_actor(f"SERVE_REPLICA::pdserve#guardrail-classifier#{replica}", namespace="serve"),
-             no_restart=True)
-    wait_for(lambda: replica not in serve_replica_ids().get("guardrail-classifier", []), "the replica's death")
+    classifier().stall.remote(120.0).result(timeout_s=30)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        closed = pool.submit(outcome, stub, "cls-closed", short())
-        opened = pool.submit(outcome, stub, "cls-open", short())
+        closed = pool.submit(outcome, stub, "cls-kill", short())
+        opened = pool.submit(outcome, stub, "cls-kill-open", short())
+        wait_for(lambda: classifier().stalled.remote().result(timeout_s=10) == 2, "both checks in flight", 30)
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::pdserve#guardrail-classifier#{replica}", namespace="serve"),
+                 no_restart=True)
         (closed, took_closed), (opened, took_open) = closed.result(), opened.result()
-    assert opened == ("OK", reference.token_ids[:6])
-    # Serve replaces the replica within seconds: a call after the replacement is answered
-    assert closed in (("INVALID_ARGUMENT", FAILED_CLOSED.format("timeout")),
-                      ("INVALID_ARGUMENT", FAILED_CLOSED.format("error")), ("OK", reference.token_ids[:6]))
-    assert took_closed < CLASSIFIER_TIMEOUT_S + 2.0 and took_open < CLASSIFIER_TIMEOUT_S + 2.0
+    assert closed == ("INVALID_ARGUMENT", "prompt: refused by guardrail policy 'cls-kill', check 'classifier' "
+                                          "(the check error; policy fails closed)")
+    assert opened == ("OK", reference.token_ids[:6])  # passed, and the pass recorded as an intervention
+    assert took_closed < KILL_TIMEOUT_S and took_open < KILL_TIMEOUT_S
     wait_for(lambda: len(serve_replica_ids().get("guardrail-classifier", [])) == 1, "a new classifier replica", 60)
+    wait_pools_whole()
+
+
+def test_logprob_alternatives_that_make_a_rule_match_are_left_out_on_both_edges(stub, server, alternative, tok):
+    """Tenant "alts" lists a 3-character pattern the output never holds, made by two generated
+    characters and an alternative of the next token: that alternative is left out of the next
+    token's top, over gRPC (token ids) and OpenAI (token text); everything else is as the
+    unguarded tenant gets it, the text whole."""
+    def grpc_run(tenant):
+        responses = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP)), metadata=meta(tenant), timeout=120))
+        return "".join(r.text for r in responses), [lp for r in responses for lp in r.logprobs], responses[-1]
+
+    text, plain, _ = grpc_run("plain")
+    guarded_text, guarded, last = grpc_run("alts")
+    assert guarded_text == text and last.finish_reason == pb.FINISH_REASON_LENGTH
+    before = contexts(tok, [lp.token_id for lp in plain])
+    expected = [{t.token_id for t in lp.top if t.token_id == lp.token_id
+                 or alternative not in before[i][-2:] + tok.token_text(t.token_id)} for i, lp in enumerate(plain)]
+    left_out = sum(len(lp.top) for lp in plain) - sum(map(len, expected))
+    assert left_out >= 1 and [{t.token_id for t in lp.top} for lp in guarded] == expected
+    assert [lp.token_id for lp in guarded] == [lp.token_id for lp in plain]
+
+    def openai_run(tenant):
+        c = openai_client(server, tenant).completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                                             temperature=0, logprobs=TOP, extra_body={"ignore_eos": True})
+        return c.choices[0].text, c.choices[0].logprobs.top_logprobs
+
+    http_text, http_plain = openai_run("plain")
+    http_guarded_text, http_guarded = openai_run("alts")
+    assert http_text == http_guarded_text == text
+    # the sampled token's text is a key too (OpenAI's completions shape); only alternatives are left out
+    sampled = [tok.token_text(lp.token_id) for lp in plain]
+    assert [set(top) for top in http_guarded] == [
+        {k for k in top if k == sampled[i] or alternative not in before[i][-2:] + k} for i, top in enumerate(http_plain)]
+    assert sum(map(len, http_plain)) - sum(map(len, http_guarded)) == left_out
     wait_pools_whole()
 
 
@@ -253,11 +357,16 @@ def test_a_repeated_greedy_request_is_served_from_the_cache(stub, reference):
     wait_pools_whole()
 
 
-def test_an_http_request_equal_to_a_cached_one_is_a_marked_hit(server, reference):
-    ids = [256] + list(range(50, 80))  # the previous test's request, cached
+def test_an_http_request_equal_to_a_cached_one_is_a_marked_hit(stub, server):
+    """Cached by a gRPC request of its own (a prompt no other test sends), then asked over HTTP:
+    the cache is the ingress's, shared by both edges. Runs alone or in any order."""
+    ids = [256] + list(range(90, 120))
     before = generated_tokens()
+    cached = list(stub.Generate(request(ids, 12), metadata=meta("plain"), timeout=60))
+    assert cached[-1].usage.response_cache_hit is False and generated_tokens() == before + 12
     c = openai_client(server, "plain").completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
                                                           extra_body={"ignore_eos": True})
     assert c.usage.model_extra["pdserve_response_cache_hit"] is True
     assert (c.usage.prompt_tokens, c.usage.prompt_tokens_details.cached_tokens, c.usage.completion_tokens) == (31, 31, 12)
-    assert c.choices[0].finish_reason == "length" and generated_tokens() == before
+    assert c.choices[0].finish_reason == "length" and generated_tokens() == before + 12
+    assert c.choices[0].text == "".join(r.text for r in cached)
