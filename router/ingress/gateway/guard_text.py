@@ -36,7 +36,7 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 PLAIN, FOLDED = 0, 1  # the texts of a view, as `MatchView.texts` orders them
 
 
-def _joins(c: str) -> bool:
+def joins(c: str) -> bool:
     """A character that belongs to the unit before it (it may compose with it, or vanish)."""
     return c in INVISIBLE or unicodedata.combining(c) != 0 or "\u1160" <= c <= "\u11ff"
 
@@ -76,21 +76,44 @@ def json_atom(raw: str, i: int, final: bool) -> tuple[str, int] | None:
 
 class MatchView:
     """One reading of a stream's text (module docstring). `feed` reads what was added; a delta's
-    end is resolved to the view's positions once the unit holding its last character is complete."""
+    end is resolved to the view's positions once the unit holding its last character is complete.
+    Positions count from the stream's start; only the tail the checks still read is kept (`trim`)."""
 
     def __init__(self, decode_json: bool = False):
         self.decode_json = decode_json
         self.raw_pos = 0  # raw characters read into units
         self._raw = ""  # raw characters not read yet (the start of an escape more text completes)
-        self.committed = ("", "")  # plain, folded: complete units
+        self.text = ["", ""]  # plain, folded: complete units, from base on
+        self.base = [0, 0]  # characters trimmed from the front of each
         self._unit = ""  # the open unit, decoded
         self._marks: deque[tuple[int, list]] = deque()  # (raw end, where to write its positions)
 
+    @property
+    def pending(self) -> bool:
+        """Raw text not read yet: an escape that more text may complete."""
+        return bool(self._raw)
+
+    def length(self, which: int) -> int:
+        """Committed characters (complete units) of a text."""
+        return self.base[which] + len(self.text[which])
+
+    def tail(self, which: int, start: int) -> str:
+        """The committed text from `start` (or from what is kept)."""
+        return self.text[which][max(0, start - self.base[which]):]
+
+    def trim(self, which: int, start: int) -> None:
+        """Forget the committed text before `start`."""
+        cut = start - self.base[which]
+        if cut > 0:
+            self.text[which], self.base[which] = self.text[which][cut:], start
+
     def clone(self, keep: int) -> "MatchView":
         """This view's last `keep` committed characters and what is open, without marks: to read
-        text that may follow (an alternative token). Its positions are its own."""
+        text that may follow (an alternative token). Positions as this view's."""
         other = MatchView(self.decode_json)
-        other.committed = (self.committed[PLAIN][-keep:], self.committed[FOLDED][-keep:])
+        for w in (PLAIN, FOLDED):
+            other.text[w] = self.text[w][-keep:] if keep else ""
+            other.base[w] = self.length(w) - len(other.text[w])
         other._raw, other._unit = self._raw, self._unit
         return other
 
@@ -106,7 +129,7 @@ class MatchView:
             if atom is None:
                 break
             text, i_next = atom
-            if self._unit and not _joins(text[0]):
+            if self._unit and not joins(text[0]):
                 self._commit(self.raw_pos + i)
             self._unit += text
             i = i_next
@@ -117,11 +140,11 @@ class MatchView:
 
     def _commit(self, next_start: int) -> None:
         """The open unit is complete; marks that end before `next_start` are resolved."""
-        plain, folded = self.committed
-        self.committed = (plain + self._unit, folded + fold(self._unit))
+        self.text[PLAIN] += self._unit
+        self.text[FOLDED] += fold(self._unit)
         self._unit = ""
         while self._marks and self._marks[0][0] <= next_start:
-            self._marks.popleft()[1].append((len(self.committed[PLAIN]), len(self.committed[FOLDED])))
+            self._marks.popleft()[1].append((self.length(PLAIN), self.length(FOLDED)))
 
     def provisional(self, which: int) -> str:
         return self._unit if which == PLAIN else fold(self._unit)
@@ -129,8 +152,8 @@ class MatchView:
     def window_text(self, which: int, start: int, context: int) -> tuple[str, int]:
         """(text, start in it): the committed text from `context` before `start` (what a rule's
         lookbehind reads), then the open unit as it stands."""
-        begin = max(0, start - context)
-        return self.committed[which][begin:] + self.provisional(which), start - begin
+        begin = max(self.base[which], start - context)
+        return self.tail(which, begin) + self.provisional(which), start - begin
 
 
 class HoldBack:
@@ -138,8 +161,10 @@ class HoldBack:
     `views` (one plain view when none are given): a delta is released once `window` committed
     characters of every view's texts follow its end, or when the stream ends."""
 
-    def __init__(self, window: int, views: tuple[MatchView, ...] | None = None):
+    def __init__(self, window: int, views: tuple[MatchView, ...] | None = None, context: int = 64):
+        """`context`: characters before a scan's start that a check may read (its lookbehind)."""
         self.window = window
+        self.context = context
         self.views = views or (MatchView(),)
         self.text = ""
         self.released = 0  # raw characters released to the client
@@ -161,7 +186,7 @@ class HoldBack:
 
     def _settled(self, ends: list) -> bool:
         return len(ends) == len(self.views) and all(
-            len(v.committed[w]) - end[w] >= self.window for v, end in zip(self.views, ends) for w in (PLAIN, FOLDED))
+            v.length(w) - end[w] >= self.window for v, end in zip(self.views, ends) for w in (PLAIN, FOLDED))
 
     def release(self, final: bool) -> list:
         out = []
@@ -170,6 +195,9 @@ class HoldBack:
             if len(ends) == len(self.views):
                 self.released_at = ends
             out.append(d)
+        for v, at in zip(self.views, self.released_at):  # no scan reads before this again
+            for w in (PLAIN, FOLDED):
+                v.trim(w, at[w] - self.window - self.context)
         return out
 
     @property

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 from cluster.config import AppConfig, ClassifierCheckOptions, GuardrailPolicy, GuardrailRule
 from cluster.engine.outputs import FinishReason
 from cluster.guardrail_rules import compile_rule, fold
-from router.ingress.gateway.guard_text import FOLDED, PLAIN, HoldBack, MatchView
+from router.ingress.gateway.guard_text import FOLDED, PLAIN, HoldBack, MatchView, joins
 from router.ingress.gateway.stages import Outcome, Stage as GatewayStage
 from router.ingress.status import Code, ServingError
 
@@ -388,7 +388,8 @@ class RequestGuard:
                 async for d in deltas:
                     yield d
             return
-        hold = HoldBack(self.policy.window, self.views())
+        hold = HoldBack(self.policy.window, self.views(), max((c.context for c in self.policy.for_stage(Stage.OUTPUT)),
+                                                              default=1))
         async with aclosing(deltas):
             async for d in deltas:
                 if self.alternatives is not None:
@@ -417,6 +418,7 @@ class Alternatives:
         self.guard, self.rules, self.tok = guard, rules, tokenizer
         self.keep = window + max(r.context for r in rules)  # the text before a token that a match may read
         self.recorded: set[tuple[str, Action]] = set()
+        self.alone: dict[tuple[int, bool], MatchView] = {}
 
     def redact(self, d: "Delta", views: tuple[MatchView, ...]) -> "Delta":
         """`views`: the stream's text before `d`."""
@@ -432,25 +434,45 @@ class Alternatives:
         out = []
         for token_id, lp in zip(token_ids, lps):
             if lp is not None and lp.top:
-                top = tuple((t, v) for t, v in lp.top if t == lp.token_id or not self._flagged(t, context))
+                closed = [None if v.pending else v.clone(self.keep).feed("", True) for v in context]
+                top = tuple((t, v) for t, v in lp.top if t == lp.token_id or not self._flagged(t, context, closed))
                 lp = lp if len(top) == len(lp.top) else replace(lp, top=top)
             out.append(lp)
             context = [v.feed(self.tok.token_text(token_id), False).clone(self.keep) for v in context]
         return out
 
-    def _flagged(self, token_id: int, context: list[MatchView]) -> bool:
+    def _flagged(self, token_id: int, context: list[MatchView], closed: list) -> bool:
+        """`closed`: each context view with its open unit complete (None while an escape is open)."""
         alt = self.tok.token_text(token_id)
+        if not alt:
+            return False
+        reads = []
+        for v, c in zip(context, closed):
+            alone = self._alone(token_id, alt, v.decode_json)
+            if c is None or joins(alt[0]):  # it may change the text before it: read the two together
+                c, alone_after = v.clone(self.keep).feed(alt, True), ("", "")
+            else:
+                alone_after = alone.text
+            reads.append((alone, [c.text[w] + alone_after[w] for w in (PLAIN, FOLDED)], v.length(PLAIN) - c.base[PLAIN],
+                          v.length(FOLDED) - c.base[FOLDED]))
         for check in self.rules:
-            try:
-                if any(check.touches(MatchView(view.decode_json).feed(alt, True).committed[check.reads], 0)
-                       or check.touches(view.clone(self.keep).feed(alt, True).committed[check.reads],
-                                        len(view.committed[check.reads])) for view in context):
+            w = check.reads
+            try:  # a match in the alternative alone, or one it ends after the text before it
+                if any(check.touches(alone.text[w], 0) or check.touches(after[w], bounds[w])
+                       for alone, after, *bounds in reads):
                     return self._once(check.name, Action.REDACTED, Cause.FLAGGED)
             except CheckFailed as e:  # closed: as flagged; open: kept, recorded
-                closed = self.guard.policy.on_error == "closed"
-                if self._once(check.name, Action.REDACTED if closed else Action.PASSED_ON_ERROR, e.cause):
+                closed_policy = self.guard.policy.on_error == "closed"
+                if self._once(check.name, Action.REDACTED if closed_policy else Action.PASSED_ON_ERROR, e.cause):
                     return True
         return False
+
+    def _alone(self, token_id: int, alt: str, decode_json: bool) -> MatchView:
+        """An alternative's text read alone (kept per token: the same ones come again and again)."""
+        key = (token_id, decode_json)
+        if (view := self.alone.get(key)) is None:
+            view = self.alone[key] = MatchView(decode_json).feed(alt, True)
+        return view
 
     def _once(self, check: str, action: Action, cause: Cause) -> bool:
         """Records the event the first time (per check and action); True: `action` redacts."""

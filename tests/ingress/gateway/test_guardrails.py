@@ -478,7 +478,7 @@ def test_json_atoms_decode_escapes_and_wait_for_a_split_one():
     for piece in ['{"q": "\\u00', '62o\\u006D', 'b\\nX"}']:
         view.feed(piece, False)
     view.feed("", True)
-    assert view.committed == ('{"q": "bomb\nX"}', '{"q": "bomb\nx"}')
+    assert view.text == ['{"q": "bomb\nX"}', '{"q": "bomb\nx"}']
 
 
 def guard_json(words=("bomb",), window=8, tokenizer=None):
@@ -650,3 +650,30 @@ def test_the_classifier_reads_a_long_prompt_in_chunks(on_error):
     with pytest.raises(GuardrailRejected):
         asyncio.run(guard.check_input_remote())
     assert guard.interventions[-1] == Intervention("p", "classifier", Stage.INPUT, Action.REFUSED, Cause.FLAGGED)
+
+
+def test_an_alternative_that_composes_with_the_text_before_it_is_read_with_it():
+    """A combining acute as the alternative after "a cafe" makes "a café" (the listed word); after
+    an open JSON escape, an alternative that completes it is read as the escape it completes."""
+    class Texts:
+        def __init__(self, *texts):
+            self.texts = texts
+
+        def token_text(self, token_id):
+            return self.texts[token_id]
+
+    async def collect(guard, pieces, tops):
+        async def source():
+            for i, p in enumerate(pieces):
+                yield Delta("r", p, [i], None if i < len(pieces) - 1 else "stop", 1, i + 1, 0,
+                            [TokenLogprob(i, -0.1, ((i, -0.1), *((t, -1.0) for t in tops.get(i, ()))))])
+        return [d async for d in guard.output(source())]
+
+    pieces = ["a", " ", "c", "a", "f", "e", " ", "!"]
+    guard = guard_alternatives(["caf\u00e9"], tokenizer=Texts(*pieces, "\u0301", "s"))
+    out = asyncio.run(collect(guard, pieces, {6: (8, 9)}))
+    assert [[t for t, _ in x.top] for d in out for x in d.logprobs][6] == [6, 9]
+    pieces = ['{"a": "\\u00', "62omb", '"}']
+    guard = guard_alternatives(["bomb"], tokenizer=Texts(*pieces, "62omb", "62oo"), json_out=True)
+    out = asyncio.run(collect(guard, pieces[:1] + ["x", '"}'], {1: (3, 4)}))
+    assert [[t for t, _ in x.top] for d in out for x in d.logprobs][1] == [1, 4]  # "\u00" + "62omb" is "bomb"
