@@ -160,9 +160,9 @@ class FaultToleranceOptions(Strict):
     max_migrations: int = Field(
         2, ge=0, description="Times a request may move to another decode replica when its replica dies")
     replica_wait_s: float = Field(
-        120.0, gt=0, description="Longest a request waits for a decode replica to take it (a pool waking from "
-        "zero, every replica's queue full, replicas that keep dying) when its deadline does not end the wait "
-        "first; then UNAVAILABLE, counted against the version by the rollout gate")
+        120.0, gt=0, description="Longest a request waits for a decode replica to take it, or for a prefill "
+        "replica's answer (a pool waking from zero, every replica's queue full, replicas that keep dying) when its "
+        "deadline does not end the wait first; then UNAVAILABLE, counted against the version by the rollout gate")
     stuck_loop_s: float = Field(
         30.0, gt=0, description="An engine loop turn running this long fails the replica's health check")
     max_consecutive_step_errors: int = Field(

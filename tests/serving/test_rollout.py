@@ -1,10 +1,15 @@
 """Rollouts on a real cluster (issue 18): a model with a baseline and a canary, colocated (one decode
 pool per version). A manual rollback through `pdserve rollout` moves all traffic back without a
-redeploy or a replica restart, well inside 60 s; a canary failing its requests (fault injection)
-is rolled back by the gate within its window, and the decision carries its numbers."""
+redeploy or a replica restart, well inside 60 s; a canary failing its requests (fault
+injection), or whose decode replicas keep dying, is rolled back by the gate within its window, the
+decision carries its numbers, and the errors name the version on both edges."""
 
 import concurrent.futures
+import json
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -15,13 +20,14 @@ from cluster.app import cli
 from protos.pdserve.v1 import generation_pb2 as pb
 from router.actor import ROUTER_NAMESPACE
 from router.ingress.versions.rollout_actor import ROLLOUT_NAME
-from tests.helpers import grpc_stub, serve_replica_ids, wait_for, wait_pools_whole
+from tests.helpers import grpc_stub, http_base, serve_replica_ids, wait_for, wait_pools_whole
 
 pytestmark = pytest.mark.ray
 
 SHAPE = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=320, max_positions=512)
 PROMPT = [256] + list(range(1, 12))
 WINDOW_S = 6.0
+EVALUATE_S = 0.5  # the ingresses' sync period: a split changed at the actor reaches them within one
 POOLS = ("decode-tiny-base", "decode-tiny-canary")
 
 
@@ -29,7 +35,7 @@ POOLS = ("decode-tiny-base", "decode-tiny-canary")
 def server(serve_apps, tiny_model, model_factory):
     canary = model_factory("tiny-canary", seed=1, **SHAPE)
     models = {"tiny": {"versions": {"base": {"model": tiny_model, "weight": 1}, "canary": {"model": canary, "weight": 1}},
-                       "rollout": {"window_s": WINDOW_S, "evaluate_s": 0.5, "min_requests": 10}}}
+                       "rollout": {"window_s": WINDOW_S, "evaluate_s": EVALUATE_S, "min_requests": 10}}}
     with serve_apps.run(None, mode="colocated", models=models, fault_tolerance={"fault_injection": True}) as cfg:
         yield cfg
 
@@ -111,4 +117,87 @@ def test_a_failing_canary_is_rolled_back_by_the_gate_within_its_window(stub):
     wait_for(lambda: served_by(stub, 10) == ["base"] * 10, "every request on the baseline", timeout=10)
     serve.get_deployment_handle("decode-tiny-canary", "pdserve").inject_fault.remote(
         fail_requests=0.0).result(timeout_s=30)
+    wait_pools_whole(pools=POOLS)
+
+
+def answer(stub, deadline_s: str = "1") -> tuple[str, str]:
+    """(the version that answered, "") or ("error:<code>", details) for one request with a deadline."""
+    req = pb.GenerateRequest(model="tiny", token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(
+        max_tokens=2, temperature=0.0, ignore_eos=True))
+    try:
+        return list(stub.Generate(req, metadata=(("x-pdserve-timeout-s", deadline_s),), timeout=60))[0].model_version, ""
+    except grpc.RpcError as e:
+        return f"error:{e.code().name}", e.details()
+
+
+class ReplicaKiller(threading.Thread):
+    """Kills a deployment's replicas each time Serve brings one back (a version whose decode
+    replicas keep dying), until stopped."""
+
+    def __init__(self, deployment: str):
+        super().__init__(daemon=True)
+        self.deployment, self.stop, self.kills = deployment, threading.Event(), 0
+
+    def run(self):
+        while not self.stop.wait(0.1):  # the chaos loop's cadence (a replica takes seconds to come back)
+            for replica in serve_replica_ids().get(self.deployment, []):
+                try:
+                    actor = ray.get_actor(f"SERVE_REPLICA::pdserve#{self.deployment}#{replica}", namespace="serve")
+                    ray.kill(actor, no_restart=True)
+                    self.kills += 1
+                except ValueError:  # gone already
+                    pass
+
+
+def test_a_canary_whose_decode_replicas_keep_dying_is_rolled_back_by_the_gate_within_its_window(stub, server):
+    """The issue's canary: its decode replica killed each time it came back. Every request it got
+    failed (a deadline spent waiting for a replica), yet each was recorded as a success and the
+    gate never tripped. Now each is an error of that version, named in the error, and the gate
+    rolls it back within its window."""
+    assert rollout("set", "tiny", "base=1", "canary=1") == 0
+    wait_for(lambda: {"base", "canary"} <= set(served_by(stub, 20)), "both versions serving again", timeout=30)
+    killer = ReplicaKiller("decode-tiny-canary")
+    started_wall, dying_at = time.time(), time.monotonic()
+    killer.start()
+
+    def rolled_back() -> bool:  # by the gate, since the canary started dying (the test before ends with one too)
+        decisions = ray.get(actor().status.remote())["decisions"]
+        return any(d["action"] == "rollback" and d["reason"].startswith("gate:") and d["time"] >= started_wall
+                   for d in decisions)
+
+    outcomes = []
+    try:
+        # load until the gate trips: a canary request now takes its deadline + 1 s to fail, so enough
+        # clients that the canary gets its min_requests within a window
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            while not rolled_back():
+                assert time.monotonic() - dying_at < WINDOW_S + 10, f"the gate did not trip within its window: {outcomes}"
+                outcomes += pool.map(lambda _: answer(stub), range(24))
+        took = time.monotonic() - dying_at
+        # HTTP: a request pinned to the dying canary (pinned: no sample) names it too
+        body = json.dumps({"model": "tiny@canary", "prompt": PROMPT, "max_tokens": 2}).encode()
+        request = urllib.request.Request(f"{http_base(server)}/v1/completions", body, {
+            "Content-Type": "application/json", "x-pdserve-timeout-s": "1"})
+        with pytest.raises(urllib.error.HTTPError) as h:
+            urllib.request.urlopen(request, timeout=60)
+        http_status, http_error = h.value.code, json.loads(h.value.read())["error"]
+    finally:
+        killer.stop.set()
+        killer.join(30)
+    print(f"gate: rolled back {took:.2f} s after the canary's decode replica started dying ({killer.kills} kills; "
+          f"window {WINDOW_S:g} s)")
+    assert killer.kills >= 1
+    failed = [(o, details) for o, details in outcomes if o.startswith("error:")]  # (the canary answers until killed)
+    assert failed and all(details.endswith(" (version tiny@canary)") for _, details in failed), failed
+    assert {o for o, _ in failed} <= {"error:DEADLINE_EXCEEDED", "error:UNAVAILABLE", "error:ABORTED"}, failed
+    assert http_status in (503, 504) and http_error["message"].endswith(" (version tiny@canary)"), http_error
+    decision = next(d for d in reversed(ray.get(actor().status.remote())["decisions"]) if d["action"] == "rollback")
+    canary, base = decision["canary"]["canary"], decision["baseline"]["base"]
+    rate = canary["errors"] / canary["requests"]
+    assert canary["requests"] >= 10 and canary["errors"] >= 1 and rate >= 0.1, decision
+    assert base["errors"] == 0 and decision["weights"] == {"base": 1.0, "canary": 0.0}
+    assert decision["reason"].startswith("gate: error rate")
+    wait_for(lambda: answer(stub)[0] == "base", "the baseline serving", timeout=10)
+    wait_for(lambda: len(serve_replica_ids().get("decode-tiny-canary", [])) == 1, "the canary's replica back",
+             timeout=60)
     wait_pools_whole(pools=POOLS)

@@ -68,4 +68,4 @@ def test_a_sleeping_model_wakes_for_a_request_and_sleeps_again(server, tiny_mode
         with pytest.raises(grpc.RpcError) as e:
             list(generate(stub, timeout_s="0.2"))  # shorter than any cold start here
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert e.value.details().endswith("deadline exceeded before a decode replica took it")
+        assert e.value.details().endswith("deadline exceeded before a decode replica took it (version sleepy@r1)")

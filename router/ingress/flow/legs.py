@@ -47,8 +47,9 @@ def ended(rid: str, reason: FinishReason, error: str | None, sent: int, kind: Er
 class PrefillLeg:
     """Remote prefill on the prefill pool (its Serve handle)."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, replica_wait_s: float = 120.0):
         self.handle = handle
+        self.replica_wait_s = replica_wait_s  # the bound on a prefill's answer, deadline or not
 
     async def first_token(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
                           target: str | None, stream: ClientStream):
@@ -69,12 +70,24 @@ class PrefillLeg:
 
     async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
                        target: str | None):
+        # A replica that has the request ends it at its deadline itself (DEADLINE, the client's);
+        # none answering by then (+ grace), or within replica_wait_s without a deadline, is the
+        # pool's failure (no replica took it: dead, asleep, stuck), as for decode. The call is
+        # cancelled, which aborts the prefill.
         call = self.handle.prefill.remote(rid, ids, sampling, ctx, target_replica=target)
         remaining = ctx.remaining_s()
+        bound = self.replica_wait_s
+        deadline_first = remaining is not None and max(remaining, 0.0) + FIRST_OUTPUT_GRACE_S < bound
+        if deadline_first:
+            bound = max(remaining, 0.0) + FIRST_OUTPUT_GRACE_S
         try:
-            result = await (call if remaining is None else asyncio.wait_for(call, max(remaining, 0.0)))
-        except (TimeoutError, asyncio.TimeoutError) as e:  # cancelling the call aborts the prefill
-            raise ServingError(Code.DEADLINE_EXCEEDED, f"request {rid}: deadline exceeded during prefill") from e
+            result = await asyncio.wait_for(call, bound)
+        except (TimeoutError, asyncio.TimeoutError) as e:
+            if deadline_first:
+                raise ServingError(Code.DEADLINE_EXCEEDED, f"request {rid}: deadline exceeded before a prefill replica "
+                                                           "answered", replica_fault=True) from e
+            raise ServingError(Code.UNAVAILABLE, f"request {rid}: no prefill replica answered within "
+                                                 f"{self.replica_wait_s:g} s (fault_tolerance.replica_wait_s)") from e
         except QueueFullError as e:
             raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
         except Exception as e:  # noqa: BLE001 — any other prefill failure: decode prefills locally
@@ -153,6 +166,8 @@ class DecodeLegs:
             replies = self.handle.options(stream=True).generate.remote(
                 rid, ids, sampling, kv_handle, ctx, target_replica=target, generated=generated)
         except Exception as e:  # noqa: BLE001
+            if kv_handle is not None and self.prefill is not None:  # nothing will pull it: end the lease now
+                await self.prefill.release(rid, kv_handle.engine_id)
             raise ServingError(Code.UNAVAILABLE, f"no decode replica: {e}") from e
         state = _LegState()
         try:

@@ -86,8 +86,8 @@ class RequestFlow:
         self.block_size = config.engine.block_size
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
         self._decode_handle = decode_handle
-        self._prefill = None if prefill_handle is None else PrefillLeg(prefill_handle)
         ft = config.fault_tolerance
+        self._prefill = None if prefill_handle is None else PrefillLeg(prefill_handle, ft.replica_wait_s)
         self._decode = DecodeLegs(decode_handle, ft.max_migrations, self._prefill, ft.replica_wait_s)
 
     # ---- before a request runs -----------------------------------------------------------------

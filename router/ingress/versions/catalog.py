@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from contextlib import aclosing
 
 import ray
 from dataclasses import dataclass, replace
@@ -63,9 +64,12 @@ class Routed:
 
     def watch(self, deltas: AsyncIterator[Delta], request: ClientRequest, sampling: SamplingParams,
               ctx: RequestContext, busy: Callable[[], bool]) -> AsyncIterator[Delta]:
-        """A request's stream on this version, its outcome recorded for the rollout gate, mirrored
-        to the candidate if there is one (not a request with a response_format or tools: their
-        grammar is compiled for the served version's tokenizer)."""
+        """A request's stream on this version, its errors naming the version (model@label), its
+        outcome recorded for the rollout gate, mirrored to the candidate if there is one (not a
+        request with a response_format or tools: their grammar is compiled for the served
+        version's tokenizer)."""
+        if self.flow.config.version is not None:
+            deltas = named(deltas, self.flow.group)
         if self.recorder is not None:
             deltas = self.recorder.observe((self.flow.config.model_name, self.assignment.version), deltas)
         if self.shadow is None or sampling.response_format is not None or request.tools is not None:
@@ -194,6 +198,20 @@ class ModelCatalog:
                 continue
             if changed is not None:
                 self.apply(*changed)
+
+
+async def named(deltas: AsyncIterator[Delta], version: str) -> AsyncIterator[Delta]:
+    """`deltas`, a ServingError from them naming the version that failed (`model@label`), on
+    both edges (their messages are the error's)."""
+    async with aclosing(deltas):
+        try:
+            async for d in deltas:
+                yield d
+        except ServingError as e:
+            error = type(e).__new__(type(e))  # a copy: one error object may be raised more than once
+            error.__dict__.update(e.__dict__, message=f"{e.message} (version {version})")
+            error.args = (error.message,)
+            raise error from e
 
 
 def _echo(value: str) -> str:

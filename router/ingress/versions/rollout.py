@@ -7,9 +7,11 @@ anything (a manual `pdserve rollout set` / `rollback`, or the canary gate), and 
   ingress within one period, and every version keeps its warm pools whatever its weight, so a
   rollback takes effect in about a second.
 - **The gate**: over the last `window_s`, each version that takes traffic and is not the baseline
-  (the first listed) is compared with the baseline on error rate (server faults only: a client's
-  bad input, its deadline or an overload refusal is not the version's fault), mean TTFT and mean
-  time per output token. It trips when the canary has at least `min_requests` in the window and
+  (the first listed) is compared with the baseline on error rate, TTFT per prompt token and mean
+  time per output token, over the requests it finished or failed (`Recorder.observe`): every
+  failure of its replicas counts (failed, aborted, unavailable, or never taking a request before
+  its deadline or `fault_tolerance.replica_wait_s`); a client's cancel, bad input or own
+  deadline, and an overload refusal, are no sample; a truncated output is never a success. It trips when the canary has at least `min_requests` in the window and
   burns its error budget at `max_burn_rate` or more while failing more often than the baseline,
   or is `max_ttft_ratio` / `max_tpot_ratio` slower. A trip moves all of the canary's traffic to
   the baseline (or only logs, without auto_rollback). Every decision is logged with its numbers.
@@ -24,10 +26,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator, Callable
 
 from cluster.config.models import RolloutOptions, candidate_share
+from cluster.engine.outputs import FinishReason
+from cluster.errors import InvalidRequestError
 from router.ingress.status import ServingError
 
 log = logging.getLogger(__name__)
@@ -88,29 +93,47 @@ class Recorder:
         self.pending: dict[Key, VersionStats] = {}
 
     async def observe(self, key: Key, deltas: AsyncIterator) -> AsyncIterator:
-        start, first, last, tokens, prompt, error = self.clock(), None, None, 0, 0, None
+        """One request's outcome, for the gate. A request the client got whole (its last delta
+        ends it) is a sample, timed. One the version failed is a sample and an error: a
+        ServingError that is a replica fault (its replicas failed it, aborted it, were
+        unavailable, or never took it before its deadline), any other exception but the
+        client's, or a stream that ends unfinished. Anything else is no sample: the client
+        left or cancelled, its bad input, its own deadline reached on a replica that had it, a
+        refusal. A truncated output never counts as a success."""
+        start, first, last, d = self.clock(), None, None, None
+        failed: bool | None = None  # None: no sample
         try:
-            async for d in deltas:
-                last = self.clock()
-                if first is None:
-                    first = last
-                tokens, prompt = d.completion_tokens, d.prompt_tokens
-                yield d
+            async with aclosing(deltas):  # closing this closes the request's stream at once
+                async for d in deltas:
+                    last = self.clock()
+                    first = last if first is None else first
+                    yield d
+            failed = d is None or d.finish_reason in (None, FinishReason.CANCELLED)
         except ServingError as e:
-            error = e
+            failed = True if e.replica_fault else None
+            raise
+        except InvalidRequestError:
+            raise  # the client's input (a cancel or a client that left: GeneratorExit, CancelledError)
+        except Exception:
+            failed = True  # a failure of ours with no code: INTERNAL at the edge
             raise
         finally:
-            s = self.pending.setdefault(key, VersionStats())
-            s.requests += 1
-            s.errors += error is not None and error.replica_fault
-            s.tokens += tokens
-            if first is not None:
-                s.ttft_s += first - start
-                s.ttft_n += 1
-                s.ttft_prompt_tokens += max(prompt, 1)
-                if tokens >= 2:
-                    s.tpot_s += (last - first) / (tokens - 1)
-                    s.tpot_n += 1
+            if failed is not None:
+                self._record(key, failed, start, first, last, d)
+
+    def _record(self, key: Key, failed: bool, start: float, first: float | None, last: float | None, d) -> None:
+        s = self.pending.setdefault(key, VersionStats())
+        s.requests += 1
+        if failed:
+            s.errors += 1
+            return
+        s.tokens += d.completion_tokens
+        s.ttft_s += first - start
+        s.ttft_n += 1
+        s.ttft_prompt_tokens += max(d.prompt_tokens, 1)
+        if d.completion_tokens >= 2:
+            s.tpot_s += (last - first) / (d.completion_tokens - 1)
+            s.tpot_n += 1
 
     def drain(self) -> dict[Key, VersionStats]:
         out, self.pending = self.pending, {}

@@ -213,8 +213,9 @@ def test_live_splits_keep_the_overrides_and_the_salt(catalog):
 
 
 class _D:
-    def __init__(self, n: int):
+    def __init__(self, n: int, last: bool = False):
         self.completion_tokens, self.prompt_tokens, self.text = n, 4, "x"
+        self.finish_reason = "length" if last else None
 
 
 def test_the_recorder_counts_server_faults_only_and_times_first_tokens():
@@ -224,7 +225,7 @@ def test_the_recorder_counts_server_faults_only_and_times_first_tokens():
     async def deltas(n: int, error: ServingError | None = None):
         for i in range(1, n + 1):
             now[0] += 0.1 if i == 1 else 0.02
-            yield _D(i)
+            yield _D(i, last=i == n and error is None)
         if error is not None:
             raise error
 
@@ -236,11 +237,12 @@ def test_the_recorder_counts_server_faults_only_and_times_first_tokens():
             pass
 
     asyncio.run(run(5))
-    asyncio.run(run(1, ServingError(Code.UNAVAILABLE, "decode failed")))
-    asyncio.run(run(0, ServingError(Code.RESOURCE_EXHAUSTED, "overloaded")))  # not the version's fault
-    asyncio.run(run(0, ServingError(Code.DEADLINE_EXCEEDED, "deadline")))  # the client's
+    asyncio.run(run(1))
+    asyncio.run(run(1, ServingError(Code.UNAVAILABLE, "decode failed")))  # an error, not a 1-token success
+    asyncio.run(run(0, ServingError(Code.RESOURCE_EXHAUSTED, "overloaded")))  # not the version's fault: no sample
+    asyncio.run(run(0, ServingError(Code.DEADLINE_EXCEEDED, "deadline")))  # the client's: no sample
     s = rec.drain()[("tiny", "v2")]
-    assert (s.requests, s.errors, s.ttft_n, s.tpot_n, s.tokens, s.ttft_prompt_tokens) == (4, 1, 2, 1, 6, 8)
+    assert (s.requests, s.errors, s.ttft_n, s.tpot_n, s.tokens, s.ttft_prompt_tokens) == (3, 1, 2, 1, 6, 8)
     assert s.ttft_s == pytest.approx(0.2) and s.tpot_s == pytest.approx(0.02)
     assert rec.drain() == {}
 
@@ -330,3 +332,64 @@ def test_pinning_a_version_is_a_tenants_permission_and_no_sample_for_the_gate(ti
     assert asyncio.run(code("ops", "tiny@v2")) is Code.UNAVAILABLE
     assert door.catalog.select("tiny@v2", "ops", None).recorder is None
     assert door.catalog.select("tiny", "ops", None).recorder is door.catalog.recorder
+
+
+class _LeasingPrefill:
+    """A prefill pool whose answers hold a lease for decode (token 7 first); releases are counted."""
+
+    def __init__(self):
+        self.prefill, self.released = self, []
+        self.release = type("Release", (), {"remote": self._release})()
+
+    async def remote(self, rid, ids, sampling, ctx, target_replica=None):
+        from kv_transfer.handle import KVHandle, KVLayout
+        from prefill.result import PrefillResult
+
+        handle = KVHandle(rid, "prefill-1", "inc", "agent", (0, 1), (), len(ids), 7, KVLayout("fp", 16, "float32", 2, 2, 8),
+                          0.0)
+        return PrefillResult(rid, handle, None, first_token=7)
+
+    async def _release(self, rid, target_replica=None):
+        self.released.append(rid)
+
+
+@pytest.mark.parametrize("versions, named", [
+    ({"models": {"tiny": {"versions": {"v1": {"weight": 0}, "v2": {"weight": 1}}}}}, " (version tiny@v2)"),
+    ({"served_model_name": "tiny", "version": "r7"}, " (version tiny@r7)"),
+    ({"served_model_name": "tiny"}, ""),  # one model, no version label: nothing to tell apart
+])
+def test_a_version_failing_after_its_first_token_is_named_and_is_an_error_for_the_gate(tiny_model, versions,
+                                                                                      named):
+    """The issue's canary: its prefill answered (one token), its decode pool had no replica. The
+    error names the version (both edges send its message), and the gate records an error, not a
+    one-token success."""
+    from router.ingress.request import ClientRequest, SamplingSpec
+
+    if "models" in versions:
+        for v in versions["models"]["tiny"]["versions"].values():
+            v["model"] = tiny_model
+    else:
+        versions = {**versions, "model": tiny_model}
+    cfg = AppConfig.model_validate(versions)
+    prefill = _LeasingPrefill()
+    door = FrontDoor.build(cfg, {v.config.serving_group: (prefill, None) for v in cfg.served_versions()})
+
+    async def run() -> ServingError:
+        reply = await door.serve(ClientRequest("default", SamplingSpec(max_tokens=4), model="tiny",
+                                               prompt_token_ids=(256, 1, 2, 3)))
+        assert reply.choices[0].first.token_ids == [7]
+        with pytest.raises(ServingError) as e:
+            async for _ in reply.choices[0].stream:
+                pass
+        return e.value
+
+    error = asyncio.run(run())
+    assert error.code is Code.UNAVAILABLE and error.replica_fault
+    assert error.message.startswith("no decode replica: ")
+    if named:
+        assert error.message.endswith(named), error.message
+    else:
+        assert "(version" not in error.message, error.message
+    assert len(prefill.released) == 1  # its lease, released: decode never took it
+    recorded = {label: (s.requests, s.errors, s.tokens, s.ttft_n) for (_, label), s in door.catalog.recorder.drain().items()}
+    assert recorded == ({"v2": (1, 1, 0, 0)} if "models" in versions else {})  # a model of one version has no gate

@@ -8,41 +8,61 @@ import pytest
 
 from cluster.config.models import RolloutOptions
 from cluster.engine.request import RequestContext
-from router.ingress.flow.legs import DecodeLegs
+from cluster.errors import InvalidRequestError
+from router.ingress.flow.legs import DecodeLegs, PrefillLeg
 from router.ingress.flow.stream import ClientStream
 from router.ingress.request import Delta
-from router.ingress.status import Code, ServingError
+from router.ingress.status import Code, Rejected, ServingError
 from router.ingress.versions.rollout import Recorder, Rollouts, VersionStats
 
 
-def _outcome(error: ServingError | None) -> VersionStats:
+def _outcome(ends: str | BaseException) -> VersionStats | None:
+    """One request's record: the prefill's first token (prompt of 8), then `ends`: "finished" (the
+    last delta ends it), "unfinished" (the stream stops without a finish), "client left" (the
+    client closes it after the first token), or an exception raised after the first token."""
     async def stream():
         yield Delta("r", "a", [1], None, 8, 1)
-        if error is not None:
-            raise error
+        if ends == "finished":
+            yield Delta("r", "b", [2], "length", 8, 2)
+        elif isinstance(ends, BaseException):
+            raise ends
 
     async def consume():
         rec = Recorder()
+        deltas = rec.observe(("m", "v2"), stream())
         try:
-            async for _ in rec.observe(("m", "v2"), stream()):
-                pass
-        except ServingError:
+            async for _ in deltas:
+                if ends == "client left":
+                    break
+        except Exception:  # noqa: BLE001 — what the edge answers is not the point here
             pass
-        return rec.drain()[("m", "v2")]
+        await deltas.aclose()
+        return rec.drain().get(("m", "v2"))
 
     return asyncio.run(consume())
 
 
-@pytest.mark.parametrize("error, errors", [
-    (None, 0),
-    (ServingError(Code.DEADLINE_EXCEEDED, "the client's deadline, the engine ended it"), 0),
-    (ServingError(Code.DEADLINE_EXCEEDED, "deadline exceeded before a decode replica took it", replica_fault=True), 1),
-    (ServingError(Code.UNAVAILABLE, "no decode replica"), 1),
-    (ServingError(Code.ABORTED, "the replica died after 1 token"), 1),
+@pytest.mark.parametrize("ends, record", [
+    ("finished", (1, 0, 2, 1, 8)),
+    # the version failed it: an error, and never a success with the prefill's one token
+    (ServingError(Code.DEADLINE_EXCEEDED, "deadline exceeded before a decode replica took it", replica_fault=True),
+     (1, 1, 0, 0, 0)),
+    (ServingError(Code.DEADLINE_EXCEEDED, "deadline exceeded before a prefill replica answered", replica_fault=True),
+     (1, 1, 0, 0, 0)),
+    (ServingError(Code.UNAVAILABLE, "no decode replica took it within 120 s"), (1, 1, 0, 0, 0)),
+    (ServingError(Code.ABORTED, "the replica died after 1 token"), (1, 1, 0, 0, 0)),
+    (ServingError(Code.INTERNAL, "decode stream ended without a finish"), (1, 1, 0, 0, 0)),
+    (RuntimeError("a bug of ours: INTERNAL at the edge"), (1, 1, 0, 0, 0)),
+    ("unfinished", (1, 1, 0, 0, 0)),
+    # the client's doing, or a refusal: no sample either way
+    (ServingError(Code.DEADLINE_EXCEEDED, "the client's deadline: the engine that had it ended it"), None),
+    (Rejected("the decode replica's queue is full", 1.0), None),
+    (InvalidRequestError("sampling", "overflowed on this prompt"), None),
+    ("client left", None),
 ])
-def test_the_gate_counts_what_the_versions_replicas_failed(error, errors):
-    s = _outcome(error)
-    assert (s.requests, s.errors, s.tokens, s.ttft_n, s.ttft_prompt_tokens) == (1, errors, 1, 1, 8)
+def test_the_gate_counts_what_the_versions_replicas_failed_and_only_whole_answers_as_successes(ends, record):
+    s = _outcome(ends)
+    assert (s if s is None else (s.requests, s.errors, s.tokens, s.ttft_n, s.ttft_prompt_tokens)) == record
 
 
 def test_ttft_is_compared_per_prompt_token():
@@ -106,3 +126,45 @@ def test_a_request_no_replica_takes_always_ends(tiny_model, deadline_s, wait_s, 
     error, took = asyncio.run(run())
     assert (error.code, error.replica_fault, handle.cancelled) == (code, True, 1)
     assert took < (1.6 + deadline_s if deadline_s else wait_s + 0.6)  # the deadline's grace or the wait, not forever
+
+
+class _SilentPrefill:
+    """A prefill deployment handle whose replicas never answer (a pool that is dead or asleep: Serve
+    holds the call until a replica comes)."""
+
+    def __init__(self):
+        self.prefill = self
+        self.cancelled = 0
+
+    def remote(self, *args, **kwargs):
+        async def never():
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        return never()
+
+
+@pytest.mark.parametrize("deadline_s, wait_s, code, message", [
+    (None, 0.3, Code.UNAVAILABLE, "request rid: no prefill replica answered within 0.3 s (fault_tolerance.replica_wait_s)"),
+    (0.05, 5.0, Code.DEADLINE_EXCEEDED, "request rid: deadline exceeded before a prefill replica answered"),
+])
+def test_a_prefill_no_replica_answers_always_ends_as_the_versions_fault(deadline_s, wait_s, code, message):
+    """Without a deadline a prefill call on a pool with no replica waited for ever; with one, it
+    ended as the client's deadline and the gate never saw it."""
+    import time
+
+    handle = _SilentPrefill()
+    leg = PrefillLeg(handle, replica_wait_s=wait_s)
+    deadline = None if deadline_s is None else time.time() + deadline_s
+
+    async def run():
+        started = time.monotonic()
+        with pytest.raises(ServingError) as e:
+            await leg.first_token("rid", [1, 2], None, RequestContext(deadline=deadline), None, stream=None)
+        return e.value, time.monotonic() - started
+
+    error, took = asyncio.run(run())
+    assert (error.code, error.message, error.replica_fault, handle.cancelled) == (code, message, True, 1)
+    assert took < (1.6 + deadline_s if deadline_s else wait_s + 0.6)  # the deadline's grace or the wait
