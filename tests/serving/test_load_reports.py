@@ -69,7 +69,7 @@ def test_the_report_shows_each_kv_tier_with_exact_counts(tiny_model):
     report = reporter.report()
     assert report["kv_tiers"] == [{"name": "host", "used": 8, "total": 16, "stats": {
         "stored": 8, "refreshed": 0, "dropped": 0, "evicted": 0, "loaded": 4, "load_failed": 0,
-        "written_through": 0, "load_s": report["kv_tiers"][0]["stats"]["load_s"], "save_s": report["kv_tiers"][0]["stats"]["save_s"]}}]
+        "written_through": 0, "save_failed": 0, "load_s": report["kv_tiers"][0]["stats"]["load_s"], "save_s": report["kv_tiers"][0]["stats"]["save_s"]}}]
     # the router's load carries the measured cost of a block loaded back (its tier weight's input)
     load = reporter.replica_load(engine.load(), 0.0)
     assert load.tier_load_s_per_block == (report["kv_tiers"][0]["stats"]["load_s"] / 4,)
