@@ -28,7 +28,7 @@ from dataclasses import asdict
 from typing import AsyncIterator, Callable
 
 from cluster.config import AppConfig
-from cluster.engine.chat_template import render_chat
+from cluster.engine.chat_template import render_chat, render_chat_pieces
 from cluster.engine.kv_cache import extend_salt, hash_request_blocks
 from cluster.engine.model.identity import model_identity
 from cluster.engine.model_config import ModelConfig
@@ -124,15 +124,16 @@ class RequestFlow:
     def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """A chat's prompt token ids: the template rendered (a template's own error is the
         client's: 400 on `messages`), then the rendered text meets the prompt caps before it is
-        tokenized without adding special tokens again."""
+        tokenized without adding special tokens again. Only the template's own special tokens
+        become special ids: one in a message is text (no forged roles; chat_template.py)."""
         if not messages:
             raise InvalidRequestError("messages", "must hold at least one message")
         try:
-            text = self.chat_prompt(messages, tools)
+            pieces = render_chat_pieces(self.tokenizer, messages, tools=tools)
         except ValueError as e:
             raise InvalidRequestError("messages", str(e)) from e
         try:
-            return self.validator.tokenize(text, add_special_tokens=False)
+            return self.validator.tokenize_chat(pieces)
         except InvalidRequestError as e:
             raise InvalidRequestError("messages", e.message) from e
 
