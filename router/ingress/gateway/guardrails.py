@@ -266,6 +266,11 @@ class CompiledPolicy:
     def for_stage(self, stage: Stage) -> tuple:
         return tuple(c for c in self.checks if stage in c.stages)
 
+    @property
+    def context(self) -> int:
+        """Characters before a scan's start that an output check reads (the widest lookbehind)."""
+        return max((c.context for c in self.for_stage(Stage.OUTPUT)), default=1)
+
 
 def compile_policy(name: str, policy: GuardrailPolicy, classifier=None) -> CompiledPolicy:
     """Rules first (cheap), then the classifier; `classifier` is its deployment's handle."""
@@ -388,8 +393,7 @@ class RequestGuard:
                 async for d in deltas:
                     yield d
             return
-        hold = HoldBack(self.policy.window, self.views(), max((c.context for c in self.policy.for_stage(Stage.OUTPUT)),
-                                                              default=1))
+        hold = HoldBack(self.policy.window, self.views(), self.policy.context)
         async with aclosing(deltas):
             async for d in deltas:
                 if self.alternatives is not None:
