@@ -334,6 +334,66 @@ def test_pinning_a_version_is_a_tenants_permission_and_no_sample_for_the_gate(ti
     assert door.catalog.select("tiny", "ops", None).recorder is door.catalog.recorder
 
 
+class _Prefill:
+    """A version's prefill pool answering max_tokens=1 requests alone (token 7, no decode), each
+    taking `ttft_s` on the test's clock."""
+
+    def __init__(self, now: list[float], ttft_s: float):
+        self.now, self.ttft_s = now, ttft_s
+        self.prefill = self
+
+    async def remote(self, rid, ids, sampling, ctx, target_replica=None):
+        from prefill.result import PrefillResult
+
+        self.now[0] += self.ttft_s
+        return PrefillResult(rid, None, "length", first_token=7)
+
+
+def test_a_pinned_tenant_cannot_roll_back_a_canary(tiny_model, model_factory):
+    """A tenant pinning the canary with requests 100x slower than the baseline's trips nothing; the
+    same requests sent to it by the split (here a tenant override) roll it back."""
+    import asyncio
+
+    from router.ingress.request import ClientRequest, SamplingSpec
+
+    v2 = model_factory("catalog-v2", layers=2, hidden=64, heads=4, kv_heads=2, vocab=320, max_positions=512, seed=1)
+    cfg = AppConfig.model_validate({
+        "tenants": {"ops": {"api_keys": ["k-ops"], "pin_versions": True}, "acme": {"api_keys": ["k-acme"]},
+                    "beta": {"api_keys": ["k-beta"]}},
+        "models": {"tiny": {"versions": {"v1": {"model": tiny_model}, "v2": {"model": v2}},
+                            "tenant_overrides": {"acme": "v2", "beta": "v1"},
+                            "rollout": {"min_requests": 20, "window_s": 60}}}})
+    now = [0.0]
+    door = FrontDoor.build(cfg, {"tiny@v1": (_Prefill(now, 0.01), None), "tiny@v2": (_Prefill(now, 1.0), None)})
+    door.catalog.recorder = Recorder(clock=lambda: now[0])
+    gate = Rollouts(clock=lambda: now[0])
+    gate.configure(door.catalog.rollout_models())
+
+    def send(tenant: str, model: str, served: str, n: int = 20) -> dict:
+        """n requests (each its prefill's one token), then a sync: what the gate was sent."""
+        async def one():
+            reply = await door.serve(ClientRequest(tenant, SamplingSpec(max_tokens=1), model=model,
+                                                   prompt_token_ids=(256, 1, 2, 3)))
+            assert (reply.version, reply.choices[0].first.finish_reason) == (served, "length")
+            assert [d async for d in reply.choices[0].stream] == []
+
+        for _ in range(n):
+            asyncio.run(one())
+        now[0] += 1.0
+        stats = door.catalog.recorder.drain()
+        gate.report(stats)
+        return {label: (s.requests, s.errors) for (_, label), s in stats.items()}
+
+    assert send("beta", "tiny", "v1") == {"v1": (20, 0)}
+    assert send("ops", "tiny@v2", "v2") == {}  # pinned: no sample, however slow
+    assert gate.splits() == {"tiny": {"v1": 1.0, "v2": 1.0}}
+    assert [d["action"] for d in gate.decisions] == ["configured"]
+    assert send("acme", "tiny", "v2") == {"v2": (20, 0)}  # the split's traffic: judged
+    assert gate.splits() == {"tiny": {"v1": 1.0, "v2": 0.0}}
+    assert gate.decisions[-1]["reason"] == ("gate: mean TTFT per prompt token 250.0 ms is 100.0x the baseline's "
+                                            "2.5 ms (max 3x)")
+
+
 class _LeasingPrefill:
     """A prefill pool whose answers hold a lease for decode (token 7 first); releases are counted."""
 
