@@ -1,6 +1,6 @@
 """Rollouts on a real cluster (issue 18): a model with a baseline and a canary, colocated (one decode
-pool per version). A manual rollback through `pdserve rollout` moves all traffic back without a
-redeploy or a replica restart, well inside 60 s; a canary failing its requests (fault
+pool per version). A manual rollback through `pdserve rollout` moves all traffic back at the
+ingress's next sync, without a redeploy or a replica restart; a canary failing its requests (fault
 injection), or whose decode replicas keep dying, is rolled back by the gate within its window, the
 decision carries its numbers, and the errors name the version on both edges."""
 
@@ -28,6 +28,9 @@ SHAPE = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=320, max_positions=
 PROMPT = [256] + list(range(1, 12))
 WINDOW_S = 6.0
 EVALUATE_S = 0.5  # the ingresses' sync period: a split changed at the actor reaches them within one
+# The bound on a manual rollback taking effect: one sync period is what happens (0.5 s measured);
+# the rest is room for a loaded two-core machine. Past it, something else moved the traffic.
+ROLLBACK_S = 3.0
 POOLS = ("decode-tiny-base", "decode-tiny-canary")
 
 
@@ -71,13 +74,17 @@ def test_a_manual_rollback_moves_every_request_back_in_seconds_without_restartin
     assert set(served_by(stub, 40)) == {"base", "canary"}  # 50/50 (both at 40 requests: 1 - 2 * 0.5^40)
     replicas = serve_replica_ids()
     assert rollout("set", "tiny", "canary=1") == 0  # all to the canary, then back
-    wait_for(lambda: served_by(stub, 5) == ["canary"] * 5, "every request on the canary", timeout=30)
-    started = time.monotonic()
+    wait_for(lambda: served_by(stub, 10) == ["canary"] * 10, "every request on the canary", timeout=30)
     assert rollout("rollback", "tiny", "--reason", "drill") == 0
-    wait_for(lambda: served_by(stub, 5) == ["base"] * 5, "every request back on the baseline", timeout=60)
-    took = time.monotonic() - started
-    print(f"manual rollback: {took:.2f} s from `pdserve rollout rollback` to five requests in a row on the baseline")
-    assert took < 60
+    started = time.monotonic()
+    timeline = []  # (s after the rollback, the version that answered) of requests one after another
+    # until ten in a row on the baseline (a split still 50/50 gives that once in 1,024 tries)
+    while time.monotonic() - started < ROLLBACK_S + 10 and [v for _, v in timeline[-10:]] != ["base"] * 10:
+        timeline.append((round(time.monotonic() - started, 2), served_by(stub)[0]))
+    switched = next((t for t, v in timeline if v == "base"), None)
+    print(f"manual rollback: the first request on the baseline {switched} s after `pdserve rollout rollback`")
+    assert switched is not None and switched <= ROLLBACK_S, timeline  # at the next sync, not whenever
+    assert {v for t, v in timeline if t >= switched} == {"base"}, timeline  # and for good: none back on the canary
     assert serve_replica_ids() == replicas  # nothing was redeployed or restarted
     decisions = ray.get(actor().status.remote())["decisions"]
     assert [(d["action"], d["reason"], d.get("weights")) for d in decisions[-2:]] == [
