@@ -78,6 +78,11 @@ class AppConfig(Strict):
                              *((n, t.guardrail_policy) for n, t in self.tenants.items())]:
             if policy is not None and policy not in self.guardrail_policies:
                 raise ValueError(f"tenant {name!r}: guardrail_policy {policy!r} is not in guardrail_policies")
+        for name, p in self.guardrail_policies.items():  # a longer chunk: every prompt check an error
+            if p.classifier is not None and p.classifier.input_chunk_chars > self.guardrail_classifier.max_text_chars:
+                raise ValueError(f"guardrail_policies.{name}.classifier.input_chunk_chars "
+                                 f"{p.classifier.input_chunk_chars} exceeds guardrail_classifier.max_text_chars "
+                                 f"{self.guardrail_classifier.max_text_chars}")
         if self.models:
             if self.model is not None or self.served_model_name is not None or self.version is not None:
                 raise ValueError("give either models or model/served_model_name/version, not both")

@@ -662,3 +662,13 @@ def test_an_alternative_that_composes_with_the_text_before_it_is_read_with_it():
     guard = guard_alternatives(["bomb"], tokenizer=Texts(*pieces, "62omb", "62oo"), json_out=True)
     out = asyncio.run(collect(guard, pieces[:1] + ["x", '"}'], {1: (3, 4)}))
     assert [[t for t, _ in x.top] for d in out for x in d.logprobs][1] == [1, 4]  # "\u00" + "62omb" is "bomb"
+
+
+def test_a_classifier_chunk_longer_than_the_deployment_reads_is_refused_at_load():
+    with pytest.raises(ValidationError) as e:
+        AppConfig(guardrail_policies={"p": {"classifier": {"input_chunk_chars": 5000}}},
+                  guardrail_classifier={"max_text_chars": 4096})
+    assert e.value.errors()[0]["msg"] == ("Value error, guardrail_policies.p.classifier.input_chunk_chars 5000 "
+                                          "exceeds guardrail_classifier.max_text_chars 4096")
+    with pytest.raises(ValidationError, match="input_overlap_chars must be less than input_chunk_chars"):
+        GuardrailPolicy(classifier={"input_chunk_chars": 256, "input_overlap_chars": 256})
