@@ -12,7 +12,7 @@ from typing import Literal
 
 import ray
 from ray import serve
-from ray.serve.config import RequestRouterConfig, gRPCOptions
+from ray.serve.config import RequestRouterConfig
 
 from cluster.config import AppConfig, PoolOptions
 from cluster.manifest import resolve_manifests
@@ -126,20 +126,16 @@ def app_builder(args: dict):
     return build_app(AppConfig.model_validate(args))
 
 
-GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # the only knob of Serve's gRPC proxy (Ray 2.60)
-
-
-def direct_ingress_env(http_port: int, grpc_port: int, throughput_optimized: bool = False) -> dict[str, str]:
-    """The environment that makes Serve run the ingress replica as the server itself (direct
-    ingress: no proxy, one hop fewer per request and per token). Serve reads it when its
-    processes start, so it must be in the environment of `ray start` / `ray.init`, on every node.
-    Each port range holds one port: the node's ingress replica listens on the configured ports
-    (one ingress replica per node), and a replaced replica may take the port back at once."""
+def direct_ingress_env(http_port: int, throughput_optimized: bool = False) -> dict[str, str]:
+    """The environment that makes Serve run the ingress replica as the HTTP server itself (direct
+    ingress: no proxy, one hop fewer per request and per token; gRPC always is the replica's own
+    server, router/ingress/api/grpc_server.py). Serve reads it when its processes start, so it must
+    be in the environment of `ray start` / `ray.init`, on every node. The port range holds one
+    port: the node's ingress replica listens on the configured port (one ingress replica per node),
+    and a replaced replica may take the port back at once."""
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http_port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + 1),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc_port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc_port + 1),
             "RAY_SERVE_PORT_QUARANTINE_S": "0",
             # a stopping ingress replica keeps answering this long (Serve's default, 30 s, is for a
             # load balancer's health checks to notice; behind one, set it to their interval)
@@ -150,39 +146,33 @@ def direct_ingress_env(http_port: int, grpc_port: int, throughput_optimized: boo
             **({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"} if throughput_optimized else {})}
 
 
-def grpc_options(config: AppConfig) -> gRPCOptions:
-    from router.ingress.deployment import GRPC_SERVICERS  # noqa: PLC0415
-
-    return gRPCOptions(port=config.grpc_port, grpc_servicer_functions=GRPC_SERVICERS)
-
-
 def direct_ingress_on() -> bool:
     """Whether this process's Ray runs Serve with direct ingress (direct_ingress_env)."""
     return os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
 
 
 def start(config: AppConfig, blocking: bool = False):
-    """Deploy the app (Ray already running). Clients reach it on the configured ports: through
-    Serve's proxies, or with direct ingress at the ingress replica itself (the proxies, which
-    Serve still starts as its fallback, then listen on the ports after them)."""
+    """Deploy the app (Ray already running). Clients reach gRPC at the ingress replica's own
+    server, and HTTP through Serve's proxies, or with direct ingress at the ingress replica itself
+    (the proxies, which Serve still starts as its fallback, then listen on the port after it)."""
     start_serve(config)
     return serve.run(build_app(config), name="pdserve", route_prefix="/", blocking=blocking)
 
 
 def delete_app(config: AppConfig, timeout_s: float = 60.0) -> None:
-    """Delete the app and wait until its replicas are gone and, with direct ingress, its ports are
-    free again: the next app's ingress takes the same ports (one per range), and a deploy that
-    comes while the old replica still drains fails with Serve's NoAvailablePortError."""
+    """Delete the app and wait until its replicas are gone and, with direct ingress, its HTTP port
+    is free again: the next app's ingress takes the same port (one per range), and a deploy that
+    comes while the old replica still drains fails with Serve's NoAvailablePortError. (The gRPC
+    server's port is shared: SO_REUSEPORT.)"""
     serve.delete("pdserve")
     deadline = time.monotonic() + timeout_s
 
     def ports_free() -> bool:
-        for port in (config.http_port, config.grpc_port):
-            with socket.socket() as s:
-                try:
-                    s.bind((config.host, port))
-                except OSError:
-                    return False
+        with socket.socket() as s:
+            try:
+                s.bind((config.host, config.http_port))
+            except OSError:
+                return False
         return True
 
     while time.monotonic() < deadline:
@@ -195,10 +185,8 @@ def delete_app(config: AppConfig, timeout_s: float = 60.0) -> None:
 
 
 def start_serve(config: AppConfig) -> None:
-    """Start Serve's controller and proxies on the config's ports (the ports after them with
-    direct ingress). A Serve already up keeps its own."""
-    http_port, grpc_port = config.http_port, config.grpc_port
-    if direct_ingress_on():
-        http_port, grpc_port = http_port + 1, grpc_port + 1
-    serve.start(http_options={"host": config.host, "port": http_port},
-                grpc_options=grpc_options(config.model_copy(update={"grpc_port": grpc_port})))
+    """Start Serve's controller and HTTP proxies on the config's host and port (the port after it
+    with direct ingress). Serve's gRPC proxy stays off: the ingress serves gRPC itself. A Serve
+    already up keeps its own."""
+    http_port = config.http_port + 1 if direct_ingress_on() else config.http_port
+    serve.start(http_options={"host": config.host, "port": http_port})

@@ -177,11 +177,9 @@ def _up(args) -> int:
     else:
         # Ray's CPUs are scheduling slots: give the local instance enough for every replica
         # even on a small machine (the engines share the real cores through torch's threads).
-        # Serve's gRPC proxy reads its message cap from its environment only: the Ray started
-        # here (and so its proxy) inherits it. The dashboard runs jobs: loopback only (README).
-        os.environ[serve_app.GRPC_MAX_MESSAGE_ENV] = str(config.ingress_limits.grpc_max_receive_bytes)
-        if args.direct_ingress:  # the ingress replica is the server: no proxy hop (docs/architecture.md)
-            os.environ.update(serve_app.direct_ingress_env(config.http_port, config.grpc_port,
+        # The dashboard runs jobs: loopback only (README).
+        if args.direct_ingress:  # the ingress replica is the HTTP server: no proxy hop (docs/architecture.md)
+            os.environ.update(serve_app.direct_ingress_env(config.http_port,
                                                            throughput_optimized=args.throughput_profile))
         ray.init(namespace="pdserve", num_cpus=max(os.cpu_count() or 1, serve_app.cpus_needed(config)),
                  include_dashboard=args.dashboard, dashboard_host="127.0.0.1", dashboard_port=8265)
@@ -199,6 +197,9 @@ def _up(args) -> int:
         print(f"  HTTP    http://{host}:{config.http_port}/v1   (OpenAI-compatible)", flush=True)
         if not joined and args.dashboard:
             print("  Ray dashboard   http://127.0.0.1:8265   (this machine only: README, \"Exposure\")", flush=True)
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":  # Ray's default for a local instance
+            print("  Ray token auth  on: `pdserve status`, or `RAY_AUTH_MODE=token serve status` "
+                  "(Ray's CLIs send the token only with it set)", flush=True)
         print(f"  {config.admission_bounds.describe()}", flush=True)
         print("Ctrl-C to stop.", flush=True)
         stop.wait()

@@ -148,9 +148,8 @@ class IngressLimits(Strict):
     max_session_id_chars: int = Field(
         128, ge=8, description="Longest session key (x-session-id header/metadata, prompt_cache_key); more -> 400")
     grpc_max_receive_bytes: int = Field(
-        4 * 2**20, ge=1024, description="gRPC request message size. Serve's gRPC proxy reads it only from "
-        "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE in its environment (`pdserve up` sets it for the Ray it starts; "
-        "a cluster sets it on its nodes); the ingress refuses larger messages itself too")
+        4 * 2**20, ge=1024, description="gRPC request message size: the ingress's gRPC server refuses a larger "
+        "message as it arrives (RESOURCE_EXHAUSTED), before any of it is parsed")
 
     def check_choices(self, n: int) -> None:
         """OpenAI's `n` (HTTP) and GenerateRequest.n (gRPC): one bound, one message."""

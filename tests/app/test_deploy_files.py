@@ -79,15 +79,16 @@ def test_serve_yaml_parses_with_serves_schema_and_builds_the_app(tiny_model):
     from ray.serve.schema import ServeDeploySchema
 
     from cluster.app.builder import app_builder
-    from router.ingress.deployment import GRPC_SERVICERS
+    from ray.serve._private.utils import is_grpc_enabled
 
     schema = ServeDeploySchema.model_validate(load("serve.yaml"))
-    assert schema.grpc_options.grpc_servicer_functions == GRPC_SERVICERS
-    assert (schema.grpc_options.port, schema.http_options.port) == (9000, 8000)
+    assert not is_grpc_enabled(schema.grpc_options)  # the ingress replicas serve gRPC themselves
+    assert (schema.http_options.host, schema.http_options.port) == ("0.0.0.0", 8000)
     [app] = schema.applications
     assert (app.name, app.route_prefix, app.import_path) == ("pdserve", "/", "cluster.app.builder:app_builder")
 
     args = AppConfig.model_validate(dict(app.args, model=tiny_model))
+    assert (args.host, args.grpc_port, args.http_port) == ("0.0.0.0", 9000, 8000)
     built = build_app(app_builder(dict(app.args, model=tiny_model)), name=app.name)
     deployments = {d.name: d for d in built.deployments}
     assert set(deployments) == {"ingress", "prefill", "decode"}

@@ -49,6 +49,7 @@ def _pct(values: list[float], p: float) -> float:
 # ingress's own checks run before any await; the router's prediction after a router call; the
 # engine's bounds after the request reached a replica's queue.
 REFUSED_BY = (
+    ("ingress on arrival", "(refused on arrival)"),
     ("ingress queue model", "the ingress's queue: predicted queue wait"),
     ("ingress pace cap", "target_itl_s"),
     ("ingress in-flight cap", "requests in flight"),
@@ -162,7 +163,8 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
         address = f"localhost:{cfg.grpc_port}"
         asyncio.run(_run(address, None, [(capacity, 5.0)], seed=1))  # warm-up: replicas measure their pace
         spies = []
-        if profile is not None and name == "protected":  # the front door's processes during the burst
+        profiled = "protected" if "protected" in arms else "defaults"
+        if profile is not None and name == profiled:  # the front door's processes during the burst
             from cluster.tools.bench.front_door import _pids, _profile
 
             profile.mkdir(parents=True, exist_ok=True)
@@ -175,6 +177,7 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
             p.wait(timeout=60)
         recs = outcome.records
         prediction = _prediction_error(cfg.http_port)
+        gc = _gc_pauses(cfg.http_port)
         serve_app.delete_app(cfg)
         burst = [r for r in recs if r.start < burst_s]
         good = [r for r in burst if _meets(r, slo_ttft_s, slo_tpot_s)]
@@ -200,7 +203,7 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
             "sent": len(burst), "offered_rps": len(burst) / burst_s, "goodput_rps": len(good) / burst_s,
             "good": len(good), "rejected": len(rejected), "reject_p50_ms": _pct(rejected, 50) * 1e3,
             "reject_p99_ms": _pct(rejected, 99) * 1e3, "reject_max_ms": max(rejected, default=float("nan")) * 1e3,
-            "recovery_s": recovery, "outcomes": codes, "prediction": prediction,
+            "recovery_s": recovery, "outcomes": codes, "prediction": prediction, "gc": gc,
             "after_5s": (sum(_meets(r, slo_ttft_s, slo_tpot_s) for r in late), len(late)),
             # cores each front-door process kept busy over the run (burst + after): 1.0 = a full core
             "process_cores": {k: (cpu_after[k] - cpu_before[k]) / elapsed for k in cpu_before if k in cpu_after},
@@ -323,13 +326,14 @@ def main() -> None:
                     default=["sustainable", "unprotected", "defaults", "protected"],
                     help="burst arms to run (a ratio needs its arms and the sustainable one)")
     ap.add_argument("--profile", type=Path, default=None,
-                    help="py-spy records the ingress (and proxy) during the protected arm's burst, into this dir")
+                    help="py-spy records the ingress (and proxy) during the protected arm's burst (without it, the "
+                         "defaults arm's), into this dir")
     args = ap.parse_args()
 
     WORKLOAD.update(input_len=args.input_len, output_len=args.output_len)
     http_port, grpc_port = free_port(), free_port()
     if args.direct_ingress:
-        os.environ.update(direct_ingress_env(http_port, grpc_port, args.throughput_optimized))
+        os.environ.update(direct_ingress_env(http_port, args.throughput_optimized))
     ray.init(num_cpus=8, include_dashboard=False, namespace="pdserve", log_to_driver=False)
     pool = {"num_cpus": 0.5} if args.compute_nice is None else {"num_cpus": 0.5, "compute_nice": args.compute_nice}
     prefill = pool if args.prefill_nice is None else {**pool, "compute_nice": args.prefill_nice}
@@ -357,6 +361,9 @@ def main() -> None:
             if m["refused_by"]:
                 print(f"  {'':<12} refused by: " + "; ".join(
                     f"{k} {n} (p50 {p50:.0f} / p99 {p99:.0f} ms)" for k, (n, p50, p99) in m["refused_by"].items()))
+            if m["gc"]:
+                print(f"  {'':<12} ingress garbage collections (warm-up and run): " + ", ".join(
+                    f"gen{g} {n} ({t * 1e3:.0f} ms, longest {mx * 1e3:.1f} ms)" for g, (n, t, mx) in sorted(m["gc"].items())))
             if m["process_cores"]:
                 print(f"  {'':<12} cores busy over the run: " + ", ".join(
                     f"{k.strip()} {v:.2f}" for k, v in sorted(m["process_cores"].items()) if v >= 0.01))

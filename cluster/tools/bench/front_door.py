@@ -164,7 +164,7 @@ def main() -> None:
     if args.direct_ingress:
         from cluster.app.builder import direct_ingress_env
 
-        os.environ.update(direct_ingress_env(http_port, grpc_port, args.throughput_optimized))
+        os.environ.update(direct_ingress_env(http_port, args.throughput_optimized))
     ray.init(num_cpus=8, include_dashboard=False, namespace="pdserve", log_to_driver=False)
     nice = {} if args.compute_nice is None else {"compute_nice": args.compute_nice}
     cfg = ensure_model(default="random", config=AppConfig.model_validate({

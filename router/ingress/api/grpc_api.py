@@ -4,6 +4,7 @@ an error -> a status. Generated code is imported here and in the CLI client only
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
@@ -21,7 +22,7 @@ from router.ingress.flow.tool_parser import ToolCallStream, openai_tool_calls
 from router.ingress.flow.tools import ToolUse
 from router.ingress.gateway.front_door import Reply
 from router.ingress.request import ClientRequest, Delta, ResponseFormatSpec, SamplingSpec, ToolsSpec
-from router.ingress.status import Code, ServingError, code_of, retry_after_seconds
+from router.ingress.status import ServingError, code_of, retry_after_seconds
 
 FINISH = {  # the finish reasons a client sees (deadline and rejected become status codes)
     None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -35,7 +36,7 @@ def request_from_proto(req: "pb.GenerateRequest", metadata: dict, tenant: str, c
     message's size, the counts and sizes that must be known before anything is parsed (the app's
     limits; the version's flow checks its own again)."""
     limits, engine_limits = config.ingress_limits, config.engine.limits
-    size = req.ByteSize()  # Serve's proxy may take more (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE)
+    size = req.ByteSize()  # the server refuses more on arrival (grpc_server.py); a client in process may not
     if size > limits.grpc_max_receive_bytes:
         raise InvalidRequestError("request", f"message of {size} bytes exceeds grpc_max_receive_bytes "
                                              f"{limits.grpc_max_receive_bytes}")
@@ -157,28 +158,25 @@ async def responses(reply: Reply) -> AsyncIterator["pb.GenerateResponse"]:
         yield resp
 
 
-class GrpcAbort(Exception):
-    """Raised after setting the code on Serve's gRPC context: Serve keeps a code set before a raise.
-    `code` lets the ingress's log filter tell a client's fault from a server error (it is not
-    pickled: the exception crosses to Serve's proxy with its details only)."""
+@dataclass(frozen=True)
+class Status:
+    """How a call ends: its gRPC code, the details, and the retry-after in whole seconds (or None)."""
 
-    def __init__(self, details: str, code: Code | None = None):
-        super().__init__(details)
-        self.code = code
+    code: grpc.StatusCode
+    details: str
+    retry_after: int | None = None
 
 
-def fail(grpc_context, error: InvalidRequestError | ServingError) -> GrpcAbort:
-    """Set the error's status on Serve's context, for the caller to raise. A retry-after goes in
-    the details ("retry after N s", whole seconds like HTTP's Retry-After): Serve's gRPC proxy
-    drops trailing metadata on the error path."""
-    code = code_of(error)
+def status_of(error: InvalidRequestError | ServingError) -> Status:
+    """The status a refusal or failure ends its call with. A retry-after is also named in the
+    details ("retry after N s", whole seconds like HTTP's Retry-After), for clients that read no
+    trailing metadata."""
     details = str(error) if isinstance(error, InvalidRequestError) else error.message
     retry = getattr(error, "retry_after_s", None)
-    if retry is not None:
-        details = f"{details}; retry after {retry_after_seconds(retry)} s"
-    grpc_context.set_code(getattr(grpc.StatusCode, code.grpc_name))
-    grpc_context.set_details(details)
-    return GrpcAbort(details, code)
+    seconds = None if retry is None else retry_after_seconds(retry)
+    if seconds is not None:
+        details = f"{details}; retry after {seconds} s"
+    return Status(getattr(grpc.StatusCode, code_of(error).grpc_name), details, seconds)
 
 
 def tools_from_proto(chat: "pb.Chat", sampling: "pb.SamplingParams", max_schema_bytes: int) -> ToolsSpec | None:

@@ -263,32 +263,46 @@ class Capacity:
         self.pace = StreamPace(clock, target_itl_s=opts.target_itl_s)
 
     def check(self, ctx: RequestContext) -> None:
+        refusal = self._refusal(ctx.priority == Priority.BATCH, ctx.remaining_s())
+        if refusal is not None:
+            raise refusal
+
+    def shedding(self) -> Rejected | None:
+        """The refusal any request would get now (an interactive one without a deadline gets the
+        loosest bounds). It only reads, so the gRPC server's transport thread may ask it before a
+        call reaches the front door's loop (api/grpc_server.py)."""
+        return self._refusal(False, None)
+
+    def _refusal(self, batch: bool, remaining_s: float | None) -> Rejected | None:
         opts, pace = self.opts, self.pace
-        share = opts.batch_share if ctx.priority == Priority.BATCH else 1.0
+        share = opts.batch_share if batch else 1.0
         if opts.target_itl_s is not None:
             cap = pace.cap()
             if cap is not None and pace.streams + self.first_tokens.pending_requests >= max(1, int(cap * share)):
-                raise Rejected(f"the decode pool is at the streams it runs at target_itl_s {opts.target_itl_s:g} "
-                               f"(measured {pace.itl_s * 1e3:.0f} ms per token over {pace.mean_streams:.1f} "
-                               f"streams){' (batch share)' if share < 1 else ''}: overloaded", 1.0, reason="capacity")
+                return Rejected(f"the decode pool is at the streams it runs at target_itl_s {opts.target_itl_s:g} "
+                                f"(measured {pace.itl_s * 1e3:.0f} ms per token over {pace.mean_streams:.1f} "
+                                f"streams){' (batch share)' if batch else ''}: overloaded", 1.0, reason="capacity")
         wait = self.first_tokens.predicted_wait_s()
-        if wait is not None:
-            self.check_queue_wait("the ingress's queue", wait, ctx)
+        return None if wait is None else self._queue_refusal("the ingress's queue", wait, batch, remaining_s)
 
     def check_queue_wait(self, who: str, wait_s: float, ctx: RequestContext) -> None:
         """Refuse work that would wait longer than the server's bound (batch work: its batch_share
         of it) or the request's deadline: this ingress's prediction, or the router's."""
-        opts = self.opts
-        limit, remaining = opts.max_queue_wait_s, ctx.remaining_s()
-        batch = ctx.priority == Priority.BATCH
+        refusal = self._queue_refusal(who, wait_s, ctx.priority == Priority.BATCH, ctx.remaining_s())
+        if refusal is not None:
+            raise refusal
+
+    def _queue_refusal(self, who: str, wait_s: float, batch: bool, remaining_s: float | None) -> Rejected | None:
+        limit = self.opts.max_queue_wait_s
         if limit is not None and batch:
-            limit *= opts.batch_share
+            limit *= self.opts.batch_share
         if limit is not None and wait_s > limit:
-            raise Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds max_queue_wait_s {limit:g}"
-                           f"{' (batch share)' if batch else ''}: overloaded", wait_s - limit, reason="queue_wait")
-        if remaining is not None and wait_s > remaining:
-            raise Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds the {remaining:.2f} s "
-                           f"left before its deadline", wait_s, reason="queue_wait")
+            return Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds max_queue_wait_s {limit:g}"
+                            f"{' (batch share)' if batch else ''}: overloaded", wait_s - limit, reason="queue_wait")
+        if remaining_s is not None and wait_s > remaining_s:
+            return Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds the {remaining_s:.2f} s "
+                            f"left before its deadline", wait_s, reason="queue_wait")
+        return None
 
 
 class CapacityStage(Stage):

@@ -33,7 +33,7 @@ from router.ingress.gateway.response_cache import ResponseCache, ResponseCacheSt
 from router.ingress.gateway.stages import Gateway, Outcome, Stage
 from router.ingress.gateway.telemetry import IngressTelemetry, TelemetryStage
 from router.ingress.request import ClientRequest, Delta
-from router.ingress.status import Code, ServingError
+from router.ingress.status import Code, Rejected, ServingError
 from router.ingress.versions.catalog import PIN, ModelCatalog, Routed
 
 
@@ -115,6 +115,31 @@ class FrontDoor:
                 self.telemetry.refused(e, tenant)
             raise
         return tenant
+
+    def shedding(self, authorization: str | None) -> tuple[str, ServingError] | None:
+        """(tenant, refusal) when every model version's capacity refuses all work now and the
+        caller's key is valid: the gRPC transport's thread asks before a call reaches this loop, so
+        a burst is refused at the rate it arrives (api/grpc_server.py). It only reads. None: the
+        call goes on to authorize and serve (an unknown key is refused there, as UNAUTHENTICATED).
+        Off with an audit log: every refusal is a record the gateway writes."""
+        if self.audit is not None:
+            return None
+        refusal = None
+        for capacity in self.capacities.values():
+            if (refusal := capacity.shedding()) is None:
+                return None
+        if refusal is None:
+            return None
+        try:
+            tenant = self.admission.authenticate(authorization)
+        except ServingError:
+            return None
+        return tenant, Rejected(f"{refusal.message} (refused on arrival)", refusal.retry_after_s, refusal.reason)
+
+    def count_refused(self, error: ServingError, tenant: str) -> None:
+        """Count a refusal made before the front door (shedding); on this loop."""
+        if self.telemetry is not None:
+            self.telemetry.refused(error, tenant)
 
     @property
     def capacity(self) -> Capacity:

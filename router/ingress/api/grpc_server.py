@@ -1,0 +1,211 @@
+"""The ingress replica's own gRPC server: `pdserve.v1.Generation` and `grpc.health.v1.Health`.
+
+Why not Serve's gRPC proxy (docs/architecture.md, "The gRPC server"):
+- it binds every interface whatever the app's `host` says, so a loopback `pdserve up` without keys
+  served unauthenticated Generate to the network;
+- every request crossed it (parse, pickle, an actor call, a stream of Ray objects back): it passed
+  ~80-100 requests/s here, so a burst queued in the proxy for seconds before the ingress could
+  refuse any of it, and a 5 MB message was parsed twice before the ingress saw its size;
+- its cap on a message is read from its process's environment only.
+
+This server binds the app's `host` and `grpc_port` (SO_REUSEPORT: several ingress replicas on a node
+share the port, and a replacement binds while its predecessor drains) and refuses a message over
+`ingress_limits.grpc_max_receive_bytes` as it arrives. A client's gRPC deadline bounds its request
+like the `x-pdserve-timeout-s` header (the earlier wins).
+
+**Two event loops.** gRPC's asyncio server takes one new call per turn of its event loop, or two
+(the completion, then the next request for a call). On the loop the front door runs on, a turn
+under load lasts ~10 ms (a hundred streams' deltas, Ray's callbacks), so new calls were taken at
+~50 a second and a burst waited in gRPC's queue for seconds before anything could refuse it. The
+transport therefore runs on a loop of its own, in its own thread (`Transport`), where a turn is
+short; each call's work (authentication, the front door, converting deltas) runs on the front
+door's loop (`app_loop`), and its responses come back through a queue. From the transport's thread
+the front door is only read, by one question: is it shedding all work now (`FrontDoor.shedding`:
+every version's capacity would refuse any request)? Then the call is refused at once, without
+waiting for a turn of the front door's loop."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from dataclasses import replace
+from typing import AsyncIterator, Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.config import AppConfig
+from cluster.errors import InvalidRequestError
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.ingress.api import grpc_api, probes
+from router.ingress.gateway.front_door import FrontDoor
+from router.ingress.status import Code, ServingError
+
+HEALTH_SERVICES = ("", "pdserve.v1.Generation")
+_END = object()  # the end of a call's responses
+
+
+class Generation(pb_grpc.GenerationServicer):
+    """Runs on the transport's loop; each method's work runs on `app_loop` (the front door's)."""
+
+    def __init__(self, door: FrontDoor, config: AppConfig, app_loop: asyncio.AbstractEventLoop):
+        self.door, self.config, self.app_loop = door, config, app_loop
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext  # noqa: N802
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        metadata, remaining = dict(context.invocation_metadata()), context.time_remaining()
+        if (shed := self.door.shedding(metadata.get("authorization"))) is not None:  # overloaded: refused here
+            tenant, refusal = shed
+            self.app_loop.call_soon_threadsafe(self.door.count_refused, refusal, tenant)
+            await abort(context, refusal)
+        async for response in relay(self.app_loop, context, lambda put: self._generate(request, metadata, remaining,
+                                                                                      put)):
+            yield response
+
+    async def _generate(self, request: pb.GenerateRequest, metadata: dict, remaining: float | None,
+                        put: Callable[[object], None]) -> None:
+        """On the front door's loop: every response, in order, through `put`."""
+        tenant = self.door.authorize(metadata.get("authorization"), request.model)
+        client_request = grpc_api.request_from_proto(request, metadata, tenant, self.config)
+        if remaining is not None:  # the client's gRPC deadline
+            deadline = time.time() + remaining
+            if client_request.deadline is None or deadline < client_request.deadline:
+                client_request = replace(client_request, deadline=deadline)
+        reply = await self.door.serve(client_request)
+        async for response in grpc_api.responses(reply):
+            put(response)
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext  # noqa: N802
+                         ) -> pb.ListModelsResponse:
+        header = dict(context.invocation_metadata()).get("authorization")
+
+        async def models(put):
+            self.door.authorize(header, None)
+            put(pb.ListModelsResponse(models=[pb.ModelInfo(**m) for m in self.door.model_info()]))
+
+        return await unary(self.app_loop, context, models)
+
+
+class Health(health_pb2_grpc.HealthServicer):
+    """SERVING for the server ("") and pdserve.v1.Generation while a decode replica answers
+    (bounded), NOT_SERVING otherwise; NOT_FOUND for any other service, as the protocol says."""
+
+    def __init__(self, door: FrontDoor, app_loop: asyncio.AbstractEventLoop):
+        self.door, self.app_loop = door, app_loop
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext  # noqa: N802
+                    ) -> health_pb2.HealthCheckResponse:
+        if request.service not in HEALTH_SERVICES:
+            await abort(context, ServingError(Code.NOT_FOUND, f"unknown service {request.service!r}"))
+
+        async def check(put):
+            live = await self.door.live(probes.LIVE_TIMEOUT_S)
+            put(health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING if live
+                                               else health_pb2.HealthCheckResponse.NOT_SERVING))
+
+        return await unary(self.app_loop, context, check)
+
+
+async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerContext,
+                work: Callable[[Callable[[object], None]], Awaitable[None]]) -> AsyncIterator:
+    """Run `work(put)` on `app_loop` and yield what it puts, here, in order; its refusal or failure
+    ends the call with that status. The call ending first (the client cancelled, its deadline
+    passed) cancels the work. Responses are not held back: a stream has at most max_tokens of them."""
+    loop = asyncio.get_running_loop()
+    out: asyncio.Queue = asyncio.Queue()
+
+    def put(item: object) -> None:
+        loop.call_soon_threadsafe(out.put_nowait, item)
+
+    async def run() -> None:
+        try:
+            await work(put)
+            put(_END)
+        except (InvalidRequestError, ServingError, Exception) as e:  # noqa: BLE001 — handed to the call
+            put(e)
+
+    job = asyncio.run_coroutine_threadsafe(run(), app_loop)
+    try:
+        while (item := await out.get()) is not _END:
+            if isinstance(item, (InvalidRequestError, ServingError)):
+                await abort(context, item)
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        job.cancel()  # a no-op once it ended; else its task is cancelled on app_loop
+
+
+async def unary(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerContext,
+                work: Callable[[Callable[[object], None]], Awaitable[None]]):
+    """`relay` for a call with one response."""
+    async for response in relay(app_loop, context, work):
+        return response
+    raise RuntimeError("the call's work ended without a response")
+
+
+async def abort(context: grpc.aio.ServicerContext, error: InvalidRequestError | ServingError) -> None:
+    """End the call with the error's status; a retry-after also goes in the trailing metadata
+    (`retry-after`, whole seconds as HTTP's header), besides the details."""
+    status = grpc_api.status_of(error)
+    if status.retry_after is not None:
+        context.set_trailing_metadata((("retry-after", str(status.retry_after)),))
+    await context.abort(status.code, status.details)
+
+
+class GrpcServer:
+    """One ingress replica's server: its transport on a thread and event loop of its own (see the
+    module's docstring), its calls' work on the loop that starts it."""
+
+    def __init__(self, door: FrontDoor, config: AppConfig):
+        self.door, self.config = door, config
+        self.address = f"{_bracketed(config.host)}:{config.grpc_port}"
+        self.loop: asyncio.AbstractEventLoop | None = None  # the transport's
+        self.server: grpc.aio.Server | None = None
+
+    async def start(self) -> None:
+        """Bind and serve; a port that cannot be bound raises here (and fails the replica)."""
+        app_loop = asyncio.get_running_loop()
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self._run, args=(app_loop, started), name="pdserve-grpc", daemon=True).start()
+        await asyncio.wrap_future(started)
+
+    def _run(self, app_loop: asyncio.AbstractEventLoop, started: concurrent.futures.Future) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._serve(app_loop))
+        except BaseException as e:  # noqa: BLE001 — the starter raises it
+            started.set_exception(e)
+            return
+        started.set_result(None)
+        # kept running after stop(): gRPC's process-wide completion queue delivers its events
+        # through the loop it was made on, which may be this one, for every gRPC user in the process
+        self.loop.run_forever()
+
+    async def _serve(self, app_loop: asyncio.AbstractEventLoop) -> None:
+        limits = self.config.ingress_limits
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", limits.grpc_max_receive_bytes),
+            ("grpc.so_reuseport", 1),
+        ])
+        pb_grpc.add_GenerationServicer_to_server(Generation(self.door, self.config, app_loop), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(Health(self.door, app_loop), self.server)
+        try:
+            self.server.add_insecure_port(self.address)
+        except RuntimeError as e:
+            raise RuntimeError(f"the gRPC server could not bind {self.address} (grpc_port; another "
+                               f"process holds it without SO_REUSEPORT?): {e}") from None
+        await self.server.start()
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop taking calls; the calls in flight get `grace_s` to finish."""
+        if self.server is not None:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self.loop))
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,188 @@
+"""The ingress's own gRPC server, in this process with a front door over no pools: it binds where
+the app's host says (not every interface), refuses a message over the cap as it arrives and keeps
+serving, and ends a refusal with its code, details and retry-after."""
+
+import asyncio
+import concurrent.futures
+import time
+
+import grpc
+import psutil
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.config import AppConfig
+from cluster.tools.netutil import free_port
+from protos.pdserve.v1 import generation_pb2 as pb
+from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.ingress.api.grpc_server import GrpcServer
+from router.ingress.status import Code
+from tests.helpers import front_door
+
+KEY = "sk-grpc-server-test"
+
+
+def non_loopback_address() -> str | None:
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family.name == "AF_INET" and not a.address.startswith("127."):
+                return a.address
+    return None
+
+
+def serving(cfg: AppConfig, door=None):
+    """Run `body(server)` with the server up on this loop; returns its result."""
+
+    def run(body):
+        async def main():
+            server = GrpcServer(door or front_door(cfg), cfg)
+            await server.start()
+            try:
+                return await body(server)
+            finally:
+                await server.stop(0)
+
+        return asyncio.run(main())
+
+    return run
+
+
+async def list_models(address: str, key: str | None = KEY, timeout: float = 5.0):
+    async with grpc.aio.insecure_channel(address) as channel:
+        metadata = (("authorization", f"Bearer {key}"),) if key else None
+        return await pb_grpc.GenerationStub(channel).ListModels(pb.ListModelsRequest(), metadata=metadata,
+                                                                timeout=timeout)
+
+
+def config(tiny_model, **kw) -> AppConfig:
+    return AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY], **kw)
+
+
+def test_a_loopback_app_is_not_reachable_from_the_network(tiny_model):
+    other = non_loopback_address()
+    if other is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    cfg = config(tiny_model)  # host 127.0.0.1, the default
+
+    async def body(server):
+        models = await list_models(f"127.0.0.1:{cfg.grpc_port}")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await list_models(f"{other}:{cfg.grpc_port}", timeout=2.0)
+        return [m.id for m in models.models], e.value.code()
+
+    ids, code = serving(cfg)(body)
+    assert ids == [cfg.model_name] and code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_an_oversized_message_is_refused_on_arrival_and_the_server_keeps_serving(tiny_model):
+    cfg = config(tiny_model, ingress_limits={"grpc_max_receive_bytes": 64 * 1024})
+    address = f"127.0.0.1:{cfg.grpc_port}"
+
+    async def body(server):
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            big = pb.GenerateRequest(text="x" * (64 * 1024 + 1))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Generate(big, metadata=(("authorization", f"Bearer {KEY}"),), timeout=5):
+                    pass
+            models = await stub.ListModels(pb.ListModelsRequest(), metadata=(("authorization", f"Bearer {KEY}"),),
+                                           timeout=5)
+            return e.value, [m.id for m in models.models]
+
+    err, ids = serving(cfg)(body)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "Received message larger than max" in err.details()
+    assert ids == [cfg.model_name]
+
+
+def test_a_refusal_ends_with_its_code_details_and_retry_after(tiny_model):
+    cfg = AppConfig(model=tiny_model, grpc_port=free_port(),
+                    tenants={"acme": {"api_keys": [KEY], "requests_per_min": 1}})
+
+    async def body(server):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cfg.grpc_port}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            errors = []
+            for key in ("sk-wrong", KEY, KEY):  # unknown key; the minute's one request; the second
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in stub.Generate(pb.GenerateRequest(text="hi"), timeout=5,
+                                                 metadata=(("authorization", f"Bearer {key}"),)):
+                        pass
+                errors.append(e.value)
+            return errors
+
+    unknown, first, second = serving(cfg)(body)
+    assert (unknown.code(), unknown.details()) == (
+        grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer <key>)")
+    assert first.code() == grpc.StatusCode.UNAVAILABLE  # admitted; this door has no pools to serve it
+    assert second.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    retry = dict(second.trailing_metadata())["retry-after"]
+    assert second.details() == f"tenant 'acme' is over its requests_per_min quota (1); retry after {retry} s"
+    assert 1 <= int(retry) <= 60
+
+
+def test_health_names_only_its_services(tiny_model):
+    cfg = config(tiny_model)
+
+    async def body(server):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cfg.grpc_port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await health.Check(health_pb2.HealthCheckRequest(service="other.Service"), timeout=5)
+            return e.value
+
+    err = serving(cfg)(body)
+    assert (err.code(), err.details()) == (grpc.StatusCode.NOT_FOUND, "unknown service 'other.Service'")
+
+
+def test_a_taken_port_fails_the_replica(tiny_model):
+    cfg = config(tiny_model)
+    import socket
+
+    with socket.socket() as s:  # a listener without SO_REUSEPORT: no one may share its port
+        s.bind(("127.0.0.1", cfg.grpc_port))
+        s.listen()
+
+        async def body():
+            with pytest.raises(RuntimeError, match=f"could not bind 127.0.0.1:{cfg.grpc_port}"):
+                await GrpcServer(front_door(cfg), cfg).start()
+
+        asyncio.run(body())
+
+
+def test_an_overloaded_door_refuses_on_arrival_while_its_loop_is_busy(tiny_model):
+    """Shedding: when the front door's capacity refuses all work, the transport's thread refuses a
+    call at once, counted on the door's loop later; its own loop may be busy the while."""
+    cfg = AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY])
+    door = front_door(cfg)
+    queue = door.capacity.first_tokens  # 2,000 prompt tokens ahead at 1,000 a second: a 2 s wait
+    queue.rate, queue.pending_tokens, queue.pending_requests = 1000.0, 2000, 1
+    counted = []
+    door.count_refused = lambda error, tenant: counted.append((error.code, tenant))
+
+    def call(key: str) -> tuple[grpc.StatusCode, str, float]:
+        started = time.perf_counter()
+        with grpc.insecure_channel(f"127.0.0.1:{cfg.grpc_port}") as channel:
+            try:
+                list(pb_grpc.GenerationStub(channel).Generate(
+                    pb.GenerateRequest(text="hi"), metadata=(("authorization", f"Bearer {key}"),), timeout=10))
+            except grpc.RpcError as e:
+                return e.code(), e.details(), time.perf_counter() - started
+        raise AssertionError("the call was served")
+
+    async def body(server):
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            shed = pool.submit(call, KEY)
+            unknown = pool.submit(call, "sk-wrong")  # an unknown key is the door's to refuse
+            time.sleep(1.5)  # the door's loop is busy: nothing of the door runs
+            done_while_busy = shed.done(), unknown.done()
+            return done_while_busy, shed.result(), await asyncio.wrap_future(unknown)
+
+    (shed_done, unknown_done), shed, unknown = serving(cfg, door)(body)
+    assert (shed_done, unknown_done) == (True, False)
+    assert shed[:2] == (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "the ingress's queue: predicted queue wait 2.00 s exceeds max_queue_wait_s 0.5: overloaded "
+                        "(refused on arrival); retry after 2 s")
+    assert shed[2] < 1.0
+    assert unknown[:2] == (grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer <key>)")
+    assert counted == [(Code.RESOURCE_EXHAUSTED, "default")]
