@@ -16,7 +16,8 @@ class ServingEngineOptions(EngineOptions):
     in-process engine queues without bound, a replica refuses past these (429)."""
 
     max_waiting: int | None = Field(512, ge=0, description="Per replica; more waiting requests are refused (429)")
-    queue_ttl_s: float | None = Field(30.0, gt=0, description="Not admitted within this long: rejected (429)")
+    queue_ttl_s: float | None = Field(30.0, gt=0, description="Waiting this long in the queue (since arrival, or since "
+                                      "it went back to the queue: preempted, a failed import) -> rejected (429)")
 
 
 class AutoscalingOptions(Strict):
