@@ -5,6 +5,8 @@ replica (whose loop may not turn again) keeps a phantom request and its prompt t
 router, and the router sends that prompt's next request elsewhere, missing its cache (the colocated
 prefix test's intermittent miss: `waiting=1, queued_prefill_tokens=70` on an idle replica)."""
 
+import pytest
+
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.reporting import LoadReporter
@@ -20,13 +22,25 @@ class _Remote:
         self.remote = fn
 
 
-class RouterFeed:
-    """The router actor as a replica calls it, delivering each call to a real Router at once."""
+class _Answered:
+    """A call answered at once, as the router actor's reply: an object ref (the event publisher
+    waits on its calls' refs, router/events.py)."""
 
-    def __init__(self, router: Router):
+    def __init__(self, fn):
+        import ray
+
+        self.remote = lambda *a: ray.put(fn(*a))
+
+
+class RouterFeed:
+    """The router actor as a replica calls it, delivering each call to a real Router at once.
+    `answered`: block-event calls return refs (needs Ray); without, the reporter must not publish."""
+
+    def __init__(self, router: Router, answered: bool = False):
         self.report_load = _Remote(router.report_load)
-        self.events = _Remote(lambda *a: True)
-        self.resync = _Remote(lambda *a: None)
+        wrap = _Answered if answered else _Remote
+        self.events = wrap(lambda *a: True)
+        self.resync = wrap(lambda *a: None)
 
 
 class Registry:
@@ -36,11 +50,13 @@ class Registry:
         self.last = report
 
 
-def test_a_request_within_the_min_interval_is_still_reported_so_no_phantom_stays(tiny_model):
+@pytest.mark.ray
+def test_a_request_within_the_min_interval_is_still_reported_so_no_phantom_stays(ray_session, tiny_model):
     engine = LLMEngine.from_model(tiny_model, num_blocks=32)
     router = Router(RoutingPolicy(PolicyConfig()))
     reporter = LoadReporter(engine, TransferStats(), "decode-a", "decode", registry=Registry(),
-                            router=RouterFeed(router), router_min_interval_s=10.0, router_interval_s=100.0)
+                            router=RouterFeed(router, answered=True), router_min_interval_s=10.0,
+                            router_interval_s=100.0)
     reporter.service(0.0, busy=False)  # the first report: idle
     decision = router.route([], 70)  # the router sends a request here: pending until the next report
     assert (decision.decode, router.pending_requests()) == ("decode-a", 1)
