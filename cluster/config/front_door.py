@@ -148,8 +148,9 @@ class IngressLimits(Strict):
     max_session_id_chars: int = Field(
         128, ge=8, description="Longest session key (x-session-id header/metadata, prompt_cache_key); more -> 400")
     grpc_max_receive_bytes: int = Field(
-        4 * 2**20, ge=1024, description="gRPC request message size: the ingress's gRPC server refuses a larger "
-        "message as it arrives (RESOURCE_EXHAUSTED), before any of it is parsed")
+        4 * 2**20, ge=1024, description="gRPC request message size: a larger message is refused once read (400 "
+        "INVALID_ARGUMENT naming this limit); the ingress's gRPC transport reads at most 4x this (more: "
+        "RESOURCE_EXHAUSTED, unread)")
 
     def check_choices(self, n: int) -> None:
         """OpenAI's `n` (HTTP) and GenerateRequest.n (gRPC): one bound, one message."""

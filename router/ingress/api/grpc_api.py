@@ -36,7 +36,7 @@ def request_from_proto(req: "pb.GenerateRequest", metadata: dict, tenant: str, c
     message's size, the counts and sizes that must be known before anything is parsed (the app's
     limits; the version's flow checks its own again)."""
     limits, engine_limits = config.ingress_limits, config.engine.limits
-    size = req.ByteSize()  # the server refuses more on arrival (grpc_server.py); a client in process may not
+    size = req.ByteSize()  # the transport reads up to 4x this (grpc_server.py TRANSPORT_CAP_FACTOR)
     if size > limits.grpc_max_receive_bytes:
         raise InvalidRequestError("request", f"message of {size} bytes exceeds grpc_max_receive_bytes "
                                              f"{limits.grpc_max_receive_bytes}")

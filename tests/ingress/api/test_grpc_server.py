@@ -15,7 +15,7 @@ from cluster.config import AppConfig
 from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.ingress.api.grpc_server import GrpcServer
+from router.ingress.api.grpc_server import TRANSPORT_CAP_FACTOR, GrpcServer
 from router.ingress.status import Code
 from tests.helpers import front_door
 
@@ -74,24 +74,29 @@ def test_a_loopback_app_is_not_reachable_from_the_network(tiny_model):
     assert ids == [cfg.model_name] and code == grpc.StatusCode.UNAVAILABLE
 
 
-def test_an_oversized_message_is_refused_on_arrival_and_the_server_keeps_serving(tiny_model):
+def test_an_oversized_message_is_refused_naming_the_limit_and_the_server_keeps_serving(tiny_model):
     cfg = config(tiny_model, ingress_limits={"grpc_max_receive_bytes": 64 * 1024})
     address = f"127.0.0.1:{cfg.grpc_port}"
+    auth = (("authorization", f"Bearer {KEY}"),)
 
     async def body(server):
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 2**20)]) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            big = pb.GenerateRequest(text="x" * (64 * 1024 + 1))
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                async for _ in stub.Generate(big, metadata=(("authorization", f"Bearer {KEY}"),), timeout=5):
-                    pass
-            models = await stub.ListModels(pb.ListModelsRequest(), metadata=(("authorization", f"Bearer {KEY}"),),
-                                           timeout=5)
-            return e.value, [m.id for m in models.models]
+            errors = []
+            # over the limit: read, then refused naming it; over the transport's cap (4x): refused unread
+            for text in ("x" * (64 * 1024), "x" * (TRANSPORT_CAP_FACTOR * 64 * 1024)):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in stub.Generate(pb.GenerateRequest(text=text), metadata=auth, timeout=5):
+                        pass
+                errors.append((e.value.code(), e.value.details()))
+            models = await stub.ListModels(pb.ListModelsRequest(), metadata=auth, timeout=5)
+            return errors, [m.id for m in models.models]
 
-    err, ids = serving(cfg)(body)
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "Received message larger than max" in err.details()
+    (over, far_over), ids = serving(cfg)(body)
+    assert over == (grpc.StatusCode.INVALID_ARGUMENT,
+                    "request: message of 65540 bytes exceeds grpc_max_receive_bytes 65536")
+    assert far_over == (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"SERVER: Received message larger than max ({4 * 65536 + 4} vs. {4 * 65536})")
     assert ids == [cfg.model_name]
 
 
