@@ -100,7 +100,7 @@ def _generate_remote(args) -> int:
     else:
         req.token_ids.ids.extend(int(t) for t in args.prompt_token_ids.split(","))
     metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
-    if args.timeout is not None:  # Serve's gRPC proxy hides the deadline from the app: send it along
+    if args.timeout is not None:  # the server reads the gRPC deadline too; the header also bounds the engines
         metadata.append(("x-pdserve-timeout-s", str(args.timeout)))
     token_ids, text, last = [], "", None
     with grpc.insecure_channel(args.address) as channel:

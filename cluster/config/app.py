@@ -39,8 +39,8 @@ class AppConfig(Strict):
     kv_transfer: KVTransferOptions = KVTransferOptions()
     routing: RoutingOptions = RoutingOptions()
     host: str = Field(
-        "127.0.0.1", description="HTTP bind address. Not loopback: API keys are required unless "
-        "allow_unauthenticated (Serve's gRPC proxy binds all interfaces whatever this says)")
+        "127.0.0.1", description="HTTP and gRPC bind address. Not loopback: API keys are required unless "
+        "allow_unauthenticated")
     allow_unauthenticated: bool = Field(
         False, description="Serve on a non-loopback host with no API keys (a trusted network only)")
     http_port: int = Field(8000, ge=1, le=65535)
