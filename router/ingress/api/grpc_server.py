@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from dataclasses import replace
@@ -43,6 +44,8 @@ from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.ingress.api import grpc_api, probes
 from router.ingress.gateway.front_door import FrontDoor
 from router.ingress.status import Code, ServingError
+
+log = logging.getLogger(__name__)
 
 HEALTH_SERVICES = ("", "pdserve.v1.Generation")
 _END = object()  # the end of a call's responses
@@ -118,7 +121,7 @@ class Health(health_pb2_grpc.HealthServicer):
 async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerContext,
                 work: Callable[[Callable[[object], None]], Awaitable[None]]) -> AsyncIterator:
     """Run `work(put)` on `app_loop` and yield what it puts, here, in order; its refusal or failure
-    ends the call with that status. The call ending first (the client cancelled, its deadline
+    ends the call with that status (an unexpected exception: INTERNAL, logged). The call ending first (the client cancelled, its deadline
     passed) cancels the work. Responses are not held back: a stream has at most max_tokens of them."""
     loop = asyncio.get_running_loop()
     out: asyncio.Queue = asyncio.Queue()
@@ -130,16 +133,17 @@ async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerC
         try:
             await work(put)
             put(_END)
-        except (InvalidRequestError, ServingError, Exception) as e:  # noqa: BLE001 — handed to the call
+        except (InvalidRequestError, ServingError) as e:
             put(e)
+        except Exception:  # noqa: BLE001 — a bug: logged here, INTERNAL to the client
+            log.exception("a gRPC call failed")
+            put(ServingError(Code.INTERNAL, "internal error"))
 
     job = asyncio.run_coroutine_threadsafe(run(), app_loop)
     try:
         while (item := await out.get()) is not _END:
             if isinstance(item, (InvalidRequestError, ServingError)):
                 await abort(context, item)
-            if isinstance(item, BaseException):
-                raise item
             yield item
     finally:
         job.cancel()  # a no-op once it ended; else its task is cancelled on app_loop

@@ -191,3 +191,20 @@ def test_an_overloaded_door_refuses_on_arrival_while_its_loop_is_busy(tiny_model
     assert shed[2] < 1.0
     assert unknown[:2] == (grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer <key>)")
     assert counted == [(Code.RESOURCE_EXHAUSTED, "default")]
+
+
+def test_a_bug_in_a_call_is_internal_and_the_server_keeps_serving(tiny_model):
+    cfg = config(tiny_model)
+    door = front_door(cfg)
+    door.model_info = lambda: 1 / 0  # a bug in what ListModels reads
+
+    async def body(server):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await list_models(f"127.0.0.1:{cfg.grpc_port}")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cfg.grpc_port}") as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return e.value, health.status
+
+    err, status = serving(cfg, door)(body)
+    assert (err.code(), err.details()) == (grpc.StatusCode.INTERNAL, "internal error")
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING  # answered: a door over no pools has no decode replica
