@@ -181,12 +181,24 @@ class EngineOptions(BaseModel):
         default_factory=SpeculativeOptions, description="Speculative decoding (off by default).")
     kv_tiers: KVTierOptions = Field(
         default_factory=KVTierOptions, description="KV tiers below the device pool (off by default).")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="Ranks the model is sharded over (cluster/engine/distributed/): query heads, "
+        "MLP rows and vocabulary split tp ways; KV heads split when tp divides them, replicated when tp is a "
+        "multiple of them, else refused. The engine is rank 0 of a torch.distributed group whose other ranks "
+        "run the worker loop; serving replicas do not start them yet (issue 41).")
 
     @model_validator(mode="after")
     def _tiers_need_prefix_caching(self) -> "EngineOptions":
         if self.kv_tiers.enabled and not self.enable_prefix_caching:
             raise ValueError("kv_tiers.host_blocks > 0 needs enable_prefix_caching: the host tier holds "
                              "blocks by their prefix-cache hash")
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_alone(self) -> "EngineOptions":
+        # Both copy or run on rank 0's KV cache only; sharding them is later work of issue 41.
+        if self.tensor_parallel_size > 1 and (self.kv_tiers.enabled or self.speculative.method == "draft"):
+            raise ValueError("tensor_parallel_size > 1 does not support kv_tiers or a draft model yet (issue 41)")
         return self
 
     def num_kv_blocks(self, block_bytes: int) -> int:

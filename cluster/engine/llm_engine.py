@@ -69,17 +69,23 @@ class LLMEngine:
         self.tokenizer = self.validator.tokenizer
         self.max_model_len = self.validator.max_model_len
         self.block_size = config.block_size
-        self.model = load_model(config.model, mc, self.max_model_len, dtype, self.device)
-        ops = resolve_ops(config.model_ops, self.device, dtype)
-        self.model.use_ops(ops)
-
         # One block of all layers is one contiguous region: [L, 2, block_size, H_kv, D].
         self.block_bytes = kv_block_bytes(mc, config)
         num_blocks = self.validator.num_blocks
-        self.kv_cache = torch.zeros(
-            num_blocks, mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim,
-            dtype=dtype, device=self.device,
-        )
+        self.tensor_parallel = None
+        if config.tensor_parallel_size > 1:  # rank 0 of a sharded model: its heads of every block
+            from cluster.engine.distributed.driver import TensorParallelDriver  # noqa: PLC0415
+
+            self.tensor_parallel = TensorParallelDriver.start(config, mc, num_blocks, self.max_model_len, self.device)
+            self.model, ops, self.kv_cache = self.tensor_parallel, self.tensor_parallel.ops, self.tensor_parallel.kv_cache
+        else:
+            self.model = load_model(config.model, mc, self.max_model_len, dtype, self.device)
+            ops = resolve_ops(config.model_ops, self.device, dtype)
+            self.model.use_ops(ops)
+            self.kv_cache = torch.zeros(
+                num_blocks, mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim,
+                dtype=dtype, device=self.device,
+            )
         self.model_identity = model_identity(config.model, mc)  # architecture + weights: the KV's identity
         salt = extend_salt(self.model_identity.encode(), config.cache_salt)
         tiers = config.kv_tiers

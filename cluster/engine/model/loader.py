@@ -52,7 +52,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtyp
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                target, shard = _target(name, cfg)
+                target, shard = checkpoint_target(name, cfg)
                 if target is None:
                     continue
                 if target not in params:
@@ -68,7 +68,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtyp
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
                 dest.copy_(tensor)
                 loaded.add(f"{target}#{shard}")
-    expected = _expected_keys(model, cfg)
+    expected = expected_keys(model, cfg)
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
@@ -76,7 +76,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtyp
     return model
 
 
-def _target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
+def checkpoint_target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
     if name.startswith("model."):
         name = name[len("model."):]
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -89,7 +89,7 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
     return name, None
 
 
-def _expected_keys(model: LlamaForCausalLM, cfg: ModelConfig) -> set[str]:
+def expected_keys(model: LlamaForCausalLM, cfg: ModelConfig) -> set[str]:
     keys = set()
     for name, _ in model.named_parameters():
         if name.startswith("rotary"):

@@ -150,8 +150,10 @@ class CPUKernelOps:
 TORCH_OPS = TorchOps()
 
 
-def resolve_ops(name: str, device: torch.device, dtype: torch.dtype) -> TorchOps | CPUKernelOps:
-    """"auto": the CPU kernels on CPU float32 when they build here, else torch; logged."""
+def resolve_ops(name: str, device: torch.device, dtype: torch.dtype,
+                fused_decode_rows: int = FUSED_DECODE_ROWS) -> TorchOps | CPUKernelOps:
+    """"auto": the CPU kernels on CPU float32 when they build here, else torch; logged.
+    fused_decode_rows=0: never the one-call layer stack (a tensor-parallel rank's layers)."""
     if name == "torch":
         return TORCH_OPS
     if device.type != "cpu" or dtype != torch.float32:
@@ -161,7 +163,7 @@ def resolve_ops(name: str, device: torch.device, dtype: torch.dtype) -> TorchOps
     from cluster.engine.kernels.cpu import KernelUnavailable  # noqa: PLC0415
 
     try:
-        ops = CPUKernelOps()
+        ops = CPUKernelOps(fused_decode_rows)
     except KernelUnavailable as e:
         if name == "cpu_kernels":
             raise ValueError(f"model_ops=cpu_kernels is not usable here: {e}") from e
