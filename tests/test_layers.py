@@ -1,6 +1,6 @@
 """The layer rule, checked on every import of the project's own modules (function-local and
 type-checking ones too): engine <- serving <- app; kv_transfer and router use the engine layer
-only; the front door (router.ingress) is itself in layers, request/status <- flow <- versions <-
+only, the planner (cluster.planner) the engine and the router; the front door (router.ingress) is itself in layers, request/status <- flow <- versions <-
 gateway <- api <- deployment, and never imports torch; nothing imports the tools or the app; and
 no two modules under cluster/ or router/ import each other, directly or round a longer circle."""
 
@@ -31,6 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "cluster.serving": ENGINE | {"cluster.config", "cluster.telemetry", "kv_transfer", "router"},
     "prefill": ENGINE | {"cluster.config", "cluster.serving", "kv_transfer"},
     "decode": ENGINE | {"cluster.config", "cluster.serving", "kv_transfer"},
+    "cluster.planner": ENGINE | {"router"},  # the simulator feeds the router's own policy
     # the front door's own layers, bottom up
     "router.ingress": set(),  # its package file only
     "router.ingress.request": ENGINE,
@@ -47,7 +48,8 @@ ALLOWED: dict[str, set[str]] = {
                                        "cluster.config", "cluster.guardrail_rules", "cluster.manifest", "cluster.telemetry", "cluster.serving",
                                        "prefill", "decode", "router.ingress", "router.ingress.request",
                                        "router.ingress.status", "router.ingress.flow", "router.ingress.versions",
-                                       "router.ingress.gateway", "router.ingress.api", "router.ingress.deployment"}),
+                                       "router.ingress.gateway", "router.ingress.api", "router.ingress.deployment",
+                                       "cluster.planner"}),
     "cluster.tools": ALLOWED_ALL | {"cluster.app"},
 }
 
@@ -119,6 +121,11 @@ def test_no_module_imports_a_higher_layer():
     ("cluster/serving/replica.py", "from cluster.tools.netutil import free_port",
      ["cluster/serving/replica.py:1: cluster.serving imports cluster.tools.netutil.free_port (cluster.tools)"]),
     ("decode/engine.py", "from cluster.engine import llm_engine\nfrom kv_transfer.handle import KVHandle", []),
+    ("cluster/planner/simulator.py", "from router.policy import RoutingPolicy", []),
+    ("cluster/planner/plan.py", "from cluster.serving.replica import EngineReplica",
+     ["cluster/planner/plan.py:1: cluster.planner imports cluster.serving.replica.EngineReplica (cluster.serving)"]),
+    ("cluster/serving/replica.py", "import cluster.planner.plan",
+     ["cluster/serving/replica.py:1: cluster.serving imports cluster.planner.plan (cluster.planner)"]),
 ])
 def test_the_rule_catches_an_upward_import(path, source, expected):
     assert violations(path, source) == expected

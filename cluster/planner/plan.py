@@ -1,0 +1,137 @@
+"""The plan: the cheapest P:D split, chunk size and skip-prefill threshold that meet an SLO.
+
+Every configuration of the grid (P prefill + D decode replicas, P + D <= budget, P = 0 being
+colocated; each chunk size; each skip-prefill threshold, irrelevant without a prefill pool) is
+simulated on the same requests. A configuration meets the SLO when at least `attain` of the
+requests have TTFT <= slo.ttft and TPOT <= slo.tpot. The cheapest is the one with the fewest
+replicas, then the most goodput, then the fewest prefill replicas. The Pareto front is, for each
+replica count, the best goodput, kept where it beats every cheaper count.
+
+The binding constraint is found by what-if: the configuration that would save a replica (the
+best with one replica fewer than the plan) is simulated again with one resource relaxed at a time
+(prefill steps twice as fast, decode steps twice as fast, twice the KV blocks, free transfers); the
+relaxation that raises attainment most is what binds. Before simulating, the workload is checked
+against the profile's calibrated range: out of range, the plan refuses (`OutOfRange`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from cluster.planner.profile import OutOfRange, Profile, Transfer
+from cluster.planner.simulator import SLO, ClusterConfig, SimResult, simulate
+from cluster.planner.workload import RequestSpec
+
+
+@dataclass(frozen=True)
+class Relaxation:
+    constraint: str  # "prefill compute", "decode compute", "KV capacity", "transfer"
+    attainment: float
+    goodput: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    best: SimResult | None  # None: nothing within the budget meets the SLO
+    front: tuple[SimResult, ...]
+    evaluated: int
+    probed: SimResult | None  # the configuration the relaxations were run on
+    relaxations: tuple[Relaxation, ...]  # best first
+    attain: float = 0.9
+
+    @property
+    def binding(self) -> tuple[str, ...]:
+        """The constraints each of whose relaxation alone makes the probed configuration meet the
+        SLO; else the one that raises its attainment most; () when none changes it."""
+        if not self.relaxations or self.probed is None:
+            return ()
+        enough = tuple(r.constraint for r in self.relaxations if r.attainment >= self.attain)
+        if enough:
+            return enough
+        top = self.relaxations[0]
+        return (top.constraint,) if top.attainment - self.probed.attainment >= 0.005 else ()
+
+
+def check_range(profile: Profile, specs: Sequence[RequestSpec], chunks: Sequence[int], max_num_seqs: int) -> None:
+    """Raise OutOfRange when the workload or the grid needs step times beyond the calibration."""
+    p, d = profile.prefill, profile.decode
+    problems = []
+    longest_prompt = max(s.prompt_tokens for s in specs)
+    longest = max(s.prompt_tokens + s.output_tokens for s in specs)
+    if max(chunks) > p.xs[-1]:
+        problems.append(f"chunk {max(chunks)} tokens > calibrated prefill step of {p.xs[-1]:g} tokens")
+    if longest_prompt > p.xs[-1] + p.ys[-1]:
+        problems.append(f"a {longest_prompt}-token prompt > calibrated prefill ({p.xs[-1]:g} tokens after "
+                        f"{p.ys[-1]:g} context)")
+    if longest > d.ys[-1]:
+        problems.append(f"a {longest}-token context > calibrated decode context {d.ys[-1]:g}")
+    if max_num_seqs > d.xs[-1]:
+        problems.append(f"max_num_seqs {max_num_seqs} > calibrated decode batch {d.xs[-1]:g}")
+    if problems:
+        raise OutOfRange("the workload is outside the profile's calibrated range: " + "; ".join(problems)
+                         + f" (calibrated: {profile.range_text()})")
+
+
+def configurations(budget: int, chunks: Sequence[int], thresholds: Sequence[int], decode_blocks: int,
+                   max_num_seqs: int) -> list[ClusterConfig]:
+    out = []
+    for n in range(1, budget + 1):
+        for p in range(0, n):
+            for chunk in chunks:
+                for thr in (thresholds if p else thresholds[:1]):
+                    out.append(ClusterConfig(p, n - p, chunk, thr, decode_blocks, max_num_seqs))
+    return out
+
+
+def _rank(r: SimResult) -> tuple:
+    return (r.config.replicas, -r.goodput, r.config.prefill_replicas, r.config.chunk_tokens,
+            r.config.skip_prefill_tokens)
+
+
+def search(profile: Profile, specs: Sequence[RequestSpec], slo: SLO, budget: int, chunks: Sequence[int],
+           thresholds: Sequence[int], decode_blocks: int, max_num_seqs: int, attain: float = 0.9,
+           transfer: Transfer | None = None, seed: int = 0) -> Plan:
+    check_range(profile, specs, chunks, max_num_seqs)
+    results = [simulate(profile, c, list(specs), slo, seed, transfer)
+               for c in configurations(budget, chunks, thresholds, decode_blocks, max_num_seqs)]
+    meeting = sorted((r for r in results if r.attainment >= attain), key=_rank)
+    best = meeting[0] if meeting else None
+    front, top = [], -1.0
+    for n in range(1, budget + 1):
+        at_n = [r for r in results if r.config.replicas == n]
+        if at_n:
+            r = min(at_n, key=lambda r: (-r.goodput, *_rank(r)))
+            if r.goodput > top:
+                front.append(r)
+                top = r.goodput
+    probe = _probe_target(results, best)
+    relax = relaxations(profile, probe.config, specs, slo, transfer, seed) if probe is not None else ()
+    return Plan(best, tuple(front), len(results), probe, relax, attain)
+
+
+def _probe_target(results: list[SimResult], best: SimResult | None) -> SimResult | None:
+    """The best configuration with one replica fewer than the plan (what stops the saving), or,
+    with no plan or a one-replica plan, the best-attaining configuration."""
+    if best is not None and best.config.replicas > 1:
+        fewer = [r for r in results if r.config.replicas == best.config.replicas - 1]
+        return min(fewer, key=lambda r: (-r.attainment, *_rank(r)))
+    return best or min(results, key=lambda r: (-r.attainment, *_rank(r)), default=None)
+
+
+def relaxations(profile: Profile, config: ClusterConfig, specs: Sequence[RequestSpec], slo: SLO,
+                transfer: Transfer | None, seed: int = 0) -> tuple[Relaxation, ...]:
+    t = transfer or profile.transfer
+    arms = [("prefill compute", profile.scaled(prefill=0.5), config, t),
+            ("decode compute", profile.scaled(decode=0.5), config, t),
+            ("KV capacity", profile, replace(config, decode_blocks=2 * config.decode_blocks), t)]
+    if t is not None:
+        arms.append(("transfer", profile, config, Transfer(0.0, float("inf"), t.measured)))
+    out = []
+    for name, prof, cfg, tr in arms:
+        try:
+            r = simulate(prof, cfg, list(specs), slo, seed, tr)
+        except OutOfRange:
+            continue
+        out.append(Relaxation(name, r.attainment, r.goodput))
+    return tuple(sorted(out, key=lambda x: (-x.attainment, -x.goodput, x.constraint)))

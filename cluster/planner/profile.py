@@ -1,0 +1,153 @@
+"""An engine's measured step costs and their curves (no torch: the simulator and the plan read it).
+
+Each cost is a 2-D grid of measured step times, interpolated piecewise-linearly along each axis
+(bilinear inside a cell). Nothing is extrapolated: a point beyond an axis' largest measured value
+raises `OutOfRange` naming the axis and the calibrated range. Below an axis' smallest value the
+smallest is used (step times grow with tokens, batch and context, so that over-estimates: the
+simulator counts those lookups, `Curve.clamped_low`).
+
+    prefill step(tokens computed, context before them)      seconds
+    decode step(batch, mean context per request)            seconds
+
+A step mixing decodes and prompt chunks (a decode replica prefilling locally) is priced as the sum
+of the two lookups: that counts the step's fixed overhead twice, an over-estimate not yet checked
+against real runs. KV transfer is `latency_s + bytes / bytes_per_s` when measured; a profile
+without it says so (`transfer is None`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+FORMAT = "pdserve-profile/1"
+
+
+class OutOfRange(ValueError):
+    """A lookup beyond the calibrated range (the profile refuses to extrapolate)."""
+
+
+@dataclass
+class Curve:
+    """f(x, y) measured on the grid xs x ys (values[i][j] = f(xs[i], ys[j])), both axes ascending."""
+
+    name: str
+    x_name: str
+    y_name: str
+    xs: tuple[float, ...]
+    ys: tuple[float, ...]
+    values: tuple[tuple[float, ...], ...]
+    clamped_low: int = field(default=0, compare=False)  # lookups below an axis' first point
+
+    def __post_init__(self):
+        self.xs, self.ys = tuple(self.xs), tuple(self.ys)
+        self.values = tuple(tuple(float(v) for v in row) for row in self.values)
+        if len(self.values) != len(self.xs) or any(len(row) != len(self.ys) for row in self.values):
+            raise ValueError(f"{self.name}: values must be {len(self.xs)} x {len(self.ys)}")
+        for axis, pts in ((self.x_name, self.xs), (self.y_name, self.ys)):
+            if not pts or any(b <= a for a, b in zip(pts, pts[1:])):
+                raise ValueError(f"{self.name}: {axis} points must be strictly ascending, got {pts}")
+
+    def _cell(self, axis: str, pts: tuple[float, ...], v: float) -> tuple[int, float]:
+        """(i, w): v lies between pts[i] and pts[i+1] at fraction w (one point: (0, 0))."""
+        if v > pts[-1]:
+            raise OutOfRange(f"{self.name}: {axis}={v:g} is beyond the calibrated range "
+                             f"[{pts[0]:g}, {pts[-1]:g}] (profile with a larger grid)")
+        if v <= pts[0]:
+            if v < pts[0]:
+                self.clamped_low += 1
+            return 0, 0.0
+        i = bisect.bisect_left(pts, v) - 1
+        return i, (v - pts[i]) / (pts[i + 1] - pts[i])
+
+    def __call__(self, x: float, y: float) -> float:
+        i, wx = self._cell(self.x_name, self.xs, x)
+        j, wy = self._cell(self.y_name, self.ys, y)
+        v = self.values
+        i1, j1 = min(i + 1, len(self.xs) - 1), min(j + 1, len(self.ys) - 1)
+        top = v[i][j] * (1 - wy) + v[i][j1] * wy
+        bottom = v[i1][j] * (1 - wy) + v[i1][j1] * wy
+        return top * (1 - wx) + bottom * wx
+
+    def scaled(self, factor: float) -> "Curve":
+        """The same curve with every step time times `factor` (the plan's what-if relaxations)."""
+        return Curve(self.name, self.x_name, self.y_name, self.xs, self.ys,
+                     [[v * factor for v in row] for row in self.values])
+
+    def covers(self, x: float, y: float) -> bool:
+        return x <= self.xs[-1] and y <= self.ys[-1]
+
+    def to_json(self) -> dict:
+        return {"x": self.x_name, "y": self.y_name, "xs": list(self.xs), "ys": list(self.ys),
+                "step_s": [list(r) for r in self.values]}
+
+    @classmethod
+    def from_json(cls, name: str, d: dict) -> "Curve":
+        return cls(name, d["x"], d["y"], d["xs"], d["ys"], d["step_s"])
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """KV pull time against bytes: latency_s + bytes / bytes_per_s (fitted to measured points)."""
+
+    latency_s: float
+    bytes_per_s: float
+    measured: bool = True  # False: given on the command line, not measured on this machine
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass
+class Profile:
+    model: dict  # path, identity, shape
+    device: dict  # kind, name, threads
+    versions: dict  # torch, pdserve, python
+    engine: dict  # block_size, dtype, kv_block_bytes, max_num_seqs ...
+    prefill: Curve  # step_s(tokens, cached)
+    decode: Curve  # step_s(batch, context)
+    transfer: Transfer | None = None
+    notes: tuple[str, ...] = ()
+    created: str = ""
+    wall_s: float = 0.0
+
+    @property
+    def block_size(self) -> int:
+        return int(self.engine["block_size"])
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.engine["kv_block_bytes"] / self.block_size
+
+    def scaled(self, prefill: float = 1.0, decode: float = 1.0) -> "Profile":
+        return replace(self, prefill=self.prefill.scaled(prefill), decode=self.decode.scaled(decode))
+
+    def range_text(self) -> str:
+        p, d = self.prefill, self.decode
+        return (f"prefill: <= {p.xs[-1]:g} tokens per step after <= {p.ys[-1]:g} context; "
+                f"decode: batch <= {d.xs[-1]:g}, context <= {d.ys[-1]:g}")
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "model": self.model, "device": self.device, "versions": self.versions,
+                "engine": self.engine, "prefill": self.prefill.to_json(), "decode": self.decode.to_json(),
+                "transfer": None if self.transfer is None else asdict(self.transfer),
+                "notes": list(self.notes), "created": self.created, "wall_s": self.wall_s}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Profile":
+        if d.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} file (format={d.get('format')!r})")
+        t = d.get("transfer")
+        return cls(d["model"], d["device"], d["versions"], d["engine"],
+                   Curve.from_json("prefill", d["prefill"]), Curve.from_json("decode", d["decode"]),
+                   None if t is None else Transfer(**t), tuple(d.get("notes", ())), d.get("created", ""),
+                   d.get("wall_s", 0.0))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        return cls.from_json(json.loads(Path(path).read_text()))

@@ -1,0 +1,434 @@
+"""A discrete-event simulator of the P/D path, priced by a profile (cluster/planner/profile.py).
+
+    arrival -> router (router.policy.RoutingPolicy, the real code, fed the simulated loads)
+      remote: prefill replica (FIFO, chunked: <= chunk_tokens per step) -> first token
+              -> KV transfer (prompt bytes) -> decode replica's queue
+      local:  decode replica's queue (it prefills the prompt itself, in chunks beside its decodes)
+    decode replica: continuous batching as the engine schedules a step (every decoding request one
+    token, then prompts part-way, then the queue in order, while blocks and max_num_seqs allow);
+    KV capacity in blocks; when a decode needs a block and none is free, the most recently
+    admitted request not yet scheduled in the step is preempted by recompute (blocks freed, back
+    to the queue's head, its prompt + output recomputed later).
+
+A replica steps back to back while it has work; a step's content is fixed when it starts (what
+arrives meanwhile waits for the next). TTFT ends when the first token is sampled (pdserve streams
+it from the prefill replica at once, so the transfer is not in TTFT: it is in the first gap).
+
+What it does not model yet (each is a known gap, not validated against real runs): prefix caching
+(every prompt is computed in full; trace hash ids are ignored), the prefill pool's KV capacity and
+leases, the router seeing loads up to a second old (it sees the exact simulated loads), ingress
+cost, admission control and queue limits, speculative decoding, host/disk KV tiers.
+Deterministic: the same inputs and seed give the same result.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from router.index import PrefixIndex
+from router.policy import PolicyConfig, ReplicaLoad, RoutingPolicy
+
+from cluster.planner.profile import Profile, Transfer
+from cluster.planner.workload import RequestSpec
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    prefill_replicas: int
+    decode_replicas: int
+    chunk_tokens: int = 512  # max_num_batched_tokens of every engine
+    skip_prefill_tokens: int = 64  # routing.local_prefill_threshold: shorter prompts prefill on decode
+    decode_blocks: int = 1024  # KV blocks per decode replica
+    max_num_seqs: int = 64  # per decode replica
+
+    @property
+    def replicas(self) -> int:
+        return self.prefill_replicas + self.decode_replicas
+
+    def label(self) -> str:
+        return (f"{self.prefill_replicas}P+{self.decode_replicas}D chunk={self.chunk_tokens} "
+                f"skip<{self.skip_prefill_tokens}")
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float
+    tpot_s: float
+
+    @classmethod
+    def parse(cls, text: str) -> "SLO":
+        """`ttft=0.5,tpot=0.05` (seconds; a trailing `ms` is read as milliseconds)."""
+        kv = dict(item.split("=", 1) for item in text.split(",") if item)
+        try:
+            vals = {k: float(v[:-2]) / 1000 if v.endswith("ms") else float(v.removesuffix("s"))
+                    for k, v in kv.items()}
+            return cls(vals.pop("ttft"), vals.pop("tpot"))
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"slo {text!r}: expected ttft=SECONDS,tpot=SECONDS ({e})") from e
+
+
+@dataclass(eq=False)  # identity: two requests in the same state are still two
+class SimRequest:
+    spec: RequestSpec
+    known: int  # tokens whose KV a step may compute (prompt + sampled)
+    computed: int = 0  # tokens in the KV cache
+    generated: int = 0
+    blocks: int = 0  # held on its decode replica
+    decode: "Replica | None" = None
+    first_token_s: float = -1.0
+    last_token_s: float = -1.0
+    done_s: float = -1.0
+
+
+@dataclass(eq=False)
+class Replica:
+    replica_id: str
+    pool: str  # "prefill" | "decode"
+    total_blocks: int
+    free_blocks: int
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)  # admission order
+    busy: bool = False
+    kicked: bool = False  # a step start is pending for this instant
+    busy_s: float = 0.0
+    steps: int = 0
+
+    def queued_prompt_tokens(self) -> int:
+        return sum(r.known - r.computed for r in self.waiting) + sum(
+            r.known - r.computed - 1 for r in self.running if r.known - r.computed > 1)
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(self.replica_id, self.pool, self.free_blocks, self.total_blocks,
+                           running=len(self.running), waiting=len(self.waiting),
+                           queued_prefill_tokens=self.queued_prompt_tokens())
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Percentiles of a sample (seconds)."""
+
+    n: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Dist":
+        if not values:
+            return cls(0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        v = sorted(values)
+        return cls(len(v), sum(v) / len(v), percentile(v, 50), percentile(v, 90), percentile(v, 99), v[-1])
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    config: ClusterConfig
+    requests: int
+    completed: int
+    duration_s: float  # first arrival to last completion
+    ttft: Dist
+    tpot: Dist
+    itl: Dist
+    slo_met: int
+    preemptions: int
+    remote: int
+    local: int
+    utilisation: dict  # pool -> busy time / (replicas x duration)
+    transfer_s: float  # total KV transfer time
+    step_lookups_clamped: int  # step times read below a curve's first point (over-estimates)
+
+    @property
+    def attainment(self) -> float:
+        return self.slo_met / self.requests if self.requests else 0.0
+
+    @property
+    def goodput(self) -> float:
+        """Requests/s that met the SLO (vLLM's definition: over the run's duration)."""
+        return self.slo_met / self.duration_s if self.duration_s > 0 else 0.0
+
+
+_ARRIVE, _STEP, _TRANSFERRED = 0, 1, 2
+
+
+class Simulator:
+    def __init__(self, profile: Profile, config: ClusterConfig, slo: SLO, seed: int = 0,
+                 transfer: Transfer | None = None):
+        if config.decode_replicas < 1:
+            raise ValueError("a cluster needs at least one decode replica")
+        if config.max_num_seqs > config.chunk_tokens:
+            raise ValueError("chunk_tokens must be >= max_num_seqs (every decode gets its token each step)")
+        self.profile, self.config, self.slo = profile, config, slo
+        self.transfer = transfer or profile.transfer
+        self.block_size = profile.block_size
+        self.kv_bytes_per_token = profile.kv_bytes_per_token
+        self.policy = RoutingPolicy(PolicyConfig(block_size=self.block_size,
+                                                 local_prefill_threshold=config.skip_prefill_tokens),
+                                    rng=random.Random(seed))
+        self.index = PrefixIndex()  # empty: prefix caching is not simulated
+        big = 1 << 40  # prefill replicas' KV is not modelled
+        self.prefills = [Replica(f"prefill-{i}", "prefill", big, big) for i in range(config.prefill_replicas)]
+        self.decodes = [Replica(f"decode-{i}", "decode", config.decode_blocks, config.decode_blocks)
+                        for i in range(config.decode_replicas)]
+        self._by_id = {r.replica_id: r for r in self.prefills + self.decodes}
+        self._events: list = []
+        self._seq = 0
+        self._dirty: list[Replica] = []
+        self.now = 0.0
+        self.itl: list[float] = []
+        self.preemptions = 0
+        self.remote = self.local = 0
+        self.transfer_s = 0.0
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, obj) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, obj))
+
+    def run(self, specs: list[RequestSpec]) -> SimResult:
+        reqs = [SimRequest(s, s.prompt_tokens) for s in specs]
+        for r in reqs:
+            self._push(r.spec.arrival_s, _ARRIVE, r)
+        clamped0 = self.profile.prefill.clamped_low + self.profile.decode.clamped_low
+        while self._events:
+            self.now, _, kind, obj = heapq.heappop(self._events)
+            if kind == _ARRIVE:
+                self._arrive(obj)
+            elif kind == _STEP:
+                self._step_end(*obj)
+            else:
+                self._enqueue_decode(obj)
+            if not self._events or self._events[0][0] > self.now:  # every event of this instant is in
+                dirty, self._dirty = self._dirty, []
+                for rep in dirty:
+                    rep.kicked = False
+                    self._kick(rep)
+        clamped = self.profile.prefill.clamped_low + self.profile.decode.clamped_low - clamped0
+        return self._result(reqs, clamped)
+
+    def _arrive(self, r: SimRequest) -> None:
+        loads = [x.load() for x in self.prefills + self.decodes]
+        d = self.policy.route([], r.spec.prompt_tokens, self.index, loads)
+        r.decode = self._by_id[d.decode]
+        if d.mode == "local":
+            self.local += 1
+            self._enqueue_decode(r)
+        else:
+            self.remote += 1
+            p = self._by_id[d.prefill]
+            p.waiting.append(r)
+            self._wake(p)
+
+    def _enqueue_decode(self, r: SimRequest) -> None:
+        r.decode.waiting.append(r)
+        self._wake(r.decode)
+
+    def _wake(self, rep: Replica) -> None:
+        """Start rep's next step once every event at this instant is handled (requests that arrive
+        together are scheduled together)."""
+        if not rep.busy and not rep.kicked:
+            rep.kicked = True
+            self._dirty.append(rep)
+
+    def _kick(self, rep: Replica) -> None:
+        if rep.busy:
+            return
+        plan = self._schedule_prefill(rep) if rep.pool == "prefill" else self._schedule_decode(rep)
+        if plan is None:
+            return
+        seconds, work = plan
+        rep.busy = True
+        rep.busy_s += seconds
+        rep.steps += 1
+        self._push(self.now + seconds, _STEP, (rep, work))
+
+    # ---- a prefill replica's step ----------------------------------------------------------
+
+    def _schedule_prefill(self, rep: Replica):
+        """Prompts part-way first, then the queue in order, up to chunk_tokens."""
+        budget = self.config.chunk_tokens
+        work = []
+        for r in rep.running:
+            if budget == 0:
+                break
+            take = min(r.known - r.computed, budget)
+            work.append((r, take))
+            budget -= take
+        while budget > 0 and rep.waiting:
+            r = rep.waiting.popleft()
+            rep.running.append(r)
+            take = min(r.known - r.computed, budget)
+            work.append((r, take))
+            budget -= take
+        if not work:
+            return None
+        return self._prefill_seconds(work), work
+
+    def _prefill_seconds(self, work) -> float:
+        tokens = sum(take for _, take in work)
+        context = sum(r.computed * take for r, take in work) / tokens  # token-weighted context before the chunk
+        return self.profile.prefill(tokens, context)
+
+    # ---- a decode replica's step -----------------------------------------------------------
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _schedule_decode(self, rep: Replica):
+        cfg = self.config
+        decodes, chunks = [], []
+        scheduled, preempted = set(), set()
+        for r in [x for x in rep.running if x.known - x.computed == 1]:  # (1) every decoding request, one token
+            if id(r) in preempted:  # for an older request, earlier in this loop
+                continue
+            need = self._blocks_for(r.computed + 1) - r.blocks
+            while need > rep.free_blocks:
+                victim = next(v for v in reversed(rep.running) if id(v) not in scheduled)
+                self._preempt(rep, victim)
+                preempted.add(id(victim))
+                if victim is r:
+                    break
+            else:
+                self._grow(rep, r, need)
+                decodes.append(r)
+                scheduled.add(id(r))
+        budget = cfg.chunk_tokens - len(decodes)
+        for r in rep.running:  # (2) prompts part-way
+            if budget <= 0:
+                break
+            if r.known - r.computed > 1 and id(r) not in scheduled:
+                take = self._fit_chunk(rep, r, budget)
+                if take == 0:
+                    break
+                chunks.append((r, take))
+                budget -= take
+        while budget > 0 and rep.waiting and len(rep.running) < cfg.max_num_seqs:  # (3) the queue, in order
+            r = rep.waiting[0]
+            if r.known - r.computed == 1:  # imported from prefill: its whole prompt's KV arrives
+                need = self._blocks_for(r.computed + 1)
+                if need > rep.free_blocks:
+                    break
+                rep.waiting.popleft()
+                rep.running.append(r)
+                self._grow(rep, r, need)
+                decodes.append(r)
+                budget -= 1
+            else:
+                take = self._fit_chunk(rep, r, budget)
+                if take == 0:
+                    break
+                rep.waiting.popleft()
+                rep.running.append(r)
+                chunks.append((r, take))
+                budget -= take
+        if not decodes and not chunks:
+            return None
+        seconds = 0.0
+        if decodes:
+            ctx = sum(r.computed for r in decodes) / len(decodes) + 1
+            seconds += self.profile.decode(len(decodes), ctx)
+        if chunks:
+            seconds += self._prefill_seconds(chunks)
+        return seconds, (decodes, chunks)
+
+    def _fit_chunk(self, rep: Replica, r: SimRequest, budget: int) -> int:
+        """Prompt tokens of r this step: as many as the budget and the free blocks allow."""
+        take = min(r.known - r.computed, budget)
+        room = (r.blocks + rep.free_blocks) * self.block_size - r.computed
+        take = min(take, room)
+        if take <= 0:
+            return 0
+        self._grow(rep, r, self._blocks_for(r.computed + take) - r.blocks)
+        return take
+
+    def _grow(self, rep: Replica, r: SimRequest, n: int) -> None:
+        rep.free_blocks -= n
+        r.blocks += n
+
+    def _preempt(self, rep: Replica, r: SimRequest) -> None:
+        rep.running.remove(r)
+        rep.free_blocks += r.blocks
+        r.blocks = 0
+        r.computed = 0  # recompute: prompt and output so far, as a prompt
+        rep.waiting.appendleft(r)
+        self.preemptions += 1
+
+    # ---- a step ends -----------------------------------------------------------------------
+
+    def _step_end(self, rep: Replica, work) -> None:
+        rep.busy = False
+        if rep.pool == "prefill":
+            for r, take in work:
+                r.computed += take
+                if r.computed == r.known:
+                    rep.running.remove(r)
+                    self._sample(r)
+                    if r.done_s < 0:
+                        self._transfer(r)
+        else:
+            decodes, chunks = work
+            for r, take in [(r, 1) for r in decodes] + chunks:
+                r.computed += take
+                if r.computed == r.known:
+                    self._sample(r)
+                    if r.done_s >= 0:
+                        rep.running.remove(r)
+                        rep.free_blocks += r.blocks
+                        r.blocks = 0
+        self._wake(rep)
+
+    def _sample(self, r: SimRequest) -> None:
+        now = self.now
+        r.generated += 1
+        r.known += 1
+        if r.generated == 1:
+            r.first_token_s = now
+        else:
+            self.itl.append(now - r.last_token_s)
+        r.last_token_s = now
+        if r.generated >= r.spec.output_tokens:
+            r.done_s = now
+
+    def _transfer(self, r: SimRequest) -> None:
+        seconds = 0.0
+        if self.transfer is not None:
+            seconds = self.transfer.seconds(r.computed * self.kv_bytes_per_token)
+        self.transfer_s += seconds
+        self._push(self.now + seconds, _TRANSFERRED, r)
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def _result(self, reqs: list[SimRequest], clamped: int) -> SimResult:
+        done = [r for r in reqs if r.done_s >= 0]
+        ttft = [r.first_token_s - r.spec.arrival_s for r in done]
+        tpot = [(r.done_s - r.first_token_s) / (r.generated - 1) for r in done if r.generated > 1]
+        met = sum(1 for r in done if r.first_token_s - r.spec.arrival_s <= self.slo.ttft_s
+                  and (r.generated == 1 or (r.done_s - r.first_token_s) / (r.generated - 1) <= self.slo.tpot_s))
+        start = min((r.spec.arrival_s for r in reqs), default=0.0)
+        duration = max((r.done_s for r in done), default=start) - start
+        util = {}
+        for pool, reps in (("prefill", self.prefills), ("decode", self.decodes)):
+            if reps:
+                util[pool] = sum(x.busy_s for x in reps) / (len(reps) * duration) if duration > 0 else 0.0
+        return SimResult(self.config, len(reqs), len(done), duration, Dist.of(ttft), Dist.of(tpot),
+                         Dist.of(self.itl), met, self.preemptions, self.remote, self.local, util,
+                         self.transfer_s, clamped)
+
+
+def simulate(profile: Profile, config: ClusterConfig, specs: list[RequestSpec], slo: SLO, seed: int = 0,
+             transfer: Transfer | None = None) -> SimResult:
+    return Simulator(profile, config, slo, seed, transfer).run(specs)

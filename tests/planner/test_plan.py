@@ -1,0 +1,62 @@
+"""The plan on a synthetic profile where the answer is worked out by hand (tests/planner/conftest.py):
+
+A 2000-token prompt every 1.5 s, 200 output tokens, transfers free. One prefill step of the whole
+prompt takes 1/16 + 2000/1024 = 2.016 s: one prefill replica falls behind (its queue grows by
+0.516 s per request), two keep up (each gets a prompt every 3 s), so TTFT = 2.016 s <= 2.5.
+A decode step at batch b takes (15 + b) / 1024 s; a dedicated decode replica holds b ~ 2.2
+requests (b = 199 / 1.5 x (15 + b) / 1024), so TPOT ~ 0.017 s <= 0.022. A colocated replica that
+prefills while another request decodes stalls that request's tokens for a prefill step (>= 2 s over
+199 tokens: +0.010 s TPOT), over the SLO; with 3 colocated replicas each request is in flight
+~5.1 s against 1.5 s between arrivals, so such collisions happen. Hence: 1 or 2 replicas, or 3
+with fewer than 2 prefill replicas, miss the SLO; 2P+1D meets it, in one 2048-token chunk per
+prompt (4 chunks of 512 also meet it, with a later TTFT and less goodput); the threshold does not
+matter (every prompt is long: the lower wins the tie)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.planner.plan import check_range, configurations, search
+from cluster.planner.profile import OutOfRange, Transfer
+from cluster.planner.simulator import SLO, ClusterConfig
+from cluster.planner.workload import RequestSpec
+
+SPECS = [RequestSpec(1.5 * i, 2000, 200) for i in range(40)]
+SLO_ = SLO(ttft_s=2.5, tpot_s=0.022)
+FREE = Transfer(0.0, float("inf"))
+
+
+def test_the_plan_picks_the_split_worked_out_by_hand(profile):
+    plan = search(profile, SPECS, SLO_, budget=3, chunks=[512, 2048], thresholds=[0, 64],
+                  decode_blocks=4096, max_num_seqs=32, attain=0.9, transfer=FREE)
+    assert plan.best is not None
+    assert plan.best.config == ClusterConfig(2, 1, 2048, 0, 4096, 32)
+    assert plan.best.attainment == 1.0
+    assert plan.best.ttft.max == 1 / 16 + 2000 / 1024
+    assert plan.evaluated == len(configurations(3, [512, 2048], [0, 64], 4096, 32)) == 2 + 2 * 3 + 2 * 5
+    # The best 2-replica configuration is colocated (0P+2D), missing TPOT where a prompt's step
+    # stalls a running decode (0.0156 + 2.0 / 199 > 0.022). Halving either step time fixes it
+    # (0.0078 + 0.0101, or 0.0156 + 0.0050); KV and transfers (free here) do not.
+    assert plan.probed.config == ClusterConfig(0, 2, 2048, 0, 4096, 32) and plan.probed.attainment < 0.9
+    assert plan.binding == ("decode compute", "prefill compute")
+    # the Pareto front rises with replicas and ends at the plan
+    assert [r.config.replicas for r in plan.front][-1] == 3
+    assert [r.goodput for r in plan.front] == sorted(r.goodput for r in plan.front)
+
+
+def test_nothing_meets_an_impossible_slo(profile):
+    """TTFT 1 s against a 2.016 s prefill step: no configuration meets it, and no single 2x
+    relaxation would (half a step is 1.008 s), so nothing is named as binding."""
+    plan = search(profile, SPECS[:10], SLO(ttft_s=1.0, tpot_s=0.022), budget=2, chunks=[2048], thresholds=[0],
+                  decode_blocks=4096, max_num_seqs=32, transfer=FREE)
+    assert plan.best is None
+    assert plan.probed.attainment == 0.0 and plan.binding == ()
+
+
+def test_a_workload_beyond_the_calibration_is_refused(profile):
+    with pytest.raises(OutOfRange, match="a 9000-token context > calibrated decode context 8192"):
+        check_range(profile, [RequestSpec(0.0, 8000, 1000)], [512], 32)
+    with pytest.raises(OutOfRange, match="chunk 8192 tokens > calibrated prefill step of 4096 tokens"):
+        check_range(profile, SPECS, [8192], 32)
+    with pytest.raises(OutOfRange, match="max_num_seqs 128 > calibrated decode batch 65"):
+        search(profile, SPECS, SLO_, budget=1, chunks=[512], thresholds=[0], decode_blocks=4096, max_num_seqs=128)

@@ -1,0 +1,51 @@
+"""The profile's curves: exact at measured points, linear between them, no extrapolation."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.planner.profile import Curve, OutOfRange, Profile
+from tests.planner.conftest import synthetic_profile
+
+
+def curve() -> Curve:
+    return Curve("decode", "batch", "context", [1, 3], [0, 100, 200], [[1.0, 2.0, 4.0], [3.0, 4.0, 6.0]])
+
+
+def test_a_curve_is_exact_at_its_points_and_bilinear_between():
+    c = curve()
+    assert c(1, 0) == 1.0 and c(3, 200) == 6.0 and c(1, 100) == 2.0
+    assert c(2, 0) == 2.0  # halfway along batch
+    assert c(1, 150) == 3.0  # halfway along context, second cell
+    assert c(2, 150) == 4.0  # the middle of a cell: the mean of its corners (2, 4, 4, 6)
+
+
+def test_a_curve_refuses_to_extrapolate_and_counts_clamps_below():
+    c = curve()
+    with pytest.raises(OutOfRange, match=r"decode: context=201 is beyond the calibrated range \[0, 200\]"):
+        c(1, 201)
+    with pytest.raises(OutOfRange, match="batch=4"):
+        c(4, 0)
+    assert c(0.5, 0) == 1.0 and c.clamped_low == 1  # below the first point: the first point (an over-estimate)
+
+
+def test_a_curve_checks_its_grid():
+    with pytest.raises(ValueError, match="strictly ascending"):
+        Curve("x", "a", "b", [1, 1], [0], [[1.0], [2.0]])
+    with pytest.raises(ValueError, match="must be 2 x 1"):
+        Curve("x", "a", "b", [1, 2], [0], [[1.0]])
+
+
+def test_a_profile_round_trips_through_json(tmp_path):
+    p = synthetic_profile()
+    p.save(tmp_path / "p.json")
+    q = Profile.load(tmp_path / "p.json")
+    assert q == p
+    assert q.kv_bytes_per_token == 1024 and q.block_size == 16
+    assert q.scaled(prefill=0.5).prefill(0, 0) == p.prefill(0, 0) / 2
+
+
+def test_a_file_of_another_format_is_refused(tmp_path):
+    (tmp_path / "x.json").write_text('{"format": "something-else"}')
+    with pytest.raises(ValueError, match="not a pdserve-profile/1 file"):
+        Profile.load(tmp_path / "x.json")

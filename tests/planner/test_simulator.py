@@ -1,0 +1,101 @@
+"""The simulator on cases worked out by hand (tests/planner/conftest.py: the step times)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.planner.simulator import SLO, ClusterConfig, Dist, percentile, simulate
+from cluster.planner.workload import RequestSpec, SyntheticWorkload
+from tests.planner.conftest import decode_s, prefill_s, transfer_s
+
+LOOSE = SLO(ttft_s=100.0, tpot_s=100.0)
+
+
+def test_one_request_remote_prefill_then_decode(profile):
+    """TTFT is the prefill step (the first token is streamed from prefill); the transfer sits in
+    the first inter-token gap; then one decode step per token at batch 1."""
+    r = simulate(profile, ClusterConfig(1, 1, chunk_tokens=512, skip_prefill_tokens=0),
+                 [RequestSpec(0.0, 100, 5)], LOOSE)
+    assert (r.remote, r.local, r.completed, r.preemptions) == (1, 0, 1, 0)
+    assert r.ttft.p50 == prefill_s(100)
+    assert r.itl.n == 4
+    assert r.itl.max == pytest.approx(transfer_s(100) + decode_s(1), abs=1e-12)
+    assert r.itl.p50 == decode_s(1)  # three of the four gaps
+    assert r.tpot.p50 == pytest.approx((transfer_s(100) + 4 * decode_s(1)) / 4, abs=1e-12)
+    assert r.duration_s == pytest.approx(prefill_s(100) + transfer_s(100) + 4 * decode_s(1), abs=1e-12)
+    assert r.transfer_s == transfer_s(100)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks(profile):
+    r = simulate(profile, ClusterConfig(1, 1, chunk_tokens=256, skip_prefill_tokens=0),
+                 [RequestSpec(0.0, 600, 1)], LOOSE)
+    assert r.ttft.p50 == 2 * prefill_s(256) + prefill_s(88)
+    assert r.itl.n == 0 and r.completed == 1  # one output token: done on prefill, never transferred
+    assert r.transfer_s == 0.0
+
+
+def test_a_short_prompt_is_prefilled_on_decode_below_the_threshold(profile):
+    """The router's own policy decides: fewer uncached tokens than skip_prefill_tokens -> local."""
+    specs = [RequestSpec(0.0, 32, 2), RequestSpec(10.0, 100, 2)]
+    r = simulate(profile, ClusterConfig(1, 1, chunk_tokens=512, skip_prefill_tokens=64), specs, LOOSE)
+    assert (r.remote, r.local) == (1, 1)
+    assert (2 * r.ttft.mean - r.ttft.max, r.ttft.max) == (prefill_s(32), prefill_s(100))
+
+
+def test_a_saturated_decode_replica_makes_batch_over_step_time_tokens_a_second(profile):
+    """16 requests, max_num_seqs 8: arriving together, all are prefilled in one step and
+    transferred together; two waves of 8 decode back to back, every step at batch 8."""
+    out = 33
+    specs = [RequestSpec(0.0, 16, out)] * 16
+    cfg = ClusterConfig(1, 1, chunk_tokens=512, skip_prefill_tokens=0, decode_blocks=1000, max_num_seqs=8)
+    r = simulate(profile, cfg, specs, LOOSE)
+    decode_time = r.duration_s - prefill_s(16 * 16) - transfer_s(16)
+    assert decode_time == pytest.approx(2 * (out - 1) * decode_s(8), abs=1e-9)
+    tokens = 16 * (out - 1)  # decode makes every token after the first
+    assert tokens / decode_time == pytest.approx(8 / decode_s(8), rel=1e-12)
+    assert r.itl.p50 == decode_s(8) and r.itl.p90 == decode_s(8)
+    assert r.utilisation["decode"] == pytest.approx(decode_time / r.duration_s, rel=1e-12)
+
+
+def test_kv_full_preempts_the_newest_request_twice(profile):
+    """4 blocks of 16 tokens, two 16-token prompts (2 blocks each once decoding). At 32 tokens the
+    older request needs a third block: the newer one is preempted (2 blocks back), readmitted at
+    once with a 16-token chunk of its recompute (1 block). At 48 tokens the older one needs a
+    fourth block: the newer one is preempted again. After the older one ends, the newer recomputes
+    its 16 prompt + 17 output tokens in one chunk and decodes to its end in the 4 blocks."""
+    cfg = ClusterConfig(1, 1, chunk_tokens=512, skip_prefill_tokens=0, decode_blocks=4, max_num_seqs=8)
+    r = simulate(profile, cfg, [RequestSpec(0.0, 16, 40), RequestSpec(0.0, 16, 40)], LOOSE)
+    assert r.preemptions == 2
+    assert r.completed == 2
+    # the stall: the newer request's gap spans the older one's remaining 23 steps and the recompute
+    assert r.itl.n == 2 * 39
+
+
+def test_a_request_larger_than_the_kv_pool_never_completes(profile):
+    cfg = ClusterConfig(0, 1, chunk_tokens=512, decode_blocks=2, max_num_seqs=8)
+    r = simulate(profile, cfg, [RequestSpec(0.0, 40, 4)], LOOSE)
+    assert (r.requests, r.completed) == (1, 0)
+
+
+def test_goodput_counts_requests_within_both_slo_targets(profile):
+    specs = [RequestSpec(0.0, 100, 5), RequestSpec(0.0, 100, 5)]
+    slo = SLO(ttft_s=prefill_s(100) * 1.5, tpot_s=1.0)  # the second request waits a step: late
+    r = simulate(profile, ClusterConfig(1, 1, chunk_tokens=100, skip_prefill_tokens=0), specs, slo)
+    assert r.slo_met == 1 and r.attainment == 0.5
+    assert r.goodput == 1 / r.duration_s
+
+
+def test_the_same_seed_gives_the_same_result(profile):
+    specs = SyntheticWorkload.parse("rate=40,n=300,prompt=16:600,output=1:64,seed=3").requests()
+    cfg = ClusterConfig(2, 3, chunk_tokens=256, skip_prefill_tokens=64, decode_blocks=200)
+    assert simulate(profile, cfg, specs, LOOSE, seed=1) == simulate(profile, cfg, specs, LOOSE, seed=1)
+
+
+def test_percentiles_and_parsers():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert Dist.of([]).n == 0
+    assert SLO.parse("ttft=500ms,tpot=0.05") == SLO(0.5, 0.05)
+    w = SyntheticWorkload.parse("rate=2,n=3,prompt=10,output=4:8")
+    assert (w.prompt, w.output, w.burstiness) == ((10, 10), (4, 8), 1.0)
+    with pytest.raises(ValueError, match="unknown keys"):
+        SyntheticWorkload.parse("rate=2,n=3,prompt=10,output=4,x=1")
