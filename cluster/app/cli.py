@@ -548,6 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--reason", default="manual", help="logged with the decision")
     ro.set_defaults(func=_rollout)
 
+    from cluster.app.plan_cli import add_planner_parsers  # noqa: PLC0415 — `pdserve profile`, `pdserve plan`
+
+    add_planner_parsers(sub)
     from cluster.tools.loadgen.cli import add_bench_parser  # noqa: PLC0415 — `pdserve bench` lives in cluster/loadgen
 
     add_bench_parser(sub)

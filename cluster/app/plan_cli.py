@@ -1,0 +1,187 @@
+"""`pdserve profile` and `pdserve plan` (cluster/planner/): calibrate an engine, then plan a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def add_planner_parsers(sub) -> None:
+    pr = sub.add_parser("profile", help="measure this machine's engine step costs into a profile for `pdserve plan` "
+                                        "(in-process, no Ray; a few minutes with the default grid)")
+    pr.add_argument("--model", help="checkpoint directory (default: the demo model, SmolLM2-135M-Instruct)")
+    pr.add_argument("--out", default="pdserve-profile.json", help="profile file to write")
+    pr.add_argument("--prefill-tokens", type=_ints, default=None, help="prompt tokens per step, e.g. 16,64,256,1024")
+    pr.add_argument("--prefill-cached", type=_ints, default=None, help="cached tokens before them, e.g. 0,1024")
+    pr.add_argument("--decode-batch", type=_ints, default=None, help="decode batch sizes, e.g. 1,8,32")
+    pr.add_argument("--decode-context", type=_ints, default=None, help="decode contexts, e.g. 128,1024")
+    pr.add_argument("--reps", type=int, default=3, help="timed steps per point (median)")
+    pr.add_argument("--device", default="auto")
+    pr.add_argument("--dtype", default="auto")
+    pr.set_defaults(func=_profile)
+
+    pl = sub.add_parser("plan", help="simulate P:D splits, chunk sizes and skip-prefill thresholds on a workload "
+                                     "and print the cheapest that meets an SLO (not yet validated against real runs)")
+    pl.add_argument("--profile", required=True, help="a file from `pdserve profile`")
+    src = pl.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="a load generator trace (JSONL: timestamp ms, input_length, output_length)")
+    src.add_argument("--workload", help="synthetic: rate=R,n=N,prompt=LO:HI,output=LO:HI[,burstiness=B][,seed=S]")
+    pl.add_argument("--slo", required=True, help="ttft=SECONDS,tpot=SECONDS (or 500ms)")
+    pl.add_argument("--attain", type=float, default=0.9, help="fraction of requests that must meet the SLO")
+    pl.add_argument("--budget", type=int, default=6, help="most replicas (prefill + decode)")
+    pl.add_argument("--chunks", type=_ints, default=None,
+                    help="chunk sizes (max_num_batched_tokens) to try (default: 256,512,1024 within the profile)")
+    pl.add_argument("--skip-prefill", type=_ints, default=[0, 64, 256],
+                    help="skip-prefill thresholds (routing.local_prefill_threshold) to try")
+    pl.add_argument("--kv-gb", type=float, default=1.0, help="KV pool per decode replica (engine.kv_cache_memory_gb)")
+    pl.add_argument("--max-num-seqs", type=int, default=None, help="per decode replica (default: the profile's "
+                                                                   "largest batch, at most 64)")
+    pl.add_argument("--transfer-gbps", type=float, default=None,
+                    help="KV transfer bandwidth, GB/s, when the profile has no measured transfer (default: free)")
+    pl.add_argument("--transfer-latency-ms", type=float, default=0.0)
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--emit-config", help="write the plan as an app config (pdserve up --config FILE)")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.set_defaults(func=_plan)
+
+
+def _profile(args) -> int:
+    from cluster.planner import calibrate as cal  # noqa: PLC0415 — torch, only when profiling
+
+    model = args.model
+    if model is None:
+        from cluster.engine.model.demo import smollm2_135m_instruct  # noqa: PLC0415
+
+        model = str(smollm2_135m_instruct())
+    try:
+        prof = cal.calibrate(model, args.prefill_tokens or cal.PREFILL_TOKENS, args.prefill_cached or cal.PREFILL_CACHED,
+                             args.decode_batch or cal.DECODE_BATCH, args.decode_context or cal.DECODE_CONTEXT,
+                             reps=args.reps, device=args.device, dtype=args.dtype)
+    except (ValueError, RuntimeError) as e:
+        print(f"pdserve profile: {e}", file=sys.stderr)
+        return 2
+    prof.save(args.out)
+    print(f"wrote {args.out} in {prof.wall_s:.0f} s: {prof.model['path']} on {prof.device['name']}; "
+          f"KV {prof.kv_bytes_per_token:.0f} bytes/token; calibrated {prof.range_text()}; transfer not measured")
+    return 0
+
+
+def _plan(args) -> int:
+    from cluster.planner.plan import search  # noqa: PLC0415
+    from cluster.planner.profile import OutOfRange, Profile, Transfer  # noqa: PLC0415
+    from cluster.planner.simulator import SLO  # noqa: PLC0415
+    from cluster.planner.workload import SyntheticWorkload, read_trace  # noqa: PLC0415
+
+    try:
+        prof = Profile.load(args.profile)
+        slo = SLO.parse(args.slo)
+        specs = read_trace(args.trace) if args.trace else SyntheticWorkload.parse(args.workload).requests()
+    except (OSError, ValueError, KeyError) as e:
+        print(f"pdserve plan: {e}", file=sys.stderr)
+        return 2
+    if not specs:
+        print("pdserve plan: the workload has no requests", file=sys.stderr)
+        return 2
+    transfer, transfer_note = prof.transfer, "measured"
+    if args.transfer_gbps is not None:
+        transfer = Transfer(args.transfer_latency_ms / 1000, args.transfer_gbps * 1e9, measured=False)
+        transfer_note = f"given: {args.transfer_gbps:g} GB/s + {args.transfer_latency_ms:g} ms"
+    elif transfer is None:
+        transfer_note = "NOT MODELLED (not in the profile; give --transfer-gbps): transfers are free"
+    chunks = args.chunks or [c for c in (256, 512, 1024) if c <= prof.prefill.xs[-1]] or [int(prof.prefill.xs[-1])]
+    max_num_seqs = args.max_num_seqs or int(min(64, prof.decode.xs[-1]))
+    decode_blocks = int(args.kv_gb * 2**30 // prof.engine["kv_block_bytes"])
+    t0 = time.process_time()
+    try:
+        plan = search(prof, specs, slo, args.budget, chunks, args.skip_prefill, decode_blocks, max_num_seqs,
+                      args.attain, transfer, args.seed)
+    except OutOfRange as e:
+        print(f"pdserve plan: refused: {e}", file=sys.stderr)
+        return 3
+    cpu_s = time.process_time() - t0
+    simulated = (plan.evaluated + len(plan.relaxations)) * len(specs)
+    if args.json:
+        print(json.dumps(_plan_json(plan, prof, specs, slo, transfer_note, cpu_s, simulated), indent=1))
+    else:
+        _print_plan(plan, prof, specs, slo, args.attain, transfer_note, cpu_s, simulated)
+    if args.emit_config and plan.best is not None:
+        _emit_config(plan.best.config, prof, Path(args.emit_config))
+        print(f"wrote {args.emit_config} (pdserve up --config {args.emit_config})")
+    return 0 if plan.best is not None else 1
+
+
+def _row(r) -> str:
+    util = ", ".join(f"{k} {v:.0%}" for k, v in r.utilisation.items())
+    return (f"{r.config.label():<32} goodput {r.goodput:7.2f} req/s  attainment {r.attainment:6.1%}  "
+            f"TTFT p50/p90 {r.ttft.p50:.3f}/{r.ttft.p90:.3f} s  TPOT p50/p90 {r.tpot.p50 * 1e3:.1f}/"
+            f"{r.tpot.p90 * 1e3:.1f} ms  busy: {util}  preemptions {r.preemptions}")
+
+
+def _print_plan(plan, prof, specs, slo, attain, transfer_note, cpu_s, simulated) -> None:
+    span = specs[-1].arrival_s - specs[0].arrival_s
+    prompts = sorted(s.prompt_tokens for s in specs)
+    outputs = sorted(s.output_tokens for s in specs)
+    print(f"profile: {prof.model.get('path')} on {prof.device.get('name')} (torch {prof.versions.get('torch')}); "
+          f"calibrated {prof.range_text()}")
+    print(f"workload: {len(specs)} requests over {span:.1f} s ({len(specs) / span if span else float('inf'):.2f} req/s); "
+          f"prompt p50 {prompts[len(prompts) // 2]} max {prompts[-1]}; output p50 {outputs[len(outputs) // 2]} "
+          f"max {outputs[-1]}")
+    print(f"SLO: TTFT <= {slo.ttft_s:g} s and TPOT <= {slo.tpot_s * 1e3:g} ms for >= {attain:.0%} of requests; "
+          f"KV transfer: {transfer_note}")
+    print(f"simulated {plan.evaluated} configurations (+{len(plan.relaxations)} what-ifs) in {cpu_s:.1f} CPU-s "
+          f"({simulated / cpu_s if cpu_s else 0:.0f} requests/CPU-s)")
+    print("plan:" if plan.best else f"plan: NONE within the budget meets the SLO (best attainment shown below)")
+    if plan.best:
+        print("  " + _row(plan.best))
+    print("Pareto front (replicas -> best goodput):")
+    for r in plan.front:
+        print(f"  {r.config.replicas:>3}  " + _row(r))
+    if plan.probed is not None:
+        what = "one replica fewer" if plan.best is not None and plan.best.config.replicas > 1 else "the best attempt"
+        print(f"binding constraint ({what}: {plan.probed.config.label()}, attainment {plan.probed.attainment:.1%}): "
+              f"{' / '.join(plan.binding) or 'none that a single 2x relaxation fixes'}")
+        for x in plan.relaxations:
+            print(f"  relaxed {x.constraint:<16} attainment {x.attainment:6.1%}  goodput {x.goodput:.2f} req/s")
+    print("note: the simulator is not yet validated against real `pdserve up` runs (issue 42's next slice); "
+          "prefix caching, ingress cost and stale router loads are not simulated")
+
+
+def _plan_json(plan, prof, specs, slo, transfer_note, cpu_s, simulated) -> dict:
+    from dataclasses import asdict  # noqa: PLC0415
+
+    def res(r):
+        return None if r is None else {**asdict(r), "goodput": r.goodput, "attainment": r.attainment}
+
+    return {"best": res(plan.best), "front": [res(r) for r in plan.front], "evaluated": plan.evaluated,
+            "probed": res(plan.probed), "binding": list(plan.binding),
+            "relaxations": [asdict(x) for x in plan.relaxations], "slo": asdict(slo), "requests": len(specs),
+            "transfer": transfer_note, "cpu_s": cpu_s, "requests_per_cpu_s": simulated / cpu_s if cpu_s else None,
+            "profile": {"model": prof.model, "device": prof.device, "range": prof.range_text()},
+            "validated": False}
+
+
+def _emit_config(cfg, prof, path: Path) -> None:
+    """The plan as an app config, checked by AppConfig before it is written."""
+    import yaml  # noqa: PLC0415
+
+    from cluster.config.app import AppConfig  # noqa: PLC0415
+
+    doc = {
+        "mode": "colocated" if cfg.prefill_replicas == 0 else "disaggregated",
+        "model": prof.model.get("path"),
+        "engine": {"block_size": prof.block_size, "num_blocks": cfg.decode_blocks, "max_num_seqs": cfg.max_num_seqs,
+                   "max_num_batched_tokens": cfg.chunk_tokens},
+        "prefill": {"num_replicas": cfg.prefill_replicas},
+        "decode": {"num_replicas": cfg.decode_replicas},
+        "routing": {"local_prefill_threshold": cfg.skip_prefill_tokens},
+    }
+    AppConfig.model_validate(doc)
+    path.write_text(f"# pdserve plan: {cfg.label()} (simulated, not yet validated against real runs)\n"
+                    + yaml.safe_dump(doc, sort_keys=False))

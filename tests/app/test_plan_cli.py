@@ -1,0 +1,51 @@
+"""`pdserve plan` end to end on the synthetic profile of tests/planner (no Ray, no torch)."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from cluster.app.cli import main
+from cluster.config.app import AppConfig
+from tests.planner.conftest import synthetic_profile
+
+TRACE = "".join(json.dumps({"timestamp": 1500 * i, "input_length": 2000, "output_length": 200}) + "\n"
+                for i in range(40))
+
+
+def test_plan_prints_the_hand_worked_plan_and_emits_its_config(tmp_path, capsys):
+    synthetic_profile().save(tmp_path / "p.json")
+    (tmp_path / "t.jsonl").write_text(TRACE)
+    rc = main(["plan", "--profile", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.jsonl"),
+               "--slo", "ttft=2.5,tpot=22ms", "--budget", "3", "--chunks", "512,2048", "--skip-prefill", "0",
+               "--max-num-seqs", "32", "--transfer-gbps", "1000", "--emit-config", str(tmp_path / "plan.yaml")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "plan:\n  2P+1D chunk=2048 skip<0 " in out
+    assert "binding constraint (one replica fewer: 0P+2D chunk=2048 skip<0, attainment" in out
+    assert "not yet validated against real `pdserve up` runs" in out
+    cfg = AppConfig.model_validate(yaml.safe_load((tmp_path / "plan.yaml").read_text()))
+    assert (cfg.mode, cfg.prefill.num_replicas, cfg.decode.num_replicas) == ("disaggregated", 2, 1)
+    assert (cfg.engine.max_num_batched_tokens, cfg.engine.max_num_seqs, cfg.routing.local_prefill_threshold) == (
+        2048, 32, 0)
+
+
+def test_plan_refuses_a_trace_beyond_the_calibration(tmp_path, capsys):
+    synthetic_profile(max_context=1024).save(tmp_path / "p.json")
+    rc = main(["plan", "--profile", str(tmp_path / "p.json"), "--workload", "rate=1,n=5,prompt=900,output=200",
+               "--slo", "ttft=1,tpot=0.1", "--budget", "2", "--max-num-seqs", "8"])
+    err = capsys.readouterr().err
+    assert rc == 3
+    assert "refused: the workload is outside the profile's calibrated range: a 1100-token context > " \
+           "calibrated decode context 1024" in err
+
+
+def test_plan_json_says_it_is_not_validated(tmp_path, capsys):
+    synthetic_profile().save(tmp_path / "p.json")
+    rc = main(["plan", "--profile", str(tmp_path / "p.json"), "--workload", "rate=2,n=20,prompt=100:200,output=8",
+               "--slo", "ttft=1,tpot=0.1", "--budget", "2", "--max-num-seqs", "8", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert doc["validated"] is False and doc["best"]["config"]["decode_replicas"] >= 1
+    assert doc["transfer"] == "measured"  # the synthetic profile carries a transfer line
