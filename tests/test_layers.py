@@ -1,7 +1,8 @@
 """The layer rule, checked on every import of the project's own modules (function-local and
 type-checking ones too): engine <- serving <- app; kv_transfer and router use the engine layer
-only, the planner (cluster.planner) the engine and the router; the front door (router.ingress) is itself in layers, request/status <- flow <- versions <-
-gateway <- api <- deployment, and never imports torch; nothing imports the tools or the app; and
+only, the planner (cluster.planner) the engine and the router; the front door (router.ingress) is
+itself in layers, request/status <- flow <- versions <- gateway <- api <- deployment, and never
+imports torch; nothing imports the tools or the app; and
 no two modules under cluster/ or router/ import each other, directly or round a longer circle."""
 
 from __future__ import annotations

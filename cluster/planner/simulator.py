@@ -291,21 +291,16 @@ class Simulator:
     def _schedule_decode(self, rep: Replica):
         cfg = self.config
         decodes, chunks = [], []
-        scheduled, preempted = set(), set()
-        for r in [x for x in rep.running if x.known - x.computed == 1]:  # (1) every decoding request, one token
-            if id(r) in preempted:  # for an older request, earlier in this loop
-                continue
-            need = self._blocks_for(r.computed + 1) - r.blocks
-            while need > rep.free_blocks:
-                victim = next(v for v in reversed(rep.running) if id(v) not in scheduled)
-                self._preempt(rep, victim)
-                preempted.add(id(victim))
-                if victim is r:
-                    break
-            else:
-                self._grow(rep, r, need)
-                decodes.append(r)
-                scheduled.add(id(r))
+        decoding = [x for x in rep.running if x.known - x.computed == 1]
+        short = [x for x in decoding if x.computed >= x.blocks * self.block_size]  # need one more block
+        if len(short) <= rep.free_blocks:  # the common case: every decode fits
+            for r in short:
+                r.blocks += 1
+            rep.free_blocks -= len(short)
+            decodes = decoding
+            scheduled = set(map(id, decoding))
+        else:
+            scheduled = self._decodes_preempting(rep, decoding, decodes)
         budget = cfg.chunk_tokens - len(decodes)
         for r in rep.running:  # (2) prompts part-way
             if budget <= 0:
@@ -345,6 +340,26 @@ class Simulator:
             seconds += self._prefill_seconds(chunks)
         return seconds, (decodes, chunks)
 
+    def _decodes_preempting(self, rep: Replica, decoding: list, decodes: list) -> set:
+        """Blocks ran out: in admission order, each decode that needs a block preempts the most
+        recently admitted request not yet scheduled in this step (itself, if it is that one)."""
+        scheduled, preempted = set(), set()
+        for r in decoding:
+            if id(r) in preempted:  # for an older request, earlier in this loop
+                continue
+            need = self._blocks_for(r.computed + 1) - r.blocks
+            while need > rep.free_blocks:
+                victim = next(v for v in reversed(rep.running) if id(v) not in scheduled)
+                self._preempt(rep, victim)
+                preempted.add(id(victim))
+                if victim is r:
+                    break
+            else:
+                self._grow(rep, r, need)
+                decodes.append(r)
+                scheduled.add(id(r))
+        return scheduled
+
     def _fit_chunk(self, rep: Replica, r: SimRequest, budget: int) -> int:
         """Prompt tokens of r this step: as many as the budget and the free blocks allow."""
         take = min(r.known - r.computed, budget)
@@ -381,14 +396,31 @@ class Simulator:
                         self._transfer(r)
         else:
             decodes, chunks = work
-            for r, take in [(r, 1) for r in decodes] + chunks:
+            now, itl = self.now, self.itl
+            ended = []
+            for r in decodes:  # inline: the simulator's hottest loop (one pass per token)
+                r.computed += 1
+                if r.generated == 0:  # a one-token prompt prefilled here
+                    self._sample(r)
+                else:
+                    r.generated += 1
+                    r.known += 1
+                    itl.append(now - r.last_token_s)
+                    r.last_token_s = now
+                    if r.generated >= r.spec.output_tokens:
+                        r.done_s = now
+                if r.done_s >= 0:
+                    ended.append(r)
+            for r, take in chunks:
                 r.computed += take
                 if r.computed == r.known:
                     self._sample(r)
                     if r.done_s >= 0:
-                        rep.running.remove(r)
-                        rep.free_blocks += r.blocks
-                        r.blocks = 0
+                        ended.append(r)
+            for r in ended:
+                rep.running.remove(r)
+                rep.free_blocks += r.blocks
+                r.blocks = 0
         self._wake(rep)
 
     def _sample(self, r: SimRequest) -> None:
