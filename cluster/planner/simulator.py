@@ -78,6 +78,7 @@ class SimRequest:
     computed: int = 0  # tokens in the KV cache
     generated: int = 0
     blocks: int = 0  # held on its decode replica
+    in_prompt: bool = False  # computing a prompt (or a recompute) on the replica that holds it
     decode: "Replica | None" = None
     first_token_s: float = -1.0
     last_token_s: float = -1.0
@@ -97,14 +98,21 @@ class Replica:
     busy_s: float = 0.0
     steps: int = 0
 
-    def queued_prompt_tokens(self) -> int:
-        return sum(r.known - r.computed for r in self.waiting) + sum(
-            r.known - r.computed - 1 for r in self.running if r.known - r.computed > 1)
+    prompt_tokens_left: int = 0  # prompt (or recompute) tokens still to compute here: kept, not summed
+
+    def queue(self, r: "SimRequest", front: bool = False) -> None:
+        if self.pool == "prefill" or r.known - r.computed > 1:  # a prompt to compute (an import only decodes)
+            r.in_prompt = True
+            self.prompt_tokens_left += r.known - r.computed
+        if front:
+            self.waiting.appendleft(r)
+        else:
+            self.waiting.append(r)
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(self.replica_id, self.pool, self.free_blocks, self.total_blocks,
                            running=len(self.running), waiting=len(self.waiting),
-                           queued_prefill_tokens=self.queued_prompt_tokens())
+                           queued_prefill_tokens=self.prompt_tokens_left)
 
 
 @dataclass(frozen=True)
@@ -230,11 +238,11 @@ class Simulator:
         else:
             self.remote += 1
             p = self._by_id[d.prefill]
-            p.waiting.append(r)
+            p.queue(r)
             self._wake(p)
 
     def _enqueue_decode(self, r: SimRequest) -> None:
-        r.decode.waiting.append(r)
+        r.decode.queue(r)
         self._wake(r.decode)
 
     def _wake(self, rep: Replica) -> None:
@@ -378,8 +386,11 @@ class Simulator:
         rep.running.remove(r)
         rep.free_blocks += r.blocks
         r.blocks = 0
+        if r.in_prompt:  # what it had left to compute is counted again, whole, below
+            rep.prompt_tokens_left -= r.known - r.computed
+            r.in_prompt = False
         r.computed = 0  # recompute: prompt and output so far, as a prompt
-        rep.waiting.appendleft(r)
+        rep.queue(r, front=True)
         self.preemptions += 1
 
     # ---- a step ends -----------------------------------------------------------------------
@@ -389,7 +400,9 @@ class Simulator:
         if rep.pool == "prefill":
             for r, take in work:
                 r.computed += take
+                rep.prompt_tokens_left -= take
                 if r.computed == r.known:
+                    r.in_prompt = False
                     rep.running.remove(r)
                     self._sample(r)
                     if r.done_s < 0:
@@ -400,6 +413,9 @@ class Simulator:
             ended = []
             for r in decodes:  # inline: the simulator's hottest loop (one pass per token)
                 r.computed += 1
+                if r.in_prompt:  # a prompt's last token, computed as a decode
+                    rep.prompt_tokens_left -= 1
+                    r.in_prompt = False
                 if r.generated == 0:  # a one-token prompt prefilled here
                     self._sample(r)
                 else:
@@ -413,7 +429,9 @@ class Simulator:
                     ended.append(r)
             for r, take in chunks:
                 r.computed += take
+                rep.prompt_tokens_left -= take
                 if r.computed == r.known:
+                    r.in_prompt = False
                     self._sample(r)
                     if r.done_s >= 0:
                         ended.append(r)
@@ -441,6 +459,15 @@ class Simulator:
             seconds = self.transfer.seconds(r.computed * self.kv_bytes_per_token)
         self.transfer_s += seconds
         self._push(self.now + seconds, _TRANSFERRED, r)
+
+    def check_invariants(self) -> None:
+        """Blocks: free + held == total on every decode replica; prompt tokens left == the sum
+        over the replica's requests still computing a prompt."""
+        for rep in self.prefills + self.decodes:
+            reqs = list(rep.waiting) + rep.running
+            assert rep.prompt_tokens_left == sum(r.known - r.computed for r in reqs if r.in_prompt), rep.replica_id
+            if rep.pool == "decode":
+                assert rep.free_blocks + sum(r.blocks for r in reqs) == rep.total_blocks, rep.replica_id
 
     # ---- results -----------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.planner.simulator import SLO, ClusterConfig, Dist, percentile, simulate
+from cluster.planner.simulator import SLO, ClusterConfig, Dist, Simulator, percentile, simulate
 from cluster.planner.workload import RequestSpec, SyntheticWorkload
 from tests.planner.conftest import decode_s, prefill_s, transfer_s
 
@@ -83,6 +83,25 @@ def test_goodput_counts_requests_within_both_slo_targets(profile):
     r = simulate(profile, ClusterConfig(1, 1, chunk_tokens=100, skip_prefill_tokens=0), specs, slo)
     assert r.slo_met == 1 and r.attainment == 0.5
     assert r.goodput == 1 / r.duration_s
+
+
+class CheckedSimulator(Simulator):
+    """Checks the invariants after every step (from outside: the simulator has no test branch)."""
+
+    def _step_end(self, rep, work):
+        super()._step_end(rep, work)
+        self.check_invariants()
+
+
+def test_blocks_and_queued_tokens_stay_exact_under_preemption(profile):
+    specs = SyntheticWorkload.parse("rate=50,n=400,prompt=1:300,output=1:120,seed=7").requests()
+    cfg = ClusterConfig(1, 2, chunk_tokens=128, skip_prefill_tokens=64, decode_blocks=40, max_num_seqs=16)
+    sim = CheckedSimulator(profile, cfg, LOOSE, seed=2)
+    r = sim.run(specs)
+    assert r.completed == 400 and r.preemptions > 0 and r.local > 0 and r.remote > 0
+    sim.check_invariants()
+    assert all(d.free_blocks == d.total_blocks and d.prompt_tokens_left == 0 for d in sim.decodes)
+    assert sim.prefills[0].prompt_tokens_left == 0
 
 
 def test_the_same_seed_gives_the_same_result(profile):
