@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -76,7 +75,7 @@ def _profile(args) -> int:
 def _plan(args) -> int:
     from cluster.planner.plan import search  # noqa: PLC0415
     from cluster.planner.profile import OutOfRange, Profile, Transfer  # noqa: PLC0415
-    from cluster.planner.simulator import SLO  # noqa: PLC0415
+    from cluster.planner.config import SLO  # noqa: PLC0415
     from cluster.planner.workload import SyntheticWorkload, read_trace  # noqa: PLC0415
 
     try:
@@ -137,7 +136,7 @@ def _print_plan(plan, prof, specs, slo, attain, transfer_note, cpu_s, simulated)
           f"KV transfer: {transfer_note}")
     print(f"simulated {plan.evaluated} configurations (+{len(plan.relaxations)} what-ifs) in {cpu_s:.1f} CPU-s "
           f"({simulated / cpu_s if cpu_s else 0:.0f} requests/CPU-s)")
-    print("plan:" if plan.best else f"plan: NONE within the budget meets the SLO (best attainment shown below)")
+    print("plan:" if plan.best else "plan: NONE within the budget meets the SLO (best attainment shown below)")
     if plan.best:
         print("  " + _row(plan.best))
     print("Pareto front (replicas -> best goodput):")

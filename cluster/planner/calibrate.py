@@ -24,7 +24,6 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict
 from typing import Callable, Sequence
 
 import torch
@@ -169,8 +168,8 @@ def calibrate(model: str, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
         versions={"torch": torch.__version__, "pdserve": importlib.metadata.version("pdserve"),
                   "python": sys.version.split()[0]},
         engine={"block_size": block_size, "dtype": str(engine.dtype).removeprefix("torch."),
-                "kv_block_bytes": engine.block_bytes, "attention_backend": engine.runner.backend.name
-                if hasattr(engine.runner, "backend") else "unknown", "reps": reps},
+                "kv_block_bytes": engine.block_bytes, "attention_backend": engine.runner.backend.name,
+                "reps": reps},
         prefill=Curve("prefill", "tokens", "cached", prefill_tokens, prefill_cached, prefill),
         decode=Curve("decode", "batch", "context", decode_batch, decode_context, decode),
         transfer=None,

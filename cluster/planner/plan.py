@@ -20,7 +20,9 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from cluster.planner.profile import OutOfRange, Profile, Transfer
-from cluster.planner.simulator import SLO, ClusterConfig, SimResult, simulate
+from cluster.planner.config import SLO, ClusterConfig
+from cluster.planner.outcome import SimResult
+from cluster.planner.simulator import simulate
 from cluster.planner.workload import RequestSpec
 
 

@@ -24,7 +24,6 @@ Deterministic: the same inputs and seed give the same result.
 from __future__ import annotations
 
 import heapq
-import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,43 +31,10 @@ from dataclasses import dataclass, field
 from router.index import PrefixIndex
 from router.policy import PolicyConfig, ReplicaLoad, RoutingPolicy
 
+from cluster.planner.config import SLO, ClusterConfig
+from cluster.planner.outcome import Dist, SimResult
 from cluster.planner.profile import Profile, Transfer
 from cluster.planner.workload import RequestSpec
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    prefill_replicas: int
-    decode_replicas: int
-    chunk_tokens: int = 512  # max_num_batched_tokens of every engine
-    skip_prefill_tokens: int = 64  # routing.local_prefill_threshold: shorter prompts prefill on decode
-    decode_blocks: int = 1024  # KV blocks per decode replica
-    max_num_seqs: int = 64  # per decode replica
-
-    @property
-    def replicas(self) -> int:
-        return self.prefill_replicas + self.decode_replicas
-
-    def label(self) -> str:
-        return (f"{self.prefill_replicas}P+{self.decode_replicas}D chunk={self.chunk_tokens} "
-                f"skip<{self.skip_prefill_tokens}")
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_s: float
-    tpot_s: float
-
-    @classmethod
-    def parse(cls, text: str) -> "SLO":
-        """`ttft=0.5,tpot=0.05` (seconds; a trailing `ms` is read as milliseconds)."""
-        kv = dict(item.split("=", 1) for item in text.split(",") if item)
-        try:
-            vals = {k: float(v[:-2]) / 1000 if v.endswith("ms") else float(v.removesuffix("s"))
-                    for k, v in kv.items()}
-            return cls(vals.pop("ttft"), vals.pop("tpot"))
-        except (KeyError, ValueError) as e:
-            raise ValueError(f"slo {text!r}: expected ttft=SECONDS,tpot=SECONDS ({e})") from e
 
 
 @dataclass(eq=False)  # identity: two requests in the same state are still two
@@ -113,60 +79,6 @@ class Replica:
         return ReplicaLoad(self.replica_id, self.pool, self.free_blocks, self.total_blocks,
                            running=len(self.running), waiting=len(self.waiting),
                            queued_prefill_tokens=self.prompt_tokens_left)
-
-
-@dataclass(frozen=True)
-class Dist:
-    """Percentiles of a sample (seconds)."""
-
-    n: int
-    mean: float
-    p50: float
-    p90: float
-    p99: float
-    max: float
-
-    @classmethod
-    def of(cls, values: list[float]) -> "Dist":
-        if not values:
-            return cls(0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        v = sorted(values)
-        return cls(len(v), sum(v) / len(v), percentile(v, 50), percentile(v, 90), percentile(v, 99), v[-1])
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    pos = (len(sorted_values) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-@dataclass(frozen=True)
-class SimResult:
-    config: ClusterConfig
-    requests: int
-    completed: int
-    duration_s: float  # first arrival to last completion
-    ttft: Dist
-    tpot: Dist
-    itl: Dist
-    slo_met: int
-    preemptions: int
-    remote: int
-    local: int
-    utilisation: dict  # pool -> busy time / (replicas x duration)
-    transfer_s: float  # total KV transfer time
-    step_lookups_clamped: int  # step times read below a curve's first point (over-estimates)
-
-    @property
-    def attainment(self) -> float:
-        return self.slo_met / self.requests if self.requests else 0.0
-
-    @property
-    def goodput(self) -> float:
-        """Requests/s that met the SLO (vLLM's definition: over the run's duration)."""
-        return self.slo_met / self.duration_s if self.duration_s > 0 else 0.0
 
 
 _ARRIVE, _STEP, _TRANSFERRED = 0, 1, 2

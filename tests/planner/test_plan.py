@@ -18,7 +18,7 @@ import pytest
 
 from cluster.planner.plan import check_range, configurations, search
 from cluster.planner.profile import OutOfRange, Transfer
-from cluster.planner.simulator import SLO, ClusterConfig
+from cluster.planner.config import SLO, ClusterConfig
 from cluster.planner.workload import RequestSpec
 
 SPECS = [RequestSpec(1.5 * i, 2000, 200) for i in range(40)]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.planner.simulator import SLO, ClusterConfig, Dist, Simulator, percentile, simulate
+from cluster.planner.config import SLO, ClusterConfig
+from cluster.planner.outcome import Dist, percentile
+from cluster.planner.simulator import Simulator, simulate
 from cluster.planner.workload import RequestSpec, SyntheticWorkload
 from tests.planner.conftest import decode_s, prefill_s, transfer_s
 
