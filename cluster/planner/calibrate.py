@@ -32,10 +32,12 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.planner.profile import Curve, Profile
 
+# The default grid: contexts up to 2,048 tokens (prompt + output), chunks up to 1,024, batches up to
+# the engine's default max_num_seqs (64); about two minutes for SmolLM2-135M on 2 CPU cores.
 PREFILL_TOKENS = (16, 64, 256, 1024)
-PREFILL_CACHED = (0, 1024)
-DECODE_BATCH = (1, 8, 32)
-DECODE_CONTEXT = (128, 1024)
+PREFILL_CACHED = (0, 1024, 2048)
+DECODE_BATCH = (1, 8, 32, 64)
+DECODE_CONTEXT = (128, 1024, 2048)
 
 
 class Calibrator:

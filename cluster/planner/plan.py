@@ -63,9 +63,9 @@ def check_range(profile: Profile, specs: Sequence[RequestSpec], chunks: Sequence
     longest = max(s.prompt_tokens + s.output_tokens for s in specs)
     if max(chunks) > p.xs[-1]:
         problems.append(f"chunk {max(chunks)} tokens > calibrated prefill step of {p.xs[-1]:g} tokens")
-    if longest_prompt > p.xs[-1] + p.ys[-1]:
-        problems.append(f"a {longest_prompt}-token prompt > calibrated prefill ({p.xs[-1]:g} tokens after "
-                        f"{p.ys[-1]:g} context)")
+    if longest_prompt - 1 > p.ys[-1]:  # a chunk (on decode, mixed with decodes) may start at any token of it
+        problems.append(f"a {longest_prompt}-token prompt's chunks start up to {longest_prompt - 1} tokens in > "
+                        f"calibrated prefill context {p.ys[-1]:g}")
     if longest > d.ys[-1]:
         problems.append(f"a {longest}-token context > calibrated decode context {d.ys[-1]:g}")
     if max_num_seqs > d.xs[-1]:

@@ -20,6 +20,7 @@ from cluster.planner.plan import check_range, configurations, search
 from cluster.planner.profile import OutOfRange, Transfer
 from cluster.planner.config import SLO, ClusterConfig
 from cluster.planner.workload import RequestSpec
+from tests.planner.conftest import synthetic_profile
 
 SPECS = [RequestSpec(1.5 * i, 2000, 200) for i in range(40)]
 SLO_ = SLO(ttft_s=2.5, tpot_s=0.022)
@@ -60,3 +61,9 @@ def test_a_workload_beyond_the_calibration_is_refused(profile):
         check_range(profile, SPECS, [8192], 32)
     with pytest.raises(OutOfRange, match="max_num_seqs 128 > calibrated decode batch 65"):
         search(profile, SPECS, SLO_, budget=1, chunks=[512], thresholds=[0], decode_blocks=4096, max_num_seqs=128)
+
+
+def test_a_prompt_longer_than_the_calibrated_prefill_context_is_refused():
+    with pytest.raises(OutOfRange, match="a 3000-token prompt's chunks start up to 2999 tokens in > calibrated "
+                                         "prefill context 2048"):
+        check_range(synthetic_profile(max_context=2048), [RequestSpec(0.0, 3000, 1)], [512], 32)
