@@ -179,8 +179,9 @@ def _emit_config(cfg, prof, path: Path) -> None:
                    "max_num_batched_tokens": cfg.chunk_tokens},
         "prefill": {"num_replicas": cfg.prefill_replicas},
         "decode": {"num_replicas": cfg.decode_replicas},
-        "routing": {"local_prefill_threshold": cfg.skip_prefill_tokens},
     }
+    if cfg.prefill_replicas:
+        doc["routing"] = {"local_prefill_threshold": cfg.skip_prefill_tokens}
     AppConfig.model_validate(doc)
     path.write_text(f"# pdserve plan: {cfg.label()} (simulated, not yet validated against real runs)\n"
                     + yaml.safe_dump(doc, sort_keys=False))

@@ -19,6 +19,8 @@ class ClusterConfig:
         return self.prefill_replicas + self.decode_replicas
 
     def label(self) -> str:
+        if self.prefill_replicas == 0:  # no prefill pool: the threshold means nothing
+            return f"0P+{self.decode_replicas}D colocated chunk={self.chunk_tokens}"
         return (f"{self.prefill_replicas}P+{self.decode_replicas}D chunk={self.chunk_tokens} "
                 f"skip<{self.skip_prefill_tokens}")
 

@@ -23,7 +23,7 @@ def test_plan_prints_the_hand_worked_plan_and_emits_its_config(tmp_path, capsys)
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "plan:\n  2P+1D chunk=2048 skip<0 " in out
-    assert "binding constraint (one replica fewer: 0P+2D chunk=2048 skip<0, attainment" in out
+    assert "binding constraint (one replica fewer: 0P+2D colocated chunk=2048, attainment" in out
     assert "not yet validated against real `pdserve up` runs" in out
     cfg = AppConfig.model_validate(yaml.safe_load((tmp_path / "plan.yaml").read_text()))
     assert (cfg.mode, cfg.prefill.num_replicas, cfg.decode.num_replicas) == ("disaggregated", 2, 1)
