@@ -124,3 +124,20 @@ def test_shard_plans():
         check_degree(mc(12, 6), 4)
     with pytest.raises(ValueError, match="intermediate size 100; degrees that work: \\[1, 2, 4, 5"):
         check_degree(mc(20, 20, inter=100), 8)
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_worker_fails_the_step_and_the_pool_stays_whole(tiny_model):
+    """Killing a rank does not hang the driver: the next collective fails, the step's requests end
+    with error (the engine's step-failure path; the replica's health counts it), no block leaks."""
+    config = EngineConfig(model=tiny_model, tensor_parallel_size=2, **OPTIONS)
+    with tensor_parallel_engine(config, timeout_s=20) as (engine, ranks):
+        ranks.processes[0].kill()
+        ranks.processes[0].join(10)
+        outs = engine.generate(prompts(seed=5)[:2], GREEDY)
+        assert [(o.finish_reason, o.error_kind) for o in outs] == [("error", "internal")] * 2
+        assert all(o.error.startswith("engine step failed: ") for o in outs)
+        assert engine.stats.step_errors == 1
+        engine.check_invariants()
+        assert engine.kv.num_free_blocks == 32 and engine.kv.num_requests() == 0
+    assert ranks.exit_codes == [-9]
