@@ -148,6 +148,11 @@ def _print_plan(plan, prof, specs, slo, attain, transfer_note, cpu_s, simulated)
               f"{' / '.join(plan.binding) or 'none that a single 2x relaxation fixes'}")
         for x in plan.relaxations:
             print(f"  relaxed {x.constraint:<16} attainment {x.attainment:6.1%}  goodput {x.goodput:.2f} req/s")
+    shown = {id(r): r for r in (*plan.front, *((plan.best,) if plan.best else ()))}
+    clamped = sum(r.step_lookups_clamped for r in shown.values())
+    if clamped:
+        print(f"note: {clamped} step times were read below the profile's first grid point and priced at it "
+              "(an over-estimate): profile smaller points to remove it")
     print("note: the simulator is not yet validated against real `pdserve up` runs (issue 42's next slice); "
           "prefix caching, ingress cost and stale router loads are not simulated")
 

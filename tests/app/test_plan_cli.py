@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import yaml
 
 from cluster.app.cli import main
 from cluster.config.app import AppConfig
+from cluster.planner.profile import Curve
 from tests.planner.conftest import synthetic_profile
 
 TRACE = "".join(json.dumps({"timestamp": 1500 * i, "input_length": 2000, "output_length": 200}) + "\n"
@@ -49,3 +51,15 @@ def test_plan_json_says_it_is_not_validated(tmp_path, capsys):
     assert rc == 0
     assert doc["validated"] is False and doc["best"]["config"]["decode_replicas"] >= 1
     assert doc["transfer"] == "measured"  # the synthetic profile carries a transfer line
+
+
+def test_plan_notes_lookups_below_the_grid(tmp_path, capsys):
+    p = synthetic_profile()
+    d = p.decode
+    replace(p, decode=Curve("decode", "batch", "context", d.xs, [128, 8192], d.values)).save(tmp_path / "p.json")
+    rc = main(["plan", "--profile", str(tmp_path / "p.json"), "--workload", "rate=1,n=3,prompt=16,output=4",
+               "--slo", "ttft=1,tpot=0.1", "--budget", "1", "--chunks", "256", "--max-num-seqs", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    # 1 replica, 3 requests of 16 + 4 tokens: each decode step's context (17-19) is below 128
+    assert "note: 9 step times were read below the profile's first grid point" in out
