@@ -121,8 +121,9 @@ class Health(health_pb2_grpc.HealthServicer):
 async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerContext,
                 work: Callable[[Callable[[object], None]], Awaitable[None]]) -> AsyncIterator:
     """Run `work(put)` on `app_loop` and yield what it puts, here, in order; its refusal or failure
-    ends the call with that status (an unexpected exception: INTERNAL, logged). The call ending first (the client cancelled, its deadline
-    passed) cancels the work. Responses are not held back: a stream has at most max_tokens of them."""
+    ends the call with that status (an unexpected exception: INTERNAL, logged). The call ending
+    first (the client cancelled, its deadline passed) cancels the work. Responses are not held
+    back: a stream has at most max_tokens of them."""
     loop = asyncio.get_running_loop()
     out: asyncio.Queue = asyncio.Queue()
 
