@@ -269,12 +269,15 @@ FAILED_CLOSED = "prompt: refused by guardrail policy 'cls-closed', check 'classi
 
 
 def test_a_stalled_classifier_fails_closed_or_open_within_its_timeout(stub, reference):
-    classifier().stall.remote(4.0).result(timeout_s=30)
+    """...and a check given up on is cancelled on the classifier: its calls do not sit out the
+    stall holding the replica's slots."""
+    classifier().stall.remote(10.0).result(timeout_s=30)
     (closed, took_closed), (opened, took_open) = (outcome(stub, "cls-closed", short()),
                                                   outcome(stub, "cls-open", short()))
     assert closed == ("INVALID_ARGUMENT", FAILED_CLOSED.format("timeout"))
     assert opened == ("OK", reference.token_ids[:6])  # passed, and the pass recorded as an intervention
     assert took_closed < CLASSIFIER_TIMEOUT_S + 2.0 and took_open < CLASSIFIER_TIMEOUT_S + 2.0
+    wait_for(lambda: classifier().stalled.remote().result(timeout_s=10) == 0, "the given-up calls cancelled", 3.0)
     wait_pools_whole()
 
 

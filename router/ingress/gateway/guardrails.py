@@ -219,10 +219,18 @@ class ClassifierCheck:
         return await self._classify(text[start:])
 
     async def _classify(self, text: str) -> bool:
+        """One call, within timeout_s. A call given up on (timed out, or its request cancelled) is
+        cancelled on the classifier too: Serve does not when its awaiting task is cancelled, and
+        abandoned calls would hold the replica's slots (max_ongoing_requests) until they end."""
+        response = self.handle.classify.remote(text)
         try:
-            score = await asyncio.wait_for(self.handle.classify.remote(text), self.timeout_s)
+            score = await asyncio.wait_for(response, self.timeout_s)
         except (TimeoutError, asyncio.TimeoutError) as e:
+            response.cancel()
             raise CheckFailed(Cause.TIMEOUT, f"classifier {self.name} timed out") from e
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
         except Exception as e:  # noqa: BLE001 — down, dying, refusing: the policy decides
             raise CheckFailed(Cause.ERROR, f"classifier {self.name} failed: {e}") from e
         return score >= self.threshold
