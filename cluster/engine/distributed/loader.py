@@ -6,12 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from cluster.engine.distributed.layers import build_rank_model
 from cluster.engine.distributed.plan import ShardPlan
 from cluster.engine.model.llama import LlamaForCausalLM
-from cluster.engine.model.loader import checkpoint_target, expected_keys, safetensors_files
+from cluster.engine.model.loader import check_loaded, checkpoint_entries
 from cluster.engine.model_config import ModelConfig
 
 
@@ -21,28 +20,18 @@ def load_rank_model(model_dir: str | Path, mc: ModelConfig, plan: ShardPlan, max
     model = build_rank_model(mc, plan, max_positions, dtype, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                target, shard = checkpoint_target(name, mc)
-                if target is None:
-                    continue
-                if target not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                dest = params[target].data
-                dim, start, length, offset = rank_slice(target, shard, mc, plan)
-                piece = f.get_slice(name)
-                tensor = piece[start : start + length] if dim == 0 else piece[:, start : start + length]
-                if target.endswith(("embed_tokens.weight", "lm_head.weight")):
-                    dest[length:].zero_()  # the last vocabulary shard's padding rows
-                dest = dest.narrow(0, offset, tensor.shape[0])
-                if dest.shape != tensor.shape:
-                    raise ValueError(f"{name}: rank {plan.rank}'s slice {tuple(tensor.shape)} != {tuple(dest.shape)}")
-                dest.copy_(tensor)
-                loaded.add(f"{target}#{shard}")
-    missing = expected_keys(model, mc) - loaded
-    if missing:
-        raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    for f, name, target, shard, dest in checkpoint_entries(model_dir, mc, params):
+        dim, start, length, offset = rank_slice(target, shard, mc, plan)
+        piece = f.get_slice(name)
+        tensor = piece[start : start + length] if dim == 0 else piece[:, start : start + length]
+        if target.endswith(("embed_tokens.weight", "lm_head.weight")):
+            dest[length:].zero_()  # the last vocabulary shard's padding rows
+        dest = dest.narrow(0, offset, tensor.shape[0])
+        if dest.shape != tensor.shape:
+            raise ValueError(f"{name}: rank {plan.rank}'s slice {tuple(tensor.shape)} != {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        loaded.add(f"{target}#{shard}")
+    check_loaded(model, mc, loaded, model_dir)
     model.eval()
     return model
 

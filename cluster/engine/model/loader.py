@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
@@ -49,6 +50,27 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtyp
         "mlp.gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
     }
     loaded: set[str] = set()
+    for f, name, target, shard, dest in checkpoint_entries(model_dir, cfg, params):
+        tensor = f.get_tensor(name)
+        if shard is not None:
+            kind = "self_attn.qkv_proj" if "qkv" in target else "mlp.gate_up_proj"
+            sizes = split[kind]
+            start = sum(sizes[:shard])
+            dest = dest.narrow(0, start, sizes[shard])
+        if dest.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        loaded.add(f"{target}#{shard}")
+    check_loaded(model, cfg, loaded, model_dir)
+    model.eval()
+    return model
+
+
+def checkpoint_entries(model_dir: Path, cfg: ModelConfig, params: dict[str, torch.nn.Parameter]
+                       ) -> Iterator[tuple[Any, str, str, int | None, torch.Tensor]]:
+    """Every checkpoint tensor that has a place in the model: (its open safetensors file, its name,
+    the model parameter it goes to, its part of a fused parameter or None, that parameter's data).
+    A tensor with no place is refused."""
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
@@ -57,23 +79,14 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtyp
                     continue
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                tensor = f.get_tensor(name)
-                dest = params[target].data
-                if shard is not None:
-                    kind = "self_attn.qkv_proj" if "qkv" in target else "mlp.gate_up_proj"
-                    sizes = split[kind]
-                    start = sum(sizes[:shard])
-                    dest = dest.narrow(0, start, sizes[shard])
-                if dest.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
-                dest.copy_(tensor)
-                loaded.add(f"{target}#{shard}")
-    expected = expected_keys(model, cfg)
-    missing = expected - loaded
+                yield f, name, target, shard, params[target].data
+
+
+def check_loaded(model: LlamaForCausalLM, cfg: ModelConfig, loaded: set[str], model_dir: Path) -> None:
+    """Every parameter (each part of a fused one: `target#shard`) came from the checkpoint."""
+    missing = expected_keys(model, cfg) - loaded
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-    model.eval()
-    return model
 
 
 def checkpoint_target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
