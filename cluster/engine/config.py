@@ -169,6 +169,11 @@ class EngineOptions(BaseModel):
     model_ops: Literal["auto", "torch", "cpu_kernels"] = Field(
         "auto", description='Linear and RMSNorm: "auto" = compiled CPU kernels on CPU float32 when they build, else torch.')
     device: str = Field("auto", description='"auto" (cuda when available), "cpu", "cuda", "cuda:N".')
+    static_decode: Literal["auto", "off", "eager", "graphs"] = Field(
+        "auto", description='Decode-only steps on fixed-shape inputs per batch bucket, a persistent block table and '
+        'attention that reads the paged cache in place (cluster/engine/static_decode.py): "graphs" captures each '
+        'bucket as a CUDA graph (CUDA only), "eager" runs the same path uncaptured, "off" builds every step\'s '
+        'shapes. "auto" = graphs on CUDA with the torch attention backend and torch ops, else off.')
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description='"auto" = the checkpoint\'s dtype.')
     max_waiting: int | None = Field(
@@ -199,6 +204,16 @@ class EngineOptions(BaseModel):
         # Both copy or run on rank 0's KV cache only; sharding them is later work of issue 41.
         if self.tensor_parallel_size > 1 and (self.kv_tiers.enabled or self.speculative.method == "draft"):
             raise ValueError("tensor_parallel_size > 1 does not support kv_tiers or a draft model yet (issue 41)")
+        return self
+
+    @model_validator(mode="after")
+    def _static_decode_alone(self) -> "EngineOptions":
+        if self.static_decode in ("eager", "graphs"):
+            if self.tensor_parallel_size > 1:
+                raise ValueError("static_decode runs one device's model: tensor_parallel_size > 1 needs it off")
+            if self.model_ops == "cpu_kernels" or self.attention_backend in ("cpu_paged", "flash_attn"):
+                raise ValueError(f"static_decode={self.static_decode} is the torch path: it needs model_ops torch "
+                                 "and attention_backend torch (or auto)")
         return self
 
     def num_kv_blocks(self, block_bytes: int) -> int:

@@ -33,6 +33,7 @@ from cluster.engine.sampler import RequestFailure, SamplerOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.spec.controller import Speculator
+from cluster.engine.static_decode import StaticDecode
 from cluster.engine.spec.draft import DraftProposer
 from cluster.engine.spec.proposer import make_proposer
 from cluster.engine.probe import EngineProbe
@@ -78,14 +79,18 @@ class LLMEngine:
 
             self.tensor_parallel = TensorParallelDriver.start(config, mc, num_blocks, self.max_model_len, self.device)
             self.model, ops, self.kv_cache = self.tensor_parallel, self.tensor_parallel.ops, self.tensor_parallel.kv_cache
-        else:
+        static = self._static_mode(config)
+        if self.tensor_parallel is None:
             self.model = load_model(config.model, mc, self.max_model_len, dtype, self.device)
-            ops = resolve_ops(config.model_ops, self.device, dtype)
+            ops = resolve_ops("torch" if static and config.model_ops == "auto" else config.model_ops, self.device, dtype)
             self.model.use_ops(ops)
-            self.kv_cache = torch.zeros(
-                num_blocks, mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim,
+            # The static decode path's padding rows write one block past the pool's end (its sink):
+            # allocated here, never accounted, never registered for transfer.
+            pool = torch.zeros(
+                num_blocks + (1 if static else 0), mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim,
                 dtype=dtype, device=self.device,
             )
+            self.kv_cache = pool[:num_blocks]
         self.model_identity = model_identity(config.model, mc)  # architecture + weights: the KV's identity
         salt = extend_salt(self.model_identity.encode(), config.cache_salt)
         tiers = config.kv_tiers
@@ -94,12 +99,18 @@ class LLMEngine:
                                  tiers.store_threshold)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_waiting, config.queue_ttl_s)
-        backend = resolve_backend(config.attention_backend, self.device, config.block_size, dtype)
+        backend = resolve_backend("torch" if static and config.attention_backend == "auto" else config.attention_backend,
+                                  self.device, config.block_size, dtype)
         self.eos_token_ids = self.validator.eos_token_ids
         grammars = Grammars(self.tokenizer.to_json(), max(mc.vocab_size, self.tokenizer.vocab_size),
                             tuple(t for t in self.eos_token_ids if t < self.tokenizer.vocab_size))
+        static_decode = None
+        if static:
+            static_decode = StaticDecode(self.model, pool, config.block_size, config.max_num_seqs, self.max_model_len,
+                                         self.device, capture=static == "graphs")
         self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size, self.device, config.seed,
-                                  grammars)
+                                  grammars, static_decode)
+        self.scheduler.on_free = self._on_free
         self.stats = EngineStats()
         self._save_failures_seen = 0  # the tiers' failed saves already counted as step errors
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.stats, self._finished)
@@ -113,7 +124,6 @@ class LLMEngine:
             else:
                 proposer = make_proposer(spec.method, spec.ngram_min, spec.ngram_max)
             self.speculator = Speculator(spec, proposer, self.stats, self.max_model_len)
-            self.scheduler.on_free = self.speculator.release
         self.probe: EngineProbe | None = None  # set by a replica with telemetry on (plain Python, no Ray)
         log.info(
             "engine ready: model=%s dtype=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)%s",
@@ -341,6 +351,21 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_cache()
+
+    def _static_mode(self, config: EngineConfig) -> str | None:
+        """static_decode resolved: "graphs", "eager", or None (every step dynamic)."""
+        mode = config.static_decode
+        if mode == "auto":
+            torch_path = (config.tensor_parallel_size == 1 and config.attention_backend in ("auto", "torch")
+                          and config.model_ops in ("auto", "torch"))
+            mode = "graphs" if self.device.type == "cuda" and torch_path else "off"
+        return None if mode == "off" else mode
+
+    def _on_free(self, request_id: str) -> None:
+        """The scheduler's on_free: a request's blocks went (it ended, or was preempted)."""
+        self.runner.release_static(request_id)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
 
     # ---- one step ----------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from cluster.engine.outputs import TokenLogprob
 from cluster.engine.request import Request
 from cluster.engine.sampler import Sampler, SamplerOutput
 from cluster.engine.scheduler import ScheduledChunk
+from cluster.engine.static_decode import StaticDecode
 
 
 class ModelRunner:
@@ -28,6 +29,7 @@ class ModelRunner:
         device: torch.device,
         seed: int,
         grammars: Grammars | None = None,
+        static: StaticDecode | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -35,10 +37,22 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(seed, grammars)
+        self.static = static  # decode-only steps on fixed shapes (CUDA graphs); None: every step dynamic
+
+    def release_static(self, request_id: str) -> None:
+        """The request's blocks went (it ended, or was preempted): its static row is free."""
+        if self.static is not None:
+            self.static.forget(request_id)
 
     def execute(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]) -> SamplerOutput:
         """Run one step. Every chunk that reaches its request's end gets a sampled token, or a
         failure of its own (the others are unaffected); raises only when the step as a whole fails."""
+        if self.static is not None:
+            if self.static.takes(chunks):
+                return self.sampler.sample(self.static.run(chunks, block_tables), [c.request for c in chunks])
+            for c in chunks:  # a multi-token step: the row is rewritten whole when it decodes again
+                if c.num_tokens > 1:
+                    self.static.forget(c.request.request_id)
         decodes, prefills = self._step_order(chunks)
         ordered = decodes + prefills
         input_ids, positions, logits_idx, samplers, scored = self._flatten(ordered)

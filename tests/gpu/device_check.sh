@@ -1,33 +1,36 @@
 #!/usr/bin/env bash
 # Issue 22's GPU checks in one call of a lent GPU machine (CUDA torch there, no network, no Ray):
-# tests/gpu, TTFT/TPOT of two models against transformers' generate with a profile, NIXL in VRAM.
+# tests/gpu, TTFT/TPOT against transformers' generate (dynamic steps, then CUDA graphs) with profiles, NIXL in VRAM.
 #   bash tests/gpu/device_check.sh OUTDIR [tests] [latency] [nixl]     (default: all three)
 # Run from the repo root with the wheels in .whl/ (docs/benchmarks.md, "The GPU path", says which).
-# LATENCY_MODELS and LATENCY_ARGS narrow the latency part. Each part has its own time limit, so
+# LATENCY_MODELS (default llama-1b) and LATENCY_ARGS narrow the latency part, TESTS_K the tests (pytest -k). Each part has its own time limit, so
 # one that hangs leaves the others their time. At most 7 files in OUTDIR.
 set -u
 OUT=${1:?usage: device_check.sh OUTDIR [tests] [latency] [nixl]}
 shift
 PARTS=${*:-tests latency nixl}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+[ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 TOKENIZERS_PARALLELISM=false
 quiet() { grep -v -E "NIXL INFO|Loading weights|UserWarning|warnings.warn|_warn_once|^\s*$"; }
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has tests; then
   {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
-    python3 -c "import torch, transformers, nixl_cu13; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())"
-    PDSERVE_GPU_REPORT=$OUT/accuracy.jsonl timeout 130 python3 -m pytest tests/gpu -q -p no:cacheprovider -rA --timeout 100
+    python3 -c "import torch, transformers, triton; print('triton', triton.__version__, 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())"
+    PDSERVE_GPU_REPORT=$OUT/accuracy.jsonl timeout ${TESTS_TIMEOUT:-200} python3 -m pytest tests/gpu -q -p no:cacheprovider \
+      -rA --timeout 100 ${TESTS_K:+-k "$TESTS_K"}
     echo "pytest exit $?"
   } > "$OUT/pytest.txt" 2>&1
   tail -4 "$OUT/pytest.txt"
 fi
 if has latency; then
-  for m in ${LATENCY_MODELS:-smollm2-shape llama-1b}; do
-    timeout $([ $m = llama-1b ] && echo 130 || echo 100) python3 -m cluster.tools.bench.ttft_tpot --model "$m" --hf \
-      --reps 2 --profile "$OUT/profile-$m.txt" ${LATENCY_ARGS:-} 2>&1 | quiet > "$OUT/latency-$m.txt"
-    echo "latency $m exit ${PIPESTATUS[0]}"; tail -7 "$OUT/latency-$m.txt"; head -1 "$OUT/profile-$m.txt"
+  # each model: every step built dynamically, then decode steps replayed as CUDA graphs, then hf
+  for m in ${LATENCY_MODELS:-llama-1b}; do
+    timeout ${LATENCY_TIMEOUT:-240} python3 -m cluster.tools.bench.ttft_tpot --model "$m" --hf --reps 2 \
+      --static-decode ${LATENCY_STATIC:-off graphs} --profile "$OUT/profile-$m" ${LATENCY_ARGS:-} 2>&1 | quiet > "$OUT/latency-$m.txt"
+    echo "latency $m exit ${PIPESTATUS[0]}"; tail -16 "$OUT/latency-$m.txt"; head -1 "$OUT"/profile-$m.*
   done
 fi
 if has nixl; then

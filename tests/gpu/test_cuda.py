@@ -63,10 +63,14 @@ def _report(**row) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def run(model: str, device: str, dtype: str, backend: str, prompts=PROMPTS):
+# The static decode path (cluster/engine/static_decode.py): captured on CUDA, uncaptured on a CPU run.
+STATIC = "graphs" if DEVICE.startswith("cuda") else "eager"
+
+
+def run(model: str, device: str, dtype: str, backend: str, prompts=PROMPTS, static: str = "off"):
     """Greedy tokens per prompt, and per prompt the float32 CPU logits row of every sampled token."""
     eng = LLMEngine.from_model(model, device=device, dtype=dtype, attention_backend=backend, model_ops="torch",
-                               block_size=256, num_blocks=16, max_num_batched_tokens=512)
+                               block_size=256, num_blocks=16, max_num_batched_tokens=512, static_decode=static)
     rows: dict[str, list[torch.Tensor]] = {}
     orig = eng.runner.sampler.sample
 
@@ -86,6 +90,9 @@ def run(model: str, device: str, dtype: str, backend: str, prompts=PROMPTS):
             tokens[o.request_id] += o.token_ids
     eng.check_invariants()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    if static != "off":  # every decode step took the static path; every row went back
+        assert eng.runner.static.steps == max(len(t) for t in tokens.values()) - 1
+        assert eng.runner.static._rows == {}
     return [tokens[r] for r in ids], [torch.stack(rows[r]) for r in ids]
 
 
@@ -105,29 +112,82 @@ def reference(model_dirs):
 MODEL_NAMES = [*MODELS, "real"]
 
 
+@pytest.mark.parametrize("static", ["off", STATIC])
 @pytest.mark.parametrize("name", MODEL_NAMES)
-def test_float32_on_the_device_equals_the_cpu_reference(model_dirs, reference, name):
-    """float32 on the device (TF32 off, torch's default): the same greedy tokens, logits to 1e-4."""
+def test_float32_on_the_device_equals_the_cpu_reference(model_dirs, reference, name, static):
+    """float32 on the device (TF32 off, torch's default): the same greedy tokens, logits to 1e-4;
+    every step built dynamically, and decode steps on the static path (CUDA graphs on a GPU)."""
     if name not in model_dirs:
         pytest.skip("no real checkpoint: SmolLM2 is not in the cache and PDSERVE_GPU_REAL_MODEL is unset")
     ref_tokens, ref_logits = reference(name)
-    tokens, logits = run(model_dirs[name], DEVICE, "float32", "torch")
+    tokens, logits = run(model_dirs[name], DEVICE, "float32", "torch", static=static)
     assert tokens == ref_tokens
     errs = [float((a - b).norm() / b.norm()) for got, ref in zip(logits, ref_logits) for a, b in zip(got, ref)]
-    _report(test="float32", model=name, device=DEVICE, max_rel_err=max(errs))
+    _report(test="float32", model=name, device=DEVICE, static=static, max_rel_err=max(errs))
     assert max(errs) < 1e-4
 
 
+def test_static_decode_many_streams_equals_the_cpu_reference(model_dirs):
+    """24 requests of 1 to 700 tokens in float32, decode steps replayed as graphs: buckets shrink
+    as requests end (24 -> 16 -> ...), tables widen as contexts cross blocks; the same greedy tokens
+    as the CPU's dynamic path, the pool whole after."""
+    model = model_dirs["gqa"]
+    prompts = [[256] + [(5 * i + 7 * n) % 250 for i in range(n - 1)] for n in
+               (1, 2, 15, 16, 17, 31, 33, 64, 65, 100, 127, 128, 129, 200, 255, 256, 257, 300, 400, 511, 512, 513, 600, 700)]
+    sps = [SamplingParams(max_tokens=8 + 2 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    kw = dict(dtype="float32", attention_backend="torch", model_ops="torch", block_size=16, num_blocks=512,
+              max_num_seqs=32, max_num_batched_tokens=8192)
+    want = [o.token_ids for o in LLMEngine.from_model(model, device="cpu", static_decode="off", **kw).generate(prompts, sps)]
+    eng = LLMEngine.from_model(model, device=DEVICE, static_decode=STATIC, **kw)
+    got = [o.token_ids for o in eng.generate(prompts, sps)]
+    assert got == want
+    static = eng.runner.static
+    assert static.steps >= 50 and static._rows == {}
+    if static.capture:
+        assert len(static._graphs) >= 4
+    _report(test="static-many", device=DEVICE, static=STATIC, attention=static.attention,
+            graphs=len(static._graphs), steps=static.steps)
+    eng.check_invariants()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (9, 3), (32, 8), (8, 1)])
+def test_paged_decode_kernel_equals_row_by_row(dtype, heads, kv_heads):
+    """The static path's attention on this device (Triton on CUDA, else the torch reference) against
+    a float64 row-by-row reference over each row's own keys."""
+    from cluster.engine.attention.paged_decode import paged_decode_torch, paged_decode_triton, triton_available
+    from tests.engine.test_static_decode import reference_decode
+
+    fn = paged_decode_triton if DEVICE.startswith("cuda") and triton_available() else paged_decode_torch
+    torch.manual_seed(heads + kv_heads)
+    nb, bs, d = 64, 16, 64
+    pool = torch.randn(nb, 2, 2, bs, kv_heads, d, dtype=getattr(torch, dtype), device=DEVICE)
+    lens = torch.tensor([1, 15, 16, 17, 100, 333, 500, 2], dtype=torch.int32, device=DEVICE)
+    tables = torch.randint(0, nb, (len(lens), 32), dtype=torch.int32, device=DEVICE)
+    q = torch.randn(len(lens), heads, d, dtype=pool.dtype, device=DEVICE)
+    got = fn(q, pool[:, 1, 0], pool[:, 1, 1], tables, lens, d**-0.5)
+    ref = reference_decode(q.cpu().float(), pool[:, 1, 0].cpu().float(), pool[:, 1, 1].cpu().float(), tables.cpu(),
+                           lens.cpu(), d**-0.5)
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == "float32" else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.cpu().float(), ref, **tol)
+    _report(test="paged-decode-kernel", device=DEVICE, kernel=fn.__name__, dtype=dtype, heads=heads, kv_heads=kv_heads,
+            max_abs_err=float((got.cpu().float() - ref).abs().max()))
+
+
+@pytest.mark.parametrize("static", ["off", STATIC])
 @pytest.mark.parametrize("backend", cuda_backends())
 @pytest.mark.parametrize("name", MODEL_NAMES)
-def test_bfloat16_backends_track_the_cpu_reference(model_dirs, reference, name, backend):
+def test_bfloat16_backends_track_the_cpu_reference(model_dirs, reference, name, backend, static):
     """bf16: each step's logits within BF16_REL_TOL of the float32 reference on the same inputs,
     and greedy tokens equal until a step whose reference top two are closer than the step's own
     error (a near tie bf16 may break either way; vLLM's tests allow the same)."""
     if name not in model_dirs:
         pytest.skip("no real checkpoint: SmolLM2 is not in the cache and PDSERVE_GPU_REAL_MODEL is unset")
+    if static != "off" and backend != "torch":
+        pytest.skip("the static path is the torch backend's")
     ref_tokens, ref_logits = reference(name)
-    tokens, logits = run(model_dirs[name], DEVICE, "bfloat16", backend)
+    tokens, logits = run(model_dirs[name], DEVICE, "bfloat16", backend, static=static)
     matched, worst = 0, 0.0
     for got_t, ref_t, got_l, ref_l in zip(tokens, ref_tokens, logits, ref_logits):
         n = next((i for i, (a, b) in enumerate(zip(got_t, ref_t)) if a != b), len(ref_t))
@@ -140,7 +200,7 @@ def test_bfloat16_backends_track_the_cpu_reference(model_dirs, reference, name, 
             margin = float(ref_l[n][ref_t[n]] - ref_l[n][got_t[n]])
             err = float((got_l[n] - ref_l[n]).abs().max())
             assert margin <= 2 * err, f"step {n}: token {got_t[n]} over {ref_t[n]}, margin {margin:.4f} > 2 x {err:.4f}"
-    _report(test="bfloat16", model=name, backend=backend, device=DEVICE, max_rel_err=worst,
+    _report(test="bfloat16", model=name, backend=backend, static=static, device=DEVICE, max_rel_err=worst,
             tokens_matched=matched, tokens=sum(map(len, ref_tokens)))
 
 

@@ -15,12 +15,16 @@ hf arm: `generate` on one static batch of C prompts (equal lengths: no padding).
 `max_new_tokens=1` call; TPOT: (the full call - TTFT) / (tokens - 1). Each figure is the median of
 --reps calls.
 --profile: a torch.profiler trace of 16 decode steps at the largest C, summarised (top kernels by
-device time, device busy time against the steps' wall time) into FILE.
+device time, device busy time against the steps' wall time) into FILE.MODE, per --static-decode arm.
+--static-decode off graphs: the same runs with every step built dynamically, then with decode steps
+replayed as CUDA graphs (cluster/engine/static_decode.py); in graphs mode a warm-up pass at every
+--streams first captures the buckets the measured runs use.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -34,6 +38,8 @@ from cluster.engine.model.init_model import init_model
 from cluster.engine.sampling_params import SamplingParams
 
 SHAPES = {
+    # a rehearsal model (the script's paths on a CPU in seconds), 4 layers, hidden 64
+    "tiny": dict(layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=512, max_positions=2048),
     # SmolLM2-135M-Instruct (the embedded default), 135M parameters
     "smollm2-shape": dict(layers=30, hidden=576, heads=9, kv_heads=3, intermediate=1536, vocab=49152,
                           tie_embeddings=True, max_positions=2048),
@@ -167,6 +173,25 @@ def profile_decode(engine: LLMEngine, streams: int, plen: int, olen: int, rng: r
     return summary
 
 
+def graph_device_times(static) -> str:
+    """The device's own time for each captured decode step at the largest batch: CUDA events around
+    20 back-to-back replays of the graph (the host is not in the way), per replay."""
+    top = max(b for b, _ in static._graphs)
+    parts = []
+    for (b, w), (graph, _) in sorted(static._graphs.items()):
+        if b != top:
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        parts.append(f"{w} blocks {start.elapsed_time(end) / 20:.2f} ms")
+    return f"device time of one captured decode step, batch {top}: " + ", ".join(parts)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-shape", help=f"a checkpoint dir or one of {', '.join(SHAPES)}")
@@ -183,33 +208,54 @@ def main(argv=None) -> int:
     ap.add_argument("--hf", action="store_true", help="also time transformers' generate")
     ap.add_argument("--profile", default=None, help="write a torch.profiler summary here")
     ap.add_argument("--json", default=None, help="append the rows here (JSON lines)")
+    ap.add_argument("--static-decode", nargs="+", default=["auto"], choices=["auto", "off", "eager", "graphs"],
+                    help="the engine's static_decode, one pdserve arm each (off: every step built dynamically; "
+                         "graphs: decode steps replayed as CUDA graphs)")
     args = ap.parse_args(argv)
 
     d = model_dir(args.model, Path(args.cache), args.dtype)
     top = max(args.streams)
-    t = time.perf_counter()
-    engine = LLMEngine.from_model(str(d), device=args.device, dtype=args.dtype, kv_cache_memory_gb=args.kv_gb,
-                                  max_num_seqs=max(top, 8), max_num_batched_tokens=args.budget,
-                                  max_model_len=args.prompt_tokens + args.output_tokens + 8)
-    params = sum(p.numel() for p in engine.model.parameters())
-    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU x{torch.get_num_threads()} threads"
-    print(f"{args.model}: {params / 1e6:.0f}M parameters, {args.dtype}, {name}, attention {engine.runner.backend.name}; "
-          f"engine ready in {time.perf_counter() - t:.1f} s; prompts {args.prompt_tokens}, outputs {args.output_tokens}",
-          flush=True)
-    rng = random.Random(0)
-    run_pdserve(engine, min(top, 8), 1, args.prompt_tokens, 8, rng)  # warm-up: kernels, allocator
     rows = []
-    for c in args.streams:
-        r = {"model": args.model, "arm": "pdserve", "streams": c,
-             **run_pdserve(engine, c, args.rounds, args.prompt_tokens, args.output_tokens, rng)}
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-    if args.profile:
-        print(profile_decode(engine, top, args.prompt_tokens, max(args.output_tokens, 17), rng, Path(args.profile), args.device), flush=True)
+    for mode in args.static_decode:
+        engine = static = None  # the last arm's engine and its KV pool go before the next is built
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        t = time.perf_counter()
+        engine = LLMEngine.from_model(str(d), device=args.device, dtype=args.dtype, kv_cache_memory_gb=args.kv_gb,
+                                      max_num_seqs=max(top, 8), max_num_batched_tokens=args.budget,
+                                      max_model_len=args.prompt_tokens + max(args.output_tokens, 17) + 8, static_decode=mode)
+        params = sum(p.numel() for p in engine.model.parameters())
+        name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU x{torch.get_num_threads()} threads"
+        static = engine.runner.static
+        path = "dynamic" if static is None else f"static {'graphs' if static.capture else 'eager'}, {static.attention}"
+        arm = f"pdserve-{mode}"
+        print(f"{arm}: {args.model}: {params / 1e6:.0f}M parameters, {args.dtype}, {name}, attention "
+              f"{engine.runner.backend.name}, decode steps {path}; engine ready in {time.perf_counter() - t:.1f} s; "
+              f"prompts {args.prompt_tokens}, outputs {args.output_tokens}", flush=True)
+        rng = random.Random(0)
+        t = time.perf_counter()
+        run_pdserve(engine, min(top, 8), 1, args.prompt_tokens, 8, rng)  # warm-up: kernels, allocator
+        if static is not None and static.capture:  # every bucket and width the measured runs reach, captured
+            for c in args.streams:
+                run_pdserve(engine, c, 1, args.prompt_tokens, args.output_tokens, rng)
+        print(f"{arm}: warm-up {time.perf_counter() - t:.1f} s"
+              + (f", {len(static._graphs)} graphs captured" if static is not None and static.capture else ""), flush=True)
+        for c in args.streams:
+            r = {"model": args.model, "arm": arm, "streams": c,
+                 **run_pdserve(engine, c, args.rounds, args.prompt_tokens, args.output_tokens, rng)}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        if static is not None and static.capture:
+            print(f"{arm}: {graph_device_times(static)}", flush=True)
+        if args.profile:
+            print(profile_decode(engine, top, args.prompt_tokens, max(args.output_tokens, 17), rng,
+                                 Path(f"{args.profile}.{mode}"), args.device), flush=True)
     if args.hf:
         from transformers import AutoModelForCausalLM
 
-        del engine
+        engine = static = None
+        gc.collect()
         hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=getattr(torch, args.dtype)).to(args.device).eval()
         for c in args.streams:
             r = {"model": args.model, "arm": "hf-generate", "streams": c,
@@ -219,18 +265,23 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"\n{'arm':<12} {'streams':>7} {'TTFT p50 ms':>11} {'TTFT p90':>9} {'TPOT p50 ms':>11} {'TPOT p90':>9} "
+    print(f"\n{'arm':<16} {'streams':>7} {'TTFT p50 ms':>11} {'TTFT p90':>9} {'TPOT p50 ms':>11} {'TPOT p90':>9} "
           f"{'out tok/s':>10}")
     for r in rows:
-        print(f"{r['arm']:<12} {r['streams']:>7} {r['ttft_p50_ms']:>11.1f} {r.get('ttft_p90_ms', float('nan')):>9.1f} "
+        print(f"{r['arm']:<16} {r['streams']:>7} {r['ttft_p50_ms']:>11.1f} {r.get('ttft_p90_ms', float('nan')):>9.1f} "
               f"{r['tpot_p50_ms']:>11.2f} {r.get('tpot_p90_ms', float('nan')):>9.2f} {r['out_tok_s']:>10.0f}")
     by = {(r["arm"], r["streams"]): r for r in rows}
+    arms = [f"pdserve-{m}" for m in args.static_decode]
     for c in args.streams:
-        if ("hf-generate", c) in by:
-            p, h = by[("pdserve", c)], by[("hf-generate", c)]
-            print(f"streams {c}: TPOT pdserve/hf {p['tpot_p50_ms'] / h['tpot_p50_ms']:.2f}x, "
-                  f"TTFT pdserve/hf {p['ttft_p50_ms'] / h['ttft_p50_ms']:.2f}x, "
-                  f"throughput pdserve/hf {p['out_tok_s'] / h['out_tok_s']:.2f}x")
+        for a in arms:
+            if ("hf-generate", c) in by:
+                p, h = by[(a, c)], by[("hf-generate", c)]
+                print(f"streams {c}: {a} / hf: TPOT {p['tpot_p50_ms'] / h['tpot_p50_ms']:.2f}x, "
+                      f"TTFT {p['ttft_p50_ms'] / h['ttft_p50_ms']:.2f}x, throughput {p['out_tok_s'] / h['out_tok_s']:.2f}x")
+        if len(arms) > 1:
+            p, q = by[(arms[-1], c)], by[(arms[0], c)]
+            print(f"streams {c}: {arms[-1]} / {arms[0]}: TPOT {p['tpot_p50_ms'] / q['tpot_p50_ms']:.2f}x, "
+                  f"throughput {p['out_tok_s'] / q['out_tok_s']:.2f}x")
     return 0
 
 

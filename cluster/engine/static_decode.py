@@ -1,0 +1,222 @@
+"""The static decode path: decode-only steps on fixed-shape inputs, captured as CUDA graphs.
+
+A decode step of a GPU engine is bound by the host: building the step's tensors from Python lists
+and launching ~20 kernels a layer took 84-95% of a step on an H200 (docs/benchmarks.md, "The GPU
+path"). This path removes both for the common step, every request decoding one token:
+
+- **Persistent batch.** Each running request owns a row of a preallocated block table (host
+  memory, pinned on CUDA) from its first static step until its blocks go (`forget`: it ended, was
+  preempted, or took a multi-token step). A step writes only the blocks a row gained since its last
+  step: one block every `block_size` steps.
+- **Fixed shapes.** A step of n requests runs as a bucket of B >= n rows and a table W blocks wide
+  (both from short lists, below). Per row it sends two int32s (token, position) and W block ids in
+  ONE host-to-device copy; everything else (slots, context lengths) is derived on the device.
+  Padding rows decode token 0 at position 0 into a sink block past the pool's end (the engine
+  allocates one more block than it accounts for), so they write nothing any request reads.
+- **Attention in place.** `attention/paged_decode.py`: a Triton kernel on CUDA reads K/V through
+  the block table (no gather, no host read of lengths); the torch reference elsewhere.
+- **Graphs.** In "graphs" mode each (B, W) is captured once, on first use, into one shared memory
+  pool; a step is then one copy, one replay and the sampler's one read of the sampled ids.
+
+Every other step (prefill chunks, mixed steps, speculative verification, prompt logprobs) takes the
+runner's dynamic path. The sampler runs after the model, outside the graph, on the step's rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cluster.engine.attention.metadata import AttentionMetadata
+from cluster.engine.attention.paged_decode import paged_decode_torch, paged_decode_triton, triton_available
+from cluster.engine.scheduler import ScheduledChunk
+
+log = logging.getLogger(__name__)
+
+# Batch buckets: a step of n requests runs as the first bucket >= n (at most 1.5x the rows; the
+# padding rows cost their share of the linears, nothing in attention). vLLM captures 1, 2, 4 and
+# every multiple of 8; fewer buckets here capture faster, at a little more padding.
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    small = tuple(b for b in BATCH_BUCKETS if b < max_batch)
+    return small + (max_batch,)
+
+
+def width_bucket(blocks: int, max_blocks: int) -> int:
+    """Table width for a step whose longest row needs `blocks` blocks: the next power of two."""
+    return min(1 << max(blocks - 1, 0).bit_length(), max_blocks)
+
+
+@dataclass
+class _Row:
+    index: int  # row of the persistent table
+    blocks: int  # entries of the request's block table already written there
+
+
+class StaticDecodeBackend:
+    """The attention backend of a static step: writes as the torch backend, reads in place."""
+
+    name = "static"
+
+    def __init__(self, attend_fn):
+        self._attend = attend_fn
+
+    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+        idx = (meta.slot_blocks, meta.slot_offsets)
+        k_cache.index_put_(idx, k)
+        v_cache.index_put_(idx, v)
+
+    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        return self._attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+
+
+class StaticDecode:
+    def __init__(self, model, kv_pool: torch.Tensor, block_size: int, max_batch: int, max_model_len: int,
+                 device: torch.device, capture: bool, attention: str = "auto"):
+        """kv_pool: the whole pool, sink block included ([num_blocks + 1, L, 2, block_size, H_kv, D])."""
+        if capture and device.type != "cuda":
+            raise ValueError("static_decode=graphs captures CUDA graphs: it needs a CUDA device")
+        self.model = model
+        self.kv_pool = kv_pool
+        self.sink = kv_pool.shape[0] - 1
+        self.block_size = block_size
+        self.device = device
+        self.capture = capture
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        self.max_blocks = -(-max_model_len // block_size)
+        if attention == "auto":
+            attention = "triton" if device.type == "cuda" and triton_available() else "torch"
+        self.attention = attention
+        fn = paged_decode_triton if attention == "triton" else paged_decode_torch
+        self.backend = StaticDecodeBackend(fn)
+        # The persistent batch: one row per request, written by diff.
+        self._tables = np.full((self.max_batch, self.max_blocks), self.sink, dtype=np.int32)
+        self._rows: dict[str, _Row] = {}
+        self._free = list(range(self.max_batch - 1, -1, -1))
+        # One step's inputs, [B, 2 + W] int32 (token, position, table) in one flat buffer each side.
+        size = self.max_batch * (2 + self.max_blocks)
+        pin = device.type == "cuda"
+        self._stage = torch.empty(size, dtype=torch.int32, pin_memory=pin)
+        self._stage_np = self._stage.numpy()
+        self._inputs = torch.zeros(size, dtype=torch.int32, device=device)
+        self._arange = torch.arange(self.max_batch + 1, dtype=torch.long, device=device)
+        self._cu = self._arange.to(torch.int32)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.steps = 0
+        log.info("static decode: %s, attention %s, batch buckets %s, table up to %d blocks",
+                 "CUDA graphs" if capture else "eager", attention, self.buckets, self.max_blocks)
+
+    # ---- which steps, and the persistent rows -------------------------------------------------
+
+    def takes(self, chunks: list[ScheduledChunk]) -> bool:
+        """A decode-only step of plain rows that fits the largest bucket."""
+        return 0 < len(chunks) <= self.max_batch and all(
+            c.num_tokens == 1 and c.samples and not c.draft and c.request.prompt_logprobs is None for c in chunks)
+
+    def forget(self, request_id: str) -> None:
+        """The request's blocks went (ended, preempted) or it took a step elsewhere: its row is free."""
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self._free.append(row.index)
+
+    def _row(self, request_id: str, table: list[int]) -> int:
+        row = self._rows.get(request_id)
+        if row is None:
+            row = self._rows[request_id] = _Row(self._free.pop(), 0)
+        n = len(table)
+        tables = self._tables[row.index]
+        if n > row.blocks and (row.blocks == 0 or tables[row.blocks - 1] == table[row.blocks - 1]):
+            tables[row.blocks : n] = table[row.blocks :]  # the blocks gained since the last step
+        elif n != row.blocks or tables[n - 1] != table[-1]:
+            tables[:n] = table  # not an extension of what the row holds: write it whole
+        row.blocks = n
+        return row.index
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def run(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]) -> torch.Tensor:
+        """The step's logits, [len(chunks), vocab] float32, rows in `chunks` order."""
+        n = len(chunks)
+        bucket = next(b for b in self.buckets if b >= n)
+        rows = np.empty(n, dtype=np.intp)
+        stage_rows = np.empty((n, 2), dtype=np.int32)
+        longest = 0
+        for i, c in enumerate(chunks):
+            rid = c.request.request_id
+            rows[i] = self._row(rid, block_tables[rid])
+            stage_rows[i, 0] = c.request.all_token_ids[c.start]
+            stage_rows[i, 1] = c.start
+            longest = max(longest, c.start)
+        width = width_bucket(longest // self.block_size + 1, self.max_blocks)
+        size = bucket * (2 + width)
+        stage = self._stage_np[:size].reshape(bucket, 2 + width)
+        stage[:n, :2] = stage_rows
+        stage[:n, 2:] = self._tables[rows, :width]
+        stage[n:, :2] = 0
+        stage[n:, 2:] = self.sink
+        key = (bucket, width)
+        if self.capture and key not in self._graphs:
+            self._capture(key)
+        self._inputs[:size].copy_(self._stage[:size], non_blocking=True)
+        if self.capture:
+            graph, out = self._graphs[key]
+            graph.replay()
+        else:
+            out = self._forward(bucket, width)
+        self.steps += 1
+        return out[:n]
+
+    def _forward(self, bucket: int, width: int) -> torch.Tensor:
+        """The model over the device inputs of a (bucket, width) step; no host reads."""
+        inputs = self._inputs[: bucket * (2 + width)].view(bucket, 2 + width)
+        pos32 = inputs[:, 1]
+        positions = pos32.long()
+        tables = inputs[:, 2:]
+        bs = self.block_size
+        meta = AttentionMetadata(
+            slot_blocks=tables.gather(1, (pos32 // bs)[:, None]).view(bucket).long(),
+            slot_offsets=positions % bs,
+            num_decode=bucket,
+            prefills=(),
+            cu_seqlens_q=self._cu[: bucket + 1],
+            seq_lens=pos32 + 1,
+            block_tables=tables,
+            max_q_len=1,
+            max_seq_len=width * bs,
+            block_size=bs,
+        )
+        return self.model(inputs[:, 0].long(), positions, self.kv_pool, meta, self.backend, self._arange[:bucket])
+
+    def _capture(self, key: tuple[int, int]) -> None:
+        """Capture a (bucket, width) step on padding rows (they write only the sink block)."""
+        bucket, width = key
+        size = bucket * (2 + width)
+        pad = self._inputs[:size].view(bucket, 2 + width)
+        pad[:, :2] = 0
+        pad[:, 2:] = self.sink
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            try:
+                self._forward(bucket, width)  # allocations, kernel choices and Triton's build settle first
+            except Exception:
+                if self.attention != "triton":
+                    raise
+                # A Triton that cannot build this kernel here: the torch reference, logged loudly
+                # (tests/gpu checks the kernel itself on every lent GPU).
+                log.exception("static decode: the Triton kernel failed; attention falls back to torch")
+                self.attention, self.backend = "torch", StaticDecodeBackend(paged_decode_torch)
+            self._forward(bucket, width)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._forward(bucket, width)
+        self._graphs[key] = (graph, out)
+        log.info("static decode: captured batch %d x %d blocks (%d graphs)", bucket, width, len(self._graphs))
