@@ -110,6 +110,8 @@ class StaticDecode:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.steps = 0
+        # Set to a list to time each replay on the device (benchmarks): (batch, start, end) CUDA events.
+        self.replay_events: list | None = None
         log.info("static decode: %s, attention %s, batch buckets %s, table up to %d blocks",
                  "CUDA graphs" if capture else "eager", attention, self.buckets, self.max_blocks)
 
@@ -167,7 +169,14 @@ class StaticDecode:
         self._inputs[:size].copy_(self._stage[:size], non_blocking=True)
         if self.capture:
             graph, out = self._graphs[key]
-            graph.replay()
+            if self.replay_events is None:
+                graph.replay()
+            else:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                self.replay_events.append((n, start, end))
         else:
             out = self._forward(bucket, width)
         self.steps += 1

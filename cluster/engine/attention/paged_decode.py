@@ -4,8 +4,9 @@ Every input is a device tensor of a shape fixed by the step's bucket (batch rows
 blocks), and nothing is read back to the host, so the step can be captured as a CUDA graph:
 
 - `paged_decode_triton` (CUDA): one Triton program per (row, KV head) walks the row's block table
-  and reads K/V in place from the pool, online softmax in float32, the head group of a KV head
-  together (GQA). No gather, no padded copy; a row reads only its own `seq_lens[b]` keys.
+  and reads K/V in place from the pool, TILE keys at a time, online softmax in float32. The KV
+  head's query heads (GQA) are one tile padded to 16 rows, so both products run on tensor cores
+  (float32 in IEEE precision). No gather, no padded copy; a row reads only its own keys.
 - `paged_decode_torch` (CPU, and CUDA where Triton is missing): the reference. It gathers the W
   blocks of every row (index_select of whole blocks) and masks keys past each row's length on the
   device; the gather is what the Triton kernel removes.
@@ -59,55 +60,55 @@ def _kernel():
         scale,
         PAGE: tl.constexpr,  # tokens per KV block
         GROUP: tl.constexpr,  # query heads per KV head
-        GROUP_PAD: tl.constexpr,
+        BLOCK_H: tl.constexpr,  # GROUP padded to a tensor-core tile (>= 16)
         D: tl.constexpr,
-        D_PAD: tl.constexpr,
         TILE: tl.constexpr,  # keys per iteration
+        PRECISION: tl.constexpr,  # "ieee" for float32 (exact to float32), else "tf32" (unused for bf16/fp16)
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         seq_len = tl.load(lens_ptr + b)
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, D_PAD)
+        g = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, D)
         gmask = g < GROUP
-        dmask = d < D
         heads = kvh * GROUP + g
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)  # [G, D]
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+        # the head group's queries as one [BLOCK_H, D] tile (padding heads are zeros, never stored)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
         for start in range(0, seq_len, TILE):
             t = start + tl.arange(0, TILE)
             tmask = t < seq_len
             block = tl.load(tables_ptr + b * stride_tb + t // PAGE, mask=tmask, other=0).to(tl.int64)
             slot = t % PAGE
-            kv_mask = tmask[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + block[:, None] * stride_kn + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                        mask=kv_mask, other=0.0).to(tl.float32)  # [TILE, D]
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, TILE]
+            kt = tl.load(k_ptr + block[None, :] * stride_kn + slot[None, :] * stride_ks + kvh * stride_kh + d[:, None],
+                         mask=tmask[None, :], other=0.0)  # [D, TILE]: K transposed
+            s = tl.dot(q, kt, input_precision=PRECISION) * scale  # [BLOCK_H, TILE] float32
             s = tl.where(tmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             v = tl.load(v_ptr + block[:, None] * stride_vn + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                        mask=kv_mask, other=0.0).to(tl.float32)  # [TILE, D]
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                        mask=tmask[:, None], other=0.0)  # [TILE, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
         out = acc / l[:, None]
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
     return triton, paged_decode_kernel
 
 
-def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale: float, tile: int = 32) -> torch.Tensor:
+def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale: float, tile: int = 64) -> torch.Tensor:
     triton, kernel = _kernel()
     b, h, d = q.shape
     bs, hkv = k_cache.shape[1:3]
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
         raise ValueError("paged_decode_triton needs the head dimension contiguous")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"paged_decode_triton needs a power-of-two head_dim >= 16, not {d}")
     group = h // hkv
     out = torch.empty_like(q)
     kernel[(b, hkv)](
@@ -118,7 +119,7 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale: floa
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         scale,
-        PAGE=bs, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), D=d, D_PAD=triton.next_power_of_2(d),
-        TILE=tile, num_warps=4,
+        PAGE=bs, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=d, TILE=tile,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )
     return out

@@ -1,6 +1,7 @@
 """The host's share of a decode step, measured on the CPU (issue 40's first deliverable).
 
     python -m cluster.tools.bench.host_overhead --streams 1 32 128 256 [--layers 16|30] [--steps 30]
+        [--device cuda --static-decode off graphs]
 
 Runs the engine's GPU code path (attention_backend torch, model_ops torch: the ops a CUDA step
 launches, not the fused CPU kernels) on a random Llama checkpoint whose compute is negligible: the
@@ -15,6 +16,10 @@ cost per request, (step(N) - step(1)) / N, i.e. what each request adds on top of
 step (the launches); and the process's CPU time per step (time.process_time over the timed steps:
 the load generator is this same thread, so it is the engine's and the generator's together; with
 one torch thread it should equal the wall time, a check that nothing else ran).
+
+On a GPU (--device cuda) the same steps measure the host directly: the device's work is a few
+microseconds a kernel, so a step's wall time is the host's (and, with --static-decode graphs, what
+a captured step leaves of it: one input copy, one replay, the sampler's read, the engine's Python).
 
 No Ray, no router: LLMEngine directly.
 """
@@ -46,11 +51,11 @@ def checkpoint(cache: Path, layers: int, hidden: int, vocab: int) -> Path:
     return d
 
 
-def make_engine(model: Path, max_seqs: int, max_len: int) -> LLMEngine:
+def make_engine(model: Path, max_seqs: int, max_len: int, device: str = "cpu", static_decode: str = "off") -> LLMEngine:
     return LLMEngine.from_model(
-        str(model), device="cpu", dtype="float32", attention_backend="torch", model_ops="torch",
+        str(model), device=device, dtype="float32", attention_backend="torch", model_ops="torch",
         max_num_seqs=max_seqs, max_num_batched_tokens=max(8192, 32 * max_seqs), max_model_len=max_len,
-        kv_cache_memory_gb=0.5,
+        kv_cache_memory_gb=0.5, static_decode=static_decode,
     )
 
 
@@ -92,17 +97,29 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: the issue's setup)")
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "pdserve-host-overhead"))
     ap.add_argument("--json", default=None, help="append the rows here (JSON lines)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the same steps with a GPU doing the ops")
+    ap.add_argument("--static-decode", nargs="+", default=["off"], choices=["off", "eager", "graphs"],
+                    help="one run per mode (graphs: CUDA only)")
     args = ap.parse_args(argv)
+    for mode in args.static_decode:
+        run_mode(args, mode)
+    return 0
 
+
+def run_mode(args, mode: str) -> None:
     torch.set_num_threads(args.threads)
     model = checkpoint(Path(args.cache), args.layers, args.hidden, args.vocab)
     top = max(args.streams)
-    engine = make_engine(model, max(top, 1), args.prompt_tokens + args.warmup + args.steps + 64)
+    engine = make_engine(model, max(top, 1), args.prompt_tokens + args.warmup + args.steps + 64, args.device, mode)
     rng = random.Random(0)
     measure(engine, min(top, 8), args.prompt_tokens, 2, 3, rng)  # warm-up: allocator, first-call paths
+    if mode == "graphs":  # every bucket the measured runs use, captured first
+        for n in args.streams:
+            measure(engine, n, args.prompt_tokens, args.warmup, 2, rng)
     load = os.getloadavg()
-    print(f"{args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, {args.prompt_tokens}-token prompts, "
-          f"greedy; attention {engine.runner.backend.name}, ops {engine.model.ops.name}, "
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    print(f"static_decode={mode} on {name}: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
+          f"{args.prompt_tokens}-token prompts, greedy; attention {engine.runner.backend.name}, ops {engine.model.ops.name}, "
           f"{torch.get_num_threads()} torch thread(s); nproc {os.cpu_count()}, "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     print(f"{'streams':>7} {'step p50 ms':>11} {'step min ms':>11} {'cpu ms/step':>11} {'(step-step1)/N us':>17} "
@@ -120,8 +137,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:
-                f.write(json.dumps({**r, "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab}) + "\n")
-    return 0
+                f.write(json.dumps({**r, "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab,
+                                    "device": args.device, "static_decode": mode}) + "\n")
 
 
 if __name__ == "__main__":

@@ -135,13 +135,18 @@ def profile_decode(engine: LLMEngine, streams: int, plen: int, olen: int, rng: r
     on a CPU run) and how much of the steps' wall time the device was busy."""
     from torch.profiler import ProfilerActivity, profile
 
-    sp = SamplingParams(max_tokens=olen, temperature=0, ignore_eos=True)  # >= 17: 16 steps, all decodes
+    sp = SamplingParams(max_tokens=olen, temperature=0, ignore_eos=True)  # >= 33: 32 steps, all decodes
     for i, p in enumerate(prompts(streams, plen, rng)):
         engine.add_request(f"prof{i}", prompt_token_ids=p, sampling=sp)
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()  # prefill everything first: only decode steps are profiled
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     _sync(device)
+    t = time.perf_counter()
+    for _ in range(16):  # the same steps unprofiled first: the profiler's own cost stretches a step
+        engine.step()
+    _sync(device)
+    plain = (time.perf_counter() - t) / 16
     t = time.perf_counter()
     with profile(activities=acts) as prof:
         for _ in range(16):
@@ -166,30 +171,24 @@ def profile_decode(engine: LLMEngine, streams: int, plen: int, olen: int, rng: r
     except (AttributeError, KeyError, ValueError):  # torch before device_time's name
         table = ev.table(sort_by=key.replace("device", "cuda"), row_limit=20)
     launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
-    summary = (f"16 decode steps x {streams} streams: wall {wall * 1e3:.1f} ms ({wall / 16 * 1e3:.2f} ms/step); "
+    summary = (f"16 decode steps x {streams} streams: unprofiled {plain * 1e3:.2f} ms/step; profiled: "
+               f"wall {wall * 1e3:.1f} ms ({wall / 16 * 1e3:.2f} ms/step); "
                f"{'device busy' if on_device else 'CPU op time'} {busy_us / 1e3:.1f} ms "
                f"({busy_us / 1e6 / wall:.0%} of wall); kernel launches {launches} ({launches / 16:.0f}/step)")
     path.write_text(summary + "\n\n" + table)
     return summary
 
 
-def graph_device_times(static) -> str:
-    """The device's own time for each captured decode step at the largest batch: CUDA events around
-    20 back-to-back replays of the graph (the host is not in the way), per replay."""
-    top = max(b for b, _ in static._graphs)
-    parts = []
-    for (b, w), (graph, _) in sorted(static._graphs.items()):
-        if b != top:
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        parts.append(f"{w} blocks {start.elapsed_time(end) / 20:.2f} ms")
-    return f"device time of one captured decode step, batch {top}: " + ", ".join(parts)
+def graph_device_times(static, streams: int) -> str:
+    """The device's time for the captured decode steps of the last run (CUDA events around each
+    replay, the run's own inputs), at the run's full batch, against their wall time."""
+    torch.cuda.synchronize()
+    full = [s.elapsed_time(e) for n, s, e in static.replay_events if n == streams]
+    static.replay_events = None
+    if not full:
+        return f"no captured step of {streams} rows"
+    return (f"captured decode steps of {streams} rows: {len(full)}, device time p50 {statistics.median(full):.2f} ms "
+            f"(min {min(full):.2f}, max {max(full):.2f})")
 
 
 def main(argv=None) -> int:
@@ -224,7 +223,7 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         engine = LLMEngine.from_model(str(d), device=args.device, dtype=args.dtype, kv_cache_memory_gb=args.kv_gb,
                                       max_num_seqs=max(top, 8), max_num_batched_tokens=args.budget,
-                                      max_model_len=args.prompt_tokens + max(args.output_tokens, 17) + 8, static_decode=mode)
+                                      max_model_len=args.prompt_tokens + max(args.output_tokens, 33) + 8, static_decode=mode)
         params = sum(p.numel() for p in engine.model.parameters())
         name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU x{torch.get_num_threads()} threads"
         static = engine.runner.static
@@ -242,14 +241,16 @@ def main(argv=None) -> int:
         print(f"{arm}: warm-up {time.perf_counter() - t:.1f} s"
               + (f", {len(static._graphs)} graphs captured" if static is not None and static.capture else ""), flush=True)
         for c in args.streams:
+            if static is not None and static.capture:
+                static.replay_events = []
             r = {"model": args.model, "arm": arm, "streams": c,
                  **run_pdserve(engine, c, args.rounds, args.prompt_tokens, args.output_tokens, rng)}
             rows.append(r)
             print(json.dumps(r), flush=True)
-        if static is not None and static.capture:
-            print(f"{arm}: {graph_device_times(static)}", flush=True)
+            if static is not None and static.capture:
+                print(f"{arm}: {graph_device_times(static, c)}; TPOT p50 {r['tpot_p50_ms']:.2f} ms", flush=True)
         if args.profile:
-            print(profile_decode(engine, top, args.prompt_tokens, max(args.output_tokens, 17), rng,
+            print(profile_decode(engine, top, args.prompt_tokens, max(args.output_tokens, 33), rng,
                                  Path(f"{args.profile}.{mode}"), args.device), flush=True)
     if args.hf:
         from transformers import AutoModelForCausalLM
