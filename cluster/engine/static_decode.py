@@ -165,7 +165,11 @@ class StaticDecode:
         stage[n:, 2:] = self.sink
         key = (bucket, width)
         if self.capture and key not in self._graphs:
-            self._capture(key)
+            try:
+                self._capture(key)
+            except Exception:  # captured lazily, mid-serving: a failure degrades to eager, never fails requests
+                log.exception("static decode: capturing batch %d x %d blocks failed; decode steps run eager", *key)
+                self.capture = False
         self._inputs[:size].copy_(self._stage[:size], non_blocking=True)
         if self.capture:
             graph, out = self._graphs[key]

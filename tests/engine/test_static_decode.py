@@ -198,3 +198,22 @@ def test_graphs_need_cuda(tiny_model):
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="CUDA"):
         LLMEngine.from_model(tiny_model, static_decode="graphs", device="cpu", num_blocks=8)
+
+
+def test_a_failed_capture_degrades_to_eager(tiny_model):
+    """Graphs are captured on first use, mid-serving: a capture that raises (another thread's CUDA
+    work invalidating it, say) leaves decode steps eager, with the same tokens, and fails no request."""
+    dynamic, static = pair(tiny_model)
+    st = static.runner.static
+
+    def broken(key):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    st.capture, st._capture = True, broken  # as on CUDA; the first static step tries to capture
+    ps = prompts([5, 20, 33], seed=6)
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in dynamic.generate(ps, sp)]
+    outs = static.generate(ps, sp)
+    assert [o.token_ids for o in outs] == want and {o.finish_reason for o in outs} == {"length"}
+    assert st.capture is False and st.steps == 9
+    assert_whole(static)

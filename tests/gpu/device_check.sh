@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 22's GPU checks in one call of a lent GPU machine (CUDA torch there, no network, no Ray):
 # tests/gpu, TTFT/TPOT against transformers' generate (dynamic steps, then CUDA graphs) with profiles, NIXL in VRAM.
-#   bash tests/gpu/device_check.sh OUTDIR [tests] [latency] [nixl]     (default: all three)
-# Run from the repo root with the wheels in .whl/ (docs/benchmarks.md, "The GPU path", says which).
+#   bash tests/gpu/device_check.sh OUTDIR [tests] [latency] [host] [nixl]     (default: tests latency nixl)
+# Run from the repo root with the wheels in .whl/ (docs/benchmarks.md, "The GPU path", says which), or
+# WHEELS=.whl_app (tests/gpu/app_wheels.py's set, which holds them too).
 # LATENCY_MODELS (default llama-1b) and LATENCY_ARGS narrow the latency part, TESTS_K the tests (pytest -k). Each part has its own time limit, so
 # one that hangs leaves the others their time. At most 7 files in OUTDIR.
 set -u
@@ -11,7 +12,7 @@ shift
 PARTS=${*:-tests latency nixl}
 mkdir -p "$OUT"
 [ -n "${SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
+  --target /tmp/site ${WHEELS:-.whl}/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 TOKENIZERS_PARALLELISM=false
 quiet() { grep -v -E "NIXL INFO|Loading weights|UserWarning|warnings.warn|_warn_once|^\s*$"; }
 has() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -32,6 +33,11 @@ if has latency; then
       --static-decode ${LATENCY_STATIC:-off graphs} --profile "$OUT/profile-$m" ${LATENCY_ARGS:-} 2>&1 | quiet > "$OUT/latency-$m.txt"
     echo "latency $m exit ${PIPESTATUS[0]}"; tail -16 "$OUT/latency-$m.txt"; head -1 "$OUT"/profile-$m.*
   done
+fi
+if has host; then  # the host's share of a decode step: every step built dynamically vs replayed graphs
+  timeout ${HOST_TIMEOUT:-90} python3 -m cluster.tools.bench.host_overhead --device cuda --static-decode off graphs \
+    --streams 1 32 128 256 > "$OUT/host.txt" 2>&1
+  echo "host exit $?"; grep -E "^static|^ +[0-9]+ " "$OUT/host.txt"
 fi
 if has nixl; then
   UCX_PROTO_INFO=y timeout 90 python3 -m cluster.tools.bench.kv_transfer --device cuda --model smollm2-shape \

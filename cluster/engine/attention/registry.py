@@ -5,9 +5,10 @@ pool: 1.20x torch at 64 streams on the 50M benchmark model, 2 threads; docs/benc
 session 11; steps of at most 32 decodes take the fused layers, which use the same kernel whatever
 the backend), else torch. The others are opt-in:
 - flash_attn (CUDA, block_size % 256 == 0): never yet run on a GPU (no wheel on PyPI; its build does
-  not fit a lent machine's time). On an H200 the torch backend's kernels (cuDNN's SDPA and the block
-  gather) run in 5-16% of a decode step's time, the rest is the host launching 300-600 kernels
-  (docs/benchmarks.md, "The GPU path"): no attention kernel moves TPOT until that overhead goes.
+  not fit a lent machine's time).
+On CUDA, decode-only steps do not use the backend's attend: they take the static decode path
+(cluster/engine/static_decode.py, captured as CUDA graphs) with its own paged kernel
+(paged_decode.py); the backend serves prefill chunks and mixed steps.
 """
 
 from __future__ import annotations
