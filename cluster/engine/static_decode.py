@@ -107,7 +107,10 @@ class StaticDecode:
         self._inputs = torch.zeros(size, dtype=torch.int32, device=device)
         self._arange = torch.arange(self.max_batch + 1, dtype=torch.long, device=device)
         self._cu = self._arange.to(torch.int32)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Every step's logits land in one buffer: a graph's own output would stay allocated in the
+        # pool, one [bucket, vocab] float32 tensor per captured shape (65 MB at 128 x 128256).
+        self._logits = torch.empty(self.max_batch, model.lm_head.weight.shape[0], dtype=torch.float32, device=device)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.steps = 0
         # Set to a list to time each replay on the device (benchmarks): (batch, start, end) CUDA events.
@@ -172,7 +175,7 @@ class StaticDecode:
                 self.capture = False
         self._inputs[:size].copy_(self._stage[:size], non_blocking=True)
         if self.capture:
-            graph, out = self._graphs[key]
+            graph = self._graphs[key]
             if self.replay_events is None:
                 graph.replay()
             else:
@@ -182,12 +185,13 @@ class StaticDecode:
                 end.record()
                 self.replay_events.append((n, start, end))
         else:
-            out = self._forward(bucket, width)
+            self._forward(bucket, width)
         self.steps += 1
-        return out[:n]
+        return self._logits[:n]
 
-    def _forward(self, bucket: int, width: int) -> torch.Tensor:
-        """The model over the device inputs of a (bucket, width) step; no host reads."""
+    def _forward(self, bucket: int, width: int) -> None:
+        """The model over the device inputs of a (bucket, width) step, its logits into the buffer;
+        no host reads."""
         inputs = self._inputs[: bucket * (2 + width)].view(bucket, 2 + width)
         pos32 = inputs[:, 1]
         positions = pos32.long()
@@ -205,7 +209,8 @@ class StaticDecode:
             max_seq_len=width * bs,
             block_size=bs,
         )
-        return self.model(inputs[:, 0].long(), positions, self.kv_pool, meta, self.backend, self._arange[:bucket])
+        logits = self.model(inputs[:, 0].long(), positions, self.kv_pool, meta, self.backend, self._arange[:bucket])
+        self._logits[:bucket].copy_(logits)
 
     def _capture(self, key: tuple[int, int]) -> None:
         """Capture a (bucket, width) step on padding rows (they write only the sink block)."""
@@ -230,6 +235,6 @@ class StaticDecode:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._forward(bucket, width)
-        self._graphs[key] = (graph, out)
+            self._forward(bucket, width)
+        self._graphs[key] = graph
         log.info("static decode: captured batch %d x %d blocks (%d graphs)", bucket, width, len(self._graphs))

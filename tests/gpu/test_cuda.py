@@ -75,7 +75,7 @@ def run(model: str, device: str, dtype: str, backend: str, prompts=PROMPTS, stat
     orig = eng.runner.sampler.sample
 
     def capture(logits, reqs):
-        cpu = logits.float().cpu()
+        cpu = logits.float().cpu().clone()  # the static path reuses its logits buffer every step
         for i, r in enumerate(reqs):
             rows.setdefault(r.request_id, []).append(cpu[i])
         return orig(logits, reqs)
