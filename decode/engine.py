@@ -165,7 +165,9 @@ class DecodeEngine:
         return token
 
     def service(self) -> None:
-        """Every loop turn: abandoned READs that settled give their quarantined blocks back."""
+        """Every loop turn: completed READs' leases are ended (prefill is told); abandoned READs
+        that settled give their quarantined blocks back."""
+        self.transport.send_notices()
         for token in self.transport.poll_abandoned():
             self.engine.release_quarantine(token)
 

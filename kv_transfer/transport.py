@@ -5,9 +5,10 @@ every block is one descriptor (a block of all layers is one contiguous region). 
 that serves leases from its host tier (kv_tiers.lease_from_host) registers that arena too: its
 slots follow the pool's blocks in the descriptor list a peer prepares (DRAM pools only), so a
 handle's block id num_blocks + s reads host slot s, in the same READ as device blocks. Decode pulls
-(NIXL READ) the blocks it lacks; the READ carries a notification that tells prefill it may
-release the lease. Remote agents are cached per engine id and replaced when the peer comes back
-as a new incarnation.
+(NIXL READ) the blocks it lacks; once the READ is done, a notice tells prefill it may release the
+lease. Notices go out from a second agent that posts no transfers (kv_transfer/notices.py: on the
+READ's own agent each pull waited for the peer's loop). Remote agents are cached per engine id and
+replaced when the peer comes back as a new incarnation.
 
 A READ that its request no longer waits for (aborted, failed, timed out) may still be writing
 the local blocks, on RDMA long after the request is gone. Such a pull is *abandoned*: the caller
@@ -32,6 +33,7 @@ import torch
 from kv_transfer.errors import KVTransferError
 from kv_transfer.handle import KVHandle, KVLayout, PeerInfo
 from kv_transfer.metadata_store import MetadataStore
+from kv_transfer.notices import DONE, RELEASE, LeaseNotices, NoticeSender
 from kv_transfer.stats import TransferStats
 from kv_transfer.transports import check_required, enable_cuda_ipc_reads
 
@@ -45,20 +47,11 @@ class _Remote:
     dlist: object  # prepared descriptor list over all of the peer's blocks
 
 
-@dataclass(frozen=True)
-class LeaseNotices:
-    """Prefill side: request ids whose READ completed (`done`: the blocks may be reused now), and
-    ids a decode engine let go of while a READ of its may still be reading (`released`: reuse
-    only after the grace period)."""
-
-    done: list[str]
-    released: list[str]
-
-
 @dataclass
 class PendingPull:
     request_id: str
     peer: str  # engine id
+    peer_agent: str  # its agent's name: where the "done" notice goes
     handle: object  # NIXL transfer handle
     num_blocks: int
     num_bytes: int
@@ -124,6 +117,8 @@ class NixlTransport:
             self.host_base_addr, self.host_num_blocks = host_cache.data_ptr(), host_cache.shape[0]
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._block_descs(self.base_addr, self.num_blocks), self.mem_type)
         self._remotes: dict[str, _Remote] = {}
+        self._notices: NoticeSender | None = None  # made with the first peer (decode side only)
+        self._unsent: list[tuple[str, str, str]] = []  # "done" notices of completed READs (send_notices)
         self._abandoned: dict[int, PendingPull] = {}  # quarantine token -> unsettled READ
         store.publish(self.info())
         log.info(
@@ -166,11 +161,16 @@ class NixlTransport:
             if info.host_num_blocks:  # its host tier's slots follow its blocks (DRAM peers only)
                 descs += self._block_descs(info.host_base_addr, info.host_num_blocks)
             dlist = self.agent.prep_xfer_dlist(name, descs, info.mem_type)
+            if self._notices is None:
+                self._notices = NoticeSender(f"{self.agent_name}-notices")
+            self._notices.add_peer(info.agent_metadata)
         except Exception as e:  # unreachable or dead peer
-            try:
-                self.agent.remove_remote_agent(info.agent_name)
-            except Exception:  # noqa: BLE001 — it may never have been added
-                pass
+            for agent in (self.agent, self._notices.agent if self._notices else None):
+                try:
+                    if agent is not None:
+                        agent.remove_remote_agent(info.agent_name)
+                except Exception:  # noqa: BLE001 — it may never have been added
+                    pass
             raise KVTransferError(f"handshake with {handle.engine_id} failed: {e}") from e
         remote = self._remotes[handle.engine_id] = _Remote(info, name, dlist)
         return remote
@@ -180,7 +180,8 @@ class NixlTransport:
         if remote is None:
             return
         for release in (lambda: self.agent.release_dlist_handle(remote.dlist),
-                        lambda: self.agent.remove_remote_agent(remote.agent_name)):
+                        lambda: self.agent.remove_remote_agent(remote.agent_name),
+                        lambda: self._notices.remove_peer(remote.agent_name)):
             try:
                 release()
             except Exception as e:  # a dead peer's state is dropped whatever NIXL says
@@ -194,15 +195,15 @@ class NixlTransport:
     def start_pull(
         self, handle: KVHandle, remote_blocks: list[int], local_blocks: list[int], timeout_s: float
     ) -> PendingPull:
-        """Post a READ of remote_blocks into local_blocks; completion notifies the prefill side."""
+        """Post a READ of remote_blocks into local_blocks; its completion (poll) notifies the prefill
+        side. No notice rides on the READ itself: see kv_transfer/notices.py."""
         assert len(remote_blocks) == len(local_blocks)
         remote = self._remote(handle)
-        notif = f"done:{handle.request_id}".encode()
         started = time.monotonic()  # before posting: over shared memory the copy runs inside transfer()
         try:
             xfer = self.agent.make_prepped_xfer(
                 "READ", self._local, np.asarray(local_blocks, dtype=np.int32),
-                remote.dlist, np.asarray(remote_blocks, dtype=np.int32), notif_msg=notif,
+                remote.dlist, np.asarray(remote_blocks, dtype=np.int32),
             )
             state = self.agent.transfer(xfer)
         except Exception as e:
@@ -211,7 +212,7 @@ class NixlTransport:
         if state == "ERR":
             self._forget(handle.engine_id)
             raise KVTransferError(f"posting READ from {handle.engine_id} failed")
-        return PendingPull(handle.request_id, handle.engine_id, xfer, len(local_blocks),
+        return PendingPull(handle.request_id, handle.engine_id, remote.agent_name, xfer, len(local_blocks),
                            len(local_blocks) * self.block_bytes, started, started + timeout_s)
 
     def poll(self, pull: PendingPull) -> bool:
@@ -225,13 +226,14 @@ class NixlTransport:
             self.stats.pulls_failed += 1
             raise KVTransferError(f"READ from {pull.peer} failed: {e}") from e
         if state == "DONE":
+            took = time.monotonic() - pull.started  # posted -> seen complete (telemetry and cleanup after)
             if self.telemetry:  # how many descriptors NIXL actually used (after merging)
                 self.stats.descriptors_used += self.agent.get_xfer_telemetry(pull.handle).descCount
             self._release(pull)
+            self._unsent.append((pull.peer_agent, DONE, pull.request_id))  # the lease may end now
             self.stats.pulls_ok += 1
             self.stats.blocks_pulled += pull.num_blocks
             self.stats.bytes_pulled += pull.num_bytes
-            took = time.monotonic() - pull.started
             self.stats.last_pull_s = took
             self.stats.pull_seconds_sum += took
             self.stats.pull_seconds_max = max(self.stats.pull_seconds_max, took)
@@ -269,11 +271,21 @@ class NixlTransport:
         self._abandoned[token] = pull
         self.stats.pulls_abandoned += 1
 
+    def send_notices(self) -> None:
+        """Tell prefill engines which READs completed since the last call (their leases end).
+        Called once a loop turn, not from poll: posting a notice costs this thread ~0.1 ms on a
+        CPU (docs/benchmarks.md), which a pulled request need not wait for to join its batch."""
+        if self._unsent:
+            unsent, self._unsent = self._unsent, []
+            self._notices.send(unsent)
+
     def poll_abandoned(self) -> list[int]:
         """Tokens of abandoned READs that settled since the last call (their quarantine may end):
         NIXL reported them done or failed, or their deadline passed and NIXL cancelled them."""
-        # Also progress UCX: a notification sent with nothing else to progress it (a release
-        # after a fallback) would otherwise sit in the worker until the next transfer.
+        # Also progress UCX: a notice sent with nothing else to progress it (a release after a
+        # fallback, a "done" while the loop only decodes) would otherwise sit in the worker.
+        if self._notices is not None:
+            self._notices.progress()
         try:
             self.agent.get_new_notifs()  # decode receives none; this only makes progress
         except Exception as e:  # noqa: BLE001
@@ -301,26 +313,18 @@ class NixlTransport:
         """Best effort: tell prefill we will not pull (fallback, abort), so it ends the lease
         early. `read_settled` False: a READ of ours may still be reading those blocks (abandoned),
         so prefill keeps them for its grace period before reuse."""
-        kind = "done" if read_settled else "release"
         try:
             remote = self._remote(handle)
-            self.agent.send_notif(remote.agent_name, f"{kind}:{handle.request_id}".encode())
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 — best effort: the lease expires instead
             log.debug("release notification to %s not sent: %s", handle.engine_id, e)
+            return
+        self._notices.send([(remote.agent_name, DONE if read_settled else RELEASE, handle.request_id)])
 
     # ---- prefill side ------------------------------------------------------------------------
 
     def lease_notices(self) -> LeaseNotices:
         """What decode engines said about leases since the last call (from notifications)."""
-        done, released = [], []
-        for msgs in self.agent.get_new_notifs().values():
-            for m in msgs:
-                kind, _, rid = m.decode(errors="replace").partition(":")
-                if kind == "done":
-                    done.append(rid)
-                elif kind == "release":
-                    released.append(rid)
-        return LeaseNotices(done, released)
+        return LeaseNotices.parse(self.agent.get_new_notifs())
 
     def close(self) -> None:
         for engine_id in list(self._remotes):
