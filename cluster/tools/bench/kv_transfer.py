@@ -3,23 +3,30 @@
     python -m cluster.tools.bench.kv_transfer [--lengths 128 512 1024 2048 4096] [--bulk-mib 256]
     python -m cluster.tools.bench.kv_transfer --device cuda --model smollm2-shape --dtype bfloat16 \
         --bulk-mib 1 4 16 64 256 1024          (a GPU machine: both pools and the bulk region in VRAM)
+    python -m cluster.tools.bench.kv_transfer --lengths 16 128 --bulk-mib --reps 21   (the fixed cost)
 
 Part 1 (engines): a prefill engine in a child process prefills each prompt; this process's
 decode engine pulls all of its blocks (own prefix cache emptied first) with one NIXL READ. For
 each length: bytes moved, pull time and bandwidth, a torch copy of the same number of bytes in
 this process from cold memory (the memcpy arm; see memcpy_gbps) and the ratio, the cache-hot copy
 beside it, descriptors per block, and the prefill time of the same prompt beside the transfer.
+Then, in the same run, the bulk arm of the same bytes: a bare NIXL READ of that many contiguous
+bytes between two agents in two processes (one descriptor, no engine), and the pull's fixed cost,
+engine pull minus that READ: what pdserve adds to moving the bytes. This process's CPU seconds
+per wall second over the engine arm and the machine's load average are printed with it.
 Part 2 (bulk): one contiguous region per --bulk-mib size registered in both processes and pulled
 as one descriptor, against a torch copy of the same size in one process (on CUDA a device-to-device
 cudaMemcpy, timed with events, from a window of a buffer larger than L2 that moves each time).
 On CUDA, set UCX_PROTO_INFO=y to see which UCX transport carried the bytes (cuda_ipc, cuda_copy).
 Only the pull is timed (post + completion), never the handshake: each peer is warmed up first.
+All agents run without NIXL's progress thread, as pdserve's do (kv_transfer.progress_thread).
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import time
 from pathlib import Path
@@ -111,6 +118,7 @@ def bench_engines(model_dir: str, lengths: list[int], store: Path, reps: int, th
     rows = []
     try:
         _pull_once(prefill, decode, [1] * 64, sp, "warm")
+        cpu0, wall0 = time.process_time(), time.perf_counter()
         for n in lengths:
             samples, prefill_s = [], []
             for r in range(reps):
@@ -124,6 +132,9 @@ def bench_engines(model_dir: str, lengths: list[int], store: Path, reps: int, th
                          "pull_ms": pull * 1e3, "nixl_gbps": nbytes / pull / 1e9, "memcpy_gbps": cold,
                          "memcpy_hot_gbps": hot, "ratio": nbytes / pull / 1e9 / cold,
                          "prefill_ms": statistics.median(prefill_s) * 1e3})
+        cpu = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+        for r in rows:
+            r["cpu_per_wall"] = cpu  # this process (decode engine + load), over the whole engine arm
     finally:
         transport.close()
         prefill.close()
@@ -138,8 +149,10 @@ def _pull_once(prefill, decode, prompt, sp, rid):
     st = decode.transport.stats
     before = (st.pulls_ok, st.bytes_pulled, st.blocks_pulled, st.descriptors_used)
     decode.submit(rid, prompt, sp, res.handle)
-    while decode.has_unfinished():
+    while decode.has_unfinished():  # as the engine loop turns: service (lease notices out), step
+        decode.service()
         decode.step()
+    decode.service()
     assert st.pulls_ok == before[0] + 1, "the pull did not complete"
     return (st.last_pull_s, dt_prefill, st.bytes_pulled - before[1], st.blocks_pulled - before[2],
             st.descriptors_used - before[3])
@@ -148,51 +161,91 @@ def _pull_once(prefill, decode, prompt, sp, rid):
 def _bulk_peer(conn, nbytes: int, threads: int, device: str):
     from nixl._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent(f"bulk-src-{nbytes}", nixl_agent_config(backends=["UCX"], num_threads=threads))
+    agent = nixl_agent(f"bulk-src-{nbytes}", nixl_agent_config(backends=["UCX"], num_threads=threads,
+                                                              enable_prog_thread=False))
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(3.0)
     agent.register_memory(src)
     conn.send((agent.get_agent_metadata(), src.data_ptr()))
-    conn.recv()  # until told to exit
+    while not conn.poll(0.01):  # until told to exit; progress meanwhile, as a prefill's loop would
+        agent.get_new_notifs()
+    conn.recv()
+
+
+class BulkReads:
+    """A region of `nbytes` registered in a child process and in this one: times bare NIXL READs
+    of its first n bytes as one descriptor (the transport's own cost, no engine around it)."""
+
+    def __init__(self, nbytes: int, threads: int, device: str = "cpu"):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        if device.startswith("cuda"):
+            enable_cuda_ipc_reads()  # as NixlTransport does for a VRAM pool (the child inherits it)
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_bulk_peer, args=(child, nbytes, threads, device), daemon=True)
+        self.proc.start()
+        md, self.remote_addr = self.conn.recv()
+        self.agent = nixl_agent(f"bulk-dst-{threads}-{nbytes}", nixl_agent_config(
+            backends=["UCX"], num_threads=threads, enable_prog_thread=False))
+        self.dst = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        self.agent.register_memory(self.dst)
+        self.name = self.agent.add_remote_agent(md)
+        self.mem, self.dev = ("VRAM", self.dst.device.index or 0) if self.dst.is_cuda else ("DRAM", 0)
+
+    def seconds(self, n: int, reps: int, cold: bool = False) -> float:
+        """Median over `reps` READs of n bytes (after one that sets up the connection). cold: this
+        process writes 64 MiB before each READ (more than L3), evicting its code and data from the
+        CPU caches as a model step does before an engine pull on a CPU; only the READ is timed."""
+        evict = torch.empty(16 * 2**20, dtype=torch.float32) if cold else None
+        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(self.dst.data_ptr(), n, self.dev)], self.mem)
+        remote = self.agent.prep_xfer_dlist(self.name, [(self.remote_addr, n, self.dev)], self.mem)
+        self.dst.fill_(0.0)
+        times = []
+        for i in range(reps + 1):
+            if evict is not None:
+                evict.fill_(float(i))
+            t = time.perf_counter()
+            h = self.agent.make_prepped_xfer("READ", local, [0], remote, [0])
+            state = self.agent.transfer(h)
+            while state != "DONE":
+                state = self.agent.check_xfer_state(h)
+                assert state != "ERR"
+            dt = time.perf_counter() - t
+            self.agent.release_xfer_handle(h)
+            if i:
+                times.append(dt)
+        assert bool((self.dst[:n // 4] == 3.0).all()), "bulk READ moved the wrong bytes"
+        self.agent.release_dlist_handle(local)
+        self.agent.release_dlist_handle(remote)
+        return statistics.median(times)
+
+    def close(self) -> None:
+        self.conn.send("exit")
+        self.proc.join(10)
 
 
 def bench_bulk(nbytes: int, reps: int, threads: int, device: str = "cpu") -> dict:
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    # The copy arm first: the agents below run NIXL's progress threads, which busy-poll the cores a
-    # CPU copy needs (measured beside them, a 4 MiB memcpy read 0.5 GB/s).
+    # The copy arm first, before any agent exists (a NIXL progress thread, were one on, would
+    # busy-poll the cores a CPU copy needs: beside two, a 4 MiB memcpy read 0.5 GB/s).
     copy = cuda_copy_gbps(nbytes) if device.startswith("cuda") else memcpy_gbps(nbytes)
-    if device.startswith("cuda"):
-        enable_cuda_ipc_reads()  # as NixlTransport does for a VRAM pool (the child inherits it)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_bulk_peer, args=(child, nbytes, threads, device), daemon=True)
-    proc.start()
-    md, remote_addr = parent.recv()
-    agent = nixl_agent(f"bulk-dst-{threads}-{nbytes}", nixl_agent_config(backends=["UCX"], num_threads=threads))
-    dst = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-    agent.register_memory(dst)
-    name = agent.add_remote_agent(md)
-    mem, dev = ("VRAM", dst.device.index or 0) if dst.is_cuda else ("DRAM", 0)
-    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(dst.data_ptr(), nbytes, dev)], mem)
-    remote = agent.prep_xfer_dlist(name, [(remote_addr, nbytes, dev)], mem)
-    times = []
-    dst.fill_(0.0)
-    for i in range(reps + 1):
-        t = time.perf_counter()
-        h = agent.make_prepped_xfer("READ", local, [0], remote, [0])
-        state = agent.transfer(h)
-        while state != "DONE":
-            state = agent.check_xfer_state(h)
-            assert state != "ERR"
-        dt = time.perf_counter() - t
-        agent.release_xfer_handle(h)
-        if i:  # the first one sets up the connection
-            times.append(dt)
-    assert bool((dst == 3.0).all()), "bulk READ moved the wrong bytes"
-    parent.send("exit")
-    proc.join(10)
-    nixl = nbytes / statistics.median(times) / 1e9
+    bulk = BulkReads(nbytes, threads, device)
+    try:
+        nixl = nbytes / bulk.seconds(nbytes, reps) / 1e9
+    finally:
+        bulk.close()
     return {"bytes": nbytes, "nixl_gbps": nixl, "memcpy_gbps": copy, "ratio": nixl / copy}
+
+
+def add_bulk_arm(rows: list[dict], reps: int, threads: int, device: str) -> None:
+    """The same bytes as each engine pull, READ bare; the pull's fixed cost is the difference."""
+    bulk = BulkReads(max(r["bytes"] for r in rows), threads, device)
+    try:
+        for r in rows:
+            r["bulk_ms"] = bulk.seconds(r["bytes"], reps) * 1e3
+            r["bulk_cold_ms"] = bulk.seconds(r["bytes"], reps, cold=True) * 1e3
+            r["fixed_ms"] = r["pull_ms"] - r["bulk_ms"]
+    finally:
+        bulk.close()
 
 
 def main(argv=None) -> int:
@@ -214,16 +267,26 @@ def main(argv=None) -> int:
         d = ensure_bench_model(args.model_dir, max(args.lengths) + 8)
     print(f"UCX transports available: {', '.join(available_transports())}; torch threads {torch.get_num_threads()}")
     for threads in args.nixl_threads:
+        load0 = os.getloadavg()
         with tempfile.TemporaryDirectory() as store:
             rows = bench_engines(str(d), args.lengths, Path(store), args.reps, threads, args.device, args.dtype)
+        add_bulk_arm(rows, args.reps, threads, args.device)
+        load1 = os.getloadavg()
         print(f"\nNIXL num_threads={threads}")
         print(f"{'tokens':>6} {'MiB':>7} {'blocks':>6} {'desc/blk':>8} {'pull ms':>8} {'NIXL GB/s':>9} "
-              f"{'copy GB/s':>11} {'ratio':>6} {'hot memcpy':>10} {'prefill ms':>10}")
+              f"{'copy GB/s':>11} {'ratio':>6} {'hot memcpy':>10} {'prefill ms':>10} "
+              f"{'bulk ms':>8} {'fixed ms':>8} {'pull/bulk':>9} {'cold bulk ms':>12}")
         for r in rows:
             print(f"{r['tokens']:>6} {r['bytes'] / 2**20:>7.2f} {r['blocks']:>6} "
-                  f"{r['descriptors'] / r['blocks']:>8.2f} {r['pull_ms']:>8.2f} {r['nixl_gbps']:>9.2f} "
+                  f"{r['descriptors'] / r['blocks']:>8.2f} {r['pull_ms']:>8.3f} {r['nixl_gbps']:>9.2f} "
                   f"{r['memcpy_gbps']:>11.2f} {r['ratio']:>6.2f} {r['memcpy_hot_gbps']:>10.2f} "
-                  f"{r['prefill_ms']:>10.1f}")
+                  f"{r['prefill_ms']:>10.1f} {r['bulk_ms']:>8.3f} {r['fixed_ms']:>8.3f} "
+                  f"{r['pull_ms'] / r['bulk_ms']:>9.2f} {r['bulk_cold_ms']:>12.3f}")
+        print(f"pull: engine pull, median of {args.reps}; bulk: a bare NIXL READ of the same bytes (one "
+              f"descriptor), median of {args.reps}; fixed = pull - bulk; cold bulk: the same READ after "
+              f"evicting this process's caches (64 MiB written). This process: "
+              f"{rows[0]['cpu_per_wall']:.2f} CPU s per wall s over the engine arm; load average "
+              f"{load0[0]:.2f} before, {load1[0]:.2f} after", flush=True)
         for mib in args.bulk_mib:  # 256 MiB on a CPU: cache plays no part
             b = bench_bulk(mib * 2**20, args.reps, threads, args.device)
             print(f"bulk {mib} MiB, one descriptor: NIXL {b['nixl_gbps']:.2f} GB/s, "
