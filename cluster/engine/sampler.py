@@ -60,7 +60,9 @@ GRAMMAR_EMPTY = RequestFailure(ErrorKind.INTERNAL, "response_format: the grammar
 class Sampler:
     def __init__(self, seed: int, grammars: Grammars | None = None):
         self.grammars = grammars  # None: the engine serves no response_format (refused before here)
+        self._seed = seed
         self._shared = torch.Generator().manual_seed(seed)
+        self._device_gen: torch.Generator | None = None  # created on first use, where the logits are
         self._per_request: dict[str, torch.Generator] = {}
         self._counts = TokenCounts()
         self._bias: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (ids, biases)
@@ -96,8 +98,7 @@ class Sampler:
                 greedy[i] = -3  # its grammar state broke (reported below)
         out = SamplerOutput()
         drawn = [i for i, (req, g_tok) in enumerate(zip(requests, greedy)) if g_tok >= 0 and not req.sampling.greedy]
-        probs = self._probs(logits, [requests[i] for i in drawn], drawn) if drawn else None
-        j = 0
+        draws = self._draws(logits, requests, drawn) if drawn else {}
         for i, (req, g_tok) in enumerate(zip(requests, greedy)):
             rid = req.request_id
             if g_tok == -3:
@@ -107,8 +108,7 @@ class Sampler:
             elif req.sampling.greedy:
                 out.tokens[rid] = g_tok
             else:
-                token = self._draw(probs[j], req)
-                j += 1
+                token = draws[i]
                 if isinstance(token, RequestFailure):
                     out.failed[rid] = token
                 else:
@@ -174,17 +174,44 @@ class Sampler:
                 torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(biases, device=device))
         return cached
 
-    @staticmethod
-    def _probs(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> torch.Tensor:
-        """The sampled rows' filtered distributions, in one batch: [len(rows), V] float32 on CPU."""
+    def _draws(self, logits: torch.Tensor, requests: list[Request], rows: list[int]) -> dict[int, int | RequestFailure]:
+        """A token (or a failure) for each sampled row. The filtered distributions are computed in
+        one batch where the logits are. Rows without a seed draw there too, by an exponential race
+        (argmax of p / q, q ~ Exp(1), a draw from p: one kernel and the step's one read of the ids);
+        a seeded row draws from its own generator on the host, so its tokens do not depend on the
+        batch or the device."""
         dev = logits.device
-        sps = [r.sampling for r in reqs]
-        col = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=dev)[:, None]  # noqa: E731
-        return _filtered_probs(
+        sps = [requests[i].sampling for i in rows]
+        col = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype)[:, None]  # noqa: E731 — host
+        probs = _filtered_probs(
             logits[torch.tensor(rows, device=dev)],
             col([sp.temperature for sp in sps]), col([sp.top_k for sp in sps], torch.long),
             col([sp.top_p for sp in sps]), col([sp.min_p for sp in sps]),
-        ).cpu()
+        )
+        out: dict[int, int | RequestFailure] = {}
+        free = [j for j, sp in enumerate(sps) if sp.seed is None]
+        if free:
+            p = probs if len(free) == len(rows) else probs[torch.tensor(free, device=dev)]
+            race = torch.empty_like(p).exponential_(generator=self._device_generator(dev))
+            ok = torch.isfinite(p).all(dim=-1) & (p >= 0).all(dim=-1) & (p.sum(dim=-1) > 0)
+            for j, token in zip(free, torch.where(ok, (p / race).argmax(dim=-1), -1).tolist()):
+                if token < 0:  # the logits were finite: this request's own sampling numbers broke them
+                    token = _sampling_failure(sps[j], probs[j].cpu(), ValueError("no valid distribution"))
+                out[rows[j]] = token
+        seeded = [j for j, sp in enumerate(sps) if sp.seed is not None]
+        if seeded:
+            host = probs[torch.tensor(seeded, device=dev)].cpu()
+            for k, j in enumerate(seeded):
+                out[rows[j]] = self._draw(host[k], requests[rows[j]])
+        return out
+
+    def _device_generator(self, device: torch.device) -> torch.Generator:
+        """The shared generator of unseeded draws, where the logits are (the host's on a CPU)."""
+        if device.type == "cpu":
+            return self._shared
+        if self._device_gen is None:
+            self._device_gen = torch.Generator(device=device).manual_seed(self._seed)
+        return self._device_gen
 
     def verify(self, logits: torch.Tensor, chunks: list[tuple[Request, tuple[int, ...]]]) -> SamplerOutput:
         """Speculative chunks: logits [sum of 1 + len(draft), V], each request's rows contiguous
@@ -271,7 +298,7 @@ def _sampling_failure(sp, probs: torch.Tensor | None, e: Exception) -> RequestFa
 def _row_probs(row: torch.Tensor, sp) -> torch.Tensor:
     """One row's filtered distribution [V]: the batched filters on a batch of one (the same
     operations as a plain step, so a seeded draw is the same with or without speculation)."""
-    col = lambda v, dtype=torch.float32: torch.tensor([[v]], dtype=dtype, device=row.device)  # noqa: E731
+    col = lambda v, dtype=torch.float32: torch.tensor([[v]], dtype=dtype)  # noqa: E731 — host: no device read
     return _filtered_probs(row[None], col(sp.temperature), col(sp.top_k, torch.long), col(sp.top_p),
                            col(sp.min_p))[0]
 
@@ -369,24 +396,32 @@ def _filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     """logits [R, V]; each parameter a [R, 1] column (top_k 0: off) -> probs [R, V].
 
     Row by row the same operations as on one row: a filter a row does not ask for leaves it
-    untouched (min_p 0 drops nothing, top_k off compares against -inf, top_p only on rows below 1)."""
+    untouched (min_p 0 drops nothing, top_k off compares against -inf, top_p only on rows below 1).
+    Which filters run is read from the columns: given on the host (as the sampler gives them),
+    that reads nothing back from the device."""
+    dev = logits.device
+    vocab = logits.shape[-1]
+    top_k_host = top_k.cpu()
+    k_on_host = (top_k_host > 0) & (top_k_host < vocab)
+    p_rows = (top_p.cpu()[:, 0] < 1.0).nonzero().flatten()
+    any_min_p = bool((min_p.cpu() > 0).any())
+    temperature, top_k, top_p, min_p = (t.to(dev, non_blocking=True) for t in (temperature, top_k, top_p, min_p))
     # Shift before scaling: (x - max) / t <= 0 and the top token's is 0, so no temperature can
     # overflow the row (x / t could: 30 / 1e-38 is inf). Softmax is shift-invariant.
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-    vocab = logits.shape[-1]
-    if bool((min_p > 0).any()):  # vLLM: drop tokens less likely than min_p x the most likely one
+    if any_min_p:  # vLLM: drop tokens less likely than min_p x the most likely one
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    k_on = (top_k > 0) & (top_k < vocab)
-    if bool(k_on.any()):
-        k_max = int(top_k[k_on].max())
+    if bool(k_on_host.any()):
+        k_max = int(top_k_host[k_on_host].max())
+        k_on = k_on_host.to(dev, non_blocking=True)
         top = torch.topk(logits, k_max, dim=-1).values  # [R, k_max]
         kth = top.gather(1, (top_k.clamp(1, k_max) - 1))
         kth = torch.where(k_on, kth, float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    p_rows = (top_p[:, 0] < 1.0).nonzero().flatten()
     if p_rows.numel():
+        p_rows = p_rows.to(dev, non_blocking=True)
         sub = probs[p_rows]
         sorted_p, idx = sub.sort(dim=-1, descending=True)
         # Keep the smallest head whose mass reaches top_p (the top token always stays).

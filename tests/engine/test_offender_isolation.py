@@ -181,3 +181,36 @@ def test_sampler_blames_the_request_when_its_own_sampling_breaks_finite_logits(m
     assert out.failed["bad"].kind == ErrorKind.INVALID_INPUT
     assert out.failed["bad"].reason == (
         "sampling parameters (temperature=0.77, top_k=0, top_p=1.0, min_p=0.0) give no valid probability distribution")
+
+
+def test_an_unseeded_row_whose_numbers_break_fails_alone(monkeypatch):
+    """Unseeded rows draw where the logits are (an exponential race), seeded ones on the host: a
+    broken distribution in either kind fails that request alone, with the same message."""
+    filtered = sampler_module._filtered_probs
+
+    def broken_for_temperature_0_77(logits, temperature, top_k, top_p, min_p):
+        return filtered(logits, temperature, top_k, top_p, min_p).masked_fill(temperature == 0.77, float("nan"))
+
+    monkeypatch.setattr(sampler_module, "_filtered_probs", broken_for_temperature_0_77)
+    reqs = [_req("bad", SamplingParams(temperature=0.77)), _req("free", SamplingParams(temperature=0.9)),
+            _req("good", SEEDED), _req("greedy", GREEDY)]
+    out = Sampler(0).sample(torch.zeros(4, 8), reqs)
+    assert set(out.tokens) == {"free", "good", "greedy"} and out.tokens["greedy"] == 0
+    assert out.failed["bad"].kind == ErrorKind.INVALID_INPUT
+    assert out.failed["bad"].reason == (
+        "sampling parameters (temperature=0.77, top_k=0, top_p=1.0, min_p=0.0) give no valid probability distribution")
+
+
+def test_unseeded_draws_follow_the_distribution():
+    """The exponential race draws token i with probability p_i: 4,000 rows of one distribution
+    (softmax of log [0.5, 0.3, 0.15, 0.05, 0]) at temperature 1, top_k 3: the 4th and 5th never,
+    the others within 4 standard deviations of top_k's renormalised [0.526, 0.316, 0.158]."""
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    logits = p.clamp_min(1e-30).log().repeat(4000, 1)
+    reqs = [_req(f"r{i}", SamplingParams(temperature=1.0, top_k=3)) for i in range(4000)]
+    out = Sampler(0).sample(logits, reqs)
+    counts = torch.bincount(torch.tensor(list(out.tokens.values())), minlength=5)
+    assert counts[3] == 0 and counts[4] == 0 and counts.sum() == 4000
+    want = p[:3] / p[:3].sum()
+    sd = (want * (1 - want) / 4000).sqrt()
+    assert ((counts[:3] / 4000 - want).abs() < 4 * sd).all(), counts.tolist()

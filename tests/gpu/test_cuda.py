@@ -263,3 +263,24 @@ def test_disaggregated_request_over_nixl_between_device_processes(model_dirs, tm
     finally:
         transport.close()
         prefill.close()
+
+
+def test_sampling_on_the_device():
+    """Unseeded rows draw on the device (an exponential race over the filtered distribution: one
+    read of the ids); a seeded row draws on the host from its own generator, so its token equals the
+    CPU's for the same logits."""
+    from cluster.engine.request import Request
+    from cluster.engine.sampler import Sampler
+
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    logits = p.clamp_min(1e-30).log().repeat(4000, 1)
+    reqs = [Request(f"r{i}", [1, 2], SamplingParams(temperature=1.0, top_k=3)) for i in range(4000)]
+    out = Sampler(0).sample(logits.to(DEVICE), reqs)
+    counts = torch.bincount(torch.tensor(list(out.tokens.values())), minlength=5)
+    want = p[:3] / p[:3].sum()
+    sd = (want * (1 - want) / 4000).sqrt()
+    assert counts[3] == 0 and counts[4] == 0 and ((counts[:3] / 4000 - want).abs() < 4 * sd).all(), counts.tolist()
+    seeded = [Request(f"s{i}", [1, 2], SamplingParams(temperature=0.9, top_p=0.8, seed=i)) for i in range(8)]
+    rows = torch.randn(8, 300, generator=torch.Generator().manual_seed(1))
+    on_device = Sampler(0).sample(rows.to(DEVICE), seeded).tokens
+    assert on_device == Sampler(0).sample(rows, seeded).tokens
