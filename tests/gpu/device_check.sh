@@ -41,7 +41,7 @@ if has host; then  # the host's share of a decode step: every step built dynamic
 fi
 if has nixl; then
   UCX_PROTO_INFO=y timeout 90 python3 -m cluster.tools.bench.kv_transfer --device cuda --model smollm2-shape \
-    --dtype bfloat16 --lengths 128 512 1024 2000 --bulk-mib 1 4 16 64 256 1024 --reps 5 > "$OUT/nixl.txt" 2>&1
+    --dtype bfloat16 --lengths 16 128 512 1024 2000 --bulk-mib 1 4 16 64 256 1024 --reps 5 > "$OUT/nixl.txt" 2>&1
   echo "nixl exit $?"
   # the protocol UCX chose for the pull (a READ into GPU memory from GPU memory)
   grep -A6 "remote memory read by ucp_get.* into cuda" "$OUT/nixl.txt" | grep -E "\| [0-9]" | sed -E "s/^\[[^]]*\] +\[[^]]*\] +//" | sort | uniq -c | head -4
