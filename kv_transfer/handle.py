@@ -16,9 +16,10 @@ class KVLayout:
     block_size: int
     dtype: str
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # in this engine's registered pool: with tensor parallelism, rank 0's share
     head_dim: int
     layout: str = "block[L,2,bs,Hkv,D]"  # one block of all layers is one contiguous region
+    tensor_parallel_size: int = 1  # ranks whose pools hold the model's KV heads (only 1 transfers yet)
 
     @property
     def block_bytes(self) -> int:
@@ -28,6 +29,11 @@ class KVLayout:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def check_compatible(self, peer: "KVLayout", peer_name: str) -> None:
+        if self.tensor_parallel_size > 1 or peer.tensor_parallel_size > 1:
+            raise IncompatiblePeerError(
+                f"refusing KV from {peer_name}: its tensor_parallel_size is {peer.tensor_parallel_size}, ours "
+                f"{self.tensor_parallel_size}; KV transfer from or to a tensor-parallel engine is not implemented "
+                "yet (issue 41)")
         for field in ("model_fingerprint", "block_size", "dtype", "num_layers", "num_kv_heads",
                       "head_dim", "layout"):
             mine, theirs = getattr(self, field), getattr(peer, field)

@@ -57,6 +57,11 @@ def _pool_options(name: str, config: AppConfig) -> dict:
         # it (and the router forgets it). Serve's default is 10 s.
         "health_check_period_s": config.health_check_period_s,
     }
+    tp = config.engine_for(name).tensor_parallel_size
+    if tp > 1:  # the replica in bundle 0, worker rank r in bundle r (cluster/serving/tensor_parallel.py)
+        rank = {k: v for k, v in {"CPU": pool.num_cpus, "GPU": pool.num_gpus}.items() if v > 0}
+        opts["placement_group_bundles"] = [{**rank, **pool.resources}] + [rank] * (tp - 1)
+        opts["placement_group_strategy"] = pool.placement_strategy
     if pool.autoscaling is not None:
         opts["autoscaling_config"] = serve_autoscaling_config(name, pool.autoscaling)
     else:
@@ -69,11 +74,12 @@ INGRESS_CPUS = 0.5
 
 def cpus_needed(config: AppConfig) -> int:
     """Ray CPU slots the app asks for at its initial size (for sizing a local Ray instance)."""
-    def pool(p: PoolOptions) -> float:
+    def pool(cfg: AppConfig, name: str) -> float:
+        p: PoolOptions = getattr(cfg, name)
         n = p.autoscaling.max_replicas if p.autoscaling else p.num_replicas
-        return n * p.num_cpus
+        return n * p.num_cpus * cfg.engine_for(name).tensor_parallel_size  # num_cpus is per rank
 
-    engines = sum((pool(v.config.prefill) if v.config.has_prefill_pool else 0.0) + pool(v.config.decode)
+    engines = sum((pool(v.config, "prefill") if v.config.has_prefill_pool else 0.0) + pool(v.config, "decode")
                   for v in resolve_manifests(config).served_versions())
     c = config.guardrail_classifier
     classifier = c.num_replicas * c.num_cpus if config.uses_classifier else 0.0

@@ -55,8 +55,12 @@ class AutoscalingOptions(Strict):
 class PoolOptions(Strict):
     num_replicas: int = Field(1, ge=0, description="0 for the prefill pool: decode prefills locally")
     autoscaling: AutoscalingOptions | None = None
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0, description="Per replica; with engine.tensor_parallel_size N, per rank (N x a replica)")
+    num_gpus: float = Field(0.0, ge=0, description="Per replica; with engine.tensor_parallel_size N, per rank (N x a replica)")
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="With engine.tensor_parallel_size N > 1: how the placement group of a replica's N "
+        "ranks (one bundle of num_cpus and num_gpus each; the pool's custom resources in the first) is laid over "
+        "nodes. STRICT_PACK keeps a replica's collectives on one node")
     resources: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources per replica, e.g. {pdserve_decode: 1}: "
         "the pool runs only on nodes that advertise them (deploy/cluster.yaml)")

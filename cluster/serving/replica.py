@@ -22,11 +22,12 @@ import ray
 
 from cluster.config import AppConfig, TelemetryOptions
 from cluster.engine.config import EngineConfig
-from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.llm_engine import LLMEngine, resolve_device
 from cluster.engine.loop import EngineLoop
 from cluster.serving import faults
 from cluster.serving.registry import RayMetadataStore, get_registry
 from cluster.serving.reporting import LoadReporter
+from cluster.serving.tensor_parallel import RayRanks, guard_group
 from cluster.telemetry import gc_pauses
 from cluster.telemetry.replica import ReplicaTelemetry
 from kv_transfer.layout import engine_layout
@@ -37,8 +38,24 @@ from router.actor import get_router
 log = logging.getLogger(__name__)
 
 
-def build_engine(config: AppConfig, pool: Literal["prefill", "decode"]) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=config.model, **config.engine_for(pool).model_dump()))
+def build_engine(config: AppConfig, pool: Literal["prefill", "decode"],
+                 replica_id: str) -> tuple[LLMEngine, RayRanks | None]:
+    """The pool's engine; with tensor_parallel_size > 1 its worker ranks first, as Ray actors of
+    this replica's placement group (cluster/serving/tensor_parallel.py), which the engine drives,
+    and a failed forward ends the replica (GroupGuard)."""
+    engine_config = EngineConfig(model=config.model, **config.engine_for(pool).model_dump())
+    if engine_config.tensor_parallel_size == 1:
+        return LLMEngine(engine_config), None
+    opts = getattr(config, pool)
+    ranks = RayRanks.start(replica_id, engine_config.tensor_parallel_size, resolve_device(engine_config.device),
+                           num_cpus=opts.num_cpus, num_gpus=opts.num_gpus)
+    try:
+        engine = LLMEngine(engine_config)
+        guard_group(engine)
+        return engine, ranks
+    except Exception:
+        ranks.kill()
+        raise
 
 
 def make_replica_telemetry(options: TelemetryOptions, engine: LLMEngine, transfer_stats: TransferStats,
@@ -66,6 +83,7 @@ class EngineReplica:
 
     pool: Literal["prefill", "decode"]
     idle_poll_s: float | None = None
+    ranks: RayRanks | None = None  # a tensor-parallel replica's worker ranks
 
     def __init__(self, config: dict):
         cfg = AppConfig.model_validate(config)
@@ -75,7 +93,8 @@ class EngineReplica:
         # Calls that named a replica (the router's choice, passed as target_replica) and arrived
         # here: on target, or not (Serve's request router handed the replica to another call)
         self.routed = {"on_target": 0, "off_target": 0}
-        self.engine = engine = build_engine(cfg, self.pool)
+        engine, self.ranks = build_engine(cfg, self.pool, self.replica_id)
+        self.engine = engine
         kv = cfg.kv_transfer
         registry = RayMetadataStore(get_registry(), kv.registry_timeout_s)
         transport = NixlTransport(
@@ -111,8 +130,9 @@ class EngineReplica:
     async def load(self, target_replica: str | None = None) -> dict:
         """This replica's load (`target_replica`, read by the request router, picks the replica)."""
         self.arrived(target_replica)
+        ranks = {} if self.ranks is None else {"rank_nodes": list(self.ranks.nodes)}  # tensor-parallel: rank 0 first
         return {"replica_id": self.replica_id, "routed": dict(self.routed), "gc_pauses": gc_pauses.PAUSES.summary(),
-                **await self.loop.call(self.reporter.report)}
+                **ranks, **await self.loop.call(self.reporter.report)}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom-metrics hook (called only when the pool autoscales): the pool's signals
@@ -131,6 +151,9 @@ class EngineReplica:
         if stalled > self.stuck_loop_s:
             raise RuntimeError(f"{self.pool} engine loop has made no progress for {stalled:.1f} s "
                                f"(stuck_loop_s {self.stuck_loop_s:g})")
+        lost = self.ranks.lost() if self.ranks is not None else None
+        if lost is not None:  # a tensor-parallel replica is whole or dead
+            raise RuntimeError(f"{self.pool} engine: {lost}")
         failed = self.engine.stats.consecutive_step_errors  # an int the loop thread writes: read as is
         if failed >= self.max_consecutive_step_errors:
             raise RuntimeError(f"{self.pool} engine: the last {failed} steps failed "
@@ -163,6 +186,9 @@ class EngineReplica:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.shutdown(timeout=2)
+        ranks = getattr(self, "ranks", None)
+        if ranks is not None:  # a step stuck in a collective with them ends with them
+            ranks.kill()
         try:  # leaving: no more decisions should name this replica (it also goes stale in 3 s)
             get_router().forget.remote(self.replica_id)
         except Exception:  # noqa: BLE001 — best effort while the process ends

@@ -24,15 +24,15 @@ class TensorParallelDriver:
     @classmethod
     def start(cls, config: EngineConfig, mc: ModelConfig, num_blocks: int, max_model_len: int,
               device: torch.device) -> "TensorParallelDriver":
-        """Rank 0 of a group whose workers are waiting (launch.py, or later Ray actors): sends them
+        """Rank 0 of a group whose workers are waiting (launch.py, or a replica's Ray actors): sends them
         the spec, then loads its own shard. A degree the model cannot take is refused first."""
         tp = config.tensor_parallel_size
         check_degree(mc, tp)
         if not dist.is_initialized() or dist.get_world_size() != tp or dist.get_rank() != 0:
             raise RuntimeError(
                 f"tensor_parallel_size {tp} needs this process to be rank 0 of a torch.distributed group of "
-                f"{tp} ranks whose workers run cluster.engine.distributed.worker (see "
-                "cluster.engine.distributed.launch); serving replicas do not start them yet (issue 41)")
+                f"{tp} ranks whose workers run cluster.engine.distributed.worker: started as local processes "
+                "by cluster.engine.distributed.launch, as Ray actors by cluster.serving.tensor_parallel")
         spec = WorkerSpec(config, num_blocks, max_model_len)
         step.send(spec)
         return cls(RankModel.build(spec, 0, device))

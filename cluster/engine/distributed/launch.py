@@ -1,7 +1,7 @@
 """Ranks 1..tp-1 of a tensor-parallel engine as local processes (torch.multiprocessing spawn, gloo
 over 127.0.0.1 on a free port); this process is rank 0 and runs the engine. For tests and the
-benchmark. A Ray replica would start the same worker loop (worker.serve_rank) in tp - 1 actors of
-its placement group and join them to one group the same way.
+benchmark. A Serve replica starts the same worker loop (worker.serve_rank) in tp - 1 Ray actors of
+its placement group and joins them with the same `join_group` (cluster/serving/tensor_parallel.py).
 
 Every wait is bounded: the group's timeout bounds each collective (a hung or dead rank fails the
 driver's next step instead of hanging it), and close() joins with a timeout, then kills.
@@ -32,20 +32,27 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 60.0
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _join_group(rank: int, tp: int, init_method: str, timeout_s: float) -> None:
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=tp,
+def collective_backend(device: torch.device) -> str:
+    """NCCL between GPUs, gloo on CPU (NCCL is the same code path, not yet run: issue 41)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join_group(rank: int, tp: int, init_method: str, timeout_s: float, backend: str = "gloo") -> None:
+    """Join the replica's group; rank 0 hosts the rendezvous at `init_method` (tcp://host:port).
+    Blocks until all tp ranks joined, at most timeout_s, which also bounds every later collective."""
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp,
                             timeout=timedelta(seconds=timeout_s))
 
 
 def _worker_main(rank: int, tp: int, init_method: str, timeout_s: float, threads: int) -> None:
     torch.set_num_threads(threads)
-    _join_group(rank, tp, init_method, timeout_s)
+    join_group(rank, tp, init_method, timeout_s)
     serve_rank(rank, torch.device("cpu"))
     dist.destroy_process_group()
     # A clean stop skips the interpreter's teardown: there, after the last Python frame, a C++
@@ -76,7 +83,7 @@ class LocalRanks:
         for p in procs:
             p.start()
         try:
-            _join_group(0, tp, init_method, timeout_s)
+            join_group(0, tp, init_method, timeout_s)
         except Exception:
             cls(procs).kill()
             raise

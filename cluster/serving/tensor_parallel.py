@@ -1,0 +1,149 @@
+"""The worker ranks of a tensor-parallel Serve replica, as Ray actors of the replica's placement group.
+
+The builder gives a replica whose pool has `tensor_parallel_size` N > 1 a placement group of N
+bundles (cluster/app/builder.py: the replica in bundle 0, rank r in bundle r; STRICT_PACK on one node
+by default). Before building its engine the replica starts ranks 1..N-1 here, each a thin actor
+running the engine's worker loop (cluster/engine/distributed/worker.py), and joins them as rank 0
+over gloo (NCCL on GPUs) at its own node's address; then `LLMEngine` finds the group and drives it as
+it drives local processes (launch.py).
+
+A worker's death is the replica's death. A forward that raises leaves the group out of step (some
+ranks wait in a collective the others left), so nothing can run on it again: `GroupGuard`, put
+around the engine's model from outside, ends the replica's process there and then, before the step
+can end its requests with an error, so their streams see a dead replica and migrate as for any
+dead decode replica. An idle replica learns it from its health check: `RayRanks.lost()` names a
+rank whose loop has ended, the check raises, Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import ray
+import torch
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+# Bounds the rendezvous and every later collective: a rank that stops answering fails the step
+# within this long (the health check, every health_check_period_s, usually notices first).
+GROUP_TIMEOUT_S = 60.0
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class RankActor:
+    """Rank r (1..N-1) of one replica: joins the group, runs the worker loop until the driver's Stop."""
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def run(self, rank: int, tp: int, init_method: str, timeout_s: float, backend: str, device: str,
+            threads: int) -> int:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        from cluster.engine.distributed.launch import join_group  # noqa: PLC0415
+        from cluster.engine.distributed.worker import serve_rank  # noqa: PLC0415
+
+        torch.set_num_threads(threads)
+        join_group(rank, tp, init_method, timeout_s, backend)
+        try:
+            return serve_rank(rank, torch.device(device))
+        finally:
+            dist.destroy_process_group()
+
+
+@dataclass
+class RayRanks:
+    """Ranks 1..N-1 of the calling replica, and the calls running their loops (one per rank)."""
+
+    actors: list
+    loops: list  # ObjectRef of each rank's `run`: ready = that rank's loop ended (stopped, raised, died)
+    nodes: list[str]  # the Ray node of every rank, rank 0 (this replica) first
+
+    @classmethod
+    def start(cls, replica_id: str, tp: int, device: torch.device, num_cpus: float, num_gpus: float,
+              timeout_s: float = GROUP_TIMEOUT_S) -> "RayRanks":
+        """Start the ranks in this replica's placement group (actors named pdserve-tp:<replica>:<rank>)
+        and join them as rank 0: blocks until all are placed and joined, each at most timeout_s."""
+        from cluster.engine.distributed.launch import collective_backend, free_port, join_group  # noqa: PLC0415
+
+        pg = ray.util.get_current_placement_group()
+        if pg is None or pg.bundle_count < tp:
+            raise RuntimeError(
+                f"tensor_parallel_size {tp} needs the replica in a placement group of {tp} bundles (one per rank), "
+                f"which cluster.app.builder gives a pool's deployment; this replica has "
+                f"{'none' if pg is None else f'{pg.bundle_count} bundles'}")
+        host = ray.util.get_node_ip_address()
+        init_method = f"tcp://{host}:{free_port(host)}"
+        backend = collective_backend(device)
+        threads = max(1, int(num_cpus))
+        actors = [RankActor.options(
+            num_cpus=num_cpus, num_gpus=num_gpus, name=f"pdserve-tp:{replica_id}:{r}",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+        ).remote() for r in range(1, tp)]
+        ranks = cls(actors, [], [ray.get_runtime_context().get_node_id()])
+        try:
+            try:
+                ranks.nodes += ray.get([a.node.remote() for a in actors], timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError as e:
+                raise RuntimeError(f"tensor-parallel workers of {replica_id} not placed within {timeout_s:g} s "
+                                   f"(placement group bundles {pg.bundle_specs})") from e
+            ranks.loops = [a.run.remote(r, tp, init_method, timeout_s, backend, device.type, threads)
+                           for r, a in enumerate(actors, start=1)]
+            join_group(0, tp, init_method, timeout_s, backend)
+        except Exception:
+            ranks.kill()
+            raise
+        log.info("tensor-parallel replica: rank 0 and %d worker actors joined at %s (%s)", tp - 1, init_method,
+                 backend)
+        return ranks
+
+    def lost(self) -> str | None:
+        """Why a worker rank is gone (its loop ended: the driver never stops them before the end),
+        or None while every rank runs. Does not block."""
+        ended, _ = ray.wait(self.loops, num_returns=len(self.loops), timeout=0)
+        if not ended:
+            return None
+        rank = self.loops.index(ended[0]) + 1
+        try:
+            steps = ray.get(ended[0], timeout=0)
+        except Exception as e:  # noqa: BLE001 — the actor died or its loop raised: either ends the replica
+            return f"tensor-parallel rank {rank} is gone: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        return f"tensor-parallel rank {rank} stopped after {steps} forwards"
+
+    def kill(self) -> None:
+        """End the worker actors now (the replica is going: nothing of theirs is worth a clean stop)."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+
+class GroupGuard:
+    """The engine's model (the TensorParallelDriver) as the runner calls it, ending the process when
+    a forward raises: the group is then out of step and a later step would hang or mix up
+    collectives. `exit` is injectable for tests."""
+
+    def __init__(self, model, exit: Callable[[int], None] = os._exit):
+        self._model = model
+        self._exit = exit
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self._model(*args, **kwargs)
+        except Exception:
+            log.critical("a tensor-parallel forward failed: the ranks' group is broken, the replica ends",
+                         exc_info=True)
+            sys.stderr.flush()
+            self._exit(70)  # EX_SOFTWARE
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def guard_group(engine) -> None:
+    """Put GroupGuard around a tensor-parallel engine's model, where its runner calls it."""
+    engine.runner.model = GroupGuard(engine.runner.model)

@@ -1,0 +1,123 @@
+"""A Serve replica with tensor_parallel_size 2: its worker rank is a Ray actor in the replica's
+placement group (cluster/serving/tensor_parallel.py). Colocated (KV transfer between tensor-parallel
+replicas is not implemented yet): two decode replicas of tp=2 on the tiny model (4 query, 2 KV
+heads: one KV head a rank).
+
+- Greedy streams equal tp=1's (the in-process engine), both replicas' pools whole afterwards with
+  exactly the configured block count, each replica's ranks on its node.
+- Killing a replica's worker mid-stream ends that replica (the failed forward ends its process),
+  the stream migrates and finishes with the reference tokens.
+- Killing an idle replica's worker fails its health check: Serve replaces it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import ray
+
+from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.sampling_params import SamplingParams
+from protos.pdserve.v1 import generation_pb2 as pb
+from tests.helpers import grpc_stub, serve_replica_ids, wait_for
+
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def app(serve_apps, tiny_model):
+    tp2 = {"num_replicas": 2, "num_cpus": 0.5, "engine": {"tensor_parallel_size": 2}}
+    with serve_apps.run(tiny_model, mode="colocated", decode=tp2, engine={"num_blocks": NUM_BLOCKS},
+                        fault_tolerance={"fault_injection": True}) as cfg:
+        yield cfg
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    engine = LLMEngine.from_model(tiny_model, num_blocks=NUM_BLOCKS)
+
+    def run(prompt, max_tokens):
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        return engine.generate([prompt], sp)[0].token_ids
+
+    return run
+
+
+def prompt(i: int) -> list[int]:
+    return [256] + [(i * 13 + j * 7) % 250 for j in range(4 + 29 * i)]  # 5 .. 120 tokens
+
+
+def request(ids: list[int], max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True))
+
+
+def replica_load(replica: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("decode", "pdserve").load.remote(target_replica=replica).result(timeout_s=30)
+
+
+def workers(replica: str) -> list:
+    """The worker rank actors of a replica (named pdserve-tp:<replica>:<rank>)."""
+    names = sorted((a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith(f"pdserve-tp:{replica}:"))
+    return [ray.get_actor(name, namespace=ns) for name, ns in names]
+
+
+def wait_whole(replicas: list[str]) -> dict[str, dict]:
+    seen: dict[str, dict] = {}
+
+    def whole() -> bool:
+        seen.update({r: replica_load(r) for r in replicas})
+        return all(s["free_blocks"] == s["total_blocks"] and s["running"] == s["waiting"] == 0 for s in seen.values())
+
+    wait_for(whole, f"the replicas' pools whole (last seen {seen})", timeout=30)
+    return seen
+
+
+def test_tp2_replicas_stream_tp1s_tokens_and_their_pools_are_whole(app, reference):
+    prompts = [prompt(i) for i in range(5)]
+    with grpc_stub(app) as stub, concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        streams = list(pool.map(lambda p: [t for r in stub.Generate(request(p, 12), timeout=120)
+                                           for t in r.token_ids], prompts))
+    assert streams == [reference(p, 12) for p in prompts]
+    replicas = serve_replica_ids()["decode"]
+    assert len(replicas) == 2
+    loads = wait_whole(replicas)
+    for r, load in loads.items():
+        assert load["total_blocks"] == NUM_BLOCKS  # blocks of the whole model: every rank holds its heads of each
+        assert load["rank_nodes"] == [load["node_id"]] * 2  # STRICT_PACK: rank 0 (the replica) and rank 1
+        assert len(workers(r)) == 1
+
+
+@pytest.mark.timeout(240)
+def test_killing_a_worker_mid_stream_migrates_the_stream_to_the_reference_tokens(app, reference):
+    from ray import serve
+
+    before = serve_replica_ids()["decode"]
+    handle = serve.get_deployment_handle("decode", "pdserve")
+    for r in before:  # ~10 s streams: the kill lands while the stream runs, not after it ended
+        handle.inject_fault.remote(step_delay_s=0.1, target_replica=r).result(timeout_s=30)
+    ids, max_tokens = prompt(2), 96
+    with grpc_stub(app) as stub:
+        stream = stub.Generate(request(ids, max_tokens), timeout=180)
+        tokens = list(next(stream).token_ids)
+        serving = [r for r in before if replica_load(r)["running"] == 1]
+        assert len(serving) == 1
+        [worker] = workers(serving[0])
+        ray.kill(worker, no_restart=True)
+        tokens += [t for r in stream for t in r.token_ids]
+    assert tokens == reference(ids, max_tokens)
+    wait_for(lambda: serving[0] not in serve_replica_ids().get("decode", []), "the broken replica to be gone", 60)
+
+
+@pytest.mark.timeout(240)
+def test_killing_an_idle_replicas_worker_fails_its_health_check(app):
+    wait_for(lambda: len(serve_replica_ids().get("decode", [])) == 2, "two decode replicas", 120)
+    replicas = serve_replica_ids()["decode"]
+    victim = replicas[0]
+    [worker] = workers(victim)
+    ray.kill(worker, no_restart=True)
+    wait_for(lambda: victim not in serve_replica_ids().get("decode", []), "Serve to replace the replica", 60)
