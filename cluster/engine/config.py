@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.errors import InvalidRequestError
 
+from cluster.engine.distributed.plan import kv_heads_per_rank
 from cluster.engine.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -157,8 +158,11 @@ class EngineOptions(BaseModel):
 
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV block.")
     num_blocks: int | None = Field(
-        None, ge=2, description="KV blocks in the pool (per replica); None = derived from kv_cache_memory_gb.")
-    kv_cache_memory_gb: float = Field(1.0, gt=0, description="KV pool size when num_blocks is None.")
+        None, ge=2, description="KV blocks in the pool (per replica; blocks of the whole model, every rank holding "
+        "its KV heads of each); None = derived from kv_cache_memory_gb.")
+    kv_cache_memory_gb: float = Field(
+        1.0, gt=0, description="KV pool size when num_blocks is None, per device: with tensor_parallel_size > 1 each "
+        "rank's pool, whose blocks hold only its KV heads (so a tp replica holds more blocks of the whole model).")
     max_num_seqs: int = Field(64, ge=1, description="Most requests running at once.")
     max_num_batched_tokens: int = Field(
         512, ge=1, description="Token budget of one engine step (decodes + prefill chunks).")
@@ -190,7 +194,7 @@ class EngineOptions(BaseModel):
         1, ge=1, le=64, description="Ranks the model is sharded over (cluster/engine/distributed/): query heads, "
         "MLP rows and vocabulary split tp ways; KV heads split when tp divides them, replicated when tp is a "
         "multiple of them, else refused. The engine is rank 0 of a torch.distributed group whose other ranks "
-        "run the worker loop; serving replicas do not start them yet (issue 41).")
+        "run the worker loop (a Serve replica starts them as Ray actors in its placement group).")
 
     @model_validator(mode="after")
     def _tiers_need_prefix_caching(self) -> "EngineOptions":
@@ -235,3 +239,10 @@ def kv_dtype(mc: ModelConfig, opts: EngineOptions) -> str:
 def kv_block_bytes(mc: ModelConfig, opts: EngineOptions) -> int:
     """Bytes of one KV block (all layers, K and V) for these engine options."""
     return mc.num_layers * 2 * opts.block_size * mc.num_kv_heads * mc.head_dim * DTYPE_BYTES[kv_dtype(mc, opts)]
+
+
+def kv_block_bytes_per_rank(mc: ModelConfig, opts: EngineOptions) -> int:
+    """Bytes of one block's share on one tensor-parallel rank (its KV heads; the whole block at tp=1):
+    what a device's kv_cache_memory_gb is divided by."""
+    heads = kv_heads_per_rank(mc.num_kv_heads, opts.tensor_parallel_size)
+    return kv_block_bytes(mc, opts) // mc.num_kv_heads * heads

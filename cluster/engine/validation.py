@@ -15,7 +15,7 @@ from cluster.engine.grammar import ResponseFormat, response_format, schema_depth
 from cluster.engine.kv_cache.manager import cdiv
 from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext
 from cluster.engine.sampling_params import SamplingParams
-from cluster.engine.config import EngineOptions, RequestLimits, kv_block_bytes
+from cluster.engine.config import EngineOptions, RequestLimits, kv_block_bytes_per_rank
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.tokenizer import Tokenizer
 from cluster.errors import InvalidRequestError
@@ -40,7 +40,7 @@ class RequestValidator:
         mc = ModelConfig.from_dir(model_dir)
         tok = Tokenizer(model_dir)
         max_len = min(min(o.max_model_len or mc.max_position_embeddings for o in pools), mc.max_position_embeddings)
-        num_blocks = min(o.num_kv_blocks(kv_block_bytes(mc, o)) for o in pools)
+        num_blocks = min(o.num_kv_blocks(kv_block_bytes_per_rank(mc, o)) for o in pools)  # whole-model blocks
         block_sizes = {o.block_size for o in pools}
         if len(block_sizes) != 1:
             raise ValueError(f"pools disagree on block_size: {sorted(block_sizes)}")

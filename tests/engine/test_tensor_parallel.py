@@ -142,3 +142,47 @@ def test_a_dead_worker_fails_the_step_and_the_pool_stays_whole(tiny_model):
         engine.check_invariants()
         assert engine.kv.num_free_blocks == 32 and engine.kv.num_requests() == 0
     assert ranks.exit_codes == [-9]
+
+
+MIB_GB = 2**-10  # kv_cache_memory_gb of 1 MiB
+
+
+def test_kv_capacity_counts_blocks_of_the_whole_model_in_each_devices_memory(tiny_model):
+    """kv_cache_memory_gb is each device's: a rank's block holds only its KV heads, so a replica of
+    tp ranks holds more blocks of the whole model. Tiny model: a block is 8 KiB (2 layers, K and V,
+    16 tokens, 2 KV heads of 16 floats); tp=2 splits the heads (4 KiB a rank), tp=4 replicates
+    them (one head a rank: still 4 KiB, so no more blocks than tp=2)."""
+    from cluster.engine.config import EngineOptions, kv_block_bytes_per_rank
+    from cluster.engine.validation import RequestValidator
+
+    mc = ModelConfig.from_dir(tiny_model)
+    opts = {tp: EngineOptions(tensor_parallel_size=tp, kv_cache_memory_gb=MIB_GB) for tp in (1, 2, 4)}
+    assert [kv_block_bytes_per_rank(mc, o) for o in opts.values()] == [8192, 4096, 4096]
+    assert [RequestValidator.for_model(tiny_model, [o]).num_blocks for o in opts.values()] == [128, 256, 256]
+    # a request must fit the smallest pool it visits: a tp=1 prefill pool beside a tp=2 decode pool
+    assert RequestValidator.for_model(tiny_model, [opts[2], opts[1]]).num_blocks == 128
+
+
+@pytest.mark.timeout(60)
+def test_a_tp2_replica_reports_its_capacity_in_blocks_of_the_whole_model(tiny_model):
+    """What the router and the autoscaler read (LoadReporter.replica_load, EngineLoad.kv_usage):
+    256 blocks of the whole model, each rank's pool 1 MiB (256 blocks of its one KV head)."""
+    from cluster.serving.reporting import LoadReporter
+    from kv_transfer.stats import TransferStats
+
+    config = EngineConfig(model=tiny_model, tensor_parallel_size=2, kv_cache_memory_gb=MIB_GB,
+                          max_num_batched_tokens=24)
+    with tensor_parallel_engine(config, timeout_s=30) as (engine, ranks):
+        reporter = LoadReporter(engine, TransferStats(), "tp2", "decode", registry=None)
+        engine.add_request("r", prompt_token_ids=prompts(seed=7)[3], sampling=GREEDY)  # 64 prompt tokens
+        engine.step()  # its first chunk of 24 tokens: two blocks held
+        held = reporter.replica_load(engine.load(), now=0.0)
+        assert (held.total_blocks, held.free_blocks) == (256, 254)
+        assert engine.load().kv_usage == 2 / 256
+        while engine.has_unfinished():
+            engine.step()
+        idle = reporter.replica_load(engine.load(), now=0.0)
+        assert (idle.total_blocks, idle.free_blocks) == (256, 256)
+        shapes = [r.kv_shape for r in engine.tensor_parallel.reports()]
+    assert shapes == [(256, 2, 2, 16, 1, 16)] * 2  # 256 x 2 x 2 x 16 x 1 x 16 floats = 1 MiB a rank
+    assert ranks.exit_codes == [0]

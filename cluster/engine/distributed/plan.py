@@ -34,11 +34,16 @@ class ShardPlan:
         replicas = max(1, tp // mc.num_kv_heads)
         heads = mc.num_heads // tp
         vocab_shard = -(-mc.vocab_size // tp)
-        kv_heads = max(1, mc.num_kv_heads // tp)
+        kv_heads = kv_heads_per_rank(mc.num_kv_heads, tp)
         return cls(tp=tp, rank=rank, num_heads=heads, num_kv_heads=kv_heads,
                    kv_replicas=replicas, head_start=rank * heads, kv_head_start=(rank // replicas) * kv_heads,
                    intermediate=mc.intermediate_size // tp, vocab_shard=vocab_shard,
                    vocab_start=rank * vocab_shard)
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+    """KV heads in each rank's pool: split when tp divides them, one (replicated) when tp is a multiple."""
+    return max(1, num_kv_heads // tp)
 
 
 def check_degree(mc: ModelConfig, tp: int) -> None:
