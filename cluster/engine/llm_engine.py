@@ -108,6 +108,7 @@ class LLMEngine:
         if static:
             static_decode = StaticDecode(self.model, pool, config.block_size, config.max_num_seqs, self.max_model_len,
                                          self.device, capture=static == "graphs")
+            static_decode.capture_all()  # one graph per batch bucket when the kernel reads tables in place
         self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size, self.device, config.seed,
                                   grammars, static_decode)
         self.scheduler.on_free = self._on_free

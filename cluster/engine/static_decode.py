@@ -25,6 +25,7 @@ runner's dynamic path. The sampler runs after the model, outside the graph, on t
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,8 +78,12 @@ class StaticDecodeBackend:
 
 class StaticDecode:
     def __init__(self, model, kv_pool: torch.Tensor, block_size: int, max_batch: int, max_model_len: int,
-                 device: torch.device, capture: bool, attention: str = "auto"):
-        """kv_pool: the whole pool, sink block included ([num_blocks + 1, L, 2, block_size, H_kv, D])."""
+                 device: torch.device, capture: bool, attention: str = "auto", fixed_width: bool | None = None):
+        """kv_pool: the whole pool, sink block included ([num_blocks + 1, L, 2, block_size, H_kv, D]).
+        fixed_width: every step's table is max_blocks wide on the device (one graph per batch
+        bucket, all captured at start-up), the host still sending only the columns in use; the
+        default with the Triton kernel, which reads only a row's own blocks. The torch reference
+        gathers every column, so it keeps a graph per (bucket, width)."""
         if capture and device.type != "cuda":
             raise ValueError("static_decode=graphs captures CUDA graphs: it needs a CUDA device")
         self.model = model
@@ -91,10 +96,11 @@ class StaticDecode:
         self.max_batch = self.buckets[-1]
         self.max_blocks = -(-max_model_len // block_size)
         if attention == "auto":
-            attention = "triton" if device.type == "cuda" and triton_available() else "torch"
+            attention = "triton" if device.type == "cuda" and triton_available() and _triton_builds(device) else "torch"
         self.attention = attention
         fn = paged_decode_triton if attention == "triton" else paged_decode_torch
         self.backend = StaticDecodeBackend(fn)
+        self.fixed_width = attention == "triton" if fixed_width is None else fixed_width
         # The persistent batch: one row per request, written by diff.
         self._tables = np.full((self.max_batch, self.max_blocks), self.sink, dtype=np.int32)
         self._rows: dict[str, _Row] = {}
@@ -105,6 +111,9 @@ class StaticDecode:
         self._stage = torch.empty(size, dtype=torch.int32, pin_memory=pin)
         self._stage_np = self._stage.numpy()
         self._inputs = torch.zeros(size, dtype=torch.int32, device=device)
+        # fixed_width: the graphs' inputs, [max_batch, 2 + max_blocks]; a step's [B, 2 + W] lands in its corner
+        self._fixed = torch.zeros(self.max_batch, 2 + self.max_blocks, dtype=torch.int32, device=device) \
+            if self.fixed_width else None
         self._arange = torch.arange(self.max_batch + 1, dtype=torch.long, device=device)
         self._cu = self._arange.to(torch.int32)
         # Every step's logits land in one buffer: a graph's own output would stay allocated in the
@@ -166,7 +175,7 @@ class StaticDecode:
         stage[:n, 2:] = self._tables[rows, :width]
         stage[n:, :2] = 0
         stage[n:, 2:] = self.sink
-        key = (bucket, width)
+        key = (bucket, self.max_blocks if self.fixed_width else width)
         if self.capture and key not in self._graphs:
             try:
                 self._capture(key)
@@ -174,6 +183,8 @@ class StaticDecode:
                 log.exception("static decode: capturing batch %d x %d blocks failed; decode steps run eager", *key)
                 self.capture = False
         self._inputs[:size].copy_(self._stage[:size], non_blocking=True)
+        if self.fixed_width:  # columns past W hold older rows' ids: no row reads past its own blocks
+            self._fixed[:bucket, : 2 + width].copy_(self._inputs[:size].view(bucket, 2 + width))
         if self.capture:
             graph = self._graphs[key]
             if self.replay_events is None:
@@ -185,14 +196,14 @@ class StaticDecode:
                 end.record()
                 self.replay_events.append((n, start, end))
         else:
-            self._forward(bucket, width)
+            self._forward(*key)
         self.steps += 1
         return self._logits[:n]
 
     def _forward(self, bucket: int, width: int) -> None:
         """The model over the device inputs of a (bucket, width) step, its logits into the buffer;
         no host reads."""
-        inputs = self._inputs[: bucket * (2 + width)].view(bucket, 2 + width)
+        inputs = self._view(bucket, width)
         pos32 = inputs[:, 1]
         positions = pos32.long()
         tables = inputs[:, 2:]
@@ -212,29 +223,56 @@ class StaticDecode:
         logits = self.model(inputs[:, 0].long(), positions, self.kv_pool, meta, self.backend, self._arange[:bucket])
         self._logits[:bucket].copy_(logits)
 
+    def _view(self, bucket: int, width: int) -> torch.Tensor:
+        """The device inputs a (bucket, width) step's model reads, [bucket, 2 + width]."""
+        if self.fixed_width:
+            return self._fixed[:bucket]
+        return self._inputs[: bucket * (2 + width)].view(bucket, 2 + width)
+
+    def capture_all(self) -> None:
+        """Capture every batch bucket now (fixed_width: one graph per bucket), largest first so the
+        pool's blocks serve the smaller ones; a failure leaves decode steps eager, logged."""
+        if not (self.capture and self.fixed_width):
+            return
+        t0 = time.perf_counter()
+        try:
+            for b in reversed(self.buckets):
+                self._capture((b, self.max_blocks))
+        except Exception:
+            log.exception("static decode: capture at start-up failed; decode steps run eager")
+            self.capture = False
+            return
+        log.info("static decode: captured %d batch buckets in %.1f s", len(self.buckets), time.perf_counter() - t0)
+
     def _capture(self, key: tuple[int, int]) -> None:
         """Capture a (bucket, width) step on padding rows (they write only the sink block)."""
         bucket, width = key
-        size = bucket * (2 + width)
-        pad = self._inputs[:size].view(bucket, 2 + width)
+        pad = self._view(bucket, width)
         pad[:, :2] = 0
         pad[:, 2:] = self.sink
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            try:
-                self._forward(bucket, width)  # allocations, kernel choices and Triton's build settle first
-            except Exception:
-                if self.attention != "triton":
-                    raise
-                # A Triton that cannot build this kernel here: the torch reference, logged loudly
-                # (tests/gpu checks the kernel itself on every lent GPU).
-                log.exception("static decode: the Triton kernel failed; attention falls back to torch")
-                self.attention, self.backend = "torch", StaticDecodeBackend(paged_decode_torch)
-            self._forward(bucket, width)
+            for _ in range(2):  # allocations and kernel choices settle before the capture
+                self._forward(bucket, width)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._forward(bucket, width)
         self._graphs[key] = graph
         log.info("static decode: captured batch %d x %d blocks (%d graphs)", bucket, width, len(self._graphs))
+
+
+def _triton_builds(device: torch.device) -> bool:
+    """Whether the Triton kernel builds and runs here (one row, one block): else the torch
+    reference, logged loudly (tests/gpu checks the kernel itself on every lent GPU)."""
+    try:
+        q = torch.zeros(1, 16, 64, device=device, dtype=torch.bfloat16)
+        kv = torch.zeros(2, 16, 16, 64, device=device, dtype=torch.bfloat16)
+        one = torch.ones(1, 1, dtype=torch.int32, device=device)
+        paged_decode_triton(q, kv, kv, one, one[0], 0.125)
+        torch.cuda.synchronize(device)
+        return True
+    except Exception:
+        log.exception("static decode: the Triton kernel does not build or run here; attention uses the torch reference")
+        return False

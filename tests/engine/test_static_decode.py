@@ -217,3 +217,23 @@ def test_a_failed_capture_degrades_to_eager(tiny_model):
     assert [o.token_ids for o in outs] == want and {o.finish_reason for o in outs} == {"length"}
     assert st.capture is False and st.steps == 9
     assert_whole(static)
+
+
+def test_fixed_width_tables_equal_dynamic(tiny_model):
+    """The Triton path's layout (one graph per batch bucket): every step's table max_blocks wide on
+    the device, the host sending only the columns in use, columns past them left from older rows.
+    Run here with the torch reference (which reads every column, so stale ids must stay valid block
+    ids): the same tokens as the dynamic path, across requests of very different lengths that
+    reuse each other's rows."""
+    from cluster.engine.static_decode import StaticDecode
+
+    dynamic, static = pair(tiny_model, max_num_seqs=4)
+    old = static.runner.static
+    st = static.runner.static = StaticDecode(static.model, old.kv_pool, 16, 4, static.max_model_len,
+                                             torch.device("cpu"), capture=False, fixed_width=True)
+    ps = prompts([90, 3, 40, 2, 7, 65, 1, 30], seed=8)
+    sps = [SamplingParams(max_tokens=6 + 3 * (i % 4), temperature=0, ignore_eos=True) for i in range(len(ps))]
+    want = [o.token_ids for o in dynamic.generate(ps, sps)]
+    assert [o.token_ids for o in static.generate(ps, sps)] == want
+    assert st._fixed.shape == (4, 2 + st.max_blocks) and st.steps > 20
+    assert_whole(static)
