@@ -19,8 +19,8 @@ import torch
 from cluster.engine.attention import resolve_backend
 from cluster.engine.config import EngineConfig, kv_block_bytes, kv_dtype
 from cluster.engine.grammar import Grammars
-from cluster.engine.kv_cache import BlockHash, BlockTier, KVCacheManager, TierLoader, TierUsage, extend_salt
-from cluster.engine.tier_arenas import DiskArena, HostArena, disk_blocks
+from cluster.engine.kv_cache import BlockHash, KVCacheManager, TierLoader, TierUsage, extend_salt
+from cluster.engine.tier_arenas import build_tiers
 from cluster.engine.model.loader import load_model
 from cluster.engine.model.identity import model_identity
 from cluster.engine.model.ops import resolve_ops
@@ -33,7 +33,7 @@ from cluster.engine.sampler import RequestFailure, SamplerOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
 from cluster.engine.spec.controller import Speculator
-from cluster.engine.static_decode import StaticDecode
+from cluster.engine.static_decode import StaticDecode, static_mode
 from cluster.engine.spec.draft import DraftProposer
 from cluster.engine.spec.proposer import make_proposer
 from cluster.engine.probe import EngineProbe
@@ -79,7 +79,7 @@ class LLMEngine:
 
             self.tensor_parallel = TensorParallelDriver.start(config, mc, num_blocks, self.max_model_len, self.device)
             self.model, ops, self.kv_cache = self.tensor_parallel, self.tensor_parallel.ops, self.tensor_parallel.kv_cache
-        static = self._static_mode(config)
+        static = static_mode(config, self.device)
         if self.tensor_parallel is None:
             self.model = load_model(config.model, mc, self.max_model_len, dtype, self.device)
             ops = resolve_ops("torch" if static and config.model_ops == "auto" else config.model_ops, self.device, dtype)
@@ -95,7 +95,7 @@ class LLMEngine:
         salt = extend_salt(self.model_identity.encode(), config.cache_salt)
         tiers = config.kv_tiers
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, salt,
-                                 self._tiers(config), TierLoader(threaded=tiers.enabled and tiers.async_loads),
+                                 build_tiers(config.kv_tiers, self.kv_cache, self.block_bytes), TierLoader(threaded=tiers.enabled and tiers.async_loads),
                                  tiers.store_threshold)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_waiting, config.queue_ttl_s)
@@ -104,11 +104,7 @@ class LLMEngine:
         self.eos_token_ids = self.validator.eos_token_ids
         grammars = Grammars(self.tokenizer.to_json(), max(mc.vocab_size, self.tokenizer.vocab_size),
                             tuple(t for t in self.eos_token_ids if t < self.tokenizer.vocab_size))
-        static_decode = None
-        if static:
-            static_decode = StaticDecode(self.model, pool, config.block_size, config.max_num_seqs, self.max_model_len,
-                                         self.device, capture=static == "graphs")
-            static_decode.capture_all()  # one graph per batch bucket when the kernel reads tables in place
+        static_decode = StaticDecode.for_engine(self.model, pool, config, self.max_model_len, self.device, static)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size, self.device, config.seed,
                                   grammars, static_decode)
         self.scheduler.on_free = self._on_free
@@ -133,18 +129,6 @@ class LLMEngine:
             "".join(f", {t.name} tier {t.num_blocks} blocks ({t.num_blocks * self.block_bytes / 2**20:.1f} MiB)"
                     for t in self.kv.tiers),
         )
-
-    def _tiers(self, config: EngineConfig) -> list[BlockTier]:
-        """The KV tiers below the pool, top down (host, then disk), with their arenas."""
-        opts = config.kv_tiers
-        if not opts.enabled:
-            return []
-        host = HostArena(self.kv_cache, opts.host_blocks)
-        tiers = [BlockTier("host", opts.host_blocks, host)]
-        if opts.disk_dir is not None:
-            n = disk_blocks(opts.disk_dir, opts.disk_gb, self.block_bytes)
-            tiers.append(BlockTier("disk", n, DiskArena(host, opts.disk_dir)))
-        return tiers
 
     @classmethod
     def from_model(cls, model: str, **kwargs) -> "LLMEngine":
@@ -352,15 +336,6 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_cache()
-
-    def _static_mode(self, config: EngineConfig) -> str | None:
-        """static_decode resolved: "graphs", "eager", or None (every step dynamic)."""
-        mode = config.static_decode
-        if mode == "auto":
-            torch_path = (config.tensor_parallel_size == 1 and config.attention_backend in ("auto", "torch")
-                          and config.model_ops in ("auto", "torch"))
-            mode = "graphs" if self.device.type == "cuda" and torch_path else "off"
-        return None if mode == "off" else mode
 
     def _on_free(self, request_id: str) -> None:
         """The scheduler's on_free: a request's blocks went (it ended, or was preempted)."""

@@ -53,6 +53,17 @@ def width_bucket(blocks: int, max_blocks: int) -> int:
     return min(1 << max(blocks - 1, 0).bit_length(), max_blocks)
 
 
+def static_mode(opts, device: torch.device) -> str | None:
+    """EngineOptions.static_decode resolved: "graphs", "eager", or None (every step dynamic).
+    "auto" is graphs on CUDA where the step is torch's (one rank, torch attention and ops)."""
+    mode = opts.static_decode
+    if mode == "auto":
+        torch_path = (opts.tensor_parallel_size == 1 and opts.attention_backend in ("auto", "torch")
+                      and opts.model_ops in ("auto", "torch"))
+        mode = "graphs" if device.type == "cuda" and torch_path else "off"
+    return None if mode == "off" else mode
+
+
 @dataclass
 class _Row:
     index: int  # row of the persistent table
@@ -126,6 +137,16 @@ class StaticDecode:
         self.replay_events: list | None = None
         log.info("static decode: %s, attention %s, batch buckets %s, table up to %d blocks",
                  "CUDA graphs" if capture else "eager", attention, self.buckets, self.max_blocks)
+
+    @classmethod
+    def for_engine(cls, model, pool: torch.Tensor, opts, max_model_len: int, device: torch.device,
+                   mode: str | None) -> StaticDecode | None:
+        """The engine's static path for `static_mode`'s answer (None: none), buckets captured."""
+        if mode is None:
+            return None
+        static = cls(model, pool, opts.block_size, opts.max_num_seqs, max_model_len, device, capture=mode == "graphs")
+        static.capture_all()  # one graph per batch bucket when the kernel reads tables in place
+        return static
 
     # ---- which steps, and the persistent rows -------------------------------------------------
 

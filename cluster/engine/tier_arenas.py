@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from cluster.engine.kv_cache import BlockTier
+
 
 def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -97,3 +99,15 @@ class DiskArena:
     def close(self) -> None:
         """Remove the files now (else when the arena is collected or the process exits)."""
         self._cleanup()
+
+
+def build_tiers(opts, pool: torch.Tensor, block_bytes: int) -> list[BlockTier]:
+    """The KV tiers below the pool, top down (host, then disk), with their arenas (none when off)."""
+    if not opts.enabled:
+        return []
+    host = HostArena(pool, opts.host_blocks)
+    tiers = [BlockTier("host", opts.host_blocks, host)]
+    if opts.disk_dir is not None:
+        n = disk_blocks(opts.disk_dir, opts.disk_gb, block_bytes)
+        tiers.append(BlockTier("disk", n, DiskArena(host, opts.disk_dir)))
+    return tiers
