@@ -4,7 +4,8 @@
 #   bash tests/gpu/device_check.sh OUTDIR [tests] [latency] [host] [nixl]     (default: tests latency nixl)
 # Run from the repo root with the wheels in .whl/ (docs/benchmarks.md, "The GPU path", says which), or
 # WHEELS=.whl_app (tests/gpu/app_wheels.py's set, which holds them too).
-# LATENCY_MODELS (default llama-1b) and LATENCY_ARGS narrow the latency part, TESTS_K the tests (pytest -k). Each part has its own time limit, so
+# LATENCY_MODELS (default llama-1b), LATENCY_ARGS, LATENCY_STATIC, LATENCY_HF= (no hf arm) narrow the latency
+# part, HOST_STATIC the host part, TESTS_K the tests (pytest -k), WHEELS the wheel folder. Each part has its own time limit, so
 # one that hangs leaves the others their time. At most 7 files in OUTDIR.
 set -u
 OUT=${1:?usage: device_check.sh OUTDIR [tests] [latency] [nixl]}
@@ -29,13 +30,13 @@ fi
 if has latency; then
   # each model: every step built dynamically, then decode steps replayed as CUDA graphs, then hf
   for m in ${LATENCY_MODELS:-llama-1b}; do
-    timeout ${LATENCY_TIMEOUT:-240} python3 -m cluster.tools.bench.ttft_tpot --model "$m" --hf --reps 2 \
+    timeout ${LATENCY_TIMEOUT:-240} python3 -m cluster.tools.bench.ttft_tpot --model "$m" ${LATENCY_HF---hf} --reps 2 \
       --static-decode ${LATENCY_STATIC:-off graphs} --profile "$OUT/profile-$m" ${LATENCY_ARGS:-} 2>&1 | quiet > "$OUT/latency-$m.txt"
     echo "latency $m exit ${PIPESTATUS[0]}"; tail -16 "$OUT/latency-$m.txt"; head -1 "$OUT"/profile-$m.*
   done
 fi
 if has host; then  # the host's share of a decode step: every step built dynamically vs replayed graphs
-  timeout ${HOST_TIMEOUT:-90} python3 -m cluster.tools.bench.host_overhead --device cuda --static-decode off graphs \
+  timeout ${HOST_TIMEOUT:-90} python3 -m cluster.tools.bench.host_overhead --device cuda --static-decode ${HOST_STATIC:-off graphs} \
     --streams 1 32 128 256 > "$OUT/host.txt" 2>&1
   echo "host exit $?"; grep -E "^static|^ +[0-9]+ " "$OUT/host.txt"
 fi
