@@ -5,7 +5,7 @@
 # Run from the repo root with the wheels in .whl/ (docs/benchmarks.md, "The GPU path", says which), or
 # WHEELS=.whl_app (tests/gpu/app_wheels.py's set, which holds them too).
 # LATENCY_MODELS (default llama-1b), LATENCY_ARGS, LATENCY_STATIC, LATENCY_HF= (no hf arm) narrow the latency
-# part, HOST_STATIC the host part, TESTS_K the tests (pytest -k), WHEELS the wheel folder. Each part has its own time limit, so
+# part, HOST_STATIC the host part, NIXL_ARGS the NIXL part, TESTS_K the tests (pytest -k), WHEELS the wheels. Each part has its own time limit, so
 # one that hangs leaves the others their time. At most 7 files in OUTDIR.
 set -u
 OUT=${1:?usage: device_check.sh OUTDIR [tests] [latency] [nixl]}
@@ -42,7 +42,7 @@ if has host; then  # the host's share of a decode step: every step built dynamic
 fi
 if has nixl; then
   UCX_PROTO_INFO=y timeout 90 python3 -m cluster.tools.bench.kv_transfer --device cuda --model smollm2-shape \
-    --dtype bfloat16 --lengths 16 128 512 1024 2000 --bulk-mib 1 4 16 64 256 1024 --reps 5 > "$OUT/nixl.txt" 2>&1
+    --dtype bfloat16 ${NIXL_ARGS:---lengths 16 128 512 1024 2000 --bulk-mib 1 4 16 64 256 1024 --reps 5} > "$OUT/nixl.txt" 2>&1
   echo "nixl exit $?"
   # the protocol UCX chose for the pull (a READ into GPU memory from GPU memory)
   grep -A6 "remote memory read by ucp_get.* into cuda" "$OUT/nixl.txt" | grep -E "\| [0-9]" | sed -E "s/^\[[^]]*\] +\[[^]]*\] +//" | sort | uniq -c | head -4
