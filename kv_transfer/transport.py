@@ -1,14 +1,14 @@
 """The NIXL transport: one agent per engine, the whole KV pool registered once.
 
-DRAM on CPU and VRAM on GPU take the same path: the pool tensor is registered as it is, and
-every block is one descriptor (a block of all layers is one contiguous region). A prefill engine
-that serves leases from its host tier (kv_tiers.lease_from_host) registers that arena too: its
-slots follow the pool's blocks in the descriptor list a peer prepares (DRAM pools only), so a
-handle's block id num_blocks + s reads host slot s, in the same READ as device blocks. Decode pulls
-(NIXL READ) the blocks it lacks; once the READ is done, a notice tells prefill it may release the
-lease. Notices go out from a second agent that posts no transfers (kv_transfer/notices.py: on the
-READ's own agent each pull waited for the peer's loop). Remote agents are cached per engine id and
-replaced when the peer comes back as a new incarnation.
+DRAM on CPU and VRAM on GPU take the same path: the pool tensor is registered as it is. A
+prefill engine that serves leases from its host tier (kv_tiers.lease_from_host) registers that
+arena too (DRAM pools only): a handle's block id num_blocks + s is host slot s, read in the same
+READ as device blocks. Decode pulls (NIXL READ) the blocks it lacks, one descriptor per run of
+blocks contiguous on both sides (kv_transfer/runs.py: a block of all layers is one contiguous
+region), the descriptor lists built per pull; once the READ is done, a notice tells prefill it may
+release the lease. Notices go out from a second agent that posts no transfers
+(kv_transfer/notices.py: on the READ's own agent each pull waited for the peer's loop). Remote
+agents are cached per engine id and replaced when the peer comes back as a new incarnation.
 
 A READ that its request no longer waits for (aborted, failed, timed out) may still be writing
 the local blocks, on RDMA long after the request is gone. Such a pull is *abandoned*: the caller
@@ -27,13 +27,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kv_transfer.errors import KVTransferError
 from kv_transfer.handle import KVHandle, KVLayout, PeerInfo
 from kv_transfer.metadata_store import MetadataStore
 from kv_transfer.notices import DONE, RELEASE, LeaseNotices, NoticeSender
+from kv_transfer.runs import BlockSpace, block_runs
 from kv_transfer.stats import TransferStats
 from kv_transfer.transports import check_required, enable_cuda_ipc_reads
 
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 class _Remote:
     info: PeerInfo
     agent_name: str
-    dlist: object  # prepared descriptor list over all of the peer's blocks
+    space: BlockSpace  # where its block ids are: its pool, then its host arena's slots
 
 
 @dataclass
@@ -55,6 +55,7 @@ class PendingPull:
     handle: object  # NIXL transfer handle
     num_blocks: int
     num_bytes: int
+    num_runs: int  # descriptors posted: runs of blocks contiguous on both sides
     started: float
     deadline: float
     settled: bool = False  # NIXL is done with it (done, failed, or cancelled and released)
@@ -115,7 +116,7 @@ class NixlTransport:
                 raise ValueError("the host arena's slots are not the pool's block size")
             self._host, self._host_reg = host_cache, self.agent.register_memory(host_cache)
             self.host_base_addr, self.host_num_blocks = host_cache.data_ptr(), host_cache.shape[0]
-        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._block_descs(self.base_addr, self.num_blocks), self.mem_type)
+        self._space = BlockSpace((self.base_addr,), (self.num_blocks,), self.block_bytes, self.device_id)
         self._remotes: dict[str, _Remote] = {}
         self._notices: NoticeSender | None = None  # made with the first peer (decode side only)
         self._unsent: list[tuple[str, str, str]] = []  # "done" notices of completed READs (send_notices)
@@ -132,9 +133,6 @@ class NixlTransport:
             self.base_addr, self.num_blocks, self.mem_type, self.device_id, self.layout,
             self.host_base_addr, self.host_num_blocks,
         )
-
-    def _block_descs(self, base: int, n: int) -> list[tuple[int, int, int]]:
-        return [(base + i * self.block_bytes, self.block_bytes, self.device_id) for i in range(n)]
 
     # ---- decode side -------------------------------------------------------------------------
 
@@ -157,10 +155,6 @@ class NixlTransport:
         try:
             name = self.agent.add_remote_agent(info.agent_metadata)
             name = name.decode() if isinstance(name, bytes) else name
-            descs = self._block_descs(info.base_addr, info.num_blocks)
-            if info.host_num_blocks:  # its host tier's slots follow its blocks (DRAM peers only)
-                descs += self._block_descs(info.host_base_addr, info.host_num_blocks)
-            dlist = self.agent.prep_xfer_dlist(name, descs, info.mem_type)
             if self._notices is None:
                 self._notices = NoticeSender(f"{self.agent_name}-notices")
             self._notices.add_peer(info.agent_metadata)
@@ -172,15 +166,18 @@ class NixlTransport:
                 except Exception:  # noqa: BLE001 — it may never have been added
                     pass
             raise KVTransferError(f"handshake with {handle.engine_id} failed: {e}") from e
-        remote = self._remotes[handle.engine_id] = _Remote(info, name, dlist)
+        bases, sizes = (info.base_addr,), (info.num_blocks,)
+        if info.host_num_blocks:  # its host tier's slots follow its blocks (DRAM peers only)
+            bases, sizes = bases + (info.host_base_addr,), sizes + (info.host_num_blocks,)
+        space = BlockSpace(bases, sizes, self.block_bytes, info.device_id)
+        remote = self._remotes[handle.engine_id] = _Remote(info, name, space)
         return remote
 
     def _forget(self, engine_id: str) -> None:
         remote = self._remotes.pop(engine_id, None)
         if remote is None:
             return
-        for release in (lambda: self.agent.release_dlist_handle(remote.dlist),
-                        lambda: self.agent.remove_remote_agent(remote.agent_name),
+        for release in (lambda: self.agent.remove_remote_agent(remote.agent_name),
                         lambda: self._notices.remove_peer(remote.agent_name)):
             try:
                 release()
@@ -195,15 +192,20 @@ class NixlTransport:
     def start_pull(
         self, handle: KVHandle, remote_blocks: list[int], local_blocks: list[int], timeout_s: float
     ) -> PendingPull:
-        """Post a READ of remote_blocks into local_blocks; its completion (poll) notifies the prefill
-        side. No notice rides on the READ itself: see kv_transfer/notices.py."""
-        assert len(remote_blocks) == len(local_blocks)
+        """Post one READ of remote_blocks[i] into local_blocks[i], one descriptor per run of blocks
+        contiguous on both sides; its completion (poll) notifies the prefill side. No notice rides
+        on the READ itself: see kv_transfer/notices.py."""
         remote = self._remote(handle)
         started = time.monotonic()  # before posting: over shared memory the copy runs inside transfer()
         try:
-            xfer = self.agent.make_prepped_xfer(
-                "READ", self._local, np.asarray(local_blocks, dtype=np.int32),
-                remote.dlist, np.asarray(remote_blocks, dtype=np.int32),
+            runs = block_runs(local_blocks, remote_blocks, self._space.sizes, remote.space.sizes)
+        except ValueError as e:
+            raise KVTransferError(f"READ from {handle.engine_id} not posted: {e}") from e
+        try:
+            xfer = self.agent.initialize_xfer(
+                "READ", self.agent.get_xfer_descs(self._space.descs(runs.local, runs.length), self.mem_type),
+                self.agent.get_xfer_descs(remote.space.descs(runs.remote, runs.length), remote.info.mem_type),
+                remote.agent_name,
             )
             state = self.agent.transfer(xfer)
         except Exception as e:
@@ -213,7 +215,7 @@ class NixlTransport:
             self._forget(handle.engine_id)
             raise KVTransferError(f"posting READ from {handle.engine_id} failed")
         return PendingPull(handle.request_id, handle.engine_id, remote.agent_name, xfer, len(local_blocks),
-                           len(local_blocks) * self.block_bytes, started, started + timeout_s)
+                           len(local_blocks) * self.block_bytes, len(runs), started, started + timeout_s)
 
     def poll(self, pull: PendingPull) -> bool:
         """True when done; raises KVTransferError on failure or past the deadline. After a raise,
@@ -330,7 +332,6 @@ class NixlTransport:
         for engine_id in list(self._remotes):
             self._forget(engine_id)
         try:
-            self.agent.release_dlist_handle(self._local)
             self.agent.deregister_memory(self._reg)
             if self._host_reg is not None:
                 self.agent.deregister_memory(self._host_reg)

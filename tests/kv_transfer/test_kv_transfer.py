@@ -14,6 +14,7 @@ from decode.engine import DecodeEngine
 from kv_transfer.errors import IncompatiblePeerError
 from kv_transfer.layout import engine_layout
 from kv_transfer.metadata_store import FileMetadataStore
+from kv_transfer.runs import block_runs
 from kv_transfer.transport import NixlTransport
 from cluster.tools.local_peer import PrefillProcess
 from tests.helpers import wait_for
@@ -123,6 +124,27 @@ def test_only_missing_blocks_are_pulled(prefill, decode, tiny_model, reference):
     assert finals[0].num_cached_tokens == 48
     assert got[0] == reference[tuple(prompt)]
     assert_pools_whole(prefill, decode)
+
+
+def test_a_pull_posts_one_descriptor_per_run_of_blocks_contiguous_on_both_sides(prefill, tiny_model, store,
+                                                                                reference):
+    engine = LLMEngine.from_model(tiny_model, num_blocks=48)
+    transport = NixlTransport("decode-runs", engine.kv_cache, engine_layout(engine), FileMetadataStore(store),
+                              telemetry=True)  # NIXL counts the descriptors it used
+    decode = DecodeEngine(engine, transport, transfer_timeout_s=5.0)
+    try:
+        prompt = PROMPTS[-1]  # 70 tokens: 5 blocks
+        res = prefill.prefill("runs-0", prompt, SP)
+        decode.submit("runs-0", prompt, SP, res.handle)
+        runs = block_runs(engine.block_ids("runs-0")[:5], res.handle.block_ids, (48,), (48,))
+        tokens = [res.handle.first_token]
+        while decode.has_unfinished():
+            tokens += [t for out in decode.step() for t in out.token_ids]
+        assert tokens == reference[tuple(prompt)]
+        assert (transport.stats.blocks_pulled, transport.stats.descriptors_used) == (5, len(runs))
+        assert_pools_whole(prefill, decode)
+    finally:
+        transport.close()
 
 
 def test_blocks_in_the_decode_replicas_own_host_tier_are_loaded_not_pulled(prefill, tiny_model, store, reference):
