@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,33 @@ class ClusterConfig:
             return f"0P+{self.decode_replicas}D colocated chunk={self.chunk_tokens}"
         return (f"{self.prefill_replicas}P+{self.decode_replicas}D chunk={self.chunk_tokens} "
                 f"skip<{self.skip_prefill_tokens}")
+
+    @classmethod
+    def parse(cls, text: str, base: "ClusterConfig | None" = None) -> "ClusterConfig":
+        """`1P+2D` (0P: colocated), optionally `:chunk=256,skip=64`; the rest from `base`."""
+        m = re.fullmatch(r"(\d+)P\+(\d+)D(?::(.*))?", text.strip())
+        if not m:
+            raise ValueError(f"configuration {text!r}: expected NP+MD[:chunk=T,skip=T]")
+        keys = {"chunk": "chunk_tokens", "skip": "skip_prefill_tokens"}
+        try:
+            extra = {keys[k]: int(v) for k, v in (kv.split("=", 1) for kv in (m[3] or "").split(",") if kv)}
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"configuration {text!r}: options are chunk=T and skip=T ({e})") from e
+        return replace(base or cls(0, 1), prefill_replicas=int(m[1]), decode_replicas=int(m[2]), **extra)
+
+    def app_doc(self, model: str, block_size: int) -> dict:
+        """This configuration as a `pdserve up` app config (AppConfig's fields)."""
+        doc = {
+            "mode": "colocated" if self.prefill_replicas == 0 else "disaggregated",
+            "model": model,
+            "engine": {"block_size": block_size, "num_blocks": self.decode_blocks, "max_num_seqs": self.max_num_seqs,
+                       "max_num_batched_tokens": self.chunk_tokens},
+            "prefill": {"num_replicas": self.prefill_replicas},
+            "decode": {"num_replicas": self.decode_replicas},
+        }
+        if self.prefill_replicas:
+            doc["routing"] = {"local_prefill_threshold": self.skip_prefill_tokens}
+        return doc
 
 
 @dataclass(frozen=True)
