@@ -27,7 +27,8 @@ def add_planner_parsers(sub) -> None:
     pr.set_defaults(func=_profile)
 
     pl = sub.add_parser("plan", help="simulate P:D splits, chunk sizes and skip-prefill thresholds on a workload "
-                                     "and print the cheapest that meets an SLO (not yet validated against real runs)")
+                                     "and print the cheapest that meets an SLO, with the simulator's error against "
+                                     "real runs when --validation is given")
     pl.add_argument("--profile", required=True, help="a file from `pdserve profile`")
     src = pl.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="a load generator trace (JSONL: timestamp ms, input_length, output_length)")
@@ -46,6 +47,8 @@ def add_planner_parsers(sub) -> None:
                     help="KV transfer bandwidth, GB/s, when the profile has no measured transfer (default: free)")
     pl.add_argument("--transfer-latency-ms", type=float, default=0.0)
     pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--validation", help="a validation file (python -m cluster.tools.bench.plan_validation): its "
+                                         "MAPE per metric is reported and widens the plan's predicted figures")
     pl.add_argument("--emit-config", help="write the plan as an app config (pdserve up --config FILE)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_plan)
@@ -76,10 +79,12 @@ def _plan(args) -> int:
     from cluster.planner.plan import search  # noqa: PLC0415
     from cluster.planner.profile import OutOfRange, Profile, Transfer  # noqa: PLC0415
     from cluster.planner.config import SLO  # noqa: PLC0415
+    from cluster.planner.validation import Validation  # noqa: PLC0415
     from cluster.planner.workload import SyntheticWorkload, read_trace  # noqa: PLC0415
 
     try:
         prof = Profile.load(args.profile)
+        validation = Validation.load(args.validation) if args.validation else None
         slo = SLO.parse(args.slo)
         specs = read_trace(args.trace) if args.trace else SyntheticWorkload.parse(args.workload).requests()
     except (OSError, ValueError, KeyError) as e:
@@ -106,10 +111,13 @@ def _plan(args) -> int:
         return 3
     cpu_s = time.process_time() - t0
     simulated = (plan.evaluated + len(plan.relaxations)) * len(specs)
+    vlines, vjson = _validation_report(validation, plan, prof, specs, slo)
     if args.json:
-        print(json.dumps(_plan_json(plan, prof, specs, slo, transfer_note, cpu_s, simulated), indent=1))
+        doc = _plan_json(plan, prof, specs, slo, transfer_note, cpu_s, simulated)
+        print(json.dumps({**doc, "validated": validation is not None, "validation": vjson}, indent=1))
     else:
         _print_plan(plan, prof, specs, slo, args.attain, transfer_note, cpu_s, simulated)
+        print("\n".join(vlines))
     if args.emit_config and plan.best is not None:
         _emit_config(plan.best.config, prof, Path(args.emit_config))
         print(f"wrote {args.emit_config} (pdserve up --config {args.emit_config})")
@@ -153,8 +161,7 @@ def _print_plan(plan, prof, specs, slo, attain, transfer_note, cpu_s, simulated)
     if clamped:
         print(f"note: {clamped} step times were read below the profile's first grid point and priced at it "
               "(an over-estimate): profile smaller points to remove it")
-    print("note: the simulator is not yet validated against real `pdserve up` runs (issue 42's next slice); "
-          "prefix caching, ingress cost and stale router loads are not simulated")
+    print("note: prefix caching, ingress cost, KV transfer (unless given) and stale router loads are not simulated")
 
 
 def _plan_json(plan, prof, specs, slo, transfer_note, cpu_s, simulated) -> dict:
@@ -167,8 +174,46 @@ def _plan_json(plan, prof, specs, slo, transfer_note, cpu_s, simulated) -> dict:
             "probed": res(plan.probed), "binding": list(plan.binding),
             "relaxations": [asdict(x) for x in plan.relaxations], "slo": asdict(slo), "requests": len(specs),
             "transfer": transfer_note, "cpu_s": cpu_s, "requests_per_cpu_s": simulated / cpu_s if cpu_s else None,
-            "profile": {"model": prof.model, "device": prof.device, "range": prof.range_text()},
-            "validated": False}
+            "profile": {"model": prof.model, "device": prof.device, "range": prof.range_text()}}
+
+
+def _validation_report(v, plan, prof, specs, slo) -> tuple[list[str], dict | None]:
+    """What the validation says of this plan: the MAPE per metric, whether it was made with this
+    profile and covers this workload, and the plan's figures widened by it."""
+    from cluster.planner.validation import LABELS, METRICS  # noqa: PLC0415
+
+    if v is None:
+        return (["validation: NONE given (--validation FILE; python -m cluster.tools.bench.plan_validation makes "
+                 "one): the simulator's error on this machine is unknown"], None)
+    mape = v.mape()
+    configs = sorted({c.config.split(" ")[0] for c in v.cases})
+    lines = [f"validation: {len(v.cases)} real runs ({', '.join(configs)} on {', '.join(w.name for w in v.workloads)}) "
+             f"on {v.profile.get('device')}: MAPE " + ", ".join(f"{LABELS[m]} {mape[m]:.0f}%" for m in METRICS)]
+    same = v.same_profile(prof.created, prof.model.get("path"))
+    if not same:
+        lines.append(f"  note: the validation was simulated with another profile (created {v.profile.get('created')}, "
+                     f"this one {prof.created}): its errors may not carry over")
+    outside = v.covers(specs)
+    if outside:
+        lines.append("  note: this workload lies outside what was validated (" + "; ".join(outside)
+                     + "): the error figures do not cover it")
+    bands = v.bands(plan.best) if plan.best is not None else {}
+    if bands:
+        lines.append("  the plan's figures, widened by the MAPE (the real value, were the simulation off by it): "
+                     + ", ".join(_band_text(m, *bands[m]) for m in METRICS))
+        if bands["ttft_p90"][2] > slo.ttft_s or bands["tpot_p90"][2] > slo.tpot_s:
+            lines.append("  WARNING: the upper end of a p90 band is past the SLO: at the validated error the plan "
+                         "may miss it for real")
+    return lines, {"mape": mape, "cases": len(v.cases), "same_profile": same, "outside": outside,
+                   "bands": {m: list(b) for m, b in bands.items()}}
+
+
+def _band_text(metric: str, sim: float, lo: float, hi: float) -> str:
+    from cluster.planner.validation import LABELS  # noqa: PLC0415
+
+    if metric == "goodput":
+        return f"{LABELS[metric]} {sim:.2f} ({lo:.2f}-{hi:.2f}) req/s"
+    return f"{LABELS[metric]} {sim * 1e3:.0f} ({lo * 1e3:.0f}-{hi * 1e3:.0f}) ms"
 
 
 def _emit_config(cfg, prof, path: Path) -> None:
@@ -177,16 +222,7 @@ def _emit_config(cfg, prof, path: Path) -> None:
 
     from cluster.config.app import AppConfig  # noqa: PLC0415
 
-    doc = {
-        "mode": "colocated" if cfg.prefill_replicas == 0 else "disaggregated",
-        "model": prof.model.get("path"),
-        "engine": {"block_size": prof.block_size, "num_blocks": cfg.decode_blocks, "max_num_seqs": cfg.max_num_seqs,
-                   "max_num_batched_tokens": cfg.chunk_tokens},
-        "prefill": {"num_replicas": cfg.prefill_replicas},
-        "decode": {"num_replicas": cfg.decode_replicas},
-    }
-    if cfg.prefill_replicas:
-        doc["routing"] = {"local_prefill_threshold": cfg.skip_prefill_tokens}
+    doc = cfg.app_doc(prof.model.get("path"), prof.block_size)
     AppConfig.model_validate(doc)
-    path.write_text(f"# pdserve plan: {cfg.label()} (simulated, not yet validated against real runs)\n"
+    path.write_text(f"# pdserve plan: {cfg.label()} (simulated; see the plan's validation line for its error)\n"
                     + yaml.safe_dump(doc, sort_keys=False))

@@ -9,7 +9,9 @@ import yaml
 
 from cluster.app.cli import main
 from cluster.config.app import AppConfig
+from cluster.planner.config import SLO
 from cluster.planner.profile import Curve
+from cluster.planner.validation import Case, Metrics, Validation, WorkloadRange
 from tests.planner.conftest import synthetic_profile
 
 TRACE = "".join(json.dumps({"timestamp": 1500 * i, "input_length": 2000, "output_length": 200}) + "\n"
@@ -26,7 +28,7 @@ def test_plan_prints_the_hand_worked_plan_and_emits_its_config(tmp_path, capsys)
     assert rc == 0, out
     assert "plan:\n  2P+1D chunk=2048 skip<0 " in out
     assert "binding constraint (one replica fewer: 0P+2D colocated chunk=2048, attainment" in out
-    assert "not yet validated against real `pdserve up` runs" in out
+    assert "validation: NONE given (--validation FILE;" in out
     cfg = AppConfig.model_validate(yaml.safe_load((tmp_path / "plan.yaml").read_text()))
     assert (cfg.mode, cfg.prefill.num_replicas, cfg.decode.num_replicas) == ("disaggregated", 2, 1)
     assert (cfg.engine.max_num_batched_tokens, cfg.engine.max_num_seqs, cfg.routing.local_prefill_threshold) == (
@@ -43,13 +45,14 @@ def test_plan_refuses_a_trace_beyond_the_calibration(tmp_path, capsys):
            "calibrated decode context 1024" in err
 
 
-def test_plan_json_says_it_is_not_validated(tmp_path, capsys):
+def test_plan_json_says_it_is_not_validated_without_a_validation_file(tmp_path, capsys):
     synthetic_profile().save(tmp_path / "p.json")
     rc = main(["plan", "--profile", str(tmp_path / "p.json"), "--workload", "rate=2,n=20,prompt=100:200,output=8",
                "--slo", "ttft=1,tpot=0.1", "--budget", "2", "--max-num-seqs", "8", "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0
-    assert doc["validated"] is False and doc["best"]["config"]["decode_replicas"] >= 1
+    assert doc["validated"] is False and doc["validation"] is None
+    assert doc["best"]["config"]["decode_replicas"] >= 1
     assert doc["transfer"] == "measured"  # the synthetic profile carries a transfer line
 
 
@@ -63,3 +66,49 @@ def test_plan_notes_lookups_below_the_grid(tmp_path, capsys):
     assert rc == 0
     # 1 replica, 3 requests of 16 + 4 tokens: each decode step's context (17-19) is below 128
     assert "note: 9 step times were read below the profile's first grid point" in out
+
+
+def _validation_file(path, created: str = "") -> str:
+    """One case whose errors are TTFT p50 50%, p90 0%, TPOT p50 50%, p90 0%, goodput 25%, validated
+    on prompts up to 150 tokens, simulated with the synthetic profile (path "synthetic", created "")."""
+    case = Case("0P+1D colocated chunk=512", "chat", SLO(1.0, 0.1), Metrics(1.0, 2.0, 0.5, 1.0, 4.0),
+                Metrics(1.5, 2.0, 0.25, 1.0, 3.0), 10, 10, {}, {})
+    Validation((case,), (WorkloadRange("chat", 10, 1.0, 150, 64),),
+               {"path": "synthetic", "device": "cpu", "created": created}).save(path)
+    return str(path)
+
+
+def test_plan_reports_the_validation_mape_and_widens_its_figures_by_it(tmp_path, capsys):
+    synthetic_profile().save(tmp_path / "p.json")
+    args = ["plan", "--profile", str(tmp_path / "p.json"), "--workload", "rate=2,n=20,prompt=100:150,output=8",
+            "--slo", "ttft=1,tpot=0.1", "--budget", "2", "--max-num-seqs", "8",
+            "--validation", _validation_file(tmp_path / "v.json")]
+    assert main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    mape = {"ttft_p50": 50.0, "ttft_p90": 0.0, "tpot_p50": 50.0, "tpot_p90": 0.0, "goodput": 25.0}
+    assert doc["validated"] is True
+    assert doc["validation"]["mape"] == mape and doc["validation"]["same_profile"] is True
+    assert doc["validation"]["outside"] == []
+    best = doc["best"]
+    sim = {"ttft_p50": best["ttft"]["p50"], "ttft_p90": best["ttft"]["p90"], "tpot_p50": best["tpot"]["p50"],
+           "tpot_p90": best["tpot"]["p90"], "goodput": best["goodput"]}
+    assert doc["validation"]["bands"] == {m: [v, v / (1 + mape[m] / 100), v / (1 - mape[m] / 100)]
+                                          for m, v in sim.items()}
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert ("validation: 1 real runs (0P+1D on chat) on cpu: MAPE TTFT p50 50%, TTFT p90 0%, TPOT p50 50%, "
+            "TPOT p90 0%, goodput 25%\n  the plan's figures, widened by the MAPE") in out
+    assert "note:" not in out.split("validation:")[1]
+
+
+def test_plan_says_when_the_validation_does_not_cover_its_workload_or_profile(tmp_path, capsys):
+    synthetic_profile().save(tmp_path / "p.json")
+    rc = main(["plan", "--profile", str(tmp_path / "p.json"), "--workload", "rate=2,n=20,prompt=200,output=80",
+               "--slo", "ttft=1,tpot=0.1", "--budget", "2", "--max-num-seqs", "8",
+               "--validation", _validation_file(tmp_path / "v.json", created="2026-01-01T00:00:00+00:00")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert ("  note: the validation was simulated with another profile (created 2026-01-01T00:00:00+00:00, "
+            "this one ): its errors may not carry over") in out
+    assert ("  note: this workload lies outside what was validated (prompts up to 200 tokens (validated: up to 150); "
+            "outputs up to 80 tokens (validated: up to 64)): the error figures do not cover it") in out
