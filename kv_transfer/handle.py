@@ -16,24 +16,28 @@ class KVLayout:
     block_size: int
     dtype: str
     num_layers: int
-    num_kv_heads: int  # in this engine's registered pool: with tensor parallelism, rank 0's share
+    num_kv_heads: int  # the model's: each rank's pool holds rank_kv_heads of them (kv_transfer/head_map.py)
     head_dim: int
-    layout: str = "block[L,2,bs,Hkv,D]"  # one block of all layers is one contiguous region
-    tensor_parallel_size: int = 1  # ranks whose pools hold the model's KV heads (only 1 transfers yet)
+    layout: str = "block[L,2,bs,Hkv,D]"  # one block of all layers is one contiguous region, per rank
+    tensor_parallel_size: int = 1  # ranks whose pools hold the model's KV heads
+
+    @property
+    def rank_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.tensor_parallel_size)  # split, or one head replicated
+
+    @property
+    def elem_bytes(self) -> int:
+        import torch  # noqa: PLC0415
+
+        return torch.tensor([], dtype=getattr(torch, self.dtype)).element_size()
 
     @property
     def block_bytes(self) -> int:
-        import torch  # noqa: PLC0415
-
-        elem = torch.tensor([], dtype=getattr(torch, self.dtype)).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """One rank's block: [L, 2, bs, rank_kv_heads, D]."""
+        return self.num_layers * 2 * self.block_size * self.rank_kv_heads * self.head_dim * self.elem_bytes
 
     def check_compatible(self, peer: "KVLayout", peer_name: str) -> None:
-        if self.tensor_parallel_size > 1 or peer.tensor_parallel_size > 1:
-            raise IncompatiblePeerError(
-                f"refusing KV from {peer_name}: its tensor_parallel_size is {peer.tensor_parallel_size}, ours "
-                f"{self.tensor_parallel_size}; KV transfer from or to a tensor-parallel engine is not implemented "
-                "yet (issue 41)")
+        """Everything but the degree must match; degrees that differ must map (head_map)."""
         for field in ("model_fingerprint", "block_size", "dtype", "num_layers", "num_kv_heads",
                       "head_dim", "layout"):
             mine, theirs = getattr(self, field), getattr(peer, field)
@@ -41,6 +45,22 @@ class KVLayout:
                 raise IncompatiblePeerError(
                     f"refusing KV from {peer_name}: {field} {theirs!r} != ours {mine!r}"
                 )
+        if self.tensor_parallel_size != peer.tensor_parallel_size:
+            from kv_transfer.head_map import head_map  # noqa: PLC0415
+
+            try:
+                head_map(self.num_kv_heads, peer.tensor_parallel_size, self.tensor_parallel_size)
+            except IncompatiblePeerError as e:
+                raise IncompatiblePeerError(f"refusing KV from {peer_name}: {e}") from None
+
+
+@dataclass(frozen=True)
+class RankPeer:
+    """One tensor-parallel rank's registered pool: its own NIXL agent (rank 0's is the engine's)."""
+
+    agent_name: str
+    agent_metadata: bytes
+    base_addr: int
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,9 @@ class PeerInfo:
     # its slot s is descriptor num_blocks + s of the peer's list. 0 slots: none.
     host_base_addr: int = 0
     host_num_blocks: int = 0
+    # Every rank's pool when tensor_parallel_size > 1 (rank 0 first, the fields above again); a
+    # decode rank reads its heads from the ranks that hold them. Empty at tp=1.
+    ranks: tuple[RankPeer, ...] = ()
 
 
 @dataclass(frozen=True)

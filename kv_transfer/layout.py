@@ -11,7 +11,7 @@ def engine_layout(engine: LLMEngine) -> KVLayout:
         block_size=engine.block_size,
         dtype=str(engine.dtype).removeprefix("torch."),
         num_layers=mc.num_layers,
-        num_kv_heads=engine.kv_cache.shape[4],  # [blocks, L, 2, bs, H_kv, D]: rank 0's heads under tp
+        num_kv_heads=mc.num_kv_heads,  # the model's; a rank's pool holds KVLayout.rank_kv_heads
         head_dim=mc.head_dim,
         tensor_parallel_size=engine.config.tensor_parallel_size,
     )

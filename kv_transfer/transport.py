@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from kv_transfer.errors import KVTransferError
-from kv_transfer.handle import KVHandle, KVLayout, PeerInfo
+from kv_transfer.handle import KVHandle, KVLayout, PeerInfo, RankPeer
 from kv_transfer.metadata_store import MetadataStore
 from kv_transfer.notices import DONE, RELEASE, LeaseNotices, NoticeSender
+from kv_transfer.rank_reads import MappedPull, MappedReader
 from kv_transfer.runs import BlockSpace, block_runs
 from kv_transfer.stats import TransferStats
 from kv_transfer.transports import check_required, enable_cuda_ipc_reads
@@ -74,6 +75,7 @@ class NixlTransport:
         num_threads: int = 0,
         progress_thread: bool = False,
         host_cache: torch.Tensor | None = None,  # [slots, ...] laid out like kv_cache: served to peers
+        tensor_parallel=None,  # the engine's TensorParallelDriver: its workers register their pools too
     ):
         import os  # noqa: PLC0415
 
@@ -121,6 +123,10 @@ class NixlTransport:
         self._notices: NoticeSender | None = None  # made with the first peer (decode side only)
         self._unsent: list[tuple[str, str, str]] = []  # "done" notices of completed READs (send_notices)
         self._abandoned: dict[int, PendingPull] = {}  # quarantine token -> unsettled READ
+        # Every rank's pool, and pulls between degrees planned per rank (kv_transfer/rank_reads.py).
+        self.mapped = MappedReader(self.agent, self.mem_type, self.device_id, layout,
+                                   RankPeer(self.agent_name, self.agent.get_agent_metadata(), self.base_addr),
+                                   tensor_parallel)
         store.publish(self.info())
         log.info(
             "NIXL agent %s: %s pool of %d blocks x %d bytes registered; UCX transports available: %s",
@@ -132,6 +138,7 @@ class NixlTransport:
             self.engine_id, self.incarnation, self.agent_name, self.agent.get_agent_metadata(),
             self.base_addr, self.num_blocks, self.mem_type, self.device_id, self.layout,
             self.host_base_addr, self.host_num_blocks,
+            self.mapped.ranks if self.layout.tensor_parallel_size > 1 else (),
         )
 
     # ---- decode side -------------------------------------------------------------------------
@@ -196,6 +203,8 @@ class NixlTransport:
         contiguous on both sides; its completion (poll) notifies the prefill side. No notice rides
         on the READ itself: see kv_transfer/notices.py."""
         remote = self._remote(handle)
+        if self.mapped.applies(remote.info.kv_layout):
+            return self._start_mapped_pull(handle, remote, remote_blocks, local_blocks, timeout_s)
         started = time.monotonic()  # before posting: over shared memory the copy runs inside transfer()
         try:
             runs = block_runs(local_blocks, remote_blocks, self._space.sizes, remote.space.sizes)
@@ -217,19 +226,37 @@ class NixlTransport:
         return PendingPull(handle.request_id, handle.engine_id, remote.agent_name, xfer, len(local_blocks),
                            len(local_blocks) * self.block_bytes, len(runs), started, started + timeout_s)
 
+    def _start_mapped_pull(self, handle: KVHandle, remote: _Remote, remote_blocks: list[int],
+                           local_blocks: list[int], timeout_s: float) -> PendingPull:
+        """Between tensor-parallel degrees: every rank reads its heads from the ranks holding them."""
+        started = time.monotonic()
+        try:
+            xfer = self.mapped.start(remote.info, local_blocks, remote_blocks, remote.agent_name)
+        except ValueError as e:
+            raise KVTransferError(f"READ from {handle.engine_id} not posted: {e}") from e
+        except Exception as e:
+            self._forget(handle.engine_id)
+            raise KVTransferError(f"posting READ from {handle.engine_id} failed: {e}") from e
+        return PendingPull(handle.request_id, handle.engine_id, remote.agent_name, xfer, len(local_blocks),
+                           len(local_blocks) * self.block_bytes * self.layout.tensor_parallel_size, 0,
+                           started, started + timeout_s)
+
+    def _state(self, xfer) -> str:
+        return xfer.state() if isinstance(xfer, MappedPull) else self.agent.check_xfer_state(xfer)
+
     def poll(self, pull: PendingPull) -> bool:
         """True when done; raises KVTransferError on failure or past the deadline. After a raise,
         `pull.settled` says whether NIXL let go of the transfer; if not, the caller must
         quarantine its blocks and `abandon` it."""
         try:
-            state = self.agent.check_xfer_state(pull.handle)
+            state = self._state(pull.handle)
         except Exception as e:
             self._abandon(pull)
             self.stats.pulls_failed += 1
             raise KVTransferError(f"READ from {pull.peer} failed: {e}") from e
         if state == "DONE":
             took = time.monotonic() - pull.started  # posted -> seen complete (telemetry and cleanup after)
-            if self.telemetry:  # how many descriptors NIXL actually used (after merging)
+            if self.telemetry and not isinstance(pull.handle, MappedPull):  # descriptors NIXL used (merged)
                 self.stats.descriptors_used += self.agent.get_xfer_telemetry(pull.handle).descCount
             self._release(pull)
             self._unsent.append((pull.peer_agent, DONE, pull.request_id))  # the lease may end now
@@ -254,7 +281,11 @@ class NixlTransport:
         """Free the NIXL handle (cancelling the transfer if it is still active). False when NIXL
         refuses: the transfer may still be running."""
         try:
-            self.agent.release_xfer_handle(pull.handle)
+            if isinstance(pull.handle, MappedPull):
+                if not pull.handle.release():
+                    raise RuntimeError("a rank's READ is still active")
+            else:
+                self.agent.release_xfer_handle(pull.handle)
         except Exception as e:
             log.warning("transfer for %s could not be released (still active?): %s", pull.request_id, e)
             return False
@@ -296,7 +327,7 @@ class NixlTransport:
         now = time.monotonic()
         for token, pull in list(self._abandoned.items()):
             try:
-                state = self.agent.check_xfer_state(pull.handle)
+                state = self._state(pull.handle)
             except Exception as e:  # noqa: BLE001 — unknown: only a successful release settles it
                 log.debug("state of abandoned READ for %s: %s", pull.request_id, e)
                 state = "ERR"

@@ -102,6 +102,7 @@ class EngineReplica:
             required_transports=kv.required_transports, num_threads=kv.nixl_threads,
             progress_thread=kv.progress_thread,
             host_cache=engine.host_arena() if self.pool == "prefill" else None,  # kv_tiers.lease_from_host
+            tensor_parallel=engine.tensor_parallel,  # a tp replica registers every rank's pool
         )
         self.faults = faults.install(engine, transport) if cfg.fault_tolerance.fault_injection else None
         self.role = self.make_role(engine, transport, cfg)

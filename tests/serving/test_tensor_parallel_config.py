@@ -75,14 +75,11 @@ def test_a_tp_pool_without_resources_is_refused():
         AppConfig(model="m", mode="colocated", decode={"num_cpus": 0, "engine": {"tensor_parallel_size": 2}})
 
 
-def test_the_handshake_refuses_a_tensor_parallel_peer_naming_both_degrees():
-    tp1 = KVLayout("fp", 16, "float32", 2, 2, 16)
-    tp2 = KVLayout("fp", 16, "float32", 2, 1, 16, tensor_parallel_size=2)  # rank 0's one head of two
-    tp1.check_compatible(KVLayout("fp", 16, "float32", 2, 2, 16), "engine p")
+def test_the_handshake_maps_degrees_and_refuses_what_cannot_map():
+    tp1 = KVLayout("fp", 16, "float32", 2, 2, 16)  # num_kv_heads: the model's, whatever the degree
+    tp1.check_compatible(KVLayout("fp", 16, "float32", 2, 2, 16, tensor_parallel_size=2), "engine p")
     with pytest.raises(IncompatiblePeerError) as e:
-        tp1.check_compatible(tp2, "engine p")
-    assert str(e.value) == ("refusing KV from engine p: its tensor_parallel_size is 2, ours 1; KV transfer from or to "
-                            "a tensor-parallel engine is not implemented yet (issue 41)")
-    with pytest.raises(IncompatiblePeerError, match="its tensor_parallel_size is 2, ours 2"):
-        tp2.check_compatible(tp2, "engine p")
+        tp1.check_compatible(KVLayout("fp", 16, "float32", 2, 2, 16, tensor_parallel_size=3), "engine p")
+    assert str(e.value) == ("refusing KV from engine p: cannot map KV heads: the prefill pool's tensor_parallel_size 3 "
+                            "neither divides the model's 2 KV heads nor is a multiple of them")
 

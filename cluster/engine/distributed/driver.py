@@ -12,7 +12,8 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.distributed import step
 from cluster.engine.distributed.plan import check_degree
 from cluster.engine.distributed.rank import RankModel
-from cluster.engine.distributed.step import RankReport, Report, Step, Stop, WorkerSpec
+from cluster.engine.distributed.step import (KVPoll, KVRead, KVRegister, KVRelease, RankReport, Report, Step, Stop,
+                                             WorkerSpec)
 from cluster.engine.model_config import ModelConfig
 
 
@@ -55,6 +56,26 @@ class TensorParallelDriver:
         """Every rank's report (rank 0's first): KV shape and heads, forwards run, optionally its cache."""
         step.send(Report(with_kv))
         return step.gather_reports(self.rank.report(with_kv))
+
+    # ---- KV transfer between degrees: the workers' parts of a pull (kv_transfer/rank_reads.py) ----
+
+    def kv_register(self, agent_name: str) -> list:
+        """Ranks 1..N-1 register their pools; returns their RankPeers in rank order."""
+        step.send(KVRegister(agent_name))
+        return step.gather_reports(None)[1:]
+
+    def kv_read(self, pull_id: int, plan: list) -> None:
+        """Ranks 1..N-1 post their parts (plan[r]); a failure to post shows in their next poll."""
+        step.send(KVRead(pull_id, ((),) + tuple(tuple(reads) for reads in plan[1:])))
+
+    def kv_poll(self, pull_id: int) -> list:
+        """Ranks 1..N-1's RankPullStates of the pull."""
+        step.send(KVPoll(pull_id))
+        return step.gather_reports(None)[1:]
+
+    def kv_release(self, pull_id: int) -> list[bool]:
+        step.send(KVRelease(pull_id))
+        return step.gather_reports(True)[1:]
 
     def close(self) -> None:
         """Stop the workers (they leave the group and exit); the caller destroys the group."""

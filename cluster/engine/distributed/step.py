@@ -58,7 +58,40 @@ class Stop:
     pass
 
 
-Message = WorkerSpec | Step | Report | Stop
+# KV transfer between tensor-parallel degrees (kv_transfer/rank_reads.py): each rank registers its
+# own pool with its own NIXL agent, and posts the part of a pull the driver planned for it.
+
+
+@dataclass(frozen=True)
+class KVRegister:
+    """Register the rank's pool as agent f"{agent_name}-rank{r}"; every rank answers its RankPeer."""
+
+    agent_name: str
+
+
+@dataclass(frozen=True)
+class KVRead:
+    """Post pull `pull_id`: rank r posts reads[r] (its RankReads; rank 0's part is the driver's own)."""
+
+    pull_id: int
+    reads: tuple
+
+
+@dataclass(frozen=True)
+class KVPoll:
+    """Every rank answers the pull's state on it (a RankPullState)."""
+
+    pull_id: int
+
+
+@dataclass(frozen=True)
+class KVRelease:
+    """Let go of the pull (cancel it if still running); every rank answers whether NIXL let go."""
+
+    pull_id: int
+
+
+Message = WorkerSpec | Step | Report | Stop | KVRegister | KVRead | KVPoll | KVRelease
 
 
 def send(message: Message) -> None:
@@ -72,8 +105,9 @@ def receive() -> Message:
     return box[0]
 
 
-def gather_reports(report: RankReport) -> list[RankReport] | None:
-    """Every rank's report, in rank order, on rank 0 (None elsewhere)."""
+def gather_reports(report):
+    """Every rank's answer (a RankReport, or to a KV message its answer), in rank order, on rank 0
+    (None elsewhere)."""
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(report, out, dst=0)
     return out

@@ -9,7 +9,7 @@ import torch
 
 from cluster.engine.distributed import step
 from cluster.engine.distributed.rank import RankModel
-from cluster.engine.distributed.step import Report, Step, Stop, WorkerSpec
+from cluster.engine.distributed.step import KVPoll, KVRead, KVRegister, KVRelease, Report, Step, Stop, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +24,38 @@ def serve_rank(rank: int, device: torch.device) -> int:
         raise RuntimeError(f"rank {rank}: expected the WorkerSpec first, got {type(spec).__name__}")
     shard = RankModel.build(spec, rank, device)
     backend = shard.backend(spec, device)
-    while True:
-        msg = step.receive()
-        if isinstance(msg, Step):
-            shard.forward(msg.input_ids, msg.positions, msg.meta, backend, msg.logits_indices)
-        elif isinstance(msg, Report):
-            step.gather_reports(shard.report(msg.with_kv))
-        elif isinstance(msg, Stop):
-            return shard.steps
-        else:
-            raise RuntimeError(f"rank {rank}: unexpected message {type(msg).__name__}")
+    agent = None  # this rank's NIXL agent, once the engine's transport registers the ranks
+    try:
+        while True:
+            msg = step.receive()
+            if isinstance(msg, Step):
+                shard.forward(msg.input_ids, msg.positions, msg.meta, backend, msg.logits_indices)
+            elif isinstance(msg, Report):
+                step.gather_reports(shard.report(msg.with_kv))
+            elif isinstance(msg, Stop):
+                return shard.steps
+            elif isinstance(msg, (KVRegister, KVRead, KVPoll, KVRelease)):
+                agent = _kv_message(msg, rank, shard, agent)
+            else:
+                raise RuntimeError(f"rank {rank}: unexpected message {type(msg).__name__}")
+    finally:
+        if agent is not None:
+            agent.close()
+
+
+def _kv_message(msg, rank: int, shard: RankModel, agent):
+    """This rank's part of KV transfer between degrees (kv_transfer/rank_reads.py)."""
+    from kv_transfer.rank_reads import RankAgent, RankPullState  # noqa: PLC0415 — NIXL only when used
+
+    if isinstance(msg, KVRegister):
+        if agent is not None:
+            agent.close()
+        agent = RankAgent(f"{msg.agent_name}-rank{rank}", shard.kv_cache)
+        step.gather_reports(agent.peer())
+    elif isinstance(msg, KVRead):
+        agent.post(msg.pull_id, msg.reads[rank])
+    elif isinstance(msg, KVPoll):
+        step.gather_reports(RankPullState(rank, agent.state(msg.pull_id), agent.bytes_read))
+    else:
+        step.gather_reports(agent.release(msg.pull_id))
+    return agent
