@@ -9,7 +9,7 @@ For each workload a seeded trace (Mooncake JSONL, the load generator's format) i
 configuration, one after the other:
   real       `pdserve up` of the configuration (the profile's model and block size, the same engine
              options the simulator is given, admission control off as the simulator has none;
-             every engine process on one torch thread, as the profile was measured),
+             every engine process on the torch threads the profile was measured with),
              `pdserve bench --dataset-name trace` replaying the trace (EOS ignored, 3 warm-up
              requests not measured), then the cluster stopped
   simulated  the planner's simulator on the same trace and configuration, priced by the profile
@@ -70,7 +70,8 @@ def run_real(cfg: ClusterConfig, prof: Profile, trace: Path, slo: SLO, out: Path
            "admission": {"max_queue_wait_s": "none", "target_itl_s": "none"}}
     (out / f"{tag}.yaml").write_text(yaml.safe_dump(doc))
     bin_dir = Path(sys.executable).parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the profile was measured (one torch thread)
+    # each engine process on the torch threads the profile was measured with (a CPU profile records them)
+    env = {**os.environ, "OMP_NUM_THREADS": str(prof.device.get("threads", 1))}
     result_file = out / f"{tag}.json"
     with open(out / f"{tag}-server.log", "w") as log:
         server = subprocess.Popen([str(bin_dir / "pdserve"), "up", "--config", str(out / f"{tag}.yaml"),
