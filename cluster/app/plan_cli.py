@@ -189,6 +189,9 @@ def _validation_report(v, plan, prof, specs, slo) -> tuple[list[str], dict | Non
     configs = sorted({c.config.split(" ")[0] for c in v.cases})
     lines = [f"validation: {len(v.cases)} real runs ({', '.join(configs)} on {', '.join(w.name for w in v.workloads)}) "
              f"on {v.profile.get('device')}: MAPE " + ", ".join(f"{LABELS[m]} {mape[m]:.0f}%" for m in METRICS)]
+    if len(v.workloads) > 1:
+        lines.append("  by workload: " + "; ".join(
+            f"{w.name} " + ", ".join(f"{LABELS[m]} {x:.0f}%" for m, x in v.mape(w.name).items()) for w in v.workloads))
     same = v.same_profile(prof.created, prof.model.get("path"))
     if not same:
         lines.append(f"  note: the validation was simulated with another profile (created {v.profile.get('created')}, "

@@ -122,10 +122,10 @@ class Validation:
     profile: dict  # model path, device, created: which profile priced the simulated arm
     created: str = ""
 
-    def mape(self) -> dict[str, float]:
-        """Per metric, the mean absolute percentage error over the cases."""
-        return {m: sum(c.errors()[m] for c in self.cases) / len(self.cases) if self.cases else math.nan
-                for m in METRICS}
+    def mape(self, workload: str | None = None) -> dict[str, float]:
+        """Per metric, the mean absolute percentage error over the cases (of one workload if named)."""
+        cases = [c for c in self.cases if workload is None or c.workload == workload]
+        return {m: sum(c.errors()[m] for c in cases) / len(cases) if cases else math.nan for m in METRICS}
 
     def covers(self, specs: Sequence[RequestSpec]) -> list[str]:
         """Why a plan's workload lies outside what was validated ([] when it lies inside)."""
@@ -164,8 +164,11 @@ class Validation:
             for m in METRICS:
                 lines.append(f"{c.config:<30} {c.workload:<10} {LABELS[m]:<9} {_fmt(m, getattr(c.real, m)):>9} "
                              f"{_fmt(m, getattr(c.sim, m)):>10} {err[m]:7.1f}%")
-        lines.append(f"MAPE over {len(self.cases)} cases: " + ", ".join(
-            f"{LABELS[m]} {v:.1f}%" for m, v in self.mape().items()))
+        names = [w.name for w in self.workloads]
+        for name in (names if len(names) > 1 else []) + [None]:
+            n = sum(1 for c in self.cases if name is None or c.workload == name)
+            lines.append(f"MAPE over {n} {name + ' ' if name else ''}cases: " + ", ".join(
+                f"{LABELS[m]} {v:.1f}%" for m, v in self.mape(name).items()))
         return lines
 
     def to_json(self) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -98,9 +99,15 @@ def test_cluster_config_parse():
 
 def test_merged_validations_pool_their_cases():
     v = _validation()
-    long_ = Validation(v.cases[:1], (WorkloadRange("long", 5, 0.25, 1536, 64),), v.profile, "later")
+    long_ = Validation((replace(v.cases[0], workload="long"),), (WorkloadRange("long", 5, 0.25, 1536, 64),),
+                       v.profile, "later")
     m = Validation.merged([v, long_])
     assert len(m.cases) == 3 and [w.name for w in m.workloads] == ["chat", "long"] and m.created == "now"
     assert m.mape()["goodput"] == (25.0 + 0.0 + 25.0) / 3
+    assert m.mape("long") == v.cases[0].errors() and m.mape("chat") == v.mape()
+    assert m.table()[-3:] == [
+        "MAPE over 2 chat cases: TTFT p50 25.0%, TTFT p90 12.5%, TPOT p50 25.0%, TPOT p90 25.0%, goodput 12.5%",
+        "MAPE over 1 long cases: TTFT p50 50.0%, TTFT p90 0.0%, TPOT p50 50.0%, TPOT p90 0.0%, goodput 25.0%",
+        "MAPE over 3 cases: TTFT p50 33.3%, TTFT p90 8.3%, TPOT p50 33.3%, TPOT p90 16.7%, goodput 16.7%"]
     with pytest.raises(ValueError, match="different profiles"):
         Validation.merged([v, Validation((), (), {"path": "other"})])
