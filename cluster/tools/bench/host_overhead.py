@@ -2,6 +2,7 @@
 
     python -m cluster.tools.bench.host_overhead --streams 1 32 128 256 [--layers 16|30] [--steps 30]
         [--device cuda --static-decode off graphs]
+    python -m cluster.tools.bench.host_overhead --static-decode eager --no-forward --streams 128 256 [--profile 25]
 
 Runs the engine's GPU code path (attention_backend torch, model_ops torch: the ops a CUDA step
 launches, not the fused CPU kernels) on a random Llama checkpoint whose compute is negligible: the
@@ -21,14 +22,23 @@ On a GPU (--device cuda) the same steps measure the host directly: the device's 
 microseconds a kernel, so a step's wall time is the host's (and, with --static-decode graphs, what
 a captured step leaves of it: one input copy, one replay, the sampler's read, the engine's Python).
 
+--no-forward (with --static-decode eager, on the CPU) removes the device's work from the step: the
+static path's forward is replaced by a no-op that leaves fixed logits in its buffer (row i's argmax
+a printable byte token, so every step detokenizes real text), so a decode step's time is the host's
+alone: scheduler, block tables, staging, the sampler's read, update, outputs and detokenization.
+That is what a captured step on a GPU still spends on the host. --profile N prints cProfile's top N
+functions (by own time) over a second run of the timed steps.
+
 No Ray, no router: LLMEngine directly.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import random
 import statistics
 import tempfile
@@ -59,9 +69,23 @@ def make_engine(model: Path, max_seqs: int, max_len: int, device: str = "cpu", s
     )
 
 
-def measure(engine: LLMEngine, n: int, prompt_tokens: int, warmup: int, steps: int, rng: random.Random) -> dict:
-    """Median decode step of n requests, and the CPU time per step."""
-    sp = SamplingParams(max_tokens=warmup + steps + 8, temperature=0, ignore_eos=True)
+def remove_forward(engine: LLMEngine) -> None:
+    """The static decode step without the model: its logits buffer is filled once (row i's
+    argmax is byte token 33 + i % 94, printable ASCII) and the forward leaves it as it is."""
+    static = engine.runner.static
+    if static is None or static.capture:
+        raise ValueError("--no-forward needs --static-decode eager")
+    rows = torch.arange(static._logits.shape[0])
+    static._logits.zero_()
+    static._logits[rows, 33 + rows % 94] = 1.0
+    static._forward = lambda bucket, width: None
+
+
+def measure(engine: LLMEngine, n: int, prompt_tokens: int, warmup: int, steps: int, rng: random.Random,
+            profile: int = 0) -> dict:
+    """Median decode step of n requests, and the CPU time per step. profile > 0: then the same
+    number of steps again under cProfile, its top `profile` functions printed."""
+    sp = SamplingParams(max_tokens=warmup + steps * (2 if profile else 1) + 8, temperature=0, ignore_eos=True)
     ids = [f"n{n}-{i}" for i in range(n)]
     for rid in ids:
         engine.add_request(rid, prompt_token_ids=[rng.randrange(256) for _ in range(prompt_tokens)], sampling=sp)
@@ -77,6 +101,14 @@ def measure(engine: LLMEngine, n: int, prompt_tokens: int, warmup: int, steps: i
         times.append(time.perf_counter() - t)
         assert len(outs) == n and not any(o.finished for o in outs), "a request ended or skipped a step"
     cpu = (time.process_time() - cpu0) / steps
+    if profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            engine.step()
+        prof.disable()
+        print(f"cProfile, {steps} decode steps of {n} streams (own time first):")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
     for rid in ids:
         engine.abort(rid)
     assert not engine.has_unfinished()
@@ -100,6 +132,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the same steps with a GPU doing the ops")
     ap.add_argument("--static-decode", nargs="+", default=["off"], choices=["off", "eager", "graphs"],
                     help="one run per mode (graphs: CUDA only)")
+    ap.add_argument("--no-forward", action="store_true",
+                    help="static decode steps without the model (fixed logits): the step's host time alone")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="per stream count, cProfile the timed steps again and print the top N functions")
     args = ap.parse_args(argv)
     for mode in args.static_decode:
         run_mode(args, mode)
@@ -110,7 +146,10 @@ def run_mode(args, mode: str) -> None:
     torch.set_num_threads(args.threads)
     model = checkpoint(Path(args.cache), args.layers, args.hidden, args.vocab)
     top = max(args.streams)
-    engine = make_engine(model, max(top, 1), args.prompt_tokens + args.warmup + args.steps + 64, args.device, mode)
+    steps = args.warmup + args.steps * (2 if args.profile else 1)
+    engine = make_engine(model, max(top, 1), args.prompt_tokens + steps + 64, args.device, mode)
+    if args.no_forward:
+        remove_forward(engine)
     rng = random.Random(0)
     measure(engine, min(top, 8), args.prompt_tokens, 2, 3, rng)  # warm-up: allocator, first-call paths
     if mode == "graphs":  # every bucket the measured runs use, captured first
@@ -118,7 +157,7 @@ def run_mode(args, mode: str) -> None:
             measure(engine, n, args.prompt_tokens, args.warmup, 2, rng)
     load = os.getloadavg()
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    print(f"static_decode={mode} on {name}: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
+    print(f"static_decode={mode}{' (no forward: host only)' if args.no_forward else ''} on {name}: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
           f"{args.prompt_tokens}-token prompts, greedy; attention {engine.runner.backend.name}, ops {engine.model.ops.name}, "
           f"{torch.get_num_threads()} torch thread(s); nproc {os.cpu_count()}, "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
@@ -126,7 +165,7 @@ def run_mode(args, mode: str) -> None:
           f"{'step/N us':>9}", flush=True)
     rows, base = [], None
     for n in args.streams:
-        r = measure(engine, n, args.prompt_tokens, args.warmup, args.steps, rng)
+        r = measure(engine, n, args.prompt_tokens, args.warmup, args.steps, rng, args.profile)
         base = r["step_ms"] if n == 1 else base
         r["per_request_us"] = None if base is None or n == 1 else 1e3 * (r["step_ms"] - base) / n
         r["step_per_n_us"] = 1e3 * r["step_ms"] / n
@@ -138,7 +177,8 @@ def run_mode(args, mode: str) -> None:
         with open(args.json, "a") as f:
             for r in rows:
                 f.write(json.dumps({**r, "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab,
-                                    "device": args.device, "static_decode": mode}) + "\n")
+                                    "device": args.device, "static_decode": mode,
+                                    "no_forward": args.no_forward}) + "\n")
 
 
 if __name__ == "__main__":
