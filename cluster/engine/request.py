@@ -29,11 +29,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_KV, RequestStatus.RUNNING)
+        return self not in _UNFINISHED  # a tuple: identity compares in C (an enum hashes in Python)
 
     @property
     def finish_reason(self) -> FinishReason | None:
         return FinishReason(self.value) if self.finished else None
+
+
+_UNFINISHED = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_KV, RequestStatus.RUNNING)
 
 
 class Priority(enum.IntEnum):
@@ -136,14 +139,15 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Stop conditions known from token ids alone (stop strings are the detokenizer's)."""
-        n = self.num_output_tokens
-        last = self.output_token_ids[-1]
+        out = self.output_token_ids
+        n = len(out)
+        last = out[-1]
         sp = self.sampling
         if n >= sp.min_tokens:
             if not sp.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if last in sp.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if n >= sp.max_tokens or self.num_tokens >= max_model_len:
+        if n >= sp.max_tokens or len(self._all) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

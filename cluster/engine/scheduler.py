@@ -245,12 +245,26 @@ class Scheduler:
         if self.loading or self.kv.num_loading:
             self._settle_loads()
 
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for r in self.running:
+            left = r.num_tokens - r.num_computed_tokens
+            if left == 1:
+                decoding.append(r)
+            elif left > 1:
+                prefilling.append(r)
+        running = RequestStatus.RUNNING
+        kv = self.kv
         for i, req in enumerate(decoding + prefilling):
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+            if req.status is not running:  # preempted earlier in this loop
+                continue
+            if not req.draft_token_ids and i < len(decoding) and kv.allocate_slots(req, 1):
+                # A plain decode with room (every block it needs held, or one free): the common case.
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1, True))
+                scheduled.add(req.request_id)
+                budget -= 1
                 continue
             if req.draft_token_ids:
                 # Drafts take only budget the remaining decodes do not need, and never preempt.
@@ -306,8 +320,9 @@ class Scheduler:
             out.chunks.append(self._chunk(req, num_cached, n))
             scheduled.add(req.request_id)
             budget -= n
+        charge = self.waiting.charge
         for chunk in out.chunks:
-            self.waiting.charge(chunk.request.ctx, chunk.num_tokens)
+            charge(chunk.request.ctx, chunk.num_tokens)
         return out
 
     def _blocks_by_tenant(self) -> dict[str, int]:
@@ -351,9 +366,11 @@ class Scheduler:
         speculative chunk, its draft tokens the model accepted (a prefix of the draft), which
         come before the request's sampled token."""
         finished = []
+        running = RequestStatus.RUNNING
+        cache_blocks = self.kv.cache_blocks
         for chunk in out.chunks:
             req = chunk.request
-            if req.status != RequestStatus.RUNNING:  # aborted while the step ran
+            if req.status is not running:  # aborted while the step ran
                 continue
             if chunk.draft:
                 if self._update_speculative(req, (accepted or {}).get(req.request_id, ()),
@@ -361,7 +378,7 @@ class Scheduler:
                     finished.append(req)
                 continue
             req.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_blocks(req, req.num_computed_tokens)
+            cache_blocks(req, req.num_computed_tokens)
             if chunk.samples:
                 req.append_token(sampled[req.request_id])
                 status = req.check_stop(self.max_model_len)

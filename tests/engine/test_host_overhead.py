@@ -5,6 +5,7 @@ transformers' greedy tokens with many decodes of mixed lengths in a step."""
 import random
 
 from cluster.engine.attention.metadata import partition_by_length
+from cluster.engine.kv_cache.manager import NO_PREFIX
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from tests.reference import hf_greedy
@@ -57,3 +58,40 @@ def test_torch_path_many_decodes_equal_transformers(tiny_model):
         assert o.token_ids == hf_greedy(tiny_model, p, 20), f"prompt of {len(p)} tokens"
     engine.check_invariants()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_decode_fast_paths_agree_with_the_general_ones(tiny_model):
+    """A decode step's shortcuts (issue 40, host time): allocate_slots returns at once when the
+    request's last block has room, cache_blocks when no block filled, the static rows are reused
+    when their table did not change. Checked at every call and step on a pool small enough to
+    preempt, with requests crossing blocks: allocate_slots answers what the block count says,
+    every full computed block is indexed, the tokens are transformers' and the pool ends whole."""
+    engine = LLMEngine.from_model(tiny_model, num_blocks=12, block_size=16, attention_backend="torch",
+                                  model_ops="torch", max_num_seqs=16, max_num_batched_tokens=64,
+                                  static_decode="eager")
+    kv = engine.kv
+    allocate = kv.allocate_slots
+
+    def checked(req, n, cached=NO_PREFIX):
+        new, revived = kv._blocks_needed(req, n, cached)  # the general path's count, before it runs
+        want = new + len(cached.loads) + revived <= kv.num_free_blocks
+        got = allocate(req, n, cached)
+        assert got == want, (req.request_id, n)
+        return got
+
+    kv.allocate_slots = checked
+    rng = random.Random(6)
+    ps = [[256] + [rng.randrange(256) for _ in range(n - 1)] for n in (30, 45, 20, 60, 35, 50)]
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(f"r{i}", prompt_token_ids=p, sampling=sp).request_id for i, p in enumerate(ps)]
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens[o.request_id] += o.token_ids
+        engine.check_invariants()
+        for req in engine.scheduler.running:
+            blocks = kv.block_ids(req.request_id)
+            assert kv._num_cached.get(req.request_id, 0) == min(req.num_computed_tokens // 16, len(blocks))
+    assert engine.stats.preemptions > 0 and engine.runner.static.steps > 0
+    assert [tokens[rid] for rid in ids] == [hf_greedy(tiny_model, p, 24) for p in ps]
+    assert kv.num_free_blocks == kv.num_blocks and engine.runner.static._rows == {}

@@ -193,6 +193,10 @@ class KVCacheManager:
         pool before this returns), else cached when `poll_loads` sees the copy done; until then
         `is_loading(req.request_id)` and nothing may compute.
         """
+        if not cached:  # the common case, a running request's next tokens: room in its last block?
+            have = self._blocks.get(req.request_id)
+            if have is not None and req.num_computed_tokens + num_new_tokens <= len(have) * self.block_size:
+                return True
         new, revived = self._blocks_needed(req, num_new_tokens, cached)
         if new + len(cached.loads) + revived > self.pool.num_free:
             return False
@@ -313,10 +317,13 @@ class KVCacheManager:
         """Index the request's blocks that are now full of computed tokens."""
         if not self.pool.enable_caching:
             return
+        # Most calls (a decode step's) fill no block: one dict read, no table read.
+        start = self._num_cached.get(req.request_id, 0)
+        if num_computed_tokens // self.block_size <= start:
+            return
         blocks = self._blocks.get(req.request_id)
         if not blocks:
             return
-        start = self._num_cached.get(req.request_id, 0)
         end = min(num_computed_tokens // self.block_size, len(blocks))
         if end <= start:
             return
