@@ -39,19 +39,25 @@ class OutputProcessor:
         """The step's output of each request it sampled, in chunk order. `before`: each sampling
         request's number of output tokens before the step (its new ones start there)."""
         outputs = []
+        tokens_of, logprobs = sampled.tokens, sampled.logprobs
         for c in chunks:
             req = c.request
-            if req.request_id not in sampled.tokens:  # nothing to sample yet, or failed
+            rid = req.request_id
+            if rid not in tokens_of:  # nothing to sample yet, or failed
                 continue
-            if req.num_output_tokens == 1:  # its prompt is done: count what the cache saved once
+            ids = req.output_token_ids
+            if len(ids) == 1:  # its prompt is done: count what the cache saved once
                 self.stats.cached_prompt_tokens += req.num_cached_tokens
-            tokens = req.output_token_ids[before[req.request_id]:]  # one, or a speculative step's several
-            outputs.append(self._output(req, tokens, sampled.logprobs.get(req.request_id)))
+            tokens = ids[before[rid]:]  # one, or a speculative step's several
+            outputs.append(self._output(req, tokens, logprobs.get(rid) if logprobs else None))
         return outputs
 
     def _output(self, req: Request, tokens: list[int], lp: TokenLogprob | None) -> RequestOutput:
         detok = self._detok[req.request_id]
-        tokens = self._through_stop(req, detok, tokens)
+        if len(tokens) == 1:  # a decode's one token (_through_stop's loop, without the loop)
+            detok.add(tokens[0])
+        else:
+            tokens = self._through_stop(req, detok, tokens)
         self.stats.generation_tokens += len(tokens)
         if detok.stopped and not req.status.finished:
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
@@ -77,9 +83,10 @@ class OutputProcessor:
         return tokens
 
     def _delta(self, req: Request, tokens: list[int], text: str, logprobs=None) -> RequestOutput:
+        cached = req.num_cached_tokens
         return RequestOutput(
             req.request_id, tokens, text, False, None,
-            req.num_prompt_tokens, req.num_output_tokens, max(req.num_cached_tokens, 0), logprobs=logprobs,
+            len(req.prompt_token_ids), len(req.output_token_ids), cached if cached > 0 else 0, None, None, logprobs,
         )
 
     def final_output(self, req: Request, tokens: list[int], text: str,

@@ -68,6 +68,7 @@ def static_mode(opts, device: torch.device) -> str | None:
 class _Row:
     index: int  # row of the persistent table
     blocks: int  # entries of the request's block table already written there
+    last: int = -1  # the last of them (a Python int: the unchanged-row check reads no numpy)
 
 
 class StaticDecodeBackend:
@@ -172,6 +173,7 @@ class StaticDecode:
         elif n != row.blocks or tables[n - 1] != table[-1]:
             tables[:n] = table  # not an extension of what the row holds: write it whole
         row.blocks = n
+        row.last = table[-1] if n else -1
         return row.index
 
     # ---- one step -------------------------------------------------------------------------------
@@ -180,19 +182,27 @@ class StaticDecode:
         """The step's logits, [len(chunks), vocab] float32, rows in `chunks` order."""
         n = len(chunks)
         bucket = next(b for b in self.buckets if b >= n)
-        rows = np.empty(n, dtype=np.intp)
-        stage_rows = np.empty((n, 2), dtype=np.int32)
-        longest = 0
-        for i, c in enumerate(chunks):
-            rid = c.request.request_id
-            rows[i] = self._row(rid, block_tables[rid])
-            stage_rows[i, 0] = c.request.all_token_ids[c.start]
-            stage_rows[i, 1] = c.start
-            longest = max(longest, c.start)
-        width = width_bucket(longest // self.block_size + 1, self.max_blocks)
+        rows: list[int] = []
+        tokens: list[int] = []
+        positions: list[int] = []
+        known = self._rows
+        for c in chunks:
+            req = c.request
+            rid = req.request_id
+            table = block_tables[rid]
+            row = known.get(rid)
+            # most steps a row is as it was: the same number of blocks, the same last one
+            if row is not None and row.blocks == len(table) and row.last == table[-1]:
+                rows.append(row.index)
+            else:
+                rows.append(self._row(rid, table))
+            tokens.append(req.all_token_ids[c.start])
+            positions.append(c.start)
+        width = width_bucket(max(positions) // self.block_size + 1, self.max_blocks)
         size = bucket * (2 + width)
         stage = self._stage_np[:size].reshape(bucket, 2 + width)
-        stage[:n, :2] = stage_rows
+        stage[:n, 0] = tokens
+        stage[:n, 1] = positions
         stage[:n, 2:] = self._tables[rows, :width]
         stage[n:, :2] = 0
         stage[n:, 2:] = self.sink

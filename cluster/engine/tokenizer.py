@@ -115,7 +115,8 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # Ids past the tokenizer's vocabulary (padded model vocabularies) decode to nothing.
-        ids = [i for i in ids if i < self.vocab_size]
+        if ids and max(ids) >= self.vocab_size:  # a C loop: the copy only when there is one
+            ids = [i for i in ids if i < self.vocab_size]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
@@ -193,8 +194,9 @@ class IncrementalDetokenizer:
             return
         ids = self.ids
         ids.append(token_id)
-        prefix = self.tok.decode(ids[: self.read_offset])
-        full = self.tok.decode(ids)
+        decode = self.tok.decode
+        prefix = decode(ids[: self.read_offset])
+        full = decode(ids)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self._commit(full[len(prefix):], len(ids))
         elif len(ids) - self.read_offset > self.MAX_PENDING:  # stalled: commit what cannot change
