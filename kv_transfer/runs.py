@@ -32,6 +32,19 @@ class BlockRuns:
     def as_tuples(self) -> list[tuple[int, int, int]]:
         return list(zip(self.local.tolist(), self.remote.tolist(), self.length.tolist()))
 
+    def indices(self) -> tuple[np.ndarray, np.ndarray]:
+        """(local, remote) int32 block indices into per-block prepped descriptor lists, which NIXL
+        merges into exactly these runs: make_prepped_xfer merges neighbours in the list that are
+        contiguous on both sides (ascending), so each run is listed ascending and the runs in
+        descending local order (no two listed runs can merge, not even across a region edge
+        whose memory happens to be adjacent)."""
+        order = np.argsort(-self.local, kind="stable")
+        length = self.length[order]
+        offsets = np.arange(int(length.sum())) - np.repeat(np.cumsum(length) - length, length)
+        local = np.repeat(self.local[order], length) + offsets
+        remote = np.repeat(self.remote[order], length) + offsets
+        return local.astype(np.int32), remote.astype(np.int32)
+
 
 def block_runs(local_ids: Sequence[int], remote_ids: Sequence[int],
                local_regions: Sequence[int], remote_regions: Sequence[int]) -> BlockRuns:
@@ -87,3 +100,8 @@ class BlockSpace:
         out = np.empty((len(first), 3), dtype=np.uint64)
         out[:, 0], out[:, 1], out[:, 2] = addr, length * self.block_bytes, self.device_id
         return out
+
+    def block_descs(self) -> np.ndarray:
+        """Every block of every region, one descriptor each, in id order: a list to prepare once."""
+        n = sum(self.sizes)
+        return self.descs(np.arange(n, dtype=np.int64), np.ones(n, dtype=np.int64))

@@ -5,7 +5,8 @@ prefill engine that serves leases from its host tier (kv_tiers.lease_from_host) 
 arena too (DRAM pools only): a handle's block id num_blocks + s is host slot s, read in the same
 READ as device blocks. Decode pulls (NIXL READ) the blocks it lacks, one descriptor per run of
 blocks contiguous on both sides (kv_transfer/runs.py: a block of all layers is one contiguous
-region), the descriptor lists built per pull; once the READ is done, a notice tells prefill it may
+region; each side's list prepared once, one descriptor a block, which NIXL merges into the runs
+given the order runs.py lists them in); once the READ is done, a notice tells prefill it may
 release the lease. Notices go out from a second agent that posts no transfers
 (kv_transfer/notices.py: on the READ's own agent each pull waited for the peer's loop). Remote
 agents are cached per engine id and replaced when the peer comes back as a new incarnation.
@@ -46,6 +47,7 @@ class _Remote:
     info: PeerInfo
     agent_name: str
     space: BlockSpace  # where its block ids are: its pool, then its host arena's slots
+    dlist: object  # prepared descriptor list over all of them, one descriptor a block
 
 
 @dataclass
@@ -119,6 +121,7 @@ class NixlTransport:
             self._host, self._host_reg = host_cache, self.agent.register_memory(host_cache)
             self.host_base_addr, self.host_num_blocks = host_cache.data_ptr(), host_cache.shape[0]
         self._space = BlockSpace((self.base_addr,), (self.num_blocks,), self.block_bytes, self.device_id)
+        self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._space.block_descs(), self.mem_type)
         self._remotes: dict[str, _Remote] = {}
         self._notices: NoticeSender | None = None  # made with the first peer (decode side only)
         self._unsent: list[tuple[str, str, str]] = []  # "done" notices of completed READs (send_notices)
@@ -162,6 +165,11 @@ class NixlTransport:
         try:
             name = self.agent.add_remote_agent(info.agent_metadata)
             name = name.decode() if isinstance(name, bytes) else name
+            bases, sizes = (info.base_addr,), (info.num_blocks,)
+            if info.host_num_blocks:  # its host tier's slots follow its blocks (DRAM peers only)
+                bases, sizes = bases + (info.host_base_addr,), sizes + (info.host_num_blocks,)
+            space = BlockSpace(bases, sizes, self.block_bytes, info.device_id)
+            dlist = self.agent.prep_xfer_dlist(name, space.block_descs(), info.mem_type)
             if self._notices is None:
                 self._notices = NoticeSender(f"{self.agent_name}-notices")
             self._notices.add_peer(info.agent_metadata)
@@ -173,18 +181,15 @@ class NixlTransport:
                 except Exception:  # noqa: BLE001 — it may never have been added
                     pass
             raise KVTransferError(f"handshake with {handle.engine_id} failed: {e}") from e
-        bases, sizes = (info.base_addr,), (info.num_blocks,)
-        if info.host_num_blocks:  # its host tier's slots follow its blocks (DRAM peers only)
-            bases, sizes = bases + (info.host_base_addr,), sizes + (info.host_num_blocks,)
-        space = BlockSpace(bases, sizes, self.block_bytes, info.device_id)
-        remote = self._remotes[handle.engine_id] = _Remote(info, name, space)
+        remote = self._remotes[handle.engine_id] = _Remote(info, name, space, dlist)
         return remote
 
     def _forget(self, engine_id: str) -> None:
         remote = self._remotes.pop(engine_id, None)
         if remote is None:
             return
-        for release in (lambda: self.agent.remove_remote_agent(remote.agent_name),
+        for release in (lambda: self.agent.release_dlist_handle(remote.dlist),
+                        lambda: self.agent.remove_remote_agent(remote.agent_name),
                         lambda: self._notices.remove_peer(remote.agent_name)):
             try:
                 release()
@@ -210,12 +215,9 @@ class NixlTransport:
             runs = block_runs(local_blocks, remote_blocks, self._space.sizes, remote.space.sizes)
         except ValueError as e:
             raise KVTransferError(f"READ from {handle.engine_id} not posted: {e}") from e
+        local, remote_ids = runs.indices()
         try:
-            xfer = self.agent.initialize_xfer(
-                "READ", self.agent.get_xfer_descs(self._space.descs(runs.local, runs.length), self.mem_type),
-                self.agent.get_xfer_descs(remote.space.descs(runs.remote, runs.length), remote.info.mem_type),
-                remote.agent_name,
-            )
+            xfer = self.agent.make_prepped_xfer("READ", self._local, local, remote.dlist, remote_ids)
             state = self.agent.transfer(xfer)
         except Exception as e:
             self._forget(handle.engine_id)
@@ -363,6 +365,7 @@ class NixlTransport:
         for engine_id in list(self._remotes):
             self._forget(engine_id)
         try:
+            self.agent.release_dlist_handle(self._local)
             self.agent.deregister_memory(self._reg)
             if self._host_reg is not None:
                 self.agent.deregister_memory(self._host_reg)

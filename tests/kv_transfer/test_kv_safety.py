@@ -37,8 +37,8 @@ class HeldReads:
         self.held: list = []
         self.release_refusals = 0
 
-    def initialize_xfer(self, *args, **kwargs):
-        handle = self._agent.initialize_xfer(*args, **kwargs)
+    def make_prepped_xfer(self, *args, **kwargs):
+        handle = self._agent.make_prepped_xfer(*args, **kwargs)
         if self.hold_next:
             self.held.append(handle)
             self.hold_next = False
