@@ -115,7 +115,7 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # Ids past the tokenizer's vocabulary (padded model vocabularies) decode to nothing.
-        if ids and max(ids) >= self.vocab_size:  # a C loop: the copy only when there is one
+        if len(ids) and max(ids) >= self.vocab_size:  # a C loop: the copy only when there is one
             ids = [i for i in ids if i < self.vocab_size]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -201,7 +201,7 @@ class IncrementalDetokenizer:
             self._commit(full[len(prefix):], len(ids))
         elif len(ids) - self.read_offset > self.MAX_PENDING:  # stalled: commit what cannot change
             end = len(ids) - self.STRADDLE
-            settled = self.tok.decode(ids[:end])
+            settled = decode(ids[:end])
             if full.startswith(settled) and settled.startswith(prefix):
                 self._commit(settled[len(prefix):], end)
 
