@@ -58,38 +58,56 @@ def _part(name: str) -> str:
     return name.split("[", 1)[0]
 
 
+def start_cluster(cfg: ClusterConfig, prof: Profile, out: Path, tag: str, tries: int = 3):
+    """`pdserve up` of the configuration, serving: (process, gRPC port). A start that exits (a free
+    port taken before the ingress binds it, seen once) is tried again on new ports."""
+    bin_dir = Path(sys.executable).parent
+    # each engine process on the torch threads the profile was measured with (a CPU profile records them)
+    env = {**os.environ, "OMP_NUM_THREADS": str(prof.device.get("threads", 1))}
+    for attempt in range(1, tries + 1):
+        grpc_port = free_port()
+        doc = {**cfg.app_doc(prof.model["path"], prof.block_size), "served_model_name": "bench",
+               "grpc_port": grpc_port, "http_port": free_port(), "default_max_tokens": 128,
+               "graceful_shutdown_timeout_s": 2.0,
+               # admission control off: the simulator has none, and a refused request is no latency to compare
+               "admission": {"max_queue_wait_s": "none", "target_itl_s": "none"}}
+        (out / f"{tag}.yaml").write_text(yaml.safe_dump(doc))
+        with open(out / f"{tag}-server.log", "a") as log:
+            server = subprocess.Popen([str(bin_dir / "pdserve"), "up", "--config", str(out / f"{tag}.yaml"),
+                                       "--no-dashboard"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        try:
+            wait_serving(f"localhost:{grpc_port}", server)
+            return server, grpc_port
+        except RuntimeError as e:
+            stop(server)
+            if attempt == tries:
+                raise
+            print(f"{tag}: {e} (see {tag}-server.log); starting again", flush=True)
+        except BaseException:
+            stop(server)
+            raise
+    raise AssertionError("unreachable")
+
+
 def run_real(cfg: ClusterConfig, prof: Profile, trace: Path, slo: SLO, out: Path, tag: str) -> tuple[dict, dict]:
     """The bench result and the CPU seconds per part of the machine over the measured run."""
     import psutil  # noqa: PLC0415
 
-    grpc_port = free_port()
-    doc = {**cfg.app_doc(prof.model["path"], prof.block_size), "served_model_name": "bench",
-           "grpc_port": grpc_port, "http_port": free_port(), "default_max_tokens": 128,
-           "graceful_shutdown_timeout_s": 2.0,
-           # admission control off: the simulator has none, and a refused request is no latency to compare
-           "admission": {"max_queue_wait_s": "none", "target_itl_s": "none"}}
-    (out / f"{tag}.yaml").write_text(yaml.safe_dump(doc))
-    bin_dir = Path(sys.executable).parent
-    # each engine process on the torch threads the profile was measured with (a CPU profile records them)
-    env = {**os.environ, "OMP_NUM_THREADS": str(prof.device.get("threads", 1))}
     result_file = out / f"{tag}.json"
-    with open(out / f"{tag}-server.log", "w") as log:
-        server = subprocess.Popen([str(bin_dir / "pdserve"), "up", "--config", str(out / f"{tag}.yaml"),
-                                   "--no-dashboard"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-        try:
-            wait_serving(f"localhost:{grpc_port}", server)
-            cmd = [str(bin_dir / "pdserve"), "bench", "--address", f"localhost:{grpc_port}", "--dataset-name",
-                   "trace", "--dataset-path", str(trace), "--ignore-eos", "--warmup-requests", "3",
-                   "--disable-tqdm", "--goodput", f"ttft:{slo.ttft_s * 1e3:g}", f"tpot:{slo.tpot_s * 1e3:g}",
-                   "--label", tag, "--result-file", str(result_file), "--duration-s", "900"]
-            print("$", " ".join(cmd), flush=True)
-            pids = serve_pids()
-            cpu0, sys0 = cpu_seconds(pids), psutil.cpu_times()
-            subprocess.run(cmd, check=True, timeout=1200, stdout=subprocess.DEVNULL)
-            cpu1, sys1 = cpu_seconds(pids), psutil.cpu_times()
-        finally:
-            stop(server)
+    server, grpc_port = start_cluster(cfg, prof, out, tag)
+    try:
+        cmd = [str(Path(sys.executable).parent / "pdserve"), "bench", "--address", f"localhost:{grpc_port}",
+               "--dataset-name", "trace", "--dataset-path", str(trace), "--ignore-eos", "--warmup-requests", "3",
+               "--disable-tqdm", "--goodput", f"ttft:{slo.ttft_s * 1e3:g}", f"tpot:{slo.tpot_s * 1e3:g}",
+               "--label", tag, "--result-file", str(result_file), "--duration-s", "900"]
+        print("$", " ".join(cmd), flush=True)
+        pids = serve_pids()
+        cpu0, sys0 = cpu_seconds(pids), psutil.cpu_times()
+        subprocess.run(cmd, check=True, timeout=1200, stdout=subprocess.DEVNULL)
+        cpu1, sys1 = cpu_seconds(pids), psutil.cpu_times()
+    finally:
+        stop(server)
     result = json.loads(result_file.read_text())
     cpu: dict[str, float] = {}
     for name, t in cpu1.items():  # includes the warm-up's few seconds: a slight over-count
