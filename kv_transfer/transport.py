@@ -47,7 +47,7 @@ class _Remote:
     info: PeerInfo
     agent_name: str
     space: BlockSpace  # where its block ids are: its pool, then its host arena's slots
-    dlist: object  # prepared descriptor list over all of them, one descriptor a block
+    dlist: object  # prepared descriptor list over all of them, one descriptor a block (None: mapped pulls)
 
 
 @dataclass
@@ -169,7 +169,9 @@ class NixlTransport:
             if info.host_num_blocks:  # its host tier's slots follow its blocks (DRAM peers only)
                 bases, sizes = bases + (info.host_base_addr,), sizes + (info.host_num_blocks,)
             space = BlockSpace(bases, sizes, self.block_bytes, info.device_id)
-            dlist = self.agent.prep_xfer_dlist(name, space.block_descs(), info.mem_type)
+            dlist = None  # between degrees each rank's READ has descriptors of its own (rank_reads.py)
+            if not self.mapped.applies(info.kv_layout):
+                dlist = self.agent.prep_xfer_dlist(name, space.block_descs(), info.mem_type)
             if self._notices is None:
                 self._notices = NoticeSender(f"{self.agent_name}-notices")
             self._notices.add_peer(info.agent_metadata)
@@ -188,7 +190,7 @@ class NixlTransport:
         remote = self._remotes.pop(engine_id, None)
         if remote is None:
             return
-        for release in (lambda: self.agent.release_dlist_handle(remote.dlist),
+        for release in (lambda: remote.dlist is None or self.agent.release_dlist_handle(remote.dlist),
                         lambda: self.agent.remove_remote_agent(remote.agent_name),
                         lambda: self._notices.remove_peer(remote.agent_name)):
             try:
