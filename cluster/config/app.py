@@ -106,10 +106,6 @@ class AppConfig(Strict):
                 tp = self.engine_for(pool).tensor_parallel_size
             except ValueError as e:
                 raise ValueError(f"{pool}.engine, laid over the app's engine: {e}") from e
-            if tp > 1 and self.has_prefill_pool:
-                raise ValueError(
-                    f"{pool}: tensor_parallel_size {tp} needs mode colocated (or prefill.num_replicas 0): KV transfer "
-                    "from or to a tensor-parallel replica is not implemented yet (issue 41)")
             options = getattr(self, pool)
             if tp > 1 and options.num_cpus == 0 and options.num_gpus == 0:
                 raise ValueError(f"{pool}: tensor_parallel_size {tp} needs num_cpus or num_gpus > 0 (each rank's "

@@ -56,17 +56,14 @@ def test_cpus_needed_counts_every_rank():
     assert (2 * 1.5 * 3 + INGRESS_CPUS, cpus_needed(tp3)) == (9.5, 10)  # two replicas of three ranks, ingress
 
 
-def test_tp_with_a_prefill_pool_is_refused_naming_the_pool():
-    with pytest.raises(pydantic.ValidationError) as e:
-        AppConfig(model="m", prefill={"engine": {"tensor_parallel_size": 2}})
-    assert ("prefill: tensor_parallel_size 2 needs mode colocated (or prefill.num_replicas 0): KV transfer from or to "
-            "a tensor-parallel replica is not implemented yet (issue 41)") in str(e.value)
-    with pytest.raises(pydantic.ValidationError, match="decode: tensor_parallel_size 2 needs mode colocated"):
-        AppConfig(model="m", decode={"engine": {"tensor_parallel_size": 2}})
-    # colocated, or a disaggregated app without prefill replicas: decode may shard
-    assert AppConfig(model="m", mode="colocated", engine={"tensor_parallel_size": 2}).engine_for("decode") \
+def test_prefill_and_decode_pools_may_take_different_degrees():
+    """KV moves between degrees (kv_transfer/rank_reads.py); a pair the model's KV heads cannot map
+    is refused at the handshake (each degree is checked against the model when its engine starts)."""
+    cfg = AppConfig(model="m", prefill={"engine": {"tensor_parallel_size": 2}},
+                    decode={"engine": {"tensor_parallel_size": 1}})
+    assert (cfg.engine_for("prefill").tensor_parallel_size, cfg.engine_for("decode").tensor_parallel_size) == (2, 1)
+    assert AppConfig(model="m", decode={"engine": {"tensor_parallel_size": 2}}).engine_for("decode") \
         .tensor_parallel_size == 2
-    AppConfig(model="m", prefill={"num_replicas": 0}, decode={"engine": {"tensor_parallel_size": 2}})
 
 
 def test_a_tp_pool_without_resources_is_refused():

@@ -1,7 +1,7 @@
 """A Serve replica with tensor_parallel_size 2: its worker rank is a Ray actor in the replica's
-placement group (cluster/serving/tensor_parallel.py). Colocated (KV transfer between tensor-parallel
-replicas is not implemented yet): two decode replicas of tp=2 on the tiny model (4 query, 2 KV
-heads: one KV head a rank).
+placement group (cluster/serving/tensor_parallel.py). Colocated (KV transfer between degrees:
+test_tensor_parallel_pd.py): two decode replicas of tp=2 on the tiny model (4 query, 2 KV heads:
+one KV head a rank).
 
 - Greedy streams equal tp=1's (the in-process engine), both replicas' pools whole afterwards with
   exactly the configured block count, each replica's ranks on its node.
