@@ -1,6 +1,8 @@
-"""A disaggregated Serve app whose pools differ in tensor-parallel degree: prefill tp=2 (its worker
-rank a Ray actor), decode tp=1, on the tiny model (2 KV heads: one a prefill rank). The decode
-replica reads head 0 from prefill rank 0 and head 1 from rank 1 (kv_transfer/rank_reads.py).
+"""Disaggregated Serve apps whose pools differ in tensor-parallel degree, on the tiny model (2 KV
+heads: one a rank at tp=2; kv_transfer/rank_reads.py):
+- prefill tp=2 (its worker rank a Ray actor serving READs), decode tp=1: the decode replica reads
+  head 0 from prefill rank 0 and head 1 from rank 1;
+- prefill tp=1, decode tp=2: each decode rank reads its head from the one prefill replica.
 
 Greedy streams equal the in-process engine's, every prompt's KV was pulled (no recompute), each
 pulled block's bytes once, and both pools are whole afterwards.
@@ -18,11 +20,13 @@ from tests.helpers import grpc_stub, serve_replica_ids, wait_for
 from tests.serving.test_tensor_parallel_serving import NUM_BLOCKS, prompt, request
 
 
-@pytest.fixture(scope="module")
-def app(serve_apps, tiny_model):
-    with serve_apps.run(tiny_model, prefill={"num_replicas": 1, "num_cpus": 0.5, "engine": {"tensor_parallel_size": 2}},
-                        decode={"num_replicas": 1, "num_cpus": 0.5}, engine={"num_blocks": NUM_BLOCKS}) as cfg:
-        yield cfg
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["P-tp2-D-tp1", "P-tp1-D-tp2"])
+def app(request, serve_apps, tiny_model):
+    p_tp, d_tp = request.param
+    with serve_apps.run(tiny_model, engine={"num_blocks": NUM_BLOCKS},
+                        prefill={"num_replicas": 1, "num_cpus": 0.5, "engine": {"tensor_parallel_size": p_tp}},
+                        decode={"num_replicas": 1, "num_cpus": 0.5, "engine": {"tensor_parallel_size": d_tp}}) as cfg:
+        yield cfg, p_tp, d_tp
 
 
 def reference(model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -37,7 +41,8 @@ def load(pool: str, replica: str) -> dict:
 
 
 @pytest.mark.timeout(240)
-def test_prefill_tp2_to_decode_tp1_streams_the_reference_tokens(app, tiny_model):
+def test_pools_of_different_degrees_stream_the_reference_tokens(app, tiny_model):
+    app, p_tp, d_tp = app
     # 92 .. 179 tokens: past routing.local_prefill_threshold (64), so each is prefilled on the tp=2 pool
     prompts = [prompt(i) for i in range(3, 7)]
     with grpc_stub(app) as stub, concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -58,4 +63,5 @@ def test_prefill_tp2_to_decode_tp1_streams_the_reference_tokens(app, tiny_model)
     t = seen["decode"]["transfer"]
     assert (t["pulls_ok"], t["pulls_failed"], t["fallbacks_recompute"]) == (len(prompts), 0, 0), t
     assert t["blocks_pulled"] == sum(-(-len(p) // 16) for p in prompts), t  # each prompt block once
-    assert seen["prefill"]["rank_nodes"] == [seen["prefill"]["node_id"]] * 2
+    for pool, tp in (("prefill", p_tp), ("decode", d_tp)):
+        assert len(seen[pool].get("rank_nodes", [seen[pool]["node_id"]])) == tp
