@@ -27,6 +27,8 @@ from typing import Sequence
 
 import numpy as np
 
+from cluster.engine.distributed import step
+from cluster.engine.distributed.step import KVPoll, KVRead, KVRegister, KVRelease
 from kv_transfer.handle import KVLayout, PeerInfo, RankPeer
 from kv_transfer.head_map import HeadSlice, head_map
 
@@ -305,3 +307,32 @@ class MappedReader:
                 self.driver.kv_release(pull_id)
             raise
         return MappedPull(self, pull_id, handles, sum(r.num_bytes for r in plan[0]), workers)
+
+
+class RankKV:
+    """A worker rank's part of KV transfer between degrees (cluster/engine/distributed/worker.py's
+    RankExtension): its NIXL agent over the rank's pool, the READs the driver plans for it. Given to
+    the ranks by whoever starts them (a Serve replica, a test); picklable until its first message."""
+
+    def __init__(self):
+        self.agent: RankAgent | None = None
+
+    def handles(self, msg) -> bool:
+        return isinstance(msg, (KVRegister, KVRead, KVPoll, KVRelease))
+
+    def handle(self, msg, rank: int, shard) -> None:
+        if isinstance(msg, KVRegister):
+            self.close()
+            self.agent = RankAgent(f"{msg.agent_name}-rank{rank}", shard.kv_cache)
+            step.gather_reports(self.agent.peer())
+        elif isinstance(msg, KVRead):
+            self.agent.post(msg.pull_id, msg.reads[rank])
+        elif isinstance(msg, KVPoll):
+            step.gather_reports(RankPullState(rank, self.agent.state(msg.pull_id), self.agent.bytes_read))
+        else:
+            step.gather_reports(self.agent.release(msg.pull_id))
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None

@@ -47,11 +47,12 @@ class RankActor:
 
         from cluster.engine.distributed.launch import join_group  # noqa: PLC0415
         from cluster.engine.distributed.worker import serve_rank  # noqa: PLC0415
+        from kv_transfer.rank_reads import RankKV  # noqa: PLC0415
 
         torch.set_num_threads(threads)
         join_group(rank, tp, init_method, timeout_s, backend)
         try:
-            return serve_rank(rank, torch.device(device))
+            return serve_rank(rank, torch.device(device), RankKV())  # KV transfer between degrees
         finally:
             dist.destroy_process_group()
 

@@ -15,6 +15,7 @@ import pytest
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.distributed.launch import tensor_parallel_engine
+from kv_transfer.rank_reads import RankKV
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.tools.local_peer import PrefillProcess
@@ -58,7 +59,7 @@ def test_prefill_tp1_to_decode_tp2(model, tmp_path):
     expected = reference(model)
     prefill = PrefillProcess(model, tmp_path, engine_id="prefill-tp1", num_blocks=BLOCKS)
     try:
-        with tensor_parallel_engine(tp2_config(model)) as (engine, ranks):
+        with tensor_parallel_engine(tp2_config(model), extension=RankKV()) as (engine, ranks):
             transport = NixlTransport("decode-tp2", engine.kv_cache, engine_layout(engine),
                                       FileMetadataStore(tmp_path), tensor_parallel=engine.tensor_parallel)
             decode = DecodeEngine(engine, transport)
@@ -87,7 +88,7 @@ def test_prefill_tp2_to_decode_tp1(model, tmp_path):
     dec_transport = NixlTransport("decode-tp1", dec_engine.kv_cache, engine_layout(dec_engine), store)
     decode = DecodeEngine(dec_engine, dec_transport)
     try:
-        with tensor_parallel_engine(tp2_config(model)) as (engine, ranks):
+        with tensor_parallel_engine(tp2_config(model), extension=RankKV()) as (engine, ranks):
             transport = NixlTransport("prefill-tp2", engine.kv_cache, engine_layout(engine), store,
                                       tensor_parallel=engine.tensor_parallel)
             prefill = PrefillEngine(engine, transport, release_grace_s=0.2)

@@ -50,10 +50,10 @@ def join_group(rank: int, tp: int, init_method: str, timeout_s: float, backend: 
                             timeout=timedelta(seconds=timeout_s))
 
 
-def _worker_main(rank: int, tp: int, init_method: str, timeout_s: float, threads: int) -> None:
+def _worker_main(rank: int, tp: int, init_method: str, timeout_s: float, threads: int, extension=None) -> None:
     torch.set_num_threads(threads)
     join_group(rank, tp, init_method, timeout_s)
-    serve_rank(rank, torch.device("cpu"))
+    serve_rank(rank, torch.device("cpu"), extension)
     dist.destroy_process_group()
     # A clean stop skips the interpreter's teardown: there, after the last Python frame, a C++
     # destructor aborted ("terminate called without an active exception", SIGABRT) in about one
@@ -73,12 +73,14 @@ class LocalRanks:
         self.exit_codes: list[int | None] | None = None  # set by close()
 
     @classmethod
-    def start(cls, tp: int, timeout_s: float = DEFAULT_TIMEOUT_S, worker_threads: int = 1) -> "LocalRanks":
+    def start(cls, tp: int, timeout_s: float = DEFAULT_TIMEOUT_S, worker_threads: int = 1,
+              extension=None) -> "LocalRanks":
+        """extension: worker.RankExtension each worker runs (picklable; e.g. kv_transfer's RankKV)."""
         if dist.is_initialized():
             raise RuntimeError("this process is already in a torch.distributed group")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker_main, args=(r, tp, init_method, timeout_s, worker_threads),
+        procs = [ctx.Process(target=_worker_main, args=(r, tp, init_method, timeout_s, worker_threads, extension),
                              name=f"tp-rank-{r}", daemon=True) for r in range(1, tp)]
         for p in procs:
             p.start()
@@ -110,10 +112,11 @@ class LocalRanks:
 
 @contextmanager
 def tensor_parallel_engine(config: EngineConfig, timeout_s: float = DEFAULT_TIMEOUT_S,
-                           worker_threads: int = 1) -> Iterator[tuple[LLMEngine, LocalRanks]]:
+                           worker_threads: int = 1, extension=None) -> Iterator[tuple[LLMEngine, LocalRanks]]:
     """(an LLMEngine with config.tensor_parallel_size ranks, its worker processes); on exit the
-    workers are stopped and joined (ranks.exit_codes: 0 each for a clean stop)."""
-    ranks = LocalRanks.start(config.tensor_parallel_size, timeout_s, worker_threads)
+    workers are stopped and joined (ranks.exit_codes: 0 each for a clean stop). extension: as
+    LocalRanks.start's (KV transfer between degrees needs kv_transfer.rank_reads.RankKV())."""
+    ranks = LocalRanks.start(config.tensor_parallel_size, timeout_s, worker_threads, extension)
     engine = None
     try:
         engine = LLMEngine(config)
