@@ -33,6 +33,7 @@ import torch
 
 from cluster.engine.attention.metadata import AttentionMetadata
 from cluster.engine.attention.paged_decode import paged_decode_torch, paged_decode_triton, triton_available
+from cluster.engine.attention.torch_sdpa import TorchSDPABackend
 from cluster.engine.scheduler import ScheduledChunk
 
 log = logging.getLogger(__name__)
@@ -71,18 +72,13 @@ class _Row:
     last: int = -1  # the last of them (a Python int: the unchanged-row check reads no numpy)
 
 
-class StaticDecodeBackend:
+class StaticDecodeBackend(TorchSDPABackend):
     """The attention backend of a static step: writes as the torch backend, reads in place."""
 
     name = "static"
 
     def __init__(self, attend_fn):
         self._attend = attend_fn
-
-    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
-        idx = (meta.slot_blocks, meta.slot_offsets)
-        k_cache.index_put_(idx, k)
-        v_cache.index_put_(idx, v)
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         return self._attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
