@@ -178,6 +178,11 @@ class EngineOptions(BaseModel):
         'attention that reads the paged cache in place (cluster/engine/static_decode.py): "graphs" captures each '
         'bucket as a CUDA graph (CUDA only), "eager" runs the same path uncaptured, "off" builds every step\'s '
         'shapes. "auto" = graphs on CUDA with the torch attention backend and torch ops, else off.')
+    async_output: Literal["auto", "on", "off"] = Field(
+        "auto", description='Process a decode-only step\'s outputs (detokenize, build the stream deltas) while the '
+        'next step runs on the device, as vLLM v0\'s async output processing: a step\'s deltas are emitted one step '
+        'later, after the next step is launched. Requests with stop strings (whose text can end them) are processed '
+        'in their own step. "auto" = on with a CUDA device (where the forward runs asynchronously), off on CPU.')
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description='"auto" = the checkpoint\'s dtype.')
     max_waiting: int | None = Field(

@@ -1,9 +1,14 @@
 """The synchronous engine: validate, schedule, run, sample; its OutputProcessor detokenizes.
 
     out = scheduler.schedule()
-    sampled = runner.execute(out.chunks, block_tables)
+    sampled = runner.execute(out.chunks, block_tables, while_running)
     finished = scheduler.update(out, sampled.tokens)  # sampled.failed: ended alone first
     outputs = output_processor.process(out.chunks, sampled, before)  # stop strings end requests here
+
+Async output (`async_output`, on with CUDA): a decode-only step's outputs that cannot change a
+request's state are deferred, and emitted by the next step from `while_running`, i.e. while that
+step's forward runs on the device (vLLM v0's async output processing). Whatever ends a request first
+emits its deferred output (abort, fail, expiry), so each request's stream is unchanged.
 
 Not thread-safe: EngineLoop drives it from one thread.
 """
@@ -26,7 +31,7 @@ from cluster.engine.model.identity import model_identity
 from cluster.engine.model.ops import resolve_ops
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.model_runner import ModelRunner
-from cluster.engine.output_processor import OutputProcessor
+from cluster.engine.output_processor import Deferred, OutputProcessor
 from cluster.engine.outputs import EngineLoad, EngineStats, RequestOutput, merge_outputs
 from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext, RequestStatus
 from cluster.engine.sampler import RequestFailure, SamplerOutput
@@ -112,6 +117,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self._save_failures_seen = 0  # the tiers' failed saves already counted as step errors
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.stats, self._finished)
+        self.async_output = config.async_output == "on" or (config.async_output == "auto" and self.device.type == "cuda")
+        self._deferred: list[Deferred] = []  # the last decode-only step's outputs, not emitted yet
         spec = config.speculative
         self.speculator = None
         if spec.enabled:
@@ -165,19 +172,38 @@ class LLMEngine:
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        pending = self._settle(request_id)
         req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
-        return None if req is None else self.output_processor.final_output(req, [], "")
+        return None if req is None else self._final(req, pending)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._deferred)
 
     def fail(self, request_id: str, error: str) -> RequestOutput | None:
         """End a request with an error, freeing its blocks; its terminal output, if it was here."""
+        pending = self._settle(request_id)
         req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ERROR)
         if req is None:
             return None
         req.error = error
-        return self.output_processor.final_output(req, [], "")
+        return self._final(req, pending)
+
+    def _final(self, req: Request, pending: RequestOutput | None) -> RequestOutput:
+        """A request's terminal output, after its deferred output if it had one (one output)."""
+        final = self.output_processor.final_output(req, [], "")
+        return final if pending is None else merge_outputs(pending, final)
+
+    def _settle(self, request_id: str) -> RequestOutput | None:
+        """The request's deferred output, emitted now (before something ends it)."""
+        for i, item in enumerate(self._deferred):
+            if item[0].request_id == request_id:
+                del self._deferred[i]
+                return self.output_processor.emit([item])[0]
+        return None
+
+    def _emit_deferred(self) -> list[RequestOutput]:
+        deferred, self._deferred = self._deferred, []
+        return self.output_processor.emit(deferred) if deferred else []
 
     # ---- verbs of the prefill role: blocks held for a peer -------------------------------------
 
@@ -355,22 +381,26 @@ class LLMEngine:
         if out.is_empty:
             if self.kv.num_loading:  # only tier copies in flight: wait for one, do not spin
                 self.kv.wait_loads(LOAD_WAIT_S)
-            return outputs
+            return outputs + self._emit_deferred()
         t0 = time.perf_counter()
         tables = {c.request.request_id: self.kv.block_ids(c.request.request_id) for c in out.chunks}
+        emitted: list[RequestOutput] = []
         try:
-            sampled = self.runner.execute(out.chunks, tables)
+            sampled = self.runner.execute(out.chunks, tables,
+                                          (lambda: emitted.extend(self._emit_deferred())) if self._deferred else None)
         except Exception as e:  # a broken step fails its requests, never the loop
-            return outputs + self._step_failed(out, e)
+            return outputs + emitted + self._emit_deferred() + self._step_failed(out, e)
+        outputs += emitted + self._emit_deferred()  # (none left when the runner called back)
         # Requests whose own numbers failed end alone, before update(), which then skips them.
         outputs += self._fail(sampled.failed)
         before = self._update(out, sampled)
         self._count_step(out, t0, clean=not saves_failed)
-        return outputs + self.output_processor.process(out.chunks, sampled, before)
+        defer = self._deferred if self.async_output and _decode_only(out) else None
+        return outputs + self.output_processor.process(out.chunks, sampled, before, defer)
 
     def _expire(self) -> list[RequestOutput]:
         expired = self.scheduler.expire(time.time(), self.scheduler.clock())
-        return [self.output_processor.final_output(r, [], "") for r in expired]
+        return [self._final(r, self._settle(r.request_id) if self._deferred else None) for r in expired]
 
     def _schedule(self) -> SchedulerOutput:
         if self.speculator is not None:  # drafts first: the scheduler budgets their tokens
@@ -488,6 +518,13 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+
+def _decode_only(out: SchedulerOutput) -> bool:
+    """Every chunk one plain decode token past its prompt (a first token is never deferred):
+    the steps whose outputs async output defers."""
+    return all(c.num_tokens == 1 and c.samples and not c.draft and c.start >= c.request.num_prompt_tokens
+               for c in out.chunks)
 
 
 def _smooth(avg: float, value: float) -> float:

@@ -5,7 +5,7 @@ The runner reads block tables handed to it; it never sees the block pool.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -44,12 +44,18 @@ class ModelRunner:
         if self.static is not None:
             self.static.forget(request_id)
 
-    def execute(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]]) -> SamplerOutput:
+    def execute(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]],
+                while_running: Callable[[], None] | None = None) -> SamplerOutput:
         """Run one step. Every chunk that reaches its request's end gets a sampled token, or a
-        failure of its own (the others are unaffected); raises only when the step as a whole fails."""
+        failure of its own (the others are unaffected); raises only when the step as a whole fails.
+        `while_running` is called once the forward is launched and before the sampler reads its
+        result: on a GPU, host work done there overlaps the device's (the engine's async output)."""
         if self.static is not None:
             if self.static.takes(chunks):
-                return self.sampler.sample(self.static.run(chunks, block_tables), [c.request for c in chunks])
+                logits = self.static.run(chunks, block_tables)
+                if while_running is not None:
+                    while_running()
+                return self.sampler.sample(logits, [c.request for c in chunks])
             for c in chunks:  # a multi-token step: the row is rewritten whole when it decodes again
                 if c.num_tokens > 1:
                     self.static.forget(c.request.request_id)
@@ -64,6 +70,8 @@ class ModelRunner:
             self.kv_cache, meta, self.backend,
             torch.tensor(logits_idx, dtype=torch.long, device=dev),
         )
+        if while_running is not None:
+            while_running()
         if scored:  # the rows after the sampling rows score prompt tokens
             logits = self._score_prompts(logits, scored)
         if not any(c.draft for c in samplers):

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from cluster.engine.scheduler import ScheduledChunk, Scheduler
 
 
+Deferred = tuple[Request, list[int], TokenLogprob | None]  # a step's new tokens of a request, not yet emitted
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, stats: EngineStats,
                  on_finish: Callable[[Request], None]):
@@ -35,9 +38,11 @@ class OutputProcessor:
         self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, req.sampling.stop)
 
     def process(self, chunks: Sequence[ScheduledChunk], sampled: SamplerOutput,
-                before: dict[str, int]) -> list[RequestOutput]:
+                before: dict[str, int], defer: list[Deferred] | None = None) -> list[RequestOutput]:
         """The step's output of each request it sampled, in chunk order. `before`: each sampling
-        request's number of output tokens before the step (its new ones start there)."""
+        request's number of output tokens before the step (its new ones start there). With
+        `defer`, the outputs that cannot change a request's state (it did not finish, and has no
+        stop string for its text to match) are appended there instead, for `emit` later."""
         outputs = []
         tokens_of, logprobs = sampled.tokens, sampled.logprobs
         for c in chunks:
@@ -49,7 +54,24 @@ class OutputProcessor:
             if len(ids) == 1:  # its prompt is done: count what the cache saved once
                 self.stats.cached_prompt_tokens += req.num_cached_tokens
             tokens = ids[before[rid]:]  # one, or a speculative step's several
-            outputs.append(self._output(req, tokens, logprobs.get(rid) if logprobs else None))
+            lp = logprobs.get(rid) if logprobs else None
+            if defer is not None and not req.status.finished and not req.sampling.stop:
+                defer.append((req, tokens, lp))
+            else:
+                outputs.append(self._output(req, tokens, lp))
+        return outputs
+
+    def emit(self, deferred: Sequence[Deferred]) -> list[RequestOutput]:
+        """The deltas `process` deferred, in its order: what it would have made then (the
+        request had not finished and has no stop string). Always deltas: a request that ended
+        since (abort, error, deadline) gets its terminal output from its ender, after this."""
+        outputs = []
+        for req, tokens, lp in deferred:
+            detok = self._detok[req.request_id]
+            for token in tokens:
+                detok.add(token)
+            self.stats.generation_tokens += len(tokens)
+            outputs.append(self._delta(req, tokens, detok.take(final=False), None if lp is None else [lp]))
         return outputs
 
     def _output(self, req: Request, tokens: list[int], lp: TokenLogprob | None) -> RequestOutput:

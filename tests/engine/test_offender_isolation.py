@@ -126,12 +126,12 @@ def test_a_whole_step_failure_ends_that_steps_requests_and_the_engine_goes_on(en
     execute = engine.runner.execute
     calls = 0
 
-    def fails_third_step(chunks, tables):
+    def fails_third_step(chunks, tables, while_running=None):
         nonlocal calls
         calls += 1
         if calls == 3:
             raise RuntimeError("injected")
-        return execute(chunks, tables)
+        return execute(chunks, tables, while_running)
 
     engine.runner.execute = fails_third_step
     try:

@@ -4,9 +4,11 @@ buckets, tables that widen as contexts cross blocks, stop strings, aborts, preem
 requests beside greedy ones; the pool whole and every persistent row free afterwards; padding rows
 write only the sink block past the pool's end."""
 
+import dataclasses
 import importlib.util
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch
 from cluster.engine.attention.paged_decode import paged_decode_torch
 from cluster.engine.config import EngineConfig
 from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.request import RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.static_decode import batch_buckets, width_bucket
 from tests.reference import hf_greedy
@@ -237,3 +240,86 @@ def test_fixed_width_tables_equal_dynamic(tiny_model):
     assert [o.token_ids for o in static.generate(ps, sps)] == want
     assert st._fixed.shape == (4, 2 + st.max_blocks) and st.steps > 20
     assert_whole(static)
+
+
+# ---- async output (EngineOptions.async_output): a decode step's deltas emitted by the next step ----
+
+
+@pytest.mark.parametrize("static_decode", ["off", "eager"])
+def test_async_output_streams_equal_the_synchronous_engines(tiny_model, static_decode):
+    """Every stream equals the synchronous engine's (tokens, text, finish reason, logprobs) with a
+    stop string, a seeded sampled request, logprobs, an abort, a failure and a deadline mid-stream;
+    a decode step's deltas arrive exactly one step late (first tokens and terminal outputs never);
+    the deferred ones are emitted after the next forward is launched and before its sampler reads."""
+    check_async_output(tiny_model, static_decode)
+
+
+def check_async_output(model: str, static_decode: str, **kw):
+    """The test above on any device (tests/gpu runs it with CUDA graphs)."""
+    base = TORCH_PATH | dict(num_blocks=96, block_size=16, max_num_seqs=16) | kw
+    sync = LLMEngine.from_model(model, static_decode=static_decode, async_output="off", **base)
+    deferring = LLMEngine.from_model(model, static_decode=static_decode, async_output="on", **base)
+    assert (sync.async_output, deferring.async_output) == (False, True)
+    ps = prompts([12, 25, 40, 7, 19, 30, 9], seed=11)
+    first = sync.generate([ps[0]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    sps = [
+        SamplingParams(max_tokens=20, temperature=0, stop=(first.text[4:6],), ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+    ]
+
+    def run(engine):
+        for i, (p, sp) in enumerate(zip(ps, sps)):
+            engine.add(engine.make_request(f"r{i}", None, p, sp, RequestContext(deadline=time.time() + 3600)))
+        outs: dict[str, list] = {}
+        arrivals: dict[str, list[int]] = {}  # per request, the step each of its tokens came out
+        steps = 0
+        while engine.has_unfinished():
+            steps += 1
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).append(o)
+                arrivals.setdefault(o.request_id, []).extend([steps] * len(o.token_ids))
+            if steps == 6:  # mid-stream: an abort and an error; a deadline passes before the next step
+                outs["r3"].append(engine.abort("r3"))
+                outs["r5"].append(engine.fail("r5", "injected"))
+                req6 = engine.scheduler.running[[r.request_id for r in engine.scheduler.running].index("r6")]
+                req6.ctx = dataclasses.replace(req6.ctx, deadline=time.time() - 1)
+        streams = {rid: ([t for o in os_ for t in o.token_ids], "".join(o.text for o in os_), os_[-1].finish_reason,
+                         [lp for o in os_ for lp in (o.logprobs or [])]) for rid, os_ in outs.items()}
+        return streams, arrivals
+
+    order: list[tuple[str, int]] = []  # ("emit" | "sample", static steps launched so far)
+    static = deferring.runner.static
+    launched = (lambda: static.steps) if static is not None else (lambda: deferring.stats.steps)
+    emit, sample = deferring.output_processor.emit, deferring.runner.sampler.sample
+    deferring.output_processor.emit = lambda items: order.append(("emit", launched())) or emit(items)
+    deferring.runner.sampler.sample = lambda *a: order.append(("sample", launched())) or sample(*a)
+
+    want, sync_steps = run(sync)
+    got, async_steps = run(deferring)
+    assert got == want
+    assert [want[r][2] for r in ("r0", "r3", "r4", "r5", "r6")] == ["stop", "cancelled", "length", "error", "deadline"]
+    assert 0 < len(want["r3"][0]) < 20 and 0 < len(want["r6"][0]) < 20 and len(want["r2"][3]) == 20
+    # r4 (greedy, 20 tokens): first token at once, then each decode's one step late, the last at once
+    s = sync_steps["r4"]
+    assert s == list(range(s[0], s[0] + 20))
+    assert async_steps["r4"] == [s[0]] + [t + 1 for t in s[1:19]] + [s[19]]
+    assert async_steps["r0"] == sync_steps["r0"]  # a stop string's request: never deferred
+    # every deferred delta went out inside a step, after its forward launched, before its sampler
+    emits = [i for i, (what, _) in enumerate(order) if what == "emit"]
+    assert len(emits) >= 15
+    for i in emits:
+        if i + 1 < len(order) and order[i + 1][0] == "sample":
+            assert order[i + 1][1] == order[i][1]
+    assert deferring._deferred == []
+    assert_whole(deferring)
+    assert_whole(sync)
+
+
+def test_async_output_default_is_cuda_only(tiny_model):
+    engine = LLMEngine.from_model(tiny_model, device="cpu", num_blocks=8)
+    assert engine.config.async_output == "auto" and engine.async_output is False

@@ -151,6 +151,15 @@ def test_static_decode_many_streams_equals_the_cpu_reference(model_dirs):
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
 
 
+def test_async_output_streams_equal_the_synchronous_engines(model_dirs):
+    """Async output (on by default with CUDA) over graph replays: a stop string, a seeded sampled
+    request, logprobs, an abort, a failure and a deadline mid-stream give the streams of the
+    synchronous engine, each decode delta one step late (tests/engine/test_static_decode.py)."""
+    from tests.engine.test_static_decode import check_async_output
+
+    check_async_output(model_dirs["gqa"], STATIC, device=DEVICE, dtype="float32")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (9, 3), (32, 8), (8, 1)])
 def test_paged_decode_kernel_equals_row_by_row(dtype, heads, kv_heads):
