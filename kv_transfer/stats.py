@@ -19,6 +19,8 @@ class TransferStats:
     pull_seconds_sum: float = 0.0  # over pulls_ok; constant size, so reporting stays cheap
     pull_seconds_max: float = 0.0
     last_pull_s: float = 0.0
+    # the last pull's (posting s, posted -> first poll s, polls) (cluster/tools/bench/kv_transfer.py)
+    last_pull_phases: tuple[float, float, int] = (0.0, 0.0, 0)
     peer_refreshes: int = 0  # cached remote agent replaced (peer restarted)
     pulls_refused_lease: int = 0  # handle's lease too close to expiry to pull: recomputed instead
     pulls_abandoned: int = 0  # READs left in flight by an abort or failure: their blocks quarantined

@@ -62,6 +62,9 @@ class PendingPull:
     started: float
     deadline: float
     settled: bool = False  # NIXL is done with it (done, failed, or cancelled and released)
+    posted: float = 0.0  # time.monotonic() once transfer() returned
+    first_poll: float = 0.0  # ... at the first poll
+    polls: int = 0
 
 
 class NixlTransport:
@@ -228,7 +231,8 @@ class NixlTransport:
             self._forget(handle.engine_id)
             raise KVTransferError(f"posting READ from {handle.engine_id} failed")
         return PendingPull(handle.request_id, handle.engine_id, remote.agent_name, xfer, len(local_blocks),
-                           len(local_blocks) * self.block_bytes, len(runs), started, started + timeout_s)
+                           len(local_blocks) * self.block_bytes, len(runs), started, started + timeout_s,
+                           posted=time.monotonic())
 
     def _start_mapped_pull(self, handle: KVHandle, remote: _Remote, remote_blocks: list[int],
                            local_blocks: list[int], timeout_s: float) -> PendingPull:
@@ -252,6 +256,9 @@ class NixlTransport:
         """True when done; raises KVTransferError on failure or past the deadline. After a raise,
         `pull.settled` says whether NIXL let go of the transfer; if not, the caller must
         quarantine its blocks and `abandon` it."""
+        if not pull.polls:
+            pull.first_poll = time.monotonic()
+        pull.polls += 1
         try:
             state = self._state(pull.handle)
         except Exception as e:
@@ -268,6 +275,8 @@ class NixlTransport:
             self.stats.blocks_pulled += pull.num_blocks
             self.stats.bytes_pulled += pull.num_bytes
             self.stats.last_pull_s = took
+            if pull.posted:  # where a pull's time went (benchmarks): posting, the wait for a poll, polling
+                self.stats.last_pull_phases = (pull.posted - pull.started, pull.first_poll - pull.posted, pull.polls)
             self.stats.pull_seconds_sum += took
             self.stats.pull_seconds_max = max(self.stats.pull_seconds_max, took)
             return True

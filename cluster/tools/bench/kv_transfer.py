@@ -120,18 +120,23 @@ def bench_engines(model_dir: str, lengths: list[int], store: Path, reps: int, th
         _pull_once(prefill, decode, [1] * 64, sp, "warm")
         cpu0, wall0 = time.process_time(), time.perf_counter()
         for n in lengths:
-            samples, prefill_s = [], []
+            samples, prefill_s, phases = [], [], []
             for r in range(reps):
                 prompt = [(n * 31 + r * 7 + i * 13) % 250 for i in range(n)]  # fresh each rep: no cache hits
                 dt_pull, dt_prefill, nbytes, nblocks, ndesc = _pull_once(prefill, decode, prompt, sp, f"{n}-{r}")
                 samples.append(dt_pull)
                 prefill_s.append(dt_prefill)
+                phases.append(transport.stats.last_pull_phases)
             pull = statistics.median(samples)
             cold, hot = copy_gbps(nbytes, device)
             rows.append({"tokens": n, "bytes": nbytes, "blocks": nblocks, "descriptors": ndesc,
                          "pull_ms": pull * 1e3, "nixl_gbps": nbytes / pull / 1e9, "memcpy_gbps": cold,
                          "memcpy_hot_gbps": hot, "ratio": nbytes / pull / 1e9 / cold,
-                         "prefill_ms": statistics.median(prefill_s) * 1e3})
+                         "prefill_ms": statistics.median(prefill_s) * 1e3,
+                         # where the pull's time went: posting the READ, until the loop's first poll, polls
+                         "post_ms": statistics.median(p[0] for p in phases) * 1e3,
+                         "first_poll_ms": statistics.median(p[1] for p in phases) * 1e3,
+                         "polls": statistics.median(p[2] for p in phases)})
         cpu = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
         for r in rows:
             r["cpu_per_wall"] = cpu  # this process (decode engine + load), over the whole engine arm
@@ -275,16 +280,20 @@ def main(argv=None) -> int:
         print(f"\nNIXL num_threads={threads}")
         print(f"{'tokens':>6} {'MiB':>7} {'blocks':>6} {'desc/blk':>8} {'pull ms':>8} {'NIXL GB/s':>9} "
               f"{'copy GB/s':>11} {'ratio':>6} {'hot memcpy':>10} {'prefill ms':>10} "
-              f"{'bulk ms':>8} {'fixed ms':>8} {'pull/bulk':>9} {'cold bulk ms':>12}")
+              f"{'bulk ms':>8} {'fixed ms':>8} {'pull/bulk':>9} {'cold bulk ms':>12} "
+              f"{'post ms':>7} {'to 1st poll ms':>13} {'polls':>5}")
         for r in rows:
             print(f"{r['tokens']:>6} {r['bytes'] / 2**20:>7.2f} {r['blocks']:>6} "
                   f"{r['descriptors'] / r['blocks']:>8.2f} {r['pull_ms']:>8.3f} {r['nixl_gbps']:>9.2f} "
                   f"{r['memcpy_gbps']:>11.2f} {r['ratio']:>6.2f} {r['memcpy_hot_gbps']:>10.2f} "
                   f"{r['prefill_ms']:>10.1f} {r['bulk_ms']:>8.3f} {r['fixed_ms']:>8.3f} "
-                  f"{r['pull_ms'] / r['bulk_ms']:>9.2f} {r['bulk_cold_ms']:>12.3f}")
+                  f"{r['pull_ms'] / r['bulk_ms']:>9.2f} {r['bulk_cold_ms']:>12.3f} "
+                  f"{r['post_ms']:>7.3f} {r['first_poll_ms']:>13.3f} {r['polls']:>5.0f}")
         print(f"pull: engine pull, median of {args.reps}; bulk: a bare NIXL READ of the same bytes (one "
               f"descriptor), median of {args.reps}; fixed = pull - bulk; cold bulk: the same READ after "
-              f"evicting this process's caches (64 MiB written). This process: "
+              f"evicting this process's caches (64 MiB written); post: the pull's make_prepped_xfer + "
+              f"transfer(); to 1st poll: posted -> the decode loop's first poll; polls: until DONE "
+              f"(medians). This process: "
               f"{rows[0]['cpu_per_wall']:.2f} CPU s per wall s over the engine arm; load average "
               f"{load0[0]:.2f} before, {load1[0]:.2f} after", flush=True)
         for mib in args.bulk_mib:  # 256 MiB on a CPU: cache plays no part

@@ -141,12 +141,22 @@ def profile_decode(engine: LLMEngine, streams: int, plen: int, olen: int, rng: r
     while engine.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()  # prefill everything first: only decode steps are profiled
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    static = engine.runner.static
+    timed = static is not None and static.capture
+    if timed:  # CUDA events around each replay: the device's share of the unprofiled steps
+        static.replay_events = []
     _sync(device)
     t = time.perf_counter()
     for _ in range(16):  # the same steps unprofiled first: the profiler's own cost stretches a step
         engine.step()
     _sync(device)
     plain = (time.perf_counter() - t) / 16
+    replays = ""
+    if timed:
+        replay_ms = sum(s.elapsed_time(e) for _, s, e in static.replay_events)
+        static.replay_events = None
+        replays = (f"; graph replays on the device {replay_ms / 16:.2f} ms/step = {replay_ms / 16 / (plain * 1e3):.0%} "
+                   f"of the unprofiled step")
     t = time.perf_counter()
     with profile(activities=acts) as prof:
         for _ in range(16):
@@ -171,7 +181,7 @@ def profile_decode(engine: LLMEngine, streams: int, plen: int, olen: int, rng: r
     except (AttributeError, KeyError, ValueError):  # torch before device_time's name
         table = ev.table(sort_by=key.replace("device", "cuda"), row_limit=20)
     launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
-    summary = (f"16 decode steps x {streams} streams: unprofiled {plain * 1e3:.2f} ms/step; profiled: "
+    summary = (f"16 decode steps x {streams} streams: unprofiled {plain * 1e3:.2f} ms/step{replays}; profiled: "
                f"wall {wall * 1e3:.1f} ms ({wall / 16 * 1e3:.2f} ms/step); "
                f"{'device busy' if on_device else 'CPU op time'} {busy_us / 1e3:.1f} ms "
                f"({busy_us / 1e6 / wall:.0%} of wall); kernel launches {launches} ({launches / 16:.0f}/step)")
@@ -210,12 +220,16 @@ def main(argv=None) -> int:
     ap.add_argument("--static-decode", nargs="+", default=["auto"], choices=["auto", "off", "eager", "graphs"],
                     help="the engine's static_decode, one pdserve arm each (off: every step built dynamically; "
                          "graphs: decode steps replayed as CUDA graphs)")
+    ap.add_argument("--async-output", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                    help="the engine's async_output: one arm per static_decode x value (on: a decode step's "
+                         "outputs are processed while the next step runs; auto: on with CUDA)")
     args = ap.parse_args(argv)
 
     d = model_dir(args.model, Path(args.cache), args.dtype)
     top = max(args.streams)
     rows = []
-    for mode in args.static_decode:
+    arms = [(m, a) for m in args.static_decode for a in args.async_output]
+    for mode, async_output in arms:
         engine = static = None  # the last arm's engine and its KV pool go before the next is built
         gc.collect()
         if args.device.startswith("cuda"):
@@ -223,14 +237,15 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         engine = LLMEngine.from_model(str(d), device=args.device, dtype=args.dtype, kv_cache_memory_gb=args.kv_gb,
                                       max_num_seqs=max(top, 8), max_num_batched_tokens=args.budget,
-                                      max_model_len=args.prompt_tokens + max(args.output_tokens, 33) + 8, static_decode=mode)
+                                      max_model_len=args.prompt_tokens + max(args.output_tokens, 33) + 8, static_decode=mode,
+                                      async_output=async_output)
         params = sum(p.numel() for p in engine.model.parameters())
         name = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU x{torch.get_num_threads()} threads"
         static = engine.runner.static
         path = "dynamic" if static is None else f"static {'graphs' if static.capture else 'eager'}, {static.attention}"
-        arm = f"pdserve-{mode}"
+        arm = f"pdserve-{mode}" + ("" if async_output == "auto" else f"-async-{async_output}")
         print(f"{arm}: {args.model}: {params / 1e6:.0f}M parameters, {args.dtype}, {name}, attention "
-              f"{engine.runner.backend.name}, decode steps {path}; engine ready in {time.perf_counter() - t:.1f} s; "
+              f"{engine.runner.backend.name}, decode steps {path}, async output {engine.async_output}; engine ready in {time.perf_counter() - t:.1f} s; "
               f"prompts {args.prompt_tokens}, outputs {args.output_tokens}", flush=True)
         rng = random.Random(0)
         t = time.perf_counter()
@@ -251,7 +266,7 @@ def main(argv=None) -> int:
                 print(f"{arm}: {graph_device_times(static, c)}; TPOT p50 {r['tpot_p50_ms']:.2f} ms", flush=True)
         if args.profile:
             print(profile_decode(engine, top, args.prompt_tokens, max(args.output_tokens, 33), rng,
-                                 Path(f"{args.profile}.{mode}"), args.device), flush=True)
+                                 Path(f"{args.profile}.{arm.removeprefix('pdserve-')}"), args.device), flush=True)
     if args.hf:
         from transformers import AutoModelForCausalLM
 
@@ -266,13 +281,13 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"\n{'arm':<16} {'streams':>7} {'TTFT p50 ms':>11} {'TTFT p90':>9} {'TPOT p50 ms':>11} {'TPOT p90':>9} "
+    print(f"\n{'arm':<26} {'streams':>7} {'TTFT p50 ms':>11} {'TTFT p90':>9} {'TPOT p50 ms':>11} {'TPOT p90':>9} "
           f"{'out tok/s':>10}")
     for r in rows:
-        print(f"{r['arm']:<16} {r['streams']:>7} {r['ttft_p50_ms']:>11.1f} {r.get('ttft_p90_ms', float('nan')):>9.1f} "
+        print(f"{r['arm']:<26} {r['streams']:>7} {r['ttft_p50_ms']:>11.1f} {r.get('ttft_p90_ms', float('nan')):>9.1f} "
               f"{r['tpot_p50_ms']:>11.2f} {r.get('tpot_p90_ms', float('nan')):>9.2f} {r['out_tok_s']:>10.0f}")
     by = {(r["arm"], r["streams"]): r for r in rows}
-    arms = [f"pdserve-{m}" for m in args.static_decode]
+    arms = [f"pdserve-{m}" + ("" if a == "auto" else f"-async-{a}") for m, a in arms]
     for c in args.streams:
         for a in arms:
             if ("hf-generate", c) in by:
