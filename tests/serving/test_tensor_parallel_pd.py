@@ -2,7 +2,8 @@
 heads: one a rank at tp=2; kv_transfer/rank_reads.py):
 - prefill tp=2 (its worker rank a Ray actor serving READs), decode tp=1: the decode replica reads
   head 0 from prefill rank 0 and head 1 from rank 1;
-- prefill tp=1, decode tp=2: each decode rank reads its head from the one prefill replica.
+- prefill tp=1, decode tp=2: each decode rank reads its head from the one prefill replica;
+- prefill tp=2, decode tp=2 (the same degree): decode rank r reads head r from prefill rank r.
 
 Greedy streams equal the in-process engine's, every prompt's KV was pulled (no recompute), each
 pulled block's bytes once, and both pools are whole afterwards.
@@ -20,7 +21,8 @@ from tests.helpers import grpc_stub, serve_replica_ids, wait_for
 from tests.serving.test_tensor_parallel_serving import NUM_BLOCKS, prompt, request
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["P-tp2-D-tp1", "P-tp1-D-tp2"])
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2), (2, 2)],
+                ids=["P-tp2-D-tp1", "P-tp1-D-tp2", "P-tp2-D-tp2"])
 def app(request, serve_apps, tiny_model):
     p_tp, d_tp = request.param
     with serve_apps.run(tiny_model, engine={"num_blocks": NUM_BLOCKS},
