@@ -36,6 +36,12 @@ class AppConfig(Strict):
     prefill: PoolOptions = PoolOptions()
     decode: PoolOptions = PoolOptions()
     ingress_replicas: int = Field(1, ge=1)
+    ingress_nice: int | None = Field(
+        0, ge=-20, le=19, description="OS niceness of every thread of an ingress replica. Ray starts its workers' "
+        "Python threads at 15 (its worker_niceness); 0 gives the front door (admission, refusals, token relay) the "
+        "CPU before the engines' compute (compute_nice) where they share cores. Raising priority needs "
+        "CAP_SYS_NICE (or Ray started with RAY_worker_niceness=0); without it, a warning and Ray's niceness. "
+        "None: leave it as Ray set it (docs/architecture.md, 'CPU priority')")
     kv_transfer: KVTransferOptions = KVTransferOptions()
     routing: RoutingOptions = RoutingOptions()
     host: str = Field(

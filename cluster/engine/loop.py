@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
@@ -26,23 +25,11 @@ from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from cluster.engine.latency import FirstOutputTimer
 from cluster.engine.outputs import FinishReason, RequestOutput
+from cluster.engine.priority import lower_thread_priority
 from cluster.errors import ErrorKind
 from cluster.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Give the calling thread (Linux: niceness is per thread) niceness `nice` if that is lower
-    priority than it has; threads it starts later inherit it, which includes the OpenMP workers
-    torch starts for this thread's first parallel region (each master thread has its own pool).
-    Raising priority needs privileges, so it is never attempted."""
-    tid = threading.get_native_id()
-    try:
-        if nice > os.getpriority(os.PRIO_PROCESS, tid):
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except (OSError, AttributeError) as e:  # not Linux, or refused: run at the inherited priority
-        log.warning("could not lower the engine thread's priority to nice %d: %s", nice, e)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import ray
 from ray import serve
 
 from cluster.config import AppConfig
+from cluster.engine.priority import set_process_niceness
 from cluster.telemetry import gc_pauses
 from cluster.telemetry.metrics import guardrail_metrics
 from router.actor import get_router
@@ -57,6 +58,13 @@ def build_front_door(config: AppConfig, pools: dict, classifier_handle=None) -> 
     return door
 
 
+def front_door_priority(config: AppConfig) -> None:
+    """Every thread of this process at `ingress_nice` (None: as Ray started them, niceness 15): the
+    front door is latency work, the engines' compute is not (docs/architecture.md, 'CPU priority')."""
+    if config.ingress_nice is not None:
+        set_process_niceness(config.ingress_nice, "ingress")
+
+
 @serve.ingress(openai_api.app)
 class Ingress:
     async def __init__(self, config: dict, pools: dict, classifier_handle=None):
@@ -70,6 +78,7 @@ class Ingress:
         self.grpc = GrpcServer(self.door, self.config)  # binds now: a taken port fails this replica
         await self.grpc.start()
         log.info("gRPC server on %s", self.grpc.address)
+        front_door_priority(self.config)  # every thread, the gRPC transport's included
         gc_pauses.settle_after_start()  # last: everything start-up made is never walked again
 
     async def __del__(self):
