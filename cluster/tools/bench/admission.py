@@ -155,7 +155,9 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
     # "sustainable": the protected server at --capacity for as long as the burst: the goodput the
     # burst's goodput is held against (>= 50% of it)
     arms = {"sustainable": (protected, capacity), "unprotected": (unprotected, 10 * capacity),
-            "defaults": (base, 10 * capacity), "protected": (protected, 10 * capacity)}
+            "defaults": (base, 10 * capacity), "protected": (protected, 10 * capacity),
+            # the defaults with every ingress thread left at Ray's worker niceness (15): before ingress_nice
+            "defaults-ray-nice": (base.model_copy(update={"ingress_nice": None}), 10 * capacity)}
     arms = {k: v for k, v in arms.items() if k in only_arms}
     results = {}
     for name, (cfg, rate) in arms.items():
@@ -317,12 +319,15 @@ def main() -> None:
                     help="random: the tiny random demo model (thousands of tokens/s here); smollm2: the real 135M model")
     ap.add_argument("--only", choices=["burst", "noisy"], default=None)
     ap.add_argument("--compute-nice", type=int, default=None, help="the pools' compute_nice (default: the config's)")
+    ap.add_argument("--ingress-nice", default=None,
+                    help="the ingress's ingress_nice (default: the config's; none: Ray's worker niceness)")
     ap.add_argument("--stream-interval", default=None, help="the decode pool's stream_interval (default: the config's)")
     ap.add_argument("--prefill-nice", type=int, default=None, help="the prefill pool's compute_nice alone")
     ap.add_argument("--throughput-optimized", action="store_true",
                     help="with --direct-ingress: Serve's throughput profile (RAY_SERVE_THROUGHPUT_OPTIMIZED)")
     ap.add_argument("--direct-ingress", action="store_true", help="Serve's direct ingress (no proxy) for every arm")
-    ap.add_argument("--arms", nargs="+", choices=["sustainable", "unprotected", "defaults", "protected"],
+    ap.add_argument("--arms", nargs="+", choices=["sustainable", "unprotected", "defaults", "protected",
+                                                  "defaults-ray-nice"],
                     default=["sustainable", "unprotected", "defaults", "protected"],
                     help="burst arms to run (a ratio needs its arms and the sustainable one)")
     ap.add_argument("--profile", type=Path, default=None,
@@ -339,8 +344,11 @@ def main() -> None:
     prefill = pool if args.prefill_nice is None else {**pool, "compute_nice": args.prefill_nice}
     if args.stream_interval is not None:
         pool = {**pool, "stream_interval": args.stream_interval if args.stream_interval == "auto" else int(args.stream_interval)}
+    ingress_nice = {} if args.ingress_nice is None else {
+        "ingress_nice": None if args.ingress_nice == "none" else int(args.ingress_nice)}
     base = ensure_model(default=args.model, config=AppConfig(http_port=http_port, grpc_port=grpc_port, prefill=prefill,
-                                                           decode=pool, graceful_shutdown_timeout_s=1.0))
+                                                           decode=pool, graceful_shutdown_timeout_s=1.0,
+                                                           **ingress_nice))
     if args.only in (None, "burst"):
         r = bench_burst(base, args.capacity, args.burst_s, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3,
                         args.profile, args.arms)
@@ -374,9 +382,11 @@ def main() -> None:
               f"protected / sustainable = {p / s if s else float('nan'):.2f} (goal >= 0.5); "
               f"rejection p99 {r.get('protected', {}).get('reject_p99_ms', float('nan')):.1f} ms (goal < 50 ms); "
               f"recovery {r.get('protected', {}).get('recovery_s', float('nan')):.1f} s (goal < 5 s)")
-        if "defaults" in r:
-            d = r["defaults"]
-            print(f"  defaults (no admission settings): goodput / sustainable = "
+        for arm in ("defaults", "defaults-ray-nice"):
+            if arm not in r:
+                continue
+            d = r[arm]
+            print(f"  {arm} (no admission settings): goodput / sustainable = "
                   f"{d['goodput_rps'] / s if s else float('nan'):.2f} (goal >= 0.5); rejection p99 "
                   f"{d['reject_p99_ms']:.1f} ms (goal < 100 ms); sent >= 5 s after the burst: {d['after_5s'][0]} of "
                   f"{d['after_5s'][1]} met the SLO (goal: all)")
