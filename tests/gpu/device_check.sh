@@ -31,7 +31,7 @@ if has latency; then
   # each model: every step built dynamically, then decode steps replayed as CUDA graphs, then hf
   for m in ${LATENCY_MODELS:-llama-1b}; do
     timeout ${LATENCY_TIMEOUT:-240} python3 -m cluster.tools.bench.ttft_tpot --model "$m" ${LATENCY_HF---hf} --reps 2 \
-      --static-decode ${LATENCY_STATIC:-off graphs} --profile "$OUT/profile-$m" ${LATENCY_ARGS:-} 2>&1 | quiet > "$OUT/latency-$m.txt"
+      --static-decode ${LATENCY_STATIC:-off graphs} ${LATENCY_ASYNC:+--async-output $LATENCY_ASYNC} --profile "$OUT/profile-$m" ${LATENCY_ARGS:-} 2>&1 | quiet > "$OUT/latency-$m.txt"
     echo "latency $m exit ${PIPESTATUS[0]}"; tail -16 "$OUT/latency-$m.txt"; head -1 "$OUT"/profile-$m.*
   done
 fi

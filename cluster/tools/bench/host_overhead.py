@@ -61,11 +61,12 @@ def checkpoint(cache: Path, layers: int, hidden: int, vocab: int) -> Path:
     return d
 
 
-def make_engine(model: Path, max_seqs: int, max_len: int, device: str = "cpu", static_decode: str = "off") -> LLMEngine:
+def make_engine(model: Path, max_seqs: int, max_len: int, device: str = "cpu", static_decode: str = "off",
+                async_output: str = "auto") -> LLMEngine:
     return LLMEngine.from_model(
         str(model), device=device, dtype="float32", attention_backend="torch", model_ops="torch",
         max_num_seqs=max_seqs, max_num_batched_tokens=max(8192, 32 * max_seqs), max_model_len=max_len,
-        kv_cache_memory_gb=0.5, static_decode=static_decode,
+        kv_cache_memory_gb=0.5, static_decode=static_decode, async_output=async_output,
     )
 
 
@@ -136,18 +137,21 @@ def main(argv=None) -> int:
                     help="static decode steps without the model (fixed logits): the step's host time alone")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="per stream count, cProfile the timed steps again and print the top N functions")
+    ap.add_argument("--async-output", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                    help="the engine's async_output: one run per static_decode x value (auto: on with CUDA)")
     args = ap.parse_args(argv)
     for mode in args.static_decode:
-        run_mode(args, mode)
+        for async_output in args.async_output:
+            run_mode(args, mode, async_output)
     return 0
 
 
-def run_mode(args, mode: str) -> None:
+def run_mode(args, mode: str, async_output: str = "auto") -> None:
     torch.set_num_threads(args.threads)
     model = checkpoint(Path(args.cache), args.layers, args.hidden, args.vocab)
     top = max(args.streams)
     steps = args.warmup + args.steps * (2 if args.profile else 1)
-    engine = make_engine(model, max(top, 1), args.prompt_tokens + steps + 64, args.device, mode)
+    engine = make_engine(model, max(top, 1), args.prompt_tokens + steps + 64, args.device, mode, async_output)
     if args.no_forward:
         remove_forward(engine)
     rng = random.Random(0)
@@ -157,7 +161,7 @@ def run_mode(args, mode: str) -> None:
             measure(engine, n, args.prompt_tokens, args.warmup, 2, rng)
     load = os.getloadavg()
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    print(f"static_decode={mode}{' (no forward: host only)' if args.no_forward else ''} on {name}: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
+    print(f"static_decode={mode}, async_output={engine.async_output}{' (no forward: host only)' if args.no_forward else ''} on {name}: {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, "
           f"{args.prompt_tokens}-token prompts, greedy; attention {engine.runner.backend.name}, ops {engine.model.ops.name}, "
           f"{torch.get_num_threads()} torch thread(s); nproc {os.cpu_count()}, "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
@@ -177,7 +181,7 @@ def run_mode(args, mode: str) -> None:
         with open(args.json, "a") as f:
             for r in rows:
                 f.write(json.dumps({**r, "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab,
-                                    "device": args.device, "static_decode": mode,
+                                    "device": args.device, "static_decode": mode, "async_output": engine.async_output,
                                     "no_forward": args.no_forward}) + "\n")
 
 
