@@ -37,15 +37,17 @@ def lower_thread_priority(nice: int) -> None:
         log.warning("could not lower the engine thread's priority to nice %d: %s", nice, e)
 
 
-def set_process_niceness(nice: int, who: str) -> tuple[int, int]:
-    """Every thread of this process to niceness `nice`, up or down. Returns (threads set, threads
-    refused): raising priority without the privilege is refused, and those threads keep theirs
-    (logged once, naming `who` and the remedy)."""
+def raise_process_priority(nice: int, who: str) -> tuple[int, int]:
+    """Every thread of this process that runs at a niceness above `nice` (lower priority) to
+    `nice`; threads already at `nice` or below keep theirs (where Ray starts its workers at 0, they
+    stay at 0). Returns (threads at `nice` or below now, threads refused): raising priority without
+    the privilege is refused, and those threads keep theirs (logged once, naming `who` and the
+    remedy)."""
     done = refused = 0
     error: OSError | None = None
     for tid in _tids():
         try:
-            if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+            if os.getpriority(os.PRIO_PROCESS, tid) > nice:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
             done += 1
         except ProcessLookupError:  # the thread ended meanwhile
@@ -54,7 +56,7 @@ def set_process_niceness(nice: int, who: str) -> tuple[int, int]:
             refused += 1
             error = error or e
     if refused:
-        log.warning("%s: could not set %d of %d threads to nice %d (%s): they keep Ray's worker niceness. "
-                    "Grant CAP_SYS_NICE, or start Ray with RAY_worker_niceness=0", who, refused, done + refused,
-                    nice, error)
+        log.warning("%s: could not raise %d of %d threads to nice %d (%s): they keep Ray's worker niceness. "
+                    "Grant CAP_SYS_NICE, or start Ray with RAY_worker_niceness at or below it", who, refused,
+                    done + refused, nice, error)
     return done, refused

@@ -13,7 +13,7 @@ import ray
 from ray import serve
 
 from cluster.config import AppConfig
-from cluster.engine.priority import set_process_niceness
+from cluster.engine.priority import raise_process_priority
 from cluster.telemetry import gc_pauses
 from cluster.telemetry.metrics import guardrail_metrics
 from router.actor import get_router
@@ -59,10 +59,11 @@ def build_front_door(config: AppConfig, pools: dict, classifier_handle=None) -> 
 
 
 def front_door_priority(config: AppConfig) -> None:
-    """Every thread of this process at `ingress_nice` (None: as Ray started them, niceness 15): the
-    front door is latency work, the engines' compute is not (docs/architecture.md, 'CPU priority')."""
+    """Every thread of this process at `ingress_nice` or better (None: as Ray started them, niceness
+    15): the front door is latency work, the engines' compute is not (docs/architecture.md, 'CPU
+    priority')."""
     if config.ingress_nice is not None:
-        set_process_niceness(config.ingress_nice, "ingress")
+        raise_process_priority(config.ingress_nice, "ingress")
 
 
 @serve.ingress(openai_api.app)

@@ -1,7 +1,9 @@
-"""The ingress's threads run at `ingress_nice` (default 0) where Ray starts its workers' Python threads
-at 15: the front door gets the CPU before the engines' compute (docs/architecture.md, "CPU priority").
+"""The ingress's threads run at `ingress_nice` (default 10) or better, where Ray starts its workers'
+Python threads at 15: the front door gets the CPU before the engines' compute (docs/architecture.md,
+"CPU priority").
 Each case runs in a process of its own, so this one's priority is never touched."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +12,7 @@ from cluster.config import AppConfig
 
 PROBE = """
 import json, os, sys, threading
-os.setpriority(os.PRIO_PROCESS, 0, 15)  # as Ray starts a worker's main thread; what it starts inherits it
+os.setpriority(os.PRIO_PROCESS, 0, int(sys.argv[2]))  # 15: as Ray starts a worker's main thread (inherited)
 from cluster.config import AppConfig
 from router.ingress.deployment import front_door_priority
 
@@ -23,8 +25,8 @@ stop.set()
 """
 
 
-def niceness_after(config: dict) -> list[int]:
-    out = subprocess.run([sys.executable, "-c", PROBE, __import__("json").dumps(config)], capture_output=True,
+def niceness_after(config: dict, started_at: int = 15) -> list[int]:
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(config), str(started_at)], capture_output=True,
                          text=True, timeout=120, check=True)
     return eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 — our own probe's list of ints
 
@@ -38,12 +40,13 @@ def can_raise_priority() -> bool:
         return False
 
 
-def test_by_default_every_ingress_thread_leaves_ray_worker_niceness():
-    assert AppConfig().ingress_nice == 0
-    expected = [0] if can_raise_priority() else [15]  # refused without the privilege: a warning, Ray's 15
+def test_by_default_every_ingress_thread_is_raised_from_ray_worker_niceness():
+    assert AppConfig().ingress_nice == 10
+    expected = [10] if can_raise_priority() else [15]  # refused without the privilege: a warning, Ray's 15
     assert niceness_after({}) == expected
 
 
-def test_a_lower_priority_is_set_on_every_thread_and_none_leaves_them_as_ray_set_them():
-    assert niceness_after({"ingress_nice": 18}) == [18]  # lowering is always allowed
+def test_threads_already_at_a_higher_priority_keep_it_and_none_leaves_them_as_ray_set_them():
+    assert niceness_after({}, started_at=0) == [0]  # Ray started with RAY_worker_niceness=0: never lowered
+    assert niceness_after({"ingress_nice": 18}) == [15]
     assert niceness_after({"ingress_nice": None}) == [15]
