@@ -105,14 +105,14 @@ def copy_gbps(nbytes: int, device: str) -> tuple[float, float]:
 
 
 def bench_engines(model_dir: str, lengths: list[int], store: Path, reps: int, threads: int, device: str = "cpu",
-                  dtype: str = "auto") -> list[dict]:
+                  dtype: str = "auto", telemetry: bool = True) -> list[dict]:
     max_len = max(lengths)
     blocks = (max_len // 16 + 2) * 2
     kw = dict(num_blocks=blocks, max_num_batched_tokens=1024, max_model_len=max_len + 8, device=device, dtype=dtype)
     prefill = PrefillProcess(model_dir, store, engine_id=f"bench-prefill-{threads}", nixl_threads=threads, **kw)
     engine = LLMEngine.from_model(model_dir, **kw)
     transport = NixlTransport(f"bench-decode-{threads}", engine.kv_cache, engine_layout(engine),
-                              FileMetadataStore(store), telemetry=True, num_threads=threads)
+                              FileMetadataStore(store), telemetry=telemetry, num_threads=threads)
     decode = DecodeEngine(engine, transport, transfer_timeout_s=10)  # < the 30 s lease: pulled, not recomputed
     sp = SamplingParams(max_tokens=1 + 1, temperature=0, ignore_eos=True)
     rows = []
@@ -128,8 +128,15 @@ def bench_engines(model_dir: str, lengths: list[int], store: Path, reps: int, th
                 prefill_s.append(dt_prefill)
                 phases.append(transport.stats.last_pull_phases)
             pull = statistics.median(samples)
+            if TRACE is not None:
+                turns = TRACE["turn"][-reps:]
+                print(f"trace {n} tokens: first loop turn after submit: service {statistics.median(t[0] for t in turns) * 1e3:.3f} ms, "
+                      f"step {statistics.median(t[1] for t in turns) * 1e3:.3f} ms"
+                      + (f"; READ polled back to back: done {statistics.median(TRACE['tight_s'][-reps:]) * 1e3:.3f} ms "
+                         f"after the pull started" if TRACE["tight"] else ""), flush=True)
             cold, hot = copy_gbps(nbytes, device)
-            rows.append({"tokens": n, "bytes": nbytes, "blocks": nblocks, "descriptors": ndesc,
+            rows.append({"tokens": n, "bytes": nbytes, "blocks": nblocks,
+                         "descriptors": ndesc if telemetry else float("nan"),  # NIXL counts them with telemetry on
                          "pull_ms": pull * 1e3, "nixl_gbps": nbytes / pull / 1e9, "memcpy_gbps": cold,
                          "memcpy_hot_gbps": hot, "ratio": nbytes / pull / 1e9 / cold,
                          "prefill_ms": statistics.median(prefill_s) * 1e3,
@@ -146,6 +153,9 @@ def bench_engines(model_dir: str, lengths: list[int], store: Path, reps: int, th
     return rows
 
 
+TRACE: dict | None = None  # --trace: {"tight": bool, "tight_s": [...], "turn": [(service s, step s), ...]}
+
+
 def _pull_once(prefill, decode, prompt, sp, rid):
     decode.engine.reset_prefix_cache()  # pull every block: nothing reused
     t = time.perf_counter()
@@ -154,6 +164,17 @@ def _pull_once(prefill, decode, prompt, sp, rid):
     st = decode.transport.stats
     before = (st.pulls_ok, st.bytes_pulled, st.blocks_pulled, st.descriptors_used)
     decode.submit(rid, prompt, sp, res.handle)
+    if TRACE is not None:
+        pull = decode._imports[rid].pull
+        if TRACE["tight"]:  # the least a pull takes: its READ's state polled back to back, nothing between
+            while decode.transport.agent.check_xfer_state(pull.handle) != "DONE":
+                pass
+            TRACE["tight_s"].append(time.monotonic() - pull.started)
+        t0 = time.perf_counter()
+        decode.service()
+        t1 = time.perf_counter()
+        decode.step()
+        TRACE["turn"].append((t1 - t0, time.perf_counter() - t1))  # the loop's first turn: service, step
     while decode.has_unfinished():  # as the engine loop turns: service (lease notices out), step
         decode.service()
         decode.step()
@@ -265,7 +286,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--nixl-threads", type=int, nargs="+", default=[0],
                     help="UCX backend progress threads (0 = NIXL's default); one run per value")
+    ap.add_argument("--no-telemetry", action="store_true",
+                    help="the decode agent without NIXL's telemetry, as serving runs it (no descriptor count)")
+    ap.add_argument("--trace", choices=["loop", "tight"], default=None,
+                    help="time the decode loop's first turn after each submit (loop), and before it poll the "
+                         "READ back to back until done (tight: the least a pull can take)")
     args = ap.parse_args(argv)
+    global TRACE
+    if args.trace:
+        TRACE = {"tight": args.trace == "tight", "tight_s": [], "turn": []}
     if args.model:
         d = model_dir(args.model, Path.home() / ".cache" / "pdserve" / "bench-shapes", args.dtype)
     else:
@@ -274,7 +303,8 @@ def main(argv=None) -> int:
     for threads in args.nixl_threads:
         load0 = os.getloadavg()
         with tempfile.TemporaryDirectory() as store:
-            rows = bench_engines(str(d), args.lengths, Path(store), args.reps, threads, args.device, args.dtype)
+            rows = bench_engines(str(d), args.lengths, Path(store), args.reps, threads, args.device, args.dtype,
+                                 telemetry=not args.no_telemetry)
         add_bulk_arm(rows, args.reps, threads, args.device)
         load1 = os.getloadavg()
         print(f"\nNIXL num_threads={threads}")
