@@ -14,6 +14,10 @@ class ClusterConfig:
     skip_prefill_tokens: int = 64  # routing.local_prefill_threshold: shorter prompts prefill on decode
     decode_blocks: int = 1024  # KV blocks per decode replica
     max_num_seqs: int = 64  # per decode replica
+    # Cores the engine processes share (one machine's CPUs, as in this repo's validation runs):
+    # a step that starts while k other replicas are mid-step takes (k + 1) / cores times its
+    # profiled time when that is > 1. None: every replica has its own device (GPUs), no sharing.
+    cores: float | None = None
 
     @property
     def replicas(self) -> int:

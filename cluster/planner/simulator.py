@@ -14,6 +14,10 @@ A replica steps back to back while it has work; a step's content is fixed when i
 arrives meanwhile waits for the next). TTFT ends when the first token is sampled (pdserve streams
 it from the prefill replica at once, so the transfer is not in TTFT: it is in the first gap).
 
+With `ClusterConfig.cores` set, the replicas share that many cores (one machine's CPUs): a step
+that starts while k others are mid-step is stretched to (k + 1) / cores of its profiled time when
+that is above 1 (processor sharing, fixed when the step starts; the profile times each step alone).
+
 What it does not model yet (each is a known gap, not validated against real runs): prefix caching
 (every prompt is computed in full; trace hash ids are ignored), the prefill pool's KV capacity and
 leases, the router seeing loads up to a second old (it sees the exact simulated loads), ingress
@@ -108,6 +112,7 @@ class Simulator:
         self._seq = 0
         self._dirty: list[Replica] = []
         self.now = 0.0
+        self.busy = 0  # replicas mid-step (config.cores: they share the cores)
         self.itl: list[float] = []
         self.preemptions = 0
         self.remote = self.local = 0
@@ -171,6 +176,10 @@ class Simulator:
         if plan is None:
             return
         seconds, work = plan
+        cores = self.config.cores
+        if cores is not None and self.busy + 1 > cores:  # processor sharing, fixed at the step's start
+            seconds *= (self.busy + 1) / cores
+        self.busy += 1
         rep.busy = True
         rep.busy_s += seconds
         rep.steps += 1
@@ -309,6 +318,7 @@ class Simulator:
 
     def _step_end(self, rep: Replica, work) -> None:
         rep.busy = False
+        self.busy -= 1
         if rep.pool == "prefill":
             for r, take in work:
                 r.computed += take

@@ -120,3 +120,17 @@ def test_percentiles_and_parsers():
     assert (w.prompt, w.output, w.burstiness) == ((10, 10), (4, 8), 1.0)
     with pytest.raises(ValueError, match="unknown keys"):
         SyntheticWorkload.parse("rate=2,n=3,prompt=10,output=4,x=1")
+
+
+@pytest.mark.parametrize("cores,stretch", [(None, 1.0), (2.0, 1.0), (1.0, 2.0)])
+def test_replicas_sharing_cores_stretch_the_steps_that_start_while_others_run(profile, cores, stretch):
+    """Two colocated replicas, a prompt each at once: the second step to start finds the first
+    mid-step; with one core between them it takes twice its profiled time (fixed at its start),
+    with two cores or a device each it takes its own."""
+    specs = [RequestSpec(0.0, 100, 1), RequestSpec(0.0, 100, 1)]
+    sim = Simulator(profile, ClusterConfig(0, 2, chunk_tokens=512, cores=cores), LOOSE)
+    r = sim.run(specs)
+    assert (r.local, r.completed) == (2, 2)
+    assert sorted(d.busy_s for d in sim.decodes) == [prefill_s(100), stretch * prefill_s(100)]
+    assert (2 * r.ttft.mean - r.ttft.max, r.ttft.max) == (prefill_s(100), stretch * prefill_s(100))
+    assert sim.busy == 0

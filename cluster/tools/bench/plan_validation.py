@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-gb", type=float, default=1.0, help="KV pool per replica, as num_blocks")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--transfer-gbps", type=float, default=None, help="simulated KV transfer (default: free)")
+    p.add_argument("--cores", type=float, default=None,
+                   help="simulate the engines sharing this many cores (this machine's runs: its CPU count); "
+                        "default: a device per replica, no sharing")
     p.add_argument("--sim-only", action="store_true", help="reuse the real results already in --out")
     p.add_argument("--merge", nargs="+", metavar="FILE", help="no runs: merge these validation files into "
                    "--out/validation.json (e.g. two workloads run with different configurations)")
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--profile is required (but with --merge)")
     prof = Profile.load(args.profile)
     base = ClusterConfig(0, 1, args.chunk, args.skip_prefill, int(args.kv_gb * 2**30 // prof.engine["kv_block_bytes"]),
-                         args.max_num_seqs)
+                         args.max_num_seqs, args.cores)
     transfer = None if args.transfer_gbps is None else Transfer(0.0, args.transfer_gbps * 1e9, measured=False)
     cases, ranges = [], []
     for w in args.workloads:
