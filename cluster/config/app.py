@@ -37,12 +37,12 @@ class AppConfig(Strict):
     decode: PoolOptions = PoolOptions()
     ingress_replicas: int = Field(1, ge=1)
     ingress_nice: int | None = Field(
-        10, ge=-20, le=19, description="OS niceness an ingress replica's threads run at, or better: those Ray "
+        0, ge=-20, le=19, description="OS niceness an ingress replica's threads run at, or better: those Ray "
         "started above it (its worker_niceness, 15) are raised to it, so the front door (admission, refusals, "
         "token relay) gets the CPU before the engines' compute (compute_nice; 15 under Ray) where they share "
-        "cores, and after Ray's daemons and other processes at 0. Raising priority needs CAP_SYS_NICE (or Ray "
-        "started with RAY_worker_niceness at or below it); without it, a warning and Ray's niceness. None: leave "
-        "it as Ray set it (docs/architecture.md, 'CPU priority')")
+        "cores. Raising priority needs CAP_SYS_NICE (or Ray started with RAY_worker_niceness at or below it); "
+        "without it, a warning and Ray's niceness. None: leave it as Ray set it (docs/architecture.md, 'CPU "
+        "priority')")
     kv_transfer: KVTransferOptions = KVTransferOptions()
     routing: RoutingOptions = RoutingOptions()
     host: str = Field(

@@ -1,4 +1,4 @@
-"""The ingress's threads run at `ingress_nice` (default 10) or better, where Ray starts its workers'
+"""The ingress's threads run at `ingress_nice` (default 0) or better, where Ray starts its workers'
 Python threads at 15: the front door gets the CPU before the engines' compute (docs/architecture.md,
 "CPU priority").
 Each case runs in a process of its own, so this one's priority is never touched."""
@@ -41,12 +41,13 @@ def can_raise_priority() -> bool:
 
 
 def test_by_default_every_ingress_thread_is_raised_from_ray_worker_niceness():
-    assert AppConfig().ingress_nice == 10
-    expected = [10] if can_raise_priority() else [15]  # refused without the privilege: a warning, Ray's 15
+    assert AppConfig().ingress_nice == 0
+    expected = [0] if can_raise_priority() else [15]  # refused without the privilege: a warning, Ray's 15
     assert niceness_after({}) == expected
 
 
 def test_threads_already_at_a_higher_priority_keep_it_and_none_leaves_them_as_ray_set_them():
-    assert niceness_after({}, started_at=0) == [0]  # Ray started with RAY_worker_niceness=0: never lowered
+    assert niceness_after({"ingress_nice": 10}, started_at=0) == [0]  # Ray's workers at 0: never lowered
+    assert niceness_after({"ingress_nice": 10}) == ([10] if can_raise_priority() else [15])
     assert niceness_after({"ingress_nice": 18}) == [15]
     assert niceness_after({"ingress_nice": None}) == [15]
