@@ -1,7 +1,8 @@
 """Admission control under overload, and tenant isolation, measured with pdserve's load generator.
 
     python -m cluster.tools.bench.admission [--capacity 10] [--burst-s 30] [--slo-ttft-ms 1000]
-                                            [--direct-ingress] [--compute-nice N]
+                                            [--direct-ingress] [--compute-nice N] [--ingress-nice N]
+                                            [--client-nice N]
 
 Both benchmarks serve the demo model (1 prefill + 1 decode replica) on this machine, over gRPC.
 
@@ -323,6 +324,9 @@ def main() -> None:
     ap.add_argument("--compute-nice", type=int, default=None, help="the pools' compute_nice (default: the config's)")
     ap.add_argument("--ingress-nice", default=None,
                     help="the ingress's ingress_nice (default: the config's; none: Ray's worker niceness)")
+    ap.add_argument("--client-nice", type=int, default=None,
+                    help="run the load generator (this process, after Ray started) at this niceness, e.g. -5: on a "
+                         "host it shares with the server it then waits for no server thread (needs CAP_SYS_NICE)")
     ap.add_argument("--stream-interval", default=None, help="the decode pool's stream_interval (default: the config's)")
     ap.add_argument("--prefill-nice", type=int, default=None, help="the prefill pool's compute_nice alone")
     ap.add_argument("--throughput-optimized", action="store_true",
@@ -342,6 +346,10 @@ def main() -> None:
     if args.direct_ingress:
         os.environ.update(direct_ingress_env(http_port, args.throughput_optimized))
     ray.init(num_cpus=8, include_dashboard=False, namespace="pdserve", log_to_driver=False)
+    if args.client_nice is not None:  # after ray.init: Ray's daemons started at this process's niceness
+        from cluster.engine.priority import raise_process_priority
+
+        raise_process_priority(args.client_nice, "load generator")
     pool = {"num_cpus": 0.5} if args.compute_nice is None else {"num_cpus": 0.5, "compute_nice": args.compute_nice}
     prefill = pool if args.prefill_nice is None else {**pool, "compute_nice": args.prefill_nice}
     if args.stream_interval is not None:
