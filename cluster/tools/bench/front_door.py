@@ -9,6 +9,9 @@ back for `--seconds`:
   bad_key     an unknown API key (UNAUTHENTICATED)
   over_quota  a tenant with requests_per_min 1, spent (RESOURCE_EXHAUSTED)
 first with the engines idle, then while `--busy-streams` long generations keep both pools busy.
+`--served [MAX_TOKENS ...]` instead: admitted requests (64-token prompt, MAX_TOKENS tokens each,
+default 1 then 64) from `--clients` closed-loop callers, with the ingress's CPU per request and
+per token (and the router's, the proxy's and the load generator's).
 Printed per arm: refusals/s, latency p50/p99/max, wrong answers (any other status), and the
 load generator's own CPU use (cores). `--profile DIR`: py-spy records the gRPC proxy, the ingress
 replica and the router actor during the busy bad_key arm (collapsed stacks and SVG in DIR) and
@@ -106,6 +109,46 @@ async def _busy(address: str, streams: int, stop: asyncio.Event) -> int:
     return tokens
 
 
+async def _served(address: str, clients: int, seconds: float, max_tokens: int, pids: dict[str, int]) -> dict:
+    """`clients` closed-loop callers send admitted requests (a 64-token prompt, `max_tokens`
+    greedy tokens, EOS ignored) for `seconds`: requests/s, tokens/s, and each front-door
+    process's CPU (psutil, all its threads) per request and per token, with the caller's own."""
+    import grpc
+    import psutil
+
+    from protos.pdserve.v1 import generation_pb2 as pb
+    from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+    channel = grpc.aio.insecure_channel(address)
+    stub = pb_grpc.GenerationStub(channel)
+    md = (("authorization", f"Bearer {GOOD_KEY}"),)
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(1, 65))), sampling=pb.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    done, tokens, messages, errors = 0, 0, 0, Counter()
+    end = time.monotonic() + seconds
+
+    async def caller():
+        nonlocal done, tokens, messages
+        while time.monotonic() < end:
+            try:
+                async for r in stub.Generate(req, metadata=md, timeout=60.0):
+                    tokens += len(r.token_ids)
+                    messages += 1
+                done += 1
+            except grpc.aio.AioRpcError as e:
+                errors[e.code().name] += 1
+
+    procs = {name: psutil.Process(pid) for name, pid in pids.items()}
+    before = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
+    cpu0, t0 = time.process_time(), time.monotonic()
+    await asyncio.gather(*(caller() for _ in range(clients)))
+    wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+    cores = {name: (sum(p.cpu_times()[:2]) - before[name]) / wall for name, p in procs.items()}
+    await channel.close()
+    return {"rps": done / wall, "tokens_per_s": tokens / wall, "messages_per_s": messages / wall,
+            "errors": dict(errors), "cores": cores, "client_cores": cpu / wall}
+
+
 def _pids() -> dict[str, int]:
     """The front door's processes by Ray's process titles."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
@@ -158,6 +201,9 @@ def main() -> None:
     ap.add_argument("--throughput-optimized", action="store_true",
                     help="with --direct-ingress: Serve's throughput profile (RAY_SERVE_THROUGHPUT_OPTIMIZED)")
     ap.add_argument("--direct-ingress", action="store_true", help="Serve's direct ingress: no proxy")
+    ap.add_argument("--served", type=int, nargs="*", default=None, metavar="MAX_TOKENS",
+                    help="instead of refusals: admitted requests of these output lengths (default 1 64), "
+                         "with the ingress's CPU per request and per token")
     args = ap.parse_args()
 
     grpc_port, http_port = free_port(), free_port()
@@ -170,10 +216,27 @@ def main() -> None:
     cfg = ensure_model(default="random", config=AppConfig.model_validate({
         "http_port": http_port, "grpc_port": grpc_port,
         "prefill": {"num_cpus": 0.5, **nice}, "decode": {"num_cpus": 0.5, **nice}, "graceful_shutdown_timeout_s": 1.0,
+        # served: the queue model and the pace limit off, so the arm measures served requests, not refusals
+        **({"admission": {"max_queue_wait_s": "none", "target_itl_s": "none"}} if args.served is not None else {}),
         "tenants": {"good": {"api_keys": [GOOD_KEY]},
                     "spent": {"api_keys": [SPENT_KEY], "requests_per_min": 1}}}))
     serve_app.start(cfg)
     address = f"localhost:{cfg.grpc_port}"
+    if args.served is not None:
+        asyncio.run(_served(address, 4, 2.0, 8, {}))  # warm-up
+        pids = _pids()
+        print(f"\nfront door, served: {args.clients} closed-loop callers for {args.seconds:g} s per arm "
+              f"(processes: {pids})")
+        for max_tokens in args.served or [1, 64]:
+            r = asyncio.run(_served(address, args.clients, args.seconds, max_tokens, pids))
+            ing = r["cores"].get("ingress", float("nan"))
+            print(f"  max_tokens {max_tokens:>4}: {r['rps']:7.1f} req/s, {r['tokens_per_s']:8.1f} tokens/s "
+                  f"({r['messages_per_s']:.1f} messages/s); ingress {ing:.2f} cores = {ing / r['rps'] * 1e3:.2f} ms "
+                  f"a request; " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["cores"].items()))
+                  + f" cores; load generator {r['client_cores']:.2f} cores; errors {r['errors'] or 0}", flush=True)
+        serve_app.delete_app(cfg)
+        ray.shutdown()
+        return
     asyncio.run(_refusals(address, SPENT_KEY, 1, 0.5))  # spends the tenant's one request of the minute
     results = {}
     for engines in ("idle", "busy"):
