@@ -102,8 +102,12 @@ class Router:
         self._decisions += 1
         now = self.clock()
         hint = self.sessions.get(session, now) if session is not None else None
-        loads = [replace(load, queued_prefill_tokens=load.queued_prefill_tokens + self._pending_tokens.get(load.replica_id, 0),
-                         waiting=load.waiting + self._pending_requests.get(load.replica_id, 0))
+        pending_tokens, pending_requests = self._pending_tokens, self._pending_requests
+        # Only the replicas sent work since their last report get a copy with it added (a copy per
+        # replica per decision was 29% of a decision at 128 replicas).
+        loads = [load if load.replica_id not in pending_requests else
+                 replace(load, queued_prefill_tokens=load.queued_prefill_tokens + pending_tokens.get(load.replica_id, 0),
+                         waiting=load.waiting + pending_requests[load.replica_id])
                  for load in self.live_loads() if group is None or load.group == group]
         d = self.policy.route(hashes, num_prompt_tokens, self.index, loads, hint)
         if session is not None:

@@ -221,3 +221,29 @@ def test_a_failing_replica_is_avoided_unless_its_whole_pool_fails():
     assert d.decode == "d-busy" and "failing replica avoided: d-broken" in d.reason
     alone = policy().route(hashes(PROMPT), len(PROMPT), index_with({}), [load("p-a", "prefill"), failing])
     assert alone.decode == "d-broken"  # better a replica that may recover than no answer
+
+
+def test_slow_replicas_are_those_of_the_leave_one_out_median_definition():
+    """_slow (sorted once) against its definition, a median of the others per replica, on random
+    pools of 0 to 40 replicas with ties, unmeasured replicas (step 0) and outliers."""
+    import statistics
+
+    def by_definition(pool, factor):
+        measured = [r for r in pool if r.step_time_s > 0]
+        if len(measured) < 2:
+            return set()
+        return {r.replica_id for r in measured
+                if r.step_time_s >= factor * statistics.median(o.step_time_s for o in measured if o is not r)}
+
+    rng = random.Random(5)
+    policy = RoutingPolicy(PolicyConfig())
+    found = 0
+    for trial in range(400):
+        n = rng.randrange(0, 41)
+        steps = [rng.choice([0.0, 0.01, 0.02, 0.02, rng.uniform(0.005, 0.05), rng.uniform(0.05, 0.5)])
+                 for _ in range(n)]
+        pool = [load(f"d{i}", "decode", step=t) for i, t in enumerate(steps)]
+        want = by_definition(pool, policy.config.slow_factor)
+        assert policy._slow(pool) == want, (trial, steps)
+        found += len(want)
+    assert found > 100  # the pools had slow replicas to find
