@@ -18,16 +18,11 @@ grace period before reuse.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 DONE, RELEASE = "done", "release"
-# After a send, the decode loop progresses the notices agent every turn for this long (UCX sends
-# only while its worker progresses; over TCP a notice goes out in a turn or two). Not longer: a
-# progress call costs the loop 0.05-0.15 ms on a GPU host, and the pull that follows waits for it.
-PROGRESS_WINDOW_S = 0.25
 
 
 def encode(kind: str, request_id: str) -> bytes:
@@ -63,9 +58,8 @@ class NoticeSender:
     def __init__(self, agent_name: str):
         from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415 — lazy: heavy import
 
-        # No progress thread (it spins a core): the decode loop progresses it (progress_pending()).
+        # No progress thread (it spins a core): the decode loop progresses it every turn (progress()).
         self.agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
-        self._progress_until = 0.0  # time.monotonic() until which sent notices may still be queued
 
     def add_peer(self, agent_metadata: bytes) -> str:
         name = self.agent.add_remote_agent(agent_metadata)
@@ -76,22 +70,13 @@ class NoticeSender:
 
     def send(self, notices: list[tuple[str, str, str]]) -> None:
         """Best effort, each (peer agent name, kind, request id): posted now and pushed once; what
-        UCX could not send yet goes out as the decode loop progresses this agent (each turn of
-        the next PROGRESS_WINDOW_S)."""
+        UCX could not send yet goes out as the decode loop progresses this agent (every turn)."""
         for agent_name, kind, request_id in notices:
             try:
                 self.agent.send_notif(agent_name, encode(kind, request_id))
             except Exception as e:  # noqa: BLE001 — a lost notice ends in the lease's expiry
                 log.debug("%s notice for %s to %s not sent: %s", kind, request_id, agent_name, e)
-        self._progress_until = time.monotonic() + PROGRESS_WINDOW_S
         self.progress()
-
-    def progress_pending(self) -> None:
-        """Progress the agent if a notice went out in the last PROGRESS_WINDOW_S (else a no-op)."""
-        if self._progress_until and time.monotonic() < self._progress_until:
-            self.progress()
-        else:
-            self._progress_until = 0.0
 
     def progress(self) -> None:
         """Push out notices UCX has not sent yet (it sends only while its worker progresses)."""

@@ -328,15 +328,17 @@ class NixlTransport:
     def poll_abandoned(self) -> list[int]:
         """Tokens of abandoned READs that settled since the last call (their quarantine may end):
         NIXL reported them done or failed, or their deadline passed and NIXL cancelled them."""
-        # Also progress the notices agent: a notice sent with nothing else to progress it (a
-        # release after a fallback, a "done" while the loop only decodes) would otherwise sit in
-        # its worker. Only while one may (each progress call delays the loop's next poll of a
-        # READ: 0.15-0.33 ms between posting a pull and its first poll on an H200 host when every
-        # turn progressed both agents). The READs' agent progresses in their polls (check_xfer_state).
+        # Also progress UCX: a notice sent with nothing else to progress it (a release after a
+        # fallback, a "done" while the loop only decodes) would otherwise sit in the worker.
+        # Every turn, for as long as the loop runs: progressing only for 0.25 s after a send
+        # (ca3335a, reverted) left notices unsent when an idle loop turned rarely, so leases ran
+        # to expiry (four Ray tests failed); nor was it where an engine pull's time went.
         if self._notices is not None:
-            self._notices.progress_pending()
-        if not self._abandoned:
-            return []
+            self._notices.progress()
+        try:
+            self.agent.get_new_notifs()  # decode receives none; this only makes progress
+        except Exception as e:  # noqa: BLE001
+            log.debug("UCX progress: %s", e)
         settled = []
         now = time.monotonic()
         for token, pull in list(self._abandoned.items()):
