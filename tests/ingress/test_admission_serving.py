@@ -12,6 +12,7 @@ import urllib.request
 
 import grpc
 import pytest
+from ray import serve
 
 from protos.pdserve.v1 import generation_pb2 as pb
 from tests.helpers import grpc_stub, http_base, pool_loads, wait_pools_whole
@@ -28,7 +29,8 @@ def server(serve_apps, tiny_model):
     tenants["grp-1"]["cache_group"] = tenants["grp-2"]["cache_group"] = "grp"
     # its own app: the tenants' buckets and caches belong to this module
     with serve_apps.run(tiny_model, served_model_name="tiny", tenants=tenants,
-                        admission={"max_inflight": MAX_INFLIGHT}) as cfg:
+                        admission={"max_inflight": MAX_INFLIGHT},
+                        fault_tolerance={"fault_injection": True}) as cfg:  # a slow decode step, below
         yield cfg
 
 
@@ -127,21 +129,29 @@ def test_cancellation_storm_leaves_both_pools_whole(stub):
 
 
 def test_deadline_mid_decode_is_deadline_exceeded_and_work_stops(stub):
-    started = time.monotonic()
-    call = stub.Generate(request([256, 9, 9, 9], max_tokens=480), metadata=meta("calm", **{"x-pdserve-timeout-s": "0.6"}),
-                         timeout=60)  # the client's own deadline is far: the server's must end it
-    got, error = 0, None
+    # Every decode step 10 ms slower (fault injection: a slow node): 480 tokens take >= 4.8 s, so
+    # the 0.6 s deadline always lands mid-stream (the tiny model alone streamed all 480 within it
+    # on a fast machine, and the test could not fail).
+    decode = serve.get_deployment_handle("decode", "pdserve")
+    decode.inject_fault.remote(step_delay_s=0.01).result(timeout_s=30)
     try:
-        for r in call:
-            got += len(r.token_ids)
-    except grpc.RpcError as e:
-        error = e
-    if error is None:  # all 480 tokens inside 0.6 s: nothing to expire on a machine this fast
-        assert got == 480
-        pytest.skip("the whole stream finished before the deadline")
-    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "deadline exceeded" in error.details()
-    assert got < 480  # on a slow machine the deadline may come before the first token: still 504
-    assert time.monotonic() - started >= 0.6  # ended by the deadline, not before it
+        started = time.monotonic()
+        call = stub.Generate(request([256, 9, 9, 9], max_tokens=480),
+                             metadata=meta("calm", **{"x-pdserve-timeout-s": "0.6"}),
+                             timeout=60)  # the client's own deadline is far: the server's must end it
+        got, error = 0, None
+        try:
+            for r in call:
+                got += len(r.token_ids)
+        except grpc.RpcError as e:
+            error = e
+        ended = time.monotonic() - started
+    finally:
+        decode.inject_fault.remote(step_delay_s=0.0).result(timeout_s=30)
+    assert error is not None and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+    assert "deadline exceeded" in error.details()
+    assert got < 60  # at most 0.6 s of 10 ms steps: on a slow machine the deadline may come before the first token
+    assert ended >= 0.6  # ended by the deadline, not before it
     wait_pools_whole()
 
 

@@ -89,9 +89,7 @@ def test_a_thousand_requests_through_a_killed_writer_and_ingress_are_each_audite
         outcomes = dict(zip(range(n), pool.map(one, range(n))))
     assert killed == {"writer": 300, "ingress": 600}
     ok = {f"a-{i}" for i, (code, _) in outcomes.items() if code == "OK"}
-    failed = collections.Counter(f"{code}: {str(detail)[:60]}" for code, detail in outcomes.values() if code != "OK")
-    failed["first failed at"] = min((i for i, (code, _) in outcomes.items() if code != "OK"), default=-1)
-    failed["order"] = [done.index((i, outcomes[i])) for i in sorted(outcomes) if outcomes[i][0] != "OK"][:5]
+    failed = collections.Counter(f"{code}: {str(detail)[:80]}" for code, detail in outcomes.values() if code != "OK")
     assert len(ok) >= n - 16, failed  # at most the requests in flight on the killed ingress failed
     audit_dir = server.audit.dir
 
