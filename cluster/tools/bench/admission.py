@@ -51,7 +51,7 @@ def _pct(values: list[float], p: float) -> float:
 # engine's bounds after the request reached a replica's queue.
 REFUSED_BY = (
     ("ingress on arrival", "(refused on arrival)"),
-    ("ingress queue model", "the ingress's queue: predicted queue wait"),
+    ("ingress queue model", "the ingress's queue"),
     ("ingress pace cap", "target_itl_s"),
     ("ingress in-flight cap", "requests in flight"),
     ("router prediction", ": predicted queue wait"),

@@ -186,7 +186,8 @@ def test_an_overloaded_door_refuses_on_arrival_while_its_loop_is_busy(tiny_model
     (shed_done, unknown_done), shed, unknown = serving(cfg, door)(body)
     assert (shed_done, unknown_done) == (True, False)
     assert shed[:2] == (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        "the ingress's queue: predicted queue wait 2.00 s exceeds max_queue_wait_s 0.5: overloaded "
+                        "the ingress's queue (2000 prompt tokens of 1 requests ahead, at 1000.0 tokens/s): predicted "
+                        "queue wait 2.00 s exceeds max_queue_wait_s 0.5: overloaded "
                         "(refused on arrival); retry after 2 s")
     assert shed[2] < 1.0
     assert unknown[:2] == (grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer <key>)")

@@ -10,7 +10,7 @@ import pytest
 from cluster.config import AppConfig
 from cluster.engine.request import Priority, RequestContext
 from router.ingress.gateway.admission import Admission, Quotas
-from router.ingress.gateway.capacity import MIN_SAMPLE_S, FirstTokenQueue
+from router.ingress.gateway.capacity import MIN_SAMPLE_S, WARM_SAMPLES, FirstTokenQueue
 from router.ingress.status import Rejected
 
 
@@ -36,16 +36,29 @@ def test_pending_tokens_follow_every_lifecycle_exactly():
     assert (q.pending_tokens, q.pending_requests) == (0, 0)
 
 
+def warm(q: FirstTokenQueue, clock: Clock, rate: float) -> None:
+    """WARM_SAMPLES samples at `rate` (prompt tokens/s), so the queue has a rate."""
+    for _ in range(WARM_SAMPLES):
+        p = q.admit(int(rate * MIN_SAMPLE_S))
+        clock.t += MIN_SAMPLE_S
+        p.done(int(rate * MIN_SAMPLE_S))
+    assert q.rate == pytest.approx(rate)
+
+
 def test_rate_is_measured_over_backlogged_time_only():
     clock = Clock()
     q = FirstTokenQueue(clock, alpha=0.5)
     clock.t += 10.0  # idle time never counts: nothing was pending
     first, second = q.admit(400), q.admit(600)
     clock.t += 0.25
-    first.done(400)  # 0.25 s of a 0.5 s sample: no rate yet
-    assert q.rate is None
+    first.done(400)  # 0.25 s of a 0.5 s sample: no sample yet
     clock.t += 0.25
     second.done(100)  # 500 computed tokens over 0.5 s backlogged (500 cached tokens are free)
+    assert q.rate is None  # one sample: still warming up
+    clock.t += 10.0
+    third = q.admit(250)
+    clock.t += 0.5
+    third.done(250)  # a second sample, 500 tokens/s: the rate starts at the larger
     assert q.rate == pytest.approx(1000.0)
     clock.t += 30.0  # idle again
     p = [q.admit(1000) for _ in range(2)]
@@ -57,13 +70,41 @@ def test_rate_is_measured_over_backlogged_time_only():
     p[1].done(1000)
 
 
+def test_a_fresh_ingress_s_warm_up_is_not_taken_for_the_pools_rate():
+    """The case that failed CI: an ingress Serve started after another was killed took 16 streams
+    at once; its first answer took 3.0 s (its own first calls), the other 15 came 24-40 ms later.
+    That first sample alone (2 tokens / 3 s) predicted a 48 s wait for 16 two-token requests, and
+    the ingress refused them against their 60 s deadline. Only the next sample sets the rate."""
+    clock = Clock()
+    q = FirstTokenQueue(clock)
+    stalled = [q.admit(2) for _ in range(16)]
+    clock.t += 3.0
+    stalled[0].done(2)  # a sample of 0.67 tokens/s
+    assert q.rate is None and q.predicted_wait_s() is None
+    for p in stalled[1:]:
+        clock.t += 0.002
+        p.done(2)
+    for _ in range(9):  # the pools' real pace: 16 two-token requests every 0.06 s, 533 tokens/s
+        batch = [q.admit(2) for _ in range(16)]
+        clock.t += 0.06
+        for p in batch:
+            p.done(2)
+    # the second sample closed at the first answer past MIN_SAMPLE_S of backlog (batch 8's first):
+    # the 15 late answers, 7 batches and one answer over 0.51 s; the rate starts at it, not at 0.67
+    assert q.rate == pytest.approx((15 * 2 + 7 * 32 + 2) / (15 * 0.002 + 8 * 0.06))
+    queue = [q.admit(2) for _ in range(16)]
+    assert q.predicted_wait_s() == pytest.approx(32 / q.rate)  # 0.06 s, not 48 s
+    for p in queue:
+        p.done()
+
+
 def test_each_request_s_prediction_is_compared_with_its_first_token():
     clock = Clock()
     q = FirstTokenQueue(clock, alpha=1.0)
     a = q.admit(500)
     assert a.predicted_s is None  # no rate yet: nothing to compare
-    clock.t += 0.5
-    a.done(500)  # 1000 tokens/s
+    a.done()
+    warm(q, clock, 1000.0)  # its requests were admitted before there was a rate
     assert q.prediction_error() is None
     b, c = q.admit(1000), q.admit(1000)  # predicted 1.0 s and 2.0 s (the queue ahead, then its own)
     assert (b.predicted_s, c.predicted_s) == (1.0, 2.0)
