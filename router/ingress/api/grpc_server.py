@@ -22,7 +22,10 @@ short; each call's work (authentication, the front door, converting deltas) runs
 door's loop (`app_loop`), and its responses come back through a queue. From the transport's thread
 the front door is only read, by one question: is it shedding all work now (`FrontDoor.shedding`:
 every version's capacity would refuse any request)? Then the call is refused at once, without
-waiting for a turn of the front door's loop."""
+waiting for a turn of the front door's loop. The calls it let through that have not reached the
+front door's loop yet (`Transit`) are ahead of the new one, so they count in that question: under a
+burst the queue model refuses here what it would refuse on the front door's loop a turn or a
+hundred milliseconds later."""
 
 from __future__ import annotations
 
@@ -57,26 +60,58 @@ _END = object()  # the end of a call's responses
 TRANSPORT_CAP_FACTOR = 4
 
 
+class Transit:
+    """The Generate calls the transport let through whose work has not started on the front door's
+    loop. The transport's thread enters a call; either thread may end its transit (the work
+    starting, or the call ending first), once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.calls = 0
+
+    def enter(self) -> Callable[[], None]:
+        """Count one call; returns its `leave` (idempotent)."""
+        with self._lock:
+            self.calls += 1
+        left = False
+
+        def leave() -> None:
+            nonlocal left
+            with self._lock:
+                if not left:
+                    left = True
+                    self.calls -= 1
+        return leave
+
+
 class Generation(pb_grpc.GenerationServicer):
     """Runs on the transport's loop; each method's work runs on `app_loop` (the front door's)."""
 
     def __init__(self, door: FrontDoor, config: AppConfig, app_loop: asyncio.AbstractEventLoop):
         self.door, self.config, self.app_loop = door, config, app_loop
+        self.transit = Transit()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext  # noqa: N802
                        ) -> AsyncIterator[pb.GenerateResponse]:
         metadata, remaining = dict(context.invocation_metadata()), context.time_remaining()
-        if (shed := self.door.shedding(metadata.get("authorization"))) is not None:  # overloaded: refused here
+        shed = self.door.shedding(metadata.get("authorization"), self.transit.calls)
+        if shed is not None:  # overloaded: refused here
             tenant, refusal = shed
             self.app_loop.call_soon_threadsafe(self.door.count_refused, refusal, tenant)
             await abort(context, refusal)
-        async for response in relay(self.app_loop, context, lambda put: self._generate(request, metadata, remaining,
-                                                                                      put)):
-            yield response
+        leave = self.transit.enter()
+        try:
+            async for response in relay(self.app_loop, context,
+                                        lambda put: self._generate(request, metadata, remaining, put, leave)):
+                yield response
+        finally:
+            leave()
 
     async def _generate(self, request: pb.GenerateRequest, metadata: dict, remaining: float | None,
-                        put: Callable[[object], None]) -> None:
-        """On the front door's loop: every response, in order, through `put`."""
+                        put: Callable[[object], None], arrived: Callable[[], None] = lambda: None) -> None:
+        """On the front door's loop: every response, in order, through `put`; `arrived()` first
+        (its transit ended: from here on the front door counts it)."""
+        arrived()
         tenant = self.door.authorize(metadata.get("authorization"), request.model)
         client_request = grpc_api.request_from_proto(request, metadata, tenant, self.config)
         if remaining is not None:  # the client's gRPC deadline
@@ -176,6 +211,7 @@ class GrpcServer:
         self.address = f"{_bracketed(config.host)}:{config.grpc_port}"
         self.loop: asyncio.AbstractEventLoop | None = None  # the transport's
         self.server: grpc.aio.Server | None = None
+        self.generation: Generation | None = None
 
     async def start(self) -> None:
         """Bind and serve; a port that cannot be bound raises here (and fails the replica)."""
@@ -203,7 +239,8 @@ class GrpcServer:
             ("grpc.max_receive_message_length", TRANSPORT_CAP_FACTOR * limits.grpc_max_receive_bytes),
             ("grpc.so_reuseport", 1),
         ])
-        pb_grpc.add_GenerationServicer_to_server(Generation(self.door, self.config, app_loop), self.server)
+        self.generation = Generation(self.door, self.config, app_loop)
+        pb_grpc.add_GenerationServicer_to_server(self.generation, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(Health(self.door, app_loop), self.server)
         try:
             self.server.add_insecure_port(self.address)

@@ -7,9 +7,14 @@ ingress admitted earlier that has no first token yet. So the predicted wait of a
 
 and both numbers live here: `pending` moves with every admission and first token (exact, no
 report lag), and the rate is measured from the first tokens themselves, over the time the queue
-was not empty (a backlogged pool's throughput). No actor call, no replica report: under a burst
-the prediction includes every request admitted a millisecond ago, where a model fed by the
-replicas' load reports (every 0.25 s, through the router) would see a queue that is seconds old.
+was not empty (a backlogged pool's throughput). Requests already let through but not yet in the
+queue count at the mean prompt length of the admitted ones: those reserved (checked, being
+tokenized) and, asked from the gRPC transport's thread, the calls on their way to the front door's
+loop (api/grpc_server.py). So a request arriving in a burst is refused on arrival by the same
+bound it would meet at the front door, instead of waiting in line for the front door to refuse it.
+No actor call, no replica report: under a burst the prediction includes every request admitted a
+millisecond ago, where a model fed by the replicas' load reports (every 0.25 s, through the router)
+would see a queue that is seconds old.
 
 With several ingress replicas each sees its share of the traffic (Serve's proxy spreads it) and
 of the throughput, so the ratio holds without coordination.
@@ -37,6 +42,7 @@ PROBE_STEP = 0.25  # ... by this share of itself a window
 MIN_SAMPLE_S = 0.5  # busy time per rate sample: shorter samples are one chunk's noise
 WARM_SAMPLES = 2  # rate samples before the first-token queue predicts (the rate starts at their largest)
 ERRORS_KEPT = 2048  # the latest requests whose prediction is compared with what happened
+MEAN_ALPHA = 0.05  # smoothing of the admitted requests' mean prompt length
 
 
 class _Meter:
@@ -59,18 +65,28 @@ class _Meter:
 
 @dataclass
 class Pending:
-    """One admitted request's place in the model; `done` is idempotent."""
+    """One request's place in the model: reserved (checked, its length not known yet), then
+    admitted (`join`); `done` is idempotent."""
 
     tokens: int
     _queue: "FirstTokenQueue | None"
     predicted_s: float | None = None  # its time to first token as predicted when admitted (None: no rate yet)
     admitted_at: float = field(default=0.0)
+    reserved: bool = False
+
+    def join(self, tokens: int) -> None:
+        """A reserved request joins the queue with its prompt's length."""
+        if self._queue is not None and self.reserved:
+            self._queue._join(self, tokens)
 
     def done(self, computed_tokens: int | None = None) -> None:
         """Its first token arrived (`computed_tokens`: the prompt tokens computed for it, i.e.
         not found in a cache; None: the request ended before, nothing measured)."""
         if self._queue is not None:
-            self._queue._done(self, computed_tokens)
+            if self.reserved:
+                self._queue.reserved -= 1
+            else:
+                self._queue._done(self, computed_tokens)
             self._queue = None
 
 
@@ -90,22 +106,46 @@ class FirstTokenQueue(_Meter):
         self._warm: list[float] = []  # the first samples, before there is a rate
         self.pending_tokens = 0
         self.pending_requests = 0
+        self.reserved = 0  # requests checked and let through, not yet in the queue (being tokenized)
+        self.mean_tokens: float | None = None  # prompt tokens per admitted request, smoothed (alpha MEAN_ALPHA)
         self._busy_s = 0.0  # backlogged time in the current sample
         self._done_tokens = 0  # prompt tokens computed in the current sample
         self.errors: deque[float] = deque(maxlen=ERRORS_KEPT)  # actual - predicted time to first token (s)
 
-    def predicted_wait_s(self) -> float | None:
-        """Seconds before a request admitted now starts its prompt; None while the rate is unknown."""
-        if self.pending_tokens <= 0:
+    def ahead(self, in_transit: int = 0) -> int:
+        """Requests ahead of one checked now: in the queue, reserved, and `in_transit` more."""
+        return self.pending_requests + max(0, self.reserved + in_transit)
+
+    def predicted_wait_s(self, in_transit: int = 0) -> float | None:
+        """Seconds before a request admitted now starts its prompt; None while the rate is unknown.
+        The requests reserved and `in_transit` (let through, not yet here) count at the mean length."""
+        tokens = self.pending_tokens + max(0, self.reserved + in_transit) * (self.mean_tokens or 0.0)
+        if tokens <= 0:
             return 0.0
-        return None if not self.rate else self.pending_tokens / self.rate
+        return None if not self.rate else tokens / self.rate
 
     def admit(self, tokens: int) -> Pending:
+        p = Pending(tokens, self, reserved=True)
+        self.reserved += 1
+        self._join(p, tokens)
+        return p
+
+    def reserve(self) -> Pending:
+        """A place for a request that passed the check and is being prepared: it counts ahead of
+        every request checked after it until it joins (`Pending.join`) or ends (`done`)."""
+        self.reserved += 1
+        return Pending(0, self, reserved=True)
+
+    def _join(self, p: Pending, tokens: int) -> None:
         self._advance()
-        predicted = (self.pending_tokens + tokens) / self.rate if self.rate else None  # the queue, then its own
+        self.reserved -= 1
+        p.reserved, p.tokens = False, tokens
+        p.predicted_s = (self.pending_tokens + tokens) / self.rate if self.rate else None  # the queue, then its own
+        p.admitted_at = self._last
         self.pending_tokens += tokens
         self.pending_requests += 1
-        return Pending(tokens, self, predicted, self._last)
+        m = self.mean_tokens
+        self.mean_tokens = tokens if m is None else (1 - MEAN_ALPHA) * m + MEAN_ALPHA * tokens
 
     def prediction_error(self) -> dict[str, float] | None:
         """How the predicted time to first token compared with the actual one over the latest
@@ -284,27 +324,29 @@ class Capacity:
         if refusal is not None:
             raise refusal
 
-    def shedding(self) -> Rejected | None:
+    def shedding(self, in_transit: int = 0) -> Rejected | None:
         """The refusal any request would get now (an interactive one without a deadline gets the
-        loosest bounds). It only reads, so the gRPC server's transport thread may ask it before a
-        call reaches the front door's loop (api/grpc_server.py)."""
-        return self._refusal(False, None)
+        loosest bounds), behind `in_transit` requests let through that have not reached the check
+        yet. It only reads, so the gRPC server's transport thread may ask it before a call reaches
+        the front door's loop (api/grpc_server.py)."""
+        return self._refusal(False, None, in_transit)
 
-    def _refusal(self, batch: bool, remaining_s: float | None) -> Rejected | None:
+    def _refusal(self, batch: bool, remaining_s: float | None, in_transit: int = 0) -> Rejected | None:
         opts, pace = self.opts, self.pace
         share = opts.batch_share if batch else 1.0
         if opts.target_itl_s is not None:
             cap = pace.cap()
-            if cap is not None and pace.streams + self.first_tokens.pending_requests >= max(1, int(cap * share)):
+            if cap is not None and pace.streams + self.first_tokens.ahead(in_transit) >= max(1, int(cap * share)):
                 return Rejected(f"the decode pool is at the streams it runs at target_itl_s {opts.target_itl_s:g} "
                                 f"(measured {pace.itl_s * 1e3:.0f} ms per token over {pace.mean_streams:.1f} "
                                 f"streams){' (batch share)' if batch else ''}: overloaded", 1.0, reason="capacity")
         q = self.first_tokens
-        wait = q.predicted_wait_s()
+        wait = q.predicted_wait_s(in_transit)
         if wait is None:
             return None
-        ahead = (f" ({q.pending_tokens} prompt tokens of {q.pending_requests} requests ahead, at {q.rate:.1f} "
-                 f"tokens/s)" if q.rate else "")
+        more = q.ahead(in_transit) - q.pending_requests
+        ahead = (f" ({q.pending_tokens} prompt tokens of {q.pending_requests} requests ahead and {more} on their "
+                 f"way, at {q.rate:.1f} tokens/s)" if q.rate else "")
         return self._queue_refusal(f"the ingress's queue{ahead}", wait, batch, remaining_s)
 
     def check_queue_wait(self, who: str, wait_s: float, ctx: RequestContext) -> None:
@@ -337,10 +379,11 @@ class CapacityStage(Stage):
 
     async def admit(self, o: Outcome) -> None:
         self.capacity.check(o.ctx)  # no await yet: a refusal here touched nothing
+        o.place = self.capacity.first_tokens.reserve()  # ahead of every request checked from now on
 
     def wrap(self, o: Outcome, deltas):
         # the request joins the queue once every charge passed; a cache hit never starts it
-        o.place = self.capacity.first_tokens.admit(o.prepared.num_prompt_tokens)
+        o.place.join(o.prepared.num_prompt_tokens)
         return deltas
 
     def routed(self, o: Outcome, decision, started: float, num_prompt_tokens: int, ctx: RequestContext) -> None:

@@ -186,12 +186,54 @@ def test_an_overloaded_door_refuses_on_arrival_while_its_loop_is_busy(tiny_model
     (shed_done, unknown_done), shed, unknown = serving(cfg, door)(body)
     assert (shed_done, unknown_done) == (True, False)
     assert shed[:2] == (grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        "the ingress's queue (2000 prompt tokens of 1 requests ahead, at 1000.0 tokens/s): predicted "
-                        "queue wait 2.00 s exceeds max_queue_wait_s 0.5: overloaded "
+                        "the ingress's queue (2000 prompt tokens of 1 requests ahead and 0 on their way, at 1000.0 "
+                        "tokens/s): predicted queue wait 2.00 s exceeds max_queue_wait_s 0.5: overloaded "
                         "(refused on arrival); retry after 2 s")
     assert shed[2] < 1.0
     assert unknown[:2] == (grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer <key>)")
     assert counted == [(Code.RESOURCE_EXHAUSTED, "default")]
+
+
+def test_calls_on_their_way_to_the_busy_loop_count_ahead_of_a_new_one(tiny_model):
+    """The queue is under the bound (0.4 s of 0.5), but a call let through and not yet on the door's
+    loop is ahead: at the mean prompt length it takes the wait to 0.8 s, so the next call is refused
+    on arrival, not after waiting for the loop."""
+    cfg = AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY])
+    door = front_door(cfg)
+    queue = door.capacity.first_tokens
+    queue.rate, queue.pending_tokens, queue.pending_requests, queue.mean_tokens = 1000.0, 400, 1, 400.0
+    door.count_refused = lambda error, tenant: None
+
+    def call(key: str) -> tuple[grpc.StatusCode, str]:
+        with grpc.insecure_channel(f"127.0.0.1:{cfg.grpc_port}") as channel:
+            try:
+                list(pb_grpc.GenerationStub(channel).Generate(
+                    pb.GenerateRequest(text="hi"), metadata=(("authorization", f"Bearer {key}"),), timeout=10))
+            except grpc.RpcError as e:
+                return e.code(), e.details()
+        raise AssertionError("the call was served")
+
+    async def body(server):
+        transit = server.generation.transit
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            ahead = pool.submit(call, "sk-wrong")  # let through (the door refuses unknown keys), then held
+            for _ in range(500):  # the door's loop is busy: it stays in transit
+                if transit.calls == 1:
+                    break
+                time.sleep(0.01)
+            assert transit.calls == 1
+            refused = pool.submit(call, KEY).result(timeout=5)  # while the door's loop is still busy
+            assert not ahead.done()
+            ahead_result = await asyncio.wrap_future(ahead)
+        return refused, ahead_result, transit.calls
+
+    refused, ahead, in_transit = serving(cfg, door)(body)
+    assert refused == (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       "the ingress's queue (400 prompt tokens of 1 requests ahead and 1 on their way, at 1000.0 "
+                       "tokens/s): predicted queue wait 0.80 s exceeds max_queue_wait_s 0.5: overloaded "
+                       "(refused on arrival); retry after 1 s")
+    assert ahead[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert in_transit == 0  # its transit ended when its work started
 
 
 def test_a_bug_in_a_call_is_internal_and_the_server_keeps_serving(tiny_model):

@@ -146,6 +146,29 @@ def test_a_request_the_queue_would_keep_past_the_bound_is_refused_before_any_wor
     door.capacity.check(RequestContext(priority=Priority.BATCH))  # drained: both pass
 
 
+def test_requests_let_through_but_not_yet_queued_count_ahead_at_the_mean_length(tiny_model):
+    """Reserved (checked, being tokenized) and in transit (asked from the gRPC transport's thread)
+    requests are ahead of a new one: without them, a burst passes the check faster than it joins."""
+    door = _door(tiny_model, max_queue_wait_s=1.0)
+    q = door.capacity.first_tokens
+    q.rate = 1000.0
+    q.admit(400)  # 0.4 s ahead; the mean length is now 400
+    assert q.mean_tokens == 400
+    assert door.capacity.shedding() is None and door.capacity.shedding(in_transit=1) is None  # 0.8 s
+    assert door.capacity.shedding(in_transit=2).reason == "queue_wait"  # 1.2 s
+    reserved = q.reserve()  # checked, not yet tokenized: counted at the mean length
+    door.capacity.check(RequestContext())  # 0.8 s
+    assert "predicted queue wait 1.20 s" in door.capacity.shedding(in_transit=1).message
+    reserved.join(600)  # tokenized: it joins with its own length
+    assert (q.reserved, q.pending_requests, q.pending_tokens) == (0, 2, 1000)
+    with pytest.raises(Rejected, match="predicted queue wait 1.00 s exceeds the"):
+        door.capacity.check(RequestContext(deadline=time.time() + 0.5))
+    gone = q.reserve()
+    gone.done()  # refused or failed before it joined: its place goes
+    gone.done()
+    assert q.reserved == 0
+
+
 def test_the_front_door_refuses_by_predicted_wait_without_touching_a_pool_and_releases_the_slot(tiny_model):
     from tests.helpers import generate
 
