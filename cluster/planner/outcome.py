@@ -51,6 +51,7 @@ class SimResult:
     utilisation: dict  # pool -> busy time / (replicas x duration)
     transfer_s: float  # total KV transfer time
     step_lookups_clamped: int  # step times read below a curve's first point (over-estimates)
+    flips: tuple = ()  # (when, replica, new pool, reason) of each run-time move that completed
 
     @property
     def attainment(self) -> float:

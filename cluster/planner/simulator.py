@@ -38,6 +38,7 @@ from router.policy import PolicyConfig, ReplicaLoad, RoutingPolicy
 from cluster.planner.config import SLO, ClusterConfig
 from cluster.planner.outcome import Dist, SimResult
 from cluster.planner.profile import Profile, Transfer
+from cluster.planner.runtime import SplitPolicy
 from cluster.planner.workload import RequestSpec
 
 
@@ -67,6 +68,12 @@ class Replica:
     kicked: bool = False  # a step start is pending for this instant
     busy_s: float = 0.0
     steps: int = 0
+    tokens: int = 0  # computed (prompt chunks and decodes): with busy_s, its measured pace
+    step_s: float = 0.0  # a decode step's seconds, smoothed (the router's step_time_s)
+    assigned: int = 0  # a decode replica's requests, from routing to their end (some still on prefill)
+    draining: bool = False  # the run-time planner is moving it to the other pool: no new work
+    flipping: bool = False  # drained; the flip completes at a scheduled instant
+    why: str = ""  # the planner's reason for the move under way
 
     prompt_tokens_left: int = 0  # prompt (or recompute) tokens still to compute here: kept, not summed
 
@@ -82,15 +89,23 @@ class Replica:
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(self.replica_id, self.pool, self.free_blocks, self.total_blocks,
                            running=len(self.running), waiting=len(self.waiting),
-                           queued_prefill_tokens=self.prompt_tokens_left)
+                           queued_prefill_tokens=self.prompt_tokens_left, step_time_s=self.step_s,
+                           tokens_per_s=self.tokens / self.busy_s if self.busy_s > 0 else 0.0)
+
+    def drained(self) -> bool:
+        return not (self.busy or self.waiting or self.running or self.assigned)
 
 
-_ARRIVE, _STEP, _TRANSFERRED = 0, 1, 2
+_ARRIVE, _STEP, _TRANSFERRED, _PLAN, _FLIPPED = 0, 1, 2, 3, 4
+PREFILL_BLOCKS = 1 << 40  # prefill replicas' KV is not modelled
 
 
 class Simulator:
     def __init__(self, profile: Profile, config: ClusterConfig, slo: SLO, seed: int = 0,
-                 transfer: Transfer | None = None):
+                 transfer: Transfer | None = None, split: SplitPolicy | None = None, flip_s: float = 0.5):
+        """`split`: the run-time planner's policy, asked every split.opts.interval_s of simulated
+        time; a replica it moves drains (no new work), then changes pool `flip_s` later (its
+        weights stay loaded: the flip's own cost)."""
         if config.decode_replicas < 1:
             raise ValueError("a cluster needs at least one decode replica")
         if config.max_num_seqs > config.chunk_tokens:
@@ -103,8 +118,8 @@ class Simulator:
                                                  local_prefill_threshold=config.skip_prefill_tokens),
                                     rng=random.Random(seed))
         self.index = PrefixIndex()  # empty: prefix caching is not simulated
-        big = 1 << 40  # prefill replicas' KV is not modelled
-        self.prefills = [Replica(f"prefill-{i}", "prefill", big, big) for i in range(config.prefill_replicas)]
+        self.prefills = [Replica(f"prefill-{i}", "prefill", PREFILL_BLOCKS, PREFILL_BLOCKS)
+                         for i in range(config.prefill_replicas)]
         self.decodes = [Replica(f"decode-{i}", "decode", config.decode_blocks, config.decode_blocks)
                         for i in range(config.decode_replicas)]
         self._by_id = {r.replica_id: r for r in self.prefills + self.decodes}
@@ -117,6 +132,9 @@ class Simulator:
         self.preemptions = 0
         self.remote = self.local = 0
         self.transfer_s = 0.0
+        self.split, self.flip_s = split, flip_s
+        self.flips: list[tuple[float, str, str, str]] = []  # (when, replica, to, reason) as each completed
+        self.decisions: list = []  # the planner's decisions other than hold, in order
 
     # ---- events ----------------------------------------------------------------------------
 
@@ -125,9 +143,11 @@ class Simulator:
         heapq.heappush(self._events, (t, self._seq, kind, obj))
 
     def run(self, specs: list[RequestSpec]) -> SimResult:
-        reqs = [SimRequest(s, s.prompt_tokens) for s in specs]
+        reqs = self.requests = [SimRequest(s, s.prompt_tokens) for s in specs]
         for r in reqs:
             self._push(r.spec.arrival_s, _ARRIVE, r)
+        if self.split is not None and reqs:
+            self._push(min(r.spec.arrival_s for r in reqs) + self.split.opts.interval_s, _PLAN, None)
         clamped0 = self.profile.prefill.clamped_low + self.profile.decode.clamped_low
         while self._events:
             self.now, _, kind, obj = heapq.heappop(self._events)
@@ -135,8 +155,12 @@ class Simulator:
                 self._arrive(obj)
             elif kind == _STEP:
                 self._step_end(*obj)
-            else:
+            elif kind == _TRANSFERRED:
                 self._enqueue_decode(obj)
+            elif kind == _PLAN:
+                self._plan()
+            else:
+                self._flipped(obj)
             if not self._events or self._events[0][0] > self.now:  # every event of this instant is in
                 dirty, self._dirty = self._dirty, []
                 for rep in dirty:
@@ -146,9 +170,10 @@ class Simulator:
         return self._result(reqs, clamped)
 
     def _arrive(self, r: SimRequest) -> None:
-        loads = [x.load() for x in self.prefills + self.decodes]
+        loads = [x.load() for x in self.prefills + self.decodes if not x.draining]
         d = self.policy.route([], r.spec.prompt_tokens, self.index, loads)
         r.decode = self._by_id[d.decode]
+        r.decode.assigned += 1
         if d.mode == "local":
             self.local += 1
             self._enqueue_decode(r)
@@ -161,6 +186,39 @@ class Simulator:
     def _enqueue_decode(self, r: SimRequest) -> None:
         r.decode.queue(r)
         self._wake(r.decode)
+
+    # ---- the run-time planner ---------------------------------------------------------------
+
+    def _plan(self) -> None:
+        loads = [x.load() for x in self.prefills + self.decodes if not x.draining]
+        decision = self.split.decide(loads, self.now)
+        if decision.action != "hold":
+            self.decisions.append((self.now, decision))
+        if decision.action == "flip":
+            rep = self._by_id[decision.replica_id]
+            rep.draining, rep.why = True, decision.reason
+            self._finish_drain(rep)
+        if self._events:  # work left: keep deciding
+            self._push(self.now + self.split.opts.interval_s, _PLAN, None)
+
+    def _finish_drain(self, rep: Replica) -> None:
+        if rep.draining and not rep.flipping and rep.drained():
+            rep.flipping = True
+            self._push(self.now + self.flip_s, _FLIPPED, rep)
+
+    def _flipped(self, rep: Replica) -> None:
+        if rep.pool == "prefill":
+            self.prefills.remove(rep)
+            self.decodes.append(rep)
+            rep.pool, rep.total_blocks = "decode", self.config.decode_blocks
+        else:
+            self.decodes.remove(rep)
+            self.prefills.append(rep)
+            rep.pool, rep.total_blocks = "prefill", PREFILL_BLOCKS
+        rep.free_blocks = rep.total_blocks
+        rep.draining = rep.flipping = False
+        rep.tokens, rep.busy_s, rep.step_s = 0, 0.0, 0.0  # its pace in the old role says nothing of the new
+        self.flips.append((self.now, rep.replica_id, rep.pool, rep.why))
 
     def _wake(self, rep: Replica) -> None:
         """Start rep's next step once every event at this instant is handled (requests that arrive
@@ -183,6 +241,13 @@ class Simulator:
         rep.busy = True
         rep.busy_s += seconds
         rep.steps += 1
+        if rep.pool == "prefill":
+            rep.tokens += sum(take for _, take in work)
+        else:
+            decodes, chunks = work
+            rep.tokens += len(decodes) + sum(take for _, take in chunks)
+            if decodes:
+                rep.step_s = seconds if rep.step_s == 0 else 0.7 * rep.step_s + 0.3 * seconds
         self._push(self.now + seconds, _STEP, (rep, work))
 
     # ---- a prefill replica's step ----------------------------------------------------------
@@ -329,6 +394,8 @@ class Simulator:
                     self._sample(r)
                     if r.done_s < 0:
                         self._transfer(r)
+                    else:  # its first token ended it: decode never takes it
+                        self._release(r.decode)
         else:
             decodes, chunks = work
             now, itl = self.now, self.itl
@@ -361,7 +428,15 @@ class Simulator:
                 rep.running.remove(r)
                 rep.free_blocks += r.blocks
                 r.blocks = 0
+                rep.assigned -= 1
+        if rep.draining:
+            self._finish_drain(rep)
         self._wake(rep)
+
+    def _release(self, rep: Replica) -> None:
+        rep.assigned -= 1
+        if rep.draining:
+            self._finish_drain(rep)
 
     def _sample(self, r: SimRequest) -> None:
         now = self.now
@@ -407,9 +482,9 @@ class Simulator:
                 util[pool] = sum(x.busy_s for x in reps) / (len(reps) * duration) if duration > 0 else 0.0
         return SimResult(self.config, len(reqs), len(done), duration, Dist.of(ttft), Dist.of(tpot),
                          Dist.of(self.itl), met, self.preemptions, self.remote, self.local, util,
-                         self.transfer_s, clamped)
+                         self.transfer_s, clamped, tuple(self.flips))
 
 
 def simulate(profile: Profile, config: ClusterConfig, specs: list[RequestSpec], slo: SLO, seed: int = 0,
-             transfer: Transfer | None = None) -> SimResult:
-    return Simulator(profile, config, slo, seed, transfer).run(specs)
+             transfer: Transfer | None = None, split: SplitPolicy | None = None, flip_s: float = 0.5) -> SimResult:
+    return Simulator(profile, config, slo, seed, transfer, split, flip_s).run(specs)
