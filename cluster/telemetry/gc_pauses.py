@@ -12,15 +12,26 @@ permanent generation (`gc.freeze`, Python >= 3.7): later collections never walk 
 the model config, the tokenizer or Ray's own state again, only what requests allocate. Cycles
 among frozen objects are never freed; start-up objects live for the whole process anyway.
 `GcPauses` times every collection (gc.callbacks) per generation, for /metrics and benchmarks.
+
+What the freeze leaves is still a pause: the ingress's full collections while serving took 83-174
+ms of wall time in issue 39's burst, and a collection stops every thread, the gRPC transport's that
+refuses calls on arrival included. `FullCollections` therefore takes generation 2 off the
+collector's automatic schedule while the process serves (its threshold raised to DEFERRED_FACTOR
+times the default, a safety net only) and runs it itself: at a quiet moment (nothing in flight, no
+call arriving, for `quiet_s`), and in any case `max_interval_s` after gen2 first held anything new,
+even under load, so cyclic garbage that outlives the young generations stays bounded. Generations
+0 and 1 stay automatic: they walk only what is young, a few milliseconds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -92,3 +103,135 @@ def settle_after_start() -> None:
         freeze_after_start()
     PAUSES.install()
 
+
+# ---- full collections at quiet moments --------------------------------------------------------
+
+DEFERRED_FACTOR = 100  # gen2's threshold while deferred: x the default (10 gen1 collections -> 1,000)
+
+
+@dataclass
+class FullCollectionStats:
+    """What `FullCollections` did: its own collections (idle: at a quiet moment; forced: after
+    `max_interval_s` under load) with their wall time, and `deferred`: how many times gen2 fell
+    due by the default threshold while the process was busy (once per collection cycle)."""
+    idle: GenerationPauses = field(default_factory=GenerationPauses)
+    forced: GenerationPauses = field(default_factory=GenerationPauses)
+    deferred: int = 0
+
+
+FULL = FullCollectionStats()  # this process's (zeros while nothing defers)
+
+
+def defer_enabled() -> bool:
+    """PDSERVE_GC_DEFER=0 leaves gen2 on the collector's own schedule (to compare; deferral is on by default)."""
+    return os.environ.get("PDSERVE_GC_DEFER", "1") != "0"
+
+
+class FullCollections:
+    """Generation-2 collections run by `tick()`, not by the collector in the middle of traffic.
+
+    `idle()` answers "nothing in flight and no call arrived since you last asked"; a collection
+    runs once it has answered yes for `quiet_s` and gen2 holds anything new (a gen1 collection
+    since the last full one: gc.get_count()[2] > 0), or `max_interval_s` after gen2 first held
+    anything new, whatever `idle()` says. `tick()` runs every `period_s` on the event loop
+    (`run()`); `clock` and `collect` are injectable for tests. `start()` raises gen2's threshold,
+    `stop()` puts back the thresholds it found."""
+
+    def __init__(self, idle: Callable[[], bool], quiet_s: float = 0.5, max_interval_s: float = 60.0,
+                 period_s: float = 0.25, clock: Callable[[], float] = time.monotonic,
+                 collect: Callable[[int], int] = gc.collect, stats: FullCollectionStats | None = None):
+        self.idle, self.quiet_s, self.max_interval_s, self.period_s = idle, quiet_s, max_interval_s, period_s
+        self.clock, self.collect = clock, collect
+        self.stats = stats if stats is not None else FullCollectionStats()
+        self._saved: tuple[int, int, int] | None = None  # the thresholds start() found
+        self._idle_since: float | None = None
+        self._dirty_since: float | None = None  # first tick that saw gen2 hold anything new
+        self._deferral_counted = False
+
+    @property
+    def deferring(self) -> bool:
+        return self._saved is not None
+
+    def start(self) -> FullCollections:
+        if self._saved is None:
+            self._saved = gc.get_threshold()
+            t0, t1, t2 = self._saved
+            gc.set_threshold(t0, t1, max(1, t2) * DEFERRED_FACTOR)
+            self._dirty_since = self.clock() if gc.get_count()[2] > 0 else None
+        return self
+
+    def stop(self) -> None:
+        if self._saved is not None:
+            gc.set_threshold(*self._saved)
+            self._saved = None
+
+    def tick(self) -> str | None:
+        """One check: "idle" or "forced" when it collected, else None."""
+        if self._saved is None:
+            return None
+        now = self.clock()
+        pending = gc.get_count()[2]  # gen1 collections since the last full one
+        if pending == 0:  # nothing new in gen2 (or someone else collected it)
+            self._dirty_since, self._deferral_counted = None, False
+        elif self._dirty_since is None:
+            self._dirty_since = now
+        if self.idle():
+            if self._idle_since is None:
+                self._idle_since = now
+        else:
+            self._idle_since = None
+        if pending == 0:
+            return None
+        if self._idle_since is not None and now - self._idle_since >= self.quiet_s:
+            return self._collect("idle", self.stats.idle)
+        if now - self._dirty_since >= self.max_interval_s:
+            return self._collect("forced", self.stats.forced)
+        if pending > self._saved[2] and not self._deferral_counted:  # the collector would have run it by now
+            self.stats.deferred += 1
+            self._deferral_counted = True
+        return None
+
+    def _collect(self, why: str, pauses: GenerationPauses) -> str:
+        started = time.perf_counter()
+        self.collect(2)
+        pause = time.perf_counter() - started
+        pauses.count += 1
+        pauses.total_s += pause
+        pauses.max_s = max(pauses.max_s, pause)
+        self._dirty_since, self._deferral_counted = None, False
+        return why
+
+    async def run(self) -> None:
+        """tick() every period_s until cancelled; the thresholds go back when it ends."""
+        try:
+            while True:
+                await asyncio.sleep(self.period_s)
+                self.tick()
+        finally:
+            self.stop()
+
+
+def idle_from(activity: Callable[[], tuple[int, int]]) -> Callable[[], bool]:
+    """An `idle()` for FullCollections from `activity()` = (calls arrived so far, calls in flight
+    now): idle when none is in flight and none arrived since the previous question."""
+    seen: int | None = None
+
+    def idle() -> bool:
+        nonlocal seen
+        arrived, inflight = activity()
+        quiet = arrived == seen and inflight == 0
+        seen = arrived
+        return quiet
+    return idle
+
+
+def collect_when_quiet(idle: Callable[[], bool]) -> asyncio.Task | None:
+    """In a serving process, after settle_after_start: gen2 collections at quiet moments (unless
+    PDSERVE_GC_DEFER=0), on the running event loop, into FULL. Returns the task (cancel it to stop
+    and restore the collector's thresholds)."""
+    if not defer_enabled():
+        return None
+    collections = FullCollections(idle, stats=FULL).start()
+    log.info("gc: full collections deferred to quiet moments (quiet %.1f s, at most every %.0f s under load)",
+             collections.quiet_s, collections.max_interval_s)
+    return asyncio.get_running_loop().create_task(collections.run(), name="pdserve-gc-full")

@@ -81,12 +81,19 @@ class Ingress:
         log.info("gRPC server on %s", self.grpc.address)
         front_door_priority(self.config)  # every thread, the gRPC transport's included
         gc_pauses.settle_after_start()  # last: everything start-up made is never walked again
+        # full collections at quiet moments, not in a burst: a collection stops the transport's
+        # thread too. Activity: calls that reached the door; calls in flight there or on their way.
+        transit = self.grpc.generation.transit
+        self.gc_task = gc_pauses.collect_when_quiet(gc_pauses.idle_from(
+            lambda: (self.door.arrivals, self.door.admission.total_inflight + transit.calls)))
 
     async def __del__(self):
         """Serve's graceful shutdown: the gRPC calls in flight get the shutdown's time to finish;
         then the audit records still spooled are sent (bounded). A replica killed instead leaves
         its spool to be adopted."""
         grace = self.config.graceful_shutdown_timeout_s
+        if self.gc_task is not None:
+            self.gc_task.cancel()
         await self.grpc.stop(grace)
         if self.door.audit is not None:
             await self.door.audit.drain(min(5.0, grace))

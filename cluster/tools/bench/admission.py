@@ -89,6 +89,20 @@ def _gc_pauses(http_port: int, key: str | None = None) -> dict[str, tuple[int, f
     return {g: (n, stat.get((g, "total"), 0.0), stat.get((g, "max"), 0.0)) for g, n in count.items()}
 
 
+def _gc_full(http_port: int, key: str | None = None) -> dict[str, tuple[int, float, float]]:
+    """The full collections the ingress ran itself, by when ("idle", "forced": (count, total s,
+    longest s)), and "deferred": (times one fell due while busy, 0, 0). Empty: an ingress without them."""
+    text = _scrape(http_port, key)
+    runs = {m[1]: int(float(m[2]))
+            for m in re.finditer(r'^pdserve_ingress_gc_full_runs\{when="(\w+)"\} (\S+)$', text, re.M)}
+    stat = {(m[2], m[1]): float(m[3]) for m in re.finditer(
+        r'^pdserve_ingress_gc_full_run_seconds\{stat="(\w+)",when="(\w+)"\} (\S+)$', text, re.M)}
+    out = {w: (n, stat.get((w, "total"), 0.0), stat.get((w, "max"), 0.0)) for w, n in runs.items()}
+    if (m := re.search(r"^pdserve_ingress_gc_full_deferred (\S+)$", text, re.M)) is not None:
+        out["deferred"] = (int(float(m[1])), 0.0, 0.0)
+    return out
+
+
 def _engine_gc_pauses() -> dict[str, dict]:
     """Each engine pool's (first replica's) garbage collections so far, from its load()."""
     from ray import serve
@@ -182,7 +196,7 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
             p.wait(timeout=60)
         recs = outcome.records
         prediction = _prediction_error(cfg.http_port)
-        gc = _gc_pauses(cfg.http_port)
+        gc, gc_full = _gc_pauses(cfg.http_port), _gc_full(cfg.http_port)
         serve_app.delete_app(cfg)
         burst = [r for r in recs if r.start < burst_s]
         good = [r for r in burst if _meets(r, slo_ttft_s, slo_tpot_s)]
@@ -208,7 +222,7 @@ def bench_burst(base: AppConfig, capacity: float, burst_s: float, slo_ttft_s: fl
             "sent": len(burst), "offered_rps": len(burst) / burst_s, "goodput_rps": len(good) / burst_s,
             "good": len(good), "rejected": len(rejected), "reject_p50_ms": _pct(rejected, 50) * 1e3,
             "reject_p99_ms": _pct(rejected, 99) * 1e3, "reject_max_ms": max(rejected, default=float("nan")) * 1e3,
-            "recovery_s": recovery, "outcomes": codes, "prediction": prediction, "gc": gc,
+            "recovery_s": recovery, "outcomes": codes, "prediction": prediction, "gc": gc, "gc_full": gc_full,
             "after_5s": (sum(_meets(r, slo_ttft_s, slo_tpot_s) for r in late), len(late)),
             # cores each front-door process kept busy over the run (burst + after): 1.0 = a full core
             "process_cores": {k: (cpu_after[k] - cpu_before[k]) / elapsed for k in cpu_before if k in cpu_after},
@@ -382,6 +396,11 @@ def main() -> None:
             if m["gc"]:
                 print(f"  {'':<12} ingress garbage collections (warm-up and run): " + ", ".join(
                     f"gen{g} {n} ({t * 1e3:.0f} ms, longest {mx * 1e3:.1f} ms)" for g, (n, t, mx) in sorted(m["gc"].items())))
+            if m["gc_full"]:
+                f = m["gc_full"]
+                print(f"  {'':<12} of the gen2, run by the ingress itself: " + ", ".join(
+                    f"{w} {n} ({t * 1e3:.0f} ms, longest {mx * 1e3:.1f} ms)" for w, (n, t, mx) in sorted(f.items())
+                    if w != "deferred") + f"; fell due while busy and put off: {f.get('deferred', (0,))[0]}")
             if m["process_cores"]:
                 print(f"  {'':<12} cores busy over the run: " + ", ".join(
                     f"{k.strip()} {v:.2f}" for k, v in sorted(m["process_cores"].items()) if v >= 0.01))

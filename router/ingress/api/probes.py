@@ -63,6 +63,18 @@ def metrics_text(door: FrontDoor) -> bytes:
         pauses.labels(str(gen)).set(p.count)
         pause_s.labels(str(gen), "total").set(p.total_s)
         pause_s.labels(str(gen), "max").set(p.max_s)
+    full = gc_pauses.FULL  # gen2 collections the ingress ran itself (deferred out of traffic)
+    runs = Gauge("pdserve_ingress_gc_full_runs", "Full collections the ingress ran itself: at a quiet moment "
+                 "(when=idle), or under load once gen2 held garbage for max_interval_s (when=forced)", ["when"],
+                 registry=registry)
+    run_s = Gauge("pdserve_ingress_gc_full_run_seconds", "Wall time in those collections (stat=total) and the "
+                  "longest one (stat=max)", ["when", "stat"], registry=registry)
+    for when, p in (("idle", full.idle), ("forced", full.forced)):
+        runs.labels(when).set(p.count)
+        run_s.labels(when, "total").set(p.total_s)
+        run_s.labels(when, "max").set(p.max_s)
+    Gauge("pdserve_ingress_gc_full_deferred", "Times a full collection fell due (the collector's default "
+          "threshold) while the ingress was busy, and was put off", registry=registry).set(full.deferred)
     shadow = Gauge("pdserve_ingress_shadow_requests", "Mirrored requests by model, candidate version and outcome "
                    "(same / different text than the client got, failed, shed)", ["model", "version", "outcome"],
                    registry=registry)

@@ -76,6 +76,9 @@ class FrontDoor:
         self.telemetry = telemetry
         self.idempotent = idempotent  # runs a request with an Idempotency-Key once (HTTP)
         self.audit = audit
+        # calls that reached the door (authorized or not, or refused on arrival), on its loop: the
+        # ingress collects garbage when this has not moved for a while (cluster/telemetry/gc_pauses.py)
+        self.arrivals = 0
 
     @classmethod
     def build(cls, config: AppConfig, pools: dict, *, router=None, take: TakeFn | None = None,
@@ -105,6 +108,7 @@ class FrontDoor:
     def authorize(self, authorization: str | None, model: str | None) -> str:
         """The caller's tenant, for both edges: refuses an unknown key (UNAUTHENTICATED) or model
         (NOT_FOUND), counting the refusal."""
+        self.arrivals += 1
         tenant = "unknown"
         try:
             tenant = self.admission.authenticate(authorization)
@@ -139,6 +143,7 @@ class FrontDoor:
 
     def count_refused(self, error: ServingError, tenant: str) -> None:
         """Count a refusal made before the front door (shedding); on this loop."""
+        self.arrivals += 1
         if self.telemetry is not None:
             self.telemetry.refused(error, tenant)
 

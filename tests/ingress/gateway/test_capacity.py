@@ -291,17 +291,24 @@ def test_the_ingress_scrape_shows_the_collections(tiny_model):
     from cluster.telemetry import gc_pauses
     from router.ingress.api.probes import metrics_text
 
-    saved = gc_pauses.PAUSES.by_generation
+    saved, saved_full = gc_pauses.PAUSES.by_generation, gc_pauses.FULL
     gc_pauses.PAUSES.by_generation = [gc_pauses.GenerationPauses(), gc_pauses.GenerationPauses(),
                                       gc_pauses.GenerationPauses(count=3, total_s=0.25, max_s=0.125)]
+    gc_pauses.FULL = gc_pauses.FullCollectionStats(idle=gc_pauses.GenerationPauses(2, 0.0625, 0.046875),
+                                                   forced=gc_pauses.GenerationPauses(1, 0.5, 0.5), deferred=4)
     try:
         text = metrics_text(_door(tiny_model)).decode()
     finally:
-        gc_pauses.PAUSES.by_generation = saved
+        gc_pauses.PAUSES.by_generation, gc_pauses.FULL = saved, saved_full
     assert 'pdserve_ingress_gc_pauses{generation="2"} 3.0' in text
     assert 'pdserve_ingress_gc_pause_seconds{generation="2",stat="total"} 0.25' in text
     assert 'pdserve_ingress_gc_pause_seconds{generation="2",stat="max"} 0.125' in text
     assert 'pdserve_ingress_gc_pauses{generation="0"} 0.0' in text
+    assert 'pdserve_ingress_gc_full_runs{when="idle"} 2.0' in text
+    assert 'pdserve_ingress_gc_full_runs{when="forced"} 1.0' in text
+    assert 'pdserve_ingress_gc_full_run_seconds{stat="max",when="idle"} 0.046875' in text
+    assert 'pdserve_ingress_gc_full_run_seconds{stat="total",when="forced"} 0.5' in text
+    assert "pdserve_ingress_gc_full_deferred 4.0" in text
 
 
 def test_the_auto_inflight_cap_is_sized_from_the_decode_pool_s_kv():
