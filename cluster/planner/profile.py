@@ -100,6 +100,23 @@ class Transfer:
         return self.latency_s + nbytes / self.bytes_per_s
 
 
+@dataclass(frozen=True)
+class Serving:
+    """What the serving path adds to the engine's steps, measured through a real `pdserve up`
+    (cluster/tools/bench/serving_probe.py): the client's TTFT over the simulated one, per path
+    (local: the decode replica prefills; remote: a prefill replica does, one more hop); a decode
+    step's time over the profiled one, fixed and per running stream (the replica's loop streaming
+    each stream's delta through Ray, beside the engine's thread); the remote path's hand-off (its
+    first gap over a decode step: the pull and the hop)."""
+
+    ttft_local_s: float
+    ttft_remote_s: float
+    decode_step_s: float  # per decode step
+    decode_stream_s: float  # per stream in a decode step
+    handoff_s: float
+    probe: dict = field(default_factory=dict)  # what was run to measure them
+
+
 @dataclass
 class Profile:
     model: dict  # path, identity, shape
@@ -112,6 +129,7 @@ class Profile:
     notes: tuple[str, ...] = ()
     created: str = ""
     wall_s: float = 0.0
+    serving: Serving | None = None  # None: the engine's steps alone (the serving path costs nothing)
 
     @property
     def block_size(self) -> int:
@@ -133,7 +151,8 @@ class Profile:
         return {"format": FORMAT, "model": self.model, "device": self.device, "versions": self.versions,
                 "engine": self.engine, "prefill": self.prefill.to_json(), "decode": self.decode.to_json(),
                 "transfer": None if self.transfer is None else asdict(self.transfer),
-                "notes": list(self.notes), "created": self.created, "wall_s": self.wall_s}
+                "notes": list(self.notes), "created": self.created, "wall_s": self.wall_s,
+                **({} if self.serving is None else {"serving": asdict(self.serving)})}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -142,11 +161,11 @@ class Profile:
     def from_json(cls, d: dict) -> "Profile":
         if d.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} file (format={d.get('format')!r})")
-        t = d.get("transfer")
+        t, sv = d.get("transfer"), d.get("serving")
         return cls(d["model"], d["device"], d["versions"], d["engine"],
                    Curve.from_json("prefill", d["prefill"]), Curve.from_json("decode", d["decode"]),
                    None if t is None else Transfer(**t), tuple(d.get("notes", ())), d.get("created", ""),
-                   d.get("wall_s", 0.0))
+                   d.get("wall_s", 0.0), None if sv is None else Serving(**sv))
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":

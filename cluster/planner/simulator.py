@@ -51,6 +51,7 @@ class SimRequest:
     blocks: int = 0  # held on its decode replica
     in_prompt: bool = False  # computing a prompt (or a recompute) on the replica that holds it
     decode: "Replica | None" = None
+    remote: bool = False  # prefilled on the prefill pool (the serving path's remote TTFT applies)
     first_token_s: float = -1.0
     last_token_s: float = -1.0
     done_s: float = -1.0
@@ -133,6 +134,10 @@ class Simulator:
         self.remote = self.local = 0
         self.transfer_s = 0.0
         self.split, self.flip_s = split, flip_s
+        # the serving path's measured costs (profile.serving): a decode step's loop and relay, the
+        # client's TTFT per path, the remote hand-off (with the transfer)
+        sv = profile.serving
+        self.serving_step_s, self.serving_stream_s = (sv.decode_step_s, sv.decode_stream_s) if sv else (0.0, 0.0)
         self.flips: list[tuple[float, str, str, str]] = []  # (when, replica, to, reason) as each completed
         self.decisions: list = []  # the planner's decisions other than hold, in order
 
@@ -179,6 +184,7 @@ class Simulator:
             self._enqueue_decode(r)
         else:
             self.remote += 1
+            r.remote = True
             p = self._by_id[d.prefill]
             p.queue(r)
             self._wake(p)
@@ -329,7 +335,8 @@ class Simulator:
         seconds = 0.0
         if decodes:
             ctx = sum(r.computed for r in decodes) / len(decodes) + 1
-            seconds += self.profile.decode(len(decodes), ctx)
+            seconds += (self.profile.decode(len(decodes), ctx) + self.serving_step_s
+                        + self.serving_stream_s * len(decodes))
         if chunks:
             seconds += self._prefill_seconds(chunks)
         return seconds, (decodes, chunks)
@@ -454,6 +461,8 @@ class Simulator:
         seconds = 0.0
         if self.transfer is not None:
             seconds = self.transfer.seconds(r.computed * self.kv_bytes_per_token)
+        if self.profile.serving is not None:
+            seconds += self.profile.serving.handoff_s
         self.transfer_s += seconds
         self._push(self.now + seconds, _TRANSFERRED, r)
 
@@ -470,9 +479,15 @@ class Simulator:
 
     def _result(self, reqs: list[SimRequest], clamped: int) -> SimResult:
         done = [r for r in reqs if r.done_s >= 0]
-        ttft = [r.first_token_s - r.spec.arrival_s for r in done]
+        sv = self.profile.serving
+
+        def ttft_of(r: SimRequest) -> float:  # as the client sees it: the serving path's share added
+            path = 0.0 if sv is None else sv.ttft_remote_s if r.remote else sv.ttft_local_s
+            return r.first_token_s - r.spec.arrival_s + path
+
+        ttft = [ttft_of(r) for r in done]
         tpot = [(r.done_s - r.first_token_s) / (r.generated - 1) for r in done if r.generated > 1]
-        met = sum(1 for r in done if r.first_token_s - r.spec.arrival_s <= self.slo.ttft_s
+        met = sum(1 for r in done if ttft_of(r) <= self.slo.ttft_s
                   and (r.generated == 1 or (r.done_s - r.first_token_s) / (r.generated - 1) <= self.slo.tpot_s))
         start = min((r.spec.arrival_s for r in reqs), default=0.0)
         duration = max((r.done_s for r in done), default=start) - start

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from cluster.planner.profile import Curve, OutOfRange, Profile
+from cluster.planner.profile import Serving, Curve, OutOfRange, Profile
 from tests.planner.conftest import synthetic_profile
 
 
@@ -43,6 +45,9 @@ def test_a_profile_round_trips_through_json(tmp_path):
     assert q == p
     assert q.kv_bytes_per_token == 1024 and q.block_size == 16
     assert q.scaled(prefill=0.5).prefill(0, 0) == p.prefill(0, 0) / 2
+    served = replace(p, serving=Serving(0.01, 0.02, -0.0005, 0.00025, 0.07, {"runs": ["probe-0P1D-x1"]}))
+    served.save(tmp_path / "s.json")
+    assert Profile.load(tmp_path / "s.json") == served
 
 
 def test_a_file_of_another_format_is_refused(tmp_path):

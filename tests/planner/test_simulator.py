@@ -134,3 +134,24 @@ def test_replicas_sharing_cores_stretch_the_steps_that_start_while_others_run(pr
     assert sorted(d.busy_s for d in sim.decodes) == [prefill_s(100), stretch * prefill_s(100)]
     assert (2 * r.ttft.mean - r.ttft.max, r.ttft.max) == (prefill_s(100), stretch * prefill_s(100))
     assert sim.busy == 0
+
+
+def test_the_serving_path_s_measured_costs_are_added_where_they_occur(profile):
+    """profile.serving (cluster/tools/bench/serving_probe.py): the client's TTFT gains the path's
+    share (local or remote), every decode step its fixed and per-stream cost, the remote path's
+    first gap the hand-off."""
+    from dataclasses import replace
+
+    from cluster.planner.profile import Serving
+
+    served = replace(profile, serving=Serving(ttft_local_s=1 / 64, ttft_remote_s=1 / 32, decode_step_s=1 / 256,
+                                              decode_stream_s=1 / 1024, handoff_s=1 / 16))
+    local = simulate(served, ClusterConfig(0, 1, chunk_tokens=512), [RequestSpec(0.0, 32, 5)], LOOSE)
+    assert local.ttft.p50 == prefill_s(32) + 1 / 64
+    assert local.itl.p50 == decode_s(1) + 1 / 256 + 1 / 1024  # the first token came from the prefill step
+    remote = simulate(served, ClusterConfig(1, 1, chunk_tokens=512, skip_prefill_tokens=0),
+                      [RequestSpec(0.0, 100, 5)], LOOSE)
+    assert remote.ttft.p50 == prefill_s(100) + 1 / 32
+    assert remote.itl.max == pytest.approx(transfer_s(100) + 1 / 16 + decode_s(1) + 1 / 256 + 1 / 1024, abs=1e-12)
+    two = simulate(served, ClusterConfig(0, 1, chunk_tokens=512), [RequestSpec(0.0, 32, 5)] * 2, LOOSE)
+    assert two.itl.p50 == decode_s(2) + 1 / 256 + 2 / 1024  # per stream in the step

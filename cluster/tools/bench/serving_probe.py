@@ -1,0 +1,103 @@
+"""What the serving path adds to the engine's steps, measured, for the planner's profile.
+
+    flock /tmp/cpu.lock python -m cluster.tools.bench.serving_probe --profile profile.json --out served.json
+
+`pdserve profile` times engine steps in-process. A real request also crosses the ingress, the
+router, Serve's handles and (remote prefill) a second replica and a KV pull, and each decode step
+of a replica streams its tokens out through its loop and the ingress. This probe runs real
+`pdserve up` clusters (plan_validation's: same engine options, admission off) with traffic that
+never queues: groups of requests sent together (a fixed prompt above the skip-prefill threshold,
+a fixed output), `--gap` seconds apart. For each run it simulates the same trace with the
+engine's steps alone and takes the differences of the medians:
+
+    0P+1D, groups of 1 (the local path: the decode replica prefills)
+        ttft_local_s   = real TTFT p50 - simulated
+        step_1         = real TPOT p50 - simulated  (batch 1: one step a token)
+    0P+1D, groups of --batch B
+        step_B         = real TPOT p50 - simulated  (batch B)
+        -> a decode step's serving cost = decode_step_s + decode_stream_s x batch, through both
+    1P+1D, groups of 1 (the remote path)
+        ttft_remote_s  = real TTFT p50 - simulated
+        handoff_s      = (real TPOT p50 - simulated - step_1) x (output - 1)  (the first gap)
+
+and writes the profile again with them (`Profile.serving`), which the simulator adds
+(cluster/planner/simulator.py). The probe's traffic is not the validation's: the validation
+(plan_validation --sim-only on saved runs) stays a test of the terms, not a fit to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from cluster.planner.config import SLO, ClusterConfig
+from cluster.planner.profile import Profile, Serving
+from cluster.planner.simulator import simulate
+from cluster.planner.validation import Metrics
+from cluster.planner.workload import RequestSpec, read_trace
+from cluster.tools.bench.plan_validation import run_real
+
+
+def probe_trace(path: Path, groups: int, size: int, prompt: int, output: int, gap_s: float) -> list[RequestSpec]:
+    """`groups` groups of `size` requests sent at once, `gap_s` apart; within a group the prompts
+    differ in their first token only through the load generator (no prefix is shared: no hash_ids)."""
+    lines = [json.dumps({"timestamp": round(g * gap_s * 1000.0, 3), "input_length": prompt, "output_length": output})
+             for g in range(groups) for _ in range(size)]
+    path.write_text("\n".join(lines) + "\n")
+    return read_trace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", required=True, help="a `pdserve profile` file made on this machine")
+    ap.add_argument("--out", required=True, help="the profile with its serving section")
+    ap.add_argument("--groups", type=int, default=24)
+    ap.add_argument("--batch", type=int, default=8, help="requests a group in the batched run")
+    ap.add_argument("--prompt", type=int, default=128, help="tokens (above the skip-prefill threshold, 64)")
+    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--gap", type=float, default=2.0, help="seconds between groups (nothing queues)")
+    ap.add_argument("--kv-gb", type=float, default=1.0)
+    ap.add_argument("--work", default="/tmp/pdserve-serving-probe")
+    args = ap.parse_args(argv)
+
+    prof = replace(Profile.load(args.profile), serving=None)  # the engine's steps alone
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    slo = SLO(10.0, 1.0)  # goodput is not the point here
+    base = ClusterConfig(0, 1, 512, 64, int(args.kv_gb * 2**30 // prof.engine["kv_block_bytes"]), 64)
+    got: dict[str, tuple[Metrics, Metrics]] = {}
+    for text, size in (("0P+1D", 1), ("0P+1D", args.batch), ("1P+1D", 1)):
+        tag = f"probe-{text.replace('+', '')}-x{size}"
+        specs = probe_trace(work / f"{tag}-trace.jsonl", args.groups, size, args.prompt, args.output, args.gap)
+        cfg = ClusterConfig.parse(text, base)
+        result, cpu = run_real(cfg, prof, work / f"{tag}-trace.jsonl", slo, work, tag)
+        real, sim = Metrics.of_bench(result, slo), Metrics.of_sim(simulate(prof, cfg, specs, slo))
+        got[tag] = (real, sim)
+        print(f"{text}, groups of {size}: TTFT p50 real {real.ttft_p50 * 1e3:.1f} ms, engine alone "
+              f"{sim.ttft_p50 * 1e3:.1f} ms; TPOT p50 real {real.tpot_p50 * 1e3:.2f} ms, engine alone "
+              f"{sim.tpot_p50 * 1e3:.2f} ms; {result['completed']}/{len(specs)} completed; cpu {cpu}", flush=True)
+    (l1r, l1s), (lbr, lbs), (r1r, r1s) = got.values()
+    step_1, step_b = l1r.tpot_p50 - l1s.tpot_p50, lbr.tpot_p50 - lbs.tpot_p50
+    per_stream = (step_b - step_1) / (args.batch - 1)
+    serving = Serving(
+        ttft_local_s=l1r.ttft_p50 - l1s.ttft_p50, ttft_remote_s=r1r.ttft_p50 - r1s.ttft_p50,
+        decode_step_s=step_1 - per_stream, decode_stream_s=per_stream,
+        handoff_s=max(0.0, (r1r.tpot_p50 - r1s.tpot_p50 - step_1) * (args.output - 1)),
+        probe={"runs": list(got), "groups": args.groups, "batch": args.batch, "prompt": args.prompt,
+               "output": args.output, "gap_s": args.gap, "real": {k: asdict(v[0]) for k, v in got.items()},
+               "engine_alone": {k: asdict(v[1]) for k, v in got.items()},
+               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    replace(Profile.load(args.profile), serving=serving).save(args.out)
+    print(f"serving path: TTFT +{serving.ttft_local_s * 1e3:.1f} ms local, +{serving.ttft_remote_s * 1e3:.1f} ms "
+          f"remote; a decode step {serving.decode_step_s * 1e3:+.2f} ms {serving.decode_stream_s * 1e3:+.3f} ms a "
+          f"stream; remote hand-off {serving.handoff_s * 1e3:.1f} ms")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
