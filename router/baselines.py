@@ -8,7 +8,7 @@ from typing import Sequence
 
 from cluster.engine.kv_cache.hashing import BlockHash
 from router.index import PrefixIndex
-from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RouteDecision, SessionHint
+from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RouteDecision, SessionHint, split_pools
 
 
 class _Baseline:
@@ -21,19 +21,20 @@ class _Baseline:
     def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, index: PrefixIndex,
               loads: Sequence[ReplicaLoad], session: SessionHint | None = None) -> RouteDecision:
         """`session` is not used: a baseline knows nothing of caches, sessions included."""
-        decodes = sorted((r for r in loads if r.pool == "decode"), key=lambda r: r.replica_id)
-        prefills = sorted((r for r in loads if r.pool == "prefill"), key=lambda r: r.replica_id)
+        prefills, decodes = (sorted(pool, key=lambda r: r.replica_id) for pool in split_pools(loads))
         if not decodes:
             raise NoReplicaError("no decode replica")
         decode = self.pick("decode", decodes)
         if not prefills:
-            return RouteDecision(None, decode.replica_id, "local", 0, f"{self.name}; no prefill pool")
+            return RouteDecision(None, decode.replica_id, "local", 0, f"{self.name}; no prefill pool",
+                                 decode_home=decode.home)
         prefill = self.pick("prefill", prefills)
         blocks = index.prefix_blocks(hashes, [prefill.replica_id])[prefill.replica_id]
         cached = min(blocks * self.config.block_size, num_prompt_tokens - 1)
         dec_blocks = index.prefix_blocks(hashes, [decode.replica_id])[decode.replica_id]
         return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached, self.name,
-                             decode_cached_tokens=min(dec_blocks * self.config.block_size, num_prompt_tokens - 1))
+                             decode_cached_tokens=min(dec_blocks * self.config.block_size, num_prompt_tokens - 1),
+                             prefill_home=prefill.home, decode_home=decode.home)
 
     def pick(self, pool: str, replicas: list[ReplicaLoad]) -> ReplicaLoad:
         raise NotImplementedError

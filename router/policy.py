@@ -27,6 +27,9 @@ Adjustments, each visible in the decision's reason:
 - session affinity: the replicas that served the request's session last (router/sessions.py) are
   preferred by session_bonus tokens (the others pay it): a soft preference that load outweighs,
   and none past hot_load_cap.
+- a draining replica (its role is being flipped: cluster/serving/replica.py set_role) is never
+  chosen; a pool whose replicas all drain is a pool with none. A decision names each chosen
+  replica's home deployment too, whose handle reaches it.
 Ties are broken at random (an injected RNG). Plain Python: no Ray, no clock of its own.
 """
 
@@ -59,6 +62,15 @@ class ReplicaLoad:
     pull_s_per_block: float = 0.0  # decode: mean seconds per block of its recent KV pulls (0: none yet)
     group: str = ""  # the model version it serves (AppConfig.serving_group): a request is routed within one
     tier_load_s_per_block: tuple[float, ...] = ()  # measured seconds to load one block back, per lower tier (0: none yet)
+    # Runtime role flips (cluster/serving/replica.py set_role): `pool` is the role a replica plays
+    # now, `home` the deployment it lives in (whose Serve handle reaches it; None: its pool's), and
+    # a draining replica finishes what it has but is never chosen.
+    home: Literal["prefill", "decode"] | None = None
+    draining: bool = False
+
+    def __post_init__(self):
+        if self.home is None:
+            object.__setattr__(self, "home", self.pool)
 
     def queue_wait_s(self) -> float:
         """Predicted wait before a new prompt starts here: its queued prompt tokens at its pace."""
@@ -125,10 +137,24 @@ class RouteDecision:
     reason: str
     queue_wait_s: float = 0.0  # predicted wait before the prompt starts on the replica computing it
     decode_cached_tokens: int = 0  # prompt tokens the decode replica holds already (not pulled)
+    # the deployments the chosen replicas live in (whose handles reach them): a replica whose role
+    # flipped plays one pool's part from the other's deployment
+    prefill_home: Literal["prefill", "decode"] | None = None
+    decode_home: Literal["prefill", "decode"] = "decode"
 
 
 class NoReplicaError(RuntimeError):
     pass
+
+
+def split_pools(loads: Sequence[ReplicaLoad]) -> tuple[list[ReplicaLoad], list[ReplicaLoad]]:
+    """(prefill, decode) replicas that may be chosen: by the role they play now, draining ones
+    left out (a pool of draining replicas only is a pool with none)."""
+    prefills, decodes = [], []
+    for r in loads:
+        if not r.draining:
+            (prefills if r.pool == "prefill" else decodes).append(r)
+    return prefills, decodes
 
 
 class RoutingPolicy:
@@ -145,8 +171,7 @@ class RoutingPolicy:
         session: SessionHint | None = None,
     ) -> RouteDecision:
         cfg = self.config
-        decodes = [r for r in loads if r.pool == "decode"]
-        prefills = [r for r in loads if r.pool == "prefill"]
+        prefills, decodes = split_pools(loads)
         if not decodes:
             raise NoReplicaError("no decode replica")
         slow = self._slow(decodes) | self._slow(prefills)
@@ -176,13 +201,13 @@ class RoutingPolicy:
         if not prefills or missing < cfg.local_prefill_threshold:
             why = "no prefill pool" if not prefills else f"local prefill: {missing} uncached tokens"
             return RouteDecision(None, decode.replica_id, "local", cached_on_decode, "; ".join([why, *reasons]),
-                                 decode.queue_wait_s(), cached_on_decode)
+                                 decode.queue_wait_s(), cached_on_decode, decode_home=decode.home)
 
-        return self._remote(hashes, num_prompt_tokens, index, prefills, slow, session, decode.replica_id,
+        return self._remote(hashes, num_prompt_tokens, index, prefills, slow, session, decode,
                             cached_on_decode, reasons)
 
     def _remote(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, index: PrefixIndex,
-                prefills: Sequence[ReplicaLoad], slow: set[str], session: SessionHint | None, decode: str,
+                prefills: Sequence[ReplicaLoad], slow: set[str], session: SessionHint | None, decode: ReplicaLoad,
                 cached_on_decode: int, reasons: list[str]) -> RouteDecision:
         """Remote prefill: the prefill replica for a request whose decode replica is chosen."""
         cfg = self.config
@@ -205,8 +230,9 @@ class RoutingPolicy:
         why = ["cache" if cached else "load"]
         if hot:
             why.append(f"hot prefix spread past cap on {sorted(hot)}")
-        return RouteDecision(prefill.replica_id, decode, "remote", cached,
-                             "; ".join([*why, *p_reasons, *reasons]), prefill.queue_wait_s(), cached_on_decode)
+        return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached,
+                             "; ".join([*why, *p_reasons, *reasons]), prefill.queue_wait_s(), cached_on_decode,
+                             prefill.home, decode.home)
 
     def _compute_cost(self, cached_blocks: int, lower: Sequence[int], r: ReplicaLoad, num_prompt_tokens: int,
                       index: PrefixIndex) -> float:
