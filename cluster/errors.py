@@ -16,6 +16,16 @@ class QueueFullError(RuntimeError):
     """An engine's waiting queue is at its bound: overload. Maps to RESOURCE_EXHAUSTED / 429."""
 
 
+class WrongRoleError(RuntimeError):
+    """A replica was called for a role it does not play now (its role flipped after the call was
+    routed): it refused the call before starting anything, so the caller may send it elsewhere."""
+
+
+class DrainTimeoutError(TimeoutError):
+    """A role flip's drain did not finish in time: the flip was called off, the replica kept its
+    role and every request it held."""
+
+
 class ErrorKind(str, enum.Enum):
     """Whose fault a request the engine ended with finish reason "error" was (`error` says what)."""
 

@@ -1,18 +1,23 @@
 """A request's legs on the pools: remote prefill (the first token and a handle of the prompt's
 KV, held under a lease) and the decode legs (the rest of the tokens; a new leg on another replica
-when one dies). Every failure ends in a ServingError with its code; nothing here decides policy."""
+when one dies). Every failure ends in a ServingError with its code; nothing here decides policy.
+
+A replica is reached through its home deployment's handle (`homes`), whatever role it plays now
+(a router decision names both); without a decision, each leg calls its pool's deployment. A
+replica called for a role it no longer plays refuses before starting (WrongRoleError): a prefill
+leg then leaves the prompt to decode, a decode leg goes to the replica a new decision names."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable, Mapping
 
 from cluster.engine.outputs import FinishReason, RequestOutput, merge_outputs
 from cluster.engine.request import RequestContext
 from cluster.engine.sampling_params import SamplingParams
-from cluster.errors import ErrorKind, QueueFullError
+from cluster.errors import ErrorKind, QueueFullError, WrongRoleError
 from router.ingress.flow.relay import coalesce
 from router.ingress.flow.stream import ClientStream
 from router.ingress.request import Delta
@@ -23,6 +28,10 @@ log = logging.getLogger(__name__)
 OVERLOAD_RETRY_S = 1.0  # retry-after for an engine's refusal (full queue, queue time-to-live)
 FIRST_OUTPUT_GRACE_S = 1.0  # past the deadline: a replica that has the request ends it itself, first
 FAILED = (FinishReason.ERROR, FinishReason.DEADLINE, FinishReason.REJECTED)  # an engine ended it unfinished
+MAX_REROUTES = 2  # decode legs refused by a replica whose role flipped, before the request fails
+
+# A decode replica a fresh routing decision names: (replica id, home deployment), or (None, None): Serve's choice
+Reroute = Callable[[], Awaitable[tuple[str | None, str | None]]]
 
 
 class ReplicaDied(Exception):
@@ -45,20 +54,26 @@ def ended(rid: str, reason: FinishReason, error: str | None, sent: int, kind: Er
 
 
 class PrefillLeg:
-    """Remote prefill on the prefill pool (its Serve handle)."""
+    """Remote prefill on the prefill pool (its Serve handle; `homes`: every deployment's, by home)."""
 
-    def __init__(self, handle, replica_wait_s: float = 120.0):
+    def __init__(self, handle, replica_wait_s: float = 120.0, homes: Mapping[str, object] | None = None):
         self.handle = handle
+        self.homes = {**(homes or {}), "prefill": handle}
         self.replica_wait_s = replica_wait_s  # the bound on a prefill's answer, deadline or not
+        # lease holders that live outside the prefill deployment (a flipped decode replica): where
+        # a release goes. Replica ids are never reused, and their homes never change.
+        self._holders_away: dict[str, str] = {}
 
     async def first_token(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
-                          target: str | None, stream: ClientStream):
+                          target: str | None, stream: ClientStream, home: str | None = None):
         """The first token's delta (sent at once, before any transfer) and the handle of the
         prompt's KV for decode to pull (None when the first token ends the request). None when
-        prefill failed: decode prefills locally."""
-        result = await self._prefill(rid, ids, sampling, ctx, target)
+        prefill failed: decode prefills locally. `home`: the deployment `target` lives in."""
+        result = await self._prefill(rid, ids, sampling, ctx, target, home)
         if result is None:
             return None
+        if result.handle is not None and home not in (None, "prefill"):
+            self._holders_away[result.handle.engine_id] = home
         stream.cached = result.num_cached_tokens
         first_lp = None if result.first_logprob is None else [result.first_logprob]
         if result.handle is None:  # the first token ends it
@@ -69,12 +84,12 @@ class PrefillLeg:
         return d, result.handle
 
     async def _prefill(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
-                       target: str | None):
+                       target: str | None, home: str | None):
         # A replica that has the request ends it at its deadline itself (DEADLINE, the client's);
         # none answering by then (+ grace), or within replica_wait_s without a deadline, is the
         # pool's failure (no replica took it: dead, asleep, stuck), as for decode. The call is
         # cancelled, which aborts the prefill.
-        call = self.handle.prefill.remote(rid, ids, sampling, ctx, target_replica=target)
+        call = self.homes.get(home, self.handle).prefill.remote(rid, ids, sampling, ctx, target_replica=target)
         remaining = ctx.remaining_s()
         bound = self.replica_wait_s
         deadline_first = remaining is not None and max(remaining, 0.0) + FIRST_OUTPUT_GRACE_S < bound
@@ -90,6 +105,9 @@ class PrefillLeg:
                                                  f"{self.replica_wait_s:g} s (fault_tolerance.replica_wait_s)") from e
         except QueueFullError as e:
             raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
+        except WrongRoleError as e:  # it flipped to decode after the decision: nothing started there
+            log.info("prefill of %s refused (%s); prefilling on decode", rid, e)
+            return None
         except Exception as e:  # noqa: BLE001 — any other prefill failure: decode prefills locally
             log.warning("prefill of %s failed (%s); prefilling on decode", rid, e)
             return None
@@ -105,7 +123,8 @@ class PrefillLeg:
         Serve replica id; the request router honours target_replica). If that replica is gone
         the router picks another, which holds nothing of `rid` (ids are ours and unique): a no-op."""
         try:
-            await self.handle.release.remote(rid, target_replica=holder)
+            home = self.homes.get(self._holders_away.get(holder), self.handle)
+            await home.release.remote(rid, target_replica=holder)
         except Exception as e:  # noqa: BLE001 — the lease expires anyway
             log.warning("release of %s on %s failed (its lease will expire): %s", rid, holder, e)
 
@@ -117,14 +136,19 @@ class DecodeLegs:
     stream goes on without a gap or a repeat (greedy output is identical; a seeded sampler
     restarts its random stream at the migration)."""
 
-    def __init__(self, handle, max_migrations: int, prefill: PrefillLeg | None, replica_wait_s: float = 120.0):
+    def __init__(self, handle, max_migrations: int, prefill: PrefillLeg | None, replica_wait_s: float = 120.0,
+                 homes: Mapping[str, object] | None = None):
         self.handle = handle
+        self.homes = {**(homes or {}), "decode": handle}  # every deployment's handle, by home
         self.max_migrations = max_migrations
         self.prefill = prefill  # where a handle's lease is released when decode never took it
         self.replica_wait_s = replica_wait_s  # the bound on waiting for a replica, deadline or not
 
     async def stream(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext, kv_handle,
-                     target: str | None, client: ClientStream) -> AsyncIterator[Delta]:
+                     target: str | None, client: ClientStream, home: str | None = None,
+                     reroute: Reroute | None = None) -> AsyncIterator[Delta]:
+        """`target` lives in deployment `home`; `reroute` names another decode replica when that
+        one turns out not to decode (without it: Serve's choice in the decode deployment)."""
         generated = client.generated
         leg_rid, leg_generated = rid, []
         for migration in range(self.max_migrations + 1):
@@ -133,8 +157,8 @@ class DecodeLegs:
                 log.warning("decode replica of %s died after %d tokens; migrating (%d of %d)",
                             rid, len(generated), migration, self.max_migrations)
             try:
-                async with aclosing(self._leg(leg_rid, ids, sampling, kv_handle, ctx, target, client,
-                                              leg_generated)) as leg:
+                async with aclosing(self._placed(leg_rid, ids, sampling, kv_handle, ctx, target, home, reroute,
+                                                 client, leg_generated)) as leg:
                     async for d in leg:
                         if kv_handle is None and migration == 0:
                             client.cached = d.cached_prompt_tokens
@@ -143,11 +167,33 @@ class DecodeLegs:
                         if d.finish_reason is not None:
                             return
             except ReplicaDied as e:
-                kv_handle, target = None, None  # the next leg prefills on its own replica
+                kv_handle, target, home = None, None, None  # the next leg prefills on its own replica
                 if migration < self.max_migrations:
                     continue
                 raise self._gave_up(rid, len(generated), e) from e
             raise ServingError(Code.INTERNAL, f"decode stream for {rid} ended without a finish")
+
+    async def _placed(self, rid: str, ids: list[int], sampling: SamplingParams, kv_handle, ctx: RequestContext,
+                      target: str | None, home: str | None, reroute: Reroute | None, client: ClientStream,
+                      generated: list[int]) -> AsyncIterator[Delta]:
+        """One leg, on the replica a decision named. One that no longer decodes (its role flipped
+        after the decision) refuses before anything starts: the leg goes to the replica `reroute`
+        names, with the same KV handle (still leased). Not a migration: nothing was sent."""
+        for attempt in range(MAX_REROUTES + 1):
+            try:
+                async with aclosing(self._leg(rid, ids, sampling, kv_handle, ctx, target, home, client,
+                                              generated)) as leg:
+                    async for d in leg:
+                        yield d
+                return
+            except WrongRoleError as e:
+                if attempt == MAX_REROUTES:
+                    if kv_handle is not None and self.prefill is not None:
+                        await self.prefill.release(rid, kv_handle.engine_id)
+                    raise ServingError(Code.UNAVAILABLE, f"decode for {rid}: {attempt + 1} replicas refused it "
+                                                         f"(their roles flipped): {e}") from e
+                log.info("decode of %s refused (%s); routing it again", rid, e)
+                target, home = await reroute() if reroute is not None else (None, None)
 
     def _gave_up(self, rid: str, sent: int, e: ReplicaDied) -> ServingError:
         if not sent:  # the last try never started
@@ -156,14 +202,16 @@ class DecodeLegs:
                                           f"({self.max_migrations} migrations allowed): {e.cause}")
 
     async def _leg(self, rid: str, ids: list[int], sampling: SamplingParams, kv_handle, ctx: RequestContext,
-                   target: str | None, client: ClientStream, generated: list[int]) -> AsyncIterator[Delta]:
+                   target: str | None, home: str | None, client: ClientStream,
+                   generated: list[int]) -> AsyncIterator[Delta]:
         """One decode leg: the replica's outputs as deltas. Raises ReplicaDied when the replica is
-        lost (the caller migrates), ServingError for the request's own failures. `generated`:
+        lost (the caller migrates), WrongRoleError when it does not decode now (the lease is
+        kept for the next replica), ServingError for the request's own failures. `generated`:
         tokens sent by earlier legs (the replica's output counts include them)."""
         from ray.exceptions import ActorUnavailableError, RayActorError  # noqa: PLC0415
 
         try:
-            replies = self.handle.options(stream=True).generate.remote(
+            replies = self.homes.get(home, self.handle).options(stream=True).generate.remote(
                 rid, ids, sampling, kv_handle, ctx, target_replica=target, generated=generated)
         except Exception as e:  # noqa: BLE001
             if kv_handle is not None and self.prefill is not None:  # nothing will pull it: end the lease now
@@ -175,6 +223,9 @@ class DecodeLegs:
                 async for d in outputs:
                     yield d
         except ServingError:
+            raise
+        except WrongRoleError:
+            state.refused = True
             raise
         except TimeoutError as e:
             if state.bound is None or not state.bound.expired():
@@ -194,7 +245,7 @@ class DecodeLegs:
         finally:
             if not state.finished:
                 replies.cancel()
-            if kv_handle is not None and not state.pulled and self.prefill is not None:
+            if kv_handle is not None and not state.pulled and not state.refused and self.prefill is not None:
                 await self.prefill.release(rid, kv_handle.engine_id)  # only the first leg has a handle
 
     async def _outputs(self, rid: str, replies, kv_handle, ctx: RequestContext, client: ClientStream,
@@ -230,10 +281,11 @@ class DecodeLegs:
 class _LegState:
     """What one leg's cleanup needs to know of how far it got."""
 
-    __slots__ = ("bound", "deadline_first", "pulled", "finished")
+    __slots__ = ("bound", "deadline_first", "pulled", "finished", "refused")
 
     def __init__(self):
         self.bound = None  # the bound on the first output (asyncio.Timeout)
         self.deadline_first = False  # the request's deadline, not replica_wait_s, sets that bound
         self.pulled = False  # the replica sent an output: it has the request (and pulled the KV)
         self.finished = False
+        self.refused = False  # the replica does not decode now: nothing started there

@@ -87,8 +87,11 @@ class RequestFlow:
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="pdserve-tokenize")
         self._decode_handle = decode_handle
         ft = config.fault_tolerance
-        self._prefill = None if prefill_handle is None else PrefillLeg(prefill_handle, ft.replica_wait_s)
-        self._decode = DecodeLegs(decode_handle, ft.max_migrations, self._prefill, ft.replica_wait_s)
+        # a replica is reached through its home deployment, whichever role it plays now
+        homes = {"decode": decode_handle} if prefill_handle is None else {"prefill": prefill_handle,
+                                                                          "decode": decode_handle}
+        self._prefill = None if prefill_handle is None else PrefillLeg(prefill_handle, ft.replica_wait_s, homes)
+        self._decode = DecodeLegs(decode_handle, ft.max_migrations, self._prefill, ft.replica_wait_s, homes)
 
     # ---- before a request runs -----------------------------------------------------------------
 
@@ -150,7 +153,7 @@ class RequestFlow:
         first_seen = False
         if self._prefill is not None and not (decision is not None and decision.mode == "local"):
             first = await self._prefill.first_token(rid, ids, sampling, ctx, decision.prefill if decision else None,
-                                                    stream)
+                                                    stream, decision.prefill_home if decision else None)
             if first is not None:
                 observer.first_token(len(ids) - stream.cached)
                 first_seen = True
@@ -163,8 +166,14 @@ class RequestFlow:
                     raise
                 if d.finish_reason is not None or kv_handle is None:
                     return
+
+        async def reroute():  # a fresh decision's decode replica (the one named first does not decode now)
+            again = await self._route(ids, ctx, routing_key, Observer())
+            return (None, None) if again is None else (again.decode, again.decode_home)
+
         async with aclosing(self._decode.stream(rid, ids, sampling, ctx, kv_handle,
-                                                decision.decode if decision else None, stream)) as legs:
+                                                decision.decode if decision else None, stream,
+                                                decision.decode_home if decision else None, reroute)) as legs:
             async for d in legs:
                 if not first_seen:
                     observer.first_token(len(ids) - d.cached_prompt_tokens)
