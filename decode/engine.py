@@ -193,3 +193,14 @@ class DecodeEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._imports or self._pending_outputs) or self.engine.has_unfinished()
+
+    def in_flight(self) -> int:
+        """Streams this role holds: waiting, importing their KV, or decoding."""
+        return sum(self.engine.queue_shape())
+
+    def drained(self) -> bool:
+        """Nothing left of this role's work: no stream, no abandoned READ still writing our blocks,
+        no "done" notice unsent (a role flip may replace it; prefill's loop still pushes the
+        notices already sent)."""
+        t = self.transport
+        return not self.has_unfinished() and t.num_abandoned == 0 and t.unsent_notices == 0

@@ -358,6 +358,18 @@ class NixlTransport:
     def num_abandoned(self) -> int:
         return len(self._abandoned)
 
+    @property
+    def unsent_notices(self) -> int:
+        """"Done" notices queued for the next send_notices()."""
+        return len(self._unsent)
+
+    def progress_notices(self) -> None:
+        """Push out lease notices UCX has not sent yet, without reading this agent's own
+        notifications (a prefill role's: they are its lease notices). A no-op on an engine that
+        never pulled; one whose role flipped from decode to prefill still owes its last notices."""
+        if self._notices is not None:
+            self._notices.progress()
+
     def notify_release(self, handle: KVHandle, read_settled: bool = True) -> None:
         """Best effort: tell prefill we will not pull (fallback, abort), so it ends the lease
         early. `read_settled` False: a READ of ours may still be reading those blocks (abandoned),

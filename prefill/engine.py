@@ -127,6 +127,17 @@ class PrefillEngine:
 
     def service(self) -> None:
         self.service_leases()
+        self.transport.progress_notices()  # a replica that decoded before its role flipped: its last notices
+
+    def in_flight(self) -> int:
+        """Requests this role holds: prefilling (waiting or running) or leased to a decode engine."""
+        waiting, running, _ = self.engine.queue_shape()
+        return waiting + running + len(self._leases)
+
+    def drained(self) -> bool:
+        """Nothing left of this role's work: no prefill, no lease, no ended lease's blocks in
+        grace (a role flip may replace it; the blocks it frees stay in the prefix cache)."""
+        return not self.engine.has_unfinished() and not (self._leases or self._grace or self._host_pins)
 
     def service_leases(self) -> None:
         """Release leases whose transfer completed, expire overdue ones, end finished graces."""

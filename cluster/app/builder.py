@@ -87,21 +87,26 @@ def cpus_needed(config: AppConfig) -> int:
 
 
 def build_app(config: AppConfig):
-    from decode.deployment import DecodeServer  # noqa: PLC0415
-    from prefill.deployment import PrefillServer  # noqa: PLC0415
+    from decode.deployment import DECODE_ROLE, DecodeServer  # noqa: PLC0415
+    from prefill.deployment import PREFILL_ROLE, PrefillServer  # noqa: PLC0415
     from router.ingress.deployment import Ingress  # noqa: PLC0415
 
     config.check_startable()  # an open non-loopback bind, a tenant without keys: refuse here
     config = resolve_manifests(ensure_model(config))  # a manifest whose files changed is refused here
     pools = {}  # one prefill pool (unless colocated) and one decode pool per model version
+    # With a prefill pool, every replica can play either role (set_role flips it at run time).
+    roles = {"prefill": PREFILL_ROLE, "decode": DECODE_ROLE}
     for version in config.served_versions():
         cfg = version.config
         engine_cfg = engine_config(cfg)
         prefill_name, decode_name = version.deployments
-        decode = serve.deployment(DecodeServer, name=decode_name, **_pool_options("decode", cfg)).bind(engine_cfg)
+        flips = roles if cfg.has_prefill_pool else None
+        decode = serve.deployment(DecodeServer, name=decode_name,
+                                  **_pool_options("decode", cfg)).bind(engine_cfg, flips)
         prefill = None  # colocated: decode replicas prefill locally
         if cfg.has_prefill_pool:
-            prefill = serve.deployment(PrefillServer, name=prefill_name, **_pool_options("prefill", cfg)).bind(engine_cfg)
+            prefill = serve.deployment(PrefillServer, name=prefill_name,
+                                       **_pool_options("prefill", cfg)).bind(engine_cfg, roles)
         pools[cfg.serving_group] = (prefill, decode)
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=config.ingress_replicas,
                                ray_actor_options={"num_cpus": INGRESS_CPUS}, max_ongoing_requests=1024,

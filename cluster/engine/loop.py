@@ -185,11 +185,18 @@ class EngineLoop:
         for rid in list(self._sinks):
             self.core.abort(rid)
 
+    def replace_core(self, core, idle_poll_s: float | None, stream_interval: int | str) -> None:
+        """Drive `core` from the next turn on (a replica's role flip). Loop thread only (inside a
+        `call`), with no stream of the old core left: streams are keyed by request id, not core."""
+        if getattr(core, "engine", core) is not self.engine:
+            raise ValueError("a new core must drive the same engine")
+        self.core, self.idle_poll_s, self.stream_interval = core, idle_poll_s, stream_interval
+
     def _turns(self) -> None:
-        service = getattr(self.core, "service", None)
         while not self._stop:
             self._turn_started = time.monotonic()
             self._drain_commands()
+            service = getattr(self.core, "service", None)  # read every turn: a call may replace the core
             if service is not None:
                 service()
             busy = self.core.has_unfinished()

@@ -30,7 +30,9 @@ class LoadReporter:
         self.group = group  # the model version (AppConfig.serving_group): the router routes within it
         self.transfer_stats = transfer_stats
         self.replica_id = replica_id
-        self.pool = pool
+        self.pool = pool  # the role it plays now (set_role changes it)
+        self.home = pool  # the deployment it lives in: never changes
+        self.draining = False  # a role flip is draining it: the router chooses it for nothing
         self.node_id = node_id  # the Ray node this replica runs on (`pdserve status` shows it)
         self.registry = registry
         self.router = router
@@ -75,6 +77,17 @@ class LoadReporter:
             self._next = now + self.interval_s
             self.registry.report(self.replica_id, self.report(load or self.engine.load()))
 
+    def push(self, now: float):
+        """Report now, off the schedule (a role flip: the router must see the pool or the drain
+        at once). Loop thread only. Returns the router's call (await it to know the router has
+        it), None without a router."""
+        load = self.engine.load()
+        self.registry.report(self.replica_id, self.report(load))
+        if self.router is None:
+            return None
+        self._last_router, self._last_queue = now, (*self.engine.queue_shape(), self.engine.stats.requests_received)
+        return self.router.report_load.remote(self.replica_load(load, now))
+
     # ---- what is reported ------------------------------------------------------------------
 
     def replica_load(self, load: EngineLoad, now: float) -> ReplicaLoad:
@@ -83,7 +96,8 @@ class LoadReporter:
         return ReplicaLoad(self.replica_id, self.pool, load.free_blocks, load.total_blocks,
                            load.running + load.importing, load.waiting, load.queued_prefill_tokens,
                            self._step_time(), self._throughput(), failing, self._pull_s_per_block(), self.group,
-                           tuple(u.stats.load_s_per_block or 0.0 for u in self.engine.tier_usage()))
+                           tuple(u.stats.load_s_per_block or 0.0 for u in self.engine.tier_usage()),
+                           self.home, self.draining)
 
     def _pull_s_per_block(self) -> float:
         """Seconds per block of this replica's KV pulls so far (their fixed cost spread over their
@@ -118,7 +132,8 @@ class LoadReporter:
         load = load or self.engine.load()
         stats = self.engine.stats
         return {
-            "pool": self.pool, "node_id": self.node_id, **asdict(load),
+            "pool": self.pool, "home": self.home, "draining": self.draining, "node_id": self.node_id, **asdict(load),
+            "requests_received": stats.requests_received,
             "last_step_ms": round(stats.last_step_s * 1e3, 3), "avg_step_ms": round(stats.step_s_avg * 1e3, 3),
             "steps": stats.steps, "step_errors": stats.step_errors, "generation_tokens": stats.generation_tokens, "preemptions": stats.preemptions,
             "tokens_computed": stats.tokens_computed, "cached_prompt_tokens": stats.cached_prompt_tokens,
