@@ -121,7 +121,26 @@ def build_app(config: AppConfig):
             KeywordClassifierStandIn, name="guardrail-classifier", num_replicas=c.num_replicas,
             ray_actor_options={"num_cpus": c.num_cpus}, health_check_period_s=config.health_check_period_s,
         ).bind(engine_config(config))
-    return ingress.bind(config.model_dump(), pools, classifier)
+    return ingress.bind(config.model_dump(), pools, classifier, planner_deployment(config))
+
+
+def planner_deployment(config: AppConfig):
+    """With planner.enabled, the run-time planner (cluster/planner/runtime_actor.py): one replica,
+    no CPU reserved (it decides every interval_s and otherwise waits)."""
+    if not config.planner.enabled:
+        return None
+    from cluster.planner.config import SLO  # noqa: PLC0415
+    from cluster.planner.runtime import SplitOptions  # noqa: PLC0415
+    from cluster.planner.runtime_actor import PLANNER_DEPLOYMENT, PlannerServer  # noqa: PLC0415
+
+    p, slo = config.planner, config.telemetry.slo
+    opts = SplitOptions(interval_s=p.interval_s, patience=p.patience, cooldown_s=p.cooldown_s, high=p.high,
+                        low=p.low, ttft_share=p.ttft_share, kv_high=p.kv_high)
+    deployments = {v.config.serving_group: v.deployments for v in config.served_versions()}
+    return serve.deployment(PlannerServer, name=PLANNER_DEPLOYMENT, num_replicas=1,
+                            ray_actor_options={"num_cpus": 0}, health_check_period_s=config.health_check_period_s,
+                            ).bind(SLO(slo.ttft_threshold_s, slo.itl_threshold_s), opts, deployments,
+                                   p.drain_timeout_s)
 
 
 def engine_config(config: AppConfig) -> dict:

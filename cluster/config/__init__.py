@@ -13,8 +13,8 @@ from cluster.config.app import AppConfig
 from cluster.config.common import Strict
 from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionOptions, AuditOptions, BudgetOptions, IngressLimits,
                                        KeySources, ModelPrice, TenantOptions)
-from cluster.config.pools import (AutoscalingOptions, FaultToleranceOptions, KVTransferOptions, PoolOptions,
-                                  RoutingOptions, ServingEngineOptions)
+from cluster.config.pools import (AutoscalingOptions, FaultToleranceOptions, KVTransferOptions, PlannerOptions,
+                                  PoolOptions, RoutingOptions, ServingEngineOptions)
 from cluster.config.safety import (ClassifierCheckOptions, ClassifierDeploymentOptions, GuardrailPolicy, GuardrailRule,
                                    ResponseCacheOptions)
 from cluster.config.telemetry import LATENCY_BUCKETS_S, TOKEN_INTERVAL_BUCKETS_S, SLOOptions, TelemetryOptions
@@ -22,7 +22,7 @@ from cluster.config.telemetry import LATENCY_BUCKETS_S, TOKEN_INTERVAL_BUCKETS_S
 __all__ = [
     "AppConfig", "Strict", "LOOPBACK_HOSTS", "AdmissionOptions", "AuditOptions", "BudgetOptions", "IngressLimits",
     "KeySources", "ModelPrice", "TenantOptions", "AutoscalingOptions", "FaultToleranceOptions", "KVTransferOptions",
-    "PoolOptions", "RoutingOptions", "ServingEngineOptions", "ClassifierCheckOptions", "ClassifierDeploymentOptions",
+    "PlannerOptions", "PoolOptions", "RoutingOptions", "ServingEngineOptions", "ClassifierCheckOptions", "ClassifierDeploymentOptions",
     "GuardrailPolicy", "GuardrailRule", "ResponseCacheOptions", "LATENCY_BUCKETS_S", "TOKEN_INTERVAL_BUCKETS_S",
     "SLOOptions", "TelemetryOptions",
 ]

@@ -13,8 +13,8 @@ from cluster.config.common import Strict, overlay
 from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionOptions, ApiKey, AuditOptions, BudgetOptions,
                                        IngressLimits, KeySources, TenantOptions)
 from cluster.config.models import MAX_MODELS, ModelOptions, SamplingDefaults, VersionOptions, check_name
-from cluster.config.pools import (FaultToleranceOptions, KVTransferOptions, PoolOptions, RoutingOptions,
-                                  ServingEngineOptions)
+from cluster.config.pools import (FaultToleranceOptions, KVTransferOptions, PlannerOptions, PoolOptions,
+                                  RoutingOptions, ServingEngineOptions)
 from cluster.config.safety import ClassifierDeploymentOptions, GuardrailPolicy, ResponseCacheOptions
 from cluster.config.telemetry import TelemetryOptions
 
@@ -45,6 +45,7 @@ class AppConfig(Strict):
         "priority')")
     kv_transfer: KVTransferOptions = KVTransferOptions()
     routing: RoutingOptions = RoutingOptions()
+    planner: PlannerOptions = PlannerOptions()
     host: str = Field(
         "127.0.0.1", description="HTTP and gRPC bind address. Not loopback: API keys are required unless "
         "allow_unauthenticated")
@@ -81,6 +82,8 @@ class AppConfig(Strict):
 
     @model_validator(mode="after")
     def _decode_pool_exists(self) -> "AppConfig":
+        if self.planner.enabled and self.mode == "colocated":
+            raise ValueError("planner.enabled needs mode: disaggregated (a colocated app has one pool: nothing to split)")
         for name, policy in [("default", self.guardrail_policy),
                              *((n, t.guardrail_policy) for n, t in self.tenants.items())]:
             if policy is not None and policy not in self.guardrail_policies:

@@ -127,6 +127,30 @@ class KVTransferOptions(Strict):
         return self
 
 
+class PlannerOptions(Strict):
+    """The run-time planner (cluster/planner/runtime.py): moves replicas between the prefill and
+    decode pools when one is over its bound and the other can spare one (drain, flip the role,
+    weights kept). The bounds come from telemetry.slo: the prefill queue against ttft_share of
+    its TTFT, decode KV against kv_high of the pool's blocks and decode steps against its ITL."""
+
+    enabled: bool = Field(False, description="Run the planner (a disaggregated app only); off: the split is fixed")
+    interval_s: float = Field(5.0, gt=0, description="Seconds between decisions")
+    patience: int = Field(3, ge=1, description="Decisions in a row that must ask for the same move")
+    cooldown_s: float = Field(30.0, ge=0, description="Seconds after a move before the next")
+    high: float = Field(1.0, gt=0, description="Pressure (measured / bound) at which a pool asks for a replica")
+    low: float = Field(0.6, gt=0, description="The other pool gives one only if, one smaller, it stays at or under this")
+    ttft_share: float = Field(0.5, gt=0, le=1, description="Share of the TTFT objective the prefill queue may take")
+    kv_high: float = Field(0.9, gt=0, le=1, description="Share of the decode pool's KV blocks that is its bound")
+    drain_timeout_s: float = Field(60.0, gt=0, description="A move whose replica has not drained by then is called off")
+
+    @model_validator(mode="after")
+    def _low_under_high(self) -> "PlannerOptions":
+        if self.low >= self.high:
+            raise ValueError(f"planner.low {self.low:g} must be under planner.high {self.high:g} (else a move "
+                             "would ask for the move back)")
+        return self
+
+
 class RoutingOptions(Strict):
     enabled: bool = Field(True, description="Route through the router actor; off = Serve's power of two")
     strategy: Literal["cost", "round_robin", "power_of_two"] = Field(

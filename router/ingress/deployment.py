@@ -68,9 +68,11 @@ def front_door_priority(config: AppConfig) -> None:
 
 @serve.ingress(openai_api.app)
 class Ingress:
-    async def __init__(self, config: dict, pools: dict, classifier_handle=None):
+    async def __init__(self, config: dict, pools: dict, classifier_handle=None, planner_handle=None):
         """`pools`: serving group (AppConfig.serving_group) -> (prefill handle or None, decode handle),
-        one entry per model version."""
+        one entry per model version. `planner_handle`: the run-time planner's deployment (with
+        planner.enabled; bound here so that Serve deploys it with the app)."""
+        self.planner = planner_handle
         self.config = AppConfig.model_validate(config)
         self.config.check_startable()
         self.door = build_front_door(self.config, pools, classifier_handle)

@@ -110,3 +110,65 @@ def test_a_draining_decode_replica_finishes_its_streams_before_it_moves(profile)
     assert max(q.done_s for q in mine) == when - 0.5  # it moved right after the last of its requests ended
     assert all(q.spec.arrival_s <= 2.0 for q in mine)  # nothing was routed to it once it drained
     sim.check_invariants()
+
+
+# ---- the planner's loop on a live cluster's feed (cluster/planner/runtime_actor.py) ----------
+
+
+def test_the_planner_moves_through_its_mover_keeps_history_and_leaves_draining_replicas_out():
+    """RuntimePlanner over the router's own state (router.router.Router, fed the loads a replica
+    reports): a decision to move calls the mover with the replica's home deployment; a move called
+    off past its drain timeout is recorded as such; a draining replica counts in neither pool."""
+    import asyncio
+
+    from cluster.errors import DrainTimeoutError
+    from cluster.planner.runtime_actor import RuntimePlanner
+    from router.router import Router
+
+    clock = [100.0]
+    router = Router(clock=lambda: clock[0])
+
+    def report():
+        for load in (prefill("p0", running=1), prefill("p1"), decode("d0", used=950)):
+            router.report_load(load)
+
+    report()
+    calls, answers = [], []
+
+    async def loads():
+        return router.live_loads()
+
+    async def move(group, home, replica_id, to, timeout_s):
+        calls.append((group, home, replica_id, to, timeout_s))
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    planner = RuntimePlanner(SLO_, OPTS, [""], loads, move, drain_timeout_s=7.0, clock=lambda: clock[0])
+    answers += [DrainTimeoutError("p1 still held 2 leases after 7 s"),
+                {"replica_id": "p1", "from": "prefill", "to": "decode", "drained_s": 0.25, "drained_requests": 0}]
+
+    async def ticks(n):
+        out = []
+        for _ in range(n):
+            out += await planner.tick()
+            clock[0] += 1.0
+        return out
+
+    first = asyncio.run(ticks(2))
+    assert [d.action for d in first] == ["hold", "flip"]
+    assert calls == [("", "prefill", "p1", "decode", 7.0)]
+    clock[0] += OPTS.cooldown_s  # a move called off counts for the cooldown too
+    report()  # (the router forgets replicas silent for 3 s)
+    asyncio.run(ticks(2))
+    assert calls[1] == ("", "prefill", "p1", "decode", 7.0)
+    hist = [(h.decision.action, h.outcome) for h in planner.history]
+    assert hist == [("hold", ""), ("flip", "called off: p1 still held 2 leases after 7 s"),
+                    ("hold", ""), ("flip", "moved in 0.25 s (0 requests drained)")]
+    assert planner.history[1].as_dict()["binding"] == "decode KV"
+    # p1 now reports as decode (home prefill) and p0 drains: the prefill pool is empty to the planner
+    router.report_load(ReplicaLoad("p1", "decode", 1000, 1000, home="prefill"))
+    router.report_load(ReplicaLoad("p0", "prefill", 1000, 1000, draining=True))
+    [d] = asyncio.run(ticks(1))
+    assert (d.action, d.reason, d.decode.replicas) == ("hold", "no prefill pool", 2)
