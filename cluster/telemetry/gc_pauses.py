@@ -112,11 +112,13 @@ DEFERRED_FACTOR = 100  # gen2's threshold while deferred: x the default (10 gen1
 @dataclass
 class FullCollectionStats:
     """What `FullCollections` did: its own collections (idle: at a quiet moment; forced: after
-    `max_interval_s` under load) with their wall time, and `deferred`: how many times gen2 fell
-    due by the default threshold while the process was busy (once per collection cycle)."""
+    `max_interval_s` under load) with their wall time; `deferred`: how many times gen2 fell due
+    by the default threshold while the process was busy (once per collection cycle); `freed`: the
+    unreachable objects they found (what deferring let accumulate)."""
     idle: GenerationPauses = field(default_factory=GenerationPauses)
     forced: GenerationPauses = field(default_factory=GenerationPauses)
     deferred: int = 0
+    freed: int = 0
 
 
 FULL = FullCollectionStats()  # this process's (zeros while nothing defers)
@@ -193,8 +195,9 @@ class FullCollections:
 
     def _collect(self, why: str, pauses: GenerationPauses) -> str:
         started = time.perf_counter()
-        self.collect(2)
+        found = self.collect(2)
         pause = time.perf_counter() - started
+        self.stats.freed += found or 0
         pauses.count += 1
         pauses.total_s += pause
         pauses.max_s = max(pauses.max_s, pause)

@@ -54,6 +54,27 @@ def metrics_text(door: FrontDoor) -> bytes:
             g.labels(stat).set(err[stat])
         Gauge("pdserve_ingress_ttft_predictions", "Requests in that comparison",
               registry=registry).set(err["count"])
+    gc_gauges(registry)
+    shadow = Gauge("pdserve_ingress_shadow_requests", "Mirrored requests by model, candidate version and outcome "
+                   "(same / different text than the client got, failed, shed)", ["model", "version", "outcome"],
+                   registry=registry)
+    shadow_runner = door.catalog.shadow
+    for (model, version, outcome), n in sorted(shadow_runner.outcomes.items()):
+        shadow.labels(model, version, outcome).set(n)
+    mirrors = Gauge("pdserve_ingress_shadow_inflight", "Mirrored requests running or not yet counted, by model",
+                    ["model"], registry=registry)
+    for model, n in sorted(shadow_runner.inflight.items()):
+        mirrors.labels(model).set(n)
+    info = Gauge("pdserve_ingress_info", "Version and model", ["version", "model"], registry=registry)
+    info.labels(package_version(), door.model_info()[0]["id"]).set(1)
+    return generate_latest(registry)
+
+
+def gc_gauges(registry) -> None:
+    """This process's garbage collections (cluster/telemetry/gc_pauses.py): every one, timed by
+    generation, and the full ones the ingress ran itself, out of traffic."""
+    from prometheus_client import Gauge  # noqa: PLC0415
+
     pauses = Gauge("pdserve_ingress_gc_pauses", "Garbage collections since start, by generation",
                    ["generation"], registry=registry)
     pause_s = Gauge("pdserve_ingress_gc_pause_seconds", "Wall time in garbage collections since start "
@@ -75,16 +96,5 @@ def metrics_text(door: FrontDoor) -> bytes:
         run_s.labels(when, "max").set(p.max_s)
     Gauge("pdserve_ingress_gc_full_deferred", "Times a full collection fell due (the collector's default "
           "threshold) while the ingress was busy, and was put off", registry=registry).set(full.deferred)
-    shadow = Gauge("pdserve_ingress_shadow_requests", "Mirrored requests by model, candidate version and outcome "
-                   "(same / different text than the client got, failed, shed)", ["model", "version", "outcome"],
-                   registry=registry)
-    shadow_runner = door.catalog.shadow
-    for (model, version, outcome), n in sorted(shadow_runner.outcomes.items()):
-        shadow.labels(model, version, outcome).set(n)
-    mirrors = Gauge("pdserve_ingress_shadow_inflight", "Mirrored requests running or not yet counted, by model",
-                    ["model"], registry=registry)
-    for model, n in sorted(shadow_runner.inflight.items()):
-        mirrors.labels(model).set(n)
-    info = Gauge("pdserve_ingress_info", "Version and model", ["version", "model"], registry=registry)
-    info.labels(package_version(), door.model_info()[0]["id"]).set(1)
-    return generate_latest(registry)
+    Gauge("pdserve_ingress_gc_full_freed_objects", "Unreachable objects those collections found",
+          registry=registry).set(full.freed)

@@ -295,7 +295,8 @@ def test_the_ingress_scrape_shows_the_collections(tiny_model):
     gc_pauses.PAUSES.by_generation = [gc_pauses.GenerationPauses(), gc_pauses.GenerationPauses(),
                                       gc_pauses.GenerationPauses(count=3, total_s=0.25, max_s=0.125)]
     gc_pauses.FULL = gc_pauses.FullCollectionStats(idle=gc_pauses.GenerationPauses(2, 0.0625, 0.046875),
-                                                   forced=gc_pauses.GenerationPauses(1, 0.5, 0.5), deferred=4)
+                                                   forced=gc_pauses.GenerationPauses(1, 0.5, 0.5), deferred=4,
+                                                   freed=12345)
     try:
         text = metrics_text(_door(tiny_model)).decode()
     finally:
@@ -309,6 +310,7 @@ def test_the_ingress_scrape_shows_the_collections(tiny_model):
     assert 'pdserve_ingress_gc_full_run_seconds{stat="max",when="idle"} 0.046875' in text
     assert 'pdserve_ingress_gc_full_run_seconds{stat="total",when="forced"} 0.5' in text
     assert "pdserve_ingress_gc_full_deferred 4.0" in text
+    assert "pdserve_ingress_gc_full_freed_objects 12345.0" in text
 
 
 def test_the_auto_inflight_cap_is_sized_from_the_decode_pool_s_kv():

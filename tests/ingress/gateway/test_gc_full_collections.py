@@ -146,3 +146,28 @@ def test_an_idle_answer_needs_no_arrival_since_the_last_question_and_nothing_in_
     assert idle() is False
     inflight[0] = 0
     assert idle() is True
+
+
+def test_the_garbage_a_collection_finds_is_counted():
+    found: list[int] = []
+
+    def collect(generation: int) -> int:
+        found.append(gc.collect(generation))
+        return found[-1]
+
+    collections = FullCollections(lambda: True, quiet_s=0.0, clock=Clock(), collect=collect,
+                                  stats=FullCollectionStats()).start()
+    try:
+        holder = []
+        for _ in range(1000):  # 1,000 cycles of two lists each
+            a, b = [], []
+            a.append(b)
+            b.append(a)
+            holder.append(a)
+        del a, b
+        gc.collect(1)  # alive: promoted into gen2
+        holder.clear()  # unreachable now, in gen2: only a full collection finds them
+        assert collections.tick() == "idle"
+        assert found[0] >= 2000 and collections.stats.freed == found[0]
+    finally:
+        collections.stop()
