@@ -27,7 +27,9 @@ from cluster.planner.config import SLO
 from cluster.planner.runtime import Decision, SplitOptions, SplitPolicy
 from router.policy import ReplicaLoad
 
-log = logging.getLogger(__name__)
+# Serve's own logger: in a replica its records go to the replica's log file (and the dashboard);
+# a module logger's INFO would go nowhere (Ray configures no root handler in its workers)
+log = logging.getLogger("ray.serve")
 
 PLANNER_DEPLOYMENT = "planner"
 HISTORY = 256  # decisions kept (quiet holds are not kept)

@@ -58,9 +58,10 @@ def _part(name: str) -> str:
     return name.split("[", 1)[0]
 
 
-def start_cluster(cfg: ClusterConfig, prof: Profile, out: Path, tag: str, tries: int = 3):
+def start_cluster(cfg: ClusterConfig, prof: Profile, out: Path, tag: str, tries: int = 3, extra: dict | None = None):
     """`pdserve up` of the configuration, serving: (process, gRPC port). A start that exits (a free
-    port taken before the ingress binds it, seen once) is tried again on new ports."""
+    port taken before the ingress binds it, seen once) is tried again on new ports. `extra`: more
+    top-level sections of the app config (e.g. planner, telemetry)."""
     bin_dir = Path(sys.executable).parent
     # each engine process on the torch threads the profile was measured with (a CPU profile records them)
     env = {**os.environ, "OMP_NUM_THREADS": str(prof.device.get("threads", 1))}
@@ -70,7 +71,7 @@ def start_cluster(cfg: ClusterConfig, prof: Profile, out: Path, tag: str, tries:
                "grpc_port": grpc_port, "http_port": free_port(), "default_max_tokens": 128,
                "graceful_shutdown_timeout_s": 2.0,
                # admission control off: the simulator has none, and a refused request is no latency to compare
-               "admission": {"max_queue_wait_s": "none", "target_itl_s": "none"}}
+               "admission": {"max_queue_wait_s": "none", "target_itl_s": "none"}, **(extra or {})}
         (out / f"{tag}.yaml").write_text(yaml.safe_dump(doc))
         with open(out / f"{tag}-server.log", "a") as log:
             server = subprocess.Popen([str(bin_dir / "pdserve"), "up", "--config", str(out / f"{tag}.yaml"),
@@ -90,12 +91,14 @@ def start_cluster(cfg: ClusterConfig, prof: Profile, out: Path, tag: str, tries:
     raise AssertionError("unreachable")
 
 
-def run_real(cfg: ClusterConfig, prof: Profile, trace: Path, slo: SLO, out: Path, tag: str) -> tuple[dict, dict]:
-    """The bench result and the CPU seconds per part of the machine over the measured run."""
+def run_real(cfg: ClusterConfig, prof: Profile, trace: Path, slo: SLO, out: Path, tag: str,
+             extra: dict | None = None, before_stop=None) -> tuple[dict, dict]:
+    """The bench result and the CPU seconds per part of the machine over the measured run.
+    `before_stop()`: called while the cluster still runs, after the load (e.g. to read its logs)."""
     import psutil  # noqa: PLC0415
 
     result_file = out / f"{tag}.json"
-    server, grpc_port = start_cluster(cfg, prof, out, tag)
+    server, grpc_port = start_cluster(cfg, prof, out, tag, extra=extra)
     try:
         cmd = [str(Path(sys.executable).parent / "pdserve"), "bench", "--address", f"localhost:{grpc_port}",
                "--dataset-name", "trace", "--dataset-path", str(trace), "--ignore-eos", "--warmup-requests", "3",
@@ -106,6 +109,8 @@ def run_real(cfg: ClusterConfig, prof: Profile, trace: Path, slo: SLO, out: Path
         cpu0, sys0 = cpu_seconds(pids), psutil.cpu_times()
         subprocess.run(cmd, check=True, timeout=1200, stdout=subprocess.DEVNULL)
         cpu1, sys1 = cpu_seconds(pids), psutil.cpu_times()
+        if before_stop is not None:
+            before_stop()
     finally:
         stop(server)
     result = json.loads(result_file.read_text())

@@ -18,12 +18,21 @@ move with its reason, and the ratios.
 The cluster is a GPU cluster's shape by default (each replica its own device); `--cores N`
 prices this machine's sharing instead (every replica on N cores: moving a replica between
 pools then moves no compute, only batching and KV).
+
+`--real DIR` also runs the trace on real `pdserve up` clusters on this machine (plan_validation's:
+the profile's model, admission off), the starting split twice: planner off (fixed) and on
+(dynamic, with `--interval/--patience/--cooldown`; the SLO given to it as telemetry.slo, so its
+values must be bucket bounds). Printed: both arms' goodput and its ratio, and every decision the
+planner logged (from its replica's log). Run it under the machine's CPU lock.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 from dataclasses import replace
+from pathlib import Path
 
 from cluster.planner.config import SLO, ClusterConfig
 from cluster.planner.outcome import SimResult
@@ -83,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--patience", type=int, default=SplitOptions.patience)
     ap.add_argument("--cooldown", type=float, default=SplitOptions.cooldown_s)
     ap.add_argument("--flip-s", type=float, default=0.5, help="a move's own cost once drained (weights kept)")
+    ap.add_argument("--real", metavar="DIR", help="also run both arms on real clusters, writing here")
+    ap.add_argument("--start", help="the starting split for --real (NP+MD; default: the best for the first phase)")
     args = ap.parse_args(argv)
 
     profile = Profile.load(args.profile)
@@ -117,7 +128,49 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(moves(c_dynamic)) or "    (no moves)")
     print(f"  dynamic / fixed-first goodput = "
           f"{c_dynamic.goodput / c_fixed.goodput if c_fixed.goodput else float('inf'):.2f}x (a fixed split is as good: ~1.0x)")
+    if args.real:
+        real_arms(profile, ClusterConfig.parse(args.start, base) if args.start else start, trace, slo, opts,
+                  Path(args.real))
     return 0
+
+
+def planner_lines() -> list[str]:
+    """What the planner logged in the Ray session still running (its replica's Serve log)."""
+    out = []
+    for path in sorted(glob.glob("/tmp/ray/session_latest/logs/serve/replica_pdserve_planner_*.log")):
+        out += [line.split("planner: ", 1)[1].rstrip() for line in open(path, errors="replace") if "planner: " in line]
+    return out
+
+
+def real_arms(profile: Profile, start: ClusterConfig, trace: list[RequestSpec], slo: SLO, opts: SplitOptions,
+              out: Path) -> None:
+    from cluster.planner.validation import Metrics  # noqa: PLC0415
+    from cluster.tools.bench.plan_validation import run_real  # noqa: PLC0415
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "shift-trace.jsonl"
+    path.write_text("".join(json.dumps({"timestamp": round(r.arrival_s * 1000.0, 3), "input_length": r.prompt_tokens,
+                                        "output_length": r.output_tokens}) + "\n" for r in trace))
+    telemetry = {"slo": {"ttft_threshold_s": slo.ttft_s, "itl_threshold_s": slo.tpot_s}}
+    planner = {"enabled": True, "interval_s": opts.interval_s, "patience": opts.patience,
+               "cooldown_s": opts.cooldown_s}
+    got, logs = {}, {}
+    for arm, extra in (("fixed", {"telemetry": telemetry}), ("dynamic", {"telemetry": telemetry, "planner": planner})):
+        tag = f"real-{arm}-{start.prefill_replicas}P{start.decode_replicas}D"
+        result, cpu = run_real(start, profile, path, slo, out, tag, extra=extra,
+                               before_stop=lambda arm=arm: logs.__setitem__(arm, planner_lines()))
+        got[arm] = Metrics.of_bench(result, slo)
+        m = got[arm]
+        print(f"  real {arm:<8} {start.prefill_replicas}P+{start.decode_replicas}D  goodput {m.goodput:6.2f} req/s  "
+              f"TTFT p50/p90 {m.ttft_p50:.2f}/{m.ttft_p90:.2f} s  TPOT p50/p90 {m.tpot_p50 * 1e3:.1f}/"
+              f"{m.tpot_p90 * 1e3:.1f} ms  {result['completed']}/{len(trace)} completed; load generator "
+              f"{result['client_cpu_cores']:.2f} cores, p99 send lag {result['client_send_lag_p99_ms']:.1f} ms"
+              f"{'' if result['client_kept_up'] else ' FELL BEHIND'}; cores busy: "
+              + ", ".join(f"{k} {v / result['duration']:.2f}" for k, v in cpu.items()), flush=True)
+    for line in logs.get("dynamic", []):
+        print(f"    {line}")
+    f, d = got["fixed"].goodput, got["dynamic"].goodput
+    print(f"  real dynamic / fixed goodput = {d / f if f else float('inf'):.2f}x (goal >= 1.3x)")
 
 
 if __name__ == "__main__":
