@@ -404,8 +404,8 @@ def main() -> None:
             if m["gc_full"]:
                 f = m["gc_full"]
                 print(f"  {'':<12} of the gen2, run by the ingress itself: " + ", ".join(
-                    f"{w} {n} ({t * 1e3:.0f} ms, longest {mx * 1e3:.1f} ms)" for w, (n, t, mx) in f.items()
-                    if w in ("idle", "forced")) + f"; fell due while busy and put off: {f.get('deferred', (0,))[0]}")
+                    f"{w} {f[w][0]} ({f[w][1] * 1e3:.0f} ms, longest {f[w][2] * 1e3:.1f} ms)" for w in ("idle", "forced")
+                    if w in f) + f"; fell due while busy and put off: {f.get('deferred', (0,))[0]}")
                 if "after" in f:
                     before, after = f.get("idle", (0, 0.0, 0.0)), f["after"].get("idle", (0, 0.0, 0.0))
                     print(f"  {'':<12} 2 s after the run: {after[0] - before[0]} more idle "
