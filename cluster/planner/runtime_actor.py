@@ -136,8 +136,8 @@ class PlannerServer:
     planner.enabled): Serve starts it with the app, restarts it if it dies and removes it with the
     app. `deployments`: serving group -> (prefill deployment, decode deployment)."""
 
-    def __init__(self, slo: SLO, opts: SplitOptions, deployments: dict[str, tuple[str, str]],
-                 drain_timeout_s: float, app_name: str = "pdserve"):
+    async def __init__(self, slo: SLO, opts: SplitOptions, deployments: dict[str, tuple[str, str]],
+                       drain_timeout_s: float, app_name: str = "pdserve"):
         from router.actor import get_router  # noqa: PLC0415
 
         self.deployments, self.app_name = deployments, app_name
@@ -147,7 +147,7 @@ class PlannerServer:
             return await router.live_loads.remote()
 
         self.planner = RuntimePlanner(slo, opts, list(deployments), loads, self._move, drain_timeout_s)
-        self._task = asyncio.get_event_loop().create_task(self._run())
+        self._task = asyncio.get_running_loop().create_task(self._run())  # the replica's own loop
 
     async def _move(self, group: str, home: str, replica_id: str, to: str, drain_timeout_s: float) -> dict:
         from ray import serve  # noqa: PLC0415
