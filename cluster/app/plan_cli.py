@@ -47,6 +47,9 @@ def add_planner_parsers(sub) -> None:
                     help="KV transfer bandwidth, GB/s, when the profile has no measured transfer (default: free)")
     pl.add_argument("--transfer-latency-ms", type=float, default=0.0)
     pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--cores", type=float, default=None,
+                    help="the replicas share this many cores (every replica on one machine, as in this repo's "
+                         "validation runs); default: a device per replica")
     pl.add_argument("--validation", help="a validation file (python -m cluster.tools.bench.plan_validation): its "
                                          "MAPE per metric is reported and widens the plan's predicted figures")
     pl.add_argument("--emit-config", help="write the plan as an app config (pdserve up --config FILE)")
@@ -105,7 +108,7 @@ def _plan(args) -> int:
     t0 = time.process_time()
     try:
         plan = search(prof, specs, slo, args.budget, chunks, args.skip_prefill, decode_blocks, max_num_seqs,
-                      args.attain, transfer, args.seed)
+                      args.attain, transfer, args.seed, args.cores)
     except OutOfRange as e:
         print(f"pdserve plan: refused: {e}", file=sys.stderr)
         return 3

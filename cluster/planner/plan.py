@@ -76,13 +76,13 @@ def check_range(profile: Profile, specs: Sequence[RequestSpec], chunks: Sequence
 
 
 def configurations(budget: int, chunks: Sequence[int], thresholds: Sequence[int], decode_blocks: int,
-                   max_num_seqs: int) -> list[ClusterConfig]:
+                   max_num_seqs: int, cores: float | None = None) -> list[ClusterConfig]:
     out = []
     for n in range(1, budget + 1):
         for p in range(0, n):
             for chunk in chunks:
                 for thr in (thresholds if p else thresholds[:1]):
-                    out.append(ClusterConfig(p, n - p, chunk, thr, decode_blocks, max_num_seqs))
+                    out.append(ClusterConfig(p, n - p, chunk, thr, decode_blocks, max_num_seqs, cores))
     return out
 
 
@@ -93,10 +93,12 @@ def _rank(r: SimResult) -> tuple:
 
 def search(profile: Profile, specs: Sequence[RequestSpec], slo: SLO, budget: int, chunks: Sequence[int],
            thresholds: Sequence[int], decode_blocks: int, max_num_seqs: int, attain: float = 0.9,
-           transfer: Transfer | None = None, seed: int = 0) -> Plan:
+           transfer: Transfer | None = None, seed: int = 0, cores: float | None = None) -> Plan:
+    """`cores`: the replicas share that many cores (one machine, ClusterConfig.cores); None: a
+    device each."""
     check_range(profile, specs, chunks, max_num_seqs)
     results = [simulate(profile, c, list(specs), slo, seed, transfer)
-               for c in configurations(budget, chunks, thresholds, decode_blocks, max_num_seqs)]
+               for c in configurations(budget, chunks, thresholds, decode_blocks, max_num_seqs, cores)]
     meeting = sorted((r for r in results if r.attainment >= attain), key=_rank)
     best = meeting[0] if meeting else None
     front, top = [], -1.0

@@ -67,3 +67,19 @@ def test_a_prompt_longer_than_the_calibrated_prefill_context_is_refused():
     with pytest.raises(OutOfRange, match="a 3000-token prompt's chunks start up to 2999 tokens in > calibrated "
                                          "prefill context 2048"):
         check_range(synthetic_profile(max_context=2048), [RequestSpec(0.0, 3000, 1)], [512], 32)
+
+
+def test_replicas_sharing_cores_are_priced_as_such(profile):
+    """`cores`: the same search with every replica on 2 shared cores. The plan above (2P+1D) then
+    misses: its two prefill replicas and the decode replica step at once (3 on 2 cores: each step
+    1.5x, a 2000-token prompt 3.02 s > 2.5 s TTFT), and no configuration meets the SLO."""
+    plan = search(profile, SPECS, SLO_, budget=3, chunks=[512, 2048], thresholds=[0, 64],
+                  decode_blocks=4096, max_num_seqs=32, attain=0.9, transfer=FREE, cores=2.0)
+    assert plan.best is None
+    assert {r.config.cores for r in plan.front} == {2.0}
+    alone = search(profile, SPECS, SLO_, budget=3, chunks=[2048], thresholds=[0], decode_blocks=4096,
+                   max_num_seqs=32, attain=0.9, transfer=FREE)
+    shared = search(profile, SPECS, SLO_, budget=3, chunks=[2048], thresholds=[0], decode_blocks=4096,
+                    max_num_seqs=32, attain=0.9, transfer=FREE, cores=2.0)
+    assert alone.best.config == ClusterConfig(2, 1, 2048, 0, 4096, 32)
+    assert shared.best is None and max(r.attainment for r in shared.front) < alone.best.attainment
