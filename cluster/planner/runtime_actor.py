@@ -65,7 +65,6 @@ class RuntimePlanner:
         self.drain_timeout_s = drain_timeout_s
         self.clock = clock
         self.history: deque[Record] = deque(maxlen=HISTORY)
-        self.last: dict[str, Decision] = {}  # the latest decision per group, quiet or not
 
     async def tick(self) -> list[Decision]:
         loads: list[ReplicaLoad] = await self.loads()
@@ -73,7 +72,6 @@ class RuntimePlanner:
         for group, policy in self.policies.items():
             mine = [r for r in loads if r.group == group and not r.draining]
             d = policy.decide(mine, self.clock())
-            self.last[group] = d
             _count(group, d)
             out.append(d)
             if d.action == "hold" and d.reason in ("within bounds", "no prefill pool"):
