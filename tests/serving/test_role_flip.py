@@ -111,8 +111,10 @@ def test_a_prefill_replica_flips_to_decode_mid_stream_and_back(app, tiny_model):
     prefills, [d] = ids["prefill"], ids["decode"]
     homes = {**{p: "prefill" for p in prefills}, d: "decode"}
     before = {r: load(home, r) for r, home in homes.items()}
-    for p in prefills:  # a prompt's step takes 0.3 s: the flip lands while prefills run
-        inject("prefill", p, step_delay_s=0.3)
+    # a prefill step takes 1.5 s, so the flip lands while prefills run (at 0.3 s a fresh-clone CI
+    # run once flipped after the victim's prompts and leases had all ended: drained_requests 0)
+    for p in prefills:
+        inject("prefill", p, step_delay_s=1.5)
     inject("decode", d, step_delay_s=0.02)  # 240 tokens: ~5 s streams, the flip lands while they run
 
     ps = prompts(4, base=0)
