@@ -22,6 +22,9 @@ def add_planner_parsers(sub) -> None:
     pr.add_argument("--decode-batch", type=_ints, default=None, help="decode batch sizes, e.g. 1,8,32")
     pr.add_argument("--decode-context", type=_ints, default=None, help="decode contexts, e.g. 128,1024")
     pr.add_argument("--reps", type=int, default=3, help="timed steps per point (median)")
+    pr.add_argument("--sharing", type=int, default=0, metavar="N",
+                    help="CPU: also measure how N engine processes stepping at once slow one another "
+                         "(what `pdserve plan --cores` prices with; ~15 s per process count)")
     pr.add_argument("--device", default="auto")
     pr.add_argument("--dtype", default="auto")
     pr.set_defaults(func=_profile)
@@ -68,13 +71,15 @@ def _profile(args) -> int:
     try:
         prof = cal.calibrate(model, args.prefill_tokens or cal.PREFILL_TOKENS, args.prefill_cached or cal.PREFILL_CACHED,
                              args.decode_batch or cal.DECODE_BATCH, args.decode_context or cal.DECODE_CONTEXT,
-                             reps=args.reps, device=args.device, dtype=args.dtype)
+                             reps=args.reps, device=args.device, dtype=args.dtype, sharing=args.sharing)
     except (ValueError, RuntimeError) as e:
         print(f"pdserve profile: {e}", file=sys.stderr)
         return 2
     prof.save(args.out)
     print(f"wrote {args.out} in {prof.wall_s:.0f} s: {prof.model['path']} on {prof.device['name']}; "
-          f"KV {prof.kv_bytes_per_token:.0f} bytes/token; calibrated {prof.range_text()}; transfer not measured")
+          f"KV {prof.kv_bytes_per_token:.0f} bytes/token; calibrated {prof.range_text()}; transfer not measured"
+          + (f"; {len(prof.sharing)} engines at once: " + ", ".join(f"{f:.2f}x" for f in prof.sharing)
+             if prof.sharing else ""))
     return 0
 
 

@@ -3,11 +3,20 @@
     prefill: one step that computes N new prompt tokens after C cached ones (C = 0: a fresh
              prompt; C > 0: the C-token prefix was computed by an earlier request and is found in
              the prefix cache; checked: the output's cached tokens must equal C)
-    decode:  one step of B requests, one token each, at context ~L (after all B are prefilled).
-             The B prompts share an (L - block_size)-token prefix and differ in their last block,
-             so profiling B x L costs one L-token prefill, not B; attention still reads L tokens
-             per request (shared blocks may sit warmer in a CPU cache than B distinct ones would)
+    decode:  one step of B requests, one token each, at context L. The B requests have distinct
+             L-token prompts and are admitted as a decode replica admits a prompt prefilled
+             elsewhere (`import_request`, then `activate`): their KV is taken as written by a peer,
+             so a point costs no prefill. A step reads the same memory whatever the values in it,
+             and each request its own blocks, as a server's requests do (a batch sharing a
+             prefix would read the same blocks, warm in a CPU cache: up to ~30% faster steps at
+             batch 32-64 and 1-2k tokens of context on the dev VM)
     KV bytes per token: the engine's block bytes / block size (exact, not timed)
+    sharing (--sharing N, CPUs): n = 1..N engine processes (each on this process's torch threads)
+             step at once, each a 128-token prefill step then a decode step of 4 at context 256,
+             again and again for a few seconds; per n, a step's median time over its median time
+             alone (the geometric mean of the two kinds). What replicas sharing one machine's
+             cores cost one another, contention for the cores and their caches and memory
+             included: `pdserve plan --cores` prices with it (cluster/planner/simulator.py)
 
 Each point is the median of `reps` timed steps (engine.step(), the whole step: schedule, forward,
 sampling, outputs), after one untimed warm-up step. KV transfer time is not measured here: it needs
@@ -36,7 +45,9 @@ from cluster.planner.profile import Curve, Profile
 # the engine's default max_num_seqs (64); about two minutes for SmolLM2-135M on 2 CPU cores.
 PREFILL_TOKENS = (16, 64, 256, 1024)
 PREFILL_CACHED = (0, 1024, 2048)
-DECODE_BATCH = (1, 8, 32, 64)
+# Every batch up to 6: CPU step time is not linear there (the dev VM's bench model: 16.9 ms at 4,
+# 24.7 ms at 5, where a line from 4 to 8 says 21).
+DECODE_BATCH = (1, 2, 3, 4, 5, 6, 8, 16, 32, 64)
 DECODE_CONTEXT = (128, 1024, 2048)
 
 
@@ -87,15 +98,18 @@ class Calibrator:
         return statistics.median(times)
 
     def decode(self, batch: int, context: int) -> float:
-        """Median seconds of a decode step of `batch` requests at context ~`context`."""
-        bs = self.engine.block_size
-        prefix = self._tokens(context - bs)
-        self._add(prefix, 1)
-        self._run_out()
-        ids = {self._add(prefix + self._tokens(bs), self.reps + 3) for _ in range(batch)}
-        started: set[str] = set()
-        while started != ids:
-            started |= {o.request_id for o in self.engine.step() if o.token_ids}
+        """Median seconds of a decode step of `batch` requests at context `context`."""
+        sp = SamplingParams(max_tokens=self.reps + 3, temperature=0, ignore_eos=True)
+        ids = set()
+        for _ in range(batch):
+            self._n += 1
+            req = self.engine.make_request(f"profile-{self._n}", prompt_token_ids=self._tokens(context), sampling=sp)
+            first = self._tokens(1)[0]
+            if self.engine.import_request(req, self.engine.full_block_hashes(req), context, first) != 0:
+                raise RuntimeError(f"decode point ({batch}, {context}): no room to admit {batch} requests "
+                                   "of distinct prompts, or one was found cached")
+            self.engine.activate(req.request_id, context, first)
+            ids.add(req.request_id)
         times = []
         for rep in range(self.reps + 1):
             dt, outs = self._timed_step()
@@ -109,12 +123,64 @@ class Calibrator:
         return statistics.median(times)
 
 
+SHARING_PREFILL, SHARING_DECODE = 128, (4, 256)
+
+
+def _sharing_worker(model: str, device: str, dtype: str, block_size: int, threads: int, seconds: float,
+                    barrier, results) -> None:
+    torch.set_num_threads(threads)
+    engine = engine_for(model, [SHARING_PREFILL], [0], [SHARING_DECODE[0]], [SHARING_DECODE[1]], device, dtype,
+                        block_size)
+    cal = Calibrator(engine, reps=1, log=lambda _: None)
+    cal.prefill(SHARING_PREFILL, 0), cal.decode(*SHARING_DECODE)  # warm-up, alone
+    barrier.wait()
+    prefill, decode = [], []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        prefill.append(cal.prefill(SHARING_PREFILL, 0))
+        decode.append(cal.decode(*SHARING_DECODE))
+    results.put((prefill, decode))
+
+
+def measure_sharing(model: str, processes: int, seconds: float = 10.0, device: str = "cpu", dtype: str = "auto",
+                    block_size: int = 16, log: Callable[[str], None] = print) -> tuple[float, ...]:
+    """Per n = 1..processes engine processes stepping at once, a step's time over its time alone."""
+    import multiprocessing  # noqa: PLC0415
+
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no torch state forked
+    alone, factors = None, []
+    for n in range(1, processes + 1):
+        barrier, results = ctx.Barrier(n), ctx.Queue()
+        procs = [ctx.Process(target=_sharing_worker, daemon=True,
+                             args=(model, device, dtype, block_size, torch.get_num_threads(), seconds, barrier,
+                                   results)) for _ in range(n)]
+        for p in procs:
+            p.start()
+        try:
+            runs = [results.get(timeout=seconds + 300) for _ in procs]
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+        prefill = statistics.median(t for r in runs for t in r[0])
+        decode = statistics.median(t for r in runs for t in r[1])
+        if alone is None:
+            alone = (prefill, decode)
+        factor = ((prefill / alone[0]) * (decode / alone[1])) ** 0.5
+        factors.append(round(factor, 4))
+        log(f"sharing: {n} engine processes at once: prefill {SHARING_PREFILL} tokens {prefill * 1e3:.1f} ms "
+            f"({prefill / alone[0]:.2f}x), decode {SHARING_DECODE[0]} x {SHARING_DECODE[1]} {decode * 1e3:.1f} ms "
+            f"({decode / alone[1]:.2f}x): {factor:.2f}x")
+    return tuple(factors)
+
+
 def engine_for(model: str, prefill_tokens: Sequence[int], prefill_cached: Sequence[int],
                decode_batch: Sequence[int], decode_context: Sequence[int], device: str = "auto",
                dtype: str = "auto", block_size: int = 16) -> LLMEngine:
     """An engine whose token budget and KV pool hold the largest point of the grid."""
     longest_prompt = max(prefill_tokens) + max(prefill_cached)
-    decode_blocks = max(decode_context) // block_size + max(decode_batch) * 3
+    decode_blocks = max(decode_batch) * (max(decode_context) // block_size + 1)
     return LLMEngine.from_model(
         model, device=device, dtype=dtype, block_size=block_size,
         max_num_batched_tokens=max(max(prefill_tokens), max(decode_batch)),
@@ -139,7 +205,8 @@ def calibrate(model: str, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
               prefill_cached: Sequence[int] = PREFILL_CACHED, decode_batch: Sequence[int] = DECODE_BATCH,
               decode_context: Sequence[int] = DECODE_CONTEXT, reps: int = 3, device: str = "auto",
               dtype: str = "auto", block_size: int = 16, seed: int = 0,
-              log: Callable[[str], None] = print) -> Profile:
+              log: Callable[[str], None] = print, sharing: int = 0) -> Profile:
+    """`sharing` > 0 (CPU only): also measure the slowdown of up to that many engine processes at once."""
     started = time.perf_counter()
     prefill_tokens, prefill_cached = sorted(set(prefill_tokens)), sorted(set(prefill_cached))
     decode_batch, decode_context = sorted(set(decode_batch)), sorted(set(decode_context))
@@ -161,6 +228,12 @@ def calibrate(model: str, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
         row = [cal.decode(b, ctx) for ctx in decode_context]
         log(f"decode batch {b:>4} at context {list(decode_context)}: " + ", ".join(f"{t * 1e3:.1f} ms" for t in row))
         decode.append(row)
+    shared: tuple[float, ...] = ()
+    if sharing:
+        if engine.device.type != "cpu":
+            raise ValueError("--sharing measures replicas sharing one machine's CPU cores; this engine runs on "
+                             f"{engine.device.type} (a device per replica shares nothing)")
+        shared = measure_sharing(model, sharing, device="cpu", dtype=dtype, block_size=block_size, log=log)
     mc = engine.model_config
     return Profile(
         model={"path": str(model), "identity": engine.model_identity, "model_type": mc.model_type,
@@ -177,7 +250,8 @@ def calibrate(model: str, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
         transfer=None,
         notes=("transfer not measured (needs two processes with NIXL: python -m cluster.tools.bench.kv_transfer); "
                "the plan takes --transfer-gbps",
-               "decode points share a prompt prefix across the batch (one prefill per point)"),
+               "decode points: distinct prompts, admitted as imported (their KV not computed)"),
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         wall_s=round(time.perf_counter() - started, 1),
+        sharing=shared,
     )

@@ -15,8 +15,8 @@ class ClusterConfig:
     decode_blocks: int = 1024  # KV blocks per decode replica
     max_num_seqs: int = 64  # per decode replica
     # Cores the engine processes share (one machine's CPUs, as in this repo's validation runs):
-    # a step that starts while k other replicas are mid-step takes (k + 1) / cores times its
-    # profiled time when that is > 1. None: every replica has its own device (GPUs), no sharing.
+    # while n steps run at once each progresses at 1 / profile.slowdown(n, cores) of its profiled
+    # pace (measured, or n / cores when > 1). None: every replica has its own device (GPUs).
     cores: float | None = None
 
     @property

@@ -130,6 +130,20 @@ class Profile:
     created: str = ""
     wall_s: float = 0.0
     serving: Serving | None = None  # None: the engine's steps alone (the serving path costs nothing)
+    # Measured on this machine (`pdserve profile --sharing N`): a step's time over its time alone
+    # while n engine processes step at once, for n = 1, 2, ...: what `ClusterConfig.cores` prices
+    # with. () : not measured (then n / cores, processor sharing of ideal cores).
+    sharing: tuple[float, ...] = ()
+
+    def slowdown(self, n: int, cores: float) -> float:
+        """A step's time over its profiled time while n steps run at once on `cores` shared cores:
+        the measured factor for n, beyond the measured range that of the largest n scaled by n / it."""
+        if n <= 1:
+            return 1.0
+        if not self.sharing:
+            return max(1.0, n / cores)
+        k = min(n, len(self.sharing))
+        return max(1.0, self.sharing[k - 1]) * n / k  # a factor measured under 1 is noise: none
 
     @property
     def block_size(self) -> int:
@@ -152,7 +166,8 @@ class Profile:
                 "engine": self.engine, "prefill": self.prefill.to_json(), "decode": self.decode.to_json(),
                 "transfer": None if self.transfer is None else asdict(self.transfer),
                 "notes": list(self.notes), "created": self.created, "wall_s": self.wall_s,
-                **({} if self.serving is None else {"serving": asdict(self.serving)})}
+                **({} if self.serving is None else {"serving": asdict(self.serving)}),
+                **({"sharing": list(self.sharing)} if self.sharing else {})}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -165,7 +180,7 @@ class Profile:
         return cls(d["model"], d["device"], d["versions"], d["engine"],
                    Curve.from_json("prefill", d["prefill"]), Curve.from_json("decode", d["decode"]),
                    None if t is None else Transfer(**t), tuple(d.get("notes", ())), d.get("created", ""),
-                   d.get("wall_s", 0.0), None if sv is None else Serving(**sv))
+                   d.get("wall_s", 0.0), None if sv is None else Serving(**sv), tuple(d.get("sharing", ())))
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":

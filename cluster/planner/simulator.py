@@ -14,9 +14,10 @@ A replica steps back to back while it has work; a step's content is fixed when i
 arrives meanwhile waits for the next). TTFT ends when the first token is sampled (pdserve streams
 it from the prefill replica at once, so the transfer is not in TTFT: it is in the first gap).
 
-With `ClusterConfig.cores` set, the replicas share that many cores (one machine's CPUs): a step
-that starts while k others are mid-step is stretched to (k + 1) / cores of its profiled time when
-that is above 1 (processor sharing, fixed when the step starts; the profile times each step alone).
+With `ClusterConfig.cores` set, the replicas share one machine's cores: while n steps run at once,
+each advances at 1 / profile.slowdown(n) of its profiled pace (the profile times each step alone;
+`pdserve profile --sharing N` measures the slowdown of n engines stepping at once; without it, ideal
+processor sharing, n / cores). A step's end moves whenever another step starts or ends.
 
 What it does not model yet (each is a known gap, not validated against real runs): prefix caching
 (every prompt is computed in full; trace hash ids are ignored), the prefill pool's KV capacity and
@@ -128,7 +129,12 @@ class Simulator:
         self._seq = 0
         self._dirty: list[Replica] = []
         self.now = 0.0
-        self.busy = 0  # replicas mid-step (config.cores: they share the cores)
+        self.busy = 0  # replicas mid-step
+        # config.cores: the steps under way, replica -> [profiled seconds left, start, work, the id
+        # of its end event (earlier ones are stale)]
+        self._sharing: dict[Replica, list] = {}
+        self._shared_at = 0.0  # when the steps under way were last advanced
+        self._slowdown = 1.0  # their current slowdown (of len(self._sharing) at once)
         self.itl: list[float] = []
         self.preemptions = 0
         self.remote = self.local = 0
@@ -240,21 +246,45 @@ class Simulator:
         if plan is None:
             return
         seconds, work = plan
-        cores = self.config.cores
-        if cores is not None and self.busy + 1 > cores:  # processor sharing, fixed at the step's start
-            seconds *= (self.busy + 1) / cores
         self.busy += 1
         rep.busy = True
-        rep.busy_s += seconds
         rep.steps += 1
         if rep.pool == "prefill":
             rep.tokens += sum(take for _, take in work)
         else:
             decodes, chunks = work
             rep.tokens += len(decodes) + sum(take for _, take in chunks)
-            if decodes:
-                rep.step_s = seconds if rep.step_s == 0 else 0.7 * rep.step_s + 0.3 * seconds
-        self._push(self.now + seconds, _STEP, (rep, work))
+        if self.config.cores is None:  # a device each: the step takes its profiled time
+            self._account(rep, work, seconds)
+            self._push(self.now + seconds, _STEP, (rep, work, 0))
+        else:
+            self._advance_shared()
+            self._sharing[rep] = [seconds, self.now, work, 0]
+            self._reschedule_shared()
+
+    def _account(self, rep: Replica, work, seconds: float) -> None:
+        """A step's time, as the replica measures it (its busy time; a decode step's smoothed time,
+        which the router reads)."""
+        rep.busy_s += seconds
+        if rep.pool == "decode" and work[0]:
+            rep.step_s = seconds if rep.step_s == 0 else 0.7 * rep.step_s + 0.3 * seconds
+
+    def _advance_shared(self) -> None:
+        """The steps under way progress from the last change to now at the slowdown they had."""
+        elapsed = self.now - self._shared_at
+        if elapsed > 0:
+            for entry in self._sharing.values():
+                entry[0] -= elapsed / self._slowdown
+        self._shared_at = self.now
+
+    def _reschedule_shared(self) -> None:
+        """The number of steps under way changed: each one's end moves to its new pace."""
+        self._slowdown = self.profile.slowdown(len(self._sharing), self.config.cores)
+        for rep, entry in self._sharing.items():
+            self._seq += 1
+            entry[3] = self._seq
+            heapq.heappush(self._events, (self.now + max(entry[0], 0.0) * self._slowdown, self._seq, _STEP,
+                                          (rep, entry[2], self._seq)))
 
     # ---- a prefill replica's step ----------------------------------------------------------
 
@@ -388,7 +418,15 @@ class Simulator:
 
     # ---- a step ends -----------------------------------------------------------------------
 
-    def _step_end(self, rep: Replica, work) -> None:
+    def _step_end(self, rep: Replica, work, event: int) -> None:
+        if event:  # config.cores: only the step's latest end event counts
+            entry = self._sharing.get(rep)
+            if entry is None or entry[3] != event:
+                return
+            self._advance_shared()
+            del self._sharing[rep]
+            self._account(rep, work, self.now - entry[1])
+            self._reschedule_shared()
         rep.busy = False
         self.busy -= 1
         if rep.pool == "prefill":

@@ -17,6 +17,7 @@ def test_a_small_grid_gives_a_profile_with_its_range(tiny_model, tmp_path):
     assert prof.decode.xs == (1, 3) and prof.decode.ys == (32, 64)
     assert all(v > 0 for row in prof.prefill.values + prof.decode.values for v in row)
     assert prof.transfer is None and any("transfer not measured" in n for n in prof.notes)
+    assert any("decode points: distinct prompts, admitted as imported" in n for n in prof.notes)
     assert prof.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv_heads x head_dim x fp32
     assert prof.versions["pdserve"] and prof.device["kind"] == "cpu" and len(lines) == 4
     prof.save(tmp_path / "p.json")
@@ -25,6 +26,34 @@ def test_a_small_grid_gives_a_profile_with_its_range(tiny_model, tmp_path):
         loaded.prefill(49, 0)
 
 
+def test_a_decode_point_admits_distinct_prompts_as_imported_and_computes_no_prompt(tiny_model):
+    from cluster.planner.calibrate import Calibrator, engine_for
+
+    engine = engine_for(tiny_model, [16], [0], [1, 3], [32, 64], device="cpu")
+    cal = Calibrator(engine, reps=2, log=lambda _: None)
+    prompts = []
+    make = engine.make_request
+    engine.make_request = lambda rid, prompt_token_ids, sampling: prompts.append(prompt_token_ids) or make(
+        rid, prompt_token_ids=prompt_token_ids, sampling=sampling)
+    before = engine.stats.tokens_computed
+    cal.decode(3, 64)
+    assert [len(p) for p in prompts] == [64] * 3 and len({tuple(p[:16]) for p in prompts}) == 3
+    # warm-up and two timed steps of three one-token decodes; not one prompt token computed
+    assert engine.stats.tokens_computed - before == 3 * 3
+    assert not engine.has_unfinished() and engine.kv.num_free_blocks == engine.kv.num_blocks  # all given back
+
+
 def test_context_points_must_be_whole_blocks(tiny_model):
     with pytest.raises(ValueError, match="multiples of the block size"):
         calibrate(tiny_model, prefill_cached=[0, 20], reps=1, device="cpu", log=lambda _: None)
+
+
+def test_sharing_times_engine_processes_stepping_at_once_against_one_alone(tiny_model):
+    """Spawned engine processes (1, then 2 at once), each stepping for half a second: one factor per
+    count, the first exactly 1 (a step alone against itself). The factors are this machine's."""
+    from cluster.planner.calibrate import measure_sharing
+
+    lines = []
+    factors = measure_sharing(tiny_model, 2, seconds=0.5, log=lines.append)
+    assert len(factors) == 2 and factors[0] == 1.0 and factors[1] > 0
+    assert [line.split(":")[1].strip() for line in lines] == ["1 engine processes at once", "2 engine processes at once"]

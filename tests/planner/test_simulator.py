@@ -90,8 +90,8 @@ def test_goodput_counts_requests_within_both_slo_targets(profile):
 class CheckedSimulator(Simulator):
     """Checks the invariants after every step (from outside: the simulator has no test branch)."""
 
-    def _step_end(self, rep, work):
-        super()._step_end(rep, work)
+    def _step_end(self, rep, work, event):
+        super()._step_end(rep, work, event)
         self.check_invariants()
 
 
@@ -123,17 +123,37 @@ def test_percentiles_and_parsers():
 
 
 @pytest.mark.parametrize("cores,stretch", [(None, 1.0), (2.0, 1.0), (1.0, 2.0)])
-def test_replicas_sharing_cores_stretch_the_steps_that_start_while_others_run(profile, cores, stretch):
-    """Two colocated replicas, a prompt each at once: the second step to start finds the first
-    mid-step; with one core between them it takes twice its profiled time (fixed at its start),
-    with two cores or a device each it takes its own."""
+def test_replicas_sharing_cores_stretch_the_steps_that_run_at_once(profile, cores, stretch):
+    """Two colocated replicas, a prompt each at once: with one core between them both steps run at
+    half pace and end together at twice the profiled time (processor sharing); with two cores or
+    a device each, each takes its own."""
     specs = [RequestSpec(0.0, 100, 1), RequestSpec(0.0, 100, 1)]
     sim = Simulator(profile, ClusterConfig(0, 2, chunk_tokens=512, cores=cores), LOOSE)
     r = sim.run(specs)
     assert (r.local, r.completed) == (2, 2)
-    assert sorted(d.busy_s for d in sim.decodes) == [prefill_s(100), stretch * prefill_s(100)]
-    assert (2 * r.ttft.mean - r.ttft.max, r.ttft.max) == (prefill_s(100), stretch * prefill_s(100))
-    assert sim.busy == 0
+    assert [d.busy_s for d in sim.decodes] == [stretch * prefill_s(100)] * 2
+    assert (r.ttft.mean, r.ttft.max) == (stretch * prefill_s(100),) * 2
+    assert sim.busy == 0 and sim._sharing == {}
+
+
+def test_a_step_s_end_moves_when_another_starts_or_ends_at_the_measured_slowdown(profile):
+    """Measured sharing (profile.sharing: 1.5x with two steps at once, 2.25x with three): a
+    100-token prompt at 0 (alone: T), a second replica's at T/2. The first runs alone for T/2,
+    then both at 1/1.5 pace: the first's other half takes 0.75 T (ends at 1.25 T); the second
+    has done 0.5 T of its own work by then and finishes the rest alone (ends at 1.75 T)."""
+    from dataclasses import replace
+
+    shared = replace(profile, sharing=(1.0, 1.5, 2.25))
+    assert [shared.slowdown(n, 2.0) for n in (0, 1, 2, 3, 6)] == [1.0, 1.0, 1.5, 2.25, 4.5]
+    assert [profile.slowdown(n, 2.0) for n in (1, 2, 3)] == [1.0, 1.0, 1.5]  # not measured: n / cores
+    t = prefill_s(100)
+    specs = [RequestSpec(0.0, 100, 1), RequestSpec(t / 2, 100, 1)]
+    sim = Simulator(shared, ClusterConfig(0, 2, chunk_tokens=512, cores=2.0), LOOSE)
+    r = sim.run(specs)
+    assert sorted(d.busy_s for d in sim.decodes) == pytest.approx([1.25 * t, 1.25 * t])
+    assert (r.ttft.mean, r.ttft.max) == pytest.approx((1.25 * t, 1.25 * t))
+    sim.check_invariants()
+    assert sim._sharing == {}
 
 
 def test_the_serving_path_s_measured_costs_are_added_where_they_occur(profile):
