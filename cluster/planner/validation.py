@@ -9,8 +9,10 @@ Both are reduced to the same five figures with the same definitions:
                      first arrival -> last completion (a failed request meets nothing)
 
 Percentiles interpolate linearly between closest ranks (numpy's default, `outcome.percentile`).
-The error of one figure is |simulated - real| / real, in percent; a metric's MAPE is its mean over
-the cases. A `Validation` is saved as JSON and read back by `pdserve plan --validation FILE`, which
+A case may hold several real runs of the same trace and configuration: its real figure is then each
+metric's median over them, and `noise()` says how far single runs lie from that median (a floor
+under any model's error against one run). The error of one figure is |simulated - real| / real, in
+percent; a metric's MAPE is its mean over the cases. A `Validation` is saved as JSON and read back by `pdserve plan --validation FILE`, which
 prints the MAPE with its answer and widens its predicted figures by it.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -61,6 +64,13 @@ class Metrics:
             return percentile(v, q) if v else math.nan
 
         return cls(pct(ttft, 50), pct(ttft, 90), pct(tpot, 50), pct(tpot, 90), met / span if span > 0 else 0.0)
+
+    @classmethod
+    def median(cls, runs: Sequence["Metrics"]) -> "Metrics":
+        """Each metric's median over several runs (the mean of the middle two for an even count)."""
+        if not runs:
+            raise ValueError("no runs")
+        return cls(*(statistics.median(getattr(r, m) for r in runs) for m in METRICS))
 
     @classmethod
     def of_bench(cls, result: dict, slo: SLO) -> "Metrics":
@@ -110,9 +120,17 @@ class Case:
     requests: int
     client: dict
     cpu: dict
+    runs: tuple[Metrics, ...] = ()  # every real run when there were several (`real` is their median)
 
     def errors(self) -> dict[str, float]:
         return {m: ape(getattr(self.real, m), getattr(self.sim, m)) for m in METRICS}
+
+    def spread(self) -> dict[str, float]:
+        """Per metric, the mean error of a single real run against the runs' median (0 with one run)."""
+        if len(self.runs) < 2:
+            return {m: 0.0 for m in METRICS}
+        return {m: sum(ape(getattr(self.real, m), getattr(r, m)) for r in self.runs) / len(self.runs)
+                for m in METRICS}
 
 
 @dataclass(frozen=True)
@@ -126,6 +144,12 @@ class Validation:
         """Per metric, the mean absolute percentage error over the cases (of one workload if named)."""
         cases = [c for c in self.cases if workload is None or c.workload == workload]
         return {m: sum(c.errors()[m] for c in cases) / len(cases) if cases else math.nan for m in METRICS}
+
+    def noise(self, workload: str | None = None) -> dict[str, float]:
+        """Per metric, the cases' mean `spread()`: what a model exactly at the median would score
+        against one run. Only cases with several runs count (nan when none has)."""
+        cases = [c for c in self.cases if len(c.runs) > 1 and (workload is None or c.workload == workload)]
+        return {m: sum(c.spread()[m] for c in cases) / len(cases) if cases else math.nan for m in METRICS}
 
     def covers(self, specs: Sequence[RequestSpec]) -> list[str]:
         """Why a plan's workload lies outside what was validated ([] when it lies inside)."""
@@ -162,19 +186,26 @@ class Validation:
         for c in self.cases:
             err = c.errors()
             for m in METRICS:
+                runs = (f"  {len(c.runs)} runs: " + " ".join(_fmt(m, getattr(r, m)) for r in c.runs)
+                        if len(c.runs) > 1 else "")
                 lines.append(f"{c.config:<30} {c.workload:<10} {LABELS[m]:<9} {_fmt(m, getattr(c.real, m)):>9} "
-                             f"{_fmt(m, getattr(c.sim, m)):>10} {err[m]:7.1f}%")
+                             f"{_fmt(m, getattr(c.sim, m)):>10} {err[m]:7.1f}%{runs}")
         names = [w.name for w in self.workloads]
         for name in (names if len(names) > 1 else []) + [None]:
             n = sum(1 for c in self.cases if name is None or c.workload == name)
             lines.append(f"MAPE over {n} {name + ' ' if name else ''}cases: " + ", ".join(
                 f"{LABELS[m]} {v:.1f}%" for m, v in self.mape(name).items()))
+        if any(len(c.runs) > 1 for c in self.cases):
+            n = sum(1 for c in self.cases if len(c.runs) > 1)
+            lines.append(f"real runs against their median ({n} cases with several runs; a floor for the MAPE): "
+                         + ", ".join(f"{LABELS[m]} {v:.1f}%" for m, v in self.noise().items()))
         return lines
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "cases": [asdict(c) for c in self.cases],
                 "workloads": [asdict(w) for w in self.workloads],
-                "profile": self.profile, "created": self.created, "mape": self.mape()}
+                "profile": self.profile, "created": self.created, "mape": self.mape(),
+                **({"noise": self.noise()} if any(len(c.runs) > 1 for c in self.cases) else {})}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -184,7 +215,8 @@ class Validation:
         if d.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} file (format={d.get('format')!r})")
         cases = tuple(Case(c["config"], c["workload"], SLO(**c["slo"]), Metrics(**c["real"]), Metrics(**c["sim"]),
-                           c["completed"], c["requests"], c["client"], c["cpu"]) for c in d["cases"])
+                           c["completed"], c["requests"], c["client"], c["cpu"],
+                           tuple(Metrics(**r) for r in c.get("runs", ()))) for c in d["cases"])
         return cls(cases, tuple(WorkloadRange(**w) for w in d["workloads"]), d["profile"], d.get("created", ""))
 
     @classmethod

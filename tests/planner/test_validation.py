@@ -75,6 +75,29 @@ def test_validation_file_round_trip(tmp_path):
     assert json.loads((tmp_path / "v.json").read_text())["mape"]["ttft_p90"] == 12.5
 
 
+def test_a_case_of_several_runs_is_compared_at_their_median_and_says_their_spread(tmp_path):
+    runs = (Metrics(1.0, 2.0, 0.1, 0.2, 1.0), Metrics(1.2, 2.0, 0.1, 0.3, 1.0), Metrics(0.8, 2.6, 0.1, 0.2, 1.0))
+    median = Metrics.median(runs)
+    assert median == Metrics(1.0, 2.0, 0.1, 0.2, 1.0)
+    assert Metrics.median(runs[:2]) == Metrics(1.1, 2.0, 0.1, 0.25, 1.0)
+    c = Case("0P+1D chunk=512", "chat", SLO_, median, Metrics(1.1, 2.0, 0.1, 0.2, 1.0), 10, 10, {}, {}, runs)
+    # per metric, each run's error against the median, averaged: TTFT p50 (0 + 20 + 20) / 3, p90 (0 + 0 + 30) / 3
+    assert c.spread() == pytest.approx({"ttft_p50": 40 / 3, "ttft_p90": 10.0, "tpot_p50": 0.0, "tpot_p90": 50 / 3,
+                                        "goodput": 0.0})
+    assert c.errors()["ttft_p50"] == pytest.approx(10.0)
+    v = Validation((c, replace(c, runs=())), (WorkloadRange("chat", 10, 1.0, 256, 128),), {"path": "m"}, "now")
+    assert v.noise() == c.spread()  # only the case with several runs counts
+    assert v.table()[-1].startswith("real runs against their median (1 cases with several runs; a floor for the MAPE): "
+                                    "TTFT p50 13.3%, TTFT p90 10.0%")
+    assert "3 runs: 1000 ms 1200 ms 800 ms" in v.table()[1]
+    v.save(tmp_path / "v.json")
+    assert Validation.load(tmp_path / "v.json") == v
+    assert json.loads((tmp_path / "v.json").read_text())["noise"]["ttft_p90"] == pytest.approx(10.0)
+    assert "noise" not in _validation().to_json() and math.isnan(_validation().noise()["ttft_p50"])
+    with pytest.raises(ValueError, match="no runs"):
+        Metrics.median([])
+
+
 def test_covers_names_what_lies_beyond_the_validated_traces():
     v = _validation()
     assert v.covers([RequestSpec(0.0, 256, 128), RequestSpec(1.0, 32, 64)]) == []

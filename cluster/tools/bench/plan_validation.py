@@ -7,7 +7,7 @@
 
 For each workload a seeded trace (Mooncake JSONL, the load generator's format) is written; for each
 configuration, one after the other:
-  real       `pdserve up` of the configuration (the profile's model and block size, the same engine
+  real       (--also: several runs, the median of each metric) `pdserve up` of the configuration (the profile's model and block size, the same engine
              options the simulator is given, admission control off as the simulator has none;
              every engine process on the torch threads the profile was measured with),
              `pdserve bench --dataset-name trace` replaying the trace (EOS ignored, 3 warm-up
@@ -39,13 +39,16 @@ from cluster.planner.simulator import simulate
 from cluster.planner.validation import Case, Metrics, Validation, WorkloadRange
 from cluster.planner.workload import SyntheticWorkload, read_trace
 from cluster.tools.bench.colocation import stop, wait_serving
-from cluster.tools.bench.processes import cpu_seconds, serve_pids
+from cluster.tools.bench.processes import busiest_threads_wait, cpu_seconds, run_delays, serve_pids
 from cluster.tools.netutil import free_port
 
 WORKLOADS = {  # name: (workload, goodput SLO); short chat, and long-prompt RAG (inside a 2,048-token profile)
     "chat": ("rate=1.0,n=100,prompt=32:256,output=64:128,seed=1", "ttft=1,tpot=0.1"),
     "long": ("rate=0.25,n=30,prompt=768:1536,output=16:64,seed=2", "ttft=3,tpot=0.1"),
 }
+
+
+WAIT = "engine threads' wait per second on CPU"
 
 
 def write_trace(path: Path, workload: SyntheticWorkload) -> None:
@@ -106,9 +109,9 @@ def run_real(cfg: ClusterConfig, prof: Profile, trace: Path, slo: SLO, out: Path
                "--label", tag, "--result-file", str(result_file), "--duration-s", "900"]
         print("$", " ".join(cmd), flush=True)
         pids = serve_pids()
-        cpu0, sys0 = cpu_seconds(pids), psutil.cpu_times()
+        cpu0, sys0, sched0 = cpu_seconds(pids), psutil.cpu_times(), run_delays(pids)
         subprocess.run(cmd, check=True, timeout=1200, stdout=subprocess.DEVNULL)
-        cpu1, sys1 = cpu_seconds(pids), psutil.cpu_times()
+        cpu1, sys1, sched1 = cpu_seconds(pids), psutil.cpu_times(), run_delays(pids)
         if before_stop is not None:
             before_stop()
     finally:
@@ -120,7 +123,17 @@ def run_real(cfg: ClusterConfig, prof: Profile, trace: Path, slo: SLO, out: Path
     cpu["load generator"] = result["client_cpu_cores"] * result["duration"]
     busy = lambda t: t.user + t.nice + t.system + t.irq + t.softirq  # noqa: E731
     cpu["machine (all processes)"] = busy(sys1) - busy(sys0)
-    return result, {k: round(v, 2) for k, v in cpu.items()}
+    # each engine replica's step thread: seconds on a CPU, and runnable but waiting for one (the
+    # profile times a step alone, on a core of its own: what sharing the machine adds)
+    on = wait = 0.0
+    for name, (t_on, t_wait) in busiest_threads_wait(sched0, sched1).items():
+        cpu[f"{_part(name)} engine thread on CPU"] = cpu.get(f"{_part(name)} engine thread on CPU", 0.0) + t_on
+        cpu[f"{_part(name)} engine thread waiting for a CPU"] = (
+            cpu.get(f"{_part(name)} engine thread waiting for a CPU", 0.0) + t_wait)
+        on, wait = on + t_on, wait + t_wait
+    if on > 0:
+        cpu["engine threads' wait per second on CPU"] = wait / on
+    return result, {k: round(v, 3) for k, v in cpu.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulate the engines sharing this many cores (this machine's runs: its CPU count); "
                         "default: a device per replica, no sharing")
     p.add_argument("--sim-only", action="store_true", help="reuse the real results already in --out")
+    p.add_argument("--also", nargs="+", default=[], metavar="DIR",
+                   help="with --sim-only: more directories holding real runs of the same cases (the same "
+                        "trace, checked); each case's real figures are then the median over all its runs")
     p.add_argument("--merge", nargs="+", metavar="FILE", help="no runs: merge these validation files into "
                    "--out/validation.json (e.g. two workloads run with different configurations)")
     p.add_argument("--out", default="/tmp/pdserve-plan-validation")
@@ -172,9 +188,18 @@ def main(argv: list[str] | None = None) -> int:
         for text in args.configs:
             cfg = ClusterConfig.parse(text, base)
             tag = f"{name}-{text.replace('+', '').replace(':', '-').replace(',', '-').replace('=', '')}"
+            runs: list[Metrics] = []
             if args.sim_only:
                 result, cpu = json.loads((out / f"{tag}.json").read_text()), json.loads(
                     (out / f"{tag}-cpu.json").read_text())
+                for d in [out, *map(Path, args.also)]:
+                    if d != out and (d / f"{name}-trace.jsonl").read_text() != trace.read_text():
+                        raise SystemExit(f"{d}: its {name} trace is not this one")
+                    if (d / f"{tag}.json").exists():
+                        r = json.loads((d / f"{tag}.json").read_text())
+                        runs.append(Metrics.of_bench(r, slo))
+                        client_ok = r["client_kept_up"] and result["client_kept_up"]
+                        result = {**result, "client_kept_up": client_ok}
             else:
                 t = time.monotonic()
                 result, cpu = run_real(cfg, prof, trace, slo, out, tag)
@@ -183,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             sim = simulate(prof, cfg, specs, slo, transfer=transfer)
             client = {k: result[k] for k in ("client_cpu_cores", "client_send_lag_p99_ms", "client_loop_lag_p99_ms",
                                              "client_kept_up", "duration")}
-            cases.append(Case(cfg.label(), name, slo, Metrics.of_bench(result, slo), Metrics.of_sim(sim),
-                              result["completed"], len(specs), client, cpu))
+            real = Metrics.median(runs) if len(runs) > 1 else Metrics.of_bench(result, slo)
+            cases.append(Case(cfg.label(), name, slo, real, Metrics.of_sim(sim), result["completed"], len(specs),
+                              client, cpu, tuple(runs) if len(runs) > 1 else ()))
     v = Validation(tuple(cases), tuple(ranges),
                    {"path": prof.model.get("path"), "device": prof.device.get("name"), "created": prof.created},
                    datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
@@ -196,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{c.client['client_cpu_cores']:.2f} cores, p99 send lag {c.client['client_send_lag_p99_ms']:.1f} ms, "
               f"loop lag {c.client['client_loop_lag_p99_ms']:.1f} ms, "
               f"{'kept its schedule' if c.client['client_kept_up'] else 'FELL BEHIND'}; cores busy over "
-              f"{d:.0f} s: " + ", ".join(f"{k} {v / d:.2f}" for k, v in c.cpu.items()))
+              f"{d:.0f} s: " + ", ".join(f"{k} {v / d:.2f}" for k, v in c.cpu.items() if "per second" not in k)
+              + (f"; the engine threads waited {c.cpu[WAIT]:.2f} s for a CPU per second on one" if WAIT in c.cpu
+                 else ""))
     print(f"wrote {out / 'validation.json'} (pdserve plan --validation {out / 'validation.json'})")
     return 0
 

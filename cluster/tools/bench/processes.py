@@ -4,6 +4,7 @@ what the benchmarks charge to each part of the serving path."""
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 
@@ -46,3 +47,31 @@ def cpu_seconds(pids: dict[str, int], ingress_threads: bool = False) -> dict[str
                         key = f"  {name} thread {comm}"
                         out[key] = out.get(key, 0.0) + th.user_time + th.system_time
     return out
+
+
+def run_delays(pids: dict[str, int]) -> dict[str, tuple[float, float]]:
+    """Per process, each thread's (seconds on a CPU, seconds runnable but waiting for one) so far,
+    from the kernel's scheduler statistics (/proc/PID/task/TID/schedstat). Keys `name/tid`."""
+    out = {}
+    for name, pid in pids.items():
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError, ValueError):
+                    on_ns, wait_ns, _ = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+                    out[f"{name}/{tid}"] = (int(on_ns) / 1e9, int(wait_ns) / 1e9)
+    return out
+
+
+def busiest_threads_wait(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
+                         prefixes: tuple[str, ...] = ("prefill", "decode")) -> dict[str, tuple[float, float]]:
+    """Per process named with one of `prefixes`, its busiest thread over the interval (an engine
+    replica's: the engine's step thread) as (seconds on a CPU, seconds waiting for one)."""
+    best: dict[str, tuple[float, float]] = {}
+    for key, (on, wait) in after.items():
+        name = key.rsplit("/", 1)[0]
+        if not name.startswith(prefixes):
+            continue
+        on0, wait0 = before.get(key, (0.0, 0.0))
+        if on - on0 > best.get(name, (-1.0, 0.0))[0]:
+            best[name] = (on - on0, wait - wait0)
+    return best
