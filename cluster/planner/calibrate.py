@@ -7,9 +7,11 @@
              L-token prompts and are admitted as a decode replica admits a prompt prefilled
              elsewhere (`import_request`, then `activate`): their KV is taken as written by a peer,
              so a point costs no prefill. A step reads the same memory whatever the values in it,
-             and each request its own blocks, as a server's requests do (a batch sharing a
-             prefix would read the same blocks, warm in a CPU cache: up to ~30% faster steps at
-             batch 32-64 and 1-2k tokens of context on the dev VM)
+             and each request its own blocks, as a server's requests do. (A batch sharing a
+             prefix reads the same blocks, warm in the CPU's caches: on the dev VM's bench model
+             such steps took half the time at batch 32-64 and 1-2k tokens of context, 80.6
+             against 162.7 ms at 32 x 2,048 and 147.5 against 347.2 ms at 64 x 2,048; 0-9% less
+             at batch 1-7 and 256 tokens.)
     KV bytes per token: the engine's block bytes / block size (exact, not timed)
     sharing (--sharing N, CPUs): n = 1..N engine processes (each on this process's torch threads)
              step at once, each a 128-token prefill step then a decode step of 4 at context 256,
