@@ -134,7 +134,8 @@ def _sharing_worker(model: str, device: str, dtype: str, block_size: int, thread
     engine = engine_for(model, [SHARING_PREFILL], [0], [SHARING_DECODE[0]], [SHARING_DECODE[1]], device, dtype,
                         block_size)
     cal = Calibrator(engine, reps=1, log=lambda _: None)
-    cal.prefill(SHARING_PREFILL, 0), cal.decode(*SHARING_DECODE)  # warm-up, alone
+    cal.prefill(SHARING_PREFILL, 0)  # warm-up, alone
+    cal.decode(*SHARING_DECODE)
     barrier.wait()
     prefill, decode = [], []
     end = time.perf_counter() + seconds
@@ -180,7 +181,9 @@ def measure_sharing(model: str, processes: int, seconds: float = 10.0, device: s
 def engine_for(model: str, prefill_tokens: Sequence[int], prefill_cached: Sequence[int],
                decode_batch: Sequence[int], decode_context: Sequence[int], device: str = "auto",
                dtype: str = "auto", block_size: int = 16) -> LLMEngine:
-    """An engine whose token budget and KV pool hold the largest point of the grid."""
+    """An engine whose token budget and KV pool hold the largest point of the grid: the largest
+    decode point's batch x context tokens of distinct KV (SmolLM2-135M in fp32 on the default grid,
+    64 x 2,048: ~6 GB), as a server running that batch holds."""
     longest_prompt = max(prefill_tokens) + max(prefill_cached)
     decode_blocks = max(decode_batch) * (max(decode_context) // block_size + 1)
     return LLMEngine.from_model(
@@ -218,6 +221,9 @@ def calibrate(model: str, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
                              f"({block_size}); got {c}")
     engine = engine_for(model, prefill_tokens, prefill_cached, decode_batch, decode_context, device, dtype,
                         block_size)
+    if sharing and engine.device.type != "cpu":
+        raise ValueError("--sharing measures replicas sharing one machine's CPU cores; this engine runs on "
+                         f"{engine.device.type} (a device per replica shares nothing)")
     cal = Calibrator(engine, reps, seed, log)
     cal.prefill(min(prefill_tokens), 0)  # warm-up of the whole path, untimed
     prefill = []
@@ -232,9 +238,6 @@ def calibrate(model: str, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
         decode.append(row)
     shared: tuple[float, ...] = ()
     if sharing:
-        if engine.device.type != "cpu":
-            raise ValueError("--sharing measures replicas sharing one machine's CPU cores; this engine runs on "
-                             f"{engine.device.type} (a device per replica shares nothing)")
         shared = measure_sharing(model, sharing, device="cpu", dtype=dtype, block_size=block_size, log=log)
     mc = engine.model_config
     return Profile(
