@@ -141,6 +141,7 @@ class RouteDecision:
     # flipped plays one pool's part from the other's deployment
     prefill_home: Literal["prefill", "decode"] | None = None
     decode_home: Literal["prefill", "decode"] = "decode"
+    queue_ahead: int = 0  # requests waiting on the replica computing the prompt (queue_wait_s is theirs)
 
 
 class NoReplicaError(RuntimeError):
@@ -201,7 +202,8 @@ class RoutingPolicy:
         if not prefills or missing < cfg.local_prefill_threshold:
             why = "no prefill pool" if not prefills else f"local prefill: {missing} uncached tokens"
             return RouteDecision(None, decode.replica_id, "local", cached_on_decode, "; ".join([why, *reasons]),
-                                 decode.queue_wait_s(), cached_on_decode, decode_home=decode.home)
+                                 decode.queue_wait_s(), cached_on_decode, decode_home=decode.home,
+                                 queue_ahead=decode.waiting)
 
         return self._remote(hashes, num_prompt_tokens, index, prefills, slow, session, decode,
                             cached_on_decode, reasons)
@@ -232,7 +234,7 @@ class RoutingPolicy:
             why.append(f"hot prefix spread past cap on {sorted(hot)}")
         return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached,
                              "; ".join([*why, *p_reasons, *reasons]), prefill.queue_wait_s(), cached_on_decode,
-                             prefill.home, decode.home)
+                             prefill.home, decode.home, queue_ahead=prefill.waiting)
 
     def _compute_cost(self, cached_blocks: int, lower: Sequence[int], r: ReplicaLoad, num_prompt_tokens: int,
                       index: PrefixIndex) -> float:

@@ -127,7 +127,7 @@ def _plan(args) -> int:
         _print_plan(plan, prof, specs, slo, args.attain, transfer_note, cpu_s, simulated)
         print("\n".join(vlines))
     if args.emit_config and plan.best is not None:
-        _emit_config(plan.best.config, prof, Path(args.emit_config))
+        _emit_config(plan.best.config, prof, slo, Path(args.emit_config))
         print(f"wrote {args.emit_config} (pdserve up --config {args.emit_config})")
     return 0 if plan.best is not None else 1
 
@@ -227,13 +227,26 @@ def _band_text(metric: str, sim: float, lo: float, hi: float) -> str:
     return f"{LABELS[metric]} {sim * 1e3:.0f} ({lo * 1e3:.0f}-{hi * 1e3:.0f}) ms"
 
 
-def _emit_config(cfg, prof, path: Path) -> None:
-    """The plan as an app config, checked by AppConfig before it is written."""
+def slo_sections(slo) -> dict:
+    """The plan's SLO as the app config's: admission derives its bounds from the objectives exactly
+    (so the app refuses only what the plan said it would miss), and telemetry.slo takes the
+    smallest histogram bucket bounds at or above them (its rules read buckets; never tighter)."""
+    from cluster.config import LATENCY_BUCKETS_S, TOKEN_INTERVAL_BUCKETS_S  # noqa: PLC0415
+
+    def bucket(value: float, bounds: tuple[float, ...]) -> float:
+        return next((b for b in bounds if b >= value), bounds[-1])
+    return {"admission": {"ttft_objective_s": slo.ttft_s, "itl_objective_s": slo.tpot_s},
+            "telemetry": {"slo": {"ttft_threshold_s": bucket(slo.ttft_s, LATENCY_BUCKETS_S),
+                                  "itl_threshold_s": bucket(slo.tpot_s, TOKEN_INTERVAL_BUCKETS_S)}}}
+
+
+def _emit_config(cfg, prof, slo, path: Path) -> None:
+    """The plan as an app config with the SLO it was planned for, checked by AppConfig before it is written."""
     import yaml  # noqa: PLC0415
 
     from cluster.config.app import AppConfig  # noqa: PLC0415
 
-    doc = cfg.app_doc(prof.model.get("path"), prof.block_size)
+    doc = {**cfg.app_doc(prof.model.get("path"), prof.block_size), **slo_sections(slo)}
     AppConfig.model_validate(doc)
     path.write_text(f"# pdserve plan: {cfg.label()} (simulated; see the plan's validation line for its error)\n"
                     + yaml.safe_dump(doc, sort_keys=False))

@@ -11,7 +11,7 @@ module per concern, all importable from here.
 
 from cluster.config.app import AppConfig
 from cluster.config.common import Strict
-from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionOptions, AuditOptions, BudgetOptions, IngressLimits,
+from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionBounds, AdmissionOptions, AuditOptions, BudgetOptions, IngressLimits,
                                        KeySources, ModelPrice, TenantOptions)
 from cluster.config.pools import (AutoscalingOptions, FaultToleranceOptions, KVTransferOptions, PlannerOptions,
                                   PoolOptions, RoutingOptions, ServingEngineOptions)
@@ -20,7 +20,7 @@ from cluster.config.safety import (ClassifierCheckOptions, ClassifierDeploymentO
 from cluster.config.telemetry import LATENCY_BUCKETS_S, TOKEN_INTERVAL_BUCKETS_S, SLOOptions, TelemetryOptions
 
 __all__ = [
-    "AppConfig", "Strict", "LOOPBACK_HOSTS", "AdmissionOptions", "AuditOptions", "BudgetOptions", "IngressLimits",
+    "AppConfig", "Strict", "LOOPBACK_HOSTS", "AdmissionBounds", "AdmissionOptions", "AuditOptions", "BudgetOptions", "IngressLimits",
     "KeySources", "ModelPrice", "TenantOptions", "AutoscalingOptions", "FaultToleranceOptions", "KVTransferOptions",
     "PlannerOptions", "PoolOptions", "RoutingOptions", "ServingEngineOptions", "ClassifierCheckOptions", "ClassifierDeploymentOptions",
     "GuardrailPolicy", "GuardrailRule", "ResponseCacheOptions", "LATENCY_BUCKETS_S", "TOKEN_INTERVAL_BUCKETS_S",

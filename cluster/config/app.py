@@ -10,7 +10,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from cluster.config.common import Strict, overlay
-from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionOptions, ApiKey, AuditOptions, BudgetOptions,
+from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionBounds, AdmissionOptions, ApiKey, AuditOptions, BudgetOptions,
                                        IngressLimits, KeySources, TenantOptions)
 from cluster.config.models import MAX_MODELS, ModelOptions, SamplingDefaults, VersionOptions, check_name
 from cluster.config.pools import (FaultToleranceOptions, KVTransferOptions, PlannerOptions, PoolOptions,
@@ -135,9 +135,9 @@ class AppConfig(Strict):
         return KeySources(api_keys=self.api_keys, api_keys_env=self.api_keys_env, api_keys_file=self.api_keys_file)
 
     @property
-    def admission_bounds(self) -> AdmissionOptions:
-        """The admission options with `auto` bounds derived from the SLO (telemetry.slo): what the
-        ingress enforces and logs at start."""
+    def admission_bounds(self) -> AdmissionBounds:
+        """The admission bounds with `auto` derived from the objectives (admission's own, else
+        telemetry.slo's): what the ingress enforces and logs at start."""
         slo = self.telemetry.slo
         return self.admission.resolved(slo.ttft_threshold_s, slo.itl_threshold_s)
 

@@ -4,6 +4,7 @@ budgets."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -86,6 +87,37 @@ class TenantOptions(KeySources):
         "Without auth (no keys configured) the one caller may pin")
 
 
+AUTO_FLOOR_MULTIPLE = 8.0  # an auto bound is never tighter than this many times the deployment's own floor
+
+
+@dataclass(frozen=True)
+class AdmissionBounds:
+    """What the ingress's capacity checks enforce (router/ingress/gateway/capacity.py): the absolute
+    part of each bound in seconds (None: that check is off) and, for a bound left `auto`, the multiple
+    of the deployment's measured floor it is never tighter than (0: absolute, as configured)."""
+
+    max_queue_wait_s: float | None
+    target_itl_s: float | None
+    queue_floor_multiple: float = 0.0
+    itl_floor_multiple: float = 0.0
+    batch_share: float = 0.5
+    why: str = ""  # where the numbers came from, for the start-up line
+
+    def describe(self) -> str:
+        """One line for the start-up log: the bounds and how each was derived."""
+        def bound(value: float | None, multiple: float, unit: str, floor: str) -> str:
+            if value is None:
+                return "off"
+            text = f"{value:g} s" if unit == "s" else f"{value * 1e3:g} ms per token"
+            return f"the larger of {text} and {multiple:g}x {floor}" if multiple else text
+        wait = bound(self.max_queue_wait_s, self.queue_floor_multiple, "s",
+                     "one request's own prompt time, as measured (never at one request ahead)")
+        pace = bound(self.target_itl_s, self.itl_floor_multiple, "itl", "the fastest token interval measured")
+        return (f"admission: refuse (429) work predicted to wait longer than {wait} for its prompt to start "
+                f"(max_queue_wait_s), and new work while the decode streams run slower than {pace} (target_itl_s)"
+                f"{f'; {self.why}' if self.why else ''}; 'none' turns either off")
+
+
 class AdmissionOptions(Strict):
     max_inflight: int | Literal["auto"] = Field(
         "auto", description="Requests in flight per ingress replica; more get 429. auto: sized from the decode "
@@ -93,13 +125,24 @@ class AdmissionOptions(Strict):
         "recent requests' prompt + max_tokens, this ingress's share, at least 64; 1024 until measured)")
     max_queue_wait_s: PositiveFloat | Literal["auto", "none"] | None = Field(
         "auto", description="Refuse (429) when the predicted wait before a request's prompt starts is "
-        "longer (the ingress's own first-token queue, then the router's view of the replica). auto: half the "
-        "TTFT objective (telemetry.slo.ttft_threshold_s: 0.5 s by default); none (or null): off")
+        "longer (the ingress's own first-token queue, then the router's view of the replica). auto: the larger "
+        "of half the TTFT objective and floor_multiple x one request's own prompt time as the deployment "
+        "measures it, and never with at most one request ahead; a number: that bound alone; none (or null): off")
     target_itl_s: PositiveFloat | Literal["auto", "none"] | None = Field(
         "auto", description="Refuse (429) new work while the decode pool's streams, as the ingress relays "
         "them, would run slower than this per token (a limit on streams, set when they are measured slower, "
-        "probed back up while they keep pace). auto: 0.8 of the token-interval objective "
-        "(telemetry.slo.itl_threshold_s: 80 ms by default); none (or null): off")
+        "probed back up while they keep pace). auto: the larger of 0.8 of the token-interval objective and "
+        "floor_multiple x the fastest interval the deployment has shown; a number: that bound alone; none: off")
+    ttft_objective_s: PositiveFloat | None = Field(
+        None, description="The TTFT objective auto bounds are derived from; default: telemetry.slo.ttft_threshold_s "
+        "(which must be a histogram bucket bound; this need not: `pdserve plan --emit-config` writes its SLO here)")
+    itl_objective_s: PositiveFloat | None = Field(
+        None, description="The token-interval objective auto bounds are derived from; default: "
+        "telemetry.slo.itl_threshold_s")
+    floor_multiple: float = Field(
+        AUTO_FLOOR_MULTIPLE, ge=0, description="An auto bound is never tighter than this many times what the "
+        "deployment does at its own pace (a request's prompt time, a stream's token interval): a slow machine's "
+        "ordinary load is not refused for missing an objective it can never meet. 0: the objective's share alone")
     batch_share: float = Field(
         0.5, gt=0, le=1, description="Batch-priority tenants are refused at this share of max_queue_wait_s and "
         "of max_inflight and of the target_itl_s cap: under overload batch work is shed before interactive work")
@@ -116,23 +159,23 @@ class AdmissionOptions(Strict):
         1.0, gt=0, description="Bound on each admission-actor call on the request path (rate limits fail "
         "open, idempotency fails closed: docs/architecture.md)")
 
-    def resolved(self, ttft_objective_s: float, itl_objective_s: float) -> "AdmissionOptions":
-        """These options with `auto` derived from the objectives and `none` as None (off): what the
-        ingress's capacity checks read. Protection is on unless a config turns it off: a server that
-        accepts everything in a burst misses every deadline in it (docs/benchmarks.md, 10x burst)."""
-        def value(v, auto: float) -> float | None:
-            return auto if v == "auto" else None if v in ("none", None) else v
-        return self.model_copy(update={
-            "max_queue_wait_s": value(self.max_queue_wait_s, AUTO_QUEUE_WAIT_SHARE * ttft_objective_s),
-            "target_itl_s": value(self.target_itl_s, AUTO_ITL_SHARE * itl_objective_s)})
+    def resolved(self, ttft_objective_s: float, itl_objective_s: float) -> AdmissionBounds:
+        """The bounds the ingress enforces: `auto` derived from the objectives (this section's own, else
+        the telemetry SLO's, passed in) and relative to the deployment's floors, `none` as None (off).
+        Protection is on unless a config turns it off: a server that accepts everything in a burst misses
+        every deadline in it (docs/benchmarks.md, 10x burst)."""
+        ttft = self.ttft_objective_s or ttft_objective_s
+        itl = self.itl_objective_s or itl_objective_s
 
-    def describe(self) -> str:
-        """One line for the start-up log (resolved options)."""
-        wait = "off" if self.max_queue_wait_s is None else f"{self.max_queue_wait_s:g} s"
-        pace = "off" if self.target_itl_s is None else f"{self.target_itl_s * 1e3:g} ms per token"
-        return (f"admission: refuse (429) work predicted to wait longer than {wait} for its prompt to start "
-                f"(max_queue_wait_s), and new work while the decode streams run slower than {pace} (target_itl_s); "
-                f"'none' turns either off")
+        def value(v, auto: float) -> tuple[float | None, float]:
+            if v == "auto":
+                return auto, self.floor_multiple
+            return (None if v in ("none", None) else v), 0.0
+        wait, wait_multiple = value(self.max_queue_wait_s, AUTO_QUEUE_WAIT_SHARE * ttft)
+        pace, pace_multiple = value(self.target_itl_s, AUTO_ITL_SHARE * itl)
+        source = "admission" if self.ttft_objective_s or self.itl_objective_s else "telemetry.slo"
+        return AdmissionBounds(wait, pace, wait_multiple, pace_multiple, self.batch_share,
+                               why=f"objectives TTFT {ttft:g} s, token interval {itl * 1e3:g} ms ({source})")
 
 
 class IngressLimits(Strict):

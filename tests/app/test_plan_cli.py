@@ -33,6 +33,12 @@ def test_plan_prints_the_hand_worked_plan_and_emits_its_config(tmp_path, capsys)
     assert (cfg.mode, cfg.prefill.num_replicas, cfg.decode.num_replicas) == ("disaggregated", 2, 1)
     assert (cfg.engine.max_num_batched_tokens, cfg.engine.max_num_seqs, cfg.routing.local_prefill_threshold) == (
         2048, 32, 0)
+    # the SLO it was planned for: admission derives its bounds from it exactly (issue 51: without it,
+    # the defaults' 1 s / 100 ms refused 56 of 90 requests of a trace planned for 3 s / 200 ms)
+    assert (cfg.admission.ttft_objective_s, cfg.admission.itl_objective_s) == (2.5, 0.022)
+    assert (cfg.telemetry.slo.ttft_threshold_s, cfg.telemetry.slo.itl_threshold_s) == (2.5, 0.04)  # buckets at or above
+    bounds = cfg.admission_bounds
+    assert (bounds.max_queue_wait_s, round(bounds.target_itl_s, 6)) == (1.25, 0.0176)
 
 
 def test_plan_refuses_a_trace_beyond_the_calibration(tmp_path, capsys):

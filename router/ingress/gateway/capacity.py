@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cluster.config import AdmissionOptions
+from cluster.config import AdmissionBounds
 from cluster.engine.request import Priority, RequestContext
 from router.ingress.gateway.stages import Outcome, Stage
 from router.ingress.status import Rejected
@@ -81,7 +81,10 @@ class Pending:
 
     def done(self, computed_tokens: int | None = None) -> None:
         """Its first token arrived (`computed_tokens`: the prompt tokens computed for it, i.e.
-        not found in a cache; None: the request ended before, nothing measured)."""
+        not found in a cache; None: the request ended before, nothing measured). The rate counts its
+        whole prompt: the queue ahead is counted in whole prompts, before any cache is asked, so the
+        rate that drains it must be too (a rate of computed tokens against a queue of whole prompts
+        predicted 30x the wait behind a cached 600-token system prompt, and refused 155 of 160 chats)."""
         if self._queue is not None:
             if self.reserved:
                 self._queue.reserved -= 1
@@ -115,6 +118,12 @@ class FirstTokenQueue(_Meter):
     def ahead(self, in_transit: int = 0) -> int:
         """Requests ahead of one checked now: in the queue, reserved, and `in_transit` more."""
         return self.pending_requests + max(0, self.reserved + in_transit)
+
+    def request_floor_s(self) -> float | None:
+        """One request's own prompt time at the pools' measured pace (mean prompt / rate): the wait
+        a request behind one other expects. Per-request costs are in it (the rate is measured over
+        whole requests); None until there is a rate."""
+        return self.mean_tokens / self.rate if self.rate and self.mean_tokens else None
 
     def predicted_wait_s(self, in_transit: int = 0) -> float | None:
         """Seconds before a request admitted now starts its prompt; None while the rate is unknown.
@@ -167,7 +176,7 @@ class FirstTokenQueue(_Meter):
         if computed is not None:
             if p.predicted_s is not None:
                 self.errors.append(self._last - p.admitted_at - p.predicted_s)
-            self._done_tokens += computed
+            self._done_tokens += p.tokens  # whole prompts, as `pending` counts them (cache hits fold into the rate)
             if self._busy_s >= MIN_SAMPLE_S and self._done_tokens > 0:
                 sample = self._done_tokens / self._busy_s
                 if self.rate is not None:
@@ -200,13 +209,15 @@ class StreamPace(_Meter):
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3,
-                 target_itl_s: float | None = None):
+                 target_itl_s: float | None = None, floor_multiple: float = 0.0):
         super().__init__(clock, alpha)
         self.target_itl_s = target_itl_s
         self.streams = 0
         self.itl_s: float | None = None  # None until measured
         self.mean_streams = 0.0  # over the last window
         self.limit: float | None = None  # streams; None until SLOW_WINDOWS windows in a row were over the target
+        self.floor_multiple = floor_multiple
+        self.floor_itl_s: float | None = None  # the fastest window's interval: this deployment's own pace
         self._slow_windows = 0
         self._window_s = 0.0
         self._stream_s = 0.0  # integral of streams over the window
@@ -231,10 +242,19 @@ class StreamPace(_Meter):
             self._tokens = 0
             self._adjust(sample)
 
+    def target(self) -> float | None:
+        """The interval streams are held to: target_itl_s, or with a floor multiple the larger of it and
+        that multiple of the fastest interval measured (a CPU whose one stream is slower than the
+        objective still runs as many streams as keep its own pace)."""
+        if self.target_itl_s is None or not self.floor_multiple or self.floor_itl_s is None:
+            return self.target_itl_s
+        return max(self.target_itl_s, self.floor_multiple * self.floor_itl_s)
+
     def _adjust(self, itl_s: float) -> None:
         """The limit from this window's interval (not the smoothed one: a limit set in a slow
         warm-up must not outlive it by the smoothing's memory)."""
-        target = self.target_itl_s
+        self.floor_itl_s = itl_s if self.floor_itl_s is None else min(self.floor_itl_s, itl_s)
+        target = self.target()
         if target is None:
             return
         gradient = self.mean_streams * target / itl_s
@@ -309,15 +329,19 @@ class InflightCap:
 
 class Capacity:
     """The refusals this ingress makes from its own measurements, before any work or actor call:
-    a request the queue ahead of it would keep past max_queue_wait_s or past its deadline, or one
-    that would take the decode pool past the streams it runs at target_itl_s. Batch work is refused
-    at `batch_share` of each bound: it is shed first."""
+    a request the queue ahead of it would keep past the queue bound or past its deadline, or one
+    that would take the decode pool past the streams it runs at the pace bound. Batch work is refused
+    at `batch_share` of each bound: it is shed first.
 
-    def __init__(self, opts: AdmissionOptions, clock: Callable[[], float] = time.monotonic):
-        self.opts = opts
+    A bound left `auto` is relative (AdmissionBounds): never tighter than floor_multiple x what the
+    deployment does at its own pace, and a request with at most one other ahead of it is never
+    refused for the queue: a server that refuses its second user is not protected but unusable."""
+
+    def __init__(self, bounds: AdmissionBounds, clock: Callable[[], float] = time.monotonic):
+        self.bounds = bounds
         self.first_tokens = FirstTokenQueue(clock)  # the queue ahead of a new request
         # the streams past their first token, their token interval and the limit it sets
-        self.pace = StreamPace(clock, target_itl_s=opts.target_itl_s)
+        self.pace = StreamPace(clock, target_itl_s=bounds.target_itl_s, floor_multiple=bounds.itl_floor_multiple)
 
     def check(self, ctx: RequestContext) -> None:
         refusal = self._refusal(ctx.priority == Priority.BATCH, ctx.remaining_s())
@@ -331,37 +355,61 @@ class Capacity:
         the front door's loop (api/grpc_server.py)."""
         return self._refusal(False, None, in_transit)
 
+    def queue_bound_s(self, floor_s: float | None = None) -> float | None:
+        """The longest predicted wait admitted now (None: off): max_queue_wait_s, or for `auto` the
+        larger of it and floor_multiple x one request's own prompt time (`floor_s`; default: as this
+        ingress measures it)."""
+        b = self.bounds
+        floor = (floor_s or self.first_tokens.request_floor_s()) if b.queue_floor_multiple else None
+        if b.max_queue_wait_s is None or floor is None:
+            return b.max_queue_wait_s
+        return max(b.max_queue_wait_s, b.queue_floor_multiple * floor)
+
     def _refusal(self, batch: bool, remaining_s: float | None, in_transit: int = 0) -> Rejected | None:
-        opts, pace = self.opts, self.pace
-        share = opts.batch_share if batch else 1.0
-        if opts.target_itl_s is not None:
-            cap = pace.cap()
-            if cap is not None and pace.streams + self.first_tokens.ahead(in_transit) >= max(1, int(cap * share)):
-                return Rejected(f"the decode pool is at the streams it runs at target_itl_s {opts.target_itl_s:g} "
-                                f"(measured {pace.itl_s * 1e3:.0f} ms per token over {pace.mean_streams:.1f} "
-                                f"streams){' (batch share)' if batch else ''}: overloaded", 1.0, reason="capacity")
-        q = self.first_tokens
+        b, pace, q = self.bounds, self.pace, self.first_tokens
+        share = b.batch_share if batch else 1.0
+        cap = pace.cap()
+        if cap is not None and pace.streams + q.ahead(in_transit) >= max(1, int(cap * share)):
+            target = pace.target()
+            bound = (f"target_itl_s {target:g}" if target == b.target_itl_s else
+                     f"{target * 1e3:.0f} ms per token ({pace.floor_multiple:g}x its fastest, target_itl_s auto)")
+            return Rejected(f"the decode pool is at the streams it runs at {bound} (measured {pace.itl_s * 1e3:.0f} "
+                            f"ms per token over {pace.mean_streams:.1f} streams){' (batch share)' if batch else ''}: "
+                            "overloaded", 1.0, reason="capacity")
         wait = q.predicted_wait_s(in_transit)
-        if wait is None:
+        if wait is None or (b.queue_floor_multiple and q.ahead(in_transit) <= 1):
             return None
         more = q.ahead(in_transit) - q.pending_requests
         ahead = (f" ({q.pending_tokens} prompt tokens of {q.pending_requests} requests ahead and {more} on their "
                  f"way, at {q.rate:.1f} tokens/s)" if q.rate else "")
-        return self._queue_refusal(f"the ingress's queue{ahead}", wait, batch, remaining_s)
+        return self._queue_refusal(f"the ingress's queue{ahead}", wait, batch, remaining_s, self.queue_bound_s())
 
-    def check_queue_wait(self, who: str, wait_s: float, ctx: RequestContext) -> None:
+    def check_queue_wait(self, who: str, wait_s: float, ctx: RequestContext, ahead: int) -> None:
         """Refuse work that would wait longer than the server's bound (batch work: its batch_share
-        of it) or the request's deadline: this ingress's prediction, or the router's."""
-        refusal = self._queue_refusal(who, wait_s, ctx.priority == Priority.BATCH, ctx.remaining_s())
+        of it) or the request's deadline: the router's prediction for the replica that will compute
+        the prompt, behind `ahead` requests waiting there. With auto bounds its floor is its wait per
+        request ahead, and one request ahead is never refused (as for this ingress's own queue)."""
+        floor = None
+        if self.bounds.queue_floor_multiple:
+            floor = wait_s / ahead if ahead > 1 else None
+            bound = self.queue_bound_s(floor) if ahead > 1 else None  # one ahead: the deadline only
+        else:
+            bound = self.bounds.max_queue_wait_s
+        refusal = self._queue_refusal(who, wait_s, ctx.priority == Priority.BATCH, ctx.remaining_s(), bound, floor)
         if refusal is not None:
             raise refusal
 
-    def _queue_refusal(self, who: str, wait_s: float, batch: bool, remaining_s: float | None) -> Rejected | None:
-        limit = self.opts.max_queue_wait_s
-        if limit is not None and batch:
-            limit *= self.opts.batch_share
+    def _queue_refusal(self, who: str, wait_s: float, batch: bool, remaining_s: float | None,
+                       bound: float | None, floor_s: float | None = None) -> Rejected | None:
+        """`bound`: the queue bound in force (None: only the deadline); `floor_s`: the floor it was
+        derived from, if not this ingress's own."""
+        limit = None if bound is None else bound * (self.bounds.batch_share if batch else 1.0)
         if limit is not None and wait_s > limit:
-            return Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds max_queue_wait_s {limit:g}"
+            floor = floor_s or self.first_tokens.request_floor_s()
+            name = (f"max_queue_wait_s {limit:g}" if bound == self.bounds.max_queue_wait_s else
+                    f"the queue bound {limit:.2f} s ({self.bounds.queue_floor_multiple:g}x one request's own "
+                    f"{floor:.2f} s, max_queue_wait_s auto)")
+            return Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds {name}"
                             f"{' (batch share)' if batch else ''}: overloaded", wait_s - limit, reason="queue_wait")
         if remaining_s is not None and wait_s > remaining_s:
             return Rejected(f"{who}: predicted queue wait {wait_s:.2f} s exceeds the {remaining_s:.2f} s "
@@ -388,7 +436,7 @@ class CapacityStage(Stage):
 
     def routed(self, o: Outcome, decision, started: float, num_prompt_tokens: int, ctx: RequestContext) -> None:
         if decision is not None:
-            self.capacity.check_queue_wait(f"request {o.rid}", decision.queue_wait_s, ctx)
+            self.capacity.check_queue_wait(f"request {o.rid}", decision.queue_wait_s, ctx, decision.queue_ahead)
 
     def first_token(self, o: Outcome, computed_tokens: int) -> None:
         o.place.done(computed_tokens)

@@ -251,11 +251,11 @@ def test_predicted_queue_wait_over_the_bound_or_the_deadline_is_refused(tiny_mod
     from cluster.engine.request import RequestContext
     from router.ingress.gateway.capacity import Capacity
 
-    capacity = Capacity(AppConfig(model=tiny_model, admission={"max_queue_wait_s": 2.0}).admission)
-    capacity.check_queue_wait("r", 1.9, RequestContext())
+    capacity = Capacity(AppConfig(model=tiny_model, admission={"max_queue_wait_s": 2.0}).admission_bounds)
+    capacity.check_queue_wait("r", 1.9, RequestContext(), ahead=3)
     with pytest.raises(Rejected, match="predicted queue wait 2.50 s exceeds max_queue_wait_s 2") as e:
-        capacity.check_queue_wait("r", 2.5, RequestContext())
+        capacity.check_queue_wait("r", 2.5, RequestContext(), ahead=3)
     assert e.value.retry_after_s == pytest.approx(0.5)
     with pytest.raises(Rejected, match="left before its deadline"):
-        capacity.check_queue_wait("r", 1.0, RequestContext(deadline=time.time() + 0.5))
-    capacity.check_queue_wait("r", 1.0, RequestContext(deadline=time.time() + 30))
+        capacity.check_queue_wait("r", 1.0, RequestContext(deadline=time.time() + 0.5), ahead=3)
+    capacity.check_queue_wait("r", 1.0, RequestContext(deadline=time.time() + 30), ahead=3)

@@ -53,21 +53,39 @@ def test_rate_is_measured_over_backlogged_time_only():
     clock.t += 0.25
     first.done(400)  # 0.25 s of a 0.5 s sample: no sample yet
     clock.t += 0.25
-    second.done(100)  # 500 computed tokens over 0.5 s backlogged (500 cached tokens are free)
+    second.done(100)  # 1000 prompt tokens over 0.5 s backlogged (500 of them cached: the rate counts prompts)
     assert q.rate is None  # one sample: still warming up
     clock.t += 10.0
     third = q.admit(250)
     clock.t += 0.5
     third.done(250)  # a second sample, 500 tokens/s: the rate starts at the larger
-    assert q.rate == pytest.approx(1000.0)
+    assert q.rate == pytest.approx(2000.0)
     clock.t += 30.0  # idle again
     p = [q.admit(1000) for _ in range(2)]
-    assert q.predicted_wait_s() == pytest.approx(2.0)  # 2000 tokens ahead at 1000 tokens/s
+    assert q.predicted_wait_s() == pytest.approx(1.0)  # 2000 tokens ahead at 2000 tokens/s
     clock.t += MIN_SAMPLE_S
-    p[0].done(1000)  # 1000 tokens in 0.5 s = 2000/s; EWMA 0.5 -> 1500
-    assert q.rate == pytest.approx(1500.0)
-    assert q.predicted_wait_s() == pytest.approx(1000 / 1500)
+    p[0].done(1000)  # 1000 tokens in 0.5 s = 2000/s
+    assert q.rate == pytest.approx(2000.0)
+    assert q.predicted_wait_s() == pytest.approx(0.5)
     p[1].done(1000)
+
+
+def test_a_cached_system_prompt_is_counted_on_both_sides():
+    """Issue 51's chats: 620-token prompts of which 600 are a cached system prompt, 20 computed. The
+    queue ahead counts whole prompts (no cache is asked at admission); a rate of computed tokens
+    (20 per request) against it predicted 31x the wait. Counted in whole prompts on both sides, three
+    such requests ahead predict three requests' time."""
+    clock = Clock()
+    q = FirstTokenQueue(clock, alpha=1.0)
+    for _ in range(WARM_SAMPLES):  # one request each 0.5 s: 620 prompt tokens, 20 computed
+        p = q.admit(620)
+        clock.t += MIN_SAMPLE_S
+        p.done(20)
+    assert q.rate == pytest.approx(1240.0) and q.request_floor_s() == pytest.approx(0.5)
+    ahead = [q.admit(620) for _ in range(3)]
+    assert q.predicted_wait_s() == pytest.approx(1.5)  # was 46.5 s with the computed-token rate
+    for p in ahead:
+        p.done()
 
 
 def test_a_fresh_ingress_s_warm_up_is_not_taken_for_the_pools_rate():
