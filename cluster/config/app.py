@@ -84,6 +84,7 @@ class AppConfig(Strict):
     def _decode_pool_exists(self) -> "AppConfig":
         if self.planner.enabled and self.mode == "colocated":
             raise ValueError("planner.enabled needs mode: disaggregated (a colocated app has one pool: nothing to split)")
+        self._one_owner_per_pool_size("", {pool: getattr(self, pool) for pool in ("prefill", "decode")})
         for name, policy in [("default", self.guardrail_policy),
                              *((n, t.guardrail_policy) for n, t in self.tenants.items())]:
             if policy is not None and policy not in self.guardrail_policies:
@@ -108,7 +109,8 @@ class AppConfig(Strict):
                 raise ValueError(f"models: two versions make the same deployment names ({sorted(deployments)})")
             for name, m in self.models.items():  # every version's sections laid over the app's hold
                 for label, v in m.versions.items():
-                    self._version_sections(f"models.{name}.versions.{label}", v)
+                    where = f"models.{name}.versions.{label}"
+                    self._one_owner_per_pool_size(f"{where}.", self._version_sections(where, v))
         elif self.version is not None:
             check_name("version", self.version)
         for pool in ("prefill", "decode"):
@@ -212,6 +214,19 @@ class AppConfig(Strict):
                     "default_max_tokens": sampling.max_tokens or self.default_max_tokens})
                 out.append(ServedVersion(name, label, cfg, sampling=sampling))
         return out
+
+    def _one_owner_per_pool_size(self, where: str, pools: dict) -> None:
+        """Exactly one controller sizes a pool: the run-time planner moves replicas between prefill and
+        decode (each move changes both sizes), an autoscaler adds and removes one pool's replicas. Both
+        on the same pools would act on the same signals with nothing to arbitrate (one adding decode
+        replicas while the other moves one away), so the config names one."""
+        if not self.planner.enabled:
+            return
+        for pool in ("prefill", "decode"):
+            if pools[pool].autoscaling is not None:
+                raise ValueError(f"{where}{pool}.autoscaling and planner.enabled both size this pool: the planner "
+                                 f"owns both pools' sizes while it is on (it moves replicas between them); drop "
+                                 f"{where}{pool}.autoscaling, or turn planner.enabled off to let the autoscalers own them")
 
     def _version_sections(self, where: str, v: VersionOptions) -> dict:
         """A version's engine and pools: its keys laid over the app's (a ValueError names the

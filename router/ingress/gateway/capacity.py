@@ -25,6 +25,7 @@ of the throughput, so the ratio holds without coordination.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -43,6 +44,8 @@ MIN_SAMPLE_S = 0.5  # busy time per rate sample: shorter samples are one chunk's
 WARM_SAMPLES = 2  # rate samples before the first-token queue predicts (the rate starts at their largest)
 ERRORS_KEPT = 2048  # the latest requests whose prediction is compared with what happened
 MEAN_ALPHA = 0.05  # smoothing of the admitted requests' mean prompt length
+GROWTH_TAU_S = 2.0  # arrivals and departures are counted with this decay...
+GROWING_AT = 1.5  # ...and the queue grows while requests arrive this many times faster than they leave it
 
 
 class _Meter:
@@ -114,10 +117,26 @@ class FirstTokenQueue(_Meter):
         self._busy_s = 0.0  # backlogged time in the current sample
         self._done_tokens = 0  # prompt tokens computed in the current sample
         self.errors: deque[float] = deque(maxlen=ERRORS_KEPT)  # actual - predicted time to first token (s)
+        self._arrived = self._left = 0.0  # requests into and out of the queue, decayed (GROWTH_TAU_S)
+        self._counted_at = self._last
 
     def ahead(self, in_transit: int = 0) -> int:
         """Requests ahead of one checked now: in the queue, reserved, and `in_transit` more."""
         return self.pending_requests + max(0, self.reserved + in_transit)
+
+    def growing(self) -> bool:
+        """Requests join faster than they leave (GROWING_AT, over the last few GROWTH_TAU_S): an
+        overload, where the wait grows while nothing is done. A closed loop of clients, however many,
+        is steady: each arrival follows a departure."""
+        self._count(0, 0)
+        return self.pending_requests > 1 and self._arrived > GROWING_AT * max(self._left, 1.0)
+
+    def _count(self, arrived: int, left: int) -> None:
+        now = self.clock()
+        decay = math.exp(-(now - self._counted_at) / GROWTH_TAU_S)
+        self._counted_at = now
+        self._arrived = self._arrived * decay + arrived
+        self._left = self._left * decay + left
 
     def request_floor_s(self) -> float | None:
         """One request's own prompt time at the pools' measured pace (mean prompt / rate): the wait
@@ -153,6 +172,7 @@ class FirstTokenQueue(_Meter):
         p.admitted_at = self._last
         self.pending_tokens += tokens
         self.pending_requests += 1
+        self._count(1, 0)
         m = self.mean_tokens
         self.mean_tokens = tokens if m is None else (1 - MEAN_ALPHA) * m + MEAN_ALPHA * tokens
 
@@ -173,6 +193,7 @@ class FirstTokenQueue(_Meter):
         self._advance()
         self.pending_tokens -= p.tokens
         self.pending_requests -= 1
+        self._count(0, 1)
         if computed is not None:
             if p.predicted_s is not None:
                 self.errors.append(self._last - p.admitted_at - p.predicted_s)
@@ -209,8 +230,10 @@ class StreamPace(_Meter):
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3,
-                 target_itl_s: float | None = None, floor_multiple: float = 0.0):
+                 target_itl_s: float | None = None, floor_multiple: float = 0.0,
+                 steady: Callable[[], bool] = lambda: True):
         super().__init__(clock, alpha)
+        self.steady = steady  # the load is not growing: the floor multiple may loosen the target
         self.target_itl_s = target_itl_s
         self.streams = 0
         self.itl_s: float | None = None  # None until measured
@@ -244,9 +267,10 @@ class StreamPace(_Meter):
 
     def target(self) -> float | None:
         """The interval streams are held to: target_itl_s, or with a floor multiple the larger of it and
-        that multiple of the fastest interval measured (a CPU whose one stream is slower than the
-        objective still runs as many streams as keep its own pace)."""
-        if self.target_itl_s is None or not self.floor_multiple or self.floor_itl_s is None:
+        that multiple of the fastest interval measured while the load is steady (a CPU whose one
+        stream is slower than the objective still runs as many streams as keep its own pace; a
+        growing load is held to the objective, so a burst cannot crowd the streams it shares cores with)."""
+        if self.target_itl_s is None or not self.floor_multiple or self.floor_itl_s is None or not self.steady():
             return self.target_itl_s
         return max(self.target_itl_s, self.floor_multiple * self.floor_itl_s)
 
@@ -341,7 +365,8 @@ class Capacity:
         self.bounds = bounds
         self.first_tokens = FirstTokenQueue(clock)  # the queue ahead of a new request
         # the streams past their first token, their token interval and the limit it sets
-        self.pace = StreamPace(clock, target_itl_s=bounds.target_itl_s, floor_multiple=bounds.itl_floor_multiple)
+        self.pace = StreamPace(clock, target_itl_s=bounds.target_itl_s, floor_multiple=bounds.itl_floor_multiple,
+                               steady=lambda: not self.first_tokens.growing())
 
     def check(self, ctx: RequestContext) -> None:
         refusal = self._refusal(ctx.priority == Priority.BATCH, ctx.remaining_s())
@@ -358,10 +383,10 @@ class Capacity:
     def queue_bound_s(self, floor_s: float | None = None) -> float | None:
         """The longest predicted wait admitted now (None: off): max_queue_wait_s, or for `auto` the
         larger of it and floor_multiple x one request's own prompt time (`floor_s`; default: as this
-        ingress measures it)."""
+        ingress measures it) while the queue is steady; a growing queue is held to max_queue_wait_s."""
         b = self.bounds
         floor = (floor_s or self.first_tokens.request_floor_s()) if b.queue_floor_multiple else None
-        if b.max_queue_wait_s is None or floor is None:
+        if b.max_queue_wait_s is None or floor is None or self.first_tokens.growing():
             return b.max_queue_wait_s
         return max(b.max_queue_wait_s, b.queue_floor_multiple * floor)
 

@@ -47,19 +47,52 @@ def test_one_request_ahead_is_never_refused_however_slow_it_is():
     held.done()
 
 
-def test_the_queue_bound_is_a_multiple_of_one_request_s_own_time():
+def steady(cap: Capacity, clock: Clock, prompt: int, seconds: float, clients: int) -> list:
+    """A closed loop of `clients` that has run a while: each first token (one every `seconds`) is
+    followed by the next request, so `clients` are in the queue and it neither grows nor shrinks."""
+    q = cap.first_tokens
+    queue = [q.admit(prompt) for _ in range(clients)]
+    clock.t += 30.0  # long ago: the start's arrivals have decayed
+    for _ in range(20):
+        clock.t += seconds
+        queue.pop(0).done(prompt)
+        queue.append(q.admit(prompt))
+    assert not q.growing()
+    return queue
+
+
+def test_the_queue_bound_is_a_multiple_of_one_request_s_own_time_while_steady():
     """4-8 chats with 620-token prompts on this CPU: one request takes 0.4 s, so 0.5 s refused a
-    client behind two others. The bound is 8x that (3.2 s): 7 ahead pass, 9 are refused, naming it."""
-    cap, _ = measured(AUTO, 620, 0.4)
-    assert cap.queue_bound_s() == pytest.approx(3.2)
-    ahead = [cap.first_tokens.admit(620) for _ in range(7)]
-    cap.check(RequestContext())  # 2.8 s predicted
+    client behind two others. While the queue is steady the bound is 8x that (3.2 s): 7 ahead pass,
+    9 are refused, naming it."""
+    cap, clock = measured(AUTO, 620, 0.4)
+    ahead = steady(cap, clock, 620, 0.4, clients=7)
+    floor = cap.first_tokens.request_floor_s()
+    assert floor == pytest.approx(0.4, rel=0.02) and cap.queue_bound_s() == pytest.approx(8 * floor)
+    cap.check(RequestContext())  # 7 requests' time, ~2.8 s predicted
     ahead += [cap.first_tokens.admit(620) for _ in range(2)]
-    with pytest.raises(Rejected, match=r"predicted queue wait 3.60 s exceeds the queue bound 3.20 s "
-                                       r"\(8x one request's own 0.40 s, max_queue_wait_s auto\)") as e:
+    assert not cap.first_tokens.growing()  # two more than the loop's: not yet 1.5x its departures
+    with pytest.raises(Rejected, match=rf"predicted queue wait 3.\d\d s exceeds the queue bound {8 * floor:.2f} s "
+                                       rf"\(8x one request's own {floor:.2f} s, max_queue_wait_s auto\)") as e:
         cap.check(RequestContext())
     assert e.value.reason == "queue_wait"
     for p in ahead:
+        p.done()
+
+
+def test_a_growing_queue_is_held_to_the_objective_s_bound():
+    """A 10x burst on the default model: requests arrive faster than first tokens leave, so the wait
+    is bounded by the objective's share (0.5 s), not by 8x a request's time: what is admitted still
+    meets the SLO (with 8x, the burst's served TTFT was 2.6 s and its goodput 0.09x sustainable)."""
+    cap, clock = measured(AUTO, 128, 0.1)
+    burst = []
+    for _ in range(7):  # 10x the pace: 7 arrivals in 0.07 s, no first token yet
+        clock.t += 0.01
+        burst.append(cap.first_tokens.admit(128))
+    assert cap.first_tokens.growing() and cap.queue_bound_s() == 0.5  # steady, it would be 0.8 s
+    with pytest.raises(Rejected, match="predicted queue wait 0.70 s exceeds max_queue_wait_s 0.5: overloaded"):
+        cap.check(RequestContext())  # 7 ahead at 0.1 s
+    for p in burst:
         p.done()
 
 
@@ -119,6 +152,11 @@ def test_a_cpu_whose_one_stream_is_slower_than_the_target_is_not_capped_at_one()
     with pytest.raises(Rejected, match=r"at 800 ms per token \(8x its fastest, target_itl_s auto\) "
                                        r"\(measured \d+ ms per token over 16.0 streams\)"):
         cap.check(RequestContext())
+
+    growing = [cap.first_tokens.admit(10) for _ in range(4)]  # a burst arrives: held to the objective
+    assert cap.first_tokens.growing() and cap.pace.target() == pytest.approx(0.08)
+    for p in growing:
+        p.done()
 
     absolute = Capacity(ABSOLUTE, clock)
     absolute.pace._last = clock.t
