@@ -85,7 +85,7 @@ class LLMEngine:
             self.tensor_parallel = TensorParallelDriver.start(config, mc, num_blocks, self.max_model_len, self.device)
             self.model, ops, self.kv_cache = self.tensor_parallel, self.tensor_parallel.ops, self.tensor_parallel.kv_cache
             pool = self.kv_cache  # no static path under tp (static_mode): StaticDecode.for_engine returns None
-        static = static_mode(config, self.device)
+        static = static_mode(config, self.device, mc.family.cuda_graphs)
         if self.tensor_parallel is None:
             self.model = load_model(config.model, mc, self.max_model_len, dtype, self.device)
             ops = resolve_ops("torch" if static and config.model_ops == "auto" else config.model_ops, self.device, dtype)

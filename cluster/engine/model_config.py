@@ -5,6 +5,9 @@ Handles both the legacy keys (`rope_theta`, `rope_scaling`, `torch_dtype`) and t
 transformers-5 ones (`rope_parameters`, `dtype`). From `generation_config.json`: every EOS id
 (it often lists more than config.json, e.g. Llama 3's <|eot_id|>) and the model's recommended
 sampling, which the app may use where a request gives none.
+
+The model_type picks a family (model/families/): it parses its own fields (q/k norm, the MoE
+counts) and refuses what it cannot serve, naming the field.
 """
 
 from __future__ import annotations
@@ -14,7 +17,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = {"llama": False, "mistral": False, "qwen2": True}  # model_type -> qkv bias
+from cluster.engine.model.families import FAMILIES, family_of
+from cluster.engine.model.families.base import Family, MoEConfig, check_common, sliding_window
+
+SUPPORTED_ARCHITECTURES = tuple(sorted(FAMILIES))  # the served model_types
+# Family fields left out of the fingerprint at these values, so a Llama's is what it was before they existed.
+_FINGERPRINT_DEFAULTS = {"qk_norm": False, "moe": None, "sliding_window": None}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -58,6 +66,9 @@ class ModelConfig:
     qkv_bias: bool
     dtype: str
     rope: RopeConfig = field(default_factory=RopeConfig)
+    qk_norm: bool = False  # RMSNorm over head_dim on each q and k head before RoPE (Qwen3)
+    moe: MoEConfig | None = None  # the sparse MLP and the layers that have it; None: every MLP dense
+    sliding_window: int | None = None  # some layer attends this many positions back; refused at load if it bites
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
@@ -66,11 +77,9 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict, generation: dict | None = None) -> "ModelConfig":
         """`cfg`: config.json; `generation`: generation_config.json, if the checkpoint has one."""
         model_type = cfg.get("model_type", "llama")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"config.json model_type={model_type!r} is not supported "
-                f"(supported: {sorted(SUPPORTED_ARCHITECTURES)})"
-            )
+        family = family_of(model_type)
+        check_common(cfg)
+        fields = family.parse(cfg)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
@@ -91,8 +100,11 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=SUPPORTED_ARCHITECTURES[model_type] or cfg.get("attention_bias", False),
+            qkv_bias=fields.qkv_bias,
             dtype=dtype,
+            qk_norm=fields.qk_norm,
+            moe=fields.moe,
+            sliding_window=sliding_window(cfg),
             rope=_parse_rope(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -108,11 +120,18 @@ class ModelConfig:
         generation = json.loads(gen_path.read_text()) if gen_path.is_file() else None
         return cls.from_hf_dict(json.loads(path.read_text()), generation)
 
+    @property
+    def family(self) -> Family:
+        return family_of(self.model_type)
+
     def fingerprint(self) -> str:
         """Stable id of the architecture (not the weights): part of every block-hash salt.
         Sampling defaults do not change what a KV block holds, so they are left out."""
         parts = asdict(self)
         del parts["generation_defaults"]
+        for name, default in _FINGERPRINT_DEFAULTS.items():
+            if parts[name] == default:
+                del parts[name]
         blob = json.dumps(parts, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from cluster.engine.attention import AttentionBackend, AttentionMetadata, PrefillSpan
-from cluster.engine.model.llama import LlamaForCausalLM
+from cluster.engine.model.decoder import DecoderForCausalLM
 from cluster.engine.grammar import Grammars
 from cluster.engine.outputs import TokenLogprob
 from cluster.engine.request import Request
@@ -22,7 +22,7 @@ from cluster.engine.static_decode import StaticDecode
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderForCausalLM,
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
         block_size: int,

@@ -1,6 +1,6 @@
 """The layers that differ on a tensor-parallel rank, and the rank's model built from them.
 
-Column-parallel (qkv, gate/up) needs no new layer: a rank's model is the plain LlamaForCausalLM
+Column-parallel (qkv, gate/up) needs no new layer: a rank's model is the plain DecoderForCausalLM
 built with its own head and intermediate counts (the loader fills those rows). Row-parallel
 (o_proj, down_proj) sums the ranks' partial outputs with an all-reduce. The embedding and the LM
 head hold a vocabulary shard each; the embedding's rows are all-reduced (one rank holds each
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.engine.distributed.plan import ShardPlan
-from cluster.engine.model.llama import Linear, LlamaForCausalLM
+from cluster.engine.model.decoder import DecoderForCausalLM
+from cluster.engine.model.layers import Linear
 from cluster.engine.model.rope import RotaryEmbedding
 from cluster.engine.model_config import ModelConfig
 
@@ -72,12 +73,12 @@ def rank_config(mc: ModelConfig, plan: ShardPlan) -> ModelConfig:
 
 
 def build_rank_model(mc: ModelConfig, plan: ShardPlan, max_positions: int, dtype: torch.dtype,
-                     device: torch.device) -> LlamaForCausalLM:
+                     device: torch.device) -> DecoderForCausalLM:
     """Rank `plan.rank`'s model, uninitialised (the loader fills it)."""
     local = rank_config(mc, plan)
     hidden = mc.hidden_size
     with torch.device("meta"):
-        model = LlamaForCausalLM(local, max_positions, dtype, torch.device("meta"))
+        model = DecoderForCausalLM(local, max_positions, dtype, torch.device("meta"))
         for layer in model.layers:
             layer.self_attn.o_proj = RowParallelLinear(plan.num_heads * mc.head_dim, hidden, bias=False)
             layer.mlp.down_proj = RowParallelLinear(plan.intermediate, hidden, bias=False)

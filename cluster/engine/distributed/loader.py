@@ -9,28 +9,30 @@ import torch
 
 from cluster.engine.distributed.layers import build_rank_model
 from cluster.engine.distributed.plan import ShardPlan
-from cluster.engine.model.llama import LlamaForCausalLM
-from cluster.engine.model.loader import check_loaded, checkpoint_entries
+from cluster.engine.model.decoder import DecoderForCausalLM
+from cluster.engine.model.loader import check_context, check_loaded, checkpoint_entries, keys_of
 from cluster.engine.model_config import ModelConfig
 
 
 def load_rank_model(model_dir: str | Path, mc: ModelConfig, plan: ShardPlan, max_positions: int,
-                    dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+                    dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
     model_dir = Path(model_dir)
+    check_context(mc, max_positions)
     model = build_rank_model(mc, plan, max_positions, dtype, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for f, name, target, shard, dest in checkpoint_entries(model_dir, mc, params):
-        dim, start, length, offset = rank_slice(target, shard, mc, plan)
-        piece = f.get_slice(name)
-        tensor = piece[start : start + length] if dim == 0 else piece[:, start : start + length]
+    for f, name, piece, dest in checkpoint_entries(model_dir, mc, params):
+        target = piece.target  # never an expert's: no family with experts shards (plan.check_degree)
+        dim, start, length, offset = rank_slice(target, piece.part, mc, plan)
+        lazy = f.get_slice(name)
+        tensor = lazy[start : start + length] if dim == 0 else lazy[:, start : start + length]
         if target.endswith(("embed_tokens.weight", "lm_head.weight")):
             dest[length:].zero_()  # the last vocabulary shard's padding rows
         dest = dest.narrow(0, offset, tensor.shape[0])
         if dest.shape != tensor.shape:
             raise ValueError(f"{name}: rank {plan.rank}'s slice {tuple(tensor.shape)} != {tuple(dest.shape)}")
         dest.copy_(tensor)
-        loaded.add(f"{target}#{shard}")
+        loaded |= keys_of(piece, params[target])
     check_loaded(model, mc, loaded, model_dir)
     model.eval()
     return model

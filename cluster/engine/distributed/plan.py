@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.engine.model.families import FAMILIES
 from cluster.engine.model_config import ModelConfig
 
 
@@ -50,6 +51,10 @@ def check_degree(mc: ModelConfig, tp: int) -> None:
     """Raise ValueError naming the counts and the degrees that would work, unless `tp` can shard `mc`."""
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if tp > 1 and not mc.family.tensor_parallel:
+        sharded = sorted(t for t, f in FAMILIES.items() if f.tensor_parallel)
+        raise ValueError(f"tensor_parallel_size {tp}: model_type {mc.model_type!r} has no tensor-parallel "
+                         f"sharding here (families that shard: {', '.join(sharded)}); use tensor_parallel_size 1")
     h, hkv = mc.num_heads, mc.num_kv_heads
     kv_ok = hkv % tp == 0 if tp <= hkv else tp % hkv == 0
     problems = []
@@ -65,6 +70,8 @@ def check_degree(mc: ModelConfig, tp: int) -> None:
 
 
 def valid_degrees(mc: ModelConfig, up_to: int = 64) -> list[int]:
+    if not mc.family.tensor_parallel:
+        return [1]
     h, hkv = mc.num_heads, mc.num_kv_heads
     return [tp for tp in range(1, up_to + 1)
             if h % tp == 0 and mc.intermediate_size % tp == 0 and (hkv % tp == 0 if tp <= hkv else tp % hkv == 0)]

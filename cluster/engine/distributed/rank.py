@@ -11,7 +11,7 @@ from cluster.engine.config import kv_dtype
 from cluster.engine.distributed.loader import load_rank_model
 from cluster.engine.distributed.plan import ShardPlan
 from cluster.engine.distributed.step import RankReport, WorkerSpec
-from cluster.engine.model.llama import LlamaForCausalLM
+from cluster.engine.model.decoder import DecoderForCausalLM
 from cluster.engine.model.ops import resolve_ops
 from cluster.engine.model_config import ModelConfig
 
@@ -19,7 +19,7 @@ from cluster.engine.model_config import ModelConfig
 @dataclass
 class RankModel:
     plan: ShardPlan
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     kv_cache: torch.Tensor  # [num_blocks, L, 2, block_size, H_kv / tp (or 1, replicated), D]
     ops: object
     steps: int = 0

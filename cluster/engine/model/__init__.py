@@ -1,1 +1,1 @@
-"""The Llama-family model and its checkpoint I/O."""
+"""The served model families, the decoder built from shared blocks, and checkpoint I/O."""

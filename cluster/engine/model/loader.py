@@ -1,28 +1,41 @@
-"""Load a Hugging Face checkpoint directory (config.json + *.safetensors, sharded or not)."""
+"""Load a Hugging Face checkpoint directory (config.json + *.safetensors, sharded or not).
+
+The family's renames (model/families/) say where each checkpoint tensor goes: a whole parameter,
+one part of a fused one (q/k/v into qkv_proj, gate/up into gate_up_proj), or one expert's slice
+of a stacked [E, ...] one. Every parameter, part and expert slice must come from the checkpoint,
+and every checkpoint tensor must have a place.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
 
-from cluster.engine.model.llama import LlamaForCausalLM
+from cluster.engine.model.decoder import DecoderForCausalLM
 from cluster.engine.model.rope import RotaryEmbedding
 from cluster.engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
+
+@dataclass(frozen=True)
+class Piece:
+    """Where one checkpoint tensor goes."""
+
+    target: str  # the model parameter
+    part: int | None = None  # its rows' place in a fused parameter; None: all the rows
+    expert: int | None = None  # its slice of a stacked [E, ...] parameter; None: not an expert's
+
+    @property
+    def key(self) -> str:
+        return f"{self.target}#{self.part}" if self.expert is None else f"{self.target}#{self.expert}.{self.part}"
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -36,81 +49,113 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtype, device) -> LlamaForCausalLM:
+def check_context(cfg: ModelConfig, max_positions: int) -> None:
+    """Attention here is full: exact for a sliding-window model only while no context is longer than
+    its window (transformers: position i sees j when i - j < window)."""
+    if cfg.sliding_window is not None and max_positions > cfg.sliding_window:
+        raise ValueError(f"config.json sliding_window={cfg.sliding_window} is smaller than the context served "
+                         f"(max_model_len {max_positions}): sliding-window attention is not implemented; "
+                         f"serve this model with max_model_len <= {cfg.sliding_window}")
+
+
+def load_model(model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtype, device) -> DecoderForCausalLM:
     model_dir = Path(model_dir)
+    check_context(cfg, max_positions)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions, dtype, torch.device("meta"))
+        model = DecoderForCausalLM(cfg, max_positions, dtype, torch.device("meta"))
     model.to_empty(device=device)
     model.tie_weights()  # to_empty materialises tied parameters separately
     model.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)  # not in checkpoints
     params = dict(model.named_parameters())
-    split = {
-        "self_attn.qkv_proj": [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
-                               cfg.num_kv_heads * cfg.head_dim],
-        "mlp.gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
-    }
     loaded: set[str] = set()
-    for f, name, target, shard, dest in checkpoint_entries(model_dir, cfg, params):
+    for f, name, piece, dest in checkpoint_entries(model_dir, cfg, params):
         tensor = f.get_tensor(name)
-        if shard is not None:
-            kind = "self_attn.qkv_proj" if "qkv" in target else "mlp.gate_up_proj"
-            sizes = split[kind]
-            start = sum(sizes[:shard])
-            dest = dest.narrow(0, start, sizes[shard])
+        dest = piece_of(dest, piece, cfg)
         if dest.shape != tensor.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
         dest.copy_(tensor)
-        loaded.add(f"{target}#{shard}")
+        loaded |= keys_of(piece, params[piece.target])
     check_loaded(model, cfg, loaded, model_dir)
     model.eval()
     return model
 
 
+def piece_of(dest: torch.Tensor, piece: Piece, cfg: ModelConfig) -> torch.Tensor:
+    """The rows of parameter data `dest` that `piece` fills."""
+    if piece.expert is not None:
+        dest = dest[piece.expert]
+    if piece.part is None:
+        return dest
+    sizes = part_sizes(piece.target, dest.shape[0], cfg)
+    return dest.narrow(0, sum(sizes[: piece.part]), sizes[piece.part])
+
+
+def part_sizes(target: str, rows: int, cfg: ModelConfig) -> list[int]:
+    """The row counts of a fused parameter's parts: q, k, v heads; or gate and up halves."""
+    if "qkv_proj" in target:
+        q = rows - 2 * cfg.num_kv_heads * cfg.head_dim
+        return [q, (rows - q) // 2, (rows - q) // 2]
+    return [rows // 2, rows // 2]
+
+
 def checkpoint_entries(model_dir: Path, cfg: ModelConfig, params: dict[str, torch.nn.Parameter]
-                       ) -> Iterator[tuple[Any, str, str, int | None, torch.Tensor]]:
+                       ) -> Iterator[tuple[Any, str, Piece, torch.Tensor]]:
     """Every checkpoint tensor that has a place in the model: (its open safetensors file, its name,
-    the model parameter it goes to, its part of a fused parameter or None, that parameter's data).
-    A tensor with no place is refused."""
+    where it goes, that parameter's data). A tensor with no place is refused."""
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                target, shard = checkpoint_target(name, cfg)
-                if target is None:
+                piece = checkpoint_target(name, cfg)
+                if piece is None:
                     continue
-                if target not in params:
+                if piece.target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                yield f, name, target, shard, params[target].data
+                yield f, name, piece, params[piece.target].data
 
 
-def check_loaded(model: LlamaForCausalLM, cfg: ModelConfig, loaded: set[str], model_dir: Path) -> None:
-    """Every parameter (each part of a fused one: `target#shard`) came from the checkpoint."""
+def checkpoint_target(name: str, cfg: ModelConfig) -> Piece | None:
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None
+    if "rotary_emb" in name:
+        return None
+    for rename in cfg.family.renames:
+        m = re.search(rename.pattern, name)
+        if m:
+            expert = m.groupdict().get("expert")
+            target = name[: m.start()] + rename.target + name[m.end():]
+            return Piece(target, rename.part, None if expert is None else int(expert))
+    return Piece(name)
+
+
+def parts(name: str, param: torch.Tensor) -> set[str]:
+    """The keys (Piece.key) a parameter is loaded as: one per fused part and per expert."""
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        halves = (0, 1) if name.endswith("gate_up_proj") else (None,)
+        return {Piece(name, p, e).key for e in range(param.shape[0]) for p in halves}
+    if "qkv_proj" in name:
+        return {Piece(name, i).key for i in range(3)}
+    if "gate_up_proj" in name:
+        return {Piece(name, i).key for i in range(2)}
+    return {Piece(name).key}
+
+
+def keys_of(piece: Piece, param: torch.Tensor) -> set[str]:
+    """The keys a checkpoint tensor fills: one, or every part of the parameter it fills whole
+    (Phi-3's qkv_proj, transformers 5's stacked experts)."""
+    if piece.part is None and piece.expert is None:
+        return parts(piece.target, param)
+    return {piece.key}
+
+
+def check_loaded(model: DecoderForCausalLM, cfg: ModelConfig, loaded: set[str], model_dir: Path) -> None:
+    """Every parameter (each part of a fused one: `target#part`, each expert's: `target#expert.part`)
+    came from the checkpoint."""
     missing = expected_keys(model, cfg) - loaded
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
 
-def checkpoint_target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
-    if name.startswith("model."):
-        name = name[len("model."):]
-    if name == "lm_head.weight" and cfg.tie_word_embeddings:
-        return None, None
-    if "rotary_emb" in name:
-        return None, None
-    for src, (dst, shard) in _FUSED.items():
-        if f".{src}." in name:
-            return name.replace(src, dst), shard
-    return name, None
-
-
-def expected_keys(model: LlamaForCausalLM, cfg: ModelConfig) -> set[str]:
-    keys = set()
-    for name, _ in model.named_parameters():
-        if name.startswith("rotary"):
-            continue
-        if "qkv_proj.weight" in name or "qkv_proj.bias" in name:
-            keys |= {f"{name}#{i}" for i in range(3)}
-        elif "gate_up_proj" in name:
-            keys |= {f"{name}#{i}" for i in range(2)}
-        else:
-            keys.add(f"{name}#None")
-    return keys
+def expected_keys(model: DecoderForCausalLM, cfg: ModelConfig) -> set[str]:
+    return {key for name, p in model.named_parameters() if not name.startswith("rotary") for key in parts(name, p)}

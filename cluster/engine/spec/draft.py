@@ -1,6 +1,6 @@
 """The draft-model proposer: a smaller checkpoint with the model's vocabulary proposes greedily.
 
-The draft runs on the engine's own model code (a second `LlamaForCausalLM` and `ModelRunner`,
+The draft runs on the engine's own model code (a second `DecoderForCausalLM` and `ModelRunner`,
 same device, dtype, attention backend and block size) over its own paged KV pool, accounted by a
 second `KVCacheManager` (no prefix cache: a draft block never outlives its request). Draft
 proposals are its argmax, so each is a point mass: verify.py's rejection sampling (accept x with

@@ -1,8 +1,8 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2 with qkv bias) over a paged KV cache.
+"""The decoder every served family runs (model/families/), over a paged KV cache.
 
 The model runs a flat batch of tokens [T] from many requests at once; attention metadata says
-which tokens belong to which request and where their KV lives. q/k/v and gate/up projections are
-fused at load time (one matmul each).
+which tokens belong to which request and where their KV lives. A layer is the shared blocks
+(model/layers.py, model/moe.py) as its ModelConfig asks: q/k norm or not, a dense MLP or the MoE.
 """
 
 from __future__ import annotations
@@ -13,70 +13,21 @@ import torch
 from torch import nn
 
 from cluster.engine.attention import AttentionBackend, AttentionMetadata
+from cluster.engine.model.layers import MLP, Attention, Linear, RMSNorm
+from cluster.engine.model.moe import SparseMoE
 from cluster.engine.model.ops import TORCH_OPS
 from cluster.engine.model.rope import RotaryEmbedding
 from cluster.engine.model_config import ModelConfig
 
 
-class RMSNorm(nn.Module):
-    ops = TORCH_OPS  # replaced by LlamaForCausalLM.use_ops
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual += x (in place), then the norm of the sum."""
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class Linear(nn.Linear):
-    ops = TORCH_OPS  # replaced by LlamaForCausalLM.use_ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self.weight, self.bias)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.h, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=False)
-        self.scale = self.d**-0.5
-
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
-        t = x.shape[0]  # x: [T, hidden]
-        qkv = self.qkv_proj(x)
-        qk = self.qkv_proj.ops.rope(qkv[:, : (self.h + self.hkv) * self.d].view(t, self.h + self.hkv, self.d), cos, sin)
-        q, k = qk[:, : self.h], qk[:, self.h :]  # rotated together: one rope for both
-        v = qkv[:, (self.h + self.hkv) * self.d :].view(t, self.hkv, self.d)
-        backend.write_kv(k_cache, v_cache, k, v, meta)
-        o = backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.h * self.d))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(self.gate_up_proj.ops.silu_mul(self.gate_up_proj(x)))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        sparse = cfg.moe is not None and index in cfg.moe.sparse_layers
+        self.mlp = SparseMoE(cfg.moe, cfg.hidden_size) if sparse else MLP(cfg)
 
     def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, backend):
         # x: the previous layer's output, residual: the stream before it (None at the first
@@ -90,26 +41,32 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     ops = TORCH_OPS  # replaced by use_ops
 
     def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.to(dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)
+        # The fused decode kernel (ops.decode_layers) knows only the Llama layer: a family says
+        # whether its layers are that, and the layers built here must agree.
+        self.llama_shaped = cfg.family.llama_shaped
+        plain = all(type(layer.mlp) is MLP and layer.self_attn.q_norm is None for layer in self.layers)
+        if self.llama_shaped and not plain:
+            raise ValueError(f"model_type {cfg.model_type!r} is declared Llama-shaped but has q/k norms or MoE layers")
 
     def use_ops(self, ops) -> None:
         """Route every linear and norm through `ops` (model/ops.py), chosen once at load, and lay
         the linears' weights out as its kernels read them best (the tied embedding's with the LM head's)."""
         self.ops = ops
         for m in self.modules():
-            if isinstance(m, (Linear, RMSNorm)):
+            if isinstance(m, (Linear, RMSNorm, SparseMoE)):
                 m.ops = ops
             if isinstance(m, Linear):
                 m.weight.data = ops.place_weight(m.weight.data)
@@ -144,7 +101,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [S, vocab] float32
         x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
-        if self.ops.fuses(meta):  # the whole layer stack in one kernel call
+        if self.llama_shaped and self.ops.fuses(meta):  # the whole layer stack in one kernel call
             weights, qkv_bias = self.layer_weights
             attn = self.layers[0].self_attn
             x, residual = self.ops.decode_layers(x, weights, qkv_bias, kv_cache, meta, cos, sin, attn.h, attn.hkv,

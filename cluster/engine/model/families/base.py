@@ -1,0 +1,115 @@
+"""What a model family declares. Torch-free: ModelConfig reads it, and the front door imports ModelConfig.
+
+A family is one `Family` value: how its own config.json fields read (q/k norm, the MoE counts, which
+layers are sparse) and which values it refuses, how its checkpoint's tensor names map onto the
+model's parameters, and what the engine's special paths may assume of its layers. The model itself
+is built from the shared blocks (model/layers.py, model/moe.py, model/decoder.py), steered by the
+ModelConfig fields a family's `parse` returns; a family needing a new block adds it there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+def unsupported(field: str, value, why: str) -> ValueError:
+    """The refusal of a config.json value: it names the field, the value and what is served instead."""
+    return ValueError(f"config.json {field}={value!r} is not supported: {why}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each expert's (the dense layers keep ModelConfig.intermediate_size)
+    renormalize: bool  # the top-k softmax weights divided by their sum (Mixtral always, Qwen3-MoE by norm_topk_prob)
+    float32_weights: bool  # expert outputs scaled by the float32 routing weights (Mixtral), else by the model dtype's
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is this MoE; the others are dense
+
+    def __post_init__(self):
+        if not 0 < self.top_k <= self.num_experts:
+            raise unsupported("num_experts_per_tok", self.top_k, f"it must be 1..{self.num_experts} (the experts)")
+
+
+@dataclass(frozen=True)
+class FamilyFields:
+    """The family-specific part of ModelConfig (what `Family.parse` returns)."""
+
+    qkv_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on every q and k head, before RoPE (Qwen3)
+    moe: MoEConfig | None = None
+
+
+@dataclass(frozen=True)
+class Rename:
+    """A checkpoint tensor (its name without "model.") whose name `pattern` matches (re.search) goes
+    to the parameter named by replacing the match with `target`. `part`: its rows' place in a fused
+    parameter (qkv_proj: q, k, v; gate_up_proj: gate, up); a named group `expert`: its slice of a
+    stacked [num_experts, ...] parameter."""
+
+    pattern: str
+    target: str
+    part: int | None = None
+
+
+# q/k/v and gate/up are fused at load: one matmul each (the checkpoint keeps them apart).
+FUSE_QKV_GATE_UP = (
+    Rename(r"\.self_attn\.q_proj\.", ".self_attn.qkv_proj.", 0),
+    Rename(r"\.self_attn\.k_proj\.", ".self_attn.qkv_proj.", 1),
+    Rename(r"\.self_attn\.v_proj\.", ".self_attn.qkv_proj.", 2),
+    Rename(r"\.mlp\.gate_proj\.", ".mlp.gate_up_proj.", 0),
+    Rename(r"\.mlp\.up_proj\.", ".mlp.gate_up_proj.", 1),
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    parse: Callable[[dict], FamilyFields]  # its own config.json fields; raises `unsupported` for what it cannot serve
+    renames: tuple[Rename, ...] = FUSE_QKV_GATE_UP  # first match wins; an unmatched name is the parameter's own
+    # Its layers are Llama's (norm, qkv(+bias), RoPE, attention, o, norm, gate_up, SiLU-mul, down): only
+    # then may the fused CPU decode kernel (ops.decode_layers) run them.
+    llama_shaped: bool = True
+    tensor_parallel: bool = False  # distributed/ has its shard rules (plan, layers, loader)
+    cuda_graphs: bool = True  # a decode step never reads the device from the host, so a CUDA graph can capture it
+
+
+def check_common(cfg: dict) -> None:
+    """Refuse what no family implements: quantised weights, another activation, partial RoPE, MLP
+    biases, attention kinds other than full or sliding (sliding is checked against the context at load)."""
+    if cfg.get("quantization_config") is not None:
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise unsupported("quantization_config", f"quant_method={method}", "only unquantised float checkpoints are served")
+    for field in ("hidden_act", "hidden_activation"):
+        if cfg.get(field, "silu") != "silu":
+            raise unsupported(field, cfg[field], "every served family's MLP is SiLU-gated")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if factor != 1.0:
+        raise unsupported("partial_rotary_factor", factor, "RoPE rotates the whole head here")
+    if cfg.get("mlp_bias"):
+        raise unsupported("mlp_bias", True, "the MLP projections have no bias here")
+    kinds = set(cfg.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
+    if kinds:
+        raise unsupported("layer_types", sorted(kinds), "only full_attention and sliding_attention layers are served")
+
+
+def sliding_window(cfg: dict) -> int | None:
+    """The attention window some layer uses, or None. Qwen's configs switch it with use_sliding_window
+    (and transformers 5 names the layers in layer_types); Mistral's apply sliding_window when set."""
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if "sliding_attention" in (cfg.get("layer_types") or ()):
+        return window
+    if "use_sliding_window" in cfg or "layer_types" in cfg:
+        return window if cfg.get("use_sliding_window") else None
+    return window
+
+
+def required(cfg: dict, *names: str):
+    """The first of `names` that config.json has (transformers renames some keys between versions)."""
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    raise ValueError(f"config.json lacks {' / '.join(names)}")

@@ -1,0 +1,66 @@
+"""The sparse MoE layer (Mixtral, Qwen3-MoE), computed grouped: one GEMM per expert over its rows.
+
+Routing as transformers: softmax over the router logits in float32, top-k, optionally the k weights
+renormalised. The (token, choice) rows are then sorted by expert, so each expert that received rows
+runs its gate_up and down projections once over a contiguous block, and the weighted outputs are
+added back onto their tokens. Experts with no rows are skipped (never indexed).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cluster.engine.model.layers import Linear
+from cluster.engine.model.ops import TORCH_OPS
+from cluster.engine.model_config import MoEConfig
+
+
+class Experts(nn.Module):
+    """Every expert's SiLU-gated MLP, stacked (transformers 5's layout and names)."""
+
+    def __init__(self, moe: MoEConfig, hidden: int):
+        super().__init__()
+        e, i = moe.num_experts, moe.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))  # [E, 2I, H]: gate rows, then up rows
+        self.down_proj = nn.Parameter(torch.empty(e, hidden, i))  # [E, H, I]
+
+
+class SparseMoE(nn.Module):
+    ops = TORCH_OPS  # replaced by DecoderForCausalLM.use_ops
+
+    def __init__(self, moe: MoEConfig, hidden: int):
+        super().__init__()
+        self.gate = Linear(hidden, moe.num_experts, bias=False)  # the router
+        self.experts = Experts(moe, hidden)
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.renormalize, self.float32_weights = moe.renormalize, moe.float32_weights
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] float32, experts [T, k] int64)."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H] -> [T, H]
+        weights, experts = self.route(x)
+        choices = experts.flatten()  # [T*k]: row r is token r // k's (r % k)-th expert
+        order = choices.argsort(stable=True)  # the rows grouped by expert, ascending
+        counts = torch.bincount(choices, minlength=self.num_experts).tolist()  # one host read a layer
+        tokens = order // self.top_k
+        rows = x[tokens]  # [T*k, H], expert by expert
+        out = torch.empty_like(rows)
+        ops, start = self.ops, 0
+        for e, n in enumerate(counts):
+            if n:
+                block = slice(start, start + n)
+                gate_up = ops.linear(rows[block], self.experts.gate_up_proj[e], None)  # [n, 2I]
+                out[block] = ops.linear(ops.silu_mul(gate_up), self.experts.down_proj[e], None)
+                start += n
+        w = weights.flatten()[order, None]  # [T*k, 1]
+        # Mixtral scales in float32 (its weights stay float32); Qwen3-MoE casts them to the model dtype.
+        out = (out.float() * w).to(x.dtype) if self.float32_weights else out * w.to(x.dtype)
+        # Each token's k rows are added in expert order, as transformers' per-expert index_add_.
+        return torch.zeros_like(x).index_add_(0, tokens, out)
