@@ -124,10 +124,15 @@ class FirstTokenQueue(_Meter):
         """Requests ahead of one checked now: in the queue, reserved, and `in_transit` more."""
         return self.pending_requests + max(0, self.reserved + in_transit)
 
+    def offered(self) -> None:
+        """A request arrived (checked, whether it is then admitted or refused)."""
+        self._count(1, 0)
+
     def growing(self) -> bool:
-        """Requests join faster than they leave (GROWING_AT, over the last few GROWTH_TAU_S): an
-        overload, where the wait grows while nothing is done. A closed loop of clients, however many,
-        is steady: each arrival follows a departure."""
+        """Requests arrive faster than they leave (GROWING_AT, over the last few GROWTH_TAU_S): an
+        overload. Arrivals are the requests offered, refused ones included: counted at admission, a
+        burst held at the bound looks steady (as many admitted as leave). A closed loop of clients
+        that is never refused is steady: each arrival follows a departure."""
         self._count(0, 0)
         return self.pending_requests > 1 and self._arrived > GROWING_AT * max(self._left, 1.0)
 
@@ -172,7 +177,6 @@ class FirstTokenQueue(_Meter):
         p.admitted_at = self._last
         self.pending_tokens += tokens
         self.pending_requests += 1
-        self._count(1, 0)
         m = self.mean_tokens
         self.mean_tokens = tokens if m is None else (1 - MEAN_ALPHA) * m + MEAN_ALPHA * tokens
 
@@ -369,6 +373,7 @@ class Capacity:
                                steady=lambda: not self.first_tokens.growing())
 
     def check(self, ctx: RequestContext) -> None:
+        self.first_tokens.offered()
         refusal = self._refusal(ctx.priority == Priority.BATCH, ctx.remaining_s())
         if refusal is not None:
             raise refusal

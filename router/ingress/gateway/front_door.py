@@ -142,8 +142,11 @@ class FrontDoor:
         return tenant, Rejected(f"{refusal.message} (refused on arrival)", refusal.retry_after_s, refusal.reason)
 
     def count_refused(self, error: ServingError, tenant: str) -> None:
-        """Count a refusal made before the front door (shedding); on this loop."""
+        """Count a refusal made before the front door (shedding); on this loop. It was offered to every
+        version's capacity (shedding refuses only when all of them would)."""
         self.arrivals += 1
+        for capacity in self.capacities.values():
+            capacity.first_tokens.offered()
         if self.telemetry is not None:
             self.telemetry.refused(error, tenant)
 
