@@ -128,13 +128,16 @@ class FirstTokenQueue(_Meter):
         """A request arrived (checked, whether it is then admitted or refused)."""
         self._count(1, 0)
 
-    def growing(self) -> bool:
+    def growing(self, at_least: float = 1.0) -> bool:
         """Requests arrive faster than they leave (GROWING_AT, over the last few GROWTH_TAU_S): an
         overload. Arrivals are the requests offered, refused ones included: counted at admission, a
         burst held at the bound looks steady (as many admitted as leave). A closed loop of clients
-        that is never refused is steady: each arrival follows a departure."""
+        that is never refused is steady: each arrival follows a departure. `at_least`: departures
+        counted as no fewer than this, so that a closed loop of that many clients arriving at once (a
+        cold start, whose first tokens are slow) is not growth; read as growth, its refusals brought
+        retries at once, which kept it growing (16 of 40 chats refused)."""
         self._count(0, 0)
-        return self.pending_requests > 1 and self._arrived > GROWING_AT * max(self._left, 1.0)
+        return self.pending_requests > 1 and self._arrived > GROWING_AT * max(self._left, at_least)
 
     def _count(self, arrived: int, left: int) -> None:
         now = self.clock()
@@ -370,7 +373,12 @@ class Capacity:
         self.first_tokens = FirstTokenQueue(clock)  # the queue ahead of a new request
         # the streams past their first token, their token interval and the limit it sets
         self.pace = StreamPace(clock, target_itl_s=bounds.target_itl_s, floor_multiple=bounds.itl_floor_multiple,
-                               steady=lambda: not self.first_tokens.growing())
+                               steady=lambda: not self.growing())
+
+    def growing(self) -> bool:
+        """The load grows (FirstTokenQueue.growing) beyond what a closed loop of floor_multiple clients
+        can offer at once: the relative bounds are off while it does."""
+        return self.first_tokens.growing(at_least=max(1.0, self.bounds.queue_floor_multiple))
 
     def check(self, ctx: RequestContext) -> None:
         self.first_tokens.offered()
@@ -391,7 +399,7 @@ class Capacity:
         ingress measures it) while the queue is steady; a growing queue is held to max_queue_wait_s."""
         b = self.bounds
         floor = (floor_s or self.first_tokens.request_floor_s()) if b.queue_floor_multiple else None
-        if b.max_queue_wait_s is None or floor is None or self.first_tokens.growing():
+        if b.max_queue_wait_s is None or floor is None or self.growing():
             return b.max_queue_wait_s
         return max(b.max_queue_wait_s, b.queue_floor_multiple * floor)
 
