@@ -135,14 +135,17 @@ class FirstTokenQueue(_Meter):
         that is never refused is steady: each arrival follows a departure. `at_least`: departures
         counted as no fewer than this, so that a closed loop of that many clients arriving at once (a
         cold start, whose first tokens are slow) is not growth; read as growth, its refusals brought
-        retries at once, which kept it growing (16 of 40 chats refused)."""
-        self._count(0, 0)
-        return self.pending_requests > 1 and self._arrived > GROWING_AT * max(self._left, at_least)
+        retries at once, which kept it growing (16 of 40 chats refused). It only reads (the gRPC
+        transport's thread asks it through `shedding`); the counts move on the front door's loop."""
+        decay = self._decay()
+        return self.pending_requests > 1 and self._arrived * decay > GROWING_AT * max(self._left * decay, at_least)
+
+    def _decay(self) -> float:
+        return math.exp(-(self.clock() - self._counted_at) / GROWTH_TAU_S)
 
     def _count(self, arrived: int, left: int) -> None:
-        now = self.clock()
-        decay = math.exp(-(now - self._counted_at) / GROWTH_TAU_S)
-        self._counted_at = now
+        decay = self._decay()
+        self._counted_at = self.clock()
         self._arrived = self._arrived * decay + arrived
         self._left = self._left * decay + left
 
