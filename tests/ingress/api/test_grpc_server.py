@@ -242,7 +242,7 @@ def test_calls_on_their_way_to_the_busy_loop_count_ahead_of_a_new_one(tiny_model
 def test_a_bug_in_a_call_is_internal_and_the_server_keeps_serving(tiny_model):
     cfg = config(tiny_model)
     door = front_door(cfg)
-    door.model_info = lambda: 1 / 0  # a bug in what ListModels reads
+    door.model_info = lambda tenant=None: 1 / 0  # a bug in what ListModels reads
 
     async def body(server):
         with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -254,3 +254,18 @@ def test_a_bug_in_a_call_is_internal_and_the_server_keeps_serving(tiny_model):
     err, status = serving(cfg, door)(body)
     assert (err.code(), err.details()) == (grpc.StatusCode.INTERNAL, "internal error")
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING  # answered: a door over no pools has no decode replica
+
+
+def test_list_models_lists_a_weight_0_canary_only_to_a_tenant_that_may_pin(tiny_model):
+    cfg = AppConfig.model_validate({
+        "grpc_port": free_port(),
+        "models": {"tiny": {"versions": {"v1": {"model": tiny_model, "weight": 1},
+                                         "cand": {"model": tiny_model, "weight": 0}}}},
+        "tenants": {"acme": {"api_keys": [KEY]}, "ops": {"api_keys": ["sk-ops"], "pin_versions": True}}})
+
+    async def body(server):
+        address = f"127.0.0.1:{cfg.grpc_port}"
+        return [[(m.id, list(m.versions), m.version) for m in (await list_models(address, key)).models]
+                for key in (KEY, "sk-ops")]
+
+    assert serving(cfg)(body) == [[("tiny", ["v1"], "v1")], [("tiny", ["v1", "cand"], "v1")]]
