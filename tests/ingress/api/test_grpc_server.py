@@ -158,7 +158,8 @@ def test_a_taken_port_fails_the_replica(tiny_model):
 def test_an_overloaded_door_refuses_on_arrival_while_its_loop_is_busy(tiny_model):
     """Shedding: when the front door's capacity refuses all work, the transport's thread refuses a
     call at once, counted on the door's loop later; its own loop may be busy the while."""
-    cfg = AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY])
+    # a fixed bound: `auto` never refuses with one request ahead (the transport's path is tested here)
+    cfg = AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY], admission={"max_queue_wait_s": 0.5})
     door = front_door(cfg)
     queue = door.capacity.first_tokens  # 2,000 prompt tokens ahead at 1,000 a second: a 2 s wait
     queue.rate, queue.pending_tokens, queue.pending_requests = 1000.0, 2000, 1
@@ -201,7 +202,8 @@ def test_calls_on_their_way_to_the_busy_loop_count_ahead_of_a_new_one(tiny_model
     """The queue is under the bound (0.4 s of 0.5), but a call let through and not yet on the door's
     loop is ahead: at the mean prompt length it takes the wait to 0.8 s, so the next call is refused
     on arrival, not after waiting for the loop."""
-    cfg = AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY])
+    # a fixed bound: `auto` never refuses with one request ahead (the transport's path is tested here)
+    cfg = AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY], admission={"max_queue_wait_s": 0.5})
     door = front_door(cfg)
     queue = door.capacity.first_tokens
     queue.rate, queue.pending_tokens, queue.pending_requests, queue.mean_tokens = 1000.0, 400, 1, 400.0
