@@ -21,6 +21,12 @@ class WrongRoleError(RuntimeError):
     routed): it refused the call before starting anything, so the caller may send it elsewhere."""
 
 
+class WrongReplicaError(RuntimeError):
+    """A call that names its replica (`target_replica`) reached another one: Serve's request router
+    sends it to any live replica when the named one is gone. A call that must act on one replica
+    (a role flip) is refused there before it changes anything, so its caller sees a failure."""
+
+
 class DrainTimeoutError(TimeoutError):
     """A role flip's drain did not finish in time: the flip was called off, the replica kept its
     role and every request it held."""

@@ -1,13 +1,15 @@
 """Which prefill rank holds each KV head a decode rank owns, when the pools' tensor-parallel degrees
-differ (issue 41, KV transfer between degrees: the first piece; no transport uses it yet).
+differ (issue 41, KV transfer between degrees). The handshake checks a pair of degrees with it
+(`KVLayout`, kv_transfer/handle.py) and the decode driver plans its ranks' READs from it
+(kv_transfer/rank_reads.py).
 
 A rank's pool holds its KV heads of every block (cluster/engine/distributed/plan.py): split when tp
 divides the head count, one head replicated on tp / num_kv_heads ranks when tp is a multiple of it.
 A block on a rank is [L, 2, bs, H_rank, D] (kv_transfer/handle.py's layout), so one head slice of a
 block is L * 2 * bs runs of count * D elements, H_rank * D apart: `slice_runs` gives them as (byte
 offset, length) within the block, merged where they touch (the whole block when the slice is every
-head of the source rank), which is what a NIXL descriptor list over head slices would carry.
-No torch, no NIXL: the handshake and the tests use it as is.
+head of the source rank). That is one side's runs; the READs pair both sides' runs in
+rank_reads.slice_pairs, and only the tests call `slice_runs`. No torch, no NIXL.
 """
 
 from __future__ import annotations

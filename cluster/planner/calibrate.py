@@ -145,6 +145,18 @@ def _sharing_worker(model: str, device: str, dtype: str, block_size: int, thread
     results.put((prefill, decode))
 
 
+def sharing_factor(runs: Sequence[tuple[Sequence[float], Sequence[float]]],
+                   alone: tuple[float, float] | None) -> tuple[float, float, float]:
+    """Step times of processes stepping at once, each's (prefill seconds, decode seconds) -> the
+    median prefill and decode step over all of them, and their slow-down over `alone` (the two
+    medians of one process; None: this is that point, 1.0): the geometric mean of the two ratios,
+    to 4 places, so neither kind of step outweighs the other."""
+    prefill = statistics.median(t for r in runs for t in r[0])
+    decode = statistics.median(t for r in runs for t in r[1])
+    base = alone or (prefill, decode)
+    return prefill, decode, round(((prefill / base[0]) * (decode / base[1])) ** 0.5, 4)
+
+
 def measure_sharing(model: str, processes: int, seconds: float = 10.0, device: str = "cpu", dtype: str = "auto",
                     block_size: int = 16, log: Callable[[str], None] = print) -> tuple[float, ...]:
     """Per n = 1..processes engine processes stepping at once, a step's time over its time alone."""
@@ -166,12 +178,10 @@ def measure_sharing(model: str, processes: int, seconds: float = 10.0, device: s
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
-        prefill = statistics.median(t for r in runs for t in r[0])
-        decode = statistics.median(t for r in runs for t in r[1])
+        prefill, decode, factor = sharing_factor(runs, alone)
         if alone is None:
             alone = (prefill, decode)
-        factor = ((prefill / alone[0]) * (decode / alone[1])) ** 0.5
-        factors.append(round(factor, 4))
+        factors.append(factor)
         log(f"sharing: {n} engine processes at once: prefill {SHARING_PREFILL} tokens {prefill * 1e3:.1f} ms "
             f"({prefill / alone[0]:.2f}x), decode {SHARING_DECODE[0]} x {SHARING_DECODE[1]} {decode * 1e3:.1f} ms "
             f"({decode / alone[1]:.2f}x): {factor:.2f}x")

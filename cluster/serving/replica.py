@@ -34,7 +34,7 @@ from cluster.engine.loop import EngineLoop
 from cluster.engine.outputs import RequestOutput, merge_outputs
 from cluster.engine.request import DEFAULT_CONTEXT, RequestContext
 from cluster.engine.sampling_params import SamplingParams
-from cluster.errors import DrainTimeoutError, WrongRoleError
+from cluster.errors import DrainTimeoutError, WrongReplicaError, WrongRoleError
 from cluster.serving import faults
 from cluster.serving.registry import RayMetadataStore, get_registry
 from cluster.serving.reporting import LoadReporter
@@ -230,8 +230,14 @@ class EngineReplica:
         Past `drain_timeout_s` the flip is called off: the replica keeps its role and its work,
         is no longer draining, and DrainTimeoutError is raised. Returns {"replica_id", "from",
         "to", "drained_s", "drained_requests"} (the old role's requests when the drain began).
-        `target_replica` picks the replica (read by the request router)."""
+        `target_replica` picks the replica (read by the request router); another replica that the
+        call reached (the named one gone) refuses it with WrongReplicaError before anything."""
         self.arrived(target_replica)
+        if target_replica is not None and target_replica != self.replica_id:
+            # Serve's request router falls back to a random live replica when the target is gone:
+            # flipping that one instead would move the wrong replica and report success
+            raise WrongReplicaError(f"set_role({role!r}) named replica {target_replica} but reached replica "
+                                    f"{self.replica_id}; nothing was changed")
         if role not in self.roles:
             raise ValueError(f"replica {self.replica_id} cannot play {role!r} (it knows {sorted(self.roles)})")
         async with self._flip:

@@ -3,6 +3,8 @@ timings themselves are this machine's, not asserted)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cluster.planner.calibrate import calibrate
@@ -55,5 +57,22 @@ def test_sharing_times_engine_processes_stepping_at_once_against_one_alone(tiny_
 
     lines = []
     factors = measure_sharing(tiny_model, 2, seconds=0.5, log=lines.append)
-    assert len(factors) == 2 and factors[0] == 1.0 and factors[1] > 0
+    assert len(factors) == 2 and factors[0] == 1.0
     assert [line.split(":")[1].strip() for line in lines] == ["1 engine processes at once", "2 engine processes at once"]
+    # the factor returned is the one logged, and the geometric mean of the two slow-downs logged
+    # beside it (each printed to 2 places: off by at most 0.005)
+    prefill_x, decode_x, factor_x = (float(x) for x in re.findall(r"([0-9.]+)x", lines[1]))
+    assert re.fullmatch(r".* ms \(1\.00x\), decode 4 x 256 .* ms \(1\.00x\): 1\.00x", lines[0]), lines[0]
+    assert factor_x == round(factors[1], 2)
+    assert abs(prefill_x * decode_x - factors[1] ** 2) <= 0.005 * (prefill_x + decode_x) + 0.005 ** 2
+
+
+def test_the_sharing_factor_is_the_geometric_mean_of_the_median_slow_downs():
+    from cluster.planner.calibrate import sharing_factor
+
+    # seconds in binary fractions: the medians are exact
+    alone = sharing_factor([([0.5, 0.75, 0.625], [0.125, 0.25, 0.125])], None)
+    assert alone == (0.625, 0.125, 1.0)
+    # two processes at once: medians over both, 1.25 s (2x) and 0.28125 s (2.25x) -> sqrt(4.5)
+    together = sharing_factor([([1.25, 1.5, 1.0], [0.25, 0.3125]), ([1.25, 2.0], [0.25, 0.375])], alone[:2])
+    assert together == (1.25, 0.28125, 2.1213)

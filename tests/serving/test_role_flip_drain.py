@@ -3,7 +3,7 @@ real engine, loop, reporter and roles (PrefillEngine, DecodeEngine); only the ro
 transport are stand-ins (nothing is pulled). A drain reports at once, serves the calls already
 coming, and is called off at its timeout with the role and the stream kept; a flip swaps the role
 over the same engine; the other role's calls are refused before anything starts; a held lease
-holds the flip back until it ends. The flip across real pools and NIXL: test_role_flip.py."""
+holds the flip back until it ends; a flip that names another replica is refused. The flip across real pools and NIXL: test_role_flip.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from cluster.config import AppConfig
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.loop import EngineLoop
 from cluster.engine.sampling_params import SamplingParams
-from cluster.errors import DrainTimeoutError, WrongRoleError
+from cluster.errors import DrainTimeoutError, WrongReplicaError, WrongRoleError
 from cluster.serving.reporting import LoadReporter
 from decode.deployment import DECODE_ROLE, DecodeServer
 from decode.engine import DecodeEngine
@@ -181,3 +181,23 @@ def test_a_flip_swaps_the_role_over_the_same_engine_and_a_lease_holds_the_flip_b
     assert (replica.role_name, type(replica.loop.core)) == ("decode", DecodeEngine)
     engine.check_invariants()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_a_flip_that_names_another_replica_is_refused_before_anything(replica, tiny_model):
+    """Serve's request router sends a call whose target replica is gone to a live one: that one
+    must not flip (the planner would count the wrong replica as moved)."""
+    router = replica.reporter.router
+
+    async def run():
+        with pytest.raises(WrongReplicaError) as refused:
+            await replica.set_role("prefill", drain_timeout_s=10.0, target_replica="replica-gone")
+        # still decoding: a stream is served after the refusal
+        return str(refused.value), await tokens(replica.generate("after", PROMPT, SHORT, None))
+
+    message, after = asyncio.run(run())
+    assert message == ("set_role('prefill') named replica replica-gone but reached replica replica-x; "
+                       "nothing was changed")
+    assert after == reference(tiny_model, SHORT)
+    assert [ld for ld in router.loads if ld.draining] == []  # no drain was reported
+    assert (replica.role_name, type(replica.loop.core)) == ("decode", DecodeEngine)
+    assert replica.routed == {"on_target": 0, "off_target": 1}

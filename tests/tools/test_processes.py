@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 from cluster.tools.bench.processes import busiest_threads_wait, run_delays
 
@@ -17,6 +19,15 @@ def test_the_busiest_thread_of_each_engine_process_over_an_interval():
 
 
 def test_run_delays_reads_this_process_s_threads_from_the_kernel():
-    d = run_delays({"me": os.getpid()})
-    assert f"me/{os.getpid()}" in d and all(on >= 0 and wait >= 0 for on, wait in d.values())
+    pid, me = os.getpid(), f"me/{threading.get_native_id()}"
+    before = run_delays({"me": pid})
+    spent = time.thread_time()
+    while time.thread_time() - spent < 0.1:  # this thread on a CPU for 0.1 s
+        pass
+    spent = time.thread_time() - spent
+    after = run_delays({"me": pid})
+    assert set(after) == {f"me/{tid}" for tid in os.listdir(f"/proc/{pid}/task")}  # every thread, by its tid
+    # the same kernel clock as thread_time (its sum_exec_runtime), read up to a scheduler tick late
+    assert abs((after[me][0] - before[me][0]) - spent) < 0.02, (before[me], after[me], spent)
+    assert after[me][1] >= before[me][1]  # time waiting for a CPU only grows
     assert run_delays({"gone": 2**22 + 1}) == {}  # above pid_max's default: no such process

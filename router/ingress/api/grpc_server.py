@@ -127,8 +127,8 @@ class Generation(pb_grpc.GenerationServicer):
         header = dict(context.invocation_metadata()).get("authorization")
 
         async def models(put):
-            self.door.authorize(header, None)
-            put(pb.ListModelsResponse(models=[pb.ModelInfo(**m) for m in self.door.model_info()]))
+            tenant = self.door.authorize(header, None)
+            put(pb.ListModelsResponse(models=[pb.ModelInfo(**m) for m in self.door.model_info(tenant)]))
 
         return await unary(self.app_loop, context, models)
 

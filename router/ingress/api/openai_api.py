@@ -127,8 +127,14 @@ async def health():
 
 
 @app.get("/version")
-async def version():
-    return probes.version_info(front_door())
+async def version(request: Request):
+    """The caller's key as for /v1/models (with keys configured: the versions name canaries and
+    models a caller without one must not learn), and what /v1/models lists to it."""
+    try:
+        tenant = front_door().authorize(request.headers.get("authorization"), None)
+    except Exception as e:  # noqa: BLE001
+        return _fail(e)
+    return probes.version_info(front_door(), tenant)
 
 
 @app.get("/metrics")
@@ -141,12 +147,12 @@ async def metrics():
 @app.get("/v1/models")
 async def models(request: Request):
     try:
-        front_door().authorize(request.headers.get("authorization"), None)
+        tenant = front_door().authorize(request.headers.get("authorization"), None)
     except Exception as e:  # noqa: BLE001
         return _fail(e)
     return {"object": "list", "data": [{"id": m["id"], "object": "model", "created": 0, "owned_by": "pdserve",
                                         "max_model_len": m["max_model_len"], "versions": m["versions"]}
-                                       for m in front_door().model_info()]}
+                                       for m in front_door().model_info(tenant)]}
 
 
 @app.post("/v1/completions")

@@ -22,9 +22,10 @@ def package_version() -> str:
         return "unknown"
 
 
-def version_info(door: FrontDoor) -> dict:
-    """pdserve's version, the first model (as before several models) and every model's versions."""
-    models = door.model_info()
+def version_info(door: FrontDoor, tenant: str) -> dict:
+    """pdserve's version, the first model (as before several models) and every model's versions
+    that /v1/models lists to `tenant` (the caller, authorized as for /v1/models)."""
+    models = door.model_info(tenant)
     return {"version": package_version(), "model": models[0]["id"], "mode": door.config.mode,
             "models": {m["id"]: m["versions"] for m in models}}
 

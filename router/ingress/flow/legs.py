@@ -1,6 +1,7 @@
 """A request's legs on the pools: remote prefill (the first token and a handle of the prompt's
 KV, held under a lease) and the decode legs (the rest of the tokens; a new leg on another replica
 when one dies). Every failure ends in a ServingError with its code; nothing here decides policy.
+A replica's traceback, pid and paths go to the log, never into a client's message (`told`).
 
 A replica is reached through its home deployment's handle (`homes`), whatever role it plays now
 (a router decision names both); without a decision, each leg calls its pool's deployment. A
@@ -29,6 +30,7 @@ OVERLOAD_RETRY_S = 1.0  # retry-after for an engine's refusal (full queue, queue
 FIRST_OUTPUT_GRACE_S = 1.0  # past the deadline: a replica that has the request ends it itself, first
 FAILED = (FinishReason.ERROR, FinishReason.DEADLINE, FinishReason.REJECTED)  # an engine ended it unfinished
 MAX_REROUTES = 2  # decode legs refused by a replica whose role flipped, before the request fails
+CLIENT_SAFE = (QueueFullError, WrongRoleError)  # errors whose message a client may read (see `told`)
 
 # A decode replica a fresh routing decision names: (replica id, home deployment), or (None, None): Serve's choice
 Reroute = Callable[[], Awaitable[tuple[str | None, str | None]]]
@@ -40,6 +42,20 @@ class ReplicaDied(Exception):
     def __init__(self, cause: BaseException):
         super().__init__(str(cause))
         self.cause = cause
+
+
+def told(e: BaseException) -> str:
+    """What a client is told of an exception a replica raised (or Ray raised on its way): the
+    message of our own errors, written for clients (replica ids, bounds), else the class alone.
+    Ray's text of a remote failure is the replica's traceback, with its pid, host and source
+    paths: that goes to the ingress's log only. A RayTaskError carries the replica's own
+    exception as `cause` (ReplicaDied carries Ray's)."""
+    for _ in range(4):  # a cause of a cause: bounded, Ray nests them at most this deep
+        cause = getattr(e, "cause", None)
+        if not isinstance(cause, BaseException):
+            break
+        e = cause
+    return str(e) if isinstance(e, CLIENT_SAFE) else type(e).__name__
 
 
 def ended(rid: str, reason: FinishReason, error: str | None, sent: int, kind: ErrorKind | None = None) -> ServingError:
@@ -104,7 +120,7 @@ class PrefillLeg:
             raise ServingError(Code.UNAVAILABLE, f"request {rid}: no prefill replica answered within "
                                                  f"{self.replica_wait_s:g} s (fault_tolerance.replica_wait_s)") from e
         except QueueFullError as e:
-            raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
+            raise Rejected(f"request {rid}: {told(e)}", OVERLOAD_RETRY_S) from e
         except WrongRoleError as e:  # it flipped to decode after the decision: nothing started there
             log.info("prefill of %s refused (%s); prefilling on decode", rid, e)
             return None
@@ -191,15 +207,16 @@ class DecodeLegs:
                     if kv_handle is not None and self.prefill is not None:
                         await self.prefill.release(rid, kv_handle.engine_id)
                     raise ServingError(Code.UNAVAILABLE, f"decode for {rid}: {attempt + 1} replicas refused it "
-                                                         f"(their roles flipped): {e}") from e
+                                                         f"(their roles flipped): {told(e)}") from e
                 log.info("decode of %s refused (%s); routing it again", rid, e)
                 target, home = await reroute() if reroute is not None else (None, None)
 
     def _gave_up(self, rid: str, sent: int, e: ReplicaDied) -> ServingError:
+        log.warning("decode of %s gave up after %d tokens: %s", rid, sent, e.cause)
         if not sent:  # the last try never started
-            return ServingError(Code.UNAVAILABLE, f"decode failed for {rid}: {e.cause}")
+            return ServingError(Code.UNAVAILABLE, f"decode failed for {rid}: {told(e)}")
         return ServingError(Code.ABORTED, f"decode replica of {rid} died after {sent} tokens were sent "
-                                          f"({self.max_migrations} migrations allowed): {e.cause}")
+                                          f"({self.max_migrations} migrations allowed): {told(e)}")
 
     async def _leg(self, rid: str, ids: list[int], sampling: SamplingParams, kv_handle, ctx: RequestContext,
                    target: str | None, home: str | None, client: ClientStream,
@@ -216,7 +233,8 @@ class DecodeLegs:
         except Exception as e:  # noqa: BLE001
             if kv_handle is not None and self.prefill is not None:  # nothing will pull it: end the lease now
                 await self.prefill.release(rid, kv_handle.engine_id)
-            raise ServingError(Code.UNAVAILABLE, f"no decode replica: {e}") from e
+            log.warning("decode of %s could not be sent: %s", rid, e)
+            raise ServingError(Code.UNAVAILABLE, f"no decode replica: {told(e)}") from e
         state = _LegState()
         try:
             async with aclosing(self._outputs(rid, replies, kv_handle, ctx, client, state)) as outputs:
@@ -229,19 +247,22 @@ class DecodeLegs:
             raise
         except TimeoutError as e:
             if state.bound is None or not state.bound.expired():
+                log.warning("decode of %s on replica %s timed out: %s", rid, target, e)
                 raise ServingError(Code.ABORTED if state.pulled else Code.UNAVAILABLE,
-                                   f"decode failed for {rid}: {e!r}") from e
+                                   f"decode failed for {rid}{_on(target)}: {told(e)}") from e
             if state.deadline_first:  # the client's deadline, spent on the version's replicas: their fault too
                 raise ServingError(Code.DEADLINE_EXCEEDED, f"request {rid}: deadline exceeded before a decode "
                                                            "replica took it", replica_fault=True) from e
             raise ServingError(Code.UNAVAILABLE, f"request {rid}: no decode replica took it within "
                                                  f"{self.replica_wait_s:g} s (fault_tolerance.replica_wait_s)") from e
         except QueueFullError as e:  # the decode replica's queue is full (raised by its submit)
-            raise Rejected(f"request {rid}: {e}", OVERLOAD_RETRY_S) from e
+            raise Rejected(f"request {rid}: {told(e)}", OVERLOAD_RETRY_S) from e
         except (RayActorError, ActorUnavailableError) as e:
             raise ReplicaDied(e) from e
         except Exception as e:
-            raise ServingError(Code.ABORTED if state.pulled else Code.UNAVAILABLE, f"decode failed for {rid}: {e}") from e
+            log.warning("decode of %s on replica %s failed: %s", rid, target, e)  # the replica's traceback
+            raise ServingError(Code.ABORTED if state.pulled else Code.UNAVAILABLE,
+                               f"decode failed for {rid}{_on(target)}: {told(e)}") from e
         finally:
             if not state.finished:
                 replies.cancel()
@@ -276,6 +297,10 @@ class DecodeLegs:
                     yield d
                 if state.finished:
                     return
+
+
+def _on(target: str | None) -> str:
+    return "" if target is None else f" on replica {target}"
 
 
 class _LegState:

@@ -211,8 +211,10 @@ class RequestFlow:
             return False
 
     async def decode_kv_tokens(self, timeout_s: float) -> int | None:
-        """The KV tokens of this version's decode pool, as the router knows them; None: no router,
-        or it did not answer."""
+        """The KV tokens of this version's decode pool, as the router knows them: replicas that
+        decode now, of this serving group (the router reports every group's), not draining (a
+        draining replica takes no new request, so its blocks are no room for one); None: no
+        router, or it did not answer."""
         if self.router is None:
             return None
         try:
@@ -220,7 +222,8 @@ class RequestFlow:
         except Exception as e:  # noqa: BLE001
             log.debug("reading the decode pool's KV failed: %s", e)
             return None
-        return sum(r.total_blocks for r in loads if r.pool == "decode") * self.block_size
+        return sum(r.total_blocks for r in loads
+                   if r.pool == "decode" and r.group == self.group and not r.draining) * self.block_size
 
     def model_info(self) -> dict:
         return {"id": self.config.model_name, "version": self.config.version or "",

@@ -155,8 +155,11 @@ class FrontDoor:
         """The default version's (the first model's first): what /metrics reports."""
         return self.capacities[self.catalog.default.group]
 
-    def model_info(self) -> list[dict]:
-        return self.catalog.model_info()
+    def model_info(self, tenant: str | None = None) -> list[dict]:
+        """Every model and its versions; to a `tenant` (the listings: /v1/models, ListModels,
+        /version) only the versions it can get, unless it may pin one (then every version,
+        a canary at weight 0 included, as it may name them)."""
+        return self.catalog.model_info(None if tenant is None or self.may_pin(tenant) else tenant)
 
     async def live(self, timeout_s: float) -> bool:
         """Every model version has a live decode replica (one bounded call each, at once), but those
@@ -183,10 +186,13 @@ class FrontDoor:
         choices = await self._start_choices(routed.for_choices(request.n), request, sampling.params)
         return Reply(choices, flow.config.model_name, flow.config.version or "", sampling.use, flow.tokenizer)
 
-    def _check_pin(self, request: ClientRequest) -> None:
+    def may_pin(self, tenant: str) -> bool:
         """Pinning a version is a tenant's permission (`pin_versions`; anyone's without auth)."""
-        opts = self.config.tenants.get(request.tenant)
-        if self.admission.auth_enabled and not (opts is not None and opts.pin_versions):
+        opts = self.config.tenants.get(tenant)
+        return not self.admission.auth_enabled or (opts is not None and opts.pin_versions)
+
+    def _check_pin(self, request: ClientRequest) -> None:
+        if not self.may_pin(request.tenant):
             e = ServingError(Code.PERMISSION_DENIED, f"model: tenant {request.tenant!r} may not pin a version "
                                                      "(model@label; the tenant's pin_versions)")
             if self.telemetry is not None:

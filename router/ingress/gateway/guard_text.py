@@ -166,17 +166,28 @@ class HoldBack:
         self.window = window
         self.context = context
         self.views = views or (MatchView(),)
-        self.text = ""
+        # the stream's raw text as its deltas' parts: `text += delta.text` copied everything held
+        # at every delta (quadratic in a long output); joined only when read
+        self._parts: list[str] = []
+        self.length = 0  # raw characters added
         self.released = 0  # raw characters released to the client
         self.released_at = [(0, 0) for _ in self.views]  # each view's (plain, folded) end of what was released
         self._pending: deque[tuple[int, object, list]] = deque()  # (raw end, delta, each view's end once known)
 
+    @property
+    def text(self) -> str:
+        """The raw text added so far."""
+        if len(self._parts) > 1:
+            self._parts[:] = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
     def add(self, delta, final: bool = False) -> None:
-        self.text += delta.text
+        self._parts.append(delta.text)
+        self.length += len(delta.text)
         ends: list = []
-        self._pending.append((len(self.text), delta, ends))
+        self._pending.append((self.length, delta, ends))
         for view in self.views:
-            view.mark(len(self.text), ends)
+            view.mark(self.length, ends)
             view.feed(delta.text, final)
 
     def scan_from(self, view: int, which: int) -> int:
@@ -202,4 +213,4 @@ class HoldBack:
 
     @property
     def held(self) -> int:
-        return len(self.text) - self.released
+        return self.length - self.released

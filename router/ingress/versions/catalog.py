@@ -45,9 +45,15 @@ class ServedModel:
     flows: dict[str, RequestFlow]  # version label -> flow, in config order (the first: the baseline)
     shadow_cap: int = 0  # mirrors at once on this ingress (shadow.max_inflight)
 
-    def info(self) -> dict:
-        base = next(iter(self.flows.values())).model_info()
-        return {**base, "versions": [label for label in self.flows if label]}
+    def info(self, tenant: str | None = None) -> dict:
+        """Its limits (those of the first version listed) and its version labels. `tenant`: only
+        the versions its requests can get unpinned (a weight above 0 in the live split, or its
+        tenant override): a canary at weight 0 stays unlisted; None: every version."""
+        weights = dict(self.policy.split)
+        labels = [label for label in self.flows if tenant is None or weights.get(label, 0.0) > 0
+                  or self.policy.tenant_overrides.get(tenant) == label]
+        base = self.flows[labels[0]] if labels else next(iter(self.flows.values()))  # a split's sum is > 0
+        return {**base.model_info(), "versions": [label for label in labels if label]}
 
 
 @dataclass(frozen=True)
@@ -153,8 +159,9 @@ class ModelCatalog:
         recorder = self.recorder if len(served.flows) > 1 and pinned is None else None
         return Routed(served.flows[assignment.version], assignment, shadow, self.shadow, served.shadow_cap, recorder)
 
-    def model_info(self) -> list[dict]:
-        return [m.info() for m in self.models.values()]
+    def model_info(self, tenant: str | None = None) -> list[dict]:
+        """Every model, each with the versions `tenant` can get unpinned (None: every version)."""
+        return [m.info(tenant) for m in self.models.values()]
 
     # ---- run-time splits (router/ingress/versions/rollout.py) ------------------------------------------
 

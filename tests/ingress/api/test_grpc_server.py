@@ -158,7 +158,7 @@ def test_a_taken_port_fails_the_replica(tiny_model):
 def test_an_overloaded_door_refuses_on_arrival_while_its_loop_is_busy(tiny_model):
     """Shedding: when the front door's capacity refuses all work, the transport's thread refuses a
     call at once, counted on the door's loop later; its own loop may be busy the while."""
-    # an absolute bound (auto never refuses at one request ahead): what is tested is where the refusal is made
+    # a fixed bound: `auto` never refuses with one request ahead (the transport's path is tested here)
     cfg = AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY], admission={"max_queue_wait_s": 0.5})
     door = front_door(cfg)
     queue = door.capacity.first_tokens  # 2,000 prompt tokens ahead at 1,000 a second: a 2 s wait
@@ -202,6 +202,7 @@ def test_calls_on_their_way_to_the_busy_loop_count_ahead_of_a_new_one(tiny_model
     """The queue is under the bound (0.4 s of 0.5), but a call let through and not yet on the door's
     loop is ahead: at the mean prompt length it takes the wait to 0.8 s, so the next call is refused
     on arrival, not after waiting for the loop."""
+    # a fixed bound: `auto` never refuses with one request ahead (the transport's path is tested here)
     cfg = AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY], admission={"max_queue_wait_s": 0.5})
     door = front_door(cfg)
     queue = door.capacity.first_tokens
@@ -243,7 +244,7 @@ def test_calls_on_their_way_to_the_busy_loop_count_ahead_of_a_new_one(tiny_model
 def test_a_bug_in_a_call_is_internal_and_the_server_keeps_serving(tiny_model):
     cfg = config(tiny_model)
     door = front_door(cfg)
-    door.model_info = lambda: 1 / 0  # a bug in what ListModels reads
+    door.model_info = lambda tenant=None: 1 / 0  # a bug in what ListModels reads
 
     async def body(server):
         with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -255,3 +256,18 @@ def test_a_bug_in_a_call_is_internal_and_the_server_keeps_serving(tiny_model):
     err, status = serving(cfg, door)(body)
     assert (err.code(), err.details()) == (grpc.StatusCode.INTERNAL, "internal error")
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING  # answered: a door over no pools has no decode replica
+
+
+def test_list_models_lists_a_weight_0_canary_only_to_a_tenant_that_may_pin(tiny_model):
+    cfg = AppConfig.model_validate({
+        "grpc_port": free_port(),
+        "models": {"tiny": {"versions": {"v1": {"model": tiny_model, "weight": 1},
+                                         "cand": {"model": tiny_model, "weight": 0}}}},
+        "tenants": {"acme": {"api_keys": [KEY]}, "ops": {"api_keys": ["sk-ops"], "pin_versions": True}}})
+
+    async def body(server):
+        address = f"127.0.0.1:{cfg.grpc_port}"
+        return [[(m.id, list(m.versions), m.version) for m in (await list_models(address, key)).models]
+                for key in (KEY, "sk-ops")]
+
+    assert serving(cfg)(body) == [[("tiny", ["v1"], "v1")], [("tiny", ["v1", "cand"], "v1")]]

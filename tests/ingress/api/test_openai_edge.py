@@ -318,3 +318,45 @@ def test_metrics_count_in_flight_per_tenant_when_auth_is_off(tiny_model):
         ticket.done()
         openai_api.bind(None)
     assert status == 200 and 'pdserve_ingress_tenant_inflight{tenant="default"} 1.0' in text.decode().splitlines()
+
+
+@pytest.fixture()
+def canary(tiny_model):
+    """Keys configured; model tiny at v1 (weight 1) with a canary at weight 0; acme may not pin,
+    ops may, beta is held on the canary by a tenant override."""
+    from router.ingress.api import openai_api
+    from tests.helpers import front_door
+
+    cfg = AppConfig.model_validate({
+        "models": {"tiny": {"versions": {"v1": {"model": tiny_model, "weight": 1},
+                                         "cand": {"model": tiny_model, "weight": 0}},
+                            "tenant_overrides": {"beta": "cand"}}},
+        "tenants": {"acme": {"api_keys": ["sk-acme"]}, "ops": {"api_keys": ["sk-ops"], "pin_versions": True},
+                    "beta": {"api_keys": ["sk-beta"]}}})
+    openai_api.bind(front_door(cfg))
+    yield openai_api.app
+    openai_api.bind(None)
+
+
+UNKNOWN_KEY = {"error": {"message": "missing or unknown API key (authorization: Bearer <key>)",
+                         "type": "authentication_error", "param": None, "code": "unauthenticated"}}
+
+
+@pytest.mark.parametrize("key, versions", [
+    (None, None), ("sk-wrong", None),  # as /v1/models: 401
+    ("sk-acme", ["v1"]),  # the canary at weight 0 is not listed to a tenant that cannot get it
+    ("sk-beta", ["v1", "cand"]),  # held on the canary by its tenant override
+    ("sk-ops", ["v1", "cand"]),  # may pin: every version, as it may name each
+])
+def test_version_asks_for_the_key_models_asks_for_and_lists_what_it_lists(canary, key, versions):
+    from router.ingress.api.probes import package_version
+
+    headers = [("authorization", f"Bearer {key}")] if key else []
+    version = asgi(canary, "/version", b"", headers, method="GET")
+    listed = asgi(canary, "/v1/models", b"", headers, method="GET")
+    if versions is None:
+        assert version == listed == (401, UNKNOWN_KEY)
+        return
+    assert version == (200, {"version": package_version(), "model": "tiny", "mode": "disaggregated",
+                             "models": {"tiny": versions}})
+    assert (listed[0], [(m["id"], m["versions"]) for m in listed[1]["data"]]) == (200, [("tiny", versions)])
