@@ -11,8 +11,8 @@ module per concern, all importable from here.
 
 from cluster.config.app import AppConfig
 from cluster.config.common import Strict
-from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionBounds, AdmissionOptions, AuditOptions, BudgetOptions, IngressLimits,
-                                       KeySources, ModelPrice, TenantOptions)
+from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionBounds, AdmissionOptions, AuditOptions, BudgetOptions,
+                                       IngressLimits, KeySources, ModelPrice, TenantOptions)
 from cluster.config.pools import (AutoscalingOptions, FaultToleranceOptions, KVTransferOptions, PlannerOptions,
                                   PoolOptions, RoutingOptions, ServingEngineOptions)
 from cluster.config.safety import (ClassifierCheckOptions, ClassifierDeploymentOptions, GuardrailPolicy, GuardrailRule,

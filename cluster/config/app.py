@@ -10,8 +10,8 @@ import yaml
 from pydantic import Field, model_validator
 
 from cluster.config.common import Strict, overlay
-from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionBounds, AdmissionOptions, ApiKey, AuditOptions, BudgetOptions,
-                                       IngressLimits, KeySources, TenantOptions)
+from cluster.config.front_door import (LOOPBACK_HOSTS, AdmissionBounds, AdmissionOptions, ApiKey, AuditOptions,
+                                       BudgetOptions, IngressLimits, KeySources, TenantOptions)
 from cluster.config.models import MAX_MODELS, ModelOptions, SamplingDefaults, VersionOptions, check_name
 from cluster.config.pools import (FaultToleranceOptions, KVTransferOptions, PlannerOptions, PoolOptions,
                                   RoutingOptions, ServingEngineOptions)
