@@ -11,7 +11,8 @@ Why not Serve's gRPC proxy (docs/architecture.md, "The gRPC server"):
 This server binds the app's `host` and `grpc_port` (SO_REUSEPORT: several ingress replicas on a node
 share the port, and a replacement binds while its predecessor drains) and refuses a message over
 `ingress_limits.grpc_max_receive_bytes` once read (TRANSPORT_CAP_FACTOR). A client's gRPC deadline bounds its request
-like the `x-pdserve-timeout-s` header (the earlier wins).
+like the `x-pdserve-timeout-s` header (the earlier wins). A client that stops reading a stream is
+cut off past MAX_UNREAD_RESPONSES waiting responses, its request cancelled (`relay`).
 
 **Two event loops.** gRPC's asyncio server takes one new call per turn of its event loop, or two
 (the completion, then the next request for a call). On the loop the front door runs on, a turn
@@ -52,6 +53,11 @@ log = logging.getLogger(__name__)
 
 HEALTH_SERVICES = ("", "pdserve.v1.Generation")
 _END = object()  # the end of a call's responses
+_UNREAD = object()  # a call ended over MAX_UNREAD_RESPONSES
+# Responses of one call made by the front door and not yet taken by gRPC. gRPC first sends what
+# the client's HTTP/2 window takes (64 KiB to a few MiB), so only a client that stops reading
+# gets here: a response is one or a few tokens, a few seconds of one stream's tokens.
+MAX_UNREAD_RESPONSES = 256
 # The transport reads a message up to this many times ingress_limits.grpc_max_receive_bytes; the
 # front door refuses one over the limit itself (INVALID_ARGUMENT naming the limit, as soon as it is
 # read). gRPC's own refusal of a message over its cap is slow: ~110 ms for 4.3 MB against a 4 MiB cap
@@ -154,16 +160,41 @@ class Health(health_pb2_grpc.HealthServicer):
 
 
 async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerContext,
-                work: Callable[[Callable[[object], None]], Awaitable[None]]) -> AsyncIterator:
+                work: Callable[[Callable[[object], None]], Awaitable[None]],
+                max_unread: int = MAX_UNREAD_RESPONSES) -> AsyncIterator:
     """Run `work(put)` on `app_loop` and yield what it puts, here, in order; its refusal or failure
     ends the call with that status (an unexpected exception: INTERNAL, logged). The call ending
-    first (the client cancelled, its deadline passed) cancels the work. Responses are not held
-    back: a stream has at most max_tokens of them."""
+    first (the client cancelled, its deadline passed) cancels the work.
+
+    A client that stops reading: gRPC sends what its HTTP/2 window takes, then the responses wait
+    here; past `max_unread` the work is cancelled (both legs, as a cancel is) and the call ends
+    RESOURCE_EXHAUSTED naming the limit, read after what the window holds: no engine generates
+    for no one, and a call holds at most that many responses here."""
     loop = asyncio.get_running_loop()
     out: asyncio.Queue = asyncio.Queue()
+    sent_one = over = False  # gRPC took a response; the call went over max_unread
+    refusal: asyncio.Task | None = None
+
+    def deliver(item: object) -> None:
+        nonlocal over, refusal
+        if over:
+            return  # what the cancelled work still puts is dropped
+        if out.qsize() < max_unread:
+            out.put_nowait(item)
+            return
+        over = True
+        job.cancel()
+        while not out.empty():
+            out.get_nowait()
+        out.put_nowait(_UNREAD)
+        # The call's task may be stuck in a send only the client can finish: abort beside it, but
+        # not before its first send completed: that one carries the initial metadata, an abort
+        # beside it sends them too, gRPC refuses the second (seen: the call hung to its deadline)
+        if sent_one:
+            refusal = loop.create_task(_abort_unread(context, max_unread))
 
     def put(item: object) -> None:
-        loop.call_soon_threadsafe(out.put_nowait, item)
+        loop.call_soon_threadsafe(deliver, item)
 
     async def run() -> None:
         try:
@@ -178,11 +209,26 @@ async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerC
     job = asyncio.run_coroutine_threadsafe(run(), app_loop)
     try:
         while (item := await out.get()) is not _END:
+            if item is _UNREAD:
+                await (refusal or _abort_unread(context, max_unread))
+                return
             if isinstance(item, (InvalidRequestError, ServingError)):
                 await abort(context, item)
             yield item
+            sent_one = True
     finally:
         job.cancel()  # a no-op once it ended; else its task is cancelled on app_loop
+
+
+async def _abort_unread(context: grpc.aio.ServicerContext, max_unread: int) -> None:
+    error = ServingError(Code.RESOURCE_EXHAUSTED, f"the client left {max_unread} responses unread "
+                                                  f"(MAX_UNREAD_RESPONSES {max_unread}): the request was cancelled")
+    try:
+        await abort(context, error)
+    except grpc.aio.AbortError:  # raised by every abort, once the status is on its way
+        pass
+    except Exception as e:  # noqa: BLE001 — the call ended meanwhile (the client left): nothing to tell
+        log.debug("the unread-responses abort found the call ended: %r", e)
 
 
 async def unary(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerContext,

@@ -10,7 +10,7 @@ import ray
 from cluster.config import AdmissionOptions
 from router.actor import named_actor
 from router.ingress.gateway.admission import Quotas
-from router.ingress.gateway.idempotency import LEASE_S, IdempotencyStore
+from router.ingress.gateway.idempotency import LEASE_S, MAX_RESULT_BYTES, IdempotencyStore
 
 ADMISSION_NAME = "pdserve-admission"
 
@@ -21,12 +21,15 @@ class AdmissionActor:
     every ingress replica. Restarted by Ray if it dies, with its constructor's arguments: buckets
     start full again and idempotency records are lost (a retry after a restart runs again).
     A running record belongs to the ingress running it: when that ingress stops renewing its
-    lease (it died), its records are dropped within 4/3 lease_s (gateway/idempotency.py)."""
+    lease (it died), its records are dropped within 4/3 lease_s (gateway/idempotency.py).
+    `max_result_bytes`: the finished results kept per tenant, in bytes of their JSON (64 MiB; the
+    least recently used go first; a larger one is not kept). Not in AdmissionOptions yet."""
 
     def __init__(self, idempotency_ttl_s: float = 600.0, max_keys: int = 1024, max_waiters: int = 8,
-                 lease_s: float = LEASE_S):
+                 lease_s: float = LEASE_S, max_result_bytes: int = MAX_RESULT_BYTES):
         self.quotas = Quotas()
-        self.results = IdempotencyStore(idempotency_ttl_s, max_keys=max_keys, max_waiters=max_waiters, lease_s=lease_s)
+        self.results = IdempotencyStore(idempotency_ttl_s, max_keys=max_keys, max_waiters=max_waiters, lease_s=lease_s,
+                                        max_bytes=max_result_bytes)
         self._settled: dict[tuple[str, str], asyncio.Event] = {}
         self._sweeping: asyncio.Task | None = None
 

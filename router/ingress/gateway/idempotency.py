@@ -14,6 +14,7 @@ the request a second time; its late finish or abandon no longer touches the key.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -35,9 +36,19 @@ class _Record:
     done: bool = False
     waiters: int = 0
     owner: str | None = None  # the ingress running it (None: no lease, kept until the TTL)
+    nbytes: int = 0  # its result's size (`result_bytes`), once done
 
 
 LEASE_S = 10.0  # an ingress's lease on its running records (module docstring)
+# Finished results a tenant may have kept: 1,024 keys of 64 KiB completions. The key bound alone let
+# a tenant keep 1,024 results of any size (a long completion with logprobs is megabytes) in the
+# one admission actor every ingress shares.
+MAX_RESULT_BYTES = 64 * 2**20
+
+
+def result_bytes(result: object) -> int:
+    """A result's size as kept: its JSON (the OpenAI edge stores the response body's dict)."""
+    return len(json.dumps(result, separators=(",", ":"), default=repr).encode())
 
 
 class IdempotencyStore:
@@ -46,17 +57,22 @@ class IdempotencyStore:
     A failed run forgets its key, so a retry runs again.
 
     Bounded: at most `max_keys` records per tenant (the least recently used finished record makes
-    room; a tenant whose records are all still running gets "full") and `max_waiters` duplicates
-    waiting on one running key (`join` refuses the next)."""
+    room; a tenant whose records are all still running gets "full"), at most `max_bytes` of
+    finished results per tenant (`result_bytes`; the least recently used finished results make
+    room; a result larger than the bound alone is not kept, as an abandoned run is, and counted
+    in `too_large`) and `max_waiters` duplicates waiting on one running key (`join` refuses the next)."""
 
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, max_keys: int = 1024,
-                 max_waiters: int = 8, lease_s: float = LEASE_S):
+                 max_waiters: int = 8, lease_s: float = LEASE_S, max_bytes: int = MAX_RESULT_BYTES):
         self.ttl_s = ttl_s
         self.clock = clock
         self.max_keys = max_keys
         self.max_waiters = max_waiters
         self.lease_s = lease_s
+        self.max_bytes = max_bytes
+        self.too_large = 0  # results not kept: larger than max_bytes
         self._tenants: dict[str, OrderedDict[str, _Record]] = {}  # per tenant, least recently used first
+        self._bytes: dict[str, int] = {}  # per tenant, its finished results' result_bytes
         self._leases: dict[str, float] = {}  # owner -> when its lease lapses
 
     def begin(self, tenant: str, key: str, fingerprint: str, owner: str | None = None) -> tuple[str, object]:
@@ -65,12 +81,12 @@ class IdempotencyStore:
         used with a different request; ("full", None): the tenant has max_keys requests running
         under keys."""
         records = self._tenants.setdefault(tenant, OrderedDict())
-        self._expire(records)
+        self._expire(tenant)
         rec = records.get(key)
         if rec is not None and rec.fingerprint != fingerprint:
             return "conflict", None
         if rec is None:
-            if len(records) >= self.max_keys and not self._evict_one(records):
+            if len(records) >= self.max_keys and not self._evict_one(tenant):
                 return "full", None
             records[key] = _Record(fingerprint, self.clock() + self.ttl_s, owner=owner)
             if owner is not None:
@@ -80,11 +96,33 @@ class IdempotencyStore:
         return ("done", rec.result) if rec.done else ("running", None)
 
     def finish(self, tenant: str, key: str, result: object, owner: str | None = None) -> bool:
-        """Store the result of `owner`'s run. False: not its running record (it was dropped)."""
+        """Store the result of `owner`'s run (room made by the tenant's least recently used
+        results; one over max_bytes alone is forgotten, as abandon does). False: not its running
+        record (it was dropped)."""
         rec = self._running(tenant, key, owner)
-        if rec is not None:
-            rec.result, rec.done, rec.expires = result, True, self.clock() + self.ttl_s
-        return rec is not None
+        if rec is None:
+            return False
+        records, nbytes = self._tenants[tenant], result_bytes(result)
+        if nbytes > self.max_bytes:
+            self.too_large += 1
+            del records[key]
+            return True
+        for k in [k for k, r in records.items() if r.done]:  # oldest use first
+            if self._bytes.get(tenant, 0) + nbytes <= self.max_bytes:
+                break
+            self._drop(tenant, k)
+        rec.result, rec.done, rec.expires, rec.nbytes = result, True, self.clock() + self.ttl_s, nbytes
+        self._bytes[tenant] = self._bytes.get(tenant, 0) + nbytes
+        return True
+
+    def bytes_held(self, tenant: str) -> int:
+        """The tenant's finished results' result_bytes."""
+        return self._bytes.get(tenant, 0)
+
+    def _drop(self, tenant: str, key: str) -> None:
+        rec = self._tenants[tenant].pop(key)
+        if rec.nbytes:
+            self._bytes[tenant] -= rec.nbytes
 
     def abandon(self, tenant: str, key: str, owner: str | None = None) -> bool:
         """Forget `owner`'s run (a retry runs again). False: not its running record."""
@@ -136,17 +174,17 @@ class IdempotencyStore:
     def __len__(self) -> int:
         return sum(len(r) for r in self._tenants.values())
 
-    def _evict_one(self, records: "OrderedDict[str, _Record]") -> bool:
-        for k, r in records.items():  # oldest use first; a running record is never dropped
+    def _evict_one(self, tenant: str) -> bool:
+        for k, r in self._tenants[tenant].items():  # oldest use first; a running record is never dropped
             if r.done:
-                del records[k]
+                self._drop(tenant, k)
                 return True
         return False
 
-    def _expire(self, records: "OrderedDict[str, _Record]") -> None:
+    def _expire(self, tenant: str) -> None:
         now = self.clock()
-        for k in [k for k, r in records.items() if r.expires <= now]:
-            del records[k]
+        for k in [k for k, r in self._tenants[tenant].items() if r.expires <= now]:
+            self._drop(tenant, k)
 
 
 class Idempotent:

@@ -15,9 +15,10 @@ from cluster.config import AppConfig
 from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.ingress.api.grpc_server import TRANSPORT_CAP_FACTOR, GrpcServer
+from cluster.engine.outputs import FinishReason, RequestOutput
+from router.ingress.api.grpc_server import MAX_UNREAD_RESPONSES, TRANSPORT_CAP_FACTOR, GrpcServer
 from router.ingress.status import Code
-from tests.helpers import front_door
+from tests.helpers import front_door, wait_for
 
 KEY = "sk-grpc-server-test"
 
@@ -271,3 +272,84 @@ def test_list_models_lists_a_weight_0_canary_only_to_a_tenant_that_may_pin(tiny_
                 for key in (KEY, "sk-ops")]
 
     assert serving(cfg)(body) == [[("tiny", ["v1"], "v1")], [("tiny", ["v1", "cand"], "v1")]]
+
+
+class PacedDecode:
+    """A decode deployment handle whose stream makes a token a millisecond (a fast engine's pace)
+    up to max_tokens; counts the tokens made and the streams cancelled."""
+
+    def __init__(self):
+        self.made = self.cancelled = 0
+        self.generate = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, rid, ids, sampling, kv_handle, ctx, target_replica=None, generated=()):
+        decode, made = self, 0
+
+        class Stream:
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                nonlocal made
+                await asyncio.sleep(0.001)
+                if made == sampling.max_tokens:
+                    raise StopAsyncIteration
+                made += 1
+                decode.made += 1
+                last = made == sampling.max_tokens
+                return RequestOutput(rid, [5], "", last, FinishReason.LENGTH if last else None, len(ids), made, 0)
+
+            def cancel(self):
+                decode.cancelled += 1
+        return Stream()
+
+
+def test_a_client_that_stops_reading_is_cut_off_past_the_unread_bound_and_its_request_cancelled(model_factory):
+    """A client that reads gets its whole stream. One that reads nothing: gRPC sends what its
+    64 KiB window takes (BDP probing off keeps it there), then the responses wait in the call's
+    relay; past MAX_UNREAD_RESPONSES the request is cancelled (its decode stream) and the call
+    ends RESOURCE_EXHAUSTED naming the limit, which the client reads after what its window holds."""
+    reading_tokens, max_tokens = 1_500, 12_000
+    model = model_factory("long-context", layers=1, vocab=320, max_positions=16_384)
+    cfg = AppConfig(model=model, grpc_port=free_port(), api_keys=[KEY], prefill={"num_replicas": 0})
+    decode = PacedDecode()
+    door = front_door(cfg, decode=decode)
+    auth = (("authorization", f"Bearer {KEY}"),)
+
+    def request(n: int) -> pb.GenerateRequest:
+        return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[256, 1, 2, 3]),
+                                  sampling=pb.SamplingParams(max_tokens=n, ignore_eos=True))
+
+    async def read_all(call) -> int:
+        received = 0
+        while (response := await call.read()) is not grpc.aio.EOF:
+            received += len(response.token_ids)
+        return received
+
+    async def body(server):
+        options = [("grpc.http2.bdp_probe", 0)]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cfg.grpc_port}", options=options) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            whole = await read_all(stub.Generate(request(reading_tokens), metadata=auth, timeout=60))
+            made_before = decode.made
+            call = stub.Generate(request(max_tokens), metadata=auth, timeout=60)
+            # not reading: the server either gives up on the call or makes every token
+            await asyncio.get_running_loop().run_in_executor(None, lambda: wait_for(
+                lambda: decode.cancelled or decode.made - made_before == max_tokens, "a cancel or every token",
+                timeout=30))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await read_all(call)
+            return whole, e.value, decode.made - made_before, door.admission.total_inflight
+
+    whole, error, made, inflight = serving(cfg, door)(body)
+    assert whole == reading_tokens
+    assert (error.code(), error.details()) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"the client left {MAX_UNREAD_RESPONSES} responses unread (MAX_UNREAD_RESPONSES {MAX_UNREAD_RESPONSES}): "
+        "the request was cancelled")
+    assert (decode.cancelled, inflight) == (1, 0)
+    # one token a response: the window's ~64 KiB of responses, then the bound, then no more
+    assert 1_000 < made - MAX_UNREAD_RESPONSES < max_tokens // 2, made

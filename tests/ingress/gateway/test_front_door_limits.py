@@ -114,6 +114,31 @@ def test_idempotency_store_is_bounded_per_tenant_and_caps_waiters():
     assert store.join("t", "k3")
 
 
+def test_idempotency_results_are_bounded_per_tenant_in_bytes_least_recently_used_first():
+    from router.ingress.gateway.idempotency import result_bytes
+
+    store = IdempotencyStore(ttl_s=60, max_bytes=20)
+    r1, r2, r3 = "x" * 6, "y" * 6, "z" * 6
+    assert result_bytes(r1) == 8  # its JSON: the quotes count
+    for k in ("k1", "k2", "k3", "k4"):
+        assert store.begin("t", k, "f")[0] == "run"
+    store.finish("t", "k1", r1)
+    store.finish("t", "k2", r2)
+    assert store.bytes_held("t") == 16
+    assert store.begin("t", "k1", "f") == ("done", r1)  # k1 used last: k2 is the least recently used
+    store.finish("t", "k3", r3)  # 24 bytes > 20: k2 makes room (k4 still runs: never dropped)
+    assert (store.bytes_held("t"), store.too_large) == (16, 0)
+    assert [store.begin("t", k, "f") for k in ("k1", "k3")] == [("done", r1), ("done", r3)]
+    assert store.begin("t", "k2", "f") == ("run", None)  # evicted: it runs again
+    store.finish("t", "k4", {"text": "w" * 30})  # 41 bytes: larger than the bound alone, not kept
+    assert (store.bytes_held("t"), store.too_large) == (16, 1)  # and nothing evicted for it
+    assert store.begin("t", "k4", "f") == ("run", None)
+    assert [store.begin("t", k, "f") for k in ("k1", "k3")] == [("done", r1), ("done", r3)]
+    assert store.begin("u", "k1", "f") == ("run", None)
+    store.finish("u", "k1", r1)
+    assert (store.bytes_held("u"), store.bytes_held("t")) == (8, 16)  # another tenant has its own bound
+
+
 class FakeActor:
     """The admission actor's idempotency methods over a plain store; `slow` stalls begin."""
 
