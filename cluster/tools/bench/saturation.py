@@ -286,6 +286,9 @@ MEASURED_EVENTS_PER_S = 1_000_000.0  # Router.events in process, batches of 8-25
 RAY_ROUTE_EXTRA_S = 2055e-6 - 1 / 632.0  # route over Ray at 128 replicas minus in process
 RAY_EVENTS_CALL_S = 375e-6  # events.remote (batch 8): actor CPU a call
 RAY_REPORT_CALL_S = 317e-6  # report_load.remote: actor CPU a call
+# feed.remote (8 events + the load, the replica's one call per interval since issue 50): one run,
+# in which events cost 261 us and report_load 186 us (docs/benchmarks.md, "The feed").
+RAY_FEED_CALL_S = 333e-6
 # One ingress process's CPU (front_door --served 1 64, 16 callers, demo model): 5.26 ms a one-token
 # request; a 64-token one 27.2 ms at 943 messages/s and 29.2 requests/s: 0.67 ms a relayed message.
 INGRESS_REQUEST_S = 5.26e-3
@@ -301,13 +304,14 @@ def saturation_table(d: Deployment = Deployment()) -> list[dict]:
             lambda n: project(d, n)["decisions_per_s"] * decide_s(n),
         "router: event intake (index, in process)":
             lambda n: project(d, n)["events_per_s"] / MEASURED_EVENTS_PER_S,
-        "router actor: event + load calls over Ray":
+        "router actor: event + load calls (before the feed)":
             lambda n: (project(d, n)["event_batches_per_s"] * RAY_EVENTS_CALL_S
                        + project(d, n)["load_reports_per_s"] * RAY_REPORT_CALL_S),
+        "router actor: the feed's calls over Ray":
+            lambda n: project(d, n)["feed_calls_per_s"] * RAY_FEED_CALL_S,
         "router actor: all of it over Ray":
             lambda n: (project(d, n)["decisions_per_s"] * (decide_s(n) + RAY_ROUTE_EXTRA_S)
-                       + project(d, n)["event_batches_per_s"] * RAY_EVENTS_CALL_S
-                       + project(d, n)["load_reports_per_s"] * RAY_REPORT_CALL_S),
+                       + project(d, n)["feed_calls_per_s"] * RAY_FEED_CALL_S),
         "one ingress process: requests and messages":
             lambda n: (project(d, n)["requests_per_s"] * INGRESS_REQUEST_S
                        + project(d, n)["output_tokens_per_s"] / d.tokens_per_message * INGRESS_MESSAGE_S),
