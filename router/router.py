@@ -27,6 +27,19 @@ class RouterStats:
     sessions: int
 
 
+@dataclass(frozen=True)
+class FeedView:
+    """How fresh this router's view of one replica is. `staleness_s`: when its last feed call
+    arrived, the age of the oldest change that call carried (wall clocks: across nodes, as good
+    as their sync); `heard_s_ago`: since that call arrived."""
+
+    replica_id: str
+    calls: int
+    staleness_s: float
+    max_staleness_s: float
+    heard_s_ago: float
+
+
 class Router:
     def __init__(self, policy: RoutingPolicy | None = None, clock: Callable[[], float] = time.monotonic,
                  stale_after_s: float = 3.0):
@@ -41,6 +54,7 @@ class Router:
         self._pending_requests: dict[str, int] = {}
         self._decisions = 0
         self._resyncs = 0
+        self._feeds: dict[str, list] = {}  # replica -> [calls, last staleness, max staleness, arrived at]
         self.sessions = self._session_table(self.policy.config)
         # The last decisions with the loads they saw (pending work included): why a prompt went where.
         self._recent: deque[tuple[RouteDecision, tuple[ReplicaLoad, ...]]] = deque(maxlen=32)
@@ -74,6 +88,32 @@ class Router:
         """A replica's full snapshot: its device pool's hashes and each lower tier's (host, disk)."""
         self.index.resync(replica_id, incarnation, seq, hashes, tiers)
 
+    def feed(self, replica_id: str, incarnation: str, seq: int, events: Sequence[tuple[str, BlockHash]] | None,
+             load: ReplicaLoad, snapshot: tuple[Sequence[BlockHash], Sequence[Sequence[BlockHash]]] | None = None,
+             changed_at: float | None = None) -> bool:
+        """A replica's one call per interval (router/events.py): its block events since its last
+        call (None: none) or a full `snapshot` (device hashes, each lower tier's), and its load.
+        `changed_at`: wall-clock time of the oldest change the call carries (None: a heartbeat).
+        False: the events were refused; send a snapshot (the load is taken either way)."""
+        ok = True
+        if snapshot is not None:
+            self.resync(replica_id, incarnation, seq, *snapshot)
+        elif events:
+            ok = self.events(replica_id, incarnation, seq, events)
+        self.report_load(load)
+        view = self._feeds.setdefault(replica_id, [0, 0.0, 0.0, 0.0])
+        view[0] += 1
+        view[3] = self.clock()
+        if changed_at is not None:
+            view[1] = max(time.time() - changed_at, 0.0)
+            view[2] = max(view[2], view[1])
+        return ok
+
+    def feed_views(self) -> list[FeedView]:
+        """Each fed replica's view freshness (`pdserve status`, the router's metrics)."""
+        now = self.clock()
+        return [FeedView(rid, v[0], v[1], v[2], now - v[3]) for rid, v in sorted(self._feeds.items())]
+
     def report_load(self, load: ReplicaLoad) -> None:
         self._loads[load.replica_id] = (self.clock(), load)
         self._pending_tokens.pop(load.replica_id, None)  # the report now counts that work
@@ -82,6 +122,7 @@ class Router:
     def forget(self, replica_id: str) -> None:
         """A replica is gone: no more decisions name it."""
         self.index.forget(replica_id)
+        self._feeds.pop(replica_id, None)
         self._loads.pop(replica_id, None)
         self._pending_tokens.pop(replica_id, None)
         self._pending_requests.pop(replica_id, None)

@@ -85,11 +85,11 @@ def build_engine(config: AppConfig, pool: Literal["prefill", "decode"],
 
 
 def make_replica_telemetry(options: TelemetryOptions, engine: LLMEngine, transfer_stats: TransferStats,
-                           pool: str, replica_id: str):
+                           pool: str, replica_id: str, feed=None):
     """The replica's metrics and traces exporter; None (and no probe in the engine) when both are off."""
     if not options.metrics and options.traces == "none":
         return None
-    return ReplicaTelemetry(options, engine, transfer_stats, pool, replica_id)
+    return ReplicaTelemetry(options, engine, transfer_stats, pool, replica_id, feed)
 
 
 def _serve_replica_id() -> str | None:
@@ -141,7 +141,8 @@ class EngineReplica:
         self.reporter = LoadReporter(engine, transport.stats, self.replica_id, self.pool, registry, get_router(),
                                      node_id=ray.get_runtime_context().get_node_id(), group=cfg.serving_group)
         hooks = [self.reporter]
-        telemetry = make_replica_telemetry(cfg.telemetry, engine, transport.stats, self.pool, self.replica_id)
+        telemetry = make_replica_telemetry(cfg.telemetry, engine, transport.stats, self.pool, self.replica_id,
+                                           self.reporter.feed)
         if telemetry is not None:
             hooks.append(telemetry)
         self.loop = EngineLoop(self.role, idle_poll_s=self.home_role.idle_poll_s, name=f"pdserve-{self.pool}",
@@ -293,7 +294,7 @@ class EngineReplica:
         if ack is None:
             return
         try:
-            await asyncio.wait_for(ack, ROUTER_ACK_S)
+            await asyncio.wait_for(asyncio.wrap_future(ack), ROUTER_ACK_S)
         except Exception as e:  # noqa: BLE001
             log.warning("replica %s: the router did not take its report within %g s: %r",
                         self.replica_id, ROUTER_ACK_S, e)

@@ -1,5 +1,6 @@
 """A replica's reports, as a hook of its engine loop (cluster/engine/loop.py): block events and
-load to the router, load to the registry (for `pdserve status`), and the autoscaling signals.
+load to the router (one feed call at a time, router/events.py), load to the registry (for
+`pdserve status`), and the autoscaling signals.
 It observes the engine through its verbs (`load()`, `drain_block_events()`); it wraps nothing."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.outputs import EngineLoad
 from cluster.serving.autoscaling import ReplicaMetrics
 from kv_transfer.stats import TransferStats
-from router.events import KVEventPublisher
+from router.events import RouterFeed
 from router.policy import ReplicaLoad
 
 WARMUP_STEPS = 20  # a replica's first steps carry one-time costs: not a slow-replica signal
@@ -26,6 +27,8 @@ class LoadReporter:
     def __init__(self, engine: LLMEngine, transfer_stats: TransferStats, replica_id: str, pool: str,
                  registry, router=None, node_id: str | None = None, interval_s: float = 1.0,
                  router_interval_s: float = 0.25, router_min_interval_s: float = 0.02, group: str = ""):
+        """`router_min_interval_s`/`router_interval_s`: the feed's least and most time between
+        calls (router/events.py)."""
         self.engine = engine
         self.group = group  # the model version (AppConfig.serving_group): the router routes within it
         self.transfer_stats = transfer_stats
@@ -35,14 +38,11 @@ class LoadReporter:
         self.draining = False  # a role flip is draining it: the router chooses it for nothing
         self.node_id = node_id  # the Ray node this replica runs on (`pdserve status` shows it)
         self.registry = registry
-        self.router = router
-        self.publisher = None if router is None else KVEventPublisher(replica_id, engine, router)
+        self.feed = None if router is None else RouterFeed(
+            replica_id, engine, router, lambda now: self.replica_load(self.engine.load(), now),
+            min_interval_s=router_min_interval_s, max_interval_s=router_interval_s)
         self.interval_s = interval_s
-        self.router_interval_s = router_interval_s
-        self.router_min_interval_s = router_min_interval_s
         self._next = 0.0
-        self._last_router = float("-inf")
-        self._last_queue: tuple = ()
         self._tokens_per_s = 0.0
         self._tp_mark = (0, 0.0)  # (tokens_computed, busy_s) at the last throughput estimate
         self.token_intervals = TokenIntervals()
@@ -55,38 +55,23 @@ class LoadReporter:
     def service(self, now: float, busy: bool) -> None:
         if not busy:
             self.token_intervals.idle()
-        if self.publisher is not None:
-            self.publisher.publish()
-        load = None
-        if self.router is not None:
-            # The router counts work it sent here until our next report, so report as soon as the
-            # queues change (at most every 20 ms; at once when they empty, since the loop may then
-            # sleep up to idle_poll_s), and at least every 0.25 s.
-            # A request that came and went within router_min_interval_s leaves the queues as they
-            # were, but the router still counts it as pending here until a report: the count of
-            # requests received tells those apart (an idle loop may not turn again for a long time).
+        if self.feed is not None:
+            # The router counts work it sent here until our next call, so the feed sends as soon as
+            # the queues change. A request that came and went between two calls leaves the queues
+            # as they were, but the router still counts it pending here: the count of requests
+            # received tells those apart (an idle loop may not turn again for a long time).
             shape = self.engine.queue_shape()
-            queue = (*shape, self.engine.stats.requests_received)
-            since = now - self._last_router
-            changed = queue != self._last_queue and (since >= self.router_min_interval_s or not any(shape))
-            if since >= self.router_interval_s or changed:
-                self._last_router, self._last_queue = now, queue
-                load = self.engine.load()
-                self.router.report_load.remote(self.replica_load(load, now))
+            self.feed.publish(now, (*shape, self.engine.stats.requests_received), idle=not any(shape))
         if now >= self._next:
             self._next = now + self.interval_s
-            self.registry.report(self.replica_id, self.report(load or self.engine.load()))
+            self.registry.report(self.replica_id, self.report())
 
     def push(self, now: float):
         """Report now, off the schedule (a role flip: the router must see the pool or the drain
-        at once). Loop thread only. Returns the router's call (await it to know the router has
-        it), None without a router."""
-        load = self.engine.load()
-        self.registry.report(self.replica_id, self.report(load))
-        if self.router is None:
-            return None
-        self._last_router, self._last_queue = now, (*self.engine.queue_shape(), self.engine.stats.requests_received)
-        return self.router.report_load.remote(self.replica_load(load, now))
+        at once). Loop thread only. Returns a concurrent Future that completes when the router
+        has answered the feed call carrying it (None without a router)."""
+        self.registry.report(self.replica_id, self.report())
+        return None if self.feed is None else self.feed.push(now)
 
     # ---- what is reported ------------------------------------------------------------------
 
@@ -141,7 +126,7 @@ class LoadReporter:
                             "off": dict(stats.spec_off)},
             "transfer": asdict(self.transfer_stats),
             "kv_tiers": [asdict(u) for u in self.engine.tier_usage()],
-            "router_feed_failures": {} if self.publisher is None else dict(self.publisher.failures),
+            "router_feed": {} if self.feed is None else asdict(self.feed.stats),
         }
 
     def autoscaling_metrics(self, ttft_s: float) -> ReplicaMetrics:

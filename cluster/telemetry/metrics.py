@@ -77,6 +77,8 @@ class EngineMetrics:
     spec_accepted: object
     spec_proposer_seconds: object
     spec_off: object
+    router_feed_lag: object
+    router_feed_calls: object
 
 
 @lru_cache(maxsize=None)
@@ -224,4 +226,10 @@ def engine_metrics() -> EngineMetrics:
                          "grammar, logprobs, penalties, logit_bias, and each low_acceptance pause; per step "
                          "for batch (more requests decoding than max_batch) and cost (a request held back: its expected "
                          "accepted drafts do not pay for their measured cost at the current batch)", (*r, "reason")),
+        router_feed_lag=Histogram("pdserve_router_feed_lag_seconds", "Staleness of the router's view of this "
+                                  "replica: per feed call, from the oldest change it carried (a block event, a queue "
+                                  "that moved) to the router's answer seen here", LATENCY_S, r),
+        router_feed_calls=Counter("pdserve_router_feed_calls", "Feed calls to the router by result: sent (each), "
+                                  "snapshot (of them, full snapshots), refused (a gap: resync), unavailable, error",
+                                  (*r, "result")),
     )

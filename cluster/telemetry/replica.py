@@ -52,8 +52,9 @@ def phases(pool: str, req: "Request", end: float) -> list[tuple[str, float, floa
 
 class ReplicaTelemetry:
     def __init__(self, options: "TelemetryOptions", engine: "LLMEngine", transfer: "TransferStats",
-                 pool: str, replica_id: str):
+                 pool: str, replica_id: str, feed=None):
         self.engine = engine
+        self.feed = feed  # the replica's router feed (router/events.py): its calls' lags and outcomes
         self.transfer = transfer
         self.pool = pool
         self.interval_s = options.metrics_interval_s
@@ -138,6 +139,16 @@ class ReplicaTelemetry:
                               ("refused_lease", "pulls_refused_lease")):
             sync(m.transfer_pulls, {**tags, "result": result}, t[field])
         sync(m.transfer_pull_seconds, tags, t["pull_seconds_sum"])
+        if self.feed is not None:
+            self._export_feed(m, tags)
+
+    def _export_feed(self, m, tags: dict[str, str]) -> None:
+        for lag in self.feed.drain_lags():
+            m.router_feed_lag.observe(lag, tags)
+        f, sync = self.feed.stats, self._counters.sync
+        for result, n in (("sent", f.calls), ("refused", f.refused), ("unavailable", f.unavailable),
+                          ("error", f.errors), ("snapshot", f.snapshots)):
+            sync(m.router_feed_calls, {**tags, "result": result}, n)
         sync(m.transfer_fallbacks, tags, t["fallbacks_recompute"])
         for event in ("granted", "released", "expired"):
             sync(m.leases, {**tags, "event": event}, t[f"leases_{event}"])

@@ -1,6 +1,8 @@
 """The router actor's index follows real engines' prefix caches exactly: through eviction, a lost
-event batch, and a restart of the router itself."""
+event batch, and a restart of the router itself; and a replica's feed never has more than one
+call in flight: a router that does not answer gets one call, then one carrying everything since."""
 
+import time
 
 import pytest
 import ray
@@ -9,7 +11,7 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from router.actor import get_router
 from tests.helpers import wait_until
-from router.events import KVEventPublisher
+from router.events import RouterFeed
 from router.policy import PolicyConfig, ReplicaLoad
 
 
@@ -25,16 +27,21 @@ def router(ray_session):
     ray.kill(actor, no_restart=True)
 
 
-def in_sync(router, publisher: KVEventPublisher) -> bool:
-    publisher.publish()
+def feed(router, rid: str, engine: LLMEngine, **kwargs) -> RouterFeed:
+    load = lambda now: ReplicaLoad(rid, "prefill", engine.kv.num_free_blocks, engine.kv.num_blocks)  # noqa: E731
+    return RouterFeed(rid, engine, router, load, **kwargs)
+
+
+def in_sync(router, publisher: RouterFeed) -> bool:
+    publisher.publish(time.monotonic())
     return ray.get(router.hashes.remote(publisher.replica_id)) == set(publisher.source.cached_block_hashes())
 
 
 def test_index_tracks_engines_through_eviction_gaps_and_router_restarts(router, tiny_model):
     a = LLMEngine.from_model(tiny_model, num_blocks=12)  # small: later prompts evict earlier ones
     b = LLMEngine.from_model(tiny_model, num_blocks=64)
-    pa = KVEventPublisher("prefill-a", a, router, min_resync_interval_s=0)
-    pb = KVEventPublisher("prefill-b", b, router, min_resync_interval_s=0)
+    pa = feed(router, "prefill-a", a, min_resync_interval_s=0)
+    pb = feed(router, "prefill-b", b, min_resync_interval_s=0)
     system = [256] + list(range(1, 64))  # 4 full blocks
 
     a.generate([system + [100 + i] for i in range(3)], SP)
@@ -47,10 +54,11 @@ def test_index_tracks_engines_through_eviction_gaps_and_router_restarts(router, 
     assert a.kv.pool.stats.evicted > 0
     wait_until(lambda: in_sync(router, pa), "index follows evictions")
 
-    resyncs = pa.resyncs
+    resyncs = pa.stats.snapshots
     pa.seq += 1  # a lost batch: the router sees a gap, refuses, and the publisher resyncs
     a.generate([[256] + [5] * 33], SP)
-    wait_until(lambda: in_sync(router, pa) and pa.resyncs == resyncs + 1, "resync after a gap")
+    wait_until(lambda: in_sync(router, pa) and pa.stats.snapshots == resyncs + 1, "resync after a gap")
+    assert pa.stats.refused == 1
 
     ray.kill(router, no_restart=False)  # Ray restarts it, empty; every replica must resync
     wait_until(lambda: ray.get(router.stats.remote()).replicas == 0, "router restarted empty", timeout=30)
@@ -62,11 +70,9 @@ def test_index_tracks_engines_through_eviction_gaps_and_router_restarts(router, 
 
 def test_router_routes_to_the_replica_holding_the_prefix(router, tiny_model):
     engines = {rid: LLMEngine.from_model(tiny_model, num_blocks=64) for rid in ("prefill-x", "prefill-y")}
-    pubs = {rid: KVEventPublisher(rid, e, router) for rid, e in engines.items()}
+    pubs = {rid: feed(router, rid, e) for rid, e in engines.items()}
     system = [256] + list(range(1, 64))
     engines["prefill-y"].generate([system + [1]], SP)
-    for rid, e in engines.items():
-        ray.get(router.report_load.remote(ReplicaLoad(rid, "prefill", e.kv.num_free_blocks, e.kv.num_blocks)))
     ray.get(router.report_load.remote(ReplicaLoad("decode-0", "decode", 64, 64)))
     wait_until(lambda: all(in_sync(router, p) for p in pubs.values()), "index in sync")
     prompt = system + [9] * 30  # 94 tokens, 4 of its 5 full blocks cached on prefill-y
@@ -125,50 +131,78 @@ class GrowingSource:
 
 @ray.remote
 class HeldRouter:
-    """A real Router that answers no call until released (a router stuck behind a long call);
-    it counts the calls that reached it."""
+    """A real Router whose feed answers no call until released (a router stuck behind a long
+    call); it counts each replica's calls, and the most it ever held at once."""
 
     def __init__(self):
         import asyncio
+        from collections import Counter
 
         from router.router import Router
 
-        self.router, self.gate, self.calls = Router(), asyncio.Event(), 0
+        self.router, self.gate = Router(), asyncio.Event()
+        self.calls, self.held, self.most_held = Counter(), Counter(), Counter()
 
-    async def events(self, *args):
-        self.calls += 1
+    async def feed(self, replica_id, *args):
+        self.calls[replica_id] += 1
+        self.held[replica_id] += 1
+        self.most_held[replica_id] = max(self.most_held[replica_id], self.held[replica_id])
         await self.gate.wait()
-        return self.router.events(*args)
-
-    async def resync(self, *args):
-        self.calls += 1
-        await self.gate.wait()
-        return self.router.resync(*args)
+        self.held[replica_id] -= 1
+        return self.router.feed(replica_id, *args)
 
     async def release(self):
         self.gate.set()
 
-    async def received(self) -> int:
-        return self.calls
+    async def counts(self) -> tuple[dict, dict]:
+        return dict(self.calls), dict(self.most_held)
 
     async def hashes(self, replica_id):
         return self.router.hashes(replica_id)
 
+    async def views(self):
+        return self.router.feed_views()
 
-def test_a_router_that_does_not_answer_holds_at_most_max_unacked_calls(ray_session):
-    """500 steps' events to a router that answers nothing: the publisher waits on exactly
-    max_unacked calls (the first snapshot and 7 batches), not 500, and the router's mailbox holds
-    no more; once the router answers, a snapshot brings its index to the pool's 500 blocks."""
-    router, source = HeldRouter.remote(), GrowingSource()
-    pub = KVEventPublisher("replica", source, router, min_resync_interval_s=0, max_unacked=8)
+
+def test_a_replicas_feed_never_has_more_than_one_call_in_flight(ray_session):
+    """500 steps' events (one new block a step, 50 ms apart) to a router that answers nothing: each
+    replica's feed sends one call (its first snapshot) and holds everything since, not 500 calls.
+    Once the router answers, one more call brings the index to the pool's 500 blocks: a batch of
+    all 500 events, or (past max_pending_events, replica b) a snapshot."""
+    router = HeldRouter.remote()
+    sources = {"a": GrowingSource(), "b": GrowingSource()}
+    load = lambda rid: (lambda now: ReplicaLoad(rid, "prefill", 100, 1000))  # noqa: E731
+    feeds = {"a": RouterFeed("a", sources["a"], router, load("a"), min_resync_interval_s=0),
+             "b": RouterFeed("b", sources["b"], router, load("b"), min_resync_interval_s=0, max_pending_events=100)}
+    now = 0.0
     for _ in range(500):
-        source.step()
-        pub.publish()
-    assert (pub.unacknowledged, pub.seq) == (8, 8)
-    wait_until(lambda: ray.get(router.received.remote()) == 8, "the 8 calls reach the router")
+        now += 0.05
+        for rid, f in feeds.items():
+            sources[rid].step()
+            f.publish(now, (rid, now))  # the queues change every step too
+    assert [(f.in_flight, f.stats.calls, f.seq) for f in feeds.values()] == [(1, 1, 1)] * 2
+    wait_until(lambda: ray.get(router.counts.remote())[0] == {"a": 1, "b": 1}, "the first calls reach the router")
     ray.get(router.release.remote())
-    wait_until(lambda: (pub.publish(), ray.get(router.hashes.remote("replica")))[1] == set(source.stored)
-               and pub.unacknowledged == 0, "the router's index matches the pool after a snapshot")
-    assert (pub.resyncs, pub.unacknowledged, len(source.stored)) == (2, 0, 500)
-    assert ray.get(router.received.remote()) == 9  # the 8 held calls, then the one snapshot
+    now += 0.05  # and no further: no heartbeat is due while the test waits
+
+    def settled() -> bool:
+        for f in feeds.values():
+            f.publish(now, ("idle",), idle=True)
+        return all(ray.get(router.hashes.remote(rid)) == set(sources[rid].stored) and f.in_flight == 0
+                   for rid, f in feeds.items())
+
+    wait_until(settled, "each index matches its pool after one more call")
+    calls, most_held = ray.get(router.counts.remote())
+    assert most_held == {"a": 1, "b": 1}
+    a, b = feeds["a"].stats, feeds["b"].stats
+    # a: step 1's event went in the first snapshot, steps 2-500's in one batch; b: past its 100
+    # pending events every event went (1 + 101 + 398), and a second snapshot carried the pool
+    assert (calls["a"], a.snapshots, a.max_events_per_call, a.dropped_events) == (2, 1, 499, 1)
+    assert (calls["b"], b.snapshots, b.max_events_per_call, b.dropped_events) == (2, 2, 0, 500)
+    views = {v.replica_id: v for v in ray.get(router.views.remote())}
+    assert (views["a"].calls, views["b"].calls) == (2, 2)
+    # lag, on the feed's clock: the first call carried step 1's change (t = 0.05 s), the second the
+    # changes from step 2 on (t = 0.1 s); both answers were seen at `now`
+    for f in (a, b):
+        assert (f.lag_max_s, f.lag_last_s) == (pytest.approx(now - 0.05), pytest.approx(now - 0.1))
     ray.kill(router)

@@ -17,30 +17,14 @@ from router.router import Router
 SP = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 
 
-class _Remote:
-    def __init__(self, fn):
-        self.remote = fn
+class InProcessRouter:
+    """The router actor as a replica's feed calls it: each call delivered to a real Router at
+    once and answered with an object ref (the feed checks its call's answer, router/events.py)."""
 
-
-class _Answered:
-    """A call answered at once, as the router actor's reply: an object ref (the event publisher
-    waits on its calls' refs, router/events.py)."""
-
-    def __init__(self, fn):
+    def __init__(self, router: Router):
         import ray
 
-        self.remote = lambda *a: ray.put(fn(*a))
-
-
-class RouterFeed:
-    """The router actor as a replica calls it, delivering each call to a real Router at once.
-    `answered`: block-event calls return refs (needs Ray); without, the reporter must not publish."""
-
-    def __init__(self, router: Router, answered: bool = False):
-        self.report_load = _Remote(router.report_load)
-        wrap = _Answered if answered else _Remote
-        self.events = wrap(lambda *a: True)
-        self.resync = wrap(lambda *a: None)
+        self.feed = type("Method", (), {"remote": staticmethod(lambda *a: ray.put(router.feed(*a)))})()
 
 
 class Registry:
@@ -55,7 +39,7 @@ def test_a_request_within_the_min_interval_is_still_reported_so_no_phantom_stays
     engine = LLMEngine.from_model(tiny_model, num_blocks=32)
     router = Router(RoutingPolicy(PolicyConfig()))
     reporter = LoadReporter(engine, TransferStats(), "decode-a", "decode", registry=Registry(),
-                            router=RouterFeed(router, answered=True), router_min_interval_s=10.0,
+                            router=InProcessRouter(router), router_min_interval_s=10.0,
                             router_interval_s=100.0)
     reporter.service(0.0, busy=False)  # the first report: idle
     decision = router.route([], 70)  # the router sends a request here: pending until the next report
@@ -77,7 +61,7 @@ def test_the_report_shows_each_kv_tier_with_exact_counts(tiny_model):
                                   kv_tiers={"host_blocks": 16})
     registry = Registry()
     reporter = LoadReporter(engine, TransferStats(), "decode-a", "decode", registry=registry,
-                            router=RouterFeed(Router(RoutingPolicy(PolicyConfig()))))
+                            router=InProcessRouter(Router(RoutingPolicy(PolicyConfig()))))
     base = [256] + list(range(1, 70))  # 4 full blocks
     engine.generate([base], SP)
     engine.generate([[256] + list(range(100, 212))], SP)  # 8 blocks: base's 4 go to the host tier
@@ -92,4 +76,4 @@ def test_the_report_shows_each_kv_tier_with_exact_counts(tiny_model):
     assert load.tier_load_s_per_block[0] > 0
     plain = LLMEngine.from_model(tiny_model, num_blocks=8)
     assert LoadReporter(plain, TransferStats(), "d", "decode", registry=registry,
-                        router=RouterFeed(Router(RoutingPolicy(PolicyConfig())))).report()["kv_tiers"] == []
+                        router=InProcessRouter(Router(RoutingPolicy(PolicyConfig())))).report()["kv_tiers"] == []

@@ -1,6 +1,7 @@
-"""A replica's role flip without Ray: the real EngineReplica.set_role and the roles' calls over a
-real engine, loop, reporter and roles (PrefillEngine, DecodeEngine); only the router and the NIXL
-transport are stand-ins (nothing is pulled). A drain reports at once, serves the calls already
+"""A replica's role flip without Serve: the real EngineReplica.set_role and the roles' calls over a
+real engine, loop, reporter and roles (PrefillEngine, DecodeEngine); only the router (a recorder
+answering each feed call with an object ref: the session's Ray) and the NIXL transport are
+stand-ins (nothing is pulled). A drain reports at once, serves the calls already
 coming, and is called off at its timeout with the role and the stream kept; a flip swaps the role
 over the same engine; the other role's calls are refused before anything starts; a held lease
 holds the flip back until it ends; a flip that names another replica is refused. The flip across real pools and NIXL: test_role_flip.py."""
@@ -11,6 +12,7 @@ import asyncio
 import time
 
 import pytest
+import ray
 
 from cluster.config import AppConfig
 from cluster.engine.llm_engine import LLMEngine
@@ -50,21 +52,16 @@ class Transport:
         return []
 
 
-class Acked:
-    def __await__(self):
-        yield from ()
-
-
 class Router:
-    """The router actor's report_load: every load reported, in order."""
+    """The router actor's feed, answered at once: every load reported, in order."""
 
     def __init__(self):
         self.loads = []
-        self.report_load = self
+        self.feed = self
 
-    def remote(self, load):
+    def remote(self, replica_id, incarnation, seq, events, load, snapshot, changed_at):
         self.loads.append(load)
-        return Acked()
+        return ray.put(True)
 
 
 class Registry:
@@ -91,7 +88,7 @@ class Replica(DecodeServer):
 
 
 @pytest.fixture()
-def replica(tiny_model):
+def replica(ray_session, tiny_model):
     """A decode replica (home: the decode deployment) that may play prefill, built as __init__ does
     without Serve, Ray or NIXL."""
     cfg = AppConfig(model=tiny_model, kv_transfer={"release_grace_s": 0.05})
@@ -102,8 +99,7 @@ def replica(tiny_model):
     r.roles, r.role_name, r._flip = {"prefill": PREFILL_ROLE, "decode": DECODE_ROLE}, "decode", asyncio.Lock()
     r.routed = {"on_target": 0, "off_target": 0}
     r.role = DECODE_ROLE.make(engine, r.transport, cfg)
-    r.reporter = LoadReporter(engine, r.transport.stats, r.replica_id, "decode", Registry())
-    r.reporter.router = Router()
+    r.reporter = LoadReporter(engine, r.transport.stats, r.replica_id, "decode", Registry(), Router())
     r.loop = EngineLoop(r.role, idle_poll_s=DECODE_ROLE.idle_poll_s, hooks=[r.reporter])
     return r
 
@@ -128,7 +124,7 @@ async def until(predicate, timeout=10.0):
 
 
 def test_a_drain_past_its_timeout_is_called_off_and_serves_what_came_meanwhile(replica, tiny_model):
-    router = replica.reporter.router
+    router = replica.reporter.feed.router
 
     async def run():
         started = asyncio.Event()
@@ -152,7 +148,7 @@ def test_a_drain_past_its_timeout_is_called_off_and_serves_what_came_meanwhile(r
 
 
 def test_a_flip_swaps_the_role_over_the_same_engine_and_a_lease_holds_the_flip_back(replica, tiny_model):
-    engine, router = replica.engine, replica.reporter.router
+    engine, router = replica.engine, replica.reporter.feed.router
 
     async def run():
         to_prefill = await replica.set_role("prefill")
@@ -186,7 +182,7 @@ def test_a_flip_swaps_the_role_over_the_same_engine_and_a_lease_holds_the_flip_b
 def test_a_flip_that_names_another_replica_is_refused_before_anything(replica, tiny_model):
     """Serve's request router sends a call whose target replica is gone to a live one: that one
     must not flip (the planner would count the wrong replica as moved)."""
-    router = replica.reporter.router
+    router = replica.reporter.feed.router
 
     async def run():
         with pytest.raises(WrongReplicaError) as refused:

@@ -26,3 +26,7 @@ def test_project_names_the_binding_pool_and_counts_events_per_request():
     # stored per request: 32 prompt blocks on prefill, 32 pulled + 16 output on decode; each evicted later
     assert p["events_per_s"] == pytest.approx(50.0 * 2 * 80)
     assert p["blocks_indexed"] == 10 * d.kv_blocks_per_replica
+    # one feed call per change, 4-50 a second: decode a step each (25/s); prefill a chunk each
+    # (5120/8192 a second) and a request in or out (2 x 50 / 5)
+    assert p["feed_calls_per_s"] == pytest.approx(5 * 25 + 5 * (5120 / 8192 + 20))
+    assert p["router_calls_per_s"] == pytest.approx(50 + p["feed_calls_per_s"])

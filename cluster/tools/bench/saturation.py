@@ -11,11 +11,11 @@ session table), the plain class the router actor is a thin shell over.
              over R replicas (P:D 1:3, every replica's load reported) and B blocks indexed in all.
              The block hashes are computed before timing: the ingress hashes, the router decides.
   events     Router.events: batches of S events (half "+" a new hash, half "-" an old one: a pool
-             in steady state evicts what it stores), as a replica's KVEventPublisher sends one per
-             engine step that changed its pool.
+             in steady state evicts what it stores), as a replica's feed (router/events.py) sends
+             them with its load, at most one call in flight and one every 20 ms.
 CPU time (time.process_time) of the one thread doing the work: capacity per core.
 `--ray`: the same calls to a real RouterActor (router/actor.py) from this process, at most 64
-in flight (the publisher's max_unacked): the actor process's CPU (psutil, all its threads) per
+in flight (many replicas' feeds, one call each): the actor process's CPU (psutil, all its threads) per
 call is what one call costs the router's core over Ray; this process is the load generator and
 its CPU is printed too.
 The projection (`project`) turns those capacities and a deployment's shape into the replica count
@@ -173,8 +173,15 @@ def bench_ray(replicas: int, blocks: int, seconds: float, batch: int) -> list[di
             ev = [("+", next(fresh)) for _ in range(batch)]
             return actor.events.remote(rid, "inc", seqs[rid], ev)
 
+        def feed(n):  # the replica's one call per interval: its events and its load together
+            rid = ids[n % len(ids)]
+            seqs[rid] += 1
+            ev = [("+", next(fresh)) for _ in range(batch)]
+            return actor.feed.remote(rid, "inc", seqs[rid], ev, loads[n % len(loads)], None, time.time())
+
         arm(f"events (batch {batch})", events)
         arm("report_load", lambda n: actor.report_load.remote(loads[n % len(loads)]))
+        arm(f"feed (batch {batch} + load)", feed)
         ray.get([actor.report_load.remote(load) for load in loads])  # loads go stale after 3 s
         arm("route", seconds=min(seconds, 2.0), call=lambda n: actor.route.remote(work[n % len(work)][0], work[n % len(work)][1]))
         return out
@@ -200,7 +207,9 @@ class Deployment:
     prefill_chunk_tokens: int = 8192
     block_size: int = 16
     kv_blocks_per_replica: int = 160_000
-    load_reports_per_s: float = 25.0  # per replica: on queue changes, at most 50/s, at least 4/s
+    load_reports_per_s: float = 25.0  # per replica, before the feed: on queue changes, at most 50/s, at least 4/s
+    feed_min_interval_s: float = 0.02  # the feed (router/events.py): a call per change, at most every 20 ms
+    feed_max_interval_s: float = 0.25  # and at least every 0.25 s
     tokens_per_message: float = 8.0  # stream_interval auto at 57+ streams on a decode replica
 
     @property
@@ -226,11 +235,16 @@ def project(d: Deployment, replicas: int | None = None) -> dict:
     batches = n_dec * d.decode_steps_per_s + n_pre * min(prefill_steps, rps / n_pre * math.ceil(
         uncached / d.prefill_chunk_tokens))
     reports = n * d.load_reports_per_s
+    # The feed: one call per change (a decode step storing blocks; a prefill step, or a request
+    # arriving or leaving), coalesced to at most one per min interval, at least one per max.
+    cap = lambda changes: min(max(changes, 1 / d.feed_max_interval_s), 1 / d.feed_min_interval_s)  # noqa: E731
+    feed_calls = n_dec * cap(d.decode_steps_per_s) + n_pre * cap(prefill_steps + 2 * rps / n_pre)
     return {"replicas": n, "prefill": n_pre, "decode": n_dec, "requests_per_s": rps,
             "binding_pool": "prefill" if by_prefill < by_decode else "decode",
             "output_tokens_per_s": rps * d.output_tokens, "decisions_per_s": rps,
             "events_per_s": 2 * stored * rps, "event_batches_per_s": batches, "load_reports_per_s": reports,
-            "router_calls_per_s": rps + batches + reports, "blocks_indexed": n * d.kv_blocks_per_replica}
+            "feed_calls_per_s": feed_calls, "router_calls_per_s": rps + feed_calls,
+            "router_calls_per_s_before_feed": rps + batches + reports, "blocks_indexed": n * d.kv_blocks_per_replica}
 
 
 def saturation_replicas(capacity_at, load_at, lo: int = 2, hi: int = 100_000) -> int | None:
@@ -272,6 +286,9 @@ MEASURED_EVENTS_PER_S = 1_000_000.0  # Router.events in process, batches of 8-25
 RAY_ROUTE_EXTRA_S = 2055e-6 - 1 / 632.0  # route over Ray at 128 replicas minus in process
 RAY_EVENTS_CALL_S = 375e-6  # events.remote (batch 8): actor CPU a call
 RAY_REPORT_CALL_S = 317e-6  # report_load.remote: actor CPU a call
+# feed.remote (8 events + the load, the replica's one call per interval since issue 50): one run,
+# in which events cost 261 us and report_load 186 us (docs/benchmarks.md, "The feed").
+RAY_FEED_CALL_S = 333e-6
 # One ingress process's CPU (front_door --served 1 64, 16 callers, demo model): 5.26 ms a one-token
 # request; a 64-token one 27.2 ms at 943 messages/s and 29.2 requests/s: 0.67 ms a relayed message.
 INGRESS_REQUEST_S = 5.26e-3
@@ -287,13 +304,14 @@ def saturation_table(d: Deployment = Deployment()) -> list[dict]:
             lambda n: project(d, n)["decisions_per_s"] * decide_s(n),
         "router: event intake (index, in process)":
             lambda n: project(d, n)["events_per_s"] / MEASURED_EVENTS_PER_S,
-        "router actor: event + load calls over Ray":
+        "router actor: event + load calls (before the feed)":
             lambda n: (project(d, n)["event_batches_per_s"] * RAY_EVENTS_CALL_S
                        + project(d, n)["load_reports_per_s"] * RAY_REPORT_CALL_S),
+        "router actor: the feed's calls over Ray":
+            lambda n: project(d, n)["feed_calls_per_s"] * RAY_FEED_CALL_S,
         "router actor: all of it over Ray":
             lambda n: (project(d, n)["decisions_per_s"] * (decide_s(n) + RAY_ROUTE_EXTRA_S)
-                       + project(d, n)["event_batches_per_s"] * RAY_EVENTS_CALL_S
-                       + project(d, n)["load_reports_per_s"] * RAY_REPORT_CALL_S),
+                       + project(d, n)["feed_calls_per_s"] * RAY_FEED_CALL_S),
         "one ingress process: requests and messages":
             lambda n: (project(d, n)["requests_per_s"] * INGRESS_REQUEST_S
                        + project(d, n)["output_tokens_per_s"] / d.tokens_per_message * INGRESS_MESSAGE_S),
