@@ -205,7 +205,7 @@ def _rope(model_type: str, **params) -> dict:
      "config.json mlp_only_layers=[1, 5] is not supported: layers [5] are outside 0..2"),
     ("qwen3_moe", {"decoder_sparse_step": 0}, "config.json decoder_sparse_step=0 is not supported"),
     ("mixtral", {"quantization_config": {"quant_method": "awq", "bits": 4}},
-     "config.json quantization_config='quant_method=awq' is not supported: only unquantised float checkpoints"),
+     "config.json quantization_config.quant_method='awq' is not supported: only block-scaled fp8 checkpoints"),
     ("mixtral", {"num_experts_per_tok": 9}, "config.json num_experts_per_tok=9 is not supported: it must be 1..8"),
     ("qwen3", {"attention_bias": True}, "config.json attention_bias=True is not supported"),
     ("qwen3", {"hidden_act": "gelu"}, "config.json hidden_act='gelu' is not supported"),
