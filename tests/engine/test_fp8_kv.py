@@ -140,6 +140,16 @@ def test_a_kv_cache_dtype_the_engine_cannot_run_is_refused(options, message):
     assert "kv_cache_dtype" in str(e.value) and "'auto', 'fp8' or 'fp8_e4m3'" in str(e.value)
 
 
+def test_the_app_config_takes_kv_cache_dtype_per_pool(tiny_model):
+    from cluster.config import AppConfig  # noqa: PLC0415
+
+    cfg = AppConfig.model_validate({"model": tiny_model, "decode": {"engine": {"kv_cache_dtype": "fp8"}}})
+    assert (cfg.engine_for("prefill").kv_cache_dtype, cfg.engine_for("decode").kv_cache_dtype) == ("auto", "fp8")
+    with pytest.raises(ValidationError) as e:
+        AppConfig.model_validate({"model": tiny_model, "engine": {"kv_cache_dtype": "fp16"}})
+    assert "engine.kv_cache_dtype\n  Input should be 'auto', 'fp8' or 'fp8_e4m3'" in str(e.value)
+
+
 def test_a_device_that_cannot_hold_fp8_is_refused_by_name():
     check_fp8_device(torch.device("cpu"))
     with pytest.raises(ValueError) as e:
