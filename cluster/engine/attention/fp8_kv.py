@@ -23,10 +23,14 @@ exactly quantize() of its K/V: what a float pool's blocks become when an fp8 eng
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from cluster.engine.attention.metadata import AttentionMetadata, PrefillSpan
 from cluster.engine.attention.torch_sdpa import TorchSDPABackend
+
+log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -160,4 +164,7 @@ def kv_quant_for(model, kv_dtype: torch.dtype, tokenizer, max_model_len: int, bl
     vocab = model.cfg.vocab_size
     ids = [t for t in tokenizer.encode(CALIBRATION_TEXT) if t < vocab][:max_model_len]
     run_dtype = model.embed_tokens.weight.dtype
-    return FP8KV(calibrate(model, ids, block_size, run_dtype, device), run_dtype)
+    scales = calibrate(model, ids, block_size, run_dtype, device)
+    log.info("fp8 KV scales from %d calibration tokens: K %.3g..%.3g, V %.3g..%.3g", len(ids),
+             min(k for k, _ in scales), max(k for k, _ in scales), min(v for _, v in scales), max(v for _, v in scales))
+    return FP8KV(scales, run_dtype)
