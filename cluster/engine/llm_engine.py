@@ -109,7 +109,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_waiting, config.queue_ttl_s)
         torch_path = static or kv_dtype != dtype  # a quantized pool is read by the torch backend only
-        backend = resolve_backend("torch" if torch_path and config.attention_backend == "auto" else config.attention_backend,
+        backend = resolve_backend("torch" if torch_path and config.attention_backend == "auto"
+                                  else config.attention_backend,
                                   self.device, config.block_size, dtype)
         self.eos_token_ids = self.validator.eos_token_ids
         grammars = Grammars(self.tokenizer.to_json(), max(mc.vocab_size, self.tokenizer.vocab_size),

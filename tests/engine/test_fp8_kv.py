@@ -52,8 +52,10 @@ def test_fp8_attention_equals_torch_attention_over_the_dequantized_pool():
     assert cache8.dtype == FP8
     # the reference: a float pool holding the fp8 pool's values, after writing the same K/V rounded
     ref = torch.stack([dequantize(cache8[:, 0], ks, torch.float32), dequantize(cache8[:, 1], vs, torch.float32)], 1)
-    kq, vq = dequantize(quantize(k, fp8.k_inv), ks, torch.float32), dequantize(quantize(v, fp8.v_inv), vs, torch.float32)
+    kq = dequantize(quantize(k, fp8.k_inv), ks, torch.float32)
+    vq = dequantize(quantize(v, fp8.v_inv), vs, torch.float32)
     assert torch.equal(ref[meta.slot_blocks, 0, meta.slot_offsets], kq)  # the written slots: quantize(k)
+    assert torch.equal(ref[meta.slot_blocks, 1, meta.slot_offsets], vq)
     got = fp8.attend(q, k, v, cache8[:, 0], cache8[:, 1], meta, D**-0.5)
     want = TorchSDPABackend().attend(q, k, v, ref[:, 0], ref[:, 1], meta, D**-0.5)
     assert torch.equal(got, want)

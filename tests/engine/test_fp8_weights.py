@@ -57,7 +57,8 @@ def write_fp8_pair(root: Path, block=BLOCK) -> tuple[str, str]:
     save_file(quantized, fp8 / "model.safetensors")
     save_file(dequantized, twin / "model.safetensors")
     cfg = json.loads((fp8 / "config.json").read_text())
-    (fp8 / "config.json").write_text(json.dumps(cfg | {"quantization_config": FP8_CONFIG | {"weight_block_size": block}}))
+    quantization = FP8_CONFIG | {"weight_block_size": block}
+    (fp8 / "config.json").write_text(json.dumps(cfg | {"quantization_config": quantization}))
     return str(fp8), str(twin)
 
 

@@ -103,10 +103,12 @@ def parse_quantization(cfg: dict) -> WeightQuant | None:
         raise unsupported("quantization_config.fmt", q["fmt"], served)
     block = q.get("weight_block_size")
     if block is None:
-        raise unsupported("quantization_config.weight_block_size", None, "per-tensor fp8 weights are not served; " + served)
+        raise unsupported("quantization_config.weight_block_size", None,
+                          "per-tensor fp8 weights are not served; " + served)
     if not (isinstance(block, (list, tuple)) and len(block) == 2
             and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise unsupported("quantization_config.weight_block_size", block, "it must be two positive integers [rows, cols]")
+        raise unsupported("quantization_config.weight_block_size", block,
+                          "it must be two positive integers [rows, cols]")
     for field in ("kv_cache_scheme", "kv_cache_quant_algo"):
         if q.get(field):
             raise unsupported(f"quantization_config.{field}", q[field],
