@@ -21,8 +21,9 @@ from kv_transfer.handle import KVLayout
 from kv_transfer.layout import engine_layout
 from kv_transfer.metadata_store import FileMetadataStore
 from kv_transfer.transport import NixlTransport
+from prefill.engine import PrefillEngine
 from tests.engine.test_engine_correctness import prompts
-from tests.engine.test_fp8_kv import _held_blocks
+from tests.helpers import wait_for
 from tests.kv_transfer.test_kv_transfer import SP, assert_pools_whole, run_disaggregated
 
 BF16 = {"dtype": "bfloat16"}
@@ -69,28 +70,41 @@ def test_bf16_prefill_to_fp8_decode_equals_an_fp8_engine(model, store, bf16_pref
 
 
 def test_fp8_prefill_to_bf16_decode_dequantizes_with_the_peer_scales(model, store):
-    prefill = PrefillProcess(model, store, engine_id="prefill-fp8", num_blocks=48, **FP8)
+    # prefill in this process too (two NIXL agents side by side): its pool is at hand to compare with
+    engine = LLMEngine.from_model(model, num_blocks=48, **FP8)
+    prefill = PrefillEngine(engine, NixlTransport("prefill-fp8", engine.kv_cache, engine_layout(engine),
+                                                  FileMetadataStore(store)))
     decode = make_decode(model, store, "decode-bf16", **BF16)
-    reference = LLMEngine.from_model(model, num_blocks=48, **FP8)  # the same checkpoint: the same fp8 blocks
-    prompt = PROMPTS[-1]
+    prompt = PROMPTS[-1]  # 70 tokens: 4 full blocks and a partial one
     try:
         res = prefill.prefill("to16", prompt, SP)
-        scales = engine_layout(reference).kv_scales
-        assert res.handle.kv_layout.dtype == "float8_e4m3fn" and res.handle.kv_layout.kv_scales == scales
+        layout = res.handle.kv_layout
+        assert layout.dtype == "float8_e4m3fn" and layout.kv_scales == engine_layout(engine).kv_scales
+        assert len(layout.kv_scales) == 4  # K, V of 2 layers
         decode.submit("to16", prompt, SP, res.handle)
-        while decode.transport.stats.pulls_ok == 0:  # until the pull has landed (bounded: the pull's timeout)
+        def pulled() -> bool:
+            prefill.service_leases()  # its agent progresses too (a prefill loop's every turn)
             decode.step()
-        full = decode.engine.block_ids("to16")[: len(prompt) // 16]
-        _, kv8 = _held_blocks(reference, prompt)
-        s = torch.tensor(scales).view(1, 2, 2, 1, 1, 1)
-        assert torch.equal(decode.engine.kv_cache[full], dequantize(kv8, s, torch.bfloat16))
-        while decode.has_unfinished():
-            decode.step()
+            return decode.transport.stats.pulls_ok == 1
+
+        wait_for(pulled, "the pull")
+        mine = decode.engine.kv_cache[decode.engine.block_ids("to16")[:4]]
+        theirs = engine.kv_cache[list(res.handle.block_ids[:4])]
+        scales = torch.tensor(layout.kv_scales).view(1, 2, 2, 1, 1, 1)
+        assert mine.dtype == torch.bfloat16 and torch.equal(mine, dequantize(theirs, scales, torch.bfloat16))
+        wait_for(lambda: decode.step() is not None and not decode.has_unfinished(), "decode")
         assert decode.transport.stats.blocks_converted == 5
-        assert_pools_whole(prefill, decode)
+
+        def both_whole() -> bool:
+            decode.service()
+            prefill.service_leases()
+            return all(e.kv.num_free_blocks == e.kv.num_blocks for e in (engine, decode.engine))
+
+        wait_for(both_whole, "both pools whole")
+        assert prefill.transport.stats.leases_released == 1
     finally:
         decode.transport.close()
-        prefill.close()
+        prefill.transport.close()
 
 
 def test_staging_too_small_recomputes_and_pulls_that_do_not_fit_together_wait(model, store, bf16_prefill,
