@@ -8,6 +8,11 @@ from cluster.engine.kv_cache.hashing import BlockHash
 from kv_transfer.errors import IncompatiblePeerError
 
 
+# KV dtypes a pull converts between (any pair); scaled ones carry per-layer K and V scales.
+CONVERTIBLE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
+SCALED_DTYPES = ("float8_e4m3fn",)
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Everything that must match for one engine's KV blocks to be read by another."""
@@ -20,6 +25,9 @@ class KVLayout:
     head_dim: int
     layout: str = "block[L,2,bs,Hkv,D]"  # one block of all layers is one contiguous region, per rank
     tensor_parallel_size: int = 1  # ranks whose pools hold the model's KV heads
+    # An fp8 pool's scales, float32 values: k, v of layer 0, then of layer 1, ... (stored = x / scale;
+    # cluster/engine/attention/fp8_kv.py). Empty for a float pool (its values are themselves).
+    kv_scales: tuple[float, ...] = ()
 
     @property
     def rank_kv_heads(self) -> int:
@@ -36,15 +44,23 @@ class KVLayout:
         """One rank's block: [L, 2, bs, rank_kv_heads, D]."""
         return self.num_layers * 2 * self.block_size * self.rank_kv_heads * self.head_dim * self.elem_bytes
 
+    def converts(self, peer: "KVLayout") -> bool:
+        """Whether blocks read from `peer` must be converted into ours (kv_transfer/convert.py):
+        another dtype, or other fp8 scales."""
+        return (self.dtype, self.kv_scales) != (peer.dtype, peer.kv_scales)
+
     def check_compatible(self, peer: "KVLayout", peer_name: str) -> None:
-        """Everything but the degree must match; degrees that differ must map (head_map)."""
-        for field in ("model_fingerprint", "block_size", "dtype", "num_layers", "num_kv_heads",
+        """Everything but the degree, the dtype and the scales must match; degrees that differ
+        must map (head_map); dtypes that differ must both be ones a pull converts between."""
+        for field in ("model_fingerprint", "block_size", "num_layers", "num_kv_heads",
                       "head_dim", "layout"):
             mine, theirs = getattr(self, field), getattr(peer, field)
             if mine != theirs:
                 raise IncompatiblePeerError(
                     f"refusing KV from {peer_name}: {field} {theirs!r} != ours {mine!r}"
                 )
+        if self.converts(peer):
+            self._check_conversion(peer, peer_name)
         if self.tensor_parallel_size != peer.tensor_parallel_size:
             from kv_transfer.head_map import head_map  # noqa: PLC0415
 
@@ -52,6 +68,19 @@ class KVLayout:
                 head_map(self.num_kv_heads, peer.tensor_parallel_size, self.tensor_parallel_size)
             except IncompatiblePeerError as e:
                 raise IncompatiblePeerError(f"refusing KV from {peer_name}: {e}") from None
+
+    def _check_conversion(self, peer: "KVLayout", peer_name: str) -> None:
+        for layout in (self, peer):
+            if layout.dtype not in CONVERTIBLE_DTYPES:
+                raise IncompatiblePeerError(f"refusing KV from {peer_name}: dtype {peer.dtype!r} != ours "
+                                            f"{self.dtype!r}, and {layout.dtype!r} is not one a pull converts "
+                                            f"({', '.join(CONVERTIBLE_DTYPES)})")
+            if len(layout.kv_scales) != (2 * layout.num_layers if layout.dtype in SCALED_DTYPES else 0):
+                raise IncompatiblePeerError(f"refusing KV from {peer_name}: a {layout.dtype} layout with "
+                                            f"{len(layout.kv_scales)} scales for {layout.num_layers} layers")
+        if self.tensor_parallel_size != 1 or peer.tensor_parallel_size != 1:
+            raise IncompatiblePeerError(f"refusing KV from {peer_name}: converting {peer.dtype} KV into "
+                                        f"{self.dtype} is implemented between tensor_parallel_size 1 pools only")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ class TransferStats:
     pulls_refused_lease: int = 0  # handle's lease too close to expiry to pull: recomputed instead
     pulls_abandoned: int = 0  # READs left in flight by an abort or failure: their blocks quarantined
     abandoned_settled: int = 0  # of those, settled since (quarantine released)
+    blocks_converted: int = 0  # pulled from a pool of another KV dtype or scales (kv_transfer/convert.py)
     # prefill side
     leases_granted: int = 0
     leases_from_host: int = 0  # of those, served from the host tier (kv_tiers.lease_from_host)

@@ -9,7 +9,9 @@ region; each side's list prepared once, one descriptor a block, which NIXL merge
 given the order runs.py lists them in); once the READ is done, a notice tells prefill it may
 release the lease. Notices go out from a second agent that posts no transfers
 (kv_transfer/notices.py: on the READ's own agent each pull waited for the peer's loop). Remote
-agents are cached per engine id and replaced when the peer comes back as a new incarnation.
+agents are cached per engine id and replaced when the peer comes back as a new incarnation. A
+peer whose KV dtype or fp8 scales differ from ours is read into a staging arena and converted into
+the pool once the READ is done (kv_transfer/convert.py).
 
 A READ that its request no longer waits for (aborted, failed, timed out) may still be writing
 the local blocks, on RDMA long after the request is gone. Such a pull is *abandoned*: the caller
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kv_transfer.convert import Conversion, Converter
 from kv_transfer.errors import KVTransferError
 from kv_transfer.handle import KVHandle, KVLayout, PeerInfo, RankPeer
 from kv_transfer.metadata_store import MetadataStore
@@ -55,7 +58,7 @@ class PendingPull:
     request_id: str
     peer: str  # engine id
     peer_agent: str  # its agent's name: where the "done" notice goes
-    handle: object  # NIXL transfer handle
+    handle: object  # NIXL transfer handle (None: a converting pull still waiting for staging slots)
     num_blocks: int
     num_bytes: int
     num_runs: int  # descriptors posted: runs of blocks contiguous on both sides
@@ -65,6 +68,7 @@ class PendingPull:
     posted: float = 0.0  # time.monotonic() once transfer() returned
     first_poll: float = 0.0  # ... at the first poll
     polls: int = 0
+    conversion: Conversion | None = None  # READ into staging, converted once done (kv_transfer/convert.py)
 
 
 class NixlTransport:
@@ -129,6 +133,7 @@ class NixlTransport:
         self._notices: NoticeSender | None = None  # made with the first peer (decode side only)
         self._unsent: list[tuple[str, str, str]] = []  # "done" notices of completed READs (send_notices)
         self._abandoned: dict[int, PendingPull] = {}  # quarantine token -> unsettled READ
+        self._converter = Converter(self.agent, kv_cache, layout, self.mem_type, self.device_id)
         # Every rank's pool, and pulls between degrees planned per rank (kv_transfer/rank_reads.py).
         self.mapped = MappedReader(self.agent, self.mem_type, self.device_id, layout,
                                    RankPeer(self.agent_name, self.agent.get_agent_metadata(), self.base_addr),
@@ -171,7 +176,7 @@ class NixlTransport:
             bases, sizes = (info.base_addr,), (info.num_blocks,)
             if info.host_num_blocks:  # its host tier's slots follow its blocks (DRAM peers only)
                 bases, sizes = bases + (info.host_base_addr,), sizes + (info.host_num_blocks,)
-            space = BlockSpace(bases, sizes, self.block_bytes, info.device_id)
+            space = BlockSpace(bases, sizes, info.kv_layout.block_bytes, info.device_id)  # ours, or converted
             dlist = None  # between degrees each rank's READ has descriptors of its own (rank_reads.py)
             if not self.mapped.applies(info.kv_layout):
                 dlist = self.agent.prep_xfer_dlist(name, space.block_descs(), info.mem_type)
@@ -213,6 +218,8 @@ class NixlTransport:
         contiguous on both sides; its completion (poll) notifies the prefill side. No notice rides
         on the READ itself: see kv_transfer/notices.py."""
         remote = self._remote(handle)
+        if self.layout.converts(remote.info.kv_layout):
+            return self._start_converting_pull(handle, remote, remote_blocks, local_blocks, timeout_s)
         if self.mapped.applies(remote.info.kv_layout):
             return self._start_mapped_pull(handle, remote, remote_blocks, local_blocks, timeout_s)
         started = time.monotonic()  # before posting: over shared memory the copy runs inside transfer()
@@ -234,6 +241,37 @@ class NixlTransport:
                            len(local_blocks) * self.block_bytes, len(runs), started, started + timeout_s,
                            posted=time.monotonic())
 
+    def _start_converting_pull(self, handle: KVHandle, remote: _Remote, remote_blocks: list[int],
+                               local_blocks: list[int], timeout_s: float) -> PendingPull:
+        """From a pool of another dtype or scales: READ into staging slots (posted by poll while too
+        few are free), converted into local_blocks once done."""
+        started = time.monotonic()
+        peer = remote.info.kv_layout
+        conversion = self._converter.begin(peer, list(remote_blocks), list(local_blocks), handle.engine_id)
+        pull = PendingPull(handle.request_id, handle.engine_id, remote.agent_name, None, len(local_blocks),
+                           len(local_blocks) * peer.block_bytes, 0, started, started + timeout_s,
+                           conversion=conversion)
+        self._post_conversion(pull)
+        return pull
+
+    def _post_conversion(self, pull: PendingPull) -> None:
+        remote = self._remotes[pull.peer]
+        try:
+            pull.handle = pull.conversion.post(self.agent, remote.dlist, remote.space.sizes)
+            if pull.handle is None:
+                return
+            pull.num_runs = len(pull.conversion.slots)
+            if self.agent.transfer(pull.handle) == "ERR":
+                raise RuntimeError("NIXL refused the READ")
+        except ValueError as e:
+            self._release(pull)
+            raise KVTransferError(f"READ from {pull.peer} not posted: {e}") from e
+        except Exception as e:
+            self._release(pull)
+            self._forget(pull.peer)
+            raise KVTransferError(f"posting READ from {pull.peer} failed: {e}") from e
+        pull.posted = time.monotonic()
+
     def _start_mapped_pull(self, handle: KVHandle, remote: _Remote, remote_blocks: list[int],
                            local_blocks: list[int], timeout_s: float) -> PendingPull:
         """Between tensor-parallel degrees: every rank reads its heads from the ranks holding them."""
@@ -250,6 +288,8 @@ class NixlTransport:
                            started, started + timeout_s)
 
     def _state(self, xfer) -> str:
+        if xfer is None:  # a converting pull not posted yet
+            return "WAIT"
         return xfer.state() if isinstance(xfer, MappedPull) else self.agent.check_xfer_state(xfer)
 
     def poll(self, pull: PendingPull) -> bool:
@@ -259,6 +299,12 @@ class NixlTransport:
         if not pull.polls:
             pull.first_poll = time.monotonic()
         pull.polls += 1
+        if pull.handle is None and pull.conversion is not None and time.monotonic() <= pull.deadline:
+            try:
+                self._post_conversion(pull)
+            except KVTransferError:
+                self.stats.pulls_failed += 1  # settled: nothing was posted
+                raise
         try:
             state = self._state(pull.handle)
         except Exception as e:
@@ -266,6 +312,9 @@ class NixlTransport:
             self.stats.pulls_failed += 1
             raise KVTransferError(f"READ from {pull.peer} failed: {e}") from e
         if state == "DONE":
+            if pull.conversion is not None:  # the bytes are in staging: into our pool, our dtype
+                self._converter.finish(pull.conversion)
+                self.stats.blocks_converted += pull.num_blocks
             took = time.monotonic() - pull.started  # posted -> seen complete (telemetry and cleanup after)
             if self.telemetry and not isinstance(pull.handle, MappedPull):  # descriptors NIXL used (merged)
                 self.stats.descriptors_used += self.agent.get_xfer_telemetry(pull.handle).descCount
@@ -294,7 +343,9 @@ class NixlTransport:
         """Free the NIXL handle (cancelling the transfer if it is still active). False when NIXL
         refuses: the transfer may still be running."""
         try:
-            if isinstance(pull.handle, MappedPull):
+            if pull.handle is None:  # a converting pull never posted
+                pass
+            elif isinstance(pull.handle, MappedPull):
                 if not pull.handle.release():
                     raise RuntimeError("a rank's READ is still active")
             else:
@@ -303,6 +354,8 @@ class NixlTransport:
             log.warning("transfer for %s could not be released (still active?): %s", pull.request_id, e)
             return False
         pull.settled = True
+        if pull.conversion is not None:
+            pull.conversion.release()  # its staging slots: nothing writes them any more
         return True
 
     def _abandon(self, pull: PendingPull) -> None:
@@ -347,7 +400,7 @@ class NixlTransport:
             except Exception as e:  # noqa: BLE001 — unknown: only a successful release settles it
                 log.debug("state of abandoned READ for %s: %s", pull.request_id, e)
                 state = "ERR"
-            if state in ("DONE", "ERR") or now > pull.deadline:
+            if state in ("DONE", "ERR") or now > pull.deadline or pull.handle is None:  # None: never posted
                 if self._release(pull):
                     del self._abandoned[token]
                     settled.append(token)
@@ -390,6 +443,7 @@ class NixlTransport:
     def close(self) -> None:
         for engine_id in list(self._remotes):
             self._forget(engine_id)
+        self._converter.close()
         try:
             self.agent.release_dlist_handle(self._local)
             self.agent.deregister_memory(self._reg)

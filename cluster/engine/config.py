@@ -13,7 +13,9 @@ from cluster.errors import InvalidRequestError
 from cluster.engine.distributed.plan import kv_heads_per_rank
 from cluster.engine.model_config import ModelConfig
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+# engine.kv_cache_dtype -> the pool's torch dtype name ("auto": the run dtype's).
+KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 
 
 PROMPT_CHARS_PER_TOKEN = 8  # max_prompt_chars' default, per token of the context length
@@ -185,6 +187,11 @@ class EngineOptions(BaseModel):
         'in their own step. "auto" = on with a CUDA device (where the forward runs asynchronously), off on CPU.')
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description='"auto" = the checkpoint\'s dtype.')
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        "auto", description='The KV pool\'s element type. "auto" = the run dtype; "fp8" (= "fp8_e4m3"): float8 '
+        "e4m3 with one scale per layer for K and one for V, calibrated at load (cluster/engine/attention/fp8_kv.py): "
+        "half the bytes of a bf16 block, so twice the blocks for the same kv_cache_memory_gb. Attention dequantizes "
+        "the blocks it reads (torch attention backend only); a pull from a pool of another KV dtype converts.")
     max_waiting: int | None = Field(
         None, ge=0, description="Most requests waiting for admission; more are refused (overload). None = unbounded.")
     queue_ttl_s: float | None = Field(
@@ -216,6 +223,20 @@ class EngineOptions(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _fp8_kv_paths(self) -> "EngineOptions":
+        if self.kv_cache_dtype == "auto":
+            return self
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype} is not implemented with tensor_parallel_size > 1")
+        if self.attention_backend in ("cpu_paged", "flash_attn"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype}: attention_backend={self.attention_backend} reads "
+                             "a float KV pool; fp8 KV is read by the torch backend (torch or auto)")
+        if self.static_decode in ("eager", "graphs"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype}: static_decode={self.static_decode}'s paged kernel "
+                             "reads a float KV pool; use static_decode auto or off")
+        return self
+
+    @model_validator(mode="after")
     def _static_decode_alone(self) -> "EngineOptions":
         if self.static_decode in ("eager", "graphs"):
             if self.tensor_parallel_size > 1:
@@ -237,13 +258,19 @@ class EngineConfig(EngineOptions):
     cache_salt: str = Field("", description="Extra salt in every block hash (e.g. a deployment id).")
 
 
-def kv_dtype(mc: ModelConfig, opts: EngineOptions) -> str:
+def run_dtype(mc: ModelConfig, opts: EngineOptions) -> str:
+    """The dtype the model runs in (weights and activations)."""
     return mc.dtype if opts.dtype == "auto" else opts.dtype
+
+
+def cache_dtype(mc: ModelConfig, opts: EngineOptions) -> str:
+    """The KV pool's dtype: the run dtype, or float8_e4m3fn (kv_cache_dtype fp8)."""
+    return KV_CACHE_DTYPES.get(opts.kv_cache_dtype) or run_dtype(mc, opts)
 
 
 def kv_block_bytes(mc: ModelConfig, opts: EngineOptions) -> int:
     """Bytes of one KV block (all layers, K and V) for these engine options."""
-    return mc.num_layers * 2 * opts.block_size * mc.num_kv_heads * mc.head_dim * DTYPE_BYTES[kv_dtype(mc, opts)]
+    return mc.num_layers * 2 * opts.block_size * mc.num_kv_heads * mc.head_dim * DTYPE_BYTES[cache_dtype(mc, opts)]
 
 
 def kv_block_bytes_per_rank(mc: ModelConfig, opts: EngineOptions) -> int:

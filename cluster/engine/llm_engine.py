@@ -22,7 +22,8 @@ from typing import Collection, Sequence
 import torch
 
 from cluster.engine.attention import resolve_backend
-from cluster.engine.config import EngineConfig, kv_block_bytes, kv_dtype
+from cluster.engine.attention.fp8_kv import kv_quant_for
+from cluster.engine.config import EngineConfig, cache_dtype, kv_block_bytes, run_dtype
 from cluster.engine.grammar import Grammars
 from cluster.engine.kv_cache import BlockHash, KVCacheManager, TierLoader, TierUsage, extend_salt
 from cluster.engine.tier_arenas import build_tiers
@@ -69,8 +70,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
         self.device = resolve_device(config.device)
-        dtype = getattr(torch, kv_dtype(mc, config))
-        self.dtype = dtype
+        dtype = getattr(torch, run_dtype(mc, config))
+        self.dtype, kv_dtype = dtype, getattr(torch, cache_dtype(mc, config))
         self.validator = RequestValidator.for_model(config.model, [config])
         self.tokenizer = self.validator.tokenizer
         self.max_model_len = self.validator.max_model_len
@@ -94,9 +95,11 @@ class LLMEngine:
             # allocated here, never accounted, never registered for transfer.
             pool = torch.zeros(
                 num_blocks + (1 if static else 0), mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim,
-                dtype=dtype, device=self.device,
+                dtype=kv_dtype, device=self.device,
             )
             self.kv_cache = pool[:num_blocks]
+            self.model.kv_quant = kv_quant_for(self.model, kv_dtype, self.tokenizer, self.max_model_len,
+                                               config.block_size, self.device)
         self.model_identity = model_identity(config.model, mc)  # architecture + weights: the KV's identity
         salt = extend_salt(self.model_identity.encode(), config.cache_salt)
         tiers = config.kv_tiers
@@ -105,7 +108,9 @@ class LLMEngine:
                                  tiers.store_threshold)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_waiting, config.queue_ttl_s)
-        backend = resolve_backend("torch" if static and config.attention_backend == "auto" else config.attention_backend,
+        torch_path = static or kv_dtype != dtype  # a quantized pool is read by the torch backend only
+        backend = resolve_backend("torch" if torch_path and config.attention_backend == "auto"
+                                  else config.attention_backend,
                                   self.device, config.block_size, dtype)
         self.eos_token_ids = self.validator.eos_token_ids
         grammars = Grammars(self.tokenizer.to_json(), max(mc.vocab_size, self.tokenizer.vocab_size),
@@ -131,8 +136,8 @@ class LLMEngine:
             self.speculator = Speculator(spec, proposer, self.stats, self.max_model_len)
         self.probe: EngineProbe | None = None  # set by a replica with telemetry on (plain Python, no Ray)
         log.info(
-            "engine ready: model=%s dtype=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)%s",
-            config.model, mc.dtype, self.device, backend.name, num_blocks, config.block_size,
+            "engine ready: model=%s dtype=%s kv=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)%s",
+            config.model, mc.dtype, cache_dtype(mc, config), self.device, backend.name, num_blocks, config.block_size,
             num_blocks * self.block_bytes / 2**20,
             "".join(f", {t.name} tier {t.num_blocks} blocks ({t.num_blocks * self.block_bytes / 2**20:.1f} MiB)"
                     for t in self.kv.tiers),

@@ -18,11 +18,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cluster.engine.model.families import FAMILIES, family_of
-from cluster.engine.model.families.base import Family, MoEConfig, check_common, sliding_window
+from cluster.engine.model.families.base import (Family, MoEConfig, WeightQuant, check_common, parse_quantization,
+                                                sliding_window)
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(FAMILIES))  # the served model_types
 # Family fields left out of the fingerprint at these values, so a Llama's is what it was before they existed.
-_FINGERPRINT_DEFAULTS = {"qk_norm": False, "moe": None, "sliding_window": None}
+_FINGERPRINT_DEFAULTS = {"qk_norm": False, "moe": None, "sliding_window": None, "weight_quant": None}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -69,6 +70,7 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over head_dim on each q and k head before RoPE (Qwen3)
     moe: MoEConfig | None = None  # the sparse MLP and the layers that have it; None: every MLP dense
     sliding_window: int | None = None  # some layer attends this many positions back; refused at load if it bites
+    weight_quant: WeightQuant | None = None  # block-scaled fp8 weights, dequantized at load; None: float weights
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
@@ -79,6 +81,7 @@ class ModelConfig:
         model_type = cfg.get("model_type", "llama")
         family = family_of(model_type)
         check_common(cfg)
+        weight_quant = parse_quantization(cfg)
         fields = family.parse(cfg)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
@@ -105,6 +108,7 @@ class ModelConfig:
             qk_norm=fields.qk_norm,
             moe=fields.moe,
             sliding_window=sliding_window(cfg),
+            weight_quant=weight_quant,
             rope=_parse_rope(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -58,14 +58,14 @@ def static_mode(opts, device: torch.device, capturable: bool = True) -> str | No
     """EngineOptions.static_decode resolved: "graphs", "eager", or None (every step dynamic).
     "auto" is graphs on CUDA where the step is torch's (one rank, torch attention and ops) and the
     model's family can be captured (`capturable`: Family.cuda_graphs; an MoE reads its expert
-    counts on the host every layer)."""
+    counts on the host every layer), and the pool is the run dtype (its paged kernel reads no fp8)."""
     mode = opts.static_decode
     if mode == "graphs" and not capturable:
         raise ValueError("static_decode=graphs: this model's family reads the device from the host within a "
                          "step (MoE expert counts), which a CUDA graph cannot capture; use auto, eager or off")
     if mode == "auto":
         torch_path = (opts.tensor_parallel_size == 1 and opts.attention_backend in ("auto", "torch")
-                      and opts.model_ops in ("auto", "torch"))
+                      and opts.model_ops in ("auto", "torch") and opts.kv_cache_dtype == "auto")
         mode = "graphs" if device.type == "cuda" and torch_path and capturable else "off"
     return None if mode == "off" else mode
 

@@ -205,7 +205,7 @@ def _rope(model_type: str, **params) -> dict:
      "config.json mlp_only_layers=[1, 5] is not supported: layers [5] are outside 0..2"),
     ("qwen3_moe", {"decoder_sparse_step": 0}, "config.json decoder_sparse_step=0 is not supported"),
     ("mixtral", {"quantization_config": {"quant_method": "awq", "bits": 4}},
-     "config.json quantization_config='quant_method=awq' is not supported: only unquantised float checkpoints"),
+     "config.json quantization_config.quant_method='awq' is not supported: only block-scaled fp8 checkpoints"),
     ("mixtral", {"num_experts_per_tok": 9}, "config.json num_experts_per_tok=9 is not supported: it must be 1..8"),
     ("qwen3", {"attention_bias": True}, "config.json attention_bias=True is not supported"),
     ("qwen3", {"hidden_act": "gelu"}, "config.json hidden_act='gelu' is not supported"),
@@ -245,12 +245,15 @@ def test_tensor_parallelism_and_cuda_graphs_refuse_what_a_family_lacks():
                             "(families that shard: llama, mistral, qwen2); use tensor_parallel_size 1")
     check_degree(mc, 1)
     assert valid_degrees(mc) == [1]
-    opts = SimpleNamespace(static_decode="graphs", tensor_parallel_size=1, attention_backend="auto", model_ops="auto")
+    opts = SimpleNamespace(static_decode="graphs", tensor_parallel_size=1, attention_backend="auto", model_ops="auto",
+                           kv_cache_dtype="auto")
     with pytest.raises(ValueError, match="static_decode=graphs: this model's family reads the device from the host"):
         static_mode(opts, torch.device("cuda"), capturable=mc.family.cuda_graphs)
     auto = SimpleNamespace(**vars(opts) | {"static_decode": "auto"})
     assert (static_mode(auto, torch.device("cuda"), False), static_mode(auto, torch.device("cuda"), True)) == (
         None, "graphs")
+    fp8 = SimpleNamespace(**vars(auto) | {"kv_cache_dtype": "fp8"})  # its paged kernel reads no fp8 pool
+    assert static_mode(fp8, torch.device("cuda"), True) is None
 
 
 def test_config_json_round_trip_of_each_family(family):

@@ -15,6 +15,10 @@ import torch.nn.functional as F
 from cluster.engine.attention.metadata import AttentionMetadata
 
 
+def gather_blocks(cache: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return cache.index_select(0, idx)
+
+
 class TorchSDPABackend:
     name = "torch"
 
@@ -26,23 +30,29 @@ class TorchSDPABackend:
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         out = torch.empty_like(q)  # [T, H, D]
         self.attend_decodes(q, k_cache, v_cache, meta, scale, out)
-        self.attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
+        self.attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out, self.read_k, self.read_v)
         return out
+
+    # Whole blocks of one layer's cache, in the run dtype: [len(idx), block_size, H_kv, D]. A
+    # quantized pool's backend (fp8_kv.py) dequantizes here, only the blocks a step reads.
+    read_k = read_v = staticmethod(gather_blocks)
 
     def attend_decodes(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
         bs, hkv, d = k_cache.shape[1:]
         for g in meta.decode_groups:
             b, nb = g.block_tables.shape
             idx = g.block_tables.reshape(-1)
-            kd = k_cache.index_select(0, idx).view(b, nb * bs, hkv, d).transpose(1, 2)  # [B, H_kv, L, D]
-            vd = v_cache.index_select(0, idx).view(b, nb * bs, hkv, d).transpose(1, 2)
+            kd = self.read_k(k_cache, idx).view(b, nb * bs, hkv, d).transpose(1, 2)  # [B, H_kv, L, D]
+            vd = self.read_v(v_cache, idx).view(b, nb * bs, hkv, d).transpose(1, 2)
             qd = q[g.start : g.end].unsqueeze(2)  # [B, H, 1, D]
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True)
             out[g.start : g.end] = o.squeeze(2)
 
     @staticmethod
-    def attend_prefills(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out) -> None:
-        """Each multi-token chunk (a prefill chunk, or a decode with drafts) by one SDPA call."""
+    def attend_prefills(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out,
+                        read_k=gather_blocks, read_v=gather_blocks) -> None:
+        """Each multi-token chunk (a prefill chunk, or a decode with drafts) by one SDPA call. A
+        chunk that is its whole context attends to its own fresh K/V, never read back from the pool."""
         hkv, d = k_cache.shape[2:]
         for p in meta.prefills:
             qs = slice(p.q_start, p.q_start + p.q_len)
@@ -50,8 +60,8 @@ class TorchSDPABackend:
             if p.mask is None:  # the chunk is the whole context
                 kp, vp = k[qs], v[qs]
             else:
-                kp = k_cache.index_select(0, p.block_ids).view(-1, hkv, d)[: p.ctx_len]
-                vp = v_cache.index_select(0, p.block_ids).view(-1, hkv, d)[: p.ctx_len]
+                kp = read_k(k_cache, p.block_ids).view(-1, hkv, d)[: p.ctx_len]
+                vp = read_v(v_cache, p.block_ids).view(-1, hkv, d)[: p.ctx_len]
             kp = kp.transpose(0, 1).unsqueeze(0)  # [1, H_kv, ctx, D]
             vp = vp.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(

@@ -55,6 +55,9 @@ def check_degree(mc: ModelConfig, tp: int) -> None:
         sharded = sorted(t for t, f in FAMILIES.items() if f.tensor_parallel)
         raise ValueError(f"tensor_parallel_size {tp}: model_type {mc.model_type!r} has no tensor-parallel "
                          f"sharding here (families that shard: {', '.join(sharded)}); use tensor_parallel_size 1")
+    if tp > 1 and mc.weight_quant is not None:
+        raise ValueError(f"tensor_parallel_size {tp}: block-scaled fp8 checkpoints (quantization_config) are "
+                         "dequantized at load at tensor_parallel_size 1 only; use tensor_parallel_size 1")
     h, hkv = mc.num_heads, mc.num_kv_heads
     kv_ok = hkv % tp == 0 if tp <= hkv else tp % hkv == 0
     problems = []

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine.attention import AttentionBackend, resolve_backend
-from cluster.engine.config import kv_dtype
+from cluster.engine.config import run_dtype
 from cluster.engine.distributed.loader import load_rank_model
 from cluster.engine.distributed.plan import ShardPlan
 from cluster.engine.distributed.step import RankReport, WorkerSpec
@@ -29,7 +29,7 @@ class RankModel:
         config = spec.config
         mc = ModelConfig.from_dir(config.model)
         plan = ShardPlan.for_model(mc, config.tensor_parallel_size, rank)
-        dtype = getattr(torch, kv_dtype(mc, config))
+        dtype = getattr(torch, run_dtype(mc, config))
         model = load_rank_model(config.model, mc, plan, spec.max_model_len, dtype, device)
         # Layer by layer: the fused decode kernel runs every layer in one call, with no point
         # between a layer's ops for the two all-reduces a tensor-parallel layer needs.

@@ -43,6 +43,9 @@ class DecoderLayer(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     ops = TORCH_OPS  # replaced by use_ops
+    # A quantized pool's per-layer backends (attention/fp8_kv.py: FP8KV), set by the engine: layer
+    # i reads and writes its cache through kv_quant.layer(i, backend). None: the pool is the run dtype.
+    kv_quant = None
 
     def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -101,13 +104,15 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [S, vocab] float32
         x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions)
-        if self.llama_shaped and self.ops.fuses(meta):  # the whole layer stack in one kernel call
+        if self.llama_shaped and self.kv_quant is None and self.ops.fuses(meta):  # the layer stack in one kernel call
             weights, qkv_bias = self.layer_weights
             attn = self.layers[0].self_attn
             x, residual = self.ops.decode_layers(x, weights, qkv_bias, kv_cache, meta, cos, sin, attn.h, attn.hkv,
                                                  self.norm.eps, attn.scale)
         else:
+            quant = self.kv_quant
             for i, layer in enumerate(self.layers):
-                x, residual = layer(x, residual, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, backend)
+                layer_backend = backend if quant is None else quant.layer(i, backend)
+                x, residual = layer(x, residual, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, layer_backend)
         x = self.norm(residual.add_(x)[logits_indices])
         return self.lm_head(x).float()

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
+from cluster.engine.model import fp8_weights
 from cluster.engine.model.decoder import DecoderForCausalLM
 from cluster.engine.model.rope import RotaryEmbedding
 from cluster.engine.model_config import ModelConfig
@@ -68,14 +69,16 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtyp
     model.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)  # not in checkpoints
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    scales = fp8_weights.read_scales(safetensors_files(model_dir)) if cfg.weight_quant else {}
     for f, name, piece, dest in checkpoint_entries(model_dir, cfg, params):
-        tensor = f.get_tensor(name)
+        tensor = fp8_weights.dequantize(name, f.get_tensor(name), scales, cfg.weight_quant, dtype)
         dest = piece_of(dest, piece, cfg)
         if dest.shape != tensor.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
         dest.copy_(tensor)
         loaded |= keys_of(piece, params[piece.target])
     check_loaded(model, cfg, loaded, model_dir)
+    fp8_weights.check_scales_used(scales)
     model.eval()
     return model
 
@@ -118,8 +121,8 @@ def checkpoint_target(name: str, cfg: ModelConfig) -> Piece | None:
         name = name[len("model."):]
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None
-    if "rotary_emb" in name:
-        return None
+    if "rotary_emb" in name or (cfg.weight_quant and name.endswith(fp8_weights.SCALE_SUFFIX)):
+        return None  # not parameters (the fp8 scales are read first: fp8_weights.read_scales)
     for rename in cfg.family.renames:
         m = re.search(rename.pattern, name)
         if m:

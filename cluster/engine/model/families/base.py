@@ -74,12 +74,52 @@ class Family:
     cuda_graphs: bool = True  # a decode step never reads the device from the host, so a CUDA graph can capture it
 
 
+@dataclass(frozen=True)
+class WeightQuant:
+    """A block-scaled fp8 checkpoint (quant_method "fp8" with weight_block_size, as Qwen3-*-FP8 and
+    DeepSeek-V3 ship): a quantised linear's `weight` is float8_e4m3fn [N, K] and its
+    `weight_scale_inv` float32 [ceil(N / rows), ceil(K / cols)], the real weight being
+    weight * weight_scale_inv block by block (the last block of a side may be partial). Loaded
+    dequantized to the run dtype (model/fp8_weights.py). TODO(CUDA): keep the fp8 weights and their
+    scales and run a scaled matmul (torch._scaled_mm with block scales) where a device is lent."""
+
+    block: tuple[int, int]  # (rows, cols) of weight one scale covers
+
+
+def parse_quantization(cfg: dict) -> WeightQuant | None:
+    """config.json's quantization_config: None, or a block-scaled fp8 one; anything else refused, named."""
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    served = "only block-scaled fp8 checkpoints are served (quant_method fp8, fmt e4m3, activation_scheme " \
+             "dynamic, weight_block_size [rows, cols])"
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        raise unsupported("quantization_config.quant_method", q.get("quant_method") if isinstance(q, dict) else q,
+                          served)
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise unsupported("quantization_config.activation_scheme", q["activation_scheme"],
+                          "static activation scales are not served; " + served)
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise unsupported("quantization_config.fmt", q["fmt"], served)
+    block = q.get("weight_block_size")
+    if block is None:
+        raise unsupported("quantization_config.weight_block_size", None,
+                          "per-tensor fp8 weights are not served; " + served)
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise unsupported("quantization_config.weight_block_size", block,
+                          "it must be two positive integers [rows, cols]")
+    for field in ("kv_cache_scheme", "kv_cache_quant_algo"):
+        if q.get(field):
+            raise unsupported(f"quantization_config.{field}", q[field],
+                              "checkpoint KV scales are not read; use engine.kv_cache_dtype fp8 (calibrated at load)")
+    return WeightQuant((block[0], block[1]))
+
+
 def check_common(cfg: dict) -> None:
-    """Refuse what no family implements: quantised weights, another activation, partial RoPE, MLP
-    biases, attention kinds other than full or sliding (sliding is checked against the context at load)."""
-    if cfg.get("quantization_config") is not None:
-        method = cfg["quantization_config"].get("quant_method", "?")
-        raise unsupported("quantization_config", f"quant_method={method}", "only unquantised float checkpoints are served")
+    """Refuse what no family implements: another activation, partial RoPE, MLP biases, attention
+    kinds other than full or sliding (sliding is checked against the context at load). Quantised
+    weights: parse_quantization."""
     for field in ("hidden_act", "hidden_activation"):
         if cfg.get(field, "silu") != "silu":
             raise unsupported(field, cfg[field], "every served family's MLP is SiLU-gated")
