@@ -23,6 +23,12 @@ them in host memory, and the pool all 8. Arm `cost-tier-blind` is the cost route
 run it beside `cost`, e.g. `--tiers --arms cost cost-tier-blind round_robin --no-control`.
 `cost` credits a host block at the replica's measured weight (1 - its seconds per block loaded
 back x its tokens/s / 16); arm `cost-fixed-weights` at Dynamo's fixed 0.75 / 0.25.
+
+`--kill-router-after N` (issue 50, failover): once N measured requests have finished, the router
+actor is killed (Ray restarts it, empty) while the load goes on. Printed besides: requests that
+failed, the router's restart time, the hit rate of the requests that finished before the kill, and
+how long after the kill the hit rate over the last `--window` finished requests is back within 5%
+of that (never: said so).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import random
+import threading
 import time
 
 from cluster.tools.bench.engine import ensure_bench_model
@@ -64,8 +71,44 @@ def _wait_for_replicas(n: int, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def recovery(done: list[tuple[float, int, bool]], t_kill: float, window: int) -> dict:
+    """`done`: (finished at, cached tokens, ok) per measured request, in finishing order. The hit
+    rate before the kill, and the first time after it that the last `window` requests' hit rate
+    is back within 5% of it (None: never)."""
+    before = [c for t, c, _ in done if t < t_kill]
+    level = sum(before) / (SYSTEM_TOKENS * len(before)) if before else float("nan")
+    back = None
+    for i in range(window, len(done) + 1):
+        last = done[i - window:i]
+        if last[0][0] >= t_kill and sum(c for _, c, _ in last) / (SYSTEM_TOKENS * window) >= 0.95 * level:
+            back = last[-1][0] - t_kill
+            break
+    return {"hit_rate_before": level, "recovered_s": back, "failed": sum(not ok for _, _, ok in done)}
+
+
+def _kill_router() -> float:
+    """Kill the router actor (Ray restarts it); seconds until the restarted one answers."""
+    import os
+
+    import ray
+
+    from router.actor import get_router
+
+    router = get_router()
+    pid = ray.get(router.__ray_call__.remote(lambda self: os.getpid()))
+    t0 = time.monotonic()
+    ray.kill(router, no_restart=False)
+    while True:
+        try:
+            if ray.get(router.__ray_call__.remote(lambda self: os.getpid()), timeout=5) != pid:
+                return time.monotonic() - t0
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.01)
+
+
 def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency: int, warmup: int,
-            routing: dict | None = None, tiers: bool = False) -> dict:
+            routing: dict | None = None, tiers: bool = False, kill_router_after: int | None = None,
+            window: int = 8) -> dict:
     """`routing`: further `routing` options of the app config (an ablation, e.g. evict_block_cost=0).
     `tiers`: the prefill replicas' device pools shrink and a host tier takes the rest (--tiers)."""
     import grpc
@@ -99,18 +142,33 @@ def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency
         stub = pb_grpc.GenerationStub(channel)
         _wait_for_replicas(3)  # decisions need every replica's load report
 
-        def one(p):
+        done: list[tuple[float, int, bool]] = []  # (finished at, cached tokens, ok), measured requests
+        kill = {"at": None, "restart_s": None}
+
+        def one(p, measured=True):
             req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
                 max_tokens=OUTPUT_TOKENS, temperature=0, ignore_eos=True))
             t0 = time.perf_counter()
             ttft, last = None, None
-            for resp in stub.Generate(req, timeout=600):
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                last = resp
+            try:
+                for resp in stub.Generate(req, timeout=600):
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    last = resp
+            except grpc.RpcError:
+                if kill_router_after is None:
+                    raise
+                done.append((time.monotonic(), 0, False))
+                return time.perf_counter() - t0, 0, 0
+            if measured:
+                done.append((time.monotonic(), last.usage.cached_prompt_tokens, True))
+                if len(done) == kill_router_after:  # killed beside the load, which goes on
+                    kill["at"] = time.monotonic()
+                    kill["thread"] = threading.Thread(target=lambda: kill.update(restart_s=_kill_router()))
+                    kill["thread"].start()
             return ttft, last.usage.cached_prompt_tokens, last.usage.completion_tokens
 
         for p in prompts[:warmup]:
-            one(p)
+            one(p, measured=False)
         t0, cpu0 = time.perf_counter(), time.process_time()
         with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
             results = list(pool.map(one, prompts[warmup:]))
@@ -121,10 +179,14 @@ def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency
         ray.shutdown()
     ttfts = sorted(r[0] for r in results)
     q = lambda f: ttfts[min(len(ttfts) - 1, int(f * len(ttfts)))]  # noqa: E731
-    return {"ttft_p50": q(0.5), "ttft_p90": q(0.9),
-            "hit_rate": sum(r[1] for r in results) / (SYSTEM_TOKENS * len(results)),
-            "req_s": len(results) / wall, "tok_s": sum(r[2] for r in results) / wall, "client_cpu_s": cpu,
-            "wall_s": wall}
+    out = {"ttft_p50": q(0.5), "ttft_p90": q(0.9),
+           "hit_rate": sum(r[1] for r in results) / (SYSTEM_TOKENS * len(results)),
+           "req_s": len(results) / wall, "tok_s": sum(r[2] for r in results) / wall, "client_cpu_s": cpu,
+           "wall_s": wall}
+    if kill["at"] is not None:
+        kill["thread"].join()
+        out.update(recovery(sorted(done), kill["at"], window), router_restart_s=kill["restart_s"])
+    return out
 
 
 def main(argv=None) -> int:
@@ -137,6 +199,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-control", action="store_true")
     ap.add_argument("--control-requests", type=int, default=32)
     ap.add_argument("--tiers", action="store_true", help="prefill replicas hold half their prefixes in a host tier")
+    ap.add_argument("--kill-router-after", type=int, default=None, metavar="N",
+                    help="kill the router once N measured requests have finished (failover)")
+    ap.add_argument("--window", type=int, default=8, help="--kill-router-after: requests in the rolling hit rate")
     ap.add_argument("--routing-option", action="append", default=[], metavar="NAME=VALUE",
                     help="a routing option for every arm, e.g. evict_block_cost=0 (an ablation)")
     args = ap.parse_args(argv)
@@ -151,9 +216,14 @@ def main(argv=None) -> int:
     shared = workload(args.requests, shared=True, seed=1)
     results = {}
     for arm in args.arms:
-        results[arm] = run_arm(d, arm, shared, args.concurrency, warmup=NUM_PREFIXES, routing=routing,
-                               tiers=args.tiers)
-        show(f"shared prefixes{', tiers' if args.tiers else ''}, {arm}", results[arm])
+        results[arm] = r = run_arm(d, arm, shared, args.concurrency, warmup=NUM_PREFIXES, routing=routing,
+                                   tiers=args.tiers, kill_router_after=args.kill_router_after, window=args.window)
+        show(f"shared prefixes{', tiers' if args.tiers else ''}, {arm}", r)
+        if "recovered_s" in r:
+            back = "never" if r["recovered_s"] is None else f"{r['recovered_s']:.2f} s after the kill"
+            print(f"  router killed after {args.kill_router_after} requests: {r['failed']} failed; restarted in "
+                  f"{r['router_restart_s']:.2f} s; hit rate before {100 * r['hit_rate_before']:.1f}%, back within "
+                  f"5% (last {args.window} requests) {back}", flush=True)
     if "cost" in results:
         for arm in results:
             if arm != "cost":
