@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from cluster.engine.model.demo import ModelUnavailable, smollm2_135m_instruct
@@ -67,9 +69,25 @@ def ray_session():
     cluster.add_node(num_cpus=0, resources=PREFILL_NODE_RESOURCES)
     cluster.add_node(num_cpus=0, resources=DECODE_NODE_RESOURCES)
     ray.init(address=cluster.address, namespace="pdserve", log_to_driver=False)
+    fast_serve_client_polls()
     yield ray
     ray.shutdown()
     cluster.shutdown()
+
+
+def fast_serve_client_polls() -> None:
+    """Serve's client (this process) asks the controller once a second whether an app it deployed
+    runs, or one it deleted is gone (serve.run, serve.delete, a blocking deploy_apps): every module's
+    app then waits up to a second longer to start, and again to go. Asked 20 times a second, each wait
+    ends within 50 ms of Serve's change (one controller call each time; the controller's own loop is
+    every 0.1 s). Only this poll's interval changes: what is waited for is Serve's own test."""
+    from ray.serve._private import client  # noqa: PLC0415
+
+    if getattr(client, "CLIENT_POLLING_INTERVAL_S", None) != 1.0:  # a Ray that changed it: look again
+        warnings.warn("ray.serve._private.client.CLIENT_POLLING_INTERVAL_S is gone or not 1 s: the Ray tests "
+                      "wait on Serve's own poll (tests/conftest.py fast_serve_client_polls)", stacklevel=1)
+        return
+    client.CLIENT_POLLING_INTERVAL_S = 0.05
 
 
 @pytest.fixture(scope="session")
