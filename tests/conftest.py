@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
-from cluster.engine.model.demo import ModelUnavailable, smollm2_135m_instruct
-from cluster.engine.model.init_model import init_model
-from tests.helpers import SERVE_APPS
+
+def cache_bytecode() -> None:
+    """Where PYTHONDONTWRITEBYTECODE is set (and no PYTHONPYCACHEPREFIX), every process of the session
+    (this one, Ray's workers and Serve's replicas, the CLI subprocesses) would compile torch's, Ray's and
+    the project's sources again on import, ~2 s of CPU each (and the venv that uv makes holds no .pyc).
+    The session caches them outside the source trees and the venv instead, in ~/.cache/pdserve/pycache:
+    nothing is written beside any source, as the variable asks."""
+    if not os.environ.get("PYTHONDONTWRITEBYTECODE") or os.environ.get("PYTHONPYCACHEPREFIX"):
+        return
+    prefix = str(Path.home() / ".cache" / "pdserve" / "pycache")
+    os.environ["PYTHONPYCACHEPREFIX"] = prefix  # the children: Ray is started from this environment
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+    sys.pycache_prefix, sys.dont_write_bytecode = prefix, False  # this process, from its next import
+
+
+cache_bytecode()
+
+from cluster.engine.model.demo import ModelUnavailable, smollm2_135m_instruct  # noqa: E402 — after cache_bytecode
+from cluster.engine.model.init_model import init_model  # noqa: E402 — after cache_bytecode
+from tests.helpers import SERVE_APPS  # noqa: E402 — after cache_bytecode
 
 
 def pytest_collection_modifyitems(items):
