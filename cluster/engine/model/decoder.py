@@ -57,7 +57,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.to(dtype=dtype, device=device)
-        # On the meta device (the loaders) the tables are left to the loader, after to_empty
+        # On the meta device (the loaders) the tables are left to the loader, after materialize
         self.rotary = None if device.type == "meta" else RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope,
                                                                          dtype, device)
         # The fused decode kernel (ops.decode_layers) knows only the Llama layer: a family says
