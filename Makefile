@@ -1,5 +1,8 @@
 # One-command set-up: `make run` serves the default model, `make test` runs the suite.
 # Both bootstrap .venv on a fresh machine first, from the lock: every machine gets the same versions.
+# Bytecode is compiled at install (uv does not by default): every process of a serving cluster (each
+# Serve replica, each Ray worker) imports torch and Ray, and without .pyc, where PYTHONDONTWRITEBYTECODE
+# is set, each one compiles their sources again (~2 s of CPU a process).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -22,7 +25,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(UV_PIN)"
-	$(UV) pip install -q --python $(PY) $(TORCH_FROM) -c $(LOCK) torch -e ".[dev]"
+	$(UV) pip install -q --compile-bytecode --python $(PY) $(TORCH_FROM) -c $(LOCK) torch -e ".[dev]"
 	touch $(STAMP)
 
 # The lock: every dependency of pyproject.toml (with the dev extra) at one version, for every platform

@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+from pathlib import Path
+
 import pytest
 
-from cluster.engine.model.demo import ModelUnavailable, smollm2_135m_instruct
-from cluster.engine.model.init_model import init_model
-from tests.helpers import SERVE_APPS
+
+def cache_bytecode() -> None:
+    """Where PYTHONDONTWRITEBYTECODE is set (and no PYTHONPYCACHEPREFIX), every process of the session
+    (this one, Ray's workers and Serve's replicas, the CLI subprocesses) would compile torch's, Ray's and
+    the project's sources again on import, ~2 s of CPU each (and the venv that uv makes holds no .pyc).
+    The session caches them outside the source trees and the venv instead, in ~/.cache/pdserve/pycache:
+    nothing is written beside any source, as the variable asks."""
+    if not os.environ.get("PYTHONDONTWRITEBYTECODE") or os.environ.get("PYTHONPYCACHEPREFIX"):
+        return
+    prefix = str(Path.home() / ".cache" / "pdserve" / "pycache")
+    os.environ["PYTHONPYCACHEPREFIX"] = prefix  # the children: Ray is started from this environment
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+    sys.pycache_prefix, sys.dont_write_bytecode = prefix, False  # this process, from its next import
+
+
+cache_bytecode()
+
+from cluster.engine.model.demo import ModelUnavailable, smollm2_135m_instruct  # noqa: E402 — after cache_bytecode
+from cluster.engine.model.init_model import init_model  # noqa: E402 — after cache_bytecode
+from tests.helpers import SERVE_APPS  # noqa: E402 — after cache_bytecode
 
 
 def pytest_collection_modifyitems(items):
@@ -67,9 +89,25 @@ def ray_session():
     cluster.add_node(num_cpus=0, resources=PREFILL_NODE_RESOURCES)
     cluster.add_node(num_cpus=0, resources=DECODE_NODE_RESOURCES)
     ray.init(address=cluster.address, namespace="pdserve", log_to_driver=False)
+    fast_serve_client_polls()
     yield ray
     ray.shutdown()
     cluster.shutdown()
+
+
+def fast_serve_client_polls() -> None:
+    """Serve's client (this process) asks the controller once a second whether an app it deployed
+    runs, or one it deleted is gone (serve.run, serve.delete, a blocking deploy_apps): every module's
+    app then waits up to a second longer to start, and again to go. Asked 20 times a second, each wait
+    ends within 50 ms of Serve's change (one controller call each time; the controller's own loop is
+    every 0.1 s). Only this poll's interval changes: what is waited for is Serve's own test."""
+    from ray.serve._private import client  # noqa: PLC0415
+
+    if getattr(client, "CLIENT_POLLING_INTERVAL_S", None) != 1.0:  # a Ray that changed it: look again
+        warnings.warn("ray.serve._private.client.CLIENT_POLLING_INTERVAL_S is gone or not 1 s: the Ray tests "
+                      "wait on Serve's own poll (tests/conftest.py fast_serve_client_polls)", stacklevel=1)
+        return
+    client.CLIENT_POLLING_INTERVAL_S = 0.05
 
 
 @pytest.fixture(scope="session")

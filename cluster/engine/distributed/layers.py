@@ -85,7 +85,6 @@ def build_rank_model(mc: ModelConfig, plan: ShardPlan, max_positions: int, dtype
         model.embed_tokens = VocabParallelEmbedding(plan, hidden)
         model.lm_head = ParallelLMHead(plan, hidden, mc.vocab_size)
         model.to(dtype=dtype)
-    model.to_empty(device=device)
-    model.tie_weights()  # to_empty materialises tied parameters separately
+    model.materialize(device)
     model.rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.rope, dtype, device)
     return model

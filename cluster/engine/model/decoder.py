@@ -50,13 +50,19 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its weight, the embedding skips its random init: the loaders build the model on the meta
+        # device, where normal_ (as the rotary tables' ops) imports torch._dynamo, 1-3 s of a replica's
+        # start, to fill nothing.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.to(dtype=dtype, device=device)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)
+        # On the meta device (the loaders) the tables are left to the loader, after materialize
+        self.rotary = None if device.type == "meta" else RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope,
+                                                                         dtype, device)
         # The fused decode kernel (ops.decode_layers) knows only the Llama layer: a family says
         # whether its layers are that, and the layers built here must agree.
         self.llama_shaped = cfg.family.llama_shaped
@@ -91,6 +97,13 @@ class DecoderForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def materialize(self, device: torch.device) -> None:
+        """Module.to_empty, tied again: a model built on the meta device gets uninitialised tensors on
+        `device` (the loaders fill them). Contiguous ones: empty_like keeping a meta tensor's strides
+        runs torch's Python reference, whose import of sympy is 1-2 s of a replica's start."""
+        self._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+        self.tie_weights()
 
     @torch.inference_mode()
     def forward(

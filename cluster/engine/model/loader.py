@@ -64,8 +64,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtyp
     check_context(cfg, max_positions)
     with torch.device("meta"):
         model = DecoderForCausalLM(cfg, max_positions, dtype, torch.device("meta"))
-    model.to_empty(device=device)
-    model.tie_weights()  # to_empty materialises tied parameters separately
+    model.materialize(device)
     model.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)  # not in checkpoints
     params = dict(model.named_parameters())
     loaded: set[str] = set()
