@@ -52,13 +52,14 @@ def workload(n: int, shared: bool, seed: int) -> list[list[int]]:
     return prompts
 
 
-def _wait_for_replicas(n: int, timeout: float = 30.0) -> None:
+def _wait_for_replicas(group: str, n: int, timeout: float = 30.0) -> None:
     import ray
 
     from router.actor import get_router
 
+    router = get_router(group)  # the app's (`pdserve`) router of its one model
     deadline = time.monotonic() + timeout
-    while len(ray.get(get_router().live_loads.remote())) < n:
+    while len(ray.get(router.live_loads.remote())) < n:
         if time.monotonic() > deadline:
             raise TimeoutError(f"fewer than {n} replicas reported to the router in {timeout}s")
         time.sleep(0.1)
@@ -97,7 +98,7 @@ def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency
         serve_app.start(cfg)
         channel = grpc.insecure_channel(f"localhost:{cfg.grpc_port}")
         stub = pb_grpc.GenerationStub(channel)
-        _wait_for_replicas(3)  # decisions need every replica's load report
+        _wait_for_replicas(cfg.serving_group, 3)  # decisions need every replica's load report
 
         def one(p):
             req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
