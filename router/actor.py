@@ -97,16 +97,22 @@ def restored(options: Any) -> Any:
     return options
 
 
+WATCH_INTERVAL_S = 0.1  # a ref watches one call in this interval for ActorDiedError
+
+
 class ActorRef:
     """A named control actor, called as a handle is (`ref.method.remote(...)`). `resolve()` gets or
     creates the actor and returns its handle; after a call of this ref meets ActorDiedError (the
     actor is gone for good: a restart is ActorUnavailableError, and the same handle reaches the
-    restarted actor), the next call resolves it again."""
+    restarted actor), the next call resolves it again. One call per WATCH_INTERVAL_S is watched
+    (a completion callback costs tens of microseconds; the router's `route` is on every request's
+    path), so calls to a dead actor fail for at most that long plus one call."""
 
     def __init__(self, name: str, resolve: Callable[[], Any]):
         self.name = name
         self._resolve = resolve
         self._handle = None
+        self._watched_at = float("-inf")
         self.resolutions = 0  # handles got so far (1 while the first actor lives)
 
     def handle(self):
@@ -122,6 +128,11 @@ class ActorRef:
         return _Method(self, method)
 
     def _watch(self, handle, ref) -> None:
+        now = time.monotonic()
+        if now - self._watched_at < WATCH_INTERVAL_S:
+            return
+        self._watched_at = now
+
         def done(result) -> None:
             if isinstance(result, ray.exceptions.ActorDiedError) and self._handle is handle:
                 log.info("control actor %s died; the next call resolves it again", self.name)

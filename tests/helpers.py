@@ -115,8 +115,8 @@ def _merged(base: dict, overrides: dict) -> dict:
 class ServeApps:
     """The Serve app of the Ray test modules, one at a time, named `pdserve` (the tests' handles and
     the builder name it so): `with serve_apps.run(model, **overrides) as cfg` deploys it and deletes it
-    with its detached actors (admission, audit writer, ledger) when the block exits. The config is
-    APP_DEFAULTS with the overrides merged in, on Serve's ports.
+    with its control actors (routers, admission, audit writer, ledger, rollout) when the block exits.
+    The config is APP_DEFAULTS with the overrides merged in, on Serve's ports.
 
     Serve itself (controller and proxies, on two ports picked when it starts) stays up from the first
     app to the end of the session, or to the next Ray test that runs Serve its own way (conftest stops
