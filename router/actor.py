@@ -41,7 +41,7 @@ from router.router import Router
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = ROUTER_NAMESPACE = "pdserve"
+NAMESPACE = "pdserve"
 DEFAULT_APP = "pdserve"  # the Serve app `pdserve up` deploys (cluster/app/builder.py)
 ROUTER = "router"
 

@@ -25,7 +25,9 @@ READY_S = 60.0
 
 
 @pytest.fixture()
-def apps(ray_session):
+def apps(ray_session, serve_apps):
+    """Through serve_apps: these tests start no Serve app, so Serve stays up as it is (a Ray test
+    without the fixture stops it, and the next module would pay its restart)."""
     yield
     for app in (APP, OTHER):
         kill_app_actors(app)
