@@ -1,14 +1,37 @@
-"""The router as a named Ray actor (a thin shell over router.router.Router).
+"""The control actors' names, scopes and handles, and the router as a named Ray actor (a thin shell
+over router.router.Router).
 
-Ray restarts a dead router (`max_restarts=-1`) by re-running `__init__` with its creation args,
-and whoever asks first creates it (a replica usually beats the ingress), so the creation args
-cannot carry the policy. `configure()` therefore also writes the policy to the GCS key-value
-store, and `__init__` reads it back: a restarted router routes with the configured policy from
-its first decision. The GCS outlives every actor; it goes with the Ray cluster."""
+**Scope.** Every control actor belongs to one Serve app: its name is `app/kind` (admission, ledger,
+audit writer, rollout) or `app/router/group` (a router per model version, AppConfig.serving_group),
+in the `pdserve` namespace, so two apps on one Ray cluster, even serving the same model, share no
+loads, prefix index, sessions, quotas or splits. A caller learns its app from the Serve replica it
+runs in (serve_app); outside a replica (the CLI, a benchmark, a test) it is DEFAULT_APP, the app
+`pdserve up` deploys. The registry (cluster/serving/registry.py) stays one per cluster: it maps
+engine ids, unique across apps, to their NIXL identity.
+
+**Options.** Ray restarts a dead actor (`max_restarts=-1`) by re-running `__init__` with its
+creation arguments, which are those of whoever asked first, not the app's current config. So an
+actor's options live in the GCS key-value store under its name: a fresh actor keeps its arguments
+there, `configure()` replaces them (the app redeployed with other options: applied, or refused with
+an error naming the option), and a restarted actor reads them back (restored). The router keeps its
+policy the same way (it is created by a replica, which knows no policy; the ingress configures it).
+The GCS outlives every actor; it goes with the Ray cluster.
+
+**Handles.** Callers hold an ActorRef, not a handle: after the actor died for good (killed without
+restart, its creation failed) the next call gets (or creates) it again, with the caller's options.
+Only a call may create an actor; finalizers and the replica-death hooks look one up (lookup), so
+nothing creates an empty actor that nobody feeds."""
 
 from __future__ import annotations
 
+import fcntl
+import logging
+import os
 import pickle
+import time
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import quote
 
 import ray
 from ray.experimental import internal_kv
@@ -16,26 +39,126 @@ from ray.experimental import internal_kv
 from router.policy import PolicyConfig
 from router.router import Router
 
-ROUTER_NAME = "pdserve-router"
-ROUTER_NAMESPACE = "pdserve"
-_POLICY_KEY = b"pdserve-router-policy"  # pickled (PolicyConfig, strategy): the last configure()
+log = logging.getLogger(__name__)
+
+NAMESPACE = "pdserve"
+DEFAULT_APP = "pdserve"  # the Serve app `pdserve up` deploys (cluster/app/builder.py)
+ROUTER = "router"
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class RouterActor(Router):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        saved = internal_kv._internal_kv_get(_POLICY_KEY, namespace=ROUTER_NAMESPACE)
-        if saved is not None:
-            super().configure(*pickle.loads(saved))
+def serve_app() -> str:
+    """The Serve app of the replica this runs in; DEFAULT_APP outside one."""
+    from ray import serve  # noqa: PLC0415
+    from ray.serve.exceptions import RayServeException  # noqa: PLC0415
 
-    def configure(self, config: PolicyConfig, strategy: str = "cost") -> None:
-        super().configure(config, strategy)  # validates the strategy before it is kept
-        internal_kv._internal_kv_put(_POLICY_KEY, pickle.dumps((config, strategy)), overwrite=True,
-                                     namespace=ROUTER_NAMESPACE)
+    try:
+        return serve.get_replica_context().app_name
+    except RayServeException:
+        return DEFAULT_APP
 
 
-def named_actor(actor_class, name: str, *args, namespace: str = ROUTER_NAMESPACE, options: dict | None = None,
+def scoped_name(app: str, kind: str, *parts: str) -> str:
+    """`app/kind[/part...]`, each quoted (a `/` in an app or model name cannot make two scopes one)."""
+    return "/".join(quote(p, safe="@.-_:") for p in (app, kind, *parts))
+
+
+def router_name(app: str, group: str) -> str:
+    """The router of one model version (AppConfig.serving_group) of one app."""
+    return scoped_name(app, ROUTER, group)
+
+
+def _key(name: str) -> bytes:
+    return f"pdserve-options/{name}".encode()
+
+
+def keep(options: Any) -> None:
+    """Inside a named actor: `options` are what it runs with now (read back by `restored` after a restart)."""
+    name = ray.get_runtime_context().get_actor_name()
+    if name:
+        internal_kv._internal_kv_put(_key(name), pickle.dumps(options), overwrite=True, namespace=NAMESPACE)
+
+
+def saved(name: str) -> Any:
+    """The options kept under this actor name; None if none were."""
+    raw = internal_kv._internal_kv_get(_key(name), namespace=NAMESPACE)
+    return None if raw is None else pickle.loads(raw)
+
+
+def restored(options: Any) -> Any:
+    """In a named actor's `__init__`: after a restart by Ray, the options it last ran with (its last
+    configure()'s); else `options`, kept now. An unnamed actor (a test's) keeps nothing."""
+    ctx = ray.get_runtime_context()
+    name = ctx.get_actor_name()
+    if name and ctx.was_current_actor_reconstructed:
+        last = saved(name)
+        if last is not None:
+            return last
+    keep(options)
+    return options
+
+
+WATCH_INTERVAL_S = 0.1  # a ref watches one call in this interval for ActorDiedError
+
+
+class ActorRef:
+    """A named control actor, called as a handle is (`ref.method.remote(...)`). `resolve()` gets or
+    creates the actor and returns its handle; after a call of this ref meets ActorDiedError (the
+    actor is gone for good: a restart is ActorUnavailableError, and the same handle reaches the
+    restarted actor), the next call resolves it again. One call per WATCH_INTERVAL_S is watched
+    (a completion callback costs tens of microseconds; the router's `route` is on every request's
+    path), so calls to a dead actor fail for at most that long plus one call."""
+
+    def __init__(self, name: str, resolve: Callable[[], Any]):
+        self.name = name
+        self._resolve = resolve
+        self._handle = None
+        self._watched_at = float("-inf")
+        self.resolutions = 0  # handles got so far (1 while the first actor lives)
+
+    def handle(self):
+        handle = self._handle
+        if handle is None:
+            handle = self._handle = self._resolve()
+            self.resolutions += 1
+        return handle
+
+    def __getattr__(self, method: str) -> "_Method":
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return _Method(self, method)
+
+    def _watch(self, handle, ref) -> None:
+        now = time.monotonic()
+        if now - self._watched_at < WATCH_INTERVAL_S:
+            return
+        self._watched_at = now
+
+        def done(result) -> None:
+            if isinstance(result, ray.exceptions.ActorDiedError) and self._handle is handle:
+                log.info("control actor %s died; the next call resolves it again", self.name)
+                self._handle = None
+
+        ref._on_completed(done)
+
+    def existing(self):
+        """The handle this ref holds, else the live actor's; None when there is none (never creates)."""
+        return self._handle or lookup(self.name)
+
+
+class _Method:
+    __slots__ = ("_ref", "_name")
+
+    def __init__(self, ref: ActorRef, name: str):
+        self._ref, self._name = ref, name
+
+    def remote(self, *args, **kwargs):
+        handle = self._ref.handle()
+        ref = getattr(handle, self._name).remote(*args, **kwargs)
+        self._ref._watch(handle, ref)
+        return ref
+
+
+def named_actor(actor_class, name: str, *args, namespace: str = NAMESPACE, options: dict | None = None,
                 **kwargs):
     """The cluster's one actor of this name, created (detached, with these arguments and actor
     `options`) by whoever asks first; every later caller gets that one, whatever it passes."""
@@ -43,8 +166,113 @@ def named_actor(actor_class, name: str, *args, namespace: str = ROUTER_NAMESPACE
                                **(options or {})).remote(*args, **kwargs)
 
 
-def get_router(**kwargs):
-    """The cluster's router actor, created by whoever asks first. Restarted by Ray if it dies,
-    with the last configured policy; a restarted router refuses the next event batch of every
-    replica, which then resyncs."""
-    return named_actor(RouterActor, ROUTER_NAME, **kwargs)
+class ConfiguredRef(ActorRef):
+    """An ActorRef to a control actor that runs with `settings` (its `configure(settings)`): created
+    with them, or, found running with others (the app redeployed with a changed config), given
+    them. Each resolution sends them before the ref's first call, so its calls meet the actor
+    configured; `ready` waits for the answer (and raises a refusal: an error naming the option)."""
+
+    def __init__(self, actor_class, name: str, settings, options: dict | None = None):
+        self.settings = settings
+        self._class, self._options = actor_class, options
+        super().__init__(name, self._create)
+
+    def _create(self):
+        handle = named_actor(self._class, self.name, self.settings, options=self._options)
+        handle.configure.remote(self.settings)
+        return handle
+
+    def ready(self, timeout_s: float):
+        """The actor's configure() answered: it runs with these settings (raises what it raised)."""
+        return ray.get(self.configure.remote(self.settings), timeout=timeout_s)
+
+
+def lookup(name: str, namespace: str = NAMESPACE):
+    """The live actor of this name, or None (never creates one)."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def app_actor_names(app: str, kind: str | None = None) -> list[str]:
+    """The control actors of one app (of one kind: those named `app/kind/...`) alive now."""
+    prefix = scoped_name(app, kind, "") if kind else scoped_name(app, "")
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))
+
+
+def kill_app_actors(app: str) -> list[str]:
+    """End an app's control actors (the app was deleted): the next deploy starts them with its config."""
+    names = app_actor_names(app)
+    for name in names:
+        handle = lookup(name)
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+    return names
+
+
+LOCK_WAIT_S = 2.0  # a writer killed for good may free its name just before its process (and lock) is gone
+
+
+class Exclusive:
+    """An exclusive lock (flock) on `path`, held by this process while it writes what the lock
+    guards (an audit log's directory, a ledger's file): two apps' actors never write one file.
+    Refused with a ValueError naming the `option` when another process holds it past LOCK_WAIT_S."""
+
+    def __init__(self, path: Path, option: str, wait_s: float = LOCK_WAIT_S):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self._fd = path, os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(self._fd)
+                    raise ValueError(f"{option}: {path} is held by another pdserve process (another app's "
+                                     f"writer, or one still ending after {wait_s:g} s): give each app its own "
+                                     f"{option}") from None
+                time.sleep(0.05)  # polling the lock: flock has no bounded blocking wait
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the lock
+            self._fd = None
+
+
+# ---- the router -------------------------------------------------------------------------------------
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class RouterActor(Router):
+    """A router created by whoever asks first (usually a replica, which knows no policy) takes the
+    policy its ingress last configured under its name; configure() keeps the new one there."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        name = ray.get_runtime_context().get_actor_name()
+        policy = saved(name) if name else None
+        if policy is not None:
+            super().configure(*policy)
+
+    def configure(self, config: PolicyConfig, strategy: str = "cost") -> None:
+        super().configure(config, strategy)  # validates the strategy before it is kept
+        keep((config, strategy))
+
+
+def get_router(group: str, app: str | None = None) -> ActorRef:
+    """The router of one model version (`group`: AppConfig.serving_group) of an app (None: the
+    caller's, serve_app). Created by its first call; restarted by Ray with its policy if it dies
+    (a restarted router refuses each replica's next event batch, and the replica resyncs)."""
+    name = router_name(app or serve_app(), group)
+    return ActorRef(name, lambda: named_actor(RouterActor, name))
+
+
+def tell_routers_forget(app: str, replica_id: str) -> None:
+    """A replica of `app` is gone: every router of the app that lives drops it (a replica id is
+    unique, so the routers of other versions ignore it). Creates no router."""
+    for name in app_actor_names(app, ROUTER):
+        handle = lookup(name)
+        if handle is not None:
+            handle.forget.remote(replica_id)

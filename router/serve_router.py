@@ -1,7 +1,8 @@
 """Serve's side of routing: a request router (runs in the caller, e.g. the ingress) that sends a
 request to the replica the policy chose, passed as the `target_replica` keyword argument; without
 one, or when that replica is gone, it falls back to power of two choices among the live replicas.
-It tells the router actor at once when a replica dies, so decisions stop naming it.
+It tells its app's routers at once when a replica dies, so decisions stop naming it (it looks them
+up: a router that does not exist is not created for that).
 
 Which pending request gets a chosen replica: the one it was chosen for. Serve's FIFOMixin alone
 hands it to the oldest pending request, so in a burst requests ran on replicas chosen for others,
@@ -20,7 +21,7 @@ from typing import List, Optional
 import ray
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from router.actor import get_router
+from router.actor import tell_routers_forget
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +54,15 @@ class PrefixAwareRequestRouter(FIFOMixin, RequestRouter):
         self._pdserve_live = live
         super().update_replicas(replicas)
         for replica_id in gone:
-            _forget(replica_id)
+            _forget(self._deployment_id.app_name, replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
-        _forget(replica_id.unique_id)
+        _forget(replica_id.deployment_id.app_name, replica_id.unique_id)
 
 
-def _forget(replica_id: str) -> None:
+def _forget(app: str, replica_id: str) -> None:
     try:
-        get_router().forget.remote(replica_id)
-    except ray.exceptions.RayError as e:  # the router also drops replicas that stop reporting
-        log.debug("could not tell the router that %s is gone: %s", replica_id, e)
+        tell_routers_forget(app, replica_id)
+    except ray.exceptions.RayError as e:  # the routers also drop replicas that stop reporting
+        log.debug("could not tell the routers that %s is gone: %s", replica_id, e)

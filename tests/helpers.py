@@ -69,19 +69,23 @@ def wait_pools_whole(timeout: float = 30.0, pools: tuple[str, ...] = ("prefill",
     return seen
 
 
-APP_ACTORS = ("pdserve-admission", "pdserve-audit-writer", "pdserve-ledger", "pdserve-rollout")
+def kill_app_actors(app: str = "pdserve") -> None:
+    """The detached control actors an app creates (routers, admission, audit writer, ledger,
+    rollout: router/actor.py): a test module's own state, so the next module's app starts them with
+    its own config."""
+    from router.actor import kill_app_actors as kill  # noqa: PLC0415
+
+    kill(app)
 
 
-def kill_app_actors() -> None:
-    """The detached actors an app creates (admission buckets, audit writer, ledger): a test module's
-    own state, so the next module's app starts them with its own config."""
-    import ray
+def app_router(app: str = "pdserve"):
+    """The router of a single-model test app (router/actor.py names it by app and model version),
+    looked up: a test never creates one."""
+    from router.actor import ROUTER, app_actor_names, lookup  # noqa: PLC0415
 
-    for name in APP_ACTORS:
-        try:
-            ray.kill(ray.get_actor(name, namespace="pdserve"))
-        except ValueError:  # never created by this module
-            pass
+    names = app_actor_names(app, ROUTER)
+    assert len(names) == 1, f"app {app!r} has routers {names}, not one"
+    return lookup(names[0])
 
 
 # ---- the Serve app of the Ray tests -------------------------------------------------------------------
@@ -111,8 +115,8 @@ def _merged(base: dict, overrides: dict) -> dict:
 class ServeApps:
     """The Serve app of the Ray test modules, one at a time, named `pdserve` (the tests' handles and
     the builder name it so): `with serve_apps.run(model, **overrides) as cfg` deploys it and deletes it
-    with its detached actors (admission, audit writer, ledger) when the block exits. The config is
-    APP_DEFAULTS with the overrides merged in, on Serve's ports.
+    with its control actors (routers, admission, audit writer, ledger, rollout) when the block exits.
+    The config is APP_DEFAULTS with the overrides merged in, on Serve's ports.
 
     Serve itself (controller and proxies, on two ports picked when it starts) stays up from the first
     app to the end of the session, or to the next Ray test that runs Serve its own way (conftest stops

@@ -193,8 +193,12 @@ def delete_app(config: AppConfig, timeout_s: float = 60.0) -> None:
     """Delete the app and wait until its replicas are gone and, with direct ingress, its HTTP port
     is free again: the next app's ingress takes the same port (one per range), and a deploy that
     comes while the old replica still drains fails with Serve's NoAvailablePortError. (The gRPC
-    server's port is shared: SO_REUSEPORT.)"""
+    server's port is shared: SO_REUSEPORT.) The app's control actors (router/actor.py) go with it: the
+    next deploy starts them with its own config."""
+    from router.actor import kill_app_actors  # noqa: PLC0415
+
     serve.delete("pdserve")
+    kill_app_actors("pdserve")
     deadline = time.monotonic() + timeout_s
 
     def ports_free() -> bool:

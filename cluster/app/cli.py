@@ -208,7 +208,11 @@ def _up(args) -> int:
     finally:
         print("pdserve: shutting down", flush=True)
         serve.shutdown()
-        if not joined:
+        if joined:  # the app's detached control actors go with it (router/actor.py)
+            from router.actor import kill_app_actors  # noqa: PLC0415
+
+            kill_app_actors("pdserve")
+        else:
             ray.shutdown()
     print("pdserve: stopped", flush=True)
     return 0
@@ -220,15 +224,14 @@ def _rollout(args) -> int:
 
     import ray  # noqa: PLC0415
 
-    from router.actor import ROUTER_NAMESPACE  # noqa: PLC0415
-    from router.ingress.versions.rollout_actor import ROLLOUT_NAME  # noqa: PLC0415
+    from router.actor import DEFAULT_APP, lookup  # noqa: PLC0415
+    from router.ingress.versions.rollout_actor import rollout_name  # noqa: PLC0415
 
     if not ray.is_initialized():
         ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="pdserve",
                  log_to_driver=False)
-    try:
-        actor = ray.get_actor(ROLLOUT_NAME, namespace=ROUTER_NAMESPACE)
-    except ValueError:
+    actor = lookup(rollout_name(DEFAULT_APP))  # the app `pdserve up` deploys
+    if actor is None:
         print("pdserve rollout: no rollout actor in this cluster (no model with several versions is deployed)",
               file=sys.stderr)
         return 1
@@ -349,15 +352,16 @@ def _budget(args) -> int:
 
         import ray  # noqa: PLC0415
 
-        from router.actor import ROUTER_NAMESPACE  # noqa: PLC0415
-        from router.ingress.gateway.budget_actor import LEDGER_NAME  # noqa: PLC0415
+        from router.actor import DEFAULT_APP, lookup, scoped_name  # noqa: PLC0415
+        from router.ingress.gateway.budget_actor import LEDGER  # noqa: PLC0415
 
         if not ray.is_initialized():
             ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace="pdserve",
                      log_to_driver=False)
-        try:
-            snap = ray.get(ray.get_actor(LEDGER_NAME, namespace=ROUTER_NAMESPACE).snapshot.remote(), timeout=30)
-        except ValueError:
+        ledger = lookup(scoped_name(DEFAULT_APP, LEDGER))  # the app `pdserve up` deploys
+        if ledger is not None:
+            snap = ray.get(ledger.snapshot.remote(), timeout=30)
+        else:
             print("pdserve budget: no ledger in this cluster (no prices or budgets configured, or no request yet)",
                   file=sys.stderr)
             return 1

@@ -1,7 +1,7 @@
 """The run-time planner on a live cluster: every planner.interval_s it reads the replicas' loads
-from the router actor, decides per serving group with `SplitPolicy` (cluster/planner/runtime.py),
-and moves the chosen replica by calling `set_role` through its home deployment's handle
-(cluster/serving/replica.py: drain, flip, re-register; weights kept).
+from its app's routers (one per serving group), decides per serving group with `SplitPolicy`
+(cluster/planner/runtime.py), and moves the chosen replica by calling `set_role` through its home
+deployment's handle (cluster/serving/replica.py: drain, flip, re-register; weights kept).
 
 Each decision other than a quiet hold is logged (`Decision.log_line`) and kept (`history()`, read
 by `pdserve status` and the tests); the pools' pressures are gauges and every decision is counted
@@ -135,14 +135,14 @@ class PlannerServer:
     app. `deployments`: serving group -> (prefill deployment, decode deployment)."""
 
     async def __init__(self, slo: SLO, opts: SplitOptions, deployments: dict[str, tuple[str, str]],
-                       drain_timeout_s: float, app_name: str = "pdserve"):
-        from router.actor import get_router  # noqa: PLC0415
+                       drain_timeout_s: float, app_name: str | None = None):
+        from router.actor import get_router, serve_app  # noqa: PLC0415
 
-        self.deployments, self.app_name = deployments, app_name
-        router = get_router()
+        self.deployments, self.app_name = deployments, app_name or serve_app()
+        routers = [get_router(group, self.app_name) for group in deployments]  # one per model version
 
         async def loads():
-            return await router.live_loads.remote()
+            return [load for each in await asyncio.gather(*(r.live_loads.remote() for r in routers)) for load in each]
 
         self.planner = RuntimePlanner(slo, opts, list(deployments), loads, self._move, drain_timeout_s)
         self._task = asyncio.get_running_loop().create_task(self._run())  # the replica's own loop

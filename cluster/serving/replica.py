@@ -45,7 +45,7 @@ from kv_transfer.handle import KVHandle
 from kv_transfer.layout import engine_layout
 from kv_transfer.stats import TransferStats
 from kv_transfer.transport import NixlTransport
-from router.actor import get_router
+from router.actor import get_router, lookup, router_name, serve_app
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,9 @@ class EngineReplica:
         self.transport = transport
         self.faults = faults.install(engine, transport) if cfg.fault_tolerance.fault_injection else None
         self.role = self.home_role.make(engine, transport, cfg)
-        self.reporter = LoadReporter(engine, transport.stats, self.replica_id, self.pool, registry, get_router(),
+        self.app = serve_app()  # its router: its app's, of its model version
+        self.reporter = LoadReporter(engine, transport.stats, self.replica_id, self.pool, registry,
+                                     get_router(cfg.serving_group, self.app),
                                      node_id=ray.get_runtime_context().get_node_id(), group=cfg.serving_group)
         hooks = [self.reporter]
         telemetry = make_replica_telemetry(cfg.telemetry, engine, transport.stats, self.pool, self.replica_id,
@@ -363,6 +365,8 @@ class EngineReplica:
         if ranks is not None:  # a step stuck in a collective with them ends with them
             ranks.kill()
         try:  # leaving: no more decisions should name this replica (it also goes stale in 3 s)
-            get_router().forget.remote(self.replica_id)
+            router = lookup(router_name(self.app, self.config.serving_group))  # a finalizer creates no actor
+            if router is not None:
+                router.forget.remote(self.replica_id)
         except Exception:  # noqa: BLE001 — best effort while the process ends
             pass

@@ -2,8 +2,9 @@
 own server: api/grpc_server.py), and the OpenAI-compatible HTTP API (FastAPI, behind Serve's HTTP
 proxy).
 
-It builds the front door once (gateway/front_door.py) with the cluster's shared actors (quotas,
-idempotency, audit writer, budget ledger, rollout, router); each RPC is convert -> serve -> convert."""
+It builds the front door once (gateway/front_door.py) with its Serve app's control actors (quotas and
+idempotency, audit writer, budget ledger, rollout, and a router per model version: router/actor.py);
+each RPC is convert -> serve -> convert."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from cluster.config import AppConfig
 from cluster.engine.priority import raise_process_priority
 from cluster.telemetry import gc_pauses
 from cluster.telemetry.metrics import guardrail_metrics
-from router.actor import get_router
+from router.actor import get_router, serve_app
 from router.policy import PolicyConfig
 from router.ingress.api import openai_api
 from router.ingress.api.grpc_server import GrpcServer
@@ -33,29 +34,48 @@ log = logging.getLogger(__name__)
 ACTOR_START_TIMEOUT_S = 60.0
 
 
-def build_front_door(config: AppConfig, pools: dict, classifier_handle=None) -> FrontDoor:
-    """The front door over the cluster's actors, each created now if no one has yet."""
-    router = None
-    if config.routing.enabled:
-        router = get_router()
-        router.configure.remote(PolicyConfig.of(config.routing, config.engine.block_size), config.routing.strategy)
+def build_front_door(config: AppConfig, pools: dict, classifier_handle=None, app: str | None = None) -> FrontDoor:
+    """The front door over the app's control actors (`app`: None, this replica's Serve app), each
+    created now if no one has yet, and given this config's options: a changed option is applied, or
+    refused by its actor with an error naming it (this replica then fails to start)."""
+    app = app or serve_app()
+    routers = configure_routers(config, app) if config.routing.enabled else None
     telemetry = IngressTelemetry(config.telemetry)
     audit = ledger = None
     if config.audit.enabled:
-        get_audit_writer(config.audit)  # created now, not by the first request (the shipper retries anyway)
-        audit = AuditShipper(config.audit, lambda: get_audit_writer(config.audit), telemetry.metrics)
+        writer = get_audit_writer(config.audit, app)
+        try:  # its directory taken now, not by the first request
+            writer.ready(ACTOR_START_TIMEOUT_S)
+        except ValueError:  # audit.dir is another app's writer's: refused, naming the option
+            raise
+        except Exception as e:  # noqa: BLE001 — a damaged log, a slow start: records wait in the spool
+            log.error("audit: the writer is not ready (%s); this ingress spools its records and resends them", e)
+        audit = AuditShipper(config.audit, lambda: writer, telemetry.metrics)
     if config.budgets.prices or any(t.monthly_budget_usd is not None for t in config.tenants.values()):
-        ledger = lambda: get_ledger(config.budgets)  # noqa: E731
+        ledger_ref = get_ledger(config.budgets, app)
         # ready before this replica takes traffic: a ledger still starting would refuse the first
         # requests (when_unreachable: closed)
-        ray.get(ledger().snapshot.remote(), timeout=ACTOR_START_TIMEOUT_S)
-    quotas = get_admission(config.admission)
-    door = FrontDoor.build(config, pools, router=router, take=quotas.take.remote, telemetry=telemetry, audit=audit,
+        ledger_ref.ready(ACTOR_START_TIMEOUT_S)
+        ledger = lambda: ledger_ref  # noqa: E731
+    quotas = get_admission(config.admission, app)
+    quotas.ready(ACTOR_START_TIMEOUT_S)
+    door = FrontDoor.build(config, pools, routers=routers, take=quotas.take.remote, telemetry=telemetry, audit=audit,
                            ledger=ledger, classifier=classifier_handle, idempotency_actor=quotas,
                            guard_metrics=guardrail_metrics() if config.telemetry.metrics else None)
     if door.catalog.rollout_models():  # a model with several versions: live splits and the canary gate
-        door.catalog.connect(get_rollout(), ACTOR_START_TIMEOUT_S)
+        door.catalog.connect(get_rollout(app), ACTOR_START_TIMEOUT_S)
     return door
+
+
+def configure_routers(config: AppConfig, app: str) -> dict:
+    """Each model version's router (AppConfig.serving_group -> ActorRef), given the routing policy:
+    it keeps it, and a router its replicas create or Ray restarts later starts with it."""
+    routers = {}
+    for v in config.served_versions():
+        cfg = v.config
+        routers[cfg.serving_group] = router = get_router(cfg.serving_group, app)
+        router.configure.remote(PolicyConfig.of(cfg.routing, cfg.engine.block_size), cfg.routing.strategy)
+    return routers
 
 
 def front_door_priority(config: AppConfig) -> None:

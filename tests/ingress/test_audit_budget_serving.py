@@ -77,7 +77,7 @@ def test_a_thousand_requests_through_a_killed_writer_and_ingress_are_each_audite
         with lock:
             done.append((i, outcome))
             if len(done) == 300:
-                kill_actor("pdserve-audit-writer", "pdserve", restart=True)  # Ray restarts it
+                kill_actor("pdserve/audit-writer", "pdserve", restart=True)  # Ray restarts it
                 killed["writer"] = len(done)
             if len(done) == 600:
                 [victim, _] = serve_replica_ids()["ingress"]
@@ -146,7 +146,7 @@ def http(server, body, tenant):
 def ledger_state():
     import ray
 
-    return ray.get(ray.get_actor("pdserve-ledger", namespace="pdserve").snapshot.remote(), timeout=10)
+    return ray.get(ray.get_actor("pdserve/ledger", namespace="pdserve").snapshot.remote(), timeout=10)
 
 
 def test_twenty_concurrent_requests_against_a_nearly_spent_budget_overspend_nothing_and_a_restart_keeps_spend(
@@ -178,7 +178,7 @@ def test_twenty_concurrent_requests_against_a_nearly_spent_budget_overspend_noth
     assert state["budget_usd"] == BUDGET
 
     # the ledger restarts (Ray restarts it from its file): the spend is kept, the next request refused
-    kill_actor("pdserve-ledger", "pdserve", restart=True)
+    kill_actor("pdserve/ledger", "pdserve", restart=True)
     wait_until(lambda: ledger_state()["tenants"]["capped"]["spent_usd"] == pytest.approx(11 * COST),
                "the restarted ledger's state")
     seen = []

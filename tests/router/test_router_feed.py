@@ -22,7 +22,7 @@ SP = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 @pytest.fixture()
 def router(ray_session):
-    actor = get_router()
+    actor = get_router("tiny", app="test-router-feed").handle()  # this module's own router (and policy key)
     yield actor
     ray.kill(actor, no_restart=True)
 

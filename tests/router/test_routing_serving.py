@@ -11,8 +11,7 @@ import ray
 from protos.pdserve.v1 import generation_pb2 as pb
 from cluster.engine.kv_cache import hash_request_blocks
 from cluster.engine.model.identity import model_identity
-from router.actor import get_router
-from tests.helpers import grpc_stub, http_base, wait_until
+from tests.helpers import app_router, grpc_stub, http_base, serve_replica_ids, wait_until
 
 
 SYSTEMS = [[256] + [(s * 31 + j) % 250 for j in range(63)] for s in range(2)]  # 4 blocks each
@@ -49,7 +48,7 @@ def generate(stub, prompt, max_tokens=2):
 
 
 def router_state():
-    router = get_router()
+    router = app_router()
     stats = ray.get(router.stats.remote())
     loads = ray.get(router.live_loads.remote())
     return stats, {load.replica_id: load.pool for load in loads}
@@ -65,7 +64,7 @@ def test_shared_prefixes_go_where_they_are_cached(cluster):
     prefills = [r for r, pool in router_state()[1].items() if pool == "prefill"]
 
     def on_a_prefill_replica(system):
-        held = set().union(*(ray.get(get_router().hashes.remote(r)) for r in prefills))
+        held = set().union(*(ray.get(app_router().hashes.remote(r)) for r in prefills))
         return set(hash_request_blocks(system, 16, SALT)) <= held
 
     wait_until(lambda: all(on_a_prefill_replica(s) for s in SYSTEMS), "each prefix is indexed on a prefill replica")
@@ -105,7 +104,7 @@ def test_a_session_stays_on_its_replicas_over_grpc_and_http(cluster):
     for turn in (grpc_turn, http_turn):
         for i in range(4):
             turn(i + (100 if turn is http_turn else 0))
-        decisions = [d for d, _ in ray.get(get_router().recent_decisions.remote())[-4:]]
+        decisions = [d for d, _ in ray.get(app_router().recent_decisions.remote())[-4:]]
         assert all(d.mode == "remote" for d in decisions), [d.reason for d in decisions]
         assert len({d.prefill for d in decisions}) == 1, [d.reason for d in decisions]
         assert all(f"session kept on {decisions[0].prefill}" in d.reason for d in decisions[1:])
@@ -113,6 +112,37 @@ def test_a_session_stays_on_its_replicas_over_grpc_and_http(cluster):
         list(cluster.stub.Generate(pb.GenerateRequest(text="hi"), timeout=30,
                                    metadata=auth + [("x-session-id", "conv 1")]))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-session-id" in e.value.details()
+
+
+def test_a_second_app_serving_the_same_model_keeps_its_own_routing_state(cluster):
+    """Another Serve app with a decode replica of this model (the same serving group) beside this
+    one: its replica feeds its app's router only; this app's router never sees it, and this app's
+    requests are routed among this app's replicas, their blocks indexed by this app's router only."""
+    from ray import serve
+
+    from cluster.app.builder import engine_config
+    from decode.deployment import DecodeServer
+    from router.actor import kill_app_actors, lookup, router_name
+
+    other_app = "pdserve-other"
+    serve.run(serve.deployment(DecodeServer, name="decode", ray_actor_options={"num_cpus": 0.5}).bind(
+        engine_config(cluster.cfg), None), name=other_app, route_prefix=None)
+    try:
+        [theirs] = serve_replica_ids(other_app)["decode"]
+        name = router_name(other_app, cluster.cfg.serving_group)
+        wait_until(lambda: lookup(name) is not None and [x.replica_id for x in ray.get(
+            lookup(name).live_loads.remote())] == [theirs], "the other app's replica reports to its own router")
+        ours = serve_replica_ids()
+        assert sorted(router_state()[1]) == sorted(ours["prefill"] + ours["decode"])
+        last = generate(cluster, SYSTEMS[0] + [3] * 32)
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH
+        decision, loads = ray.get(app_router().recent_decisions.remote())[-1]
+        assert theirs not in {decision.prefill, decision.decode, *(x.replica_id for x in loads)}
+        stats = ray.get(lookup(name).stats.remote())
+        assert (stats.replicas, stats.tracked_blocks, stats.decisions) == (1, 0, 0)
+    finally:
+        serve.delete(other_app)
+        kill_app_actors(other_app)
 
 
 def test_killed_prefill_replica_leaves_the_index_and_requests_keep_flowing(cluster):
@@ -124,7 +154,7 @@ def test_killed_prefill_replica_leaves_the_index_and_requests_keep_flowing(clust
     t_kill = time.monotonic()
     # Whichever comes first: Serve's health check (every 2 s for engine pools) notices the death and
     # the ingress's request router drops the replica, or the router finds it silent for 3 s.
-    wait_until(lambda: victim not in router_state()[1] and not ray.get(get_router().hashes.remote(victim)),
+    wait_until(lambda: victim not in router_state()[1] and not ray.get(app_router().hashes.remote(victim)),
              "the dead replica is forgotten", timeout=9.0)
     assert time.monotonic() - t_kill < 9.0
     last = generate(cluster, SYSTEMS[0] + [5] * 32)
@@ -163,16 +193,16 @@ def test_api_key_required_over_http(cluster):
 def router_pid() -> int:
     import os
 
-    return ray.get(get_router().__ray_call__.remote(lambda self: os.getpid()))
+    return ray.get(app_router().__ray_call__.remote(lambda self: os.getpid()))
 
 
 def test_killed_router_degrades_to_serves_choice_and_recovers(cluster):
-    policy = ray.get(get_router().policy_settings.remote())
+    policy = ray.get(app_router().policy_settings.remote())
     assert policy[1] == "cost" and policy[0].local_prefill_threshold == 16  # the app's, not the default 64
     before = router_pid()
-    ray.kill(get_router(), no_restart=False)  # Ray restarts it empty
+    ray.kill(app_router(), no_restart=False)  # Ray restarts it empty
     for i in range(3):  # served while the router restarts and relearns
         assert generate(cluster, SYSTEMS[0] + [i] * 32).finish_reason == pb.FINISH_REASON_LENGTH
     wait_until(lambda: router_pid() != before, "the router restarted")
-    assert ray.get(get_router().policy_settings.remote()) == policy  # configured before the restart
+    assert ray.get(app_router().policy_settings.remote()) == policy  # configured before the restart
     wait_until(lambda: router_state()[0].replicas >= 2, "the replicas resync the restarted router")

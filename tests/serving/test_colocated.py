@@ -16,12 +16,11 @@ from cluster.tools.netutil import free_port
 from cluster.engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.actor import get_router
-from tests.helpers import serve_replica_ids, wait_until
+from tests.helpers import app_router, kill_app_actors, serve_replica_ids, wait_until
 
 
 def live_replicas():
-    return sorted(x.replica_id for x in ray.get(get_router().live_loads.remote()))
+    return sorted(x.replica_id for x in ray.get(app_router().live_loads.remote()))
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +40,7 @@ def server(ray_session, tiny_model):
     wait_until(lambda: live_replicas() == decodes, "the router to know exactly the two decode replicas")
     yield cfg
     serve.shutdown()
+    kill_app_actors()
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_concurrent_streams_equal_the_in_process_engine(stub, reference):
 
 def test_a_repeated_prompt_goes_to_the_replica_that_cached_its_prefix(stub, tiny_model):
     salt = extend_salt(model_identity(tiny_model).encode(), "")
-    router = get_router()
+    router = app_router()
     for s in range(3):  # by chance, a second request would find its prefix with probability 1/2 each time
         prefix = [256] + [(s * 31 + j) % 250 for j in range(63)]  # 4 blocks
         prompt = prefix + [1, 2, 3, 4, 5, 6]

@@ -12,8 +12,7 @@ import ray
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
-from router.actor import get_router
-from tests.helpers import grpc_stub, wait_for, wait_until
+from tests.helpers import app_router, grpc_stub, wait_for, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +49,7 @@ def handle(pool):
 
 
 def live_replicas(pool) -> list[str]:
-    loads = ray.get(get_router().live_loads.remote())
+    loads = ray.get(app_router().live_loads.remote())
     return sorted(load.replica_id for load in loads if load.pool == pool)
 
 
@@ -71,7 +70,7 @@ def kill(replica_id):
 def wait_whole_and_forgotten(dead=(), decodes=2, timeout=30.0):
     """Every live replica's blocks at their totals and queues empty; the router's in-flight count
     at 0; nothing indexed for the dead replicas."""
-    router = get_router()
+    router = app_router()
 
     def whole():
         if len(live_replicas("decode")) != decodes or len(live_replicas("prefill")) != 1:
@@ -153,8 +152,8 @@ def test_a_replica_slowed_three_times_gets_fewer_new_requests(cluster):
         return {rid: replica_load("decode", rid)["generation_tokens"] for rid in (fast, slow)}
 
     def settled():
-        loads = ray.get(get_router().live_loads.remote())
-        return ray.get(get_router().pending_requests.remote()) == 0 and all(
+        loads = ray.get(app_router().live_loads.remote())
+        return ray.get(app_router().pending_requests.remote()) == 0 and all(
             load.running == load.waiting == 0 for load in loads)
 
     def run(n, base):  # short prompts: prefilled on the decode replica the router picks
@@ -174,7 +173,7 @@ def test_a_replica_slowed_three_times_gets_fewer_new_requests(cluster):
     direct(slow, "slowed", 320)  # it steps slowly and reports so
 
     def step_times():
-        return {load.replica_id: load.step_time_s for load in ray.get(get_router().live_loads.remote())}
+        return {load.replica_id: load.step_time_s for load in ray.get(app_router().live_loads.remote())}
 
     # its smoothed step time (over ~10 steps) is now >= 3x the other's: reported, the router sees it
     wait_until(lambda: step_times()[slow] >= 3 * step_times()[fast] > 0, "the slow replica's step time is reported")
@@ -194,7 +193,7 @@ def test_a_replica_slowed_three_times_gets_fewer_new_requests(cluster):
 def test_stuck_engine_loop_fails_health_and_the_replica_is_replaced(cluster, reference):
     stuck = live_replicas("decode")[0]
     inject("decode", stuck, stall_loop_s=30.0)  # stuck_loop_s is 1 s; Serve checks every second
-    wait_until(lambda: stuck not in live_replicas("decode") and not ray.get(get_router().hashes.remote(stuck)),
+    wait_until(lambda: stuck not in live_replicas("decode") and not ray.get(app_router().hashes.remote(stuck)),
                "the stuck replica is dropped", timeout=30)
     p = prompts(1, 20, base=400)
     assert [[t for r in cluster.Generate(request(p[0], 6), timeout=60) for t in r.token_ids]] == reference(p, 6)

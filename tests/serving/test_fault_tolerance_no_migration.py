@@ -7,9 +7,8 @@ import ray
 
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
-from router.actor import get_router
 from tests.serving.test_fault_tolerance import kill, live_replicas, prompts, replica_load, request
-from tests.helpers import grpc_stub, wait_until
+from tests.helpers import app_router, grpc_stub, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -49,4 +48,4 @@ def test_streams_on_a_killed_decode_replica_end_aborted_with_the_count_sent(stub
                "the dead replica is dropped")
     wait_until(lambda: (lambda s: s["free_blocks"] == 64 and s["running"] == 0)(replica_load("decode", survivor)),
                "the survivor's blocks are back")
-    assert not ray.get(get_router().hashes.remote(victim))
+    assert not ray.get(app_router().hashes.remote(victim))

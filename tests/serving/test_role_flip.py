@@ -17,8 +17,7 @@ import ray
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import DrainTimeoutError, WrongRoleError
-from router.actor import get_router
-from tests.helpers import grpc_stub, serve_replica_ids, wait_for, wait_until
+from tests.helpers import app_router, grpc_stub, serve_replica_ids, wait_for, wait_until
 from tests.serving.test_tensor_parallel_serving import request
 
 NUM_BLOCKS = 128  # four streams of ~100 + 240 tokens fit one decode replica without preemption
@@ -45,7 +44,7 @@ def load(deployment: str, replica: str) -> dict:
 
 
 def live():
-    return ray.get(get_router().live_loads.remote())
+    return ray.get(app_router().live_loads.remote())
 
 
 def roles() -> dict[str, tuple[str, str, bool]]:
@@ -100,7 +99,7 @@ def whole(replicas: dict[str, str]) -> None:
         seen.update({r: load(home, r) for r, home in replicas.items()})
         return all(s["free_blocks"] == s["total_blocks"] == NUM_BLOCKS and s["running"] == s["waiting"]
                    == s["importing"] == s["held"] == 0 for s in seen.values()) and ray.get(
-            get_router().pending_requests.remote()) == 0
+            app_router().pending_requests.remote()) == 0
 
     wait_until(check, f"every replica whole (last seen: {seen})", timeout=30)
 

@@ -18,8 +18,8 @@ from ray import serve
 
 from cluster.app import cli
 from protos.pdserve.v1 import generation_pb2 as pb
-from router.actor import ROUTER_NAMESPACE
-from router.ingress.versions.rollout_actor import ROLLOUT_NAME
+from router.actor import NAMESPACE
+from router.ingress.versions.rollout_actor import rollout_name
 from tests.helpers import grpc_stub, http_base, serve_replica_ids, wait_for, wait_pools_whole
 
 pytestmark = pytest.mark.ray
@@ -67,7 +67,7 @@ def rollout(*argv: str) -> int:
 
 
 def actor():
-    return ray.get_actor(ROLLOUT_NAME, namespace=ROUTER_NAMESPACE)
+    return ray.get_actor(rollout_name("pdserve"), namespace=NAMESPACE)
 
 
 def test_a_manual_rollback_moves_every_request_back_in_seconds_without_restarting_a_replica(stub):

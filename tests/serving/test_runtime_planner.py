@@ -11,8 +11,7 @@ import ray
 
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
-from router.actor import get_router
-from tests.helpers import grpc_stub, wait_until
+from tests.helpers import app_router, grpc_stub, wait_until
 from tests.serving.test_fault_tolerance import prompts, request
 
 pytestmark = pytest.mark.ray
@@ -22,7 +21,7 @@ STEP_DELAY_S = 0.01  # each decode step (fault injection): the streams run for s
 
 
 def roles() -> dict[str, str]:
-    return {load.replica_id: load.pool for load in ray.get(get_router().live_loads.remote())}
+    return {load.replica_id: load.pool for load in ray.get(app_router().live_loads.remote())}
 
 
 def replica_load(home: str, replica_id: str) -> dict:

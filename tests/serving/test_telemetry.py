@@ -24,9 +24,8 @@ from cluster.engine.kv_cache import extend_salt, hash_request_blocks
 from cluster.engine.model.identity import model_identity
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
-from router.actor import get_router
 from router.ingress.gateway.telemetry import refusal_reason
-from tests.helpers import grpc_stub, serve_replica_ids, wait_for, wait_until
+from tests.helpers import app_router, grpc_stub, serve_replica_ids, wait_for, wait_until
 
 KEYS = {"tele-a": "sk-tele-a", "tele-b": "sk-tele-b"}
 PREFIX = [256] + [(j * 3) % 250 for j in range(63)]  # 4 blocks of 16
@@ -74,7 +73,7 @@ def server(serve_apps, tiny_model, collector):
         ids = serve_replica_ids()
         assert (len(ids["prefill"]), len(ids["decode"])) == (1, 1)
         replicas = {"prefill": ids["prefill"][0], "decode": ids["decode"][0]}
-        router = get_router()
+        router = app_router()
         # the router may still hold loads of an earlier module's replicas: wait for exactly ours
         wait_until(lambda: {x.replica_id for x in ray.get(router.live_loads.remote())} == set(replicas.values()),
                    "the router to know exactly this app's replicas")
@@ -124,7 +123,7 @@ def scenario(server, tiny_model):
     """Four requests that run (two remote prefills, two local ones, one crafted prefix hit on each
     pool), one refused as bad input, one with an unknown key. Returns the scrapes around them."""
     cfg, replicas = server
-    router = get_router()
+    router = app_router()
     salt = extend_salt(model_identity(tiny_model).encode(), "tele-a")
     prefix_hashes = set(hash_request_blocks(PREFIX, 16, salt))
 

@@ -291,9 +291,9 @@ def cluster(serve_apps, tiny_model):
 
 
 def get_router():
-    from router.actor import get_router as router
+    from tests.helpers import app_router
 
-    return router()
+    return app_router()
 
 
 def generated_tokens() -> tuple[int, int]:

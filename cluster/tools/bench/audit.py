@@ -141,8 +141,8 @@ def main() -> None:
 
     import cluster.app.builder as serve_app
     from cluster.tools.netutil import free_port
-    from router.actor import ROUTER_NAMESPACE
-    from router.ingress.gateway.audit_actor import AUDIT_WRITER_NAME
+    from router.actor import DEFAULT_APP, NAMESPACE, scoped_name
+    from router.ingress.gateway.audit_actor import AUDIT_WRITER
     from router.ingress.gateway.audit_log import verify
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,7 +164,7 @@ def main() -> None:
     address = f"localhost:{cfg.grpc_port}"
     for arm in ("off", "on"):  # warm-up, both tenants
         asyncio.run(_closed_loop(address, KEYS[arm], 2 * args.streams, seed=10_000, streams=args.streams))
-    writer = ray.get_actor(AUDIT_WRITER_NAME, namespace=ROUTER_NAMESPACE)
+    writer = ray.get_actor(scoped_name(DEFAULT_APP, AUDIT_WRITER), namespace=NAMESPACE)
     found = serve_pids()
     pids = {"writer": found.get("audit writer"),  # the first ingress replica
             "ingress": next((pid for name, pid in sorted(found.items()) if name.startswith("ingress[")), None)}

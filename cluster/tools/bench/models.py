@@ -56,8 +56,8 @@ def main() -> None:
     from cluster.tools.netutil import free_port
     from protos.pdserve.v1 import generation_pb2 as pb
     from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-    from router.actor import ROUTER_NAMESPACE
-    from router.ingress.versions.rollout_actor import ROLLOUT_NAME
+    from router.actor import DEFAULT_APP, NAMESPACE
+    from router.ingress.versions.rollout_actor import rollout_name
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -82,7 +82,7 @@ def main() -> None:
     serve_app.start(cfg)
     channel = grpc.insecure_channel(f"localhost:{cfg.grpc_port}")
     stub = pb_grpc.GenerationStub(channel)
-    rollout = ray.get_actor(ROLLOUT_NAME, namespace=ROUTER_NAMESPACE)
+    rollout = ray.get_actor(rollout_name(DEFAULT_APP), namespace=NAMESPACE)
 
     def request(model_name: str = "m") -> tuple[str, float]:
         """(version or error code, seconds to the first response) of one short greedy request."""

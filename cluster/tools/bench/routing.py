@@ -59,13 +59,14 @@ def workload(n: int, shared: bool, seed: int) -> list[list[int]]:
     return prompts
 
 
-def _wait_for_replicas(n: int, timeout: float = 30.0) -> None:
+def _wait_for_replicas(group: str, n: int, timeout: float = 30.0) -> None:
     import ray
 
     from router.actor import get_router
 
+    router = get_router(group)  # the app's (`pdserve`) router of its one model
     deadline = time.monotonic() + timeout
-    while len(ray.get(get_router().live_loads.remote())) < n:
+    while len(ray.get(router.live_loads.remote())) < n:
         if time.monotonic() > deadline:
             raise TimeoutError(f"fewer than {n} replicas reported to the router in {timeout}s")
         time.sleep(0.1)
@@ -86,15 +87,15 @@ def recovery(done: list[tuple[float, int, bool]], t_kill: float, window: int) ->
     return {"hit_rate_before": level, "recovered_s": back, "failed": sum(not ok for _, _, ok in done)}
 
 
-def _kill_router() -> float:
-    """Kill the router actor (Ray restarts it); seconds until the restarted one answers."""
+def _kill_router(group: str) -> float:
+    """Kill the app's router of `group` (Ray restarts it); seconds until the restarted one answers."""
     import os
 
     import ray
 
     from router.actor import get_router
 
-    router = get_router()
+    router = get_router(group).handle()
     pid = ray.get(router.__ray_call__.remote(lambda self: os.getpid()))
     t0 = time.monotonic()
     ray.kill(router, no_restart=False)
@@ -140,7 +141,7 @@ def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency
         serve_app.start(cfg)
         channel = grpc.insecure_channel(f"localhost:{cfg.grpc_port}")
         stub = pb_grpc.GenerationStub(channel)
-        _wait_for_replicas(3)  # decisions need every replica's load report
+        _wait_for_replicas(cfg.serving_group, 3)  # decisions need every replica's load report
 
         done: list[tuple[float, int, bool]] = []  # (finished at, cached tokens, ok), measured requests
         kill = {"at": None, "restart_s": None}
@@ -163,7 +164,7 @@ def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency
                 done.append((time.monotonic(), last.usage.cached_prompt_tokens, True))
                 if len(done) == kill_router_after:  # killed beside the load, which goes on
                     kill["at"] = time.monotonic()
-                    kill["thread"] = threading.Thread(target=lambda: kill.update(restart_s=_kill_router()))
+                    kill["thread"] = threading.Thread(target=lambda: kill.update(restart_s=_kill_router(cfg.serving_group)))
                     kill["thread"].start()
             return ttft, last.usage.cached_prompt_tokens, last.usage.completion_tokens
 

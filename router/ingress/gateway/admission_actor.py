@@ -4,34 +4,62 @@ ingress replica (a thin Ray shell over router/ingress/gateway/admission.py's pla
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import ray
 
 from cluster.config import AdmissionOptions
-from router.actor import named_actor
+from router.actor import ConfiguredRef, keep, restored, scoped_name, serve_app
 from router.ingress.gateway.admission import Quotas
 from router.ingress.gateway.idempotency import LEASE_S, MAX_RESULT_BYTES, IdempotencyStore
 
-ADMISSION_NAME = "pdserve-admission"
+ADMISSION = "admission"
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """What the admission actor takes from the config (admission.idempotency_*)."""
+
+    idempotency_ttl_s: float = 600.0
+    idempotency_max_keys: int = 1024
+    idempotency_max_waiters: int = 8
+
+    @classmethod
+    def of(cls, o: AdmissionOptions) -> "AdmissionSettings":
+        return cls(o.idempotency_ttl_s, o.idempotency_max_keys, o.idempotency_max_waiters)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
 class AdmissionActor:
     """Cluster-wide rate-limit buckets and idempotency records (router/ingress/gateway/admission.py), shared by
-    every ingress replica. Restarted by Ray if it dies, with its constructor's arguments: buckets
-    start full again and idempotency records are lost (a retry after a restart runs again).
+    every ingress replica of one app. Restarted by Ray if it dies, with the settings it last ran with
+    (router/actor.py `restored`): buckets start full again and idempotency records are lost (a
+    retry after a restart runs again). `configure` applies changed settings in place.
     A running record belongs to the ingress running it: when that ingress stops renewing its
     lease (it died), its records are dropped within 4/3 lease_s (gateway/idempotency.py).
     `max_result_bytes`: the finished results kept per tenant, in bytes of their JSON (64 MiB; the
     least recently used go first; a larger one is not kept). Not in AdmissionOptions yet."""
 
-    def __init__(self, idempotency_ttl_s: float = 600.0, max_keys: int = 1024, max_waiters: int = 8,
-                 lease_s: float = LEASE_S, max_result_bytes: int = MAX_RESULT_BYTES):
+    def __init__(self, settings: AdmissionSettings = AdmissionSettings(), lease_s: float = LEASE_S,
+                 max_result_bytes: int = MAX_RESULT_BYTES):
+        self.settings = s = restored(settings)
         self.quotas = Quotas()
-        self.results = IdempotencyStore(idempotency_ttl_s, max_keys=max_keys, max_waiters=max_waiters, lease_s=lease_s,
+        self.results = IdempotencyStore(s.idempotency_ttl_s, max_keys=s.idempotency_max_keys,
+                                        max_waiters=s.idempotency_max_waiters, lease_s=lease_s,
                                         max_bytes=max_result_bytes)
         self._settled: dict[tuple[str, str], asyncio.Event] = {}
         self._sweeping: asyncio.Task | None = None
+
+    async def configure(self, settings: AdmissionSettings) -> AdmissionSettings:
+        """Run with these settings from now on (the records kept stay; a lower max_keys refuses new
+        keys until enough finish or expire)."""
+        if settings != self.settings:
+            r = self.results
+            r.ttl_s, r.max_keys, r.max_waiters = (settings.idempotency_ttl_s, settings.idempotency_max_keys,
+                                                  settings.idempotency_max_waiters)
+            self.settings = settings
+            keep(settings)
+        return self.settings
 
     async def take(self, tenant: str, kind: str, per_min: float, need: float, want: float):
         return self.quotas.take(tenant, kind, per_min, need, want)
@@ -85,8 +113,7 @@ class AdmissionActor:
             event.set()
 
 
-def get_admission(options: AdmissionOptions | None = None):
-    """The cluster's admission actor, created by whoever asks first (with that caller's options)."""
-    o = options or AdmissionOptions()
-    return named_actor(AdmissionActor, ADMISSION_NAME, o.idempotency_ttl_s, o.idempotency_max_keys,
-                       o.idempotency_max_waiters)
+def get_admission(options: AdmissionOptions | None = None, app: str | None = None) -> ConfiguredRef:
+    """The app's admission actor (None: the caller's app), running with these options' settings."""
+    return ConfiguredRef(AdmissionActor, scoped_name(app or serve_app(), ADMISSION),
+                         AdmissionSettings.of(options or AdmissionOptions()))

@@ -185,6 +185,12 @@ class AuditLog:
             self._anchored = False
             self._write_head()
 
+    def close(self) -> None:
+        """Let the log go (its writer opened another); nothing unacknowledged is pending here."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
     def _open(self, path: Path) -> None:
         if self._fd is not None:
             os.close(self._fd)

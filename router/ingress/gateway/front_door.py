@@ -81,18 +81,20 @@ class FrontDoor:
         self.arrivals = 0
 
     @classmethod
-    def build(cls, config: AppConfig, pools: dict, *, router=None, take: TakeFn | None = None,
+    def build(cls, config: AppConfig, pools: dict, *, routers: dict | None = None, take: TakeFn | None = None,
               key_digests: dict | None = None, telemetry: IngressTelemetry | None = None,
               audit: AuditShipper | None = None, ledger: Callable[[], object] | None = None, classifier=None,
               guard_metrics=None, idempotency_actor=None) -> "FrontDoor":
         """`pools`: serving group -> (prefill handle or None, decode handle), one per version;
+        `routers`: serving group -> its router actor (None: Serve's own replica choice);
         `take`: the shared quota buckets (the quota actor's `take`; default: this process's);
         `ledger`: the budget ledger actor's getter, when budgets are configured."""
         admission = Admission(config, take or local_quotas(), key_digests)
         flows, gateways, capacities = {}, {}, {}
         for v in config.served_versions():
             prefill, decode = pools[v.config.serving_group]
-            flow = RequestFlow(v.config, prefill, decode, router, sampling_defaults=v.sampling.overrides())
+            flow = RequestFlow(v.config, prefill, decode, None if routers is None else routers[v.config.serving_group],
+                               sampling_defaults=v.sampling.overrides())
             flows[v.name, v.label] = flow
             capacities[flow.group] = Capacity(v.config.admission_bounds)
             metrics = None if telemetry is None else telemetry.metrics

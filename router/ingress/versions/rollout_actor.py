@@ -1,5 +1,5 @@
 """The rollout actor: every model's live traffic split and the canary gate (router/ingress/versions/rollout.py),
-shared by every ingress replica and reached by `pdserve rollout`. Restarted by Ray if it dies: the
+shared by every ingress replica of one Serve app (router/actor.py) and reached by `pdserve rollout`. Restarted by Ray if it dies: the
 first ingress to sync configures it again from its config (a run-time split is then lost)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import ray
 
 from cluster.config.models import RolloutOptions
-from router.actor import named_actor
+from router.actor import ActorRef, named_actor, scoped_name, serve_app
 from router.ingress.versions.rollout import Key, Rollouts, VersionStats
 
-ROLLOUT_NAME = "pdserve-rollout"
+ROLLOUT = "rollout"
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -39,5 +39,11 @@ class RolloutActor:
         return self.state.status()
 
 
-def get_rollout():
-    return named_actor(RolloutActor, ROLLOUT_NAME)
+def rollout_name(app: str | None = None) -> str:
+    return scoped_name(app or serve_app(), ROLLOUT)
+
+
+def get_rollout(app: str | None = None) -> ActorRef:
+    """The app's rollout actor (None: the caller's app); the ingress configures it (catalog.connect)."""
+    name = rollout_name(app)
+    return ActorRef(name, lambda: named_actor(RolloutActor, name))

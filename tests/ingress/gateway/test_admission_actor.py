@@ -57,7 +57,7 @@ def duplicate(store, key: str, wait_s: float):
 
 
 def test_a_killed_ingress_frees_its_running_keys_within_its_lease(ray_session):
-    store = AdmissionActor.remote(600.0, lease_s=LEASE_S)
+    store = AdmissionActor.remote(lease_s=LEASE_S)
     owner = IngressLike.remote(store)
     ray.get(owner.run_forever.remote("k"), timeout=30)
     # alive, it renews: a duplicate waits 2 leases and is told the request still runs
