@@ -164,7 +164,8 @@ def run_arm(model_dir: str, strategy: str, prompts: list[list[int]], concurrency
                 done.append((time.monotonic(), last.usage.cached_prompt_tokens, True))
                 if len(done) == kill_router_after:  # killed beside the load, which goes on
                     kill["at"] = time.monotonic()
-                    kill["thread"] = threading.Thread(target=lambda: kill.update(restart_s=_kill_router(cfg.serving_group)))
+                    kill["thread"] = threading.Thread(
+                        target=lambda: kill.update(restart_s=_kill_router(cfg.serving_group)))
                     kill["thread"].start()
             return ttft, last.usage.cached_prompt_tokens, last.usage.completion_tokens
 
