@@ -273,6 +273,30 @@ def _rollout(args) -> int:
     return 0
 
 
+def _routers(apps) -> dict:
+    """Each app's routers (one per model version, router/actor.py): their stats and, per replica
+    they hear from, how fresh their view is (Router.feed_views)."""
+    from dataclasses import asdict  # noqa: PLC0415
+
+    import ray  # noqa: PLC0415
+
+    from router.actor import ROUTER, app_actor_names, lookup  # noqa: PLC0415
+
+    out = {}
+    for app in apps:
+        for name in app_actor_names(app, ROUTER):
+            handle = lookup(name)
+            if handle is None:
+                continue
+            try:
+                stats, views = ray.get([handle.stats.remote(), handle.feed_views.remote()], timeout=10)
+            except ray.exceptions.RayError as e:
+                out[name] = {"error": str(e).splitlines()[0]}
+                continue
+            out[name] = {"stats": asdict(stats), "feeds": [asdict(v) for v in views]}
+    return out
+
+
 def _status(args) -> int:
     import os  # noqa: PLC0415
 
@@ -290,8 +314,9 @@ def _status(args) -> int:
                                    for d, ds in app.deployments.items()}}
             for name, app in status.applications.items()}
     replicas = ray.get(get_registry().snapshot.remote())
+    routers = _routers(apps)
     if args.json:
-        print(json.dumps({"applications": apps, "replicas": replicas}, default=str))
+        print(json.dumps({"applications": apps, "replicas": replicas, "routers": routers}, default=str))
         return 0
     for name, app in apps.items():
         print(f"application {name}: {app['status']}")
@@ -306,7 +331,23 @@ def _status(args) -> int:
         lag = f"{feed['lag_last_s'] * 1e3:.0f} ({feed['lag_max_s'] * 1e3:.0f})" if feed else "-"
         print(f"{rid:<18} {s['pool']:<8} {used:>5}/{s['total_blocks']:<6} {s['running']:>8} "
               f"{s['waiting'] + s['importing']:>8} {s['last_step_ms']:>8.2f} {s['age_s']:>6.1f} {lag:>18}")
+    _print_routers(routers)
     return 0
+
+
+def _print_routers(routers: dict) -> None:
+    """Each router (one cell today: every replica of one app's model version) and, per replica it
+    hears from, its view's staleness at the last feed call (its max) and the time since."""
+    for name, r in routers.items():
+        if "error" in r:
+            print(f"router {name}: {r['error']}")
+            continue
+        st = r["stats"]
+        print(f"router {name}: {st['replicas']} replicas indexed, {st['tracked_blocks']} blocks, "
+              f"{st['decisions']} decisions, {st['resyncs_requested']} resyncs, {st['sessions']} sessions")
+        for v in r["feeds"]:
+            print(f"  {v['replica_id']:<18} feed calls {v['calls']:>7}  staleness {v['staleness_s'] * 1e3:7.1f} ms "
+                  f"(max {v['max_staleness_s'] * 1e3:.1f})  heard {v['heard_s_ago']:.2f} s ago")
 
 
 def _slo_rules(args) -> int:

@@ -88,6 +88,11 @@ def test_pdserve_up_serves_and_stops_cleanly(ray_session, tiny_model):
             time.sleep(0.2)
         assert status["applications"]["pdserve"]["status"] == "RUNNING"
         assert set(status["applications"]["pdserve"]["deployments"]) == {"ingress", "decode"}
+        # the app's one router (its model's) hears from the live replica through its feed
+        [router] = [r for name, r in status["routers"].items() if name.startswith("pdserve/router/")]
+        live = {rid for rid, s in status["replicas"].items() if s["age_s"] < 5}
+        assert live <= {v["replica_id"] for v in router["feeds"]}, router
+        assert [status["replicas"][rid]["router_feed"]["calls"] >= 1 for rid in live] == [True] * len(live)
 
 
 def test_pdserve_up_serves_a_version_given_by_its_manifest(ray_session, tiny_model, tmp_path):
