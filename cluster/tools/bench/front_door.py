@@ -226,9 +226,10 @@ def served_arms(address: str, args) -> None:
             proc, raw, before = spied
             after = ingress_parts.thread_cpu(pids["ingress"])
             proc.wait(timeout=60)
-            per_request = print_parts(ingress_parts.split(ingress_parts.cpu_between(before, after),
-                                                          ingress_parts.read_samples(raw)),
-                                      r, args.seconds, per_request)
+            cpu = ingress_parts.cpu_between(before, after)
+            ingress_parts.save(args.parts / f"threads-{max_tokens}.json", cpu, r)
+            per_request = print_parts(ingress_parts.split(cpu, ingress_parts.read_samples(raw)), r, args.seconds,
+                                      per_request)
 
 
 def print_parts(s: "ingress_parts.Split", r: dict, seconds: float, first: dict | None) -> dict:

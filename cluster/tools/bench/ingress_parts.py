@@ -12,6 +12,7 @@ threads py-spy cannot see (Ray's and gRPC's C++ threads) in a part of its own: "
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -22,21 +23,31 @@ from pathlib import Path
 
 TICK = os.sysconf("SC_CLK_TCK")
 
-# (part, frames): a sample belongs to the part of the innermost frame listed here. A frame is
-# "function (file" as py-spy writes it; a match is on the prefix, so a function matches in every
-# file that has it unless the file is named. Order matters only between parts sharing a frame.
-PARTS: list[tuple[str, tuple[str, ...]]] = [
-    ("tokenize", ("RequestFlow._make_request", "RequestFlow.prepare (", "_make_request (")),
-    ("route", ("RequestFlow._route", "_route (request_flow", "hash_request_blocks")),
-    ("prefill call", ("PrefillLeg.", "first_token (legs", "_prefill (legs", "release (legs")),
-    ("relay", ("DecodeLegs._outputs", "_outputs (legs", "coalesce (relay", "pump (relay", "ClientStream.delta",
-               "delta (stream", "responses (grpc_api", "delta_to_proto", "interleave (choices", "relay (grpc_server",
-               "deliver (grpc_server", "put (grpc_server", "Generation.Generate", "Generate (grpc_server")),
-    ("decode call", ("DecodeLegs.", "stream (legs", "_placed (legs", "_leg (legs")),
-    ("admit", ("Gateway.run", "run (stages", "FrontDoor.", "authorize (front_door", "serve (front_door",
-               "_start_choices (front_door", "_run (front_door", "request_from_proto", "Generation._generate",
-               "_generate (grpc_server", "shedding (front_door", "admit (", "finish (", "charge (")),
+# (part, [(function, file)]): a sample belongs to the part of the innermost frame listed here; a
+# frame matches when its function (as py-spy names it: `Class.method`, `outer.<locals>.inner`)
+# starts with `function` and its file ends with `file`. Library frames under one of these count in it.
+PARTS: list[tuple[str, list[tuple[str, str]]]] = [
+    ("tokenize", [("RequestFlow.prepare", "flow/request_flow.py"), ("RequestFlow._make_request", "flow/request_flow.py")]),
+    ("route", [("RequestFlow._route", "flow/request_flow.py")]),
+    ("prefill call", [("PrefillLeg.", "flow/legs.py")]),
+    ("relay", [("DecodeLegs._outputs", "flow/legs.py"), ("coalesce", "flow/relay.py"), ("ClientStream.", "flow/stream.py"),
+               ("responses", "api/grpc_api.py"), ("delta_to_proto", "api/grpc_api.py"), ("interleave", "api/choices.py"),
+               ("relay", "api/grpc_server.py"), ("Handoff.", "api/grpc_server.py"), ("Generation.Generate", "api/grpc_server.py"),
+               ("Gateway.run", "gateway/stages.py:15")]),  # Gateway.run's delta loop (lines 150-159)
+    ("decode call", [("DecodeLegs.", "flow/legs.py"), ("via", "flow/legs.py")]),
+    ("admit", [("Gateway.", "gateway/stages.py"), ("FrontDoor.", "gateway/front_door.py"), ("Generation._generate", "api/grpc_server.py"),
+               ("request_from_proto", "api/grpc_api.py"), ("RequestFlow.run", "flow/request_flow.py"), ("", "gateway/")]),
 ]
+
+
+# Samples in none of the parts: the library they are in (innermost frame first), or, with only a
+# thread's or a loop's entry frames on the stack, that loop's own C code (uvloop/asyncio's selector,
+# its wake-ups, C task steps), by thread.
+LIBRARIES: list[tuple[str, str]] = [("Ray metrics", "ray/util/metrics"), ("Serve's handles", "ray/serve/"),
+                                    ("Ray core", "ray/"), ("gRPC (Python)", "grpc/"), ("asyncio (Python)", "asyncio/")]
+RUNNERS = ("Thread.run ", "Thread._bootstrap", "UserCallableWrapper.__init__.<locals>._run_user_code_event_loop",
+           "SingletonThreadRouter._get_singleton_asyncio_loop.<locals>._run_router_event_loop", "GrpcServer._run",
+           "Worker.main_loop", "<module> ", "_worker (concurrent")
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
@@ -66,8 +77,9 @@ def spy(pid: int, seconds: float, path: Path, rate: int = 200) -> subprocess.Pop
 
 def part_of(frames: list[str]) -> str | None:
     for frame in reversed(frames):
+        function, _, where = frame.partition(" (")
         for part, keys in PARTS:
-            if any(frame.startswith(k) for k in keys):
+            if any(function.startswith(f) and (file in where) for f, file in keys):
                 return part
     return None
 
@@ -77,14 +89,24 @@ def read_samples(path: Path) -> dict[int, Counter]:
     by_thread: dict[int, Counter] = defaultdict(Counter)
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        head, _, rest = stack.partition(";")
+        head, _, rest = stack.partition(";")  # "thread (TID): NAME", then the frames, outermost first
         if not head.startswith("thread ("):
             continue
-        tid = int(head[len("thread ("):].split(")")[0], 0)
-        frames = rest.split(";")[1:]  # the first is the thread's name
-        part = part_of(frames) or f"other: {frames[-1] if frames else '?'}"
+        tid_text, _, name = head[len("thread ("):].partition(")")
+        tid = int(tid_text, 0)
+        frames = rest.split(";") if rest else []
+        part = part_of(frames) or f"other: {library_of(frames) or 'loop C code: ' + _family(name.lstrip(': ') or '?')}"
         by_thread[tid][part] += int(count)
     return by_thread
+
+
+def library_of(frames: list[str]) -> str | None:
+    for frame in reversed(frames):
+        if frame.startswith(RUNNERS):
+            continue
+        path = frame.rpartition(" (")[2]
+        return next((name for name, key in LIBRARIES if key in path), f"elsewhere: {frame}")
+    return None
 
 
 @dataclass
@@ -108,13 +130,48 @@ def split(cpu: dict[int, tuple[str, float]], samples: dict[int, Counter]) -> Spl
         for part, n in seen.items():
             share = seconds * n / total
             if part.startswith("other: "):
-                parts["other (event loops, Ray, Serve)"] += share
+                parts["other (libraries, loops)"] += share
                 others[part[7:]] += share
             else:
                 parts[part] += share
     return Split(parts, threads, others)
 
 
+THREADS = {"_run_user_code_event_loop": "the front door's loop", "_poll_wrapper": "gRPC's poller thread",
+           "_run_router_event_loop": "Serve's router loop", "pdserve-grpc": "the gRPC transport's loop",
+           "AsyncIO Thread: default": "Ray's actor loop", "pdserve-tokenize": "the tokenizing threads",
+           "?": "unnamed (Ray's C++ threads calling Python)", "MainThread": "Ray's main thread"}
+
+
 def _family(name: str) -> str:
-    """Thread names without their numbers (a pool's threads together)."""
-    return name.rstrip("0123456789_-") or name
+    """A thread's role: Python's `Thread-N (target)` by its target, a pool's threads together."""
+    if name.endswith(")") and " (" in name:
+        name = name.rpartition(" (")[2][:-1]
+    name = name.rstrip("0123456789_-") or name
+    return THREADS.get(name, name)
+
+
+def save(path: Path, cpu: dict[int, tuple[str, float]], arm: dict) -> None:
+    """One arm's per-thread CPU and counts, to split again later (the raw stacks lie beside it)."""
+    path.write_text(json.dumps({"cpu": {str(t): list(v) for t, v in cpu.items()},
+                                "n": arm["n"], "messages": arm["messages"]}))
+
+
+def main() -> None:
+    """Split saved arms again: `python -m cluster.tools.bench.ingress_parts DIR [MAX_TOKENS ...]`."""
+    d = Path(sys.argv[1])
+    for arm in sys.argv[2:] or ["1", "64"]:
+        saved = json.loads((d / f"threads-{arm}.json").read_text())
+        cpu = {int(t): (v[0], v[1]) for t, v in saved["cpu"].items()}
+        s = split(cpu, read_samples(d / f"ingress-{arm}.txt"))
+        n = saved["n"]
+        print(f"max_tokens {arm}: {saved['messages'] / n:.1f} messages a request, "
+              f"{sum(s.parts.values()) / n * 1e3:.3f} ms a request")
+        for part, c in s.parts.most_common():
+            print(f"  {part:<34} {c / n * 1e3:7.3f}")
+        for frame, c in s.others.most_common(12):
+            print(f"    other: {frame[:90]:<90} {c / n * 1e3:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
