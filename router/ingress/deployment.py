@@ -33,8 +33,19 @@ log = logging.getLogger(__name__)
 ACTOR_START_TIMEOUT_S = 60.0
 
 
+def pool_handle(handle):
+    """A pool's Serve handle as the front door calls it: Serve's request router on the caller's
+    loop (this one: call it on the front door's), not on a loop of its own, which made every call
+    and every streamed message cross two threads (docs/benchmarks.md, "The front door's parts").
+    Serve's throughput profile does the same. The legs choose how a call travels (flow/legs.py `via`)."""
+    if handle is not None and not handle.is_initialized:
+        handle._init(_run_router_in_separate_loop=False)
+    return handle
+
+
 def build_front_door(config: AppConfig, pools: dict, classifier_handle=None) -> FrontDoor:
     """The front door over the cluster's actors, each created now if no one has yet."""
+    pools = {group: tuple(pool_handle(h) for h in pair) for group, pair in pools.items()}
     router = None
     if config.routing.enabled:
         router = get_router()
