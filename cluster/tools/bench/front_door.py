@@ -140,7 +140,7 @@ async def _served(address: str, clients: int, seconds: float, max_tokens: int, p
         while time.monotonic() < end:
             one = req
             if fresh:  # a message of its own: gRPC serializes it later, on its own task
-                one = pb.GenerateRequest(token_ids=pb.TokenIds(ids=rng.integers(1, 1000, 64).tolist()),
+                one = pb.GenerateRequest(token_ids=pb.TokenIds(ids=rng.integers(1, 256, 64).tolist()),
                                          sampling=req.sampling)
             try:
                 async for r in stub.Generate(one, metadata=md, timeout=60.0):
@@ -157,7 +157,8 @@ async def _served(address: str, clients: int, seconds: float, max_tokens: int, p
     wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
     cores = {name: (sum(p.cpu_times()[:2]) - before[name]) / wall for name, p in procs.items()}
     await channel.close()
-    return {"n": done, "messages": messages, "rps": done / wall, "tokens_per_s": tokens / wall, "messages_per_s": messages / wall,
+    return {"n": done, "messages": messages, "rps": done / wall, "tokens_per_s": tokens / wall,
+            "messages_per_s": messages / wall,
             "errors": dict(errors), "cores": cores, "client_cores": cpu / wall}
 
 
@@ -215,11 +216,13 @@ def served_arms(address: str, args) -> None:
         if args.parts is not None and "ingress" in pids:
             args.parts.mkdir(parents=True, exist_ok=True)
             raw = args.parts / f"ingress-{max_tokens}.txt"
-            spied = (ingress_parts.spy(pids["ingress"], args.seconds, raw), raw, ingress_parts.thread_cpu(pids["ingress"]))
+            spied = (ingress_parts.spy(pids["ingress"], args.seconds, raw), raw,
+                     ingress_parts.thread_cpu(pids["ingress"]))
         r = asyncio.run(_served(address, args.clients, args.seconds, max_tokens, pids, args.fresh_prompts))
         ing = r["cores"].get("ingress", float("nan"))
+        rps = max(r["rps"], 1e-9)
         print(f"  max_tokens {max_tokens:>4}: {r['rps']:7.1f} req/s, {r['tokens_per_s']:8.1f} tokens/s "
-              f"({r['messages_per_s']:.1f} messages/s); ingress {ing:.2f} cores = {ing / r['rps'] * 1e3:.2f} ms "
+              f"({r['messages_per_s']:.1f} messages/s); ingress {ing:.2f} cores = {ing / rps * 1e3:.2f} ms "
               f"a request; " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["cores"].items()))
               + f" cores; load generator {r['client_cores']:.2f} cores; errors {r['errors'] or 0}", flush=True)
         if spied is not None:

@@ -25,18 +25,24 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 # (part, [(function, file)]): a sample belongs to the part of the innermost frame listed here; a
 # frame matches when its function (as py-spy names it: `Class.method`, `outer.<locals>.inner`)
-# starts with `function` and its file ends with `file`. Library frames under one of these count in it.
+# starts with `function` (or, written "*.name", ends with ".name") and `file` is in its place
+# ("path:line)"). Library frames under one of these count in it.
+_DELTA_LOOP = [("Gateway.run", f"gateway/stages.py:{line})") for line in range(142, 147)]  # Gateway.run's
 PARTS: list[tuple[str, list[tuple[str, str]]]] = [
-    ("tokenize", [("RequestFlow.prepare", "flow/request_flow.py"), ("RequestFlow._make_request", "flow/request_flow.py")]),
+    ("tokenize", [("RequestFlow.prepare", "flow/request_flow.py"),
+                  ("RequestFlow._make_request", "flow/request_flow.py")]),
     ("route", [("RequestFlow._route", "flow/request_flow.py")]),
     ("prefill call", [("PrefillLeg.", "flow/legs.py")]),
-    ("relay", [("DecodeLegs._outputs", "flow/legs.py"), ("coalesce", "flow/relay.py"), ("ClientStream.", "flow/stream.py"),
-               ("responses", "api/grpc_api.py"), ("delta_to_proto", "api/grpc_api.py"), ("interleave", "api/choices.py"),
-               ("relay", "api/grpc_server.py"), ("Handoff.", "api/grpc_server.py"), ("Generation.Generate", "api/grpc_server.py"),
-               ("Gateway.run", "gateway/stages.py:15")]),  # Gateway.run's delta loop (lines 150-159)
+    ("relay", [("DecodeLegs._outputs", "flow/legs.py"), ("coalesce", "flow/relay.py"),
+               ("ClientStream.", "flow/stream.py"), ("responses", "api/grpc_api.py"),
+               ("delta_to_proto", "api/grpc_api.py"), ("interleave", "api/choices.py"),
+               ("relay", "api/grpc_server.py"), ("Handoff.", "api/grpc_server.py"),
+               ("Generation.Generate", "api/grpc_server.py"), ("RequestFlow.run", "flow/request_flow.py"),
+               ("*.delta", "gateway/"), *_DELTA_LOOP]),
     ("decode call", [("DecodeLegs.", "flow/legs.py"), ("via", "flow/legs.py")]),
-    ("admit", [("Gateway.", "gateway/stages.py"), ("FrontDoor.", "gateway/front_door.py"), ("Generation._generate", "api/grpc_server.py"),
-               ("request_from_proto", "api/grpc_api.py"), ("RequestFlow.run", "flow/request_flow.py"), ("", "gateway/")]),
+    ("admit", [("Gateway.", "gateway/stages.py"), ("FrontDoor.", "gateway/front_door.py"),
+               ("Generation._generate", "api/grpc_server.py"), ("request_from_proto", "api/grpc_api.py"),
+               ("", "gateway/")]),
 ]
 
 
@@ -64,7 +70,8 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
-def cpu_between(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[int, tuple[str, float]]:
+def cpu_between(before: dict[int, tuple[str, float]],
+                after: dict[int, tuple[str, float]]) -> dict[int, tuple[str, float]]:
     return {tid: (name, cpu - before.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in after.items()}
 
 
@@ -75,11 +82,15 @@ def spy(pid: int, seconds: float, path: Path, rate: int = 200) -> subprocess.Pop
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _named(function: str, key: str) -> bool:
+    return function.endswith(key[1:]) if key.startswith("*") else function.startswith(key)
+
+
 def part_of(frames: list[str]) -> str | None:
     for frame in reversed(frames):
         function, _, where = frame.partition(" (")
         for part, keys in PARTS:
-            if any(function.startswith(f) and (file in where) for f, file in keys):
+            if any(_named(function, f) and file in where for f, file in keys):
                 return part
     return None
 
