@@ -272,10 +272,12 @@ MEASURED_EVENTS_PER_S = 1_000_000.0  # Router.events in process, batches of 8-25
 RAY_ROUTE_EXTRA_S = 2055e-6 - 1 / 632.0  # route over Ray at 128 replicas minus in process
 RAY_EVENTS_CALL_S = 375e-6  # events.remote (batch 8): actor CPU a call
 RAY_REPORT_CALL_S = 317e-6  # report_load.remote: actor CPU a call
-# One ingress process's CPU (front_door --served 1 64, 16 callers, demo model): 5.26 ms a one-token
-# request; a 64-token one 27.2 ms at 943 messages/s and 29.2 requests/s: 0.67 ms a relayed message.
-INGRESS_REQUEST_S = 5.26e-3
-INGRESS_MESSAGE_S = (0.79 - 29.2 * 5.26e-3) / 942.9
+# One ingress process's CPU (front_door --served 1 64, 16 callers, demo model; issue 50's run after
+# the legs went by gRPC, docs/benchmarks.md "The front door's parts"): 2.29 ms a one-token request;
+# a 64-token one 0.59 cores at 84.1 requests/s and 2,448.7 messages/s: 0.16 ms a relayed message.
+# (Issue 42's run: 5.26 ms and 0.67 ms.)
+INGRESS_REQUEST_S = 2.29e-3
+INGRESS_MESSAGE_S = (0.59 - 84.1 * 2.29e-3) / 2448.7
 
 
 def saturation_table(d: Deployment = Deployment()) -> list[dict]:
