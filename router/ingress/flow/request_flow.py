@@ -45,8 +45,8 @@ from router.ingress.request import ClientRequest, Delta, SamplingSpec, ToolsSpec
 log = logging.getLogger(__name__)
 
 TOKENIZE_THREADS = 2  # chat rendering and tokenizing run here, never on the event loop
-# A token-id prompt up to this long is checked on the event loop (~0.1 ms at most on this VM; a
-# round trip through the tokenizing threads costs the front door about as much CPU, and two wake-ups)
+# A token-id prompt up to this long is checked on the event loop (1,024 ids: 0.06 ms on this VM; a
+# round trip through the tokenizing threads cost the front door ~0.07 ms a request, and two wake-ups)
 INLINE_TOKEN_IDS = 1024
 
 
