@@ -1,7 +1,8 @@
 """The front door alone: how fast it answers requests it refuses, with the engines idle and busy.
 
     python -m cluster.tools.bench.front_door [--seconds 10] [--clients 32] [--busy-streams 8]
-                                             [--profile DIR]
+                                             [--profile DIR] [--served [MAX_TOKENS ...] [--parts DIR]
+                                             [--fresh-prompts]]
 
 One app (demo bench model, 1 prefill + 1 decode replica, API keys on) on this machine, over gRPC.
 For each refusal kind, `--clients` closed-loop callers send Generate as fast as its answers come
@@ -11,7 +12,10 @@ back for `--seconds`:
 first with the engines idle, then while `--busy-streams` long generations keep both pools busy.
 `--served [MAX_TOKENS ...]` instead: admitted requests (64-token prompt, MAX_TOKENS tokens each,
 default 1 then 64) from `--clients` closed-loop callers, with the ingress's CPU per request and
-per token (and the router's, the proxy's and the load generator's).
+per token (and the router's, the proxy's and the load generator's). `--parts DIR` splits the
+ingress's CPU into the request's parts (admit, tokenize, route, prefill call, decode call, relay)
+and the layers under them, from outside the process (ingress_parts.py); `--fresh-prompts` gives
+every request a new prompt, which the router sends to the prefill pool.
 Printed per arm: refusals/s, latency p50/p99/max, wrong answers (any other status), and the
 load generator's own CPU use (cores). `--profile DIR`: py-spy records the gRPC proxy, the ingress
 replica and the router actor during the busy bad_key arm (collapsed stacks and SVG in DIR) and
