@@ -34,11 +34,22 @@ log = logging.getLogger(__name__)
 ACTOR_START_TIMEOUT_S = 60.0
 
 
+def pool_handle(handle):
+    """A pool's Serve handle as the front door calls it: Serve's request router on the caller's
+    loop (this one: call it on the front door's), not on a loop of its own, which made every call
+    and every streamed message cross two threads (docs/benchmarks.md, "The front door's parts").
+    Serve's throughput profile does the same. The legs choose how a call travels (flow/legs.py `via`)."""
+    if handle is not None and not handle.is_initialized:
+        handle._init(_run_router_in_separate_loop=False)
+    return handle
+
+
 def build_front_door(config: AppConfig, pools: dict, classifier_handle=None, app: str | None = None) -> FrontDoor:
     """The front door over the app's control actors (`app`: None, this replica's Serve app), each
     created now if no one has yet, and given this config's options: a changed option is applied, or
     refused by its actor with an error naming it (this replica then fails to start)."""
     app = app or serve_app()
+    pools = {group: tuple(pool_handle(h) for h in pair) for group, pair in pools.items()}
     routers = configure_routers(config, app) if config.routing.enabled else None
     telemetry = IngressTelemetry(config.telemetry)
     audit = ledger = None

@@ -35,6 +35,9 @@ class FakePrefill:
         self.prefill = _Method(self._prefill)
         self.release = _Method(self._release)
 
+    def options(self, **_):  # how a call travels (flow/legs.py `via`): one way here
+        return self
+
     async def _prefill(self, rid, ids, sampling, ctx, target_replica=None):
         self.prefills.append(rid)
         handle = KVHandle(rid, self.holder, "inc", "agent", (0, 1), (), len(ids), 7, LAYOUT, 0.0)

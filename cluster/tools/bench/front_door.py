@@ -1,7 +1,8 @@
 """The front door alone: how fast it answers requests it refuses, with the engines idle and busy.
 
     python -m cluster.tools.bench.front_door [--seconds 10] [--clients 32] [--busy-streams 8]
-                                             [--profile DIR]
+                                             [--profile DIR] [--served [MAX_TOKENS ...] [--parts DIR]
+                                             [--fresh-prompts]]
 
 One app (demo bench model, 1 prefill + 1 decode replica, API keys on) on this machine, over gRPC.
 For each refusal kind, `--clients` closed-loop callers send Generate as fast as its answers come
@@ -11,7 +12,10 @@ back for `--seconds`:
 first with the engines idle, then while `--busy-streams` long generations keep both pools busy.
 `--served [MAX_TOKENS ...]` instead: admitted requests (64-token prompt, MAX_TOKENS tokens each,
 default 1 then 64) from `--clients` closed-loop callers, with the ingress's CPU per request and
-per token (and the router's, the proxy's and the load generator's).
+per token (and the router's, the proxy's and the load generator's). `--parts DIR` splits the
+ingress's CPU into the request's parts (admit, tokenize, route, prefill call, decode call, relay)
+and the layers under them, from outside the process (ingress_parts.py); `--fresh-prompts` gives
+every request a new prompt, which the router sends to the prefill pool.
 Printed per arm: refusals/s, latency p50/p99/max, wrong answers (any other status), and the
 load generator's own CPU use (cores). `--profile DIR`: py-spy records the gRPC proxy, the ingress
 replica and the router actor during the busy bad_key arm (collapsed stacks and SVG in DIR) and
@@ -32,8 +36,11 @@ from pathlib import Path
 import numpy as np
 
 from cluster.config import AppConfig
+from cluster.tools.bench import ingress_parts
 
 GOOD_KEY, SPENT_KEY, BAD_KEY = "sk-fd-good", "sk-fd-spent", "sk-fd-unknown"
+MESSAGES = "messages a request"
+IDLE_S = 4.0
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -109,10 +116,13 @@ async def _busy(address: str, streams: int, stop: asyncio.Event) -> int:
     return tokens
 
 
-async def _served(address: str, clients: int, seconds: float, max_tokens: int, pids: dict[str, int]) -> dict:
+async def _served(address: str, clients: int, seconds: float, max_tokens: int, pids: dict[str, int],
+                  fresh: bool = False) -> dict:
     """`clients` closed-loop callers send admitted requests (a 64-token prompt, `max_tokens`
     greedy tokens, EOS ignored) for `seconds`: requests/s, tokens/s, and each front-door
-    process's CPU (psutil, all its threads) per request and per token, with the caller's own."""
+    process's CPU (psutil, all its threads) per request and per token, with the caller's own.
+    `fresh`: every request's prompt is new (nothing cached: the router sends it to the prefill
+    pool), else one prompt for all (cached on decode: prefilled there)."""
     import grpc
     import psutil
 
@@ -127,11 +137,17 @@ async def _served(address: str, clients: int, seconds: float, max_tokens: int, p
     done, tokens, messages, errors = 0, 0, 0, Counter()
     end = time.monotonic() + seconds
 
+    rng = np.random.default_rng(0)
+
     async def caller():
         nonlocal done, tokens, messages
         while time.monotonic() < end:
+            one = req
+            if fresh:  # a message of its own: gRPC serializes it later, on its own task
+                one = pb.GenerateRequest(token_ids=pb.TokenIds(ids=rng.integers(1, 256, 64).tolist()),
+                                         sampling=req.sampling)
             try:
-                async for r in stub.Generate(req, metadata=md, timeout=60.0):
+                async for r in stub.Generate(one, metadata=md, timeout=60.0):
                     tokens += len(r.token_ids)
                     messages += 1
                 done += 1
@@ -145,7 +161,8 @@ async def _served(address: str, clients: int, seconds: float, max_tokens: int, p
     wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
     cores = {name: (sum(p.cpu_times()[:2]) - before[name]) / wall for name, p in procs.items()}
     await channel.close()
-    return {"rps": done / wall, "tokens_per_s": tokens / wall, "messages_per_s": messages / wall,
+    return {"n": done, "messages": messages, "rps": done / wall, "tokens_per_s": tokens / wall,
+            "messages_per_s": messages / wall,
             "errors": dict(errors), "cores": cores, "client_cores": cpu / wall}
 
 
@@ -186,6 +203,62 @@ def _top_frames(path: Path, n: int = 8) -> list[tuple[str, float]]:
     return [(f, c / total) for f, c in self_time.most_common(n)] if total else []
 
 
+def served_arms(address: str, args) -> None:
+    """The --served arms; with --parts, the ingress's CPU split into parts (ingress_parts.py)."""
+    asyncio.run(_served(address, 4, 2.0, 8, {}))  # warm-up
+    pids = _pids()
+    print(f"\nfront door, served: {args.clients} closed-loop callers for {args.seconds:g} s per arm "
+          f"(processes: {pids})")
+    if "ingress" in pids:  # what it spends with no request: not a request's cost
+        before = ingress_parts.thread_cpu(pids["ingress"])
+        time.sleep(IDLE_S)
+        idle = sum(c for _, c in ingress_parts.cpu_between(before, ingress_parts.thread_cpu(pids["ingress"])).values())
+        print(f"  idle: ingress {idle / IDLE_S:.3f} cores")
+    per_request = None
+    for max_tokens in args.served or [1, 64]:
+        spied = None
+        if args.parts is not None and "ingress" in pids:
+            args.parts.mkdir(parents=True, exist_ok=True)
+            raw = args.parts / f"ingress-{max_tokens}.txt"
+            spied = (ingress_parts.spy(pids["ingress"], args.seconds, raw), raw,
+                     ingress_parts.thread_cpu(pids["ingress"]))
+        r = asyncio.run(_served(address, args.clients, args.seconds, max_tokens, pids, args.fresh_prompts))
+        ing = r["cores"].get("ingress", float("nan"))
+        rps = max(r["rps"], 1e-9)
+        print(f"  max_tokens {max_tokens:>4}: {r['rps']:7.1f} req/s, {r['tokens_per_s']:8.1f} tokens/s "
+              f"({r['messages_per_s']:.1f} messages/s); ingress {ing:.2f} cores = {ing / rps * 1e3:.2f} ms "
+              f"a request; " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["cores"].items()))
+              + f" cores; load generator {r['client_cores']:.2f} cores; errors {r['errors'] or 0}", flush=True)
+        if spied is not None:
+            proc, raw, before = spied
+            after = ingress_parts.thread_cpu(pids["ingress"])
+            proc.wait(timeout=60)
+            cpu = ingress_parts.cpu_between(before, after)
+            ingress_parts.save(args.parts / f"threads-{max_tokens}.json", cpu, r)
+            per_request = print_parts(ingress_parts.split(cpu, ingress_parts.read_samples(raw)), r, args.seconds,
+                                      per_request)
+
+
+def print_parts(s: "ingress_parts.Split", r: dict, seconds: float, first: dict | None) -> dict:
+    """Each part's CPU a request and, past the first arm, a further message: (this arm's - the
+    first's) / (its messages a request - the first's); returns ms a request by part."""
+    n = max(r["n"], 1)
+    ms = {p: c / n * 1e3 for p, c in s.parts.items()}
+    ms[MESSAGES] = r["messages"] / n
+    extra = None if first is None else ms[MESSAGES] - first[MESSAGES]
+    print(f"    parts, ms of ingress CPU a request ({ms[MESSAGES]:.1f} messages a request; total "
+          f"{sum(s.parts.values()) / n * 1e3:.3f}):")
+    for part, v in sorted(((p, v) for p, v in ms.items() if p != MESSAGES), key=lambda kv: -kv[1]):
+        line = f"      {part:<34} {v:7.3f}"
+        if extra:
+            line += f"   {(v - first.get(part, 0.0)) / extra:7.3f} a further message"
+        print(line)
+    print("    threads (cores): " + ", ".join(f"{t} {c / seconds:.2f}" for t, c in s.threads.most_common(8)))
+    print("    other's top frames (ms a request): " + "; ".join(
+        f"{f} {c / n * 1e3:.3f}" for f, c in s.others.most_common(10)), flush=True)
+    return ms
+
+
 def main() -> None:
     import ray
     import cluster.app.builder as serve_app
@@ -201,6 +274,11 @@ def main() -> None:
     ap.add_argument("--throughput-optimized", action="store_true",
                     help="with --direct-ingress: Serve's throughput profile (RAY_SERVE_THROUGHPUT_OPTIMIZED)")
     ap.add_argument("--direct-ingress", action="store_true", help="Serve's direct ingress: no proxy")
+    ap.add_argument("--parts", type=Path, default=None, metavar="DIR",
+                    help="with --served: the ingress's CPU split into parts (py-spy samples and per-thread CPU "
+                         "from outside the process; raw stacks in DIR)")
+    ap.add_argument("--fresh-prompts", action="store_true",
+                    help="with --served: a new prompt for every request (prefilled on the prefill pool)")
     ap.add_argument("--served", type=int, nargs="*", default=None, metavar="MAX_TOKENS",
                     help="instead of refusals: admitted requests of these output lengths (default 1 64), "
                          "with the ingress's CPU per request and per token")
@@ -223,17 +301,7 @@ def main() -> None:
     serve_app.start(cfg)
     address = f"localhost:{cfg.grpc_port}"
     if args.served is not None:
-        asyncio.run(_served(address, 4, 2.0, 8, {}))  # warm-up
-        pids = _pids()
-        print(f"\nfront door, served: {args.clients} closed-loop callers for {args.seconds:g} s per arm "
-              f"(processes: {pids})")
-        for max_tokens in args.served or [1, 64]:
-            r = asyncio.run(_served(address, args.clients, args.seconds, max_tokens, pids))
-            ing = r["cores"].get("ingress", float("nan"))
-            print(f"  max_tokens {max_tokens:>4}: {r['rps']:7.1f} req/s, {r['tokens_per_s']:8.1f} tokens/s "
-                  f"({r['messages_per_s']:.1f} messages/s); ingress {ing:.2f} cores = {ing / r['rps'] * 1e3:.2f} ms "
-                  f"a request; " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["cores"].items()))
-                  + f" cores; load generator {r['client_cores']:.2f} cores; errors {r['errors'] or 0}", flush=True)
+        served_arms(address, args)
         serve_app.delete_app(cfg)
         ray.shutdown()
         return

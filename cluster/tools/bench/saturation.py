@@ -289,10 +289,12 @@ RAY_REPORT_CALL_S = 317e-6  # report_load.remote: actor CPU a call
 # feed.remote (8 events + the load, the replica's one call per interval since issue 50): one run,
 # in which events cost 261 us and report_load 186 us (docs/benchmarks.md, "The feed").
 RAY_FEED_CALL_S = 333e-6
-# One ingress process's CPU (front_door --served 1 64, 16 callers, demo model): 5.26 ms a one-token
-# request; a 64-token one 27.2 ms at 943 messages/s and 29.2 requests/s: 0.67 ms a relayed message.
-INGRESS_REQUEST_S = 5.26e-3
-INGRESS_MESSAGE_S = (0.79 - 29.2 * 5.26e-3) / 942.9
+# One ingress process's CPU (front_door --served 1 64, 16 callers, demo model; issue 50's run after
+# the legs went by gRPC, docs/benchmarks.md "The front door's parts"): 2.29 ms a one-token request;
+# a 64-token one 0.59 cores at 84.1 requests/s and 2,448.7 messages/s: 0.16 ms a relayed message.
+# (Issue 42's run: 5.26 ms and 0.67 ms.)
+INGRESS_REQUEST_S = 2.29e-3
+INGRESS_MESSAGE_S = (0.59 - 84.1 * 2.29e-3) / 2448.7
 
 
 def saturation_table(d: Deployment = Deployment()) -> list[dict]:

@@ -159,6 +159,30 @@ class Health(health_pb2_grpc.HealthServicer):
         return await unary(self.app_loop, context, check)
 
 
+class Handoff:
+    """Items put on one thread, delivered in order on `loop`: one wake-up of that loop for all that
+    arrives before it runs (a call_soon_threadsafe per item woke it once per response and once more
+    for the end)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[object], None]):
+        self.loop, self.deliver = loop, deliver
+        self._items: list = []
+        self._lock = threading.Lock()
+
+    def put(self, item: object) -> None:
+        with self._lock:
+            self._items.append(item)
+            if len(self._items) > 1:
+                return  # its wake-up is on its way
+        self.loop.call_soon_threadsafe(self._take)
+
+    def _take(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for item in items:
+            self.deliver(item)
+
+
 async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerContext,
                 work: Callable[[Callable[[object], None]], Awaitable[None]],
                 max_unread: int = MAX_UNREAD_RESPONSES) -> AsyncIterator:
@@ -193,8 +217,7 @@ async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerC
         if sent_one:
             refusal = loop.create_task(_abort_unread(context, max_unread))
 
-    def put(item: object) -> None:
-        loop.call_soon_threadsafe(deliver, item)
+    put = Handoff(loop, deliver).put
 
     async def run() -> None:
         try:

@@ -32,6 +32,21 @@ FAILED = (FinishReason.ERROR, FinishReason.DEADLINE, FinishReason.REJECTED)  # a
 MAX_REROUTES = 2  # decode legs refused by a replica whose role flipped, before the request fails
 CLIENT_SAFE = (QueueFullError, WrongRoleError)  # errors whose message a client may read (see `told`)
 
+# A call and its outputs go over the gRPC channel Serve keeps to every replica, not as Ray tasks
+# and objects (an object, two wake-ups and the core worker's bookkeeping per streamed message: most
+# of the front door's CPU a message; docs/benchmarks.md, "The front door's parts"). That channel caps
+# a message at 4 MiB (RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH): a request whose prompt or outputs
+# may come near it (logprobs, a prompt past this many tokens) goes by reference, as before.
+VIA_GRPC_MAX_TOKENS = 262_144
+
+
+def via(handle, ids: list[int], sampling: SamplingParams):
+    """The handle a request's call goes by (the pools stay Serve deployments either way: Serve
+    picks the replica, or takes the router's target_replica, and counts the replica's load)."""
+    logprobs = sampling is not None and (sampling.logprobs is not None or sampling.prompt_logprobs is not None)
+    return handle if logprobs or len(ids) > VIA_GRPC_MAX_TOKENS else handle.options(_by_reference=False)
+
+
 # A decode replica a fresh routing decision names: (replica id, home deployment), or (None, None): Serve's choice
 Reroute = Callable[[], Awaitable[tuple[str | None, str | None]]]
 
@@ -105,7 +120,8 @@ class PrefillLeg:
         # none answering by then (+ grace), or within replica_wait_s without a deadline, is the
         # pool's failure (no replica took it: dead, asleep, stuck), as for decode. The call is
         # cancelled, which aborts the prefill.
-        call = self.homes.get(home, self.handle).prefill.remote(rid, ids, sampling, ctx, target_replica=target)
+        call = via(self.homes.get(home, self.handle), ids, sampling).prefill.remote(rid, ids, sampling, ctx,
+                                                                                     target_replica=target)
         remaining = ctx.remaining_s()
         bound = self.replica_wait_s
         deadline_first = remaining is not None and max(remaining, 0.0) + FIRST_OUTPUT_GRACE_S < bound
@@ -228,7 +244,7 @@ class DecodeLegs:
         from ray.exceptions import ActorUnavailableError, RayActorError  # noqa: PLC0415
 
         try:
-            replies = self.homes.get(home, self.handle).options(stream=True).generate.remote(
+            replies = via(self.homes.get(home, self.handle), ids, sampling).options(stream=True).generate.remote(
                 rid, ids, sampling, kv_handle, ctx, target_replica=target, generated=generated)
         except Exception as e:  # noqa: BLE001
             if kv_handle is not None and self.prefill is not None:  # nothing will pull it: end the lease now

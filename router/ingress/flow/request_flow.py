@@ -45,6 +45,9 @@ from router.ingress.request import ClientRequest, Delta, SamplingSpec, ToolsSpec
 log = logging.getLogger(__name__)
 
 TOKENIZE_THREADS = 2  # chat rendering and tokenizing run here, never on the event loop
+# A token-id prompt up to this long is checked on the event loop (1,024 ids: 0.06 ms on this VM; a
+# round trip through the tokenizing threads cost the front door ~0.07 ms a request, and two wake-ups)
+INLINE_TOKEN_IDS = 1024
 
 
 class Observer:
@@ -105,7 +108,12 @@ class RequestFlow:
         """Validate and tokenize in a worker thread (never on the event loop). Chat messages are
         rendered first; the rendered text meets the prompt caps (characters, valid Unicode)
         before it is tokenized, and errors name `messages`. `inspect` (same thread) is then given
-        the prompt's text, to ask for: the text given, or the capped token ids decoded."""
+        the prompt's text, to ask for: the text given, or the capped token ids decoded.
+        A prompt of at most INLINE_TOKEN_IDS token ids with nothing to inspect is only checked,
+        here: that costs less than the two thread hops."""
+        ids = request.prompt_token_ids
+        if inspect is None and ids is not None and request.messages is None and len(ids) <= INLINE_TOKEN_IDS:
+            return self._make_request(rid, request, sampling, None)
         return await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, self._make_request, rid, request, sampling, inspect)
 

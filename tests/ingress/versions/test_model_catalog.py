@@ -342,6 +342,9 @@ class _Prefill:
         self.now, self.ttft_s = now, ttft_s
         self.prefill = self
 
+    def options(self, **_):  # how a call travels (flow/legs.py `via`): one way here
+        return self
+
     async def remote(self, rid, ids, sampling, ctx, target_replica=None):
         from prefill.result import PrefillResult
 
@@ -400,6 +403,9 @@ class _LeasingPrefill:
     def __init__(self):
         self.prefill, self.released = self, []
         self.release = type("Release", (), {"remote": self._release})()
+
+    def options(self, **_):  # how a call travels (flow/legs.py `via`): one way here
+        return self
 
     async def remote(self, rid, ids, sampling, ctx, target_replica=None):
         from kv_transfer.handle import KVHandle, KVLayout

@@ -136,6 +136,9 @@ class _SilentPrefill:
         self.prefill = self
         self.cancelled = 0
 
+    def options(self, **_):  # how a call travels (flow/legs.py `via`): one way here
+        return self
+
     def remote(self, *args, **kwargs):
         async def never():
             try:
