@@ -139,6 +139,9 @@ class ReplicaTelemetry:
                               ("refused_lease", "pulls_refused_lease")):
             sync(m.transfer_pulls, {**tags, "result": result}, t[field])
         sync(m.transfer_pull_seconds, tags, t["pull_seconds_sum"])
+        sync(m.transfer_fallbacks, tags, t["fallbacks_recompute"])
+        for event in ("granted", "released", "expired"):
+            sync(m.leases, {**tags, "event": event}, t[f"leases_{event}"])
         if self.feed is not None:
             self._export_feed(m, tags)
 
@@ -149,9 +152,6 @@ class ReplicaTelemetry:
         for result, n in (("sent", f.calls), ("refused", f.refused), ("unavailable", f.unavailable),
                           ("error", f.errors), ("snapshot", f.snapshots)):
             sync(m.router_feed_calls, {**tags, "result": result}, n)
-        sync(m.transfer_fallbacks, tags, t["fallbacks_recompute"])
-        for event in ("granted", "released", "expired"):
-            sync(m.leases, {**tags, "event": event}, t[f"leases_{event}"])
 
     # ---- traces -------------------------------------------------------------------------------
 
