@@ -65,7 +65,10 @@ def wait_pools_whole(timeout: float = 30.0, pools: tuple[str, ...] = ("prefill",
         return all(s["free_blocks"] == s["total_blocks"] and s["running"] == s["waiting"] == s["importing"]
                    == s["held"] == 0 for s in seen.values())
 
-    wait_for(whole, f"both pools back at their totals (last seen: {seen})", timeout)
+    try:
+        wait_for(whole, "both pools back at their totals", timeout)
+    except AssertionError as e:  # name the loads last seen (the message is made after the wait)
+        raise AssertionError(f"{e} (last seen: {seen})") from None
     return seen
 
 

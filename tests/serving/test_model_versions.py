@@ -87,8 +87,8 @@ def binomial_bounds(n: int, p: float, alpha: float = 1e-6) -> tuple[int, int]:
     return lo, hi
 
 
-def wait_all_pools_whole() -> None:
-    wait_pools_whole(pools=tuple(d for pools in POOLS.values() for d in pools))
+def wait_all_pools_whole(timeout: float = 30.0) -> None:
+    wait_pools_whole(timeout, pools=tuple(d for pools in POOLS.values() for d in pools))
 
 
 def test_a_90_10_split_over_400_requests_is_within_binomial_bounds_and_mixes_no_versions(stub, reference):
@@ -248,4 +248,6 @@ def test_a_rolling_update_under_load_mixes_no_versions(server, reference):
             if not (code == grpc.StatusCode.INTERNAL and "ServeReplica:pdserve:ingress" in details
                     and "killed by `ray.kill`" in details)}
     assert ours <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED}, errors
-    wait_all_pools_whole()
+    # A request whose old ingress was killed between its prefill and its decode leaves its prefill
+    # lease to expire (kv_transfer.lease_s, 30 s): nobody pulls it. The pools are whole after that.
+    wait_all_pools_whole(timeout=AppConfig().kv_transfer.lease_s + 15.0)
