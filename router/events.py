@@ -56,7 +56,6 @@ class FeedStats:
 @dataclass
 class _Call:
     ref: ray.ObjectRef
-    seq: int
     changed_at: float | None  # monotonic: the oldest change it carries (None: a heartbeat)
     waiters: list[Future]
 
@@ -199,5 +198,5 @@ class RouterFeed:
             self._snapshot_due, self._urgent = True, waiters
             return
         self.stats.calls += 1
-        self._call = _Call(ref, self.seq, self._changed_at, waiters)
+        self._call = _Call(ref, self._changed_at, waiters)
         self._changed_at, self._last_sent = None, now
