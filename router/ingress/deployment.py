@@ -124,8 +124,10 @@ class Ingress:
         """Serve's graceful shutdown: the gRPC calls in flight get the shutdown's time to finish;
         then the audit records still spooled are sent (bounded). A replica killed instead leaves
         its spool to be adopted."""
+        if not all(hasattr(self, a) for a in ("config", "grpc", "door")):
+            return  # __init__ failed before it started them: nothing to stop (its error is the one to read)
         grace = self.config.graceful_shutdown_timeout_s
-        if self.gc_task is not None:
+        if getattr(self, "gc_task", None) is not None:
             self.gc_task.cancel()
         await self.grpc.stop(grace)
         if self.door.audit is not None:
