@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from contextlib import contextmanager
 from datetime import timedelta
@@ -23,6 +22,7 @@ import torch.multiprocessing as mp
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.distributed import step
+from cluster.engine.distributed.ports import free_port
 from cluster.engine.distributed.step import Stop
 from cluster.engine.distributed.worker import serve_rank
 from cluster.engine.llm_engine import LLMEngine
@@ -30,12 +30,6 @@ from cluster.engine.llm_engine import LLMEngine
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def collective_backend(device: torch.device) -> str:
