@@ -7,7 +7,8 @@ under mixed traffic, while a seeded schedule kills its parts and drops its KV pu
 The app: `--prefill` prefill and `--decode` decode replicas (decode at tensor-parallel `--decode-tp`),
 two tenants with keys (one with a monthly budget, so every request reserves and settles on the
 ledger), audit on (a fresh directory), fault injection on, `fault_tolerance.replica_wait_s` 30 s.
-Traffic, closed loop from `--clients` threads over gRPC, each request one of:
+Traffic, closed loop from `--clients` threads over gRPC (a client waits out a refusal's retry-after,
+at most 5 s, and 0.5 s after UNAVAILABLE, as a retrying client would), each request one of:
 - greedy: a prompt of 1-300 token ids, 16 tokens, temperature 0: its tokens must equal the
   in-process engine's on the same checkpoint (computed before the app starts);
 - long: the same with a prompt of 700-1,000 ids;
@@ -39,7 +40,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BACKOFF_S = 0.5  # a client's pause after UNAVAILABLE before its next request
+BACKOFF_S = 0.5  # a client's pause after UNAVAILABLE (no ingress: one was killed), or a refusal without retry-after
+MAX_RETRY_AFTER_S = 5.0
 HUNG_AFTER_S = 150.0  # the client's deadline: far past replica_wait_s (30) + a request's own work
 KINDS = {"greedy": 40, "long": 10, "n2": 15, "json": 20, "cancel": 15}
 FAULTS = {"kill_prefill": 3, "kill_decode": 3, "kill_router": 2, "kill_admission": 1, "kill_audit": 1,
@@ -57,6 +59,7 @@ class Outcome:
     identical: bool | None = None  # greedy kinds: equal to the reference
     choices: int = 1
     detail: str = ""  # a failure's message (its first line, ids and numbers elided)
+    retry_after_s: float = 0.0  # a refusal's retry-after (trailing metadata)
 
 
 @dataclass
@@ -139,8 +142,8 @@ class Traffic:
             outcome = self.one(kind, rid, rng)
             with self.lock:
                 self.outcomes.append(outcome)
-            if outcome.code == "UNAVAILABLE":  # as a client retrying would: no ingress yet (one was killed)
-                self.stop.wait(BACKOFF_S)
+            if outcome.code in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):  # as a client retrying would: waits
+                self.stop.wait(min(outcome.retry_after_s or BACKOFF_S, MAX_RETRY_AFTER_S))  # as it was told
 
     def request(self, kind: str, rid: str, rng: random.Random):
         from protos.pdserve.v1 import generation_pb2 as pb
@@ -178,7 +181,9 @@ class Traffic:
         except grpc.RpcError as e:
             code = "HUNG" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else e.code().name
             detail = re.sub(r"[\w.-]*\d[\w.-]*", "#", (e.details() or "").split("\n")[0])[:160]
-            return Outcome(kind, rid, code, time.monotonic() - t0, detail=detail)
+            retry = dict(e.trailing_metadata() or ()).get("retry-after")
+            return Outcome(kind, rid, code, time.monotonic() - t0, detail=detail,
+                           retry_after_s=float(retry) if retry else 0.0)
         seconds = time.monotonic() - t0
         if kind == "cancel":
             return Outcome(kind, rid, "CANCELLED_BY_CLIENT", seconds)
