@@ -27,7 +27,7 @@ def feeds(name: str) -> dict[str, int]:
     return {} if handle is None else {v.replica_id: v.calls for v in ray.get(handle.feed_views.remote())}
 
 
-def test_each_replica_feeds_its_cell_only_and_a_prefix_is_decided_and_hit_in_its_cell(app, tiny_model):
+def test_each_replica_feeds_its_cell_only_and_a_prefix_is_decided_and_hit_in_its_cell(app, tiny_model, capsys):
     cfg, stub = app
     group = cfg.serving_group
     cells = [router_name("pdserve", group, k) for k in (0, 1)]
@@ -57,3 +57,15 @@ def test_each_replica_feeds_its_cell_only_and_a_prefix_is_decided_and_hit_in_its
     decisions = [d for d, _ in ray.get(lookup(cells[home]).recent_decisions.remote())[-2:]]
     assert decisions[0].decode == decisions[1].decode and decisions[1].predicted_cached_tokens == 64
     assert decisions[1].decode in expected[home]
+
+    # `pdserve status` (its routers part, text and --json): each cell, the replicas it hears from, spills
+    from cluster.app.status_cli import _print_routers, _routers
+
+    shown = _routers(["pdserve"])
+    assert {n: (r["cell"], r["replicas"]) for n, r in shown.items()} == {
+        cells[k]: (k, expected[k]) for k in (0, 1)}
+    capsys.readouterr()
+    _print_routers(shown)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("router ")]
+    assert [x.split(":")[0] for x in lines] == [f"router {cells[k]} (cell {k}" for k in (0, 1)]
+    assert [f"({len(expected[k])} replicas fed)" in lines[k] and "(0 spilled on)" in lines[k] for k in (0, 1)] == [True] * 2
