@@ -159,25 +159,16 @@ class CellRouters:
         self.refs = list(refs)
         self.spill_at = spill_at
         self.rng = rng or random.Random()
-        self.answered = [0] * len(self.refs)  # decisions each cell gave (spills land on the second)
-        self.spills = 0  # requests whose first cell answered HOT
         self.route = _Method(self._route)
         self.live_loads = _Method(self._live_loads)
         self.configure = _Method(self._configure)
 
     async def _route(self, hashes: Sequence[bytes], num_prompt_tokens: int, session: str | None = None,
                      group: str | None = None) -> RouteDecision:
-        hot = []
+        async def ask(cell: int, spill_at: int):
+            return await self.refs[cell].route.remote(hashes, num_prompt_tokens, session, group, spill_at)
 
-        async def ask(cell: int, spill_at: int | None):
-            answer = await self.refs[cell].route.remote(hashes, num_prompt_tokens, session, group, spill_at)
-            if answer == HOT:
-                hot.append(cell)
-            return answer
-
-        cell, decision = await walk(request_ranking(hashes, session, len(self.refs), self.rng), ask, self.spill_at)
-        self.answered[cell] += 1
-        self.spills += bool(hot) and hot[0] != cell
+        _, decision = await walk(request_ranking(hashes, session, len(self.refs), self.rng), ask, self.spill_at)
         return decision
 
     async def _live_loads(self) -> list:
