@@ -68,4 +68,5 @@ def test_each_replica_feeds_its_cell_only_and_a_prefix_is_decided_and_hit_in_its
     _print_routers(shown)
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("router ")]
     assert [x.split(":")[0] for x in lines] == [f"router {cells[k]} (cell {k}" for k in (0, 1)]
-    assert [f"({len(expected[k])} replicas fed)" in lines[k] and "(0 spilled on)" in lines[k] for k in (0, 1)] == [True] * 2
+    assert [f"(cell {k}: {len(expected[k])} replicas fed)" in lines[k] and "(0 spilled on)" in lines[k]
+            for k in (0, 1)] == [True] * 2
