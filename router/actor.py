@@ -62,9 +62,10 @@ def scoped_name(app: str, kind: str, *parts: str) -> str:
     return "/".join(quote(p, safe="@.-_:") for p in (app, kind, *parts))
 
 
-def router_name(app: str, group: str) -> str:
-    """The router of one model version (AppConfig.serving_group) of one app."""
-    return scoped_name(app, ROUTER, group)
+def router_name(app: str, group: str, cell: int | None = None) -> str:
+    """The router of one model version (AppConfig.serving_group) of one app, or of one of its
+    cells (router/cells.py): `app/router/group/cell-K`."""
+    return scoped_name(app, ROUTER, group) if cell is None else scoped_name(app, ROUTER, group, f"cell-{cell}")
 
 
 def _key(name: str) -> bytes:
@@ -261,11 +262,12 @@ class RouterActor(Router):
         keep((config, strategy))
 
 
-def get_router(group: str, app: str | None = None) -> ActorRef:
+def get_router(group: str, app: str | None = None, cell: int | None = None) -> ActorRef:
     """The router of one model version (`group`: AppConfig.serving_group) of an app (None: the
-    caller's, serve_app). Created by its first call; restarted by Ray with its policy if it dies
-    (a restarted router refuses each replica's next event batch, and the replica resyncs)."""
-    name = router_name(app or serve_app(), group)
+    caller's, serve_app), or of one of its cells. Created by its first call; restarted by Ray with
+    its policy if it dies (a restarted router refuses each replica's next event batch, and the
+    replica resyncs)."""
+    name = router_name(app or serve_app(), group, cell)
     return ActorRef(name, lambda: named_actor(RouterActor, name))
 
 

@@ -80,6 +80,7 @@ class RouterFeed:
         self.min_resync_interval_s = min_resync_interval_s  # a dead router costs one snapshot a second
         self.max_pending_events = max_pending_events  # a router this far behind gets a snapshot instead
         self.seq = 0
+        self.moves = 0  # routers this feed moved to (role flips across cells)
         self.stats = FeedStats()
         self._events: list = []
         self._changed_at: float | None = None  # the oldest change not sent yet
@@ -123,6 +124,23 @@ class RouterFeed:
         self._changed(now)
         self.publish(now, self._queue)
         return waiter
+
+    def move(self, router) -> bool:
+        """Feed `router` from now on (a role flip moved this replica to another cell: router/cells.py).
+        The old router is told to forget this replica; Ray delivers that after the call in flight
+        (one caller's calls to one actor run in order), so nothing re-adds it there. The new router
+        gets a full snapshot with the next call. Loop thread only. False: the same router (nothing
+        to do)."""
+        if getattr(router, "name", router) == getattr(self.router, "name", self.router):
+            return False
+        old, self.router = self.router, router
+        try:
+            old.forget.remote(self.replica_id)
+        except ray.exceptions.RayError as e:  # the old router is gone: it also forgets a silent replica
+            log.debug("the old router could not be told to forget %s: %s", self.replica_id, e)
+        self.moves += 1
+        self._snapshot_due, self._last_snapshot = True, float("-inf")
+        return True
 
     def drain_lags(self) -> list[float]:
         """The lags of the calls answered since the last drain (the metrics exporter's)."""

@@ -11,9 +11,13 @@ from typing import Callable, Sequence
 from cluster.engine.kv_cache.hashing import BlockHash
 from router.baselines import PowerOfTwoPolicy, RoundRobinPolicy
 from router.index import PrefixIndex
-from router.policy import PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
+from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
 from router.sessions import SessionTable
 
+
+# A cell's answers other than a decision (Router.route with spill_at): ask the next cell.
+EMPTY = "empty"  # no replica here can take the request
+HOT = "hot"  # every replica chosen holds spill_at requests or more
 
 STRATEGIES = {"cost": RoutingPolicy, "round_robin": RoundRobinPolicy, "power_of_two": PowerOfTwoPolicy}
 
@@ -25,6 +29,7 @@ class RouterStats:
     decisions: int
     resyncs_requested: int
     sessions: int
+    spilled: int = 0  # decisions answered HOT (a cell's router: the ingress asked the next cell)
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class Router:
         self._pending_requests: dict[str, int] = {}
         self._decisions = 0
         self._resyncs = 0
+        self._spilled = 0
         self._feeds: dict[str, list] = {}  # replica -> [calls, last staleness, max staleness, arrived at]
         self.sessions = self._session_table(self.policy.config)
         # The last decisions with the loads they saw (pending work included): why a prompt went where.
@@ -135,22 +141,29 @@ class Router:
         return [load for _, load in self._loads.values()]
 
     def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, session: str | None = None,
-              group: str | None = None) -> RouteDecision:
+              group: str | None = None, spill_at: int | None = None) -> RouteDecision | str:
         """`session`: the request's session key (tenant-scoped by the ingress), if it has one: the
         replicas that served the session last are preferred while their load allows. `group`: the
         model version the request was assigned (None: every replica): both of its replicas are
-        chosen among that version's, so prefill and decode never run on two versions."""
+        chosen among that version's, so prefill and decode never run on two versions.
+
+        `spill_at` (a cell's router, asked first: router/cells.py): HOT instead of a decision when
+        every replica chosen holds at least this many requests (pending ones included), EMPTY when
+        this router knows no replica that can take the request; either way nothing is recorded and
+        the ingress asks the next cell. Without it, no replica raises NoReplicaError."""
         self._decisions += 1
         now = self.clock()
         hint = self.sessions.get(session, now) if session is not None else None
-        pending_tokens, pending_requests = self._pending_tokens, self._pending_requests
-        # Only the replicas sent work since their last report get a copy with it added (a copy per
-        # replica per decision was 29% of a decision at 128 replicas).
-        loads = [load if load.replica_id not in pending_requests else
-                 replace(load, queued_prefill_tokens=load.queued_prefill_tokens + pending_tokens.get(load.replica_id, 0),
-                         waiting=load.waiting + pending_requests[load.replica_id])
-                 for load in self.live_loads() if group is None or load.group == group]
-        d = self.policy.route(hashes, num_prompt_tokens, self.index, loads, hint)
+        loads = self._loads_now(group)
+        try:
+            d = self.policy.route(hashes, num_prompt_tokens, self.index, loads, hint)
+        except NoReplicaError:
+            if spill_at is None:
+                raise
+            return EMPTY
+        if spill_at is not None and self._hot(d, loads, spill_at):
+            self._spilled += 1
+            return HOT
         if session is not None:
             self.sessions.record(session, d, now)
         self._recent.append((d, tuple(loads)))
@@ -160,6 +173,23 @@ class Router:
         for rid in {computed_at, d.decode}:
             self._pending_requests[rid] = self._pending_requests.get(rid, 0) + 1
         return d
+
+    def _loads_now(self, group: str | None) -> list[ReplicaLoad]:
+        """The live replicas' loads (of `group`), with the work sent to each since its last report.
+        Only the replicas sent work since their last report get a copy with it added (a copy per
+        replica per decision was 29% of a decision at 128 replicas)."""
+        pending_tokens, pending_requests = self._pending_tokens, self._pending_requests
+        return [load if load.replica_id not in pending_requests else
+                replace(load, queued_prefill_tokens=load.queued_prefill_tokens + pending_tokens.get(load.replica_id, 0),
+                        waiting=load.waiting + pending_requests[load.replica_id])
+                for load in self.live_loads() if group is None or load.group == group]
+
+    @staticmethod
+    def _hot(d: RouteDecision, loads: Sequence[ReplicaLoad], spill_at: int) -> bool:
+        """Every replica the decision chose holds at least `spill_at` requests: the prefix is
+        hotter than this cell (the policy chose the cheapest, so the rest are as loaded or more)."""
+        chosen = {d.decode} if d.prefill is None else {d.prefill, d.decode}
+        return all(load.requests >= spill_at for load in loads if load.replica_id in chosen)
 
     def recent_decisions(self) -> list[tuple[RouteDecision, tuple[ReplicaLoad, ...]]]:
         """The last decisions, oldest first, each with the replica loads it was made on."""
@@ -174,4 +204,4 @@ class Router:
 
     def stats(self) -> RouterStats:
         return RouterStats(len(self.index.replicas()), sum(self.index.num_blocks(r) for r in self.index.replicas()),
-                           self._decisions, self._resyncs, len(self.sessions))
+                           self._decisions, self._resyncs, len(self.sessions), self._spilled)

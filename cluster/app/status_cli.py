@@ -14,6 +14,7 @@ def _routers(apps) -> dict:
     import ray  # noqa: PLC0415
 
     from router.actor import ROUTER, app_actor_names, lookup  # noqa: PLC0415
+    from router.cells import cell_of_name  # noqa: PLC0415
 
     out = {}
     for app in apps:
@@ -26,7 +27,8 @@ def _routers(apps) -> dict:
             except ray.exceptions.RayError as e:
                 out[name] = {"error": str(e).splitlines()[0]}
                 continue
-            out[name] = {"stats": asdict(stats), "feeds": [asdict(v) for v in views]}
+            out[name] = {"cell": cell_of_name(name), "replicas": [v.replica_id for v in views],
+                         "stats": asdict(stats), "feeds": [asdict(v) for v in views]}
     return out
 
 
@@ -70,15 +72,18 @@ def status(args) -> int:
 
 
 def _print_routers(routers: dict) -> None:
-    """Each router (one cell today: every replica of one app's model version) and, per replica it
-    hears from, its view's staleness at the last feed call (its max) and the time since."""
+    """Each router (a model version's, or one of its cells': router/cells.py, `.../cell-K`), the
+    replicas it hears from and, per replica, its view's staleness at the last feed call (its max)
+    and the time since."""
     for name, r in routers.items():
         if "error" in r:
             print(f"router {name}: {r['error']}")
             continue
         st = r["stats"]
-        print(f"router {name}: {st['replicas']} replicas indexed, {st['tracked_blocks']} blocks, "
-              f"{st['decisions']} decisions, {st['resyncs_requested']} resyncs, {st['sessions']} sessions")
+        cell = "" if r.get("cell") is None else f" (cell {r['cell']}: {len(r['replicas'])} replicas fed)"
+        print(f"router {name}{cell}: {st['replicas']} replicas indexed, {st['tracked_blocks']} blocks, "
+              f"{st['decisions']} decisions ({st['spilled']} spilled on), {st['resyncs_requested']} resyncs, "
+              f"{st['sessions']} sessions")
         for v in r["feeds"]:
             print(f"  {v['replica_id']:<18} feed calls {v['calls']:>7}  staleness {v['staleness_s'] * 1e3:7.1f} ms "
                   f"(max {v['max_staleness_s'] * 1e3:.1f})  heard {v['heard_s_ago']:.2f} s ago")

@@ -175,6 +175,15 @@ class RoutingOptions(Strict):
         "(a soft preference: more load than this moves the session; 0 turns affinity off)")
     max_sessions: int = Field(100_000, ge=1, description="Sessions the router remembers (least recently used go first)")
     session_ttl_s: float = Field(600.0, gt=0, description="A session idle this long is forgotten by the router")
+    cell_size: int = Field(
+        32, ge=1, le=4096, description="Routers in cells (router/cells.py): a model version whose replicas, at "
+        "most (num_replicas, or autoscaling.max_replicas, both pools), exceed this is split into "
+        "ceil(replicas / cell_size) cells, each with its own router; replicas join a cell by rendezvous hashing of "
+        "their id and a request by its first block (or session key). At or below it: one router, as without cells")
+    cell_spill_requests: int | None = Field(
+        None, ge=1, description="With cells: a request whose chosen replicas in its cell all hold at least this many "
+        "requests (running, waiting and those sent since their last report) goes to its prefix's second-ranked "
+        "cell instead. None: hot_load_cap")
 
 
     @field_validator("tier_weights")

@@ -136,13 +136,13 @@ class PlannerServer:
 
     async def __init__(self, slo: SLO, opts: SplitOptions, deployments: dict[str, tuple[str, str]],
                        drain_timeout_s: float, app_name: str | None = None):
-        from router.actor import get_router, serve_app  # noqa: PLC0415
+        from router.actor import serve_app  # noqa: PLC0415
+        from router.cells import group_loads  # noqa: PLC0415
 
         self.deployments, self.app_name = deployments, app_name or serve_app()
-        routers = [get_router(group, self.app_name) for group in deployments]  # one per model version
 
-        async def loads():
-            return [load for each in await asyncio.gather(*(r.live_loads.remote() for r in routers)) for load in each]
+        async def loads():  # each model version's router, or its cells' (router/cells.py)
+            return await group_loads(self.app_name, list(deployments))
 
         self.planner = RuntimePlanner(slo, opts, list(deployments), loads, self._move, drain_timeout_s)
         self._task = asyncio.get_running_loop().create_task(self._run())  # the replica's own loop

@@ -45,7 +45,8 @@ from kv_transfer.handle import KVHandle
 from kv_transfer.layout import engine_layout
 from kv_transfer.stats import TransferStats
 from kv_transfer.transport import NixlTransport
-from router.actor import get_router, lookup, router_name, serve_app
+from router.actor import lookup, serve_app
+from router.cells import cell_router
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class EngineReplica:
         self.role = self.home_role.make(engine, transport, cfg)
         self.app = serve_app()  # its router: its app's, of its model version
         self.reporter = LoadReporter(engine, transport.stats, self.replica_id, self.pool, registry,
-                                     get_router(cfg.serving_group, self.app),
+                                     cell_router(cfg, self.app, self.pool, self.replica_id),
                                      node_id=ray.get_runtime_context().get_node_id(), group=cfg.serving_group)
         hooks = [self.reporter]
         telemetry = make_replica_telemetry(cfg.telemetry, engine, transport.stats, self.pool, self.replica_id,
@@ -287,6 +288,8 @@ class EngineReplica:
         self.role_name = role
         self.loop.replace_core(self.role, spec.idle_poll_s, getattr(self.config, role).stream_interval)
         self.reporter.pool, self.reporter.draining = role, False
+        if self.reporter.feed is not None:  # with cells, the new role's cell (router/cells.py)
+            self.reporter.feed.move(cell_router(self.config, self.app, role, self.replica_id))
         return True, self.reporter.push(time.monotonic())
 
     async def _acked(self, ack) -> None:
@@ -365,7 +368,8 @@ class EngineReplica:
         if ranks is not None:  # a step stuck in a collective with them ends with them
             ranks.kill()
         try:  # leaving: no more decisions should name this replica (it also goes stale in 3 s)
-            router = lookup(router_name(self.app, self.config.serving_group))  # a finalizer creates no actor
+            feed = self.reporter.feed
+            router = None if feed is None else lookup(feed.router.name)  # its cell's; a finalizer creates no actor
             if router is not None:
                 router.forget.remote(self.replica_id)
         except Exception:  # noqa: BLE001 — best effort while the process ends

@@ -17,7 +17,8 @@ from cluster.config import AppConfig
 from cluster.engine.priority import raise_process_priority
 from cluster.telemetry import gc_pauses
 from cluster.telemetry.metrics import guardrail_metrics
-from router.actor import get_router, serve_app
+from router.actor import serve_app
+from router.cells import ingress_routers
 from router.policy import PolicyConfig
 from router.ingress.api import openai_api
 from router.ingress.api.grpc_server import GrpcServer
@@ -79,12 +80,13 @@ def build_front_door(config: AppConfig, pools: dict, classifier_handle=None, app
 
 
 def configure_routers(config: AppConfig, app: str) -> dict:
-    """Each model version's router (AppConfig.serving_group -> ActorRef), given the routing policy:
-    it keeps it, and a router its replicas create or Ray restarts later starts with it."""
+    """Each model version's router (AppConfig.serving_group -> its ActorRef, or its cells' routers:
+    router/cells.py), given the routing policy: each keeps it, and a router its replicas create or
+    Ray restarts later starts with it."""
     routers = {}
     for v in config.served_versions():
         cfg = v.config
-        routers[cfg.serving_group] = router = get_router(cfg.serving_group, app)
+        routers[cfg.serving_group] = router = ingress_routers(cfg, app)
         router.configure.remote(PolicyConfig.of(cfg.routing, cfg.engine.block_size), cfg.routing.strategy)
     return routers
 

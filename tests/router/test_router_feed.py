@@ -206,3 +206,35 @@ def test_a_replicas_feed_never_has_more_than_one_call_in_flight(ray_session):
     for f in (a, b):
         assert (f.lag_max_s, f.lag_last_s) == (pytest.approx(now - 0.05), pytest.approx(now - 0.1))
     ray.kill(router)
+
+
+def test_a_feed_moved_to_another_cell_leaves_the_old_router_and_snapshots_to_the_new(ray_session):
+    """A role flip across cells (router/cells.py): RouterFeed.move. The old cell's router forgets
+    the replica after the call in flight (nothing re-adds it); the new one gets its whole pool in
+    one snapshot, at once (not after min_resync_interval_s)."""
+    old, new = (get_router("tiny", app="test-router-feed-move", cell=k) for k in (0, 1))
+    source = GrowingSource()
+    f = RouterFeed("r", source, old, lambda now: ReplicaLoad("r", "prefill", 100, 1000), min_resync_interval_s=60)
+    now = 0.0
+    try:
+        for _ in range(3):
+            source.step()
+            now += 0.05
+            f.publish(now, ("busy", now))
+        wait_until(lambda: (f.publish(now, ("idle",), idle=True) or f.in_flight == 0)
+                   and ray.get(old.hashes.remote("r")) == set(source.stored), "the old cell holds the pool")
+        source.step()
+        now += 0.05
+        f.publish(now, ("busy", now))  # a call in flight to the old cell when the flip moves the feed
+        assert f.move(get_router("tiny", app="test-router-feed-move", cell=1)) and not f.move(new)
+        assert f.in_flight == 1 and f.moves == 1
+        wait_until(lambda: (f.publish(now, ("idle",), idle=True) or f.in_flight == 0)
+                   and ray.get(new.hashes.remote("r")) == set(source.stored), "the new cell holds the pool")
+        assert ray.get(old.hashes.remote("r")) == set() and ray.get(old.feed_views.remote()) == []
+        assert [v.replica_id for v in ray.get(new.feed_views.remote())] == ["r"]
+        assert [x.replica_id for x in ray.get(new.live_loads.remote())] == ["r"]
+        assert ray.get(old.live_loads.remote()) == []
+        assert f.stats.snapshots == 2  # the first call's, and the new router's at once
+    finally:
+        for ref in (old, new):
+            ray.kill(ref.handle(), no_restart=True)

@@ -1,0 +1,209 @@
+"""Routers in cells: one model version's replicas partitioned into cells of bounded size, each with
+its own router (prefix index, loads, sessions: router/router.py), so that no router's work grows
+with the cluster (docs/architecture.md, "Where the design saturates").
+
+**How many.** `cell_count`: ceil(the version's most replicas / routing.cell_size), the most being
+each pool's num_replicas or autoscaling.max_replicas. It comes from the config alone, so the ingress
+and every replica agree on it without asking anyone, and autoscaling never changes it. One cell: the
+router is the version's own, named as without cells (`app/router/group`); with more, cell K's is
+`app/router/group/cell-K`.
+
+**Which cell, rendezvous (highest random weight) hashing.** Every (key, cell) pair has a weight,
+a 64-bit mix of the two; a key's cells ranked by weight, highest first, are its ranking.
+- A replica feeds only the first cell of `role/replica_id`: membership depends on nothing else, so
+  adding or removing a replica (autoscaling) moves no other replica, and a role flip moves only the
+  flipped one (to the first cell of its new role: router/events.py RouterFeed.move; the old cell
+  forgets it).
+- A request goes to the first cell of its prompt's first block hash, or of its session key when it
+  has one: every request of a prefix (of a session) meets the same router, so its cache stays in
+  one cell. A prompt shorter than one block, without a session, gets a random ranking.
+- Spill (`walk`): the first cell is asked with `spill_at`; when every replica its router would
+  choose already holds that many requests (the prefix is hotter than its cell) it answers HOT and
+  the second-ranked cell decides, without the bound. A cell whose router knows no replica that can
+  take the request (EMPTY: a small app spread over many cells) passes it on down the ranking.
+
+Weights are a splitmix64 finalizer over 64-bit keys (a block hash's first 8 bytes are already
+uniform; replica ids and session keys go through blake2b once): a few hundred nanoseconds a cell,
+stable across processes and Python versions (not `hash()`, which is salted per process)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from typing import Awaitable, Callable, Sequence
+
+from router.actor import ROUTER, app_actor_names, get_router, lookup, router_name
+from router.policy import NoReplicaError, RouteDecision
+from router.router import EMPTY, HOT
+
+MASK = (1 << 64) - 1
+CELL_SUFFIX = "/cell-"
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit ints whose output bits each depend on all input bits."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & MASK
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & MASK
+    return x ^ (x >> 31)
+
+
+def text_key(text: str) -> int:
+    """A replica id's or session key's 64-bit key."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def block_key(block_hash: bytes) -> int:
+    """A block hash's key: its first 8 bytes (a blake2b digest: uniform already)."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
+_SEEDS: list[int] = []  # cell K's seed: _mix(K + the golden ratio's 64 bits)
+
+
+def _seeds(n: int) -> list[int]:
+    while len(_SEEDS) < n:
+        _SEEDS.append(_mix((len(_SEEDS) + 0x9E3779B97F4A7C15) & MASK))
+    return _SEEDS
+
+
+def weight(key: int, cell: int) -> int:
+    return _mix(key ^ _seeds(cell + 1)[cell])
+
+
+def ranking(key: int, n: int) -> list[int]:
+    """The cells 0..n-1 by this key's weight, highest first."""
+    seeds = _seeds(n)
+    return sorted(range(n), key=lambda cell: _mix(key ^ seeds[cell]), reverse=True)
+
+
+def replica_cell(role: str, replica_id: str, n: int) -> int:
+    """The cell a replica playing `role` feeds (0 when there is one cell)."""
+    if n == 1:
+        return 0
+    key = text_key(f"{role}/{replica_id}")
+    return max(range(n), key=lambda cell: weight(key, cell))
+
+
+def request_ranking(hashes: Sequence[bytes], session: str | None, n: int, rng: random.Random) -> list[int]:
+    """A request's cells, best first: by its session key, else its first block, else at random."""
+    if session is not None:
+        key = text_key(session)
+    elif hashes:
+        key = block_key(hashes[0])
+    else:
+        key = rng.getrandbits(64)
+    return ranking(key, n)
+
+
+def cell_count(cfg) -> int:
+    """One model version's cells (`cfg`: its AppConfig, AppConfig.served_versions)."""
+    pools = ("prefill", "decode") if cfg.has_prefill_pool else ("decode",)
+    most = 0
+    for pool in pools:
+        opts = getattr(cfg, pool)
+        most += opts.autoscaling.max_replicas if opts.autoscaling is not None else opts.num_replicas
+    return max(1, -(-most // cfg.routing.cell_size))
+
+
+def spill_bound(cfg) -> int:
+    """Requests on each chosen replica at which a cell spills (routing.cell_spill_requests)."""
+    r = cfg.routing
+    return r.hot_load_cap if r.cell_spill_requests is None else r.cell_spill_requests
+
+
+def cell_router(cfg, app: str, role: str, replica_id: str):
+    """The router a replica playing `role` feeds: its cell's (the version's own with one cell)."""
+    n = cell_count(cfg)
+    return get_router(cfg.serving_group, app, None if n == 1 else replica_cell(role, replica_id, n))
+
+
+Ask = Callable[[int, "int | None"], Awaitable["RouteDecision | str"]]
+
+
+NO_BOUND = 1 << 62  # spill_at for a cell that must decide: never HOT (still EMPTY when it has no replica)
+
+
+async def walk(order: Sequence[int], ask: Ask, spill_at: int) -> tuple[int, RouteDecision]:
+    """(cell, decision): the first cell of `order` asked with `spill_at`; one answering HOT hands
+    the request to the next, which (like any after it) must decide (NO_BOUND); EMPTY passes it
+    on. A hot cell that no later cell could relieve (all EMPTY) decides after all. None can:
+    NoReplicaError."""
+    hot = None
+    for cell in order:
+        answer = await ask(cell, spill_at if hot is None else NO_BOUND)
+        if answer == HOT:
+            hot = cell
+        elif answer != EMPTY:
+            return cell, answer
+    if hot is not None:
+        answer = await ask(hot, NO_BOUND)
+        if answer != EMPTY:
+            return hot, answer
+    raise NoReplicaError(f"no cell of {len(order)} has a replica for this request")
+
+
+class _Method:
+    """`x.remote(...)`: an awaitable, as a router actor's method gives (what RequestFlow awaits)."""
+
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class CellRouters:
+    """The ingress's router for a version in cells: it is called as one router actor's handle is
+    (`route.remote(...)`, `live_loads.remote()`: awaitables; `configure.remote(...)`: sent), so
+    the request flow is the same with one router or many. `refs`: cell K's router (ActorRef)."""
+
+    def __init__(self, refs: Sequence, spill_at: int, rng: random.Random | None = None):
+        self.refs = list(refs)
+        self.spill_at = spill_at
+        self.rng = rng or random.Random()
+        self.route = _Method(self._route)
+        self.live_loads = _Method(self._live_loads)
+        self.configure = _Method(self._configure)
+
+    async def _route(self, hashes: Sequence[bytes], num_prompt_tokens: int, session: str | None = None,
+                     group: str | None = None) -> RouteDecision:
+        async def ask(cell: int, spill_at: int):
+            return await self.refs[cell].route.remote(hashes, num_prompt_tokens, session, group, spill_at)
+
+        _, decision = await walk(request_ranking(hashes, session, len(self.refs), self.rng), ask, self.spill_at)
+        return decision
+
+    async def _live_loads(self) -> list:
+        return [load for loads in await asyncio.gather(*(r.live_loads.remote() for r in self.refs)) for load in loads]
+
+    def _configure(self, *args) -> list:
+        """Each cell's router takes the policy (fire and forget, as one router's `configure.remote`)."""
+        return [r.configure.remote(*args) for r in self.refs]
+
+
+def ingress_routers(cfg, app: str):
+    """A version's router as the ingress calls it: the one router's ActorRef, or its cells'."""
+    n = cell_count(cfg)
+    if n == 1:
+        return get_router(cfg.serving_group, app)
+    return CellRouters([get_router(cfg.serving_group, app, cell) for cell in range(n)], spill_bound(cfg))
+
+
+def cell_of_name(name: str) -> int | None:
+    """The cell of a router's actor name (None: a version's only router)."""
+    head, sep, tail = name.rpartition(CELL_SUFFIX)
+    return int(tail) if sep and tail.isdigit() else None
+
+
+def group_router_names(app: str, group: str) -> list[str]:
+    """The live routers of one version of an app: its own, or its cells' (creates none)."""
+    own = router_name(app, group)
+    return [n for n in app_actor_names(app, ROUTER) if n == own or n.startswith(own + CELL_SUFFIX)]
+
+
+async def group_loads(app: str, groups: Sequence[str]) -> list:
+    """Every live replica load the routers of these versions hold (each replica is in one cell)."""
+    def find() -> list:  # GCS calls: off the caller's loop
+        names = [n for g in groups for n in group_router_names(app, g)]
+        return [h for h in map(lookup, names) if h is not None]
+
+    handles = await asyncio.to_thread(find)
+    return [load for loads in await asyncio.gather(*(h.live_loads.remote() for h in handles)) for load in loads]

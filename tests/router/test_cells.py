@@ -1,0 +1,126 @@
+"""Routers in cells without Ray (router/cells.py): how many cells, which cell a replica feeds and a
+request asks, and the spill and pass-on rules, on real Router objects."""
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+
+from cluster.config import AppConfig
+from cluster.engine.kv_cache import hash_request_blocks
+from router.cells import (NO_BOUND, block_key, cell_count, cell_of_name, ranking, replica_cell, request_ranking,
+                          spill_bound, text_key, walk)
+from router.actor import router_name
+from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RoutingPolicy
+from router.router import EMPTY, HOT, Router
+
+BS = 16
+PROMPT = list(range(80))
+
+
+def load(rid, pool, running=0, waiting=0):
+    return ReplicaLoad(rid, pool, 1000, 1000, running, waiting)
+
+
+def router(*loads):
+    r = Router(RoutingPolicy(PolicyConfig(block_size=BS), random.Random(0)))
+    for x in loads:
+        r.report_load(x)
+    return r
+
+
+def test_the_number_of_cells_comes_from_the_most_replicas_and_the_cell_size():
+    assert cell_count(AppConfig(model="m")) == 1  # 1 prefill + 1 decode, cell_size 32: as without cells
+    assert cell_count(AppConfig(model="m", prefill={"num_replicas": 16}, decode={"num_replicas": 16})) == 1
+    assert cell_count(AppConfig(model="m", prefill={"num_replicas": 16}, decode={"num_replicas": 17})) == 2
+    scaled = {"num_replicas": 1, "autoscaling": {"min_replicas": 1, "max_replicas": 90}}
+    assert cell_count(AppConfig(model="m", decode=scaled, routing={"cell_size": 10})) == 10  # 1 + 90 replicas
+    # colocated: the prefill section is not a pool
+    assert cell_count(AppConfig(model="m", mode="colocated", decode={"num_replicas": 2}, routing={"cell_size": 1})) == 2
+    assert spill_bound(AppConfig(model="m")) == 32  # hot_load_cap
+    assert spill_bound(AppConfig(model="m", routing={"cell_spill_requests": 5})) == 5
+    with pytest.raises(ValueError, match="cell_size"):
+        AppConfig(model="m", routing={"cell_size": 0})
+    with pytest.raises(ValueError, match="cell_size"):
+        AppConfig(model="m", routing={"cell_size": 4097})
+
+
+def test_rendezvous_rankings_are_fixed_and_a_new_cell_takes_replicas_only_for_itself():
+    # fixed across processes and versions: the ingress and every replica compute the same
+    assert ranking(block_key(bytes(range(16))), 4) == [3, 2, 0, 1]
+    assert ranking(text_key("conv-1"), 4) == [1, 2, 3, 0]
+    assert [replica_cell("decode", f"r{i}", 3) for i in range(8)] == [1, 2, 2, 1, 1, 2, 2, 1]
+    assert [replica_cell("prefill", f"r{i}", 3) for i in range(8)] == [2, 1, 0, 2, 0, 2, 0, 2]  # the role counts
+    assert replica_cell("decode", "r0", 1) == 0
+    four = {i: replica_cell("decode", f"r{i}", 4) for i in range(1000)}
+    assert sorted(Counter(four.values()).items()) == [(0, 239), (1, 251), (2, 260), (3, 250)]
+    five = {i: replica_cell("decode", f"r{i}", 5) for i in range(1000)}
+    moved = [i for i in four if five[i] != four[i]]
+    assert len(moved) == 192 and {five[i] for i in moved} == {4}  # only to the new cell; the rest stay
+
+
+def test_a_request_ranks_cells_by_its_session_else_its_first_block():
+    h = hash_request_blocks(PROMPT, BS, b"salt")
+    other_tail = hash_request_blocks(PROMPT[:16] + [999] * 64, BS, b"salt")
+    rng = random.Random(0)
+    assert request_ranking(h, None, 8, rng) == request_ranking(other_tail, None, 8, rng) == ranking(block_key(h[0]), 8)
+    assert request_ranking(h, "conv-1", 4, rng) == [1, 2, 3, 0]  # the session key's, whatever the prompt
+    assert request_ranking([], None, 4, random.Random(7)) == ranking(random.Random(7).getrandbits(64), 4)
+
+
+def test_router_names_carry_the_cell():
+    assert router_name("app", "tiny@v1") == "app/router/tiny@v1" and cell_of_name("app/router/tiny@v1") is None
+    assert router_name("app", "tiny@v1", 3) == "app/router/tiny@v1/cell-3"
+    assert cell_of_name(router_name("app", "tiny@v1", 3)) == 3
+
+
+def test_a_cell_answers_hot_when_every_replica_it_chose_holds_the_bound():
+    h = hash_request_blocks(PROMPT, BS, b"salt")
+    r = router(load("p", "prefill", running=3), load("d", "decode", running=2, waiting=1))
+    assert r.route(h, 80, spill_at=3) == HOT  # p: 3 requests, d: 3
+    assert (r.recent_decisions(), r.pending_requests(), r.stats().spilled) == ([], 0, 1)  # nothing recorded
+    d = r.route(h, 80, spill_at=4)  # both below 4: a decision, recorded
+    assert (d.prefill, d.decode, d.mode) == ("p", "d", "remote")
+    assert r.pending_requests() == 2
+    assert r.route(h, 80, spill_at=4) == HOT  # the work it sent counts: 4 each now
+    assert router(load("p", "prefill")).route(h, 80, spill_at=1) == EMPTY  # no decode replica here
+    with pytest.raises(NoReplicaError):
+        router(load("p", "prefill")).route(h, 80)  # without a bound: as before cells
+
+
+def test_a_hot_cell_spills_to_the_second_which_decides_without_the_bound():
+    h = hash_request_blocks(PROMPT, BS, b"salt")
+    cells = [router(load("p0", "prefill", running=9), load("d0", "decode", running=9)),
+             router(load("p1", "prefill", running=9), load("d1", "decode", running=9)),
+             router(load("p2", "prefill"), load("d2", "decode"))]
+    asked = []
+
+    async def ask(cell, spill_at):
+        asked.append((cell, spill_at))
+        return cells[cell].route(h, 80, spill_at=spill_at)
+
+    cell, d = asyncio.run(walk([0, 1, 2], ask, 5))
+    assert (cell, d.prefill, d.decode) == (1, "p1", "d1")  # the second, hot too: it decides, no third
+    assert asked == [(0, 5), (1, NO_BOUND)]
+    assert [c.pending_requests() for c in cells] == [0, 2, 0]
+
+
+def test_empty_cells_pass_the_request_on_and_a_hot_cell_decides_when_no_other_can():
+    h = hash_request_blocks(PROMPT, BS, b"salt")
+    empty, hot = router(load("p", "prefill")), router(load("d", "decode", running=9))
+    asked = []
+
+    def asker(cells):
+        async def ask(cell, spill_at):
+            asked.append((cell, spill_at))
+            return cells[cell].route(h, 80, spill_at=spill_at)
+        return ask
+
+    cell, d = asyncio.run(walk([0, 1, 2], asker([empty, empty, router(load("d", "decode"))]), 5))
+    assert (cell, d.decode, d.mode, asked) == (2, "d", "local", [(0, 5), (1, 5), (2, 5)])
+    asked.clear()
+    cell, d = asyncio.run(walk([0, 1], asker([hot, empty]), 5))
+    assert (cell, d.decode, asked) == (0, "d", [(0, 5), (1, NO_BOUND), (0, NO_BOUND)])
+    with pytest.raises(NoReplicaError, match="no cell of 2"):
+        asyncio.run(walk([0, 1], asker([empty, empty]), 5))
