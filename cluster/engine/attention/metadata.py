@@ -20,7 +20,8 @@ class PrefillSpan:
     q_len: int
     ctx_len: int  # tokens of context after this chunk (cached + earlier chunks + this one)
     block_ids: torch.Tensor  # [ceil(ctx_len / block_size)] long
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when the chunk is the whole context
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when the chunk is the whole context (causal)
+    # ctx_len == q_len: the keys are the chunk's own (attended from its fresh K/V, not the pool)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class AttentionMetadata:
     # The decodes' context lengths as host ints (the runner has them): decode_groups plans from
     # these rather than reading seq_lens back (on a GPU, a sync every step). None: read seq_lens.
     decode_seq_lens: tuple[int, ...] | None = None
+    # A sliding-window layer's view (windowed()): a query at position i sees keys j with
+    # i - window < j <= i, and no block wholly before its window is read. 0: full attention.
+    window: int = 0
 
     @cached_property
     def row_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +69,16 @@ class AttentionMetadata:
         lens = lens - (after - 1 - torch.arange(rows, device=lens.device, dtype=after.dtype))
         return self.block_tables.repeat_interleave(q_lens, dim=0, output_size=rows), lens.to(torch.int32)
 
+    def windowed(self, window: int) -> AttentionMetadata:
+        """This step as a sliding-window layer of `window` sees it (attention/window.py), built once
+        a step and shared by its sliding layers."""
+        views = self.__dict__.setdefault("_windowed", {})
+        if window not in views:
+            from cluster.engine.attention.window import windowed  # noqa: PLC0415 — only sliding models
+
+            views[window] = windowed(self, window)
+        return views[window]
+
     @cached_property
     def decode_groups(self) -> tuple[DecodeGroup, ...]:
         """The decodes in <= MAX_DECODE_GROUPS padded batches of similar length (the torch
@@ -72,6 +86,10 @@ class AttentionMetadata:
         nd, bs = self.num_decode, self.block_size
         lens = self.seq_lens[:nd]
         host = self.decode_seq_lens if self.decode_seq_lens is not None else lens.tolist()
+        if self.window:
+            from cluster.engine.attention.window import window_decode_groups  # noqa: PLC0415
+
+            return window_decode_groups(self, host)
         blocks = [-(-n // bs) for n in host]
         groups = []
         for start, end in partition_by_length(blocks, MAX_DECODE_GROUPS):
