@@ -28,13 +28,21 @@ log = logging.getLogger(__name__)
 
 
 def paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0) -> torch.Tensor:
-    """window > 0: a row of length L sees only positions L - window .. L - 1 (a sliding layer)."""
+    """window > 0: a row of length L sees only positions L - window .. L - 1 (a sliding layer), and
+    gathers only the ceil(window / block_size) + 1 columns from the block holding L - window (a
+    fixed width: no host read)."""
     b, w = block_tables.shape
     bs, hkv, d = k_cache.shape[1:]
+    first = torch.zeros(b, 1, dtype=torch.long, device=q.device)
+    if window:
+        first = ((seq_lens.long() - window).clamp(min=0) // bs)[:, None]
+        w = min(w, -(-window // bs) + 1)
+        cols = (first + torch.arange(w, device=q.device)[None, :]).clamp(max=block_tables.shape[1] - 1)
+        block_tables = block_tables.gather(1, cols.to(block_tables.dtype).long())
     idx = block_tables.reshape(-1).long()
     k = k_cache.index_select(0, idx).view(b, w * bs, hkv, d).transpose(1, 2)  # [B, H_kv, W * bs, D]
     v = v_cache.index_select(0, idx).view(b, w * bs, hkv, d).transpose(1, 2)
-    key_pos = torch.arange(w * bs, device=q.device)[None, :]
+    key_pos = first * bs + torch.arange(w * bs, device=q.device)[None, :]
     mask = key_pos < seq_lens[:, None]  # [B, W * bs]
     if window:
         mask &= key_pos >= seq_lens[:, None] - window
