@@ -37,10 +37,10 @@ FAMILIES = {
     "phi3": (Phi3Config, dict(intermediate_size=96)),
     # Gemma 3: layers 0 and 2 slide over 24 positions (RoPE base 500), layer 1 is global (base 30000,
     # linear scaling x2); prompts of 1-300 tokens cross the window, chunks of 64 start past it.
-    "gemma3_text": (Gemma3TextConfig, dict(intermediate_size=96, head_dim=32, sliding_window=24, sliding_window_pattern=2,
-                                           rope_local_base_freq=500.0, rope_theta=30000.0, query_pre_attn_scalar=24,
-                                           rope_scaling={"rope_type": "linear", "factor": 2.0},
-                                           final_logit_softcapping=3.0)),
+    "gemma3_text": (Gemma3TextConfig, dict(intermediate_size=96, head_dim=32, sliding_window=24,
+                                           sliding_window_pattern=2, rope_local_base_freq=500.0, rope_theta=30000.0,
+                                           query_pre_attn_scalar=24, final_logit_softcapping=3.0,
+                                           rope_scaling={"rope_type": "linear", "factor": 2.0})),
 }
 # transformers initialises Gemma's norm weights to 0 (a scale of 1 + 0): random ones test the offset.
 RANDOM_NORMS = {"gemma3_text"}

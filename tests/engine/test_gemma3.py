@@ -5,7 +5,9 @@ transformers'). Tokens on 1-300-token prompts, chunked and from the prefix cache
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.engine.attention import AttentionMetadata, PrefillSpan, resolve_backend
-from cluster.engine.attention.paged_decode import paged_decode_torch
+from cluster.engine.attention.paged_decode import paged_decode_torch, paged_decode_triton
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.model_config import ModelConfig
 from tests.engine.test_engine_correctness import GREEDY, assert_leak_free, prompts
@@ -67,7 +69,11 @@ def paged(n_blocks, lens, firsts=None, hkv=2, d=32, seed=23):
     return k, v, ids.int(), dense
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu_paged", "static"])
+TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+                            reason="the Triton kernel runs on CUDA (tests/gpu) or under TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu_paged", "static", pytest.param("triton", marks=TRITON)])
 def test_decode_attends_within_the_window_and_never_reads_before_it(backend):
     lens = [1, 23, 24, 25, 40, 47, 48, 49, 130]  # around the window and block edges
     k, v, tables, dense = paged(96, lens)
@@ -77,8 +83,9 @@ def test_decode_attends_within_the_window_and_never_reads_before_it(backend):
         num_decode=len(lens), prefills=(), cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables, max_q_len=1, max_seq_len=max(lens),
         block_size=BS, decode_seq_lens=tuple(lens)).windowed(WINDOW)
-    if backend == "static":
-        out = paged_decode_torch(q, k, v, meta.block_tables, meta.seq_lens, 0.2, meta.window)
+    if backend in ("static", "triton"):
+        kernel = paged_decode_torch if backend == "static" else paged_decode_triton
+        out = kernel(q, k, v, meta.block_tables, meta.seq_lens, 0.2, meta.window)
     else:
         try:
             attn = resolve_backend(backend, torch.device("cpu"), BS)
