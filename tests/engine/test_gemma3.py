@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from cluster.engine.attention import AttentionMetadata, PrefillSpan, resolve_backend
 from cluster.engine.attention.paged_decode import paged_decode_torch, paged_decode_triton
+from cluster.engine.attention.window import windowed
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.model_config import ModelConfig
 from tests.engine.test_engine_correctness import GREEDY, assert_leak_free, prompts
@@ -78,11 +79,11 @@ def test_decode_attends_within_the_window_and_never_reads_before_it(backend):
     lens = [1, 23, 24, 25, 40, 47, 48, 49, 130]  # around the window and block edges
     k, v, tables, dense = paged(96, lens)
     q = torch.randn(len(lens), 4, 32)
-    meta = AttentionMetadata(
+    meta = windowed(AttentionMetadata(
         slot_blocks=torch.zeros(len(lens), dtype=torch.long), slot_offsets=torch.zeros(len(lens), dtype=torch.long),
         num_decode=len(lens), prefills=(), cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables, max_q_len=1, max_seq_len=max(lens),
-        block_size=BS, decode_seq_lens=tuple(lens)).windowed(WINDOW)
+        block_size=BS, decode_seq_lens=tuple(lens)), WINDOW)
     if backend in ("static", "triton"):
         kernel = paged_decode_torch if backend == "static" else paged_decode_triton
         out = kernel(q, k, v, meta.block_tables, meta.seq_lens, 0.2, meta.window)
@@ -107,11 +108,11 @@ def test_a_chunk_attends_within_the_window_and_never_reads_before_it(start, q_le
     q = torch.randn(q_len, 4, 32)
     fresh_k, fresh_v = dense[0][0][start:], dense[0][1][start:]
     mask = None if start == 0 else torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
-    meta = AttentionMetadata(
+    meta = windowed(AttentionMetadata(
         slot_blocks=torch.zeros(q_len, dtype=torch.long), slot_offsets=torch.zeros(q_len, dtype=torch.long),
         num_decode=0, prefills=(PrefillSpan(0, q_len, ctx, tables[0, : -(-ctx // BS)].long(), mask),),
         cu_seqlens_q=torch.tensor([0, q_len], dtype=torch.int32), seq_lens=torch.tensor([ctx], dtype=torch.int32),
-        block_tables=tables, max_q_len=q_len, max_seq_len=ctx, block_size=BS).windowed(WINDOW)
+        block_tables=tables, max_q_len=q_len, max_seq_len=ctx, block_size=BS), WINDOW)
     out = resolve_backend("torch", torch.device("cpu"), BS).attend(q, fresh_k, fresh_v, k, v, meta, 0.2)
     ref = dense_reference(q, *dense[0], torch.arange(start, ctx), WINDOW, 0.2)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -50,8 +50,8 @@ class AttentionMetadata:
     # The decodes' context lengths as host ints (the runner has them): decode_groups plans from
     # these rather than reading seq_lens back (on a GPU, a sync every step). None: read seq_lens.
     decode_seq_lens: tuple[int, ...] | None = None
-    # A sliding-window layer's view (windowed()): a query at position i sees keys j with
-    # i - window < j <= i, and no block wholly before its window is read. 0: full attention.
+    # A sliding-window layer's view (attention/window.py: windowed(meta, W)): a query at position i
+    # sees keys j with i - window < j <= i, and no block wholly before its window is read. 0: full.
     window: int = 0
 
     @cached_property
@@ -69,16 +69,6 @@ class AttentionMetadata:
         lens = lens - (after - 1 - torch.arange(rows, device=lens.device, dtype=after.dtype))
         return self.block_tables.repeat_interleave(q_lens, dim=0, output_size=rows), lens.to(torch.int32)
 
-    def windowed(self, window: int) -> AttentionMetadata:
-        """This step as a sliding-window layer of `window` sees it (attention/window.py), built once
-        a step and shared by its sliding layers."""
-        views = self.__dict__.setdefault("_windowed", {})
-        if window not in views:
-            from cluster.engine.attention.window import windowed  # noqa: PLC0415 — only sliding models
-
-            views[window] = windowed(self, window)
-        return views[window]
-
     @cached_property
     def decode_groups(self) -> tuple[DecodeGroup, ...]:
         """The decodes in <= MAX_DECODE_GROUPS padded batches of similar length (the torch
@@ -86,10 +76,6 @@ class AttentionMetadata:
         nd, bs = self.num_decode, self.block_size
         lens = self.seq_lens[:nd]
         host = self.decode_seq_lens if self.decode_seq_lens is not None else lens.tolist()
-        if self.window:
-            from cluster.engine.attention.window import window_decode_groups  # noqa: PLC0415
-
-            return window_decode_groups(self, host)
         blocks = [-(-n // bs) for n in host]
         groups = []
         for start, end in partition_by_length(blocks, MAX_DECODE_GROUPS):

@@ -5,8 +5,8 @@ sliding_window_overlay on the causal mask). The pool keeps every block (a block 
 layer's K/V, and the global layers read them all); a sliding layer's attention reads only the
 blocks its window reaches:
 - decodes: the kernels take `meta.window` and start at the block of position L - window (the
-  CPU paged kernel, paged_decode_torch and the Triton kernel); the torch backend's groups gather
-  only those blocks (window_decode_groups);
+  CPU paged kernel, paged_decode_torch and the Triton kernel); the torch backend's groups
+  (WindowedMetadata.decode_groups) gather only those blocks;
 - a multi-token chunk (prefill, chunked prefill from the prefix cache, a decode with drafts): its
   span starts at the block of its first query's window, its mask causal within the window.
 """
@@ -14,19 +14,36 @@ blocks its window reaches:
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
 from cluster.engine.attention.metadata import AttentionMetadata, DecodeGroup, PrefillSpan
 
 
+@dataclass(frozen=True)
+class WindowedMetadata(AttentionMetadata):
+    """A step as a sliding layer sees it (windowed())."""
+
+    @cached_property
+    def decode_groups(self) -> tuple[DecodeGroup, ...]:
+        lens = self.decode_seq_lens if self.decode_seq_lens is not None else self.seq_lens[:self.num_decode].tolist()
+        return window_decode_groups(self, lens)
+
+
 def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
     """`meta` as a layer attending within `window` positions sees it: the same writes, decode rows
-    and tables (the kernels bound them by `window`), each multi-token chunk's span cut to its window."""
-    if window < 1:
-        raise ValueError(f"sliding window {window} must be >= 1")
-    spans = tuple(window_span(p, window, meta.block_size) for p in meta.prefills)
-    return dataclasses.replace(meta, prefills=spans, window=window)
+    and tables (the kernels bound them by `window`), each multi-token chunk's span cut to its window.
+    Built once a step (kept on `meta`) and shared by the step's sliding layers."""
+    views = meta.__dict__.setdefault("_windowed", {})
+    if window not in views:
+        if window < 1:
+            raise ValueError(f"sliding window {window} must be >= 1")
+        spans = tuple(window_span(p, window, meta.block_size) for p in meta.prefills)
+        fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
+        views[window] = WindowedMetadata(**fields | {"prefills": spans, "window": window})
+    return views[window]
 
 
 def window_span(p: PrefillSpan, window: int, block_size: int) -> PrefillSpan:

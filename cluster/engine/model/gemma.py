@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.engine.attention.window import windowed
 from cluster.engine.model.layers import MLP, Attention, RMSNorm
 from cluster.engine.model_config import ModelConfig
 
@@ -57,7 +58,7 @@ class GemmaDecoderLayer(nn.Module):
         else:
             h = self.input_layernorm.add(x, residual)
         if self.window is not None:
-            meta = meta.windowed(self.window)
+            meta = windowed(meta, self.window)
         h = self.self_attn(h, cos, sin, k_cache, v_cache, meta, backend)
         h = self.pre_feedforward_layernorm.add(self.post_attention_layernorm(h), residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
