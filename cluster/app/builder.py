@@ -43,6 +43,16 @@ def ensure_model(config: AppConfig, default: Literal["smollm2", "random"] = "smo
     return config.model_copy(update={"model": str(model), "served_model_name": config.served_model_name or name})
 
 
+def check_checkpoints(config: AppConfig) -> None:
+    """Every version's checkpoint opens here: a directory, or a Hub repo id resolved (downloaded
+    once into huggingface_hub's cache, which the replicas then read) before anything deploys. A
+    name that is neither raises ValueError naming its field."""
+    from cluster.engine.model.hub import resolve_checkpoint  # noqa: PLC0415
+
+    for v in config.served_versions():
+        resolve_checkpoint(v.config.model, "model" if v.single else f"models.{v.name}.versions.{v.label}.model")
+
+
 def _pool_options(name: str, config: AppConfig) -> dict:
     pool: PoolOptions = getattr(config, name)
     opts = {

@@ -156,7 +156,8 @@ def _up(args) -> int:
     config.check_startable()  # before Ray starts: an open non-loopback bind is refused
     try:  # before Ray starts too: a version whose checkpoint changed since its manifest is refused
         config = resolve_manifests(config)  # what is deployed and printed: each version's checkpoint
-    except ManifestError as e:
+        serve_app.check_checkpoints(config)  # a Hub name resolved (downloaded once) before Ray starts
+    except (ManifestError, ValueError) as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return 2
     address = os.environ.get("RAY_ADDRESS")
@@ -417,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="stream a completion (in-process with --model DIR)")
     g.add_argument("prompt_text", nargs="?", default=None, help="the prompt (or use --prompt)")
-    g.add_argument("--model", help="HF checkpoint directory, run in-process")
+    g.add_argument("--model", help="HF checkpoint directory or Hub repo id (org/name), run in-process")
     g.add_argument("--prompt")
     g.add_argument("--prompt-token-ids", help="comma-separated token ids instead of a text prompt")
     g.add_argument("--chat", help="a user message, rendered with the model's chat template (as the chat API does)")
@@ -439,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start (or join RAY_ADDRESS) a Ray cluster, deploy, serve until Ctrl-C")
     up.add_argument("--config", help="app config YAML (see deploy/pdserve.yaml)")
-    up.add_argument("--model", help="HF checkpoint directory (default: SmolLM2-135M-Instruct, fetched and converted once)")
+    up.add_argument("--model", help="HF checkpoint directory or Hub repo id (org/name; default: SmolLM2-135M-Instruct, "
+                    "fetched and converted once)")
     up.add_argument("--mode", choices=["disaggregated", "colocated"],
                     help="colocated: no prefill pool, decode replicas prefill locally (default: disaggregated)")
     up.add_argument("--prefill-replicas", type=int)

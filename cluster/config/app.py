@@ -23,7 +23,8 @@ class AppConfig(Strict):
     mode: Literal["disaggregated", "colocated"] = Field(
         "disaggregated", description="disaggregated: a prefill pool computes prompts and decode pulls their "
         "KV; colocated: no prefill pool, decode replicas prefill locally (a conventional server)")
-    model: str | None = Field(None, description="HF checkpoint directory; None = SmolLM2-135M-Instruct (embedded default)")
+    model: str | None = Field(None, description="HF checkpoint directory or Hub repo id (org/name); None = "
+                                  "SmolLM2-135M-Instruct (embedded default)")
     served_model_name: str | None = Field(None, description="Model id in the APIs; default: the dir name")
     version: str | None = Field(
         None, description="This model's version label: reported with every response (OpenAI system_fingerprint, "

@@ -46,7 +46,7 @@ class VersionOptions(Strict):
     to use num_replicas). A version given by a manifest: the app's, then the manifest's, then
     the version's own keys."""
 
-    model: str | None = Field(None, description="HF checkpoint directory (or give `manifest`)")
+    model: str | None = Field(None, description="HF checkpoint directory or Hub repo id (or give `manifest`)")
     manifest: str | None = Field(
         None, description="A model manifest (`pdserve models manifest`): the checkpoint at its source, refused at "
         "deploy if any pinned file changed; its engine, pool and sampling keys apply unless set here")

@@ -253,7 +253,8 @@ class EngineOptions(BaseModel):
 class EngineConfig(EngineOptions):
     """One engine: its options plus the checkpoint and what only an in-process engine sets."""
 
-    model: str = Field(description="Path to a Hugging Face checkpoint directory.")
+    model: str = Field(description="A Hugging Face checkpoint directory, or a Hub repo id (org/name) resolved through "
+                       "huggingface_hub's cache (HF_HOME; HF_HUB_OFFLINE=1: the cache only).")
     seed: int = 0
     cache_salt: str = Field("", description="Extra salt in every block hash (e.g. a deployment id).")
 

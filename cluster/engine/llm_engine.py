@@ -27,6 +27,7 @@ from cluster.engine.config import EngineConfig, cache_dtype, kv_block_bytes, run
 from cluster.engine.grammar import Grammars
 from cluster.engine.kv_cache import BlockHash, KVCacheManager, TierLoader, TierUsage, extend_salt
 from cluster.engine.tier_arenas import build_tiers
+from cluster.engine.model.hub import resolve_checkpoint
 from cluster.engine.model.loader import load_model
 from cluster.engine.model.identity import model_identity
 from cluster.engine.model.ops import resolve_ops
@@ -66,7 +67,7 @@ def resolve_device(name: str) -> torch.device:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
+        self.config = config = config.model_copy(update={"model": resolve_checkpoint(config.model)})  # Hub id: snapshot
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
         self.device = resolve_device(config.device)

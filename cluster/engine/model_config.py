@@ -18,19 +18,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cluster.engine.model.families import FAMILIES, family_of
-from cluster.engine.model.families.base import (Family, MoEConfig, WeightQuant, check_common, parse_quantization,
-                                                sliding_window)
+from cluster.engine.model.families.base import (Family, GemmaFields, MoEConfig, WeightQuant, check_common,
+                                                parse_quantization, sliding_window)
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(FAMILIES))  # the served model_types
 # Family fields left out of the fingerprint at these values, so a Llama's is what it was before they existed.
-_FINGERPRINT_DEFAULTS = {"qk_norm": False, "moe": None, "sliding_window": None, "weight_quant": None}
+_FINGERPRINT_DEFAULTS = {"qk_norm": False, "moe": None, "sliding_window": None, "weight_quant": None,
+                         "hidden_act": "silu", "sliding_layers": (), "gemma": None, "local_rope": None}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "llama3"
+    rope_type: str = "default"  # "default" | "linear" (positions divided by factor) | "llama3"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -71,6 +72,10 @@ class ModelConfig:
     moe: MoEConfig | None = None  # the sparse MLP and the layers that have it; None: every MLP dense
     sliding_window: int | None = None  # some layer attends this many positions back; refused at load if it bites
     weight_quant: WeightQuant | None = None  # block-scaled fp8 weights, dequantized at load; None: float weights
+    hidden_act: str = "silu"  # the MLP's gate activation (Gemma: gelu_pytorch_tanh)
+    sliding_layers: tuple[int, ...] = ()  # layers attending within sliding_window, served windowed (Gemma 3)
+    gemma: GemmaFields | None = None  # Gemma's layer (norms, scales, softcapping): families/gemma3.py
+    local_rope: RopeConfig | None = None  # the sliding layers' RoPE where it differs from `rope` (Gemma 3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
@@ -80,7 +85,8 @@ class ModelConfig:
         """`cfg`: config.json; `generation`: generation_config.json, if the checkpoint has one."""
         model_type = cfg.get("model_type", "llama")
         family = family_of(model_type)
-        check_common(cfg)
+        cfg = dict(family.defaults) | cfg
+        check_common(cfg, family.own_activation)
         weight_quant = parse_quantization(cfg)
         fields = family.parse(cfg)
         num_heads = cfg["num_attention_heads"]
@@ -109,7 +115,11 @@ class ModelConfig:
             moe=fields.moe,
             sliding_window=sliding_window(cfg),
             weight_quant=weight_quant,
-            rope=_parse_rope(cfg),
+            rope=_parse_rope({"rope_parameters": fields.rope_global} if fields.rope_global else cfg),
+            hidden_act=fields.hidden_act,
+            sliding_layers=fields.sliding_layers,
+            gemma=fields.gemma,
+            local_rope=_parse_rope({"rope_parameters": fields.rope_local}) if fields.rope_local else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             generation_defaults=GenerationDefaults.from_hf_dict(generation),
@@ -150,10 +160,12 @@ def _parse_rope(cfg: dict) -> RopeConfig:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"config.json rope_type={rope_type!r} is not supported (default, llama3)")
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"config.json rope_type={rope_type!r} is not supported (default, linear, llama3)")
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type=rope_type, factor=params["factor"])
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,

@@ -86,7 +86,7 @@ class StaticDecodeBackend(TorchSDPABackend):
         self._attend = attend_fn
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        return self._attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return self._attend(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.window)
 
 
 class StaticDecode:

@@ -1,4 +1,4 @@
-"""The families beyond Llama (Qwen3, Mixtral, Qwen3-MoE, Phi-3) equal transformers token for token, on
+"""The families beyond Llama (Qwen3, Mixtral, Qwen3-MoE, Phi-3, Gemma 3) equal transformers token for token, on
 checkpoints transformers itself writes (save_pretrained); what a family cannot serve is refused, named."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
 
 from cluster.engine.distributed.plan import check_degree, valid_degrees
 from cluster.engine.llm_engine import LLMEngine
@@ -35,7 +35,15 @@ FAMILIES = {
     "qwen3_moe": (Qwen3MoeConfig, dict(intermediate_size=96, moe_intermediate_size=48, num_experts=8,
                                        num_experts_per_tok=2, mlp_only_layers=[1], head_dim=32)),
     "phi3": (Phi3Config, dict(intermediate_size=96)),
+    # Gemma 3: layers 0 and 2 slide over 24 positions (RoPE base 500), layer 1 is global (base 30000,
+    # linear scaling x2); prompts of 1-300 tokens cross the window, chunks of 64 start past it.
+    "gemma3_text": (Gemma3TextConfig, dict(intermediate_size=96, head_dim=32, sliding_window=24,
+                                           sliding_window_pattern=2, rope_local_base_freq=500.0, rope_theta=30000.0,
+                                           query_pre_attn_scalar=24, final_logit_softcapping=3.0,
+                                           rope_scaling={"rope_type": "linear", "factor": 2.0})),
 }
+# transformers initialises Gemma's norm weights to 0 (a scale of 1 + 0): random ones test the offset.
+RANDOM_NORMS = {"gemma3_text"}
 MOE_BLOCKS = {"mixtral": "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
               "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"}
 
@@ -48,7 +56,11 @@ def hf_config(model_type: str, **overrides):
 def write_checkpoint(out: Path, model_type: str, seed: int = 0, **overrides) -> str:
     """A random float32 checkpoint as transformers saves it, with the byte tokenizer the engine reads."""
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(hf_config(model_type, **overrides), dtype=torch.float32).save_pretrained(out)
+    model = AutoModelForCausalLM.from_config(hf_config(model_type, **overrides), dtype=torch.float32)
+    for name, p in model.named_parameters():
+        if model_type in RANDOM_NORMS and "norm" in name:
+            torch.nn.init.normal_(p, std=0.2)
+    model.save_pretrained(out)
     write_tokenizer(out)
     return str(out)
 
@@ -193,7 +205,7 @@ def test_an_unknown_model_type_is_named_with_the_served_ones():
     with pytest.raises(ValueError) as e:
         ModelConfig.from_hf_dict({"model_type": "gpt2"})
     assert str(e.value) == ("config.json model_type='gpt2' is not supported "
-                            "(supported: llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe)")
+                            "(supported: gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe)")
 
 
 def _rope(model_type: str, **params) -> dict:
@@ -264,6 +276,9 @@ def test_config_json_round_trip_of_each_family(family):
     moe = mc.moe and (mc.moe.num_experts, mc.moe.top_k, mc.moe.intermediate_size, mc.moe.renormalize,
                       mc.moe.sparse_layers)
     expected = {"qwen3": (True, None, 32), "mixtral": (False, (8, 2, 96, True, (0, 1, 2)), 16),
-                "qwen3_moe": (True, (8, 2, 48, False, (0, 2)), 32), "phi3": (False, None, 16)}[model_type]
+                "qwen3_moe": (True, (8, 2, 48, False, (0, 2)), 32), "phi3": (False, None, 16),
+                "gemma3_text": (True, None, 32)}[model_type]
     assert (mc.qk_norm, moe, mc.head_dim) == expected
-    assert (cfg["model_type"], mc.sliding_window, mc.family.tensor_parallel) == (model_type, None, False)
+    window = {"gemma3_text": (24, (0, 2))}.get(model_type, (None, ()))
+    assert (cfg["model_type"], (mc.sliding_window, mc.sliding_layers), mc.family.tensor_parallel) == (
+        model_type, window, False)

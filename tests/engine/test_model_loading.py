@@ -24,6 +24,7 @@ PROMPT = [256] + list(range(40, 80))
         ("mha", {"heads": 4, "kv_heads": 4}),
         ("llama3rope", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+        ("linearrope", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     ],
 )
 def test_variant_equals_transformers(model_factory, name, kwargs):

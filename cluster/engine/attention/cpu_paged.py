@@ -29,9 +29,10 @@ class CPUPagedBackend:
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         nd = meta.num_decode
         if not meta.prefills:  # a decode-only step: the kernel's output is the step's
-            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.window)
         out = torch.empty_like(q)  # [T, H, D]
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale,
+                                    meta.window)
         TorchSDPABackend.attend_prefills(q, k, v, k_cache, v_cache, meta, scale, out)
         return out

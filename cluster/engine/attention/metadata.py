@@ -20,7 +20,8 @@ class PrefillSpan:
     q_len: int
     ctx_len: int  # tokens of context after this chunk (cached + earlier chunks + this one)
     block_ids: torch.Tensor  # [ceil(ctx_len / block_size)] long
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when the chunk is the whole context
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when the chunk is the whole context (causal)
+    # ctx_len == q_len: the keys are the chunk's own (attended from its fresh K/V, not the pool)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class AttentionMetadata:
     # The decodes' context lengths as host ints (the runner has them): decode_groups plans from
     # these rather than reading seq_lens back (on a GPU, a sync every step). None: read seq_lens.
     decode_seq_lens: tuple[int, ...] | None = None
+    # A sliding-window layer's view (attention/window.py: windowed(meta, W)): a query at position i
+    # sees keys j with i - window < j <= i, and no block wholly before its window is read. 0: full.
+    window: int = 0
 
     @cached_property
     def row_tables(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,13 +27,25 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 
-def paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+def paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0) -> torch.Tensor:
+    """window > 0: a row of length L sees only positions L - window .. L - 1 (a sliding layer), and
+    gathers only the ceil(window / block_size) + 1 columns from the block holding L - window (a
+    fixed width: no host read)."""
     b, w = block_tables.shape
     bs, hkv, d = k_cache.shape[1:]
+    first = torch.zeros(b, 1, dtype=torch.long, device=q.device)
+    if window:
+        first = ((seq_lens.long() - window).clamp(min=0) // bs)[:, None]
+        w = min(w, -(-window // bs) + 1)
+        cols = (first + torch.arange(w, device=q.device)[None, :]).clamp(max=block_tables.shape[1] - 1)
+        block_tables = block_tables.gather(1, cols.to(block_tables.dtype).long())
     idx = block_tables.reshape(-1).long()
     k = k_cache.index_select(0, idx).view(b, w * bs, hkv, d).transpose(1, 2)  # [B, H_kv, W * bs, D]
     v = v_cache.index_select(0, idx).view(b, w * bs, hkv, d).transpose(1, 2)
-    mask = torch.arange(w * bs, device=q.device)[None, :] < seq_lens[:, None]  # [B, W * bs]
+    key_pos = first * bs + torch.arange(w * bs, device=q.device)[None, :]
+    mask = key_pos < seq_lens[:, None]  # [B, W * bs]
+    if window:
+        mask &= key_pos >= seq_lens[:, None] - window
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale,
                                        enable_gqa=True)
     return o.squeeze(2)
@@ -58,6 +70,7 @@ def _kernel():
         stride_ob, stride_oh,
         stride_tb,
         scale,
+        window,  # > 0: a row sees only its last `window` positions (a sliding layer)
         PAGE: tl.constexpr,  # tokens per KV block
         GROUP: tl.constexpr,  # query heads per KV head
         BLOCK_H: tl.constexpr,  # GROUP padded to a tensor-core tile (>= 16)
@@ -77,9 +90,10 @@ def _kernel():
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, D], tl.float32)
-        for start in range(0, seq_len, TILE):
+        lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+        for start in range(lo // TILE * TILE, seq_len, TILE):  # tiles before the window are never read
             t = start + tl.arange(0, TILE)
-            tmask = t < seq_len
+            tmask = (t < seq_len) & (t >= lo)
             block = tl.load(tables_ptr + b * stride_tb + t // PAGE, mask=tmask, other=0).to(tl.int64)
             slot = t % PAGE
             kt = tl.load(k_ptr + block[None, :] * stride_kn + slot[None, :] * stride_ks + kvh * stride_kh + d[:, None],
@@ -101,7 +115,8 @@ def _kernel():
     return triton, paged_decode_kernel
 
 
-def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale: float, tile: int = 64) -> torch.Tensor:
+def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale: float, window: int = 0,
+                        tile: int = 64) -> torch.Tensor:
     triton, kernel = _kernel()
     b, h, d = q.shape
     bs, hkv = k_cache.shape[1:3]
@@ -119,6 +134,7 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale: floa
         out.stride(0), out.stride(1),
         block_tables.stride(0),
         scale,
+        window,
         PAGE=bs, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=d, TILE=tile,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )

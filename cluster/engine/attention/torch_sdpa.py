@@ -52,12 +52,13 @@ class TorchSDPABackend:
     def attend_prefills(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out,
                         read_k=gather_blocks, read_v=gather_blocks) -> None:
         """Each multi-token chunk (a prefill chunk, or a decode with drafts) by one SDPA call. A
-        chunk that is its whole context attends to its own fresh K/V, never read back from the pool."""
+        chunk whose keys are its own (its whole context, or its whole window) attends to its own
+        fresh K/V, never read back from the pool."""
         hkv, d = k_cache.shape[2:]
         for p in meta.prefills:
             qs = slice(p.q_start, p.q_start + p.q_len)
             qp = q[qs].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-            if p.mask is None:  # the chunk is the whole context
+            if p.ctx_len == p.q_len:  # the keys are the chunk's own
                 kp, vp = k[qs], v[qs]
             else:
                 kp = read_k(k_cache, p.block_ids).view(-1, hkv, d)[: p.ctx_len]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from cluster.engine.attention import AttentionBackend, AttentionMetadata
+from cluster.engine.model.gemma import GemmaDecoderLayer, GemmaRMSNorm
 from cluster.engine.model.layers import MLP, Attention, Linear, RMSNorm
 from cluster.engine.model.moe import SparseMoE
 from cluster.engine.model.ops import TORCH_OPS
@@ -21,6 +22,8 @@ from cluster.engine.model_config import ModelConfig
 
 
 class DecoderLayer(nn.Module):
+    window = None  # a sliding-window layer's window (model/gemma.py); None: full attention, the global RoPE
+
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -55,20 +58,34 @@ class DecoderForCausalLM(nn.Module):
         # start, to fill nothing.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        layer = GemmaDecoderLayer if cfg.gemma else DecoderLayer
+        self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = (GemmaRMSNorm if cfg.gemma else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
+        # Gemma: the embedding times sqrt(hidden) (rounded to the run dtype, as transformers), the
+        # logits capped by tanh.
+        self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, device="cpu").to(dtype)) if cfg.gemma else None
+        self.softcap = cfg.gemma.final_logit_softcapping if cfg.gemma else None
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.to(dtype=dtype, device=device)
         # On the meta device (the loaders) the tables are left to the loader, after materialize
-        self.rotary = None if device.type == "meta" else RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope,
-                                                                         dtype, device)
+        self.rotary = self.rotary_local = None
+        if device.type != "meta":
+            self.build_rotary(max_positions, dtype, device)
         # The fused decode kernel (ops.decode_layers) knows only the Llama layer: a family says
         # whether its layers are that, and the layers built here must agree.
         self.llama_shaped = cfg.family.llama_shaped
         plain = all(type(layer.mlp) is MLP and layer.self_attn.q_norm is None for layer in self.layers)
         if self.llama_shaped and not plain:
             raise ValueError(f"model_type {cfg.model_type!r} is declared Llama-shaped but has q/k norms or MoE layers")
+
+    def build_rotary(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        """The RoPE tables (not in checkpoints): the global layers', and the sliding layers' where
+        their RoPE differs (Gemma 3's local base)."""
+        cfg = self.cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)
+        if cfg.local_rope is not None:
+            self.rotary_local = RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope, dtype, device)
 
     def use_ops(self, ops) -> None:
         """Route every linear and norm through `ops` (model/ops.py), chosen once at load, and lay
@@ -116,7 +133,10 @@ class DecoderForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [S] rows whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, vocab] float32
         x, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         cos, sin = self.rotary(positions)
+        local = (cos, sin) if self.rotary_local is None else self.rotary_local(positions)
         if self.llama_shaped and self.kv_quant is None and self.ops.fuses(meta):  # the layer stack in one kernel call
             weights, qkv_bias = self.layer_weights
             attn = self.layers[0].self_attn
@@ -126,6 +146,10 @@ class DecoderForCausalLM(nn.Module):
             quant = self.kv_quant
             for i, layer in enumerate(self.layers):
                 layer_backend = backend if quant is None else quant.layer(i, backend)
-                x, residual = layer(x, residual, cos, sin, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, layer_backend)
+                c, s = (cos, sin) if layer.window is None else local
+                x, residual = layer(x, residual, c, s, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, layer_backend)
         x = self.norm(residual.add_(x)[logits_indices])
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()

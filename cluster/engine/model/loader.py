@@ -20,7 +20,6 @@ from safetensors import safe_open
 
 from cluster.engine.model import fp8_weights
 from cluster.engine.model.decoder import DecoderForCausalLM
-from cluster.engine.model.rope import RotaryEmbedding
 from cluster.engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -51,9 +50,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def check_context(cfg: ModelConfig, max_positions: int) -> None:
-    """Attention here is full: exact for a sliding-window model only while no context is longer than
-    its window (transformers: position i sees j when i - j < window)."""
-    if cfg.sliding_window is not None and max_positions > cfg.sliding_window:
+    """A family that names its sliding layers (Gemma 3) has them attend within the window
+    (attention/window.py); for the others attention is full: exact for a sliding-window model only
+    while no context is longer than its window (transformers: position i sees j when i - j < window)."""
+    if cfg.sliding_window is not None and not cfg.sliding_layers and max_positions > cfg.sliding_window:
         raise ValueError(f"config.json sliding_window={cfg.sliding_window} is smaller than the context served "
                          f"(max_model_len {max_positions}): sliding-window attention is not implemented; "
                          f"serve this model with max_model_len <= {cfg.sliding_window}")
@@ -65,7 +65,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, max_positions: int, dtyp
     with torch.device("meta"):
         model = DecoderForCausalLM(cfg, max_positions, dtype, torch.device("meta"))
     model.materialize(device)
-    model.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, device)  # not in checkpoints
+    model.build_rotary(max_positions, dtype, device)  # not in checkpoints
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     scales = fp8_weights.read_scales(safetensors_files(model_dir)) if cfg.weight_quant else {}

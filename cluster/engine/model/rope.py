@@ -1,4 +1,4 @@
-"""Rotary position embeddings (rotate-half convention, as Hugging Face Llama), incl. llama3 scaling."""
+"""Rotary position embeddings (rotate-half convention, as Hugging Face Llama), incl. linear and llama3 scaling."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ def inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope)
+    elif rope.rope_type == "linear":  # positions divided by factor: the same as frequencies divided
+        inv_freq = inv_freq / rope.factor
     return inv_freq
 
 

@@ -37,6 +37,7 @@ import torch
 
 from cluster.engine.attention import AttentionBackend
 from cluster.engine.kv_cache import KVCacheManager
+from cluster.engine.model.hub import resolve_checkpoint
 from cluster.engine.model.loader import load_model
 from cluster.engine.model.ops import CPUKernelOps, TorchOps
 from cluster.engine.model_config import ModelConfig
@@ -81,6 +82,7 @@ class DraftProposer(Proposer):
              ops: TorchOps | CPUKernelOps) -> "DraftProposer":
         """The draft checkpoint on the model's device, dtype, attention backend and linear/norm
         `ops` (model/ops.py), with a KV pool of `num_blocks`."""
+        draft_model = resolve_checkpoint(draft_model, "speculative.draft_model")
         if not (Path(draft_model) / "config.json").is_file():
             raise ValueError(f"speculative.draft_model {draft_model} is not a checkpoint directory (no config.json)")
         mc = ModelConfig.from_dir(draft_model)

@@ -221,9 +221,12 @@ inline vf reduce16(const vf* acc) {
 }
 #endif
 
-// q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32 -> out [B, H, D]
+// q: [B, H, D]; block_tables: [B, max_blocks] int32; seq_lens: [B] int32 -> out [B, H, D].
+// window > 0 (a sliding layer): a row of length L sees positions L - window .. L - 1 only; the
+// blocks before the one holding L - window are never read.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                        int64_t window = 0) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [B, H, D] float32");
@@ -257,8 +260,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   parallel_chunks<std::vector<float>>(B * (Hkv / nh), 1, [&](std::vector<float>& scores, int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (Hkv / nh), h0 = item % (Hkv / nh) * nh;
-      const int64_t L = lp[b];
-      const int32_t* table = tp + b * max_blocks;
+      // A window starts the row at the block holding its first key (table and length shifted by
+      // whole blocks); the keys before it in that block are masked below (skip of them).
+      const int64_t first = window > 0 ? std::max<int64_t>(lp[b] - window, 0) / bs : 0;
+      const int64_t L = lp[b] - first * bs;
+      const int64_t skip = window > 0 ? std::max<int64_t>(L - window, 0) : 0;
+      const int32_t* table = tp + b * max_blocks + first;
       scores.resize(static_cast<size_t>(QH * L));
       float* sc = scores.data();
       const float* qrow = qp + (b * H + h0 * G) * D;
@@ -303,6 +310,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       // softmax of each query head's row, VL lanes at a time
       for (int64_t jq = 0; jq < QH; ++jq) {
         float* s = sc + jq * L;
+        for (int64_t t = 0; t < skip; ++t) s[t] = -std::numeric_limits<float>::infinity();
         vf mv = vsplat(-std::numeric_limits<float>::infinity());
         int64_t t = 0;
         for (; t + VL <= L; t += VL) {
@@ -726,7 +734,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 }  // namespace
 
 TORCH_LIBRARY(pdserve_cpu, m) {
-  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+        "int window=0) -> Tensor");
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");

@@ -4,6 +4,7 @@ one declares). A new family is one file here and one line below."""
 from __future__ import annotations
 
 from cluster.engine.model.families.base import Family
+from cluster.engine.model.families.gemma3 import GEMMA3_TEXT, MULTIMODAL
 from cluster.engine.model.families.llama import LLAMA, QWEN2
 from cluster.engine.model.families.mixtral import MIXTRAL
 from cluster.engine.model.families.phi3 import PHI3
@@ -18,12 +19,16 @@ FAMILIES: dict[str, Family] = {
     "mixtral": MIXTRAL,
     "qwen3_moe": QWEN3_MOE,
     "phi3": PHI3,
+    "gemma3_text": GEMMA3_TEXT,
 }
+# model_types refused with a reason of their own (besides the served list).
+REFUSED = {"gemma3": MULTIMODAL}
 
 
 def family_of(model_type: str) -> Family:
     family = FAMILIES.get(model_type)
     if family is None:
-        raise ValueError(f"config.json model_type={model_type!r} is not supported "
+        why = f": {REFUSED[model_type]}" if model_type in REFUSED else ""
+        raise ValueError(f"config.json model_type={model_type!r} is not supported{why} "
                          f"(supported: {', '.join(sorted(FAMILIES))})")
     return family

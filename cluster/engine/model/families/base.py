@@ -39,6 +39,24 @@ class FamilyFields:
     qkv_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim on every q and k head, before RoPE (Qwen3)
     moe: MoEConfig | None = None
+    hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_pytorch_tanh (Gemma)
+    sliding_layers: tuple[int, ...] = ()  # the layers that attend within sliding_window (served windowed)
+    gemma: GemmaFields | None = None  # Gemma's layer (families/gemma3.py)
+    # A family whose global and sliding layers rotate with their own RoPE (Gemma 3): config.json's
+    # rope parameters of each, as flat dicts (rope_theta, rope_type, factor). None: config.json's own.
+    rope_global: dict | None = None
+    rope_local: dict | None = None
+
+
+@dataclass(frozen=True)
+class GemmaFields:
+    """Gemma 3's layer: RMSNorms scale by (1 + weight); the embedding is scaled by sqrt(hidden); the
+    attention and the MLP outputs are normed before each residual add (and the MLP's input after
+    it); attention scores are scaled by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5; the
+    logits capped by tanh when final_logit_softcapping is set."""
+
+    query_pre_attn_scalar: float
+    final_logit_softcapping: float | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,8 @@ class Family:
     llama_shaped: bool = True
     tensor_parallel: bool = False  # distributed/ has its shard rules (plan, layers, loader)
     cuda_graphs: bool = True  # a decode step never reads the device from the host, so a CUDA graph can capture it
+    own_activation: bool = False  # its parse reads the MLP's activation itself (hidden_activation)
+    defaults: tuple[tuple[str, object], ...] = ()  # transformers' values of the config.json fields it may omit
 
 
 @dataclass(frozen=True)
@@ -116,11 +136,11 @@ def parse_quantization(cfg: dict) -> WeightQuant | None:
     return WeightQuant((block[0], block[1]))
 
 
-def check_common(cfg: dict) -> None:
-    """Refuse what no family implements: another activation, partial RoPE, MLP biases, attention
-    kinds other than full or sliding (sliding is checked against the context at load). Quantised
-    weights: parse_quantization."""
-    for field in ("hidden_act", "hidden_activation"):
+def check_common(cfg: dict, own_activation: bool = False) -> None:
+    """Refuse what no family implements: another activation (unless the family reads its own),
+    partial RoPE, MLP biases, attention kinds other than full or sliding (sliding is checked against
+    the context at load). Quantised weights: parse_quantization."""
+    for field in () if own_activation else ("hidden_act", "hidden_activation"):
         if cfg.get(field, "silu") != "silu":
             raise unsupported(field, cfg[field], "every served family's MLP is SiLU-gated")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
