@@ -143,6 +143,13 @@ class FrontDoor:
             return None
         return tenant, Rejected(f"{refusal.message} (refused on arrival)", refusal.retry_after_s, refusal.reason)
 
+    def refused(self, error: ServingError, tenant: str = "unknown") -> None:
+        """A call refused at an edge before authorize (its key, by the gRPC interceptor or the HTTP
+        middleware, before its message or body was read): counted as authorize counts one."""
+        self.arrivals += 1
+        if self.telemetry is not None:
+            self.telemetry.refused(error, tenant)
+
     def count_refused(self, error: ServingError, tenant: str) -> None:
         """Count a refusal made before the front door (shedding); on this loop. It was offered to every
         version's capacity (shedding refuses only when all of them would)."""
