@@ -120,11 +120,17 @@ class Generation(pb_grpc.GenerationServicer):
         (its transit ended: from here on the front door counts it)."""
         arrived()
         if isinstance(request, Oversized):  # refused by its length, unparsed (grpc_guard.sized)
-            self.door.authorize(metadata.get("authorization"), None)
-            raise InvalidRequestError("request", f"message of {request.size} bytes exceeds grpc_max_receive_bytes "
-                                                 f"{self.config.ingress_limits.grpc_max_receive_bytes}")
+            tenant = self.door.authorize(metadata.get("authorization"), None)
+            error = InvalidRequestError("request", f"message of {request.size} bytes exceeds grpc_max_receive_bytes "
+                                                   f"{self.config.ingress_limits.grpc_max_receive_bytes}")
+            self.door.audit_refusal(error, tenant)
+            raise error
         tenant = self.door.authorize(metadata.get("authorization"), request.model)
-        client_request = grpc_api.request_from_proto(request, metadata, tenant, self.config)
+        try:
+            client_request = grpc_api.request_from_proto(request, metadata, tenant, self.config)
+        except InvalidRequestError as e:
+            self.door.audit_refusal(e, tenant, request.model or None, request.request_id or None)
+            raise
         if remaining is not None:  # the client's gRPC deadline
             deadline = time.time() + remaining
             if client_request.deadline is None or deadline < client_request.deadline:

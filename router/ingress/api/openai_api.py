@@ -208,6 +208,10 @@ async def _serve(request: Request, body: RequestBody, chat: bool):
 async def _run(door: FrontDoor, tenant: str, request: Request, body: RequestBody, chat: bool):
     try:
         client = client_request(door.config, tenant, request, body, chat)
+    except InvalidRequestError as e:
+        door.audit_refusal(e, tenant, body.model)
+        return _fail(e)
+    try:
         reply = await door.serve(client)
     except Exception as e:  # noqa: BLE001
         return _fail(e)
