@@ -12,6 +12,7 @@ import router.ingress.deployment as deployment
 from cluster.config import AppConfig
 
 
+@pytest.mark.filterwarnings("ignore:coroutine .*__del__. was never awaited:RuntimeWarning")  # the unstarted replica
 def test_the_front_door_is_built_off_the_event_loop(tiny_model, monkeypatch):
     seen = {}
 

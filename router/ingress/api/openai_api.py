@@ -116,11 +116,25 @@ async def _bad_body(request, exc: RequestValidationError):
     err = exc.errors()[0] if exc.errors() else {}
     if err.get("type") == "json_invalid":  # loc is ("body", <byte offset>)
         error = (err.get("ctx") or {}).get("error", "JSON decode error")
+        _audit_bad_body(request, "body")
         return error_response(400, f"body: is not valid JSON ({error})", "body")
     field = ".".join(str(p) for p in err.get("loc", ())[1:]) or "body"
+    _audit_bad_body(request, field)
     if err.get("type") == "extra_forbidden":
         return error_response(400, f"{field}: is not supported by this server", field)
     return error_response(400, f"{field}: {err.get('msg', 'invalid')}", field)
+
+
+def _audit_bad_body(request: Request, field: str) -> None:
+    """A body the schema refused leaves an audit record too (its caller's key passed KeyFirst)."""
+    if not _bound:
+        return
+    door = front_door()
+    try:
+        tenant = door.admission.authenticate(request.headers.get("authorization"))
+    except ServingError:
+        return
+    door.audit_refusal(InvalidRequestError(field, "refused by the body's schema"), tenant)
 
 
 @app.exception_handler(StarletteHTTPException)

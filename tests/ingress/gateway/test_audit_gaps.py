@@ -154,3 +154,20 @@ def test_adopting_a_dead_spool_leaves_the_event_loop_free(tmp_path):
     assert parsed == 80_000 and size > 16_000_000
     print(f"worst loop gap {worst_gap * 1e3:.1f} ms; parsing alone {parse_s * 1e3:.1f} ms")
     assert worst_gap < max(0.1, parse_s / 2), (worst_gap, parse_s)  # inline: one gap of the whole adoption
+
+
+def test_a_body_the_schema_refuses_leaves_a_record(tiny_model, tmp_path):
+    from router.ingress.api import openai_api
+    from tests.ingress.api.test_auth_first import asgi_counting
+
+    shipper = spooled(tmp_path)
+    openai_api.bind(front_door(keyed(tiny_model, tmp_path), audit=shipper))
+    try:
+        for body in (b'{"prompt": "hi", "max_tokens": "many"}', b'{"prompt": "hi",'):
+            status, _, _ = asgi_counting(openai_api.app, "/v1/completions", [body],
+                                         (("authorization", "Bearer sk-acme"),))
+            assert status == 400
+    finally:
+        openai_api.bind(None)
+    assert [(r["tenant"], r["code"], r["field"]) for r in records(shipper)] == [
+        ("acme", "INVALID_ARGUMENT", "max_tokens"), ("acme", "INVALID_ARGUMENT", "body")]
