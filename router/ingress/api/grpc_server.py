@@ -151,8 +151,9 @@ class Generation(pb_grpc.GenerationServicer):
 
 
 class Health(health_pb2_grpc.HealthServicer):
-    """SERVING for the server ("") and pdserve.v1.Generation while a decode replica answers
-    (bounded), NOT_SERVING otherwise; NOT_FOUND for any other service, as the protocol says."""
+    """SERVING for the server ("") and pdserve.v1.Generation while `liveness` says so (one probe
+    at a time, its answer kept ~1 s: probes.Liveness), NOT_SERVING otherwise; NOT_FOUND for any
+    other service, as the protocol says. No key needed (the interceptor lets it through)."""
 
     def __init__(self, liveness: probes.Liveness, app_loop: asyncio.AbstractEventLoop):
         self.liveness, self.app_loop = liveness, app_loop
