@@ -37,3 +37,6 @@ class ErrorKind(str, enum.Enum):
 
     INVALID_INPUT = "invalid_input"  # the request's own numbers: as InvalidRequestError, INVALID_ARGUMENT / 400
     INTERNAL = "internal"  # the server's (a failed step, bad model numerics): INTERNAL / 500
+    # the forward of a step holding it raised: it may be what broke it, so it is not retried on
+    # another replica (a poison request would fail that one too, or end it under tensor parallelism)
+    FORWARD = "forward"

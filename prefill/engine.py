@@ -75,7 +75,8 @@ class PrefillEngine:
             max_tokens = self._max_tokens.pop(out.request_id, 0)
             first_lp = out.logprobs[0] if out.logprobs else None
             if held is None:  # error or abort: nothing held
-                results.append(PrefillResult(out.request_id, None, out.finish_reason, out.error))
+                results.append(PrefillResult(out.request_id, None, out.finish_reason, out.error,
+                                             error_kind=out.error_kind))
             elif out.finish_reason == FinishReason.STOP or max_tokens == 1:
                 # The first token already ends the request (EOS, stop token, max_tokens=1).
                 self.engine.release(out.request_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster.engine.outputs import TokenLogprob
+from cluster.errors import ErrorKind
 from kv_transfer.handle import KVHandle
 
 
@@ -21,3 +22,4 @@ class PrefillResult:
     finished: bool = True  # one result per request (the async loop's contract)
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs: the first token's
     prompt_logprobs: list[TokenLogprob | None] | None = None  # when it asked for the prompt's
+    error_kind: ErrorKind | None = None  # with an error: whose fault (FORWARD: not retried on decode)

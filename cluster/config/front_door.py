@@ -194,6 +194,10 @@ class IngressLimits(Strict):
         4 * 2**20, ge=1024, description="gRPC request message size: a larger message is refused once read (400 "
         "INVALID_ARGUMENT naming this limit); the ingress's gRPC transport reads at most 4x this (more: "
         "RESOURCE_EXHAUSTED, unread)")
+    grpc_max_concurrent_rpcs: int = Field(
+        4096, ge=1, description="gRPC calls the ingress's server runs at once, streams and health checks "
+        "included; one more is refused by gRPC at once (RESOURCE_EXHAUSTED), before its message is read. An "
+        "outer bound on what a flood of calls holds: admission's max_inflight (429) refuses requests first")
 
     def check_choices(self, n: int) -> None:
         """OpenAI's `n` (HTTP) and GenerateRequest.n (gRPC): one bound, one message."""

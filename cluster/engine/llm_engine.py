@@ -422,7 +422,7 @@ class LLMEngine:
         the failures in a row). Called while `e` is handled, so its traceback is logged."""
         log.exception("engine step failed")
         self.count_step_error()
-        failure = RequestFailure(ErrorKind.INTERNAL, f"engine step failed: {type(e).__name__}: {e}")
+        failure = RequestFailure(ErrorKind.FORWARD, f"engine step failed: {type(e).__name__}: {e}")
         return self._fail({c.request.request_id: failure for c in out.chunks})
 
     def count_step_error(self) -> None:

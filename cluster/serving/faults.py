@@ -19,6 +19,8 @@ class Faults:
     pull: PullFault = "none"  # drop: every READ fails at completion; stall: none completes (times out)
     step_delay_s: float = 0.0  # added to every model step (a slow node)
     fail_requests: float = 0.0  # the fraction of new requests a decode replica fails before any work (a bad version)
+    poison_token: int | None = None  # a forward whose input holds this token id raises (a poison request)
+    poisoned: int = 0  # forwards that raised for it
 
     def fails_request(self) -> bool:
         return self.fail_requests > 0 and random.random() < self.fail_requests
@@ -60,9 +62,40 @@ class _SlowRunner:
         return getattr(self._runner, name)
 
 
+class PoisonError(RuntimeError):
+    """A forward refused by fault injection (`Faults.poison_token`)."""
+
+
+class _PoisonModel:
+    """The model's forward, raising when its input holds `faults.poison_token` (a request that
+    deterministically breaks the forward). Under tensor parallelism it sits inside GroupGuard, on
+    rank 0, before the step reaches the workers: the guard sees a forward fail with every rank alive."""
+
+    def __init__(self, model, faults: Faults):
+        self._model = model
+        self._faults = faults
+
+    def __call__(self, input_ids, *args, **kwargs):
+        token = self._faults.poison_token
+        if token is not None and bool((input_ids == token).any()):
+            self._faults.poisoned += 1
+            raise PoisonError(f"fault injection: the forward's input holds poison token {token}")
+        return self._model(input_ids, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
 def install(engine, transport) -> Faults:
-    """Wrap this replica's runner and NIXL agent; returns the switches."""
+    """Wrap this replica's runner, model and NIXL agent; returns the switches."""
+    from cluster.serving.tensor_parallel import GroupGuard  # noqa: PLC0415
+
     faults = Faults()
+    guard = engine.runner.model
+    if isinstance(guard, GroupGuard):  # inside the guard: a poison forward is the group's failure
+        guard.wrap_model(lambda model: _PoisonModel(model, faults))
+    else:
+        engine.runner.model = _PoisonModel(engine.runner.model, faults)
     engine.runner = _SlowRunner(engine.runner, faults)
     transport.agent = _FaultyAgent(transport.agent, faults)
     return faults

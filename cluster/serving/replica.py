@@ -78,7 +78,7 @@ def build_engine(config: AppConfig, pool: Literal["prefill", "decode"],
                            num_cpus=opts.num_cpus, num_gpus=opts.num_gpus)
     try:
         engine = LLMEngine(engine_config)
-        guard_group(engine)
+        guard_group(engine, ranks)
         return engine, ranks
     except Exception:
         ranks.kill()
@@ -339,11 +339,12 @@ class EngineReplica:
 
     async def inject_fault(self, pull: faults.PullFault | None = None, step_delay_s: float | None = None,
                            stall_loop_s: float | None = None, fail_requests: float | None = None,
-                           target_replica: str | None = None) -> None:
+                           target_replica: str | None = None, poison_token: int | None = None) -> None:
         """Chaos tests and drills (only with fault_tolerance.fault_injection): `pull` "drop" |
         "stall" | "none" on this replica's KV transfers, a delay added to every engine step (a
         slow node), one loop turn blocked for `stall_loop_s` (a stuck engine), or the fraction
-        of new requests a decode replica fails at once (`fail_requests`: a broken version).
+        of new requests a decode replica fails at once (`fail_requests`: a broken version), or a
+        forward whose input holds `poison_token` raises (a poison request; -1 turns it off).
         `target_replica` picks the replica (read by the request router)."""
         if self.faults is None:
             raise PermissionError("fault injection is off (fault_tolerance.fault_injection: false)")
@@ -355,6 +356,8 @@ class EngineReplica:
                 self.faults.step_delay_s = step_delay_s
             if fail_requests is not None:
                 self.faults.fail_requests = fail_requests
+            if poison_token is not None:  # -1: off
+                self.faults.poison_token = None if poison_token < 0 else poison_token
 
         await self.loop.call(apply)
         if stall_loop_s:

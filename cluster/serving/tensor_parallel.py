@@ -9,10 +9,18 @@ it drives local processes (launch.py).
 
 A worker's death is the replica's death. A forward that raises leaves the group out of step (some
 ranks wait in a collective the others left), so nothing can run on it again: `GroupGuard`, put
-around the engine's model from outside, ends the replica's process there and then, before the step
-can end its requests with an error, so their streams see a dead replica and migrate as for any
-dead decode replica. An idle replica learns it from its health check: `RayRanks.lost()` names a
-rank whose loop has ended, the check raises, Serve replaces the replica.
+around the engine's model from outside, ends the replica's process. Why the forward raised decides
+what the step's requests see:
+- a rank was lost (its actor died: killed, its node gone; `RayRanks.lost_within`): the process
+  ends there and then, before the step can end its requests, so their streams see a dead replica
+  and migrate as for any dead decode replica;
+- every rank alive, or a rank's loop ended by raising (its forward failed): the forward itself
+  failed, and a request of the step may be what broke it (poison). The step ends its requests with
+  the error (ErrorKind.FORWARD: the ingress ends them, INTERNAL, and moves none to another replica),
+  the guard refuses every later forward, and the process ends EXIT_GRACE_S later, once that error
+  is on its way. A poison request used to end this replica, migrate, and end the next one too.
+An idle replica learns it from its health check: `RayRanks.lost()` names a rank whose loop has
+ended, the check raises, Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,6 +41,10 @@ log = logging.getLogger(__name__)
 # Bounds the rendezvous and every later collective: a rank that stops answering fails the step
 # within this long (the health check, every health_check_period_s, usually notices first).
 GROUP_TIMEOUT_S = 60.0
+# A forward failed: how long a lost rank has to show (Ray reports a killed actor within ~1 s), which
+# tells a lost rank (the requests migrate) from a forward that failed (they end with its error).
+LOSS_CHECK_S = 5.0
+EXIT_GRACE_S = 2.0  # a failed forward's requests' error leaves the replica before its process ends
 
 
 @ray.remote(max_restarts=0, max_task_retries=0)
@@ -116,6 +129,21 @@ class RayRanks:
             return f"tensor-parallel rank {rank} is gone: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
         return f"tensor-parallel rank {rank} stopped after {steps} forwards"
 
+    def lost_within(self, timeout_s: float) -> bool | None:
+        """Wait up to `timeout_s` for a rank's loop to end: True when a rank's actor died (killed,
+        its node lost), False when a loop ended otherwise (its forward raised, or it stopped), None
+        when every loop still runs."""
+        ended, _ = ray.wait(self.loops, num_returns=1, timeout=timeout_s)
+        if not ended:
+            return None
+        try:
+            ray.get(ended[0], timeout=0)
+        except ray.exceptions.RayActorError:
+            return True
+        except Exception:  # noqa: BLE001 — its loop raised: the forward failed there
+            return False
+        return False
+
     def kill(self) -> None:
         """End the worker actors now (the replica is going: nothing of theirs is worth a clean stop)."""
         for actor in self.actors:
@@ -124,27 +152,50 @@ class RayRanks:
 
 class GroupGuard:
     """The engine's model (the TensorParallelDriver) as the runner calls it, ending the process when
-    a forward raises: the group is then out of step and a later step would hang or mix up
-    collectives. `exit` is injectable for tests."""
+    a forward raises (the module's docstring says when and how): the group is then out of step and a
+    later step would hang or mix up collectives. `exit` and the bounds are injectable for tests."""
 
-    def __init__(self, model, exit: Callable[[int], None] = os._exit):
+    def __init__(self, model, ranks: RayRanks | None = None, exit: Callable[[int], None] = os._exit,
+                 loss_check_s: float = LOSS_CHECK_S, grace_s: float = EXIT_GRACE_S):
         self._model = model
+        self._ranks = ranks
         self._exit = exit
+        self._loss_check_s, self._grace_s = loss_check_s, grace_s
+        self.broken = False  # a forward failed: none runs again; the process ends shortly
+        self._ended = threading.Event()
 
     def __call__(self, *args, **kwargs):
+        if self.broken:  # never on the broken group: wait for the exit, then fail (tests' exit returns)
+            self._ended.wait(2 * self._grace_s)
+            raise RuntimeError("the tensor-parallel group is broken; the replica is ending")
         try:
             return self._model(*args, **kwargs)
         except Exception:
-            log.critical("a tensor-parallel forward failed: the ranks' group is broken, the replica ends",
-                         exc_info=True)
-            sys.stderr.flush()
-            self._exit(70)  # EX_SOFTWARE
-            raise
+            lost = None if self._ranks is None else self._ranks.lost_within(self._loss_check_s)
+            if lost:
+                log.critical("a tensor-parallel forward failed: a rank is lost, the replica ends now (its "
+                             "requests migrate)", exc_info=True)
+                self._end()
+                raise
+            log.critical("a tensor-parallel forward failed with every rank alive: its step's requests end with "
+                         "the error, the replica ends in %g s", self._grace_s, exc_info=True)
+            self.broken = True
+            threading.Timer(self._grace_s, self._end).start()
+            raise  # the engine ends the step's requests with it (ErrorKind.FORWARD)
+
+    def _end(self) -> None:
+        sys.stderr.flush()
+        self._ended.set()
+        self._exit(70)  # EX_SOFTWARE
+
+    def wrap_model(self, wrap: Callable[[object], object]) -> None:
+        """Put `wrap` around the guarded model (fault injection: cluster/serving/faults.py)."""
+        self._model = wrap(self._model)
 
     def __getattr__(self, name):
         return getattr(self._model, name)
 
 
-def guard_group(engine) -> None:
+def guard_group(engine, ranks: RayRanks | None = None) -> None:
     """Put GroupGuard around a tensor-parallel engine's model, where its runner calls it."""
-    engine.runner.model = GroupGuard(engine.runner.model)
+    engine.runner.model = GroupGuard(engine.runner.model, ranks)

@@ -46,6 +46,7 @@ class IngressMetrics:
     audit_dropped: object
     audit_unacked: object
     spend: object
+    contained: object
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,9 @@ def ingress_metrics() -> IngressMetrics:
         audit_unacked=Gauge("pdserve_audit_unacked", "Audit records an ingress holds that the writer has not "
                             "acknowledged yet (grows while the writer is down)", ()),
         spend=Counter("pdserve_spend_usd", "Settled cost of requests in USD at budgets.prices", ("tenant",)),
+        contained=Counter("pdserve_requests_contained", "Requests whose forward failed a replica, ended there "
+                          "(INTERNAL) and not retried or migrated onto another replica (poison containment), by the "
+                          "pool it failed on", ("model", "version", "pool")),
     )
 
 

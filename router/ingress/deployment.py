@@ -8,6 +8,7 @@ each RPC is convert -> serve -> convert."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import ray
@@ -20,7 +21,7 @@ from cluster.telemetry.metrics import guardrail_metrics
 from router.actor import serve_app
 from router.cells import ingress_routers
 from router.policy import PolicyConfig
-from router.ingress.api import openai_api
+from router.ingress.api import openai_api, probes
 from router.ingress.api.grpc_server import GrpcServer
 from router.ingress.gateway.admission_actor import get_admission
 from router.ingress.gateway.audit import AuditShipper
@@ -108,10 +109,14 @@ class Ingress:
         self.planner = planner_handle
         self.config = AppConfig.model_validate(config)
         self.config.check_startable()
-        self.door = build_front_door(self.config, pools, classifier_handle)
+        # in a thread: it waits on the control actors (ray.get) and loads tokenizers, which would
+        # stop this replica's event loop (Serve's health checks of it included) meanwhile
+        # (the pools' handles are initialized here first: their request routers run on this loop)
+        pools = {group: tuple(pool_handle(h) for h in pair) for group, pair in pools.items()}
+        self.door, liveness = await asyncio.to_thread(self._build, pools, classifier_handle)
         log.info("%s", self.config.admission_bounds.describe())
-        openai_api.bind(self.door)
-        self.grpc = GrpcServer(self.door, self.config)  # binds now: a taken port fails this replica
+        openai_api.bind(self.door, liveness)
+        self.grpc = GrpcServer(self.door, self.config, liveness)  # binds now: a taken port fails this replica
         await self.grpc.start()
         log.info("gRPC server on %s", self.grpc.address)
         front_door_priority(self.config)  # every thread, the gRPC transport's included
@@ -121,6 +126,11 @@ class Ingress:
         transit = self.grpc.generation.transit
         self.gc_task = gc_pauses.collect_when_quiet(gc_pauses.idle_from(
             lambda: (self.door.arrivals, self.door.admission.total_inflight + transit.calls)))
+
+    def _build(self, pools: dict, classifier_handle):
+        """The front door and what health calls answer from (Serve's controller: probes.serve_liveness)."""
+        door = build_front_door(self.config, pools, classifier_handle)
+        return door, probes.serve_liveness(door, pools)
 
     async def __del__(self):
         """Serve's graceful shutdown: the gRPC calls in flight get the shutdown's time to finish;

@@ -139,7 +139,7 @@ def test_a_whole_step_failure_ends_that_steps_requests_and_the_engine_goes_on(en
     finally:
         engine.runner.execute = execute
     assert {(o.finish_reason, o.error_kind, o.error) for o in outs.values()} == {
-        ("error", ErrorKind.INTERNAL, "engine step failed: RuntimeError: injected")}
+        ("error", ErrorKind.FORWARD, "engine step failed: RuntimeError: injected")}
     assert engine.stats.step_errors == 1
     assert_leak_free(engine)
     assert run(engine, {"after": (P["b"], GREEDY)})["after"].token_ids == alone(engine, P["b"], GREEDY)

@@ -136,7 +136,7 @@ def test_a_dead_worker_fails_the_step_and_the_pool_stays_whole(tiny_model):
         ranks.processes[0].kill()
         ranks.processes[0].join(10)
         outs = engine.generate(prompts(seed=5)[:2], GREEDY)
-        assert [(o.finish_reason, o.error_kind) for o in outs] == [("error", "internal")] * 2
+        assert [(o.finish_reason, o.error_kind) for o in outs] == [("error", "forward")] * 2
         assert all(o.error.startswith("engine step failed: ") for o in outs)
         assert engine.stats.step_errors == 1
         engine.check_invariants()

@@ -198,3 +198,36 @@ def test_stuck_engine_loop_fails_health_and_the_replica_is_replaced(cluster, ref
     p = prompts(1, 20, base=400)
     assert [[t for r in cluster.Generate(request(p[0], 6), timeout=60) for t in r.token_ids]] == reference(p, 6)
     wait_whole_and_forgotten(dead=[stuck], timeout=60)  # Serve starts a replacement
+
+
+POISON = 255  # no prompt here holds it: prompts() draws from 1..250
+
+
+def test_a_poison_request_fails_only_its_prefill_replica_and_is_not_redone_on_decode(cluster):
+    """Poison containment (issue 52): the prefill replica's forward raises on a prompt holding the
+    poison token; the request ends INTERNAL naming itself and the replica, and no decode replica
+    runs it (it used to be prefilled again on decode: a second replica hit)."""
+    import re
+
+    replicas = {pool: live_replicas(pool) for pool in ("prefill", "decode")}
+    errors_before = {(p, r): replica_load(p, r)["step_errors"] for p, rs in replicas.items() for r in rs}
+    received = {key: replica_load(*key)["requests_received"] for key in errors_before}
+    for (pool, rid) in errors_before:
+        inject(pool, rid, poison_token=POISON)
+    try:
+        [ids] = prompts(1, 40, base=7)
+        ids[5] = POISON  # in the first 16-token chunk
+        with pytest.raises(Exception) as e:
+            list(cluster.Generate(request(ids, 8), timeout=60))
+    finally:
+        for (pool, rid) in errors_before:
+            inject(pool, rid, poison_token=-1)
+    assert e.value.code().name == "INTERNAL"
+    assert re.fullmatch(
+        r"request [0-9a-f]{32}: the forward holding it failed on prefill replica \S+ after 0 tokens \(engine step "
+        rf"failed: PoisonError: fault injection: the forward's input holds poison token {POISON}\); not retried on "
+        r"another replica, as it may be what made the forward fail", e.value.details()), e.value.details()
+    loads = {key: replica_load(*key) for key in errors_before}
+    assert {key: (load["requests_received"] - received[key], load["step_errors"] - errors_before[key])
+            for key, load in loads.items()} == {key: (1, 1) if key[0] == "prefill" else (0, 0) for key in loads}
+    wait_whole_and_forgotten()

@@ -295,7 +295,7 @@ def test_the_grafana_dashboard_queries_what_the_catalogue_exports():
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
     queried = {m for e in exprs for m in re.findall(r"ray_pdserve_\w+", e)}
-    assert len(catalogue) == 48  # 34 + 6 (audit, budgets) + 4 (speculative decoding) + 2 (guardrails, response cache) + 2 (router feed)
+    assert len(catalogue) == 49  # 34 + 6 (audit, budgets) + 4 (speculative decoding) + 2 (guardrails, response cache) + 2 (router feed) + 1 (poison containment)
     assert queried - set(exported) == set()
     assert set(catalogue) - {exported[m] for m in queried} == set()
 

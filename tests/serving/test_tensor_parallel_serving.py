@@ -121,3 +121,35 @@ def test_killing_an_idle_replicas_worker_fails_its_health_check(app):
     [worker] = workers(victim)
     ray.kill(worker, no_restart=True)
     wait_for(lambda: victim not in serve_replica_ids().get("decode", []), "Serve to replace the replica", 60)
+
+
+@pytest.mark.timeout(240)
+def test_a_poison_request_ends_one_tp_replica_and_is_not_migrated_onto_the_other(app):
+    """Poison containment (issue 52): a forward that raises with every rank alive (the poison
+    token, injected on rank 0 inside GroupGuard) ends its step's request with the error, INTERNAL
+    naming it and its replica, then the replica ends; the request is not migrated, so the other
+    replica never runs it and stays up. (It used to end this replica, migrate, and end the next.)"""
+    import re
+
+    from ray import serve
+
+    wait_for(lambda: len(serve_replica_ids().get("decode", [])) == 2, "two decode replicas", 120)
+    before = serve_replica_ids()["decode"]
+    handle = serve.get_deployment_handle("decode", "pdserve")
+    for r in before:
+        handle.inject_fault.remote(poison_token=255, step_delay_s=0.0, target_replica=r).result(timeout_s=30)
+    with grpc_stub(app) as stub, pytest.raises(Exception) as e:
+        list(stub.Generate(request([256, 1, 2, 255, 3], 8), timeout=60))
+    assert e.value.code().name == "INTERNAL"
+    match = re.fullmatch(
+        r"request [0-9a-f]{32}: the forward holding it failed on decode replica (\S+) after 0 tokens \(engine "
+        r"step failed: PoisonError: fault injection: the forward's input holds poison token 255\); not retried on "
+        r"another replica, as it may be what made the forward fail", e.value.details())
+    assert match is not None, e.value.details()
+    hit = match.group(1)
+    [other] = [r for r in before if r != hit]
+    wait_for(lambda: hit not in serve_replica_ids().get("decode", []), "the poisoned replica to end", 60)
+    assert other in serve_replica_ids()["decode"]
+    load = replica_load(other)  # it never ran the poison request: no step of it failed (one would end it)
+    assert (load["replica_id"], load["step_errors"]) == (other, 0)
+    handle.inject_fault.remote(poison_token=-1, target_replica=other).result(timeout_s=30)

@@ -46,6 +46,7 @@ from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.ingress.api import grpc_api, probes
+from router.ingress.api.grpc_guard import KeyFirst, Meter, Oversized, generation_handler
 from router.ingress.gateway.front_door import FrontDoor
 from router.ingress.status import Code, ServingError
 
@@ -118,8 +119,18 @@ class Generation(pb_grpc.GenerationServicer):
         """On the front door's loop: every response, in order, through `put`; `arrived()` first
         (its transit ended: from here on the front door counts it)."""
         arrived()
+        if isinstance(request, Oversized):  # refused by its length, unparsed (grpc_guard.sized)
+            tenant = self.door.authorize(metadata.get("authorization"), None)
+            error = InvalidRequestError("request", f"message of {request.size} bytes exceeds grpc_max_receive_bytes "
+                                                   f"{self.config.ingress_limits.grpc_max_receive_bytes}")
+            self.door.audit_refusal(error, tenant)
+            raise error
         tenant = self.door.authorize(metadata.get("authorization"), request.model)
-        client_request = grpc_api.request_from_proto(request, metadata, tenant, self.config)
+        try:
+            client_request = grpc_api.request_from_proto(request, metadata, tenant, self.config)
+        except InvalidRequestError as e:
+            self.door.audit_refusal(e, tenant, request.model or None, request.request_id or None)
+            raise
         if remaining is not None:  # the client's gRPC deadline
             deadline = time.time() + remaining
             if client_request.deadline is None or deadline < client_request.deadline:
@@ -140,11 +151,12 @@ class Generation(pb_grpc.GenerationServicer):
 
 
 class Health(health_pb2_grpc.HealthServicer):
-    """SERVING for the server ("") and pdserve.v1.Generation while a decode replica answers
-    (bounded), NOT_SERVING otherwise; NOT_FOUND for any other service, as the protocol says."""
+    """SERVING for the server ("") and pdserve.v1.Generation while `liveness` says so (one probe
+    at a time, its answer kept ~1 s: probes.Liveness), NOT_SERVING otherwise; NOT_FOUND for any
+    other service, as the protocol says. No key needed (the interceptor lets it through)."""
 
-    def __init__(self, door: FrontDoor, app_loop: asyncio.AbstractEventLoop):
-        self.door, self.app_loop = door, app_loop
+    def __init__(self, liveness: probes.Liveness, app_loop: asyncio.AbstractEventLoop):
+        self.liveness, self.app_loop = liveness, app_loop
 
     async def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext  # noqa: N802
                     ) -> health_pb2.HealthCheckResponse:
@@ -152,7 +164,7 @@ class Health(health_pb2_grpc.HealthServicer):
             await abort(context, ServingError(Code.NOT_FOUND, f"unknown service {request.service!r}"))
 
         async def check(put):
-            live = await self.door.live(probes.LIVE_TIMEOUT_S)
+            live = await self.liveness.live()
             put(health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING if live
                                                else health_pb2.HealthCheckResponse.NOT_SERVING))
 
@@ -273,10 +285,13 @@ async def abort(context: grpc.aio.ServicerContext, error: InvalidRequestError | 
 
 class GrpcServer:
     """One ingress replica's server: its transport on a thread and event loop of its own (see the
-    module's docstring), its calls' work on the loop that starts it."""
+    module's docstring), its calls' work on the loop that starts it. `liveness`: what health
+    calls answer from (default: the door's own probe, cached)."""
 
-    def __init__(self, door: FrontDoor, config: AppConfig):
+    def __init__(self, door: FrontDoor, config: AppConfig, liveness: probes.Liveness | None = None):
         self.door, self.config = door, config
+        self.liveness = liveness or probes.door_liveness(door)
+        self.meter = Meter()  # request bytes the transport read
         self.address = f"{_bracketed(config.host)}:{config.grpc_port}"
         self.loop: asyncio.AbstractEventLoop | None = None  # the transport's
         self.server: grpc.aio.Server | None = None
@@ -304,13 +319,27 @@ class GrpcServer:
 
     async def _serve(self, app_loop: asyncio.AbstractEventLoop) -> None:
         limits = self.config.ingress_limits
-        self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", TRANSPORT_CAP_FACTOR * limits.grpc_max_receive_bytes),
-            ("grpc.so_reuseport", 1),
-        ])
+        door = self.door
+
+        def check(authorization: str | None) -> ServingError | None:  # only reads (the transport's thread)
+            try:
+                door.admission.authenticate(authorization)
+            except ServingError as e:
+                return e
+            return None
+
+        def refused(error: ServingError) -> None:  # counted and audited on the door's loop
+            app_loop.call_soon_threadsafe(door.refused, error)
+
+        self.server = grpc.aio.server(
+            interceptors=[KeyFirst(check, refused)],
+            options=[("grpc.max_receive_message_length", TRANSPORT_CAP_FACTOR * limits.grpc_max_receive_bytes),
+                     ("grpc.so_reuseport", 1)],
+            maximum_concurrent_rpcs=limits.grpc_max_concurrent_rpcs)
         self.generation = Generation(self.door, self.config, app_loop)
-        pb_grpc.add_GenerationServicer_to_server(self.generation, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(Health(self.door, app_loop), self.server)
+        self.server.add_generic_rpc_handlers((generation_handler(self.generation, limits.grpc_max_receive_bytes,
+                                                                 self.meter),))
+        health_pb2_grpc.add_HealthServicer_to_server(Health(self.liveness, app_loop), self.server)
         try:
             self.server.add_insecure_port(self.address)
         except RuntimeError as e:

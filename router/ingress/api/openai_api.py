@@ -29,12 +29,14 @@ from router.ingress.status import Code, ServingError
 
 IDEMPOTENCY_HEADER = "idempotency-key"
 
-_bound: list[FrontDoor] = []  # this replica's front door (bind)
+_bound: list = []  # this replica's front door and its liveness (bind)
+KEYED_PATHS = ("/v1/", "/version")  # what needs a key (when keys are configured); /health and /metrics do not
 
 
-def bind(front_door: FrontDoor | None) -> None:
-    """The front door the routes serve with (None: unbind, as tests do)."""
-    _bound[:] = [] if front_door is None else [front_door]
+def bind(front_door: FrontDoor | None, liveness: probes.Liveness | None = None) -> None:
+    """The front door the routes serve with (None: unbind, as tests do), and what /health answers
+    from (default: the door's own probe, cached)."""
+    _bound[:] = [] if front_door is None else [front_door, liveness or probes.door_liveness(front_door)]
 
 
 def front_door() -> FrontDoor:
@@ -43,6 +45,26 @@ def front_door() -> FrontDoor:
 
 def _limits() -> IngressLimits:
     return _bound[0].config.ingress_limits if _bound else IngressLimits()
+
+
+class KeyFirst:
+    """ASGI middleware: with keys configured, a call to a keyed path without a valid key is refused
+    (401, counted) from its headers alone, before any of its body is received, so a caller without
+    a key makes the ingress read nothing (BodyLimit, inside this, read the whole 4 MiB first)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and _bound and scope["path"].startswith(KEYED_PATHS):
+            door = front_door()
+            header = dict(scope.get("headers") or []).get(b"authorization")
+            try:
+                door.admission.authenticate(None if header is None else header.decode("latin-1"))
+            except ServingError as e:
+                door.refused(e)
+                return await serving_error_response(e)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class BodyLimit:
@@ -86,6 +108,7 @@ async def _too_large(scope, receive, send, cap: int):
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)  # no schema served: 404
 app.add_middleware(BodyLimit)
+app.add_middleware(KeyFirst)  # added last: the outermost, so a key is checked before BodyLimit reads
 
 
 @app.exception_handler(RequestValidationError)
@@ -93,11 +116,25 @@ async def _bad_body(request, exc: RequestValidationError):
     err = exc.errors()[0] if exc.errors() else {}
     if err.get("type") == "json_invalid":  # loc is ("body", <byte offset>)
         error = (err.get("ctx") or {}).get("error", "JSON decode error")
+        _audit_bad_body(request, "body")
         return error_response(400, f"body: is not valid JSON ({error})", "body")
     field = ".".join(str(p) for p in err.get("loc", ())[1:]) or "body"
+    _audit_bad_body(request, field)
     if err.get("type") == "extra_forbidden":
         return error_response(400, f"{field}: is not supported by this server", field)
     return error_response(400, f"{field}: {err.get('msg', 'invalid')}", field)
+
+
+def _audit_bad_body(request: Request, field: str) -> None:
+    """A body the schema refused leaves an audit record too (its caller's key passed KeyFirst)."""
+    if not _bound:
+        return
+    door = front_door()
+    try:
+        tenant = door.admission.authenticate(request.headers.get("authorization"))
+    except ServingError:
+        return
+    door.audit_refusal(InvalidRequestError(field, "refused by the body's schema"), tenant)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -120,7 +157,7 @@ def _fail(e: Exception) -> JSONResponse:
 async def health():
     """200 when a decode replica of every model version answers within a short bound, else 503."""
     door = front_door()
-    if await door.live(probes.LIVE_TIMEOUT_S):
+    if await _bound[1].live():
         models = door.model_info()
         return {"status": "serving", "model": models[0]["id"], "models": [m["id"] for m in models]}
     return error_response(503, "no live decode replica", None, Code.UNAVAILABLE.error_type, "unavailable")
@@ -185,6 +222,10 @@ async def _serve(request: Request, body: RequestBody, chat: bool):
 async def _run(door: FrontDoor, tenant: str, request: Request, body: RequestBody, chat: bool):
     try:
         client = client_request(door.config, tenant, request, body, chat)
+    except InvalidRequestError as e:
+        door.audit_refusal(e, tenant, body.model)
+        return _fail(e)
+    try:
         reply = await door.serve(client)
     except Exception as e:  # noqa: BLE001
         return _fail(e)

@@ -1,10 +1,13 @@
 """What probes ask the ingress: is a decode replica of the model live (gRPC health Check, HTTP
-/health), which version serves (/version), and this ingress's own gauges (/metrics)."""
+/health: `Liveness`), which version serves (/version), and this ingress's own gauges (/metrics)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from importlib import metadata
+from typing import Awaitable, Callable
 
 from cluster.telemetry import gc_pauses
 from router.ingress.gateway.front_door import FrontDoor
@@ -12,7 +15,76 @@ from router.ingress.gateway.front_door import FrontDoor
 log = logging.getLogger(__name__)
 
 LIVE_TIMEOUT_S = 1.0  # a decode replica that cannot answer its load within this is not serving
+LIVE_TTL_S = 1.0  # a probe's answer serves every health call for this long
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Liveness:
+    """The answer health calls get (both edges, no key): one `probe` at a time, its answer kept
+    `ttl_s`. Calls that arrive while a probe runs wait for that one; none starts another. So a
+    flood of unauthenticated health calls costs at most one probe a `ttl_s`, whatever their
+    number (each used to call a decode replica of every model version, on its engine's thread).
+    A probe that raises answers "not live"."""
+
+    def __init__(self, probe: Callable[[], Awaitable[bool]], ttl_s: float = LIVE_TTL_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self._probe, self.ttl_s, self._clock = probe, ttl_s, clock
+        self._answer: tuple[float, bool] | None = None  # (when, live)
+        self._running: asyncio.Future | None = None
+        self.probes = 0  # probes started
+
+    async def live(self) -> bool:
+        if self._answer is not None and self._clock() - self._answer[0] < self.ttl_s:
+            return self._answer[1]
+        if self._running is None:
+            self.probes += 1
+            self._running = asyncio.ensure_future(self._run())
+        return await asyncio.shield(self._running)  # a caller that leaves does not cancel it for the others
+
+    async def _run(self) -> bool:
+        try:
+            live = bool(await self._probe())
+        except Exception as e:  # noqa: BLE001 — any failure is "not live"
+            log.info("health: the liveness probe failed (%r)", e)
+            live = False
+        self._answer, self._running = (self._clock(), live), None
+        return live
+
+
+def door_liveness(door: FrontDoor) -> Liveness:
+    """The front door's own probe (a bounded call to each version's decode pool), cached: for a
+    door outside a Serve app (tests, tools). The ingress gives its edges `serve_liveness`."""
+    return Liveness(lambda: door.live(LIVE_TIMEOUT_S))
+
+
+def serve_liveness(door: FrontDoor, pools: dict, timeout_s: float = LIVE_TIMEOUT_S) -> Liveness:
+    """Liveness as Serve's controller knows it, in one call: every model version's decode
+    deployment (but those that may sleep: asleep is not down) has a replica in state RUNNING, which
+    Serve health-checks (the replicas' check_health: the engine loop alive and moving). No replica,
+    and no engine thread, is called. `pools`: serving group -> (prefill, decode) handles."""
+    from router.ingress.gateway.front_door import may_sleep  # noqa: PLC0415
+
+    sleepy = {f.group for f in door.catalog.flows if may_sleep(f.config)}
+    wanted = [(h.app_name, h.deployment_name) for group, (_, h) in pools.items() if group not in sleepy and h]
+    controller = _serve_controller()
+
+    async def probe() -> bool:
+        details = await asyncio.wait_for(controller.get_serve_instance_details.remote(), timeout_s)
+        apps = details.get("applications", {})
+        for app, name in wanted:
+            replicas = apps.get(app, {}).get("deployments", {}).get(name, {}).get("replicas", [])
+            if not any(r.get("state") == "RUNNING" for r in replicas):
+                return False
+        return True
+
+    return Liveness(probe)
+
+
+def _serve_controller():
+    import ray  # noqa: PLC0415
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE  # noqa: PLC0415
+
+    return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
 
 
 def package_version() -> str:

@@ -73,8 +73,26 @@ def told(e: BaseException) -> str:
     return str(e) if isinstance(e, CLIENT_SAFE) else type(e).__name__
 
 
-def ended(rid: str, reason: FinishReason, error: str | None, sent: int, kind: ErrorKind | None = None) -> ServingError:
-    """The error for a request an engine ended without finishing it."""
+class ForwardFailed(ServingError):
+    """Poison containment: the forward of a step holding the request raised on a replica (`pool`).
+    The request may be what broke it, so it ends here, INTERNAL (not retryable: the same request
+    would fail again), and is neither retried on decode nor migrated: a poison request used to
+    fail or end (tensor parallelism) 1 + max_migrations replicas. Counted by the ingress's
+    telemetry (pdserve_requests_contained, by pool)."""
+
+    def __init__(self, rid: str, pool: str, replica: str | None, error: str | None, sent: int):
+        on = "" if replica is None else f" {replica}"
+        super().__init__(Code.INTERNAL, f"request {rid}: the forward holding it failed on {pool} replica{on} after "
+                                        f"{sent} tokens ({error}); not retried on another replica, as it may be "
+                                        "what made the forward fail")
+        self.contained_pool = pool
+
+
+def ended(rid: str, reason: FinishReason, error: str | None, sent: int, kind: ErrorKind | None = None,
+          replica: str | None = None) -> ServingError:
+    """The error for a request an engine (of the decode pool, on `replica`) ended without finishing it."""
+    if kind == ErrorKind.FORWARD:
+        return ForwardFailed(rid, "decode", replica, error, sent)
     if kind == ErrorKind.INVALID_INPUT:  # its own numbers failed it (e.g. sampling overflow): a 400
         return ServingError(Code.INVALID_ARGUMENT, f"request {rid}: {error}")
     if reason == FinishReason.DEADLINE:
@@ -145,6 +163,10 @@ class PrefillLeg:
             return None
         if result.finish_reason in (FinishReason.DEADLINE, FinishReason.REJECTED):
             raise ended(rid, result.finish_reason, result.error, 0)
+        if result.finish_reason == FinishReason.ERROR and result.error_kind == ErrorKind.FORWARD:
+            log.error("prefill of %s: its forward failed on %s (%s); ending it, not prefilling on decode", rid,
+                      target or "a prefill replica", result.error)
+            raise ForwardFailed(rid, "prefill", target, result.error, 0)
         if result.finish_reason == FinishReason.ERROR:
             log.warning("prefill of %s failed (%s); prefilling on decode", rid, result.error)
             return None
@@ -253,7 +275,7 @@ class DecodeLegs:
             raise ServingError(Code.UNAVAILABLE, f"no decode replica: {told(e)}") from e
         state = _LegState()
         try:
-            async with aclosing(self._outputs(rid, replies, kv_handle, ctx, client, state)) as outputs:
+            async with aclosing(self._outputs(rid, replies, kv_handle, ctx, client, state, target)) as outputs:
                 async for d in outputs:
                     yield d
         except ServingError:
@@ -286,7 +308,7 @@ class DecodeLegs:
                 await self.prefill.release(rid, kv_handle.engine_id)  # only the first leg has a handle
 
     async def _outputs(self, rid: str, replies, kv_handle, ctx: RequestContext, client: ClientStream,
-                       state: "_LegState") -> AsyncIterator[Delta]:
+                       state: "_LegState", target: str | None = None) -> AsyncIterator[Delta]:
         # Until a replica takes the request, nothing enforces its deadline (a sleeping pool is
         # loading one, every replica's queue full at Serve's router): bound that wait here, by the
         # deadline or replica_wait_s, whichever comes first. From its first output the engine has
@@ -303,7 +325,7 @@ class DecodeLegs:
                     state.bound.reschedule(None)
                 state.pulled = True
                 if out.finish_reason in FAILED:
-                    raise ended(rid, out.finish_reason, out.error, out.num_output_tokens, out.error_kind)
+                    raise ended(rid, out.finish_reason, out.error, out.num_output_tokens, out.error_kind, target)
                 d = client.delta(out.token_ids, out.finish_reason if out.finished else None, out.logprobs,
                                  out.prompt_logprobs)
                 if kv_handle is None:  # the prompt was computed on this replica: what its cache saved

@@ -54,6 +54,9 @@ class Observer:
     """What a run tells its caller as it happens. `routed` may raise to refuse the request (a
     queue the decision predicts too long); nothing has run on a replica by then."""
 
+    def started(self) -> None:
+        """The run begins (before routing): a run never iterated (a response-cache hit) never starts."""
+
     def routed(self, decision, started: float, num_prompt_tokens: int, ctx: RequestContext) -> None:
         """The router's decision (None: it was unavailable, Serve chose); `started`: monotonic."""
 
@@ -155,6 +158,7 @@ class RequestFlow:
         """The first-token leg (none, local or remote prefill), then the decode legs. `rid` is
         the internal id, `label` what the client's deltas carry. Closing this generator closes
         the legs' at once: both pools free the request's blocks."""
+        observer.started()
         stream = ClientStream(label, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop), ids)
         decision = await self._route(ids, ctx, routing_key, observer)
         kv_handle = None

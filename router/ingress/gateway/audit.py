@@ -20,7 +20,13 @@ the records of requests already running are still kept, so the bound is max_buff
 
 A record holds ids, tenant, model and fingerprint, token counts, finish reason, the final status
 code, guardrail interventions, timings and cost; the prompt and output text only for a tenant
-with `audit_text: true`.
+with `audit_text: true`. Requests refused before their version's gateway (an unknown key, an
+unknown model, a pin denied, a bad parameter) leave a `refused` record with the code and the
+field (`refusal_record`; kept only while the buffer is under REFUSAL_BUFFER_SHARE, so a flood of
+unauthenticated calls cannot fill it), and each shadow mirror one with its outcome (`shadow_record`).
+Adopting dead spools runs in a worker thread; a record's own write (one write() of a short line,
+no fsync) stays on the request's path: it is what puts the record on disk before the client sees
+the request end.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import json
 import logging
 import os
 import stat
+import threading
 import time
 import uuid
 from collections import deque
@@ -50,6 +57,11 @@ log = logging.getLogger(__name__)
 
 SEGMENT_BYTES = 1 << 20  # a spool segment is deleted once every record in it is acknowledged
 ADOPT_INTERVAL_S = 5.0
+ADOPT_CHUNK = 256  # adopted records added under the spool's lock at a time
+# A refusal before the gateway is recorded only while the buffer is under this share of
+# max_buffered: a refusal costs its caller nothing (no key needed), so a flood of them must not fill
+# the buffer that `when_full: refuse` guards and refuse every tenant's requests.
+REFUSAL_BUFFER_SHARE = 0.5
 MAX_BACKOFF_S = 2.0
 
 
@@ -67,6 +79,8 @@ class Spool:
                         st.st_uid, st.st_mode & 0o777)
         self.owner = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._lock_fd = os.open(self.dir / f"{self.owner}.lock", os.O_RDWR | os.O_CREAT, 0o640)
+        # add/batch/ack run on the event loop, adopt in a worker thread (it reads whole dead spools)
+        self._mutex = threading.Lock()
         self._refused: set[str] = set()  # spool files already refused (logged once)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
         self.pending: deque[tuple[int, dict]] = deque()  # (segment, record), oldest first
@@ -92,6 +106,10 @@ class Spool:
         return len(self.pending)
 
     def add(self, record: dict) -> None:
+        with self._mutex:
+            self._add(record)
+
+    def _add(self, record: dict) -> None:
         line = canonical(record) + b"\n"
         os.write(self._fd, line)  # one write of a short line: whole in the page cache, or not at all
         self._size += len(line)
@@ -101,7 +119,8 @@ class Spool:
             self._new_segment()
 
     def batch(self, n: int) -> list[dict]:
-        return [rec for _, rec in list(self._peek(n))]
+        with self._mutex:
+            return [rec for _, rec in list(self._peek(n))]
 
     def _peek(self, n: int):
         for i, item in enumerate(self.pending):
@@ -110,10 +129,11 @@ class Spool:
             yield item
 
     def ack(self, n: int) -> None:
-        for _ in range(n):
-            segment, _rec = self.pending.popleft()
-            self._unacked[segment] -= 1
-            self._drop_if_done(segment)
+        with self._mutex:
+            for _ in range(n):
+                segment, _rec = self.pending.popleft()
+                self._unacked[segment] -= 1
+                self._drop_if_done(segment)
 
     def _drop_if_done(self, segment: int) -> None:
         if self._unacked.get(segment) != 0:
@@ -130,7 +150,9 @@ class Spool:
         """Take over the spools of dead owners on this node (their lock is free): their records
         join this spool (resent; the writer drops any it already has), then their files go.
         A file this server could not have written (a symlink, another user's, or writable by group
-        or others: anyone could have put records in it) is refused: left where it is, logged once."""
+        or others: anyone could have put records in it) is refused: left where it is, logged once.
+        Safe beside add/batch/ack: the shipper runs it in a worker thread (a dead spool can hold
+        megabytes of records to read and parse; it ran on the ingress's event loop)."""
         adopted = 0
         for lock in self.dir.glob("*.lock"):
             owner = lock.stem
@@ -157,14 +179,7 @@ class Spool:
                     if data is None:
                         continue
                     taken.append(seg)
-                    for line in data.splitlines():
-                        try:
-                            rec = json.loads(line)
-                        except ValueError:  # a line its owner was killed in the middle of writing
-                            log.error("audit spool %s: an unreadable line was skipped", seg)
-                            continue
-                        self.add(rec)
-                        adopted += 1
+                    adopted += self._add_lines(seg, data)
                 for seg in taken:
                     seg.unlink(missing_ok=True)
                 lock.unlink(missing_ok=True)
@@ -173,6 +188,20 @@ class Spool:
         if adopted:
             log.warning("audit: adopted %d unacknowledged records from dead ingress spools in %s", adopted, self.dir)
         return adopted
+
+    def _add_lines(self, seg: Path, data: bytes) -> int:
+        """A dead spool segment's records, parsed outside the lock and added in chunks under it."""
+        records = []
+        for line in data.splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a line its owner was killed in the middle of writing
+                log.error("audit spool %s: an unreadable line was skipped", seg)
+        for i in range(0, len(records), ADOPT_CHUNK):  # the loop's add waits at most one chunk
+            with self._mutex:
+                for rec in records[i:i + ADOPT_CHUNK]:
+                    self._add(rec)
+        return len(records)
 
     def _trusted(self, path: Path, fd: int) -> bool:
         st = os.fstat(fd)
@@ -259,6 +288,16 @@ class AuditShipper:
             self._send_now.set()
         return True
 
+    def refused(self, record: dict) -> bool:
+        """Spool the record of a request refused before its version's gateway (`refusal_record`),
+        unless the buffer is at REFUSAL_BUFFER_SHARE: then it is dropped (counted as dropped)."""
+        if len(self.spool) >= REFUSAL_BUFFER_SHARE * self.options.max_buffered:
+            self.dropped += 1
+            if self.metrics is not None:
+                self.metrics.audit_dropped.inc(1)
+            return False
+        return self.submit(record)
+
     def _ensure_task(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -273,7 +312,7 @@ class AuditShipper:
             now = time.monotonic()
             if now >= self._adopt_at:
                 self._adopt_at = now + ADOPT_INTERVAL_S
-                self.spool.adopt()
+                await asyncio.to_thread(self.spool.adopt)  # off the event loop: it reads whole files
             if not self.spool.pending:
                 self._wake.clear()
                 try:
@@ -331,6 +370,35 @@ class AuditShipper:
             self.metrics.audit_unacked.set(len(self.spool))
 
 
+def refusal_record(tenant: str, model: str | None, label: str | None, error: BaseException) -> dict:
+    """The record of a request refused before its version's gateway: an unknown key (tenant
+    "unknown"), an unknown model, a pin the tenant may not make, a bad parameter. The code and the
+    field (never the message: it may quote the input)."""
+    rec = _record(uuid.uuid4().hex, label, tenant, model or "", None)
+    rec.update(code=error_code(error), duration_s=0.0, refused=True)
+    field = getattr(error, "field", None)
+    if isinstance(field, str):  # a bad parameter: the top-level field, as the metrics' reason
+        rec["field"] = field.split(".", 1)[0]
+    return rec
+
+
+def shadow_record(rid: str, tenant: str, label: str | None, model: str, version: str, fingerprint: str,
+                  outcome: str) -> dict:
+    """The record of a shadow mirror (versions/shadow.py): the tenant's prompt ran on a candidate
+    version, compared and dropped; its outcome (same, different, failed, shed), never any text."""
+    rec = _record(rid, label, tenant, model, fingerprint)
+    code = {"same": "OK", "different": "OK", "shed": "RESOURCE_EXHAUSTED"}.get(outcome, "UNAVAILABLE")
+    rec.update(code=code, shadow=True, model_version=version, shadow_outcome=outcome)
+    return rec
+
+
+def _record(rid: str, label: str | None, tenant: str, model: str, fingerprint: str | None) -> dict:
+    return {"request_id": rid, "client_request_id": label, "tenant": tenant, "model": model,
+            "model_fingerprint": fingerprint, "received_at": round(time.time(), 6), "prompt_tokens": 0,
+            "completion_tokens": 0, "cached_prompt_tokens": 0, "finish_reason": None, "code": None,
+            "interventions": [], "ttft_s": None, "duration_s": None, "cost_usd": 0.0}
+
+
 class AuditTrail:
     """One request's audit record, built as the flow runs and submitted once: on the final delta
     (before it is yielded) or at the end (before the error reaches the client)."""
@@ -339,11 +407,7 @@ class AuditTrail:
                  fingerprint: str, keep_text: bool, prompt_input=None):
         self.shipper = shipper
         self.started = time.monotonic()
-        self.rec: dict = {"request_id": rid, "client_request_id": client_request_id, "tenant": tenant,
-                          "model": model, "model_fingerprint": fingerprint, "received_at": round(time.time(), 6),
-                          "prompt_tokens": 0, "completion_tokens": 0, "cached_prompt_tokens": 0,
-                          "finish_reason": None, "code": None, "interventions": [], "ttft_s": None,
-                          "duration_s": None, "cost_usd": 0.0}
+        self.rec: dict = _record(rid, client_request_id, tenant, model, fingerprint)
         self.keep_text = keep_text
         if keep_text:
             self.rec["prompt"] = prompt_input

@@ -470,10 +470,8 @@ class CapacityStage(Stage):
         self.capacity.check(o.ctx)  # no await yet: a refusal here touched nothing
         o.place = self.capacity.first_tokens.reserve()  # ahead of every request checked from now on
 
-    def wrap(self, o: Outcome, deltas):
-        # the request joins the queue once every charge passed; a cache hit never starts it
+    def started(self, o: Outcome) -> None:  # its flow starts: a response-cache hit's never does
         o.place.join(o.prepared.num_prompt_tokens)
-        return deltas
 
     def routed(self, o: Outcome, decision, started: float, num_prompt_tokens: int, ctx: RequestContext) -> None:
         if decision is not None:
@@ -483,6 +481,8 @@ class CapacityStage(Stage):
         o.place.done(computed_tokens)
 
     def delta(self, o: Outcome, d) -> None:
+        if o.cache_hit:  # a replay: no place in the first-token queue, no stream for the pace
+            return o.place.done()
         pace = self.capacity.pace
         if o.streaming:
             pace.tokens(len(d.token_ids))

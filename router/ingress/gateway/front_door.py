@@ -24,7 +24,7 @@ from cluster.errors import InvalidRequestError
 from router.ingress.flow.request_flow import RequestFlow
 from router.ingress.flow.tools import ToolUse
 from router.ingress.gateway.admission import Admission, AdmissionStage, QuotaStage, Quotas, TakeFn
-from router.ingress.gateway.audit import AuditShipper, AuditStage
+from router.ingress.gateway.audit import AuditShipper, AuditStage, refusal_record, shadow_record
 from router.ingress.gateway.budget import Budget, BudgetStage
 from router.ingress.gateway.capacity import Capacity, CapacityStage
 from router.ingress.gateway.guardrails import Guardrails, GuardStage
@@ -102,8 +102,11 @@ class FrontDoor:
             gateways[flow.group] = Gateway(version_stages(
                 flow, admission, capacities[flow.group], telemetry, audit, budget, classifier, guard_metrics))
         idempotent = None if idempotency_actor is None else Idempotent(idempotency_actor, admission)
-        return cls(config, ModelCatalog.build(config, flows), gateways, capacities, admission, telemetry, idempotent,
+        door = cls(config, ModelCatalog.build(config, flows), gateways, capacities, admission, telemetry, idempotent,
                    audit)
+        if audit is not None:  # a mirror runs a tenant's prompt on a candidate version: audited too
+            door.catalog.shadow.audit = door.audit_mirror
+        return door
 
     # ---- who, and what is served ----------------------------------------------------------------
 
@@ -119,6 +122,7 @@ class FrontDoor:
         except ServingError as e:
             if self.telemetry is not None:
                 self.telemetry.refused(e, tenant)
+            self.audit_refusal(e, tenant, model)
             raise
         return tenant
 
@@ -142,6 +146,30 @@ class FrontDoor:
         except ServingError:
             return None
         return tenant, Rejected(f"{refusal.message} (refused on arrival)", refusal.retry_after_s, refusal.reason)
+
+    def refused(self, error: ServingError, tenant: str = "unknown") -> None:
+        """A call refused at an edge before authorize (its key, by the gRPC interceptor or the HTTP
+        middleware, before its message or body was read): counted as authorize counts one."""
+        self.arrivals += 1
+        if self.telemetry is not None:
+            self.telemetry.refused(error, tenant)
+        self.audit_refusal(error, tenant)
+
+    def audit_refusal(self, error: BaseException, tenant: str, model: str | None = None,
+                      label: str | None = None) -> None:
+        """The audit record of a request refused before its version's gateway (its key, its model, a
+        pin, a bad parameter: audit.refusal_record); the gateway records every later outcome."""
+        opts = self.config.tenants.get(tenant)
+        if self.audit is not None and (opts is None or opts.audit):
+            self.audit.refused(refusal_record(tenant, model, label, error))
+
+    def audit_mirror(self, candidate: RequestFlow, request: ClientRequest, rid: str, outcome: str) -> None:
+        """A shadow mirror's audit record (versions/shadow.py calls it once the outcome is known)."""
+        opts = self.config.tenants.get(request.tenant)
+        if self.audit is not None and (opts is None or opts.audit):
+            cfg = candidate.config
+            self.audit.submit(shadow_record(rid, request.tenant, request.label, cfg.model_name, cfg.version or "",
+                                            candidate.fingerprint, outcome))
 
     def count_refused(self, error: ServingError, tenant: str) -> None:
         """Count a refusal made before the front door (shedding); on this loop. It was offered to every
@@ -174,15 +202,19 @@ class FrontDoor:
     async def serve(self, request: ClientRequest) -> Reply:
         """Every choice started and past its first delta. Bad input (InvalidRequestError) and
         refusals (ServingError) raise here, before any delta; later failures raise from a
-        choice's stream."""
-        if request.model and PIN in request.model:
-            self._check_pin(request)
-        routed = self.catalog.select(request.model, request.tenant, request.session)
-        flow = routed.flow
-        sampling = flow.sampling(request.sampling, request.tools)
-        self.config.ingress_limits.check_choices(request.n)
-        if request.label is not None:  # the client's label: echoed and traced, so capped like any input
-            self._check_label(flow, request)
+        choice's stream. A refusal before the version's gateway is audited here."""
+        try:
+            if request.model and PIN in request.model:
+                self._check_pin(request)
+            routed = self.catalog.select(request.model, request.tenant, request.session)
+            flow = routed.flow
+            sampling = flow.sampling(request.sampling, request.tools)
+            self.config.ingress_limits.check_choices(request.n)
+            if request.label is not None:  # the client's label: echoed and traced, so capped like any input
+                self._check_label(flow, request)
+        except (InvalidRequestError, ServingError) as e:
+            self.audit_refusal(e, request.tenant, request.model, request.label)
+            raise
         if request.n > 1 and request.session is None:  # choices stay on choice 0's replicas while load allows
             request = replace(request, session=f"choices:{uuid.uuid4().hex}")
         choices = await self._start_choices(routed.for_choices(request.n), request, sampling.params)

@@ -11,7 +11,8 @@ It implements the phases it needs; the list's order is the order of every phase:
     wrap     around the flow's deltas (the response cache, the output guardrail): the first
              stage's wrapper is the outermost
     delta    each delta the client gets, before it is sent (telemetry, audit, the streams' pace)
-    routed, first_token   what the flow reports as it runs (it may refuse at `routed`)
+    started, routed, first_token   what the flow reports as it runs (it may refuse at `routed`);
+             a flow a wrapper never runs (a response-cache hit) reports nothing
     finish   always, in reverse order, for every stage whose admit ran (the error or None)
 
 What a stage decides travels in the request's `Outcome`, which every stage sees; `Delta`
@@ -88,6 +89,9 @@ class Stage:
     def delta(self, o: Outcome, d: Delta) -> None:
         pass
 
+    def started(self, o: Outcome) -> None:
+        pass
+
     def routed(self, o: Outcome, decision, started: float, num_prompt_tokens: int, ctx: "RequestContext") -> None:
         pass
 
@@ -108,6 +112,10 @@ class _Reporter(Observer):
     def __init__(self, gateway: "Gateway", o: Outcome):
         self.gateway, self.o = gateway, o
 
+    def started(self) -> None:
+        for s in self.gateway.phases["started"]:
+            s.started(self.o)
+
     def routed(self, decision, started: float, num_prompt_tokens: int, ctx) -> None:
         for s in self.gateway.phases["routed"]:
             s.routed(self.o, decision, started, num_prompt_tokens, ctx)
@@ -120,7 +128,7 @@ class _Reporter(Observer):
 class Gateway:
     """One version's stages, in order (gateway/front_door.py builds them)."""
 
-    PHASES = ("admit", "inspect", "charge", "wrap", "delta", "routed", "first_token")
+    PHASES = ("admit", "inspect", "charge", "wrap", "delta", "started", "routed", "first_token")
 
     def __init__(self, stages: list[Stage]):
         self.stages = list(stages)

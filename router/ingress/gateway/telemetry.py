@@ -71,6 +71,8 @@ class IngressTelemetry:
         if self.metrics is not None:
             m, tenant = self.metrics, {"tenant": tags["tenant"]}
             m.requests.inc(1, {**tags, "code": code})
+            if (pool := getattr(error, "contained_pool", None)) is not None:  # flow/legs.py ForwardFailed
+                m.contained.inc(1, {"model": tags["model"], "version": tags["version"], "pool": pool})
             if refused:
                 m.rejected.inc(1, {**tenant, "code": code, "reason": refusal_reason(error)})
             else:

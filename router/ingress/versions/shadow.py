@@ -5,7 +5,7 @@ A mirror is isolated from production:
 - it never reaches the client: the client's stream is the primary's alone, and a mirror's outcome
   is settled in the background after the client's last delta;
 - it is never counted against the tenant: no admission slot, rate or token quota, no budget, no
-  audit record, no response cache; it runs under its own tenant name (`shadow`) at batch
+  response cache (it has an audit record of its own, with its outcome and no text: `audit`); it runs under its own tenant name (`shadow`) at batch
   priority, so every engine admits waiting interactive work before it;
 - it is shed first: past `max_inflight` mirrors on this ingress, or when the ingress is at half
   its in-flight cap, or when the candidate's replica refuses it (queue full), it is dropped and
@@ -42,6 +42,8 @@ class ShadowRunner:
         self.inflight: Counter[str] = Counter()  # model -> mirrors running
         self.outcomes: Counter[tuple[str, str, str]] = Counter()  # (model, version, outcome) -> requests
         self._tasks: set[asyncio.Task] = set()
+        # (candidate, request, mirror's id, outcome) -> its audit record (FrontDoor.audit_mirror, with audit on)
+        self.audit: Callable[[RequestFlow, ClientRequest, str, str], None] | None = None
 
     def count(self, flow: RequestFlow, outcome: str) -> None:
         self.outcomes[flow.config.model_name, flow.config.version or "", outcome] += 1
@@ -58,20 +60,22 @@ class ShadowRunner:
                 return None
             self.inflight[model] += 1  # until settled (counted), so a scrape never sees it half done
             mirror_ctx = replace(ctx, tenant=SHADOW_TENANT, priority=Priority.BATCH)
-            return asyncio.ensure_future(self._candidate(candidate, request, sampling, mirror_ctx))
+            return asyncio.ensure_future(self._candidate(candidate, request, sampling, mirror_ctx, rid))
 
-        return self._watch(primary, candidate, start)
+        rid = uuid.uuid4().hex
+        return self._watch(primary, candidate, start, lambda outcome: self.audit and self.audit(
+            candidate, request, rid, outcome))
 
     async def _candidate(self, flow: RequestFlow, request: ClientRequest, sampling: SamplingParams,
-                         ctx: RequestContext) -> str:
-        rid = uuid.uuid4().hex
+                         ctx: RequestContext, rid: str) -> str:
         req = await flow.prepare(rid, request, sampling)
         text = []
         async for d in flow.run(rid, rid, req.prompt_token_ids, sampling, ctx):
             text.append(d.text)
         return "".join(text)
 
-    async def _watch(self, primary: AsyncIterator[Delta], candidate: RequestFlow, start) -> AsyncIterator[Delta]:
+    async def _watch(self, primary: AsyncIterator[Delta], candidate: RequestFlow, start,
+                     audit: Callable[[str], None]) -> AsyncIterator[Delta]:
         text, finished, run, started = [], False, None, False
         try:
             async for d in primary:
@@ -84,9 +88,10 @@ class ShadowRunner:
             if run is not None:
                 if not finished:  # the primary failed or the client left: nothing to compare
                     run.cancel()
-                self._settle(candidate, run, "".join(text) if finished else None)
+                self._settle(candidate, run, "".join(text) if finished else None, audit)
 
-    def _settle(self, candidate: RequestFlow, run: asyncio.Future, served: str | None) -> None:
+    def _settle(self, candidate: RequestFlow, run: asyncio.Future, served: str | None,
+                audit: Callable[[str], None]) -> None:
         """Count the mirror's outcome once it ends (off the client's path: its stream is complete)."""
         async def settle():
             try:
@@ -100,6 +105,7 @@ class ShadowRunner:
                 outcome = "failed" if served is None else "same" if got == served else "different"
             self.count(candidate, outcome)
             self.inflight.subtract([candidate.config.model_name])
+            audit(outcome)
 
         self._tasks.add(task := asyncio.ensure_future(settle()))
         task.add_done_callback(self._tasks.discard)
