@@ -286,7 +286,7 @@ class EngineReplica:
         self.role = spec.make(self.engine, self.transport, self.config)
         self.role_name = role
         self.loop.replace_core(self.role, spec.idle_poll_s, getattr(self.config, role).stream_interval)
-        self.reporter.pool, self.reporter.draining = role, False
+        self.reporter.flipped(role)
         return True, self.reporter.push(time.monotonic())
 
     async def _acked(self, ack) -> None:

@@ -49,7 +49,7 @@ def live():
 
 def roles() -> dict[str, tuple[str, str, bool]]:
     """replica -> (the pool it plays, its home deployment, draining), as the router sees them."""
-    return {r.replica_id: (r.pool, r.home, r.draining) for r in live()}
+    return {r.replica_id: (r.role, r.deployment, r.draining) for r in live()}
 
 
 def prompts(n: int, base: int) -> list[list[int]]:

@@ -21,7 +21,7 @@ STEP_DELAY_S = 0.01  # each decode step (fault injection): the streams run for s
 
 
 def roles() -> dict[str, str]:
-    return {load.replica_id: load.pool for load in ray.get(app_router().live_loads.remote())}
+    return {load.replica_id: load.role for load in ray.get(app_router().live_loads.remote())}
 
 
 def replica_load(home: str, replica_id: str) -> dict:
