@@ -141,7 +141,7 @@ def test_a_drain_past_its_timeout_is_called_off_and_serves_what_came_meanwhile(r
 
     short, long = asyncio.run(run())
     assert (short, long) == (reference(tiny_model, SHORT), reference(tiny_model, LONG))
-    assert any(ld.draining for ld in router.loads) and {ld.pool for ld in router.loads} == {"decode"}
+    assert any(ld.draining for ld in router.loads) and {ld.role for ld in router.loads} == {"decode"}
     last = router.loads[-1]
     assert (last.role, last.deployment, last.draining) == ("decode", "decode", False)
     assert (replica.role_name, type(replica.loop.core)) == ("decode", DecodeEngine)
