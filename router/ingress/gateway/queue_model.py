@@ -97,7 +97,8 @@ class FirstTokenQueue(Meter):
     calls to the router and the pools: 3 s for a replica Serve started after another was killed),
     not the pools' throughput: taken alone, it once set a rate of 0.7 prompt tokens/s where the
     pools ran 270, and the ingress refused 16 two-token requests for a predicted 60 s wait.
-    Later samples are smoothed, so one stall moves the rate by at most `alpha`."""
+    Later samples are smoothed, so one stall moves the rate by at most `alpha` (the load model's
+    `RateMeter`, as every controller measures a rate; its queue wait is `load_model.queue_wait_s`)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3):
         super().__init__(clock, alpha)
