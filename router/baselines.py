@@ -27,14 +27,14 @@ class _Baseline:
         decode = self.pick("decode", decodes)
         if not prefills:
             return RouteDecision(None, decode.replica_id, "local", 0, f"{self.name}; no prefill pool",
-                                 decode_home=decode.home)
+                                 decode_deployment=decode.deployment)
         prefill = self.pick("prefill", prefills)
         blocks = index.prefix_blocks(hashes, [prefill.replica_id])[prefill.replica_id]
         cached = min(blocks * self.config.block_size, num_prompt_tokens - 1)
         dec_blocks = index.prefix_blocks(hashes, [decode.replica_id])[decode.replica_id]
         return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached, self.name,
                              decode_cached_tokens=min(dec_blocks * self.config.block_size, num_prompt_tokens - 1),
-                             prefill_home=prefill.home, decode_home=decode.home)
+                             prefill_deployment=prefill.deployment, decode_deployment=decode.deployment)
 
     def pick(self, pool: str, replicas: list[ReplicaLoad]) -> ReplicaLoad:
         raise NotImplementedError

@@ -1,6 +1,6 @@
 """The routing policy: one cost per candidate replica, in tokens of work; lowest wins.
 
-    prefill cost(r) = uncached prompt tokens on r + r's queued prefill tokens
+    prefill cost(r) = uncached prompt tokens on r + the prompt tokens ahead on r (queued and running)
                       + evict_block_cost * cached blocks the miss would evict on r
     decode cost(r)  = decode_request_cost * requests on r + decode_block_cost * blocks in use on r
                       + (decode_block_cost + pull cost of a block) * prompt blocks r lacks
@@ -23,13 +23,16 @@ Adjustments, each visible in the decision's reason:
 - local prefill: when the chosen decode replica lacks fewer than local_prefill_threshold prompt
   tokens (or there is no prefill pool), the decode replica prefills them itself.
 - colocated (no prefill pool): every decode replica would compute the prompt, so its cost adds the
-  prefill cost: uncached prompt tokens on it + its queued prefill tokens (prefix-aware routing).
+  prefill cost: uncached prompt tokens on it + the prompt tokens ahead on it (prefix-aware routing).
 - session affinity: the replicas that served the request's session last (router/sessions.py) are
   preferred by session_bonus tokens (the others pay it): a soft preference that load outweighs,
   and none past hot_load_cap.
 - a draining replica (its role is being flipped: cluster/serving/replica.py set_role) is never
   chosen; a pool whose replicas all drain is a pool with none. A decision names each chosen
-  replica's home deployment too, whose handle reaches it.
+  replica's deployment too, whose handle reaches it.
+A replica's queue and the wait it predicts are the load model's (router/load_model.py): the
+prompt tokens ahead count its running prompts' uncomputed part, and a replica with no rate of its
+own (fresh, or just flipped) is priced at its pool's median rate.
 Ties are broken at random (an injected RNG). Plain Python: no Ray, no clock of its own.
 """
 
@@ -41,6 +44,7 @@ from dataclasses import dataclass, fields
 from typing import Literal, Sequence
 
 from cluster.engine.kv_cache.hashing import BlockHash
+from router import load_model
 from router.index import PrefixIndex
 
 
@@ -50,7 +54,7 @@ DEFAULT_TIER_WEIGHTS = (0.75, 0.25)  # host, disk, before a replica has measured
 @dataclass(frozen=True)
 class ReplicaLoad:
     replica_id: str
-    pool: Literal["prefill", "decode"]
+    role: Literal["prefill", "decode"]  # the part it plays now (a flip changes it)
     free_blocks: int
     total_blocks: int
     running: int = 0
@@ -62,19 +66,18 @@ class ReplicaLoad:
     pull_s_per_block: float = 0.0  # decode: mean seconds per block of its recent KV pulls (0: none yet)
     group: str = ""  # the model version it serves (AppConfig.serving_group): a request is routed within one
     tier_load_s_per_block: tuple[float, ...] = ()  # measured seconds to load one block back, per lower tier (0: none yet)
-    # Runtime role flips (cluster/serving/replica.py set_role): `pool` is the role a replica plays
-    # now, `home` the deployment it lives in (whose Serve handle reaches it; None: its pool's), and
-    # a draining replica finishes what it has but is never chosen.
-    home: Literal["prefill", "decode"] | None = None
+    # Runtime role flips (cluster/serving/replica.py set_role): `role` is the part a replica plays
+    # now, `deployment` the Serve deployment it lives in (whose handle reaches it; None: its
+    # role's; a flip never changes it), and a draining replica finishes what it has but is never chosen.
+    deployment: Literal["prefill", "decode"] | None = None
     draining: bool = False
+    running_prompt_tokens: int = 0  # prompt tokens of running requests not computed yet (chunked prefill)
+    rate_samples: int = 0  # samples behind tokens_per_s (0 with a rate: one)
+    busy_fraction: float | None = None  # share of recent time in steps (None: not reported)
 
     def __post_init__(self):
-        if self.home is None:
-            object.__setattr__(self, "home", self.pool)
-
-    def queue_wait_s(self) -> float:
-        """Predicted wait before a new prompt starts here: its queued prompt tokens at its pace."""
-        return self.queued_prefill_tokens / self.tokens_per_s if self.tokens_per_s > 0 else 0.0
+        if self.deployment is None:
+            object.__setattr__(self, "deployment", self.role)
 
     @property
     def requests(self) -> int:
@@ -139,8 +142,8 @@ class RouteDecision:
     decode_cached_tokens: int = 0  # prompt tokens the decode replica holds already (not pulled)
     # the deployments the chosen replicas live in (whose handles reach them): a replica whose role
     # flipped plays one pool's part from the other's deployment
-    prefill_home: Literal["prefill", "decode"] | None = None
-    decode_home: Literal["prefill", "decode"] = "decode"
+    prefill_deployment: Literal["prefill", "decode"] | None = None
+    decode_deployment: Literal["prefill", "decode"] = "decode"
     queue_ahead: int = 0  # requests waiting on the replica computing the prompt (queue_wait_s is theirs)
 
 
@@ -154,7 +157,7 @@ def split_pools(loads: Sequence[ReplicaLoad]) -> tuple[list[ReplicaLoad], list[R
     prefills, decodes = [], []
     for r in loads:
         if not r.draining:
-            (prefills if r.pool == "prefill" else decodes).append(r)
+            (prefills if r.role == "prefill" else decodes).append(r)
     return prefills, decodes
 
 
@@ -202,8 +205,8 @@ class RoutingPolicy:
         if not prefills or missing < cfg.local_prefill_threshold:
             why = "no prefill pool" if not prefills else f"local prefill: {missing} uncached tokens"
             return RouteDecision(None, decode.replica_id, "local", cached_on_decode, "; ".join([why, *reasons]),
-                                 decode.queue_wait_s(), cached_on_decode, decode_home=decode.home,
-                                 queue_ahead=decode.waiting)
+                                 load_model.replica_queue_wait_s(decode, decodes) or 0.0, cached_on_decode,
+                                 decode_deployment=decode.deployment, queue_ahead=decode.waiting)
 
         return self._remote(hashes, num_prompt_tokens, index, prefills, slow, session, decode,
                             cached_on_decode, reasons)
@@ -233,8 +236,9 @@ class RoutingPolicy:
         if hot:
             why.append(f"hot prefix spread past cap on {sorted(hot)}")
         return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached,
-                             "; ".join([*why, *p_reasons, *reasons]), prefill.queue_wait_s(), cached_on_decode,
-                             prefill.home, decode.home, queue_ahead=prefill.waiting)
+                             "; ".join([*why, *p_reasons, *reasons]),
+                             load_model.replica_queue_wait_s(prefill, prefills) or 0.0, cached_on_decode,
+                             prefill.deployment, decode.deployment, queue_ahead=prefill.waiting)
 
     def _compute_cost(self, cached_blocks: int, lower: Sequence[int], r: ReplicaLoad, num_prompt_tokens: int,
                       index: PrefixIndex) -> float:
@@ -248,7 +252,7 @@ class RoutingPolicy:
         new_blocks = -(-num_prompt_tokens // self.config.block_size) - cached_blocks
         room = max(0, r.free_blocks - index.num_blocks(r.replica_id))
         evicted = min(max(0, new_blocks - room), index.num_blocks(r.replica_id))
-        return num_prompt_tokens - cached + r.queued_prefill_tokens + self.config.evict_block_cost * evicted
+        return num_prompt_tokens - cached + load_model.tokens_ahead(r) + self.config.evict_block_cost * evicted
 
     def tier_weights(self, r: ReplicaLoad) -> tuple[float, ...]:
         """The credit of a block in each of r's lower tiers: configured, or what computing it

@@ -145,12 +145,12 @@ def planner_deployment(config: AppConfig):
 
     p, slo = config.planner, config.telemetry.slo
     opts = SplitOptions(interval_s=p.interval_s, patience=p.patience, cooldown_s=p.cooldown_s, high=p.high,
-                        low=p.low, ttft_share=p.ttft_share, kv_high=p.kv_high)
+                        low=p.low, ttft_share=p.ttft_share, kv_high=p.kv_high, hysteresis_s=p.hysteresis_s)
     deployments = {v.config.serving_group: v.deployments for v in config.served_versions()}
     return serve.deployment(PlannerServer, name=PLANNER_DEPLOYMENT, num_replicas=1,
                             ray_actor_options={"num_cpus": 0}, health_check_period_s=config.health_check_period_s,
                             ).bind(SLO(slo.ttft_threshold_s, slo.itl_threshold_s), opts, deployments,
-                                   p.drain_timeout_s)
+                                   p.drain_timeout_s, move_timeout_s=p.move_timeout_s)
 
 
 def engine_config(config: AppConfig) -> dict:

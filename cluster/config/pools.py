@@ -142,12 +142,19 @@ class PlannerOptions(Strict):
     ttft_share: float = Field(0.5, gt=0, le=1, description="Share of the TTFT objective the prefill queue may take")
     kv_high: float = Field(0.9, gt=0, le=1, description="Share of the decode pool's KV blocks that is its bound")
     drain_timeout_s: float = Field(60.0, gt=0, description="A move whose replica has not drained by then is called off")
+    hysteresis_s: float = Field(300.0, ge=0, description="Seconds after a move before a move the other way (a flip "
+                                "is not undone by the next swing of the load)")
+    move_timeout_s: float | None = Field(None, gt=0, description="The longest a move may take, drain included, "
+                                         "before it is recorded as timed out; None: drain_timeout_s + 30 s")
 
     @model_validator(mode="after")
     def _low_under_high(self) -> "PlannerOptions":
         if self.low >= self.high:
             raise ValueError(f"planner.low {self.low:g} must be under planner.high {self.high:g} (else a move "
                              "would ask for the move back)")
+        if self.move_timeout_s is not None and self.move_timeout_s <= self.drain_timeout_s:
+            raise ValueError(f"planner.move_timeout_s {self.move_timeout_s:g} must exceed planner.drain_timeout_s "
+                             f"{self.drain_timeout_s:g} (else a slow drain times out before it is called off)")
         return self
 
 

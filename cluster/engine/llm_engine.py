@@ -328,6 +328,7 @@ class LLMEngine:
             held=len(s.leased),
             queued_prefill_tokens=self._queued_prompt_tokens(),
             quarantined_blocks=self.kv.num_quarantined_blocks,
+            running_prompt_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.running),
         )
 
     def _queued_prompt_tokens(self) -> int:

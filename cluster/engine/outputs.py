@@ -111,6 +111,7 @@ class EngineLoad:
     held: int  # prefill: finished prompts whose blocks are held under a lease
     queued_prefill_tokens: int  # prompt tokens of waiting requests not yet computed nor covered by cached blocks
     quarantined_blocks: int = 0  # held by unsettled transfers: neither free nor used by a request
+    running_prompt_tokens: int = 0  # prompt tokens of running requests not computed yet (chunked prefill)
 
     @property
     def kv_usage(self) -> float:

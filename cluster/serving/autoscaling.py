@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal, Mapping, Sequence
 
 from cluster.config import AutoscalingOptions
+from router import load_model
 
 Pool = Literal["prefill", "decode"]
 
@@ -57,9 +58,18 @@ class ReplicaMetrics:
     Every replica reports all four; each pool's policy reads its own two (`SIGNALS`)."""
 
     kv_usage: float = 0.0  # fraction of KV blocks held by requests (cached free blocks are free)
-    queued_prefill_tokens: float = 0.0  # prompt tokens of requests waiting to be scheduled
+    queued_prefill_tokens: float = 0.0  # prompt tokens ahead of a new prompt: waiting, and running not computed yet
     ttft_s: float = 0.0  # mean time to first output since the last report, or the oldest wait if longer
     itl_s: float = 0.0  # mean interval between consecutive token-producing steps since the last report
+
+    @classmethod
+    def of(cls, load, ttft_s: float, itl_s: float) -> "ReplicaMetrics":
+        """A replica's signals from its engine's load (`EngineLoad`), read through the load model
+        (router/load_model.py) as the router and the planner read it: the prompt tokens ahead
+        include running prompts' uncomputed part (a saturated prefill replica whose requests all
+        run has none waiting), the KV usage counts cached-but-free blocks as free."""
+        return cls(kv_usage=load_model.kv_usage(load.free_blocks, load.total_blocks),
+                   queued_prefill_tokens=float(load_model.tokens_ahead(load)), ttft_s=ttft_s, itl_s=itl_s)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, float]) -> "ReplicaMetrics":

@@ -287,7 +287,7 @@ class EngineReplica:
         self.role = spec.make(self.engine, self.transport, self.config)
         self.role_name = role
         self.loop.replace_core(self.role, spec.idle_poll_s, getattr(self.config, role).stream_interval)
-        self.reporter.pool, self.reporter.draining = role, False
+        self.reporter.flipped(role)
         if self.reporter.feed is not None:  # with cells, the new role's cell (router/cells.py)
             self.reporter.feed.move(cell_router(self.config, self.app, role, self.replica_id))
         return True, self.reporter.push(time.monotonic())

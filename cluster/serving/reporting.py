@@ -13,6 +13,7 @@ from cluster.engine.outputs import EngineLoad
 from cluster.serving.autoscaling import ReplicaMetrics
 from kv_transfer.stats import TransferStats
 from router.events import RouterFeed
+from router.load_model import BusyMeter, RateMeter
 from router.policy import ReplicaLoad
 
 WARMUP_STEPS = 20  # a replica's first steps carry one-time costs: not a slow-replica signal
@@ -33,8 +34,8 @@ class LoadReporter:
         self.group = group  # the model version (AppConfig.serving_group): the router routes within it
         self.transfer_stats = transfer_stats
         self.replica_id = replica_id
-        self.pool = pool  # the role it plays now (set_role changes it)
-        self.home = pool  # the deployment it lives in: never changes
+        self.role = pool  # the part it plays now (`flipped` changes it)
+        self.deployment = pool  # the Serve deployment it lives in: never changes
         self.draining = False  # a role flip is draining it: the router chooses it for nothing
         self.node_id = node_id  # the Ray node this replica runs on (`pdserve status` shows it)
         self.registry = registry
@@ -43,8 +44,19 @@ class LoadReporter:
             min_interval_s=router_min_interval_s, max_interval_s=router_interval_s)
         self.interval_s = interval_s
         self._next = 0.0
-        self._tokens_per_s = 0.0
+        self.rate = RateMeter(alpha=0.3)  # tokens a second while busy (router/load_model.py)
+        self.busy = BusyMeter()
         self._tp_mark = (0, 0.0)  # (tokens_computed, busy_s) at the last throughput estimate
+        self.token_intervals = TokenIntervals()
+
+    def flipped(self, role: str) -> None:
+        """Loop thread: it plays `role` from now on. Its estimators start again: the old role's
+        throughput (a decode replica's tokens a second) and token intervals say nothing of the new
+        one's; until it measures its own, the router prices it at its pool's median rate."""
+        self.role, self.draining = role, False
+        self.rate.reset()
+        stats = self.engine.stats
+        self._tp_mark = (stats.tokens_computed, stats.busy_s)
         self.token_intervals = TokenIntervals()
 
     # ---- LoopHook --------------------------------------------------------------------------
@@ -78,11 +90,12 @@ class LoadReporter:
     def replica_load(self, load: EngineLoad, now: float) -> ReplicaLoad:
         stats = self.engine.stats
         failing = stats.consecutive_step_errors > 0 and now - stats.last_step_error_at < FAILING_HOLD_S
-        return ReplicaLoad(self.replica_id, self.pool, load.free_blocks, load.total_blocks,
+        return ReplicaLoad(self.replica_id, self.role, load.free_blocks, load.total_blocks,
                            load.running + load.importing, load.waiting, load.queued_prefill_tokens,
                            self._step_time(), self._throughput(), failing, self._pull_s_per_block(), self.group,
                            tuple(u.stats.load_s_per_block or 0.0 for u in self.engine.tier_usage()),
-                           self.home, self.draining)
+                           self.deployment, self.draining, load.running_prompt_tokens, self.rate.samples,
+                           self.busy.update(stats.busy_s, now))
 
     def _pull_s_per_block(self) -> float:
         """Seconds per block of this replica's KV pulls so far (their fixed cost spread over their
@@ -98,26 +111,26 @@ class LoadReporter:
         0 (not measured) during the first WARMUP_STEPS of that kind, whose one-time costs would
         mark a fresh replica slow."""
         st = self.engine.stats
-        steps, value = ((st.prompt_steps, st.prompt_s_per_token_avg) if self.pool == "prefill"
+        steps, value = ((st.prompt_steps, st.prompt_s_per_token_avg) if self.role == "prefill"
                         else (st.decode_steps, st.decode_step_s_avg))
         return value if steps >= WARMUP_STEPS else 0.0
 
     def _throughput(self) -> float:
-        """Tokens a second while busy, smoothed over reports: the router's queue-wait predictor."""
+        """Tokens a second while busy, smoothed over reports (0: none measured in this role): the
+        load model's rate for this replica."""
         stats = self.engine.stats
         tokens, busy = stats.tokens_computed - self._tp_mark[0], stats.busy_s - self._tp_mark[1]
         if busy > 0.05:  # enough work since the last estimate to measure
-            rate = tokens / busy
-            self._tokens_per_s = rate if self._tokens_per_s == 0 else 0.7 * self._tokens_per_s + 0.3 * rate
+            self.rate.add(tokens / busy)
             self._tp_mark = (stats.tokens_computed, stats.busy_s)
-        return self._tokens_per_s
+        return self.rate.value or 0.0
 
     def report(self, load: EngineLoad | None = None) -> dict:
         """The replica's load as `pdserve status` and the tests read it."""
         load = load or self.engine.load()
         stats = self.engine.stats
         return {
-            "pool": self.pool, "home": self.home, "draining": self.draining, "node_id": self.node_id, **asdict(load),
+            "pool": self.role, "home": self.deployment, "draining": self.draining, "node_id": self.node_id, **asdict(load),
             "requests_received": stats.requests_received,
             "last_step_ms": round(stats.last_step_s * 1e3, 3), "avg_step_ms": round(stats.step_s_avg * 1e3, 3),
             "steps": stats.steps, "step_errors": stats.step_errors, "generation_tokens": stats.generation_tokens, "preemptions": stats.preemptions,
@@ -132,6 +145,4 @@ class LoadReporter:
     def autoscaling_metrics(self, ttft_s: float) -> ReplicaMetrics:
         """This replica's autoscaling signals since the previous call (`ttft_s` comes from the
         loop, which sees streams start and produce)."""
-        load = self.engine.load()
-        return ReplicaMetrics(kv_usage=load.kv_usage, queued_prefill_tokens=float(load.queued_prefill_tokens),
-                              ttft_s=ttft_s, itl_s=self.token_intervals.drain())
+        return ReplicaMetrics.of(self.engine.load(), ttft_s, self.token_intervals.drain())

@@ -66,3 +66,20 @@ def test_only_the_first_waiting_requests_are_looked_up(tiny_model, monkeypatch):
     while engine.has_unfinished():
         engine.step()
     assert engine.load().free_blocks == 32
+
+
+def test_running_prompts_uncomputed_tokens_are_reported(tiny_model):
+    """Chunked prefill runs a long prompt over several steps with nothing waiting: its uncomputed
+    tokens are work ahead of the next prompt all the same (router/load_model.py tokens_ahead; the
+    queue alone read 0 on a saturated prefill replica)."""
+    engine = LLMEngine.from_model(tiny_model, num_blocks=32, block_size=16, max_num_batched_tokens=64)
+    engine.add_request("a", prompt_token_ids=[256] + list(range(1, 200)), sampling=SP)  # 200 tokens
+    assert (engine.load().queued_prefill_tokens, engine.load().running_prompt_tokens) == (200, 0)
+    engine.step()  # the first 64-token chunk
+    load = engine.load()
+    assert (load.waiting, load.running, load.queued_prefill_tokens, load.running_prompt_tokens) == (0, 1, 0, 136)
+    engine.step()
+    assert engine.load().running_prompt_tokens == 72
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.load().running_prompt_tokens == 0

@@ -117,7 +117,7 @@ def test_a_draining_decode_replica_finishes_its_streams_before_it_moves(profile)
 
 def test_the_planner_moves_through_its_mover_keeps_history_and_leaves_draining_replicas_out():
     """RuntimePlanner over the router's own state (router.router.Router, fed the loads a replica
-    reports): a decision to move calls the mover with the replica's home deployment; a move called
+    reports): a decision to move calls the mover with the replica's deployment; a move called
     off past its drain timeout is recorded as such; a draining replica counts in neither pool."""
     import asyncio
 
@@ -138,8 +138,8 @@ def test_the_planner_moves_through_its_mover_keeps_history_and_leaves_draining_r
     async def loads():
         return router.live_loads()
 
-    async def move(group, home, replica_id, to, timeout_s):
-        calls.append((group, home, replica_id, to, timeout_s))
+    async def move(group, deployment, replica_id, to, timeout_s):
+        calls.append((group, deployment, replica_id, to, timeout_s))
         answer = answers.pop(0)
         if isinstance(answer, Exception):
             raise answer
@@ -167,8 +167,8 @@ def test_the_planner_moves_through_its_mover_keeps_history_and_leaves_draining_r
     assert hist == [("hold", ""), ("flip", "called off: p1 still held 2 leases after 7 s"),
                     ("hold", ""), ("flip", "moved in 0.25 s (0 requests drained)")]
     assert planner.history[1].as_dict()["binding"] == "decode KV"
-    # p1 now reports as decode (home prefill) and p0 drains: the prefill pool is empty to the planner
-    router.report_load(ReplicaLoad("p1", "decode", 1000, 1000, home="prefill"))
+    # p1 now reports as decode (deployment prefill) and p0 drains: the prefill pool is empty to the planner
+    router.report_load(ReplicaLoad("p1", "decode", 1000, 1000, deployment="prefill"))
     router.report_load(ReplicaLoad("p0", "prefill", 1000, 1000, draining=True))
     [d] = asyncio.run(ticks(1))
     assert (d.action, d.reason, d.decode.replicas) == ("hold", "no prefill pool", 2)

@@ -18,8 +18,8 @@ PROMPT = list(range(1, 129))  # 128 tokens: remote prefill (past local_prefill_t
 HASHES = hash_request_blocks(PROMPT, BS, b"model")
 
 
-def load(rid, pool, home=None, draining=False, running=0, queued=0):
-    return ReplicaLoad(rid, pool, 1000, 1000, running, 0, queued, 0.01, home=home, draining=draining)
+def load(rid, pool, deployment=None, draining=False, running=0, queued=0):
+    return ReplicaLoad(rid, pool, 1000, 1000, running, 0, queued, 0.01, deployment=deployment, draining=draining)
 
 
 def index_with(holdings: dict[str, list[int]]) -> PrefixIndex:
@@ -35,9 +35,9 @@ POLICIES = [lambda: RoutingPolicy(PolicyConfig(block_size=BS), random.Random(0))
 
 
 def test_home_defaults_to_the_pool():
-    assert load("p-a", "prefill").home == "prefill"
-    assert load("d-0", "decode").home == "decode"
-    assert load("p-b", "decode", home="prefill").home == "prefill"
+    assert load("p-a", "prefill").deployment == "prefill"
+    assert load("d-0", "decode").deployment == "decode"
+    assert load("p-b", "decode", deployment="prefill").deployment == "prefill"
 
 
 @pytest.mark.parametrize("make", POLICIES)
@@ -57,7 +57,7 @@ def test_a_pool_of_draining_replicas_only_is_a_pool_with_none(make):
     pol = make()
     d = pol.route(HASHES, len(PROMPT), index_with({}), [
         load("p-a", "prefill", draining=True), load("d-0", "decode")])
-    assert (d.prefill, d.decode, d.mode, d.prefill_home, d.decode_home) == (None, "d-0", "local", None, "decode")
+    assert (d.prefill, d.decode, d.mode, d.prefill_deployment, d.decode_deployment) == (None, "d-0", "local", None, "decode")
     with pytest.raises(NoReplicaError):
         pol.route(HASHES, len(PROMPT), index_with({}), [load("p-a", "prefill"), load("d-0", "decode", draining=True)])
 
@@ -65,12 +65,12 @@ def test_a_pool_of_draining_replicas_only_is_a_pool_with_none(make):
 @pytest.mark.parametrize("make", POLICIES)
 def test_decisions_name_the_home_of_each_chosen_replica(make):
     # p-b lives in the prefill deployment and decodes now; d-0 lives in the decode deployment and prefills now
-    loads = [load("d-0", "prefill", home="decode"), load("p-b", "decode", home="prefill")]
+    loads = [load("d-0", "prefill", deployment="decode"), load("p-b", "decode", deployment="prefill")]
     d = make().route(HASHES, len(PROMPT), index_with({}), loads)
-    assert (d.prefill, d.prefill_home, d.decode, d.decode_home, d.mode) == ("d-0", "decode", "p-b", "prefill",
+    assert (d.prefill, d.prefill_deployment, d.decode, d.decode_deployment, d.mode) == ("d-0", "decode", "p-b", "prefill",
                                                                             "remote")
-    local = make().route(HASHES, len(PROMPT), index_with({}), [load("p-b", "decode", home="prefill")])
-    assert (local.prefill, local.prefill_home, local.decode, local.decode_home) == (None, None, "p-b", "prefill")
+    local = make().route(HASHES, len(PROMPT), index_with({}), [load("p-b", "decode", deployment="prefill")])
+    assert (local.prefill, local.prefill_deployment, local.decode, local.decode_deployment) == (None, None, "p-b", "prefill")
 
 
 def test_the_router_drops_a_draining_replica_at_its_report_and_takes_it_back_at_the_next():
@@ -85,10 +85,10 @@ def test_the_router_drops_a_draining_replica_at_its_report_and_takes_it_back_at_
     assert [router.route(HASHES, len(PROMPT)).prefill for _ in range(5)] == ["p-b"] * 5
     # flipped: p-a decodes now, from the prefill deployment; the index keeps its blocks, so the
     # prompt it holds needs no prefill pool at all
-    router.report_load(replace(p_a, pool="decode"))
+    router.report_load(replace(p_a, role="decode"))
     router.report_load(replace(d_0, running=30))
     d = router.route(HASHES, len(PROMPT))
-    assert (d.prefill, d.decode, d.decode_home, d.mode, d.predicted_cached_tokens) == (
+    assert (d.prefill, d.decode, d.decode_deployment, d.mode, d.predicted_cached_tokens) == (
         None, "p-a", "prefill", "local", len(PROMPT) - 1)
-    assert sorted((r.replica_id, r.pool, r.home) for r in router.live_loads()) == [
+    assert sorted((r.replica_id, r.role, r.deployment) for r in router.live_loads()) == [
         ("d-0", "decode", "decode"), ("p-a", "decode", "prefill"), ("p-b", "prefill", "prefill")]

@@ -51,7 +51,7 @@ def router_state():
     router = app_router()
     stats = ray.get(router.stats.remote())
     loads = ray.get(router.live_loads.remote())
-    return stats, {load.replica_id: load.pool for load in loads}
+    return stats, {load.replica_id: load.role for load in loads}
 
 
 

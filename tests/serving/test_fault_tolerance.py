@@ -50,7 +50,7 @@ def handle(pool):
 
 def live_replicas(pool) -> list[str]:
     loads = ray.get(app_router().live_loads.remote())
-    return sorted(load.replica_id for load in loads if load.pool == pool)
+    return sorted(load.replica_id for load in loads if load.role == pool)
 
 
 def replica_load(pool, replica_id) -> dict:

@@ -29,7 +29,7 @@ def app(serve_apps, tiny_model):
     with serve_apps.run(tiny_model, engine={"num_blocks": NUM_BLOCKS}, prefill={"num_replicas": 2},
                         decode={"num_replicas": 1}, fault_tolerance={"fault_injection": True}) as cfg, \
             grpc_stub(cfg) as stub:
-        wait_until(lambda: sorted(r.pool for r in live()) == ["decode", "prefill", "prefill"], "replicas report")
+        wait_until(lambda: sorted(r.role for r in live()) == ["decode", "prefill", "prefill"], "replicas report")
         yield stub
 
 
@@ -49,7 +49,7 @@ def live():
 
 def roles() -> dict[str, tuple[str, str, bool]]:
     """replica -> (the pool it plays, its home deployment, draining), as the router sees them."""
-    return {r.replica_id: (r.pool, r.home, r.draining) for r in live()}
+    return {r.replica_id: (r.role, r.deployment, r.draining) for r in live()}
 
 
 def prompts(n: int, base: int) -> list[list[int]]:

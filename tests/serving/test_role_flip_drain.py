@@ -141,9 +141,9 @@ def test_a_drain_past_its_timeout_is_called_off_and_serves_what_came_meanwhile(r
 
     short, long = asyncio.run(run())
     assert (short, long) == (reference(tiny_model, SHORT), reference(tiny_model, LONG))
-    assert any(ld.draining for ld in router.loads) and {ld.pool for ld in router.loads} == {"decode"}
+    assert any(ld.draining for ld in router.loads) and {ld.role for ld in router.loads} == {"decode"}
     last = router.loads[-1]
-    assert (last.pool, last.home, last.draining) == ("decode", "decode", False)
+    assert (last.role, last.deployment, last.draining) == ("decode", "decode", False)
     assert (replica.role_name, type(replica.loop.core)) == ("decode", DecodeEngine)
 
 
@@ -173,7 +173,7 @@ def test_a_flip_swaps_the_role_over_the_same_engine_and_a_lease_holds_the_flip_b
         "replica_id": "replica-x", "from": "prefill", "to": "decode", "drained_requests": 1}
     assert back["drained_s"] >= 0.2
     assert result.first_token == reference(tiny_model, LONG)[0]
-    assert [(ld.pool, ld.home, ld.draining) for ld in router.loads[-1:]] == [("decode", "decode", False)]
+    assert [(ld.role, ld.deployment, ld.draining) for ld in router.loads[-1:]] == [("decode", "decode", False)]
     assert (replica.role_name, type(replica.loop.core)) == ("decode", DecodeEngine)
     engine.check_invariants()
     assert engine.kv.num_free_blocks == engine.kv.num_blocks

@@ -285,7 +285,7 @@ def cluster(serve_apps, tiny_model):
 
     with serve_apps.run(tiny_model, served_model_name="tiny", engine={"num_blocks": 128},
                         routing={"local_prefill_threshold": 0}, api_keys=[KEY]) as cfg:
-        wait_until(lambda: sorted(load.pool for load in ray.get(get_router().live_loads.remote()))
+        wait_until(lambda: sorted(load.role for load in ray.get(get_router().live_loads.remote()))
                    == ["decode", "prefill"], "both replicas report to the router", timeout=60)
         yield cfg
 

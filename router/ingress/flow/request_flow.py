@@ -165,7 +165,7 @@ class RequestFlow:
         first_seen = False
         if self._prefill is not None and not (decision is not None and decision.mode == "local"):
             first = await self._prefill.first_token(rid, ids, sampling, ctx, decision.prefill if decision else None,
-                                                    stream, decision.prefill_home if decision else None)
+                                                    stream, decision.prefill_deployment if decision else None)
             if first is not None:
                 observer.first_token(len(ids) - stream.cached)
                 first_seen = True
@@ -181,11 +181,11 @@ class RequestFlow:
 
         async def reroute():  # a fresh decision's decode replica (the one named first does not decode now)
             again = await self._route(ids, ctx, routing_key, Observer())
-            return (None, None) if again is None else (again.decode, again.decode_home)
+            return (None, None) if again is None else (again.decode, again.decode_deployment)
 
         async with aclosing(self._decode.stream(rid, ids, sampling, ctx, kv_handle,
                                                 decision.decode if decision else None, stream,
-                                                decision.decode_home if decision else None, reroute)) as legs:
+                                                decision.decode_deployment if decision else None, reroute)) as legs:
             async for d in legs:
                 if not first_seen:
                     observer.first_token(len(ids) - d.cached_prompt_tokens)
@@ -235,7 +235,7 @@ class RequestFlow:
             log.debug("reading the decode pool's KV failed: %s", e)
             return None
         return sum(r.total_blocks for r in loads
-                   if r.pool == "decode" and r.group == self.group and not r.draining) * self.block_size
+                   if r.role == "decode" and r.group == self.group and not r.draining) * self.block_size
 
     def model_info(self) -> dict:
         return {"id": self.config.model_name, "version": self.config.version or "",

@@ -54,7 +54,7 @@ class Outcome:
     trail: object = None  # audit's AuditTrail
     ticket: object = None  # admission's Ticket: the in-flight slot, the output tokens charged
     place: object = None  # capacity's Pending: its place in the first-token queue
-    streaming: bool = False  # capacity: counted among the streams past their first token
+    streaming: object = None  # capacity's Stream while counted among the streams past their first token (pace.py)
     guard: object = None  # guardrails' RequestGuard (None: the tenant has no policy)
     hold: object = None  # budget's Hold: its reservation in the ledger
 

@@ -29,7 +29,7 @@ def test_only_this_groups_decode_replicas_that_take_requests_count(tiny_model):
     loads = [
         ReplicaLoad("d-1", "decode", free_blocks=10, total_blocks=100, group="tiny@v1"),
         ReplicaLoad("d-2", "decode", free_blocks=0, total_blocks=60, group="tiny@v1"),
-        ReplicaLoad("p-flipped", "decode", free_blocks=5, total_blocks=40, group="tiny@v1", home="prefill"),
+        ReplicaLoad("p-flipped", "decode", free_blocks=5, total_blocks=40, group="tiny@v1", deployment="prefill"),
         ReplicaLoad("d-draining", "decode", free_blocks=90, total_blocks=1000, group="tiny@v1", draining=True),
         ReplicaLoad("d-other", "decode", free_blocks=0, total_blocks=5000, group="tiny@v2"),
         ReplicaLoad("p-1", "prefill", free_blocks=0, total_blocks=700, group="tiny@v1"),

@@ -1,0 +1,159 @@
+"""The decode pool's pace as this ingress relays it, and the limit on streams it implies
+(`StreamPace`, read by `Capacity` in capacity.py)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable
+
+from router.ingress.gateway.queue_model import MIN_SAMPLE_S, Meter
+
+SLOW_WINDOWS = 2  # windows in a row over target_itl_s before the pace limit shrinks
+PROBE_AT = 0.8  # the pace limit grows while the streams reach this share of it within the target...
+PROBE_STEP = 0.25  # ... by this share of itself a window
+MIN_STREAM_TOKENS = 4  # tokens past its first before a stream's own pace counts
+FLOOR_HOLD_S = 60.0  # the fastest pace seen holds this long...
+FLOOR_TAU_S = 300.0  # ...then fades towards later windows' with this time constant
+
+
+class Stream:
+    """One stream past its first token: when that came, its last token, and the tokens since."""
+
+    __slots__ = ("first_at", "last_at", "tokens")
+
+    def __init__(self, now: float):
+        self.first_at = self.last_at = now
+        self.tokens = 0
+
+    def tpot_s(self) -> float | None:
+        """Its own time per output token so far, as its client measures it (None: too few yet)."""
+        return (self.last_at - self.first_at) / self.tokens if self.tokens >= MIN_STREAM_TOKENS else None
+
+
+class StreamPace(Meter):
+    """The streams past their first token and their pace as this ingress relays them (the decode
+    pool's, measured where the client gets it), over windows of MIN_SAMPLE_S with at least one
+    stream running, and the limit on streams it implies.
+
+    A window's pace is the median of its streams' own time per output token so far (each since
+    its first token; the streams that ended in the window at their final one), not the window's
+    mean interval: on a colocated replica every prefill chunk stalls every stream for a chunk's
+    time (~270 ms on this CPU), so a 0.5 s window's mean interval read 250-470 ms while the
+    requests' own TPOT was p50 61 ms, and the pace cap refused 10 of the 90 requests of a plan's
+    own trace that the plan said would meet its SLO. A window whose streams have too few tokens
+    yet falls back on its mean interval (stream-seconds over tokens).
+
+    The limit (`cap()`) exists once SLOW_WINDOWS windows in a row measured the pace over the
+    target: it is then set to the streams the pool would run at the target by the gradient of the
+    last one (mean streams x target / measured pace); at or over it, new work is refused, so
+    running streams keep their pace instead of every stream slowing together. While the pace stays
+    within the target and the streams reach PROBE_AT of the limit, it grows by PROBE_STEP a window
+    (or to the gradient, if larger). No cap before the pool was first measured slow: at low load a
+    step's fixed cost dominates the interval, and the gradient through zero would refuse a pool
+    that is far from full.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3,
+                 target_itl_s: float | None = None, floor_multiple: float = 0.0,
+                 steady: Callable[[], bool] = lambda: True):
+        super().__init__(clock, alpha)
+        self.steady = steady  # the load is not growing: the floor multiple may loosen the target
+        self.target_itl_s = target_itl_s
+        self.streams = 0
+        self.itl_s: float | None = None  # None until measured
+        self.mean_streams = 0.0  # over the last window
+        self.limit: float | None = None  # streams; None until SLOW_WINDOWS windows in a row were over the target
+        self.floor_multiple = floor_multiple
+        # the fastest window's pace, fading towards later windows' (FLOOR_TAU_S): this deployment's own
+        self.floor_itl_s: float | None = None
+        self._floor_set_at = self._floor_at = self._last  # when a window set it; when it last moved
+        self._slow_windows = 0
+        self._window_s = 0.0
+        self._stream_s = 0.0  # integral of streams over the window
+        self._tokens = 0
+        self._live: set[Stream] = set()
+        self._ended: list[float] = []  # final paces of the streams that ended in this window
+
+    def start(self) -> Stream:
+        self._advance()
+        self.streams += 1
+        stream = Stream(self._last)
+        self._live.add(stream)
+        return stream
+
+    def end(self, stream: Stream | None = None) -> None:
+        self._advance()
+        self.streams -= 1
+        if stream is not None and stream in self._live:
+            self._live.discard(stream)
+            tpot = stream.tpot_s()
+            if tpot is not None:
+                self._ended.append(tpot)
+
+    def tokens(self, n: int, stream: Stream | None = None) -> None:
+        self._advance()
+        self._tokens += n
+        if stream is not None:
+            stream.tokens += n
+            stream.last_at = self._last
+        if self._window_s >= MIN_SAMPLE_S and self._tokens > 0:
+            window = self._stream_s / self._tokens
+            paces = [t for t in (s.tpot_s() for s in self._live) if t is not None] + self._ended
+            sample = statistics.median(paces) if paces else window
+            self.itl_s = self._smooth(self.itl_s, sample)
+            self.mean_streams = self._stream_s / self._window_s
+            self._window_s = self._stream_s = 0.0
+            self._tokens = 0
+            self._ended = []
+            self._adjust(sample)
+
+    def target(self) -> float | None:
+        """The interval streams are held to: target_itl_s, or with a floor multiple the larger of it and
+        that multiple of the fastest pace measured while the load is steady (a CPU whose one
+        stream is slower than the objective still runs as many streams as keep its own pace; a
+        growing load is held to the objective, so a burst cannot crowd the streams it shares cores with)."""
+        if self.target_itl_s is None or not self.floor_multiple or self.floor_itl_s is None or not self.steady():
+            return self.target_itl_s
+        return max(self.target_itl_s, self.floor_multiple * self.floor_itl_s)
+
+    def _floor(self, itl_s: float) -> None:
+        """A decayed minimum: a window at least as fast sets it; once it is FLOOR_HOLD_S old, a
+        slower window pulls it towards its pace by 1 - e^(-dt/FLOOR_TAU_S) of the gap (dt: the
+        time past the hold since the last window), so one fast glitch (tokens relayed in a clump,
+        a pool since grown busier for good) does not hold it for ever."""
+        now = self._last
+        if self.floor_itl_s is None or itl_s <= self.floor_itl_s:
+            self.floor_itl_s, self._floor_set_at, self._floor_at = itl_s, now, now
+            return
+        held = self._floor_set_at + FLOOR_HOLD_S
+        dt = max(0.0, now - max(held, self._floor_at))
+        self.floor_itl_s += (itl_s - self.floor_itl_s) * (1 - math.exp(-dt / FLOOR_TAU_S))
+        self._floor_at = now
+
+    def _adjust(self, itl_s: float) -> None:
+        """The limit from this window's pace (not the smoothed one: a limit set in a slow
+        warm-up must not outlive it by the smoothing's memory)."""
+        self._floor(itl_s)
+        target = self.target()
+        if target is None:
+            return
+        gradient = self.mean_streams * target / itl_s
+        if itl_s > target:
+            self._slow_windows += 1
+            if self._slow_windows >= SLOW_WINDOWS:  # one slow window is a pause, not a pace
+                self.limit = max(1.0, gradient)
+        else:
+            self._slow_windows = 0
+            if self.limit is not None and self.mean_streams >= PROBE_AT * self.limit:
+                self.limit = max(self.limit + max(1.0, PROBE_STEP * self.limit), gradient)
+
+    def cap(self) -> int | None:
+        return None if self.limit is None else max(1, int(self.limit))
+
+    def _advance(self) -> None:
+        dt = self._tick()
+        if self.streams > 0:
+            self._window_s += dt
+            self._stream_s += self.streams * dt

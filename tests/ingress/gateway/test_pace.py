@@ -1,0 +1,100 @@
+"""The decode pace the ingress holds streams to (router/ingress/gateway/pace.py) on a colocated
+replica with chunked prefill: every prompt chunk stalls every stream, so a window's mean interval
+reads the stalls as slow streams while each request's own time per output token meets the target
+(issue 51: the plan's emitted config refused 10 of 90 requests of its own trace for it)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.config import AdmissionBounds
+from router.ingress.gateway.capacity import Capacity, CapacityStage
+from router.ingress.gateway.pace import FLOOR_HOLD_S, FLOOR_TAU_S, MIN_STREAM_TOKENS, StreamPace
+
+# 25 decode steps of 40 ms, then two 3-chunk prompts' mixed steps of 300 ms: each stream's own time
+# per output token is (25 x 0.04 + 6 x 0.3) / 31 = 90 ms; a 0.5 s window in the prompts reads 300 ms
+CYCLE = [0.04] * 25 + [0.3] * 6
+
+
+class Clock:
+    def __init__(self):
+        self.t = 50.0
+
+    def __call__(self):
+        return self.t
+
+
+def relay(pace: StreamPace, clock: Clock, streams: list, steps: list[float], per_stream: bool = True) -> set:
+    """Each step: every stream gets one token. Returns the caps seen after each step."""
+    caps = set()
+    for step in steps:
+        clock.t += step
+        for s in streams:
+            pace.tokens(1, s if per_stream else None)
+        caps.add(pace.cap())
+    return caps
+
+
+def test_prefill_stalls_on_a_colocated_replica_are_not_slow_streams():
+    clock = Clock()
+    pace = StreamPace(clock, alpha=1.0, target_itl_s=0.16)
+    streams = [pace.start() for _ in range(4)]
+    assert relay(pace, clock, streams, CYCLE * 10) == {None}  # never capped
+    assert streams[0].tpot_s() == pytest.approx(2.8 / 31)
+    assert pace.itl_s == pytest.approx(2.8 / 31, rel=0.02)  # the streams' own pace, not the window's
+    # the window's mean interval alone (what the cap read before): capped at half the streams it runs
+    clock, window = Clock(), None
+    window = StreamPace(clock, alpha=1.0, target_itl_s=0.16)
+    blind = [window.start() for _ in range(4)]
+    caps = relay(window, clock, blind, CYCLE * 10, per_stream=False)
+    assert window.cap() == 2 and 2 in caps  # 4 streams x 0.16 / 0.3
+
+
+def test_streams_that_really_slow_down_are_still_capped():
+    clock = Clock()
+    pace = StreamPace(clock, alpha=1.0, target_itl_s=0.16)
+    streams = [pace.start() for _ in range(8)]
+    relay(pace, clock, streams, [0.04] * 25)
+    assert pace.cap() is None
+    relay(pace, clock, streams, [0.32] * 60)  # every step now 320 ms: the streams' own pace follows
+    assert streams[0].tpot_s() == pytest.approx((25 * 0.04 + 60 * 0.32) / 85)
+    assert pace.cap() == 5  # 8 streams x 0.16 / their pace, 0.238 s
+    young = pace.start()  # a stream with fewer than MIN_STREAM_TOKENS counts only when it has them
+    assert young.tpot_s() is None and MIN_STREAM_TOKENS == 4
+
+
+def test_the_floor_is_a_decayed_minimum():
+    clock = Clock()
+    pace = StreamPace(clock, alpha=1.0, target_itl_s=0.08, floor_multiple=8.0)
+    streams = [pace.start()]
+    relay(pace, clock, streams, [0.02] * 30)  # one fast stream: floor 20 ms
+    assert pace.floor_itl_s == pytest.approx(0.02)
+    pace.end(streams[0])
+    streams = [pace.start() for _ in range(4)]
+    relay(pace, clock, streams, [0.1] * 300)  # 30 s at 100 ms: within the hold, the floor stays
+    assert pace.floor_itl_s == pytest.approx(0.02)
+    relay(pace, clock, streams, [0.1] * int((FLOOR_HOLD_S - 30 + FLOOR_TAU_S) / 0.1))  # a time constant past the hold
+    # the streams' own pace is ~0.1 s by now; the floor has come 1 - 1/e of the way towards it
+    assert pace.floor_itl_s == pytest.approx(0.1 - 0.08 / 2.718281828, abs=0.0005)
+    assert pace.target() == pytest.approx(8 * pace.floor_itl_s)
+
+
+def test_the_capacity_stage_hands_each_stream_its_own_pace():
+    clock = Clock()
+    stage = CapacityStage(Capacity(AdmissionBounds(max_queue_wait_s=None, target_itl_s=0.16), clock))
+    pace = stage.capacity.pace
+    o = SimpleNamespace(streaming=None, place=None)
+    stage.delta(o, SimpleNamespace(token_ids=[7], finish_reason=None))  # the first token: its stream starts
+    first = o.streaming
+    assert pace.streams == 1 and first.first_at == clock.t
+    for _ in range(5):
+        clock.t += 0.05
+        stage.delta(o, SimpleNamespace(token_ids=[7, 8], finish_reason=None))
+    assert (first.tokens, first.tpot_s()) == (10, pytest.approx(0.025))
+    clock.t += 0.05
+    stage.delta(o, SimpleNamespace(token_ids=[9], finish_reason="length"))
+    assert (pace.streams, o.streaming, pace._ended) == (0, None, [pytest.approx(0.3 / 11)])
+    stage.finish(o, None)
+    assert pace.streams == 0  # counted once
