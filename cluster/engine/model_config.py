@@ -18,12 +18,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cluster.engine.model.families import FAMILIES, family_of
-from cluster.engine.model.families.base import (Family, MoEConfig, WeightQuant, check_common, parse_quantization,
-                                                sliding_window)
+from cluster.engine.model.families.base import (Family, GroupedRouting, MLAConfig, MoEConfig, WeightQuant, check_common,
+                                                parse_quantization, sliding_window)
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(FAMILIES))  # the served model_types
 # Family fields left out of the fingerprint at these values, so a Llama's is what it was before they existed.
-_FINGERPRINT_DEFAULTS = {"qk_norm": False, "moe": None, "sliding_window": None, "weight_quant": None}
+_FINGERPRINT_DEFAULTS = {"qk_norm": False, "moe": None, "sliding_window": None, "weight_quant": None,
+                         "moe_routing": None, "mla": None}
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -71,6 +72,8 @@ class ModelConfig:
     moe: MoEConfig | None = None  # the sparse MLP and the layers that have it; None: every MLP dense
     sliding_window: int | None = None  # some layer attends this many positions back; refused at load if it bites
     weight_quant: WeightQuant | None = None  # block-scaled fp8 weights, dequantized at load; None: float weights
+    moe_routing: GroupedRouting | None = None  # DeepSeek-V3's grouped sigmoid router + shared experts; None: softmax
+    mla: MLAConfig | None = None  # latent attention (its cache holds the latent); head_dim is then its rope part's
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
@@ -99,7 +102,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            head_dim=fields.mla.qk_rope_head_dim if fields.mla else cfg.get("head_dim") or hidden // num_heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
@@ -109,6 +112,8 @@ class ModelConfig:
             moe=fields.moe,
             sliding_window=sliding_window(cfg),
             weight_quant=weight_quant,
+            moe_routing=fields.moe_routing,
+            mla=fields.mla,
             rope=_parse_rope(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -4,6 +4,7 @@ one declares). A new family is one file here and one line below."""
 from __future__ import annotations
 
 from cluster.engine.model.families.base import Family
+from cluster.engine.model.families.deepseek_v3 import DEEPSEEK_V3
 from cluster.engine.model.families.llama import LLAMA, QWEN2
 from cluster.engine.model.families.mixtral import MIXTRAL
 from cluster.engine.model.families.phi3 import PHI3
@@ -18,6 +19,7 @@ FAMILIES: dict[str, Family] = {
     "mixtral": MIXTRAL,
     "qwen3_moe": QWEN3_MOE,
     "phi3": PHI3,
+    "deepseek_v3": DEEPSEEK_V3,
 }
 
 
