@@ -267,9 +267,6 @@ def run_dtype(mc: ModelConfig, opts: EngineOptions) -> str:
 
 def cache_dtype(mc: ModelConfig, opts: EngineOptions) -> str:
     """The KV pool's dtype: the run dtype, or float8_e4m3fn (kv_cache_dtype fp8)."""
-    if opts.kv_cache_dtype != "auto" and mc.mla is not None:
-        raise ValueError(f"kv_cache_dtype={opts.kv_cache_dtype} is not implemented for latent attention (model_type "
-                         f"{mc.model_type!r}): its cache holds the latent in the run dtype; use kv_cache_dtype auto")
     return KV_CACHE_DTYPES.get(opts.kv_cache_dtype) or run_dtype(mc, opts)
 
 
@@ -282,8 +279,26 @@ def kv_block_shape(mc: ModelConfig, block_size: int) -> tuple[int, ...]:
     return (mc.num_layers, 2, block_size, mc.num_kv_heads, mc.head_dim)
 
 
+def check_latent_paths(mc: ModelConfig, opts: EngineOptions) -> None:
+    """A latent pool is read by model/mla.py alone: options choosing a path that reads per-head K and V
+    (or an fp8 pool) are refused, named, rather than ignored."""
+    if mc.mla is None:
+        return
+    what = f"latent attention (model_type {mc.model_type!r})"
+    if opts.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={opts.kv_cache_dtype} is not implemented for {what}: its cache holds the "
+                         "latent in the run dtype; use kv_cache_dtype auto")
+    if opts.static_decode in ("eager", "graphs"):
+        raise ValueError(f"static_decode={opts.static_decode}'s paged kernel reads per-head K and V, not the latent "
+                         f"of {what}; use static_decode auto or off")
+    if opts.attention_backend not in ("auto", "torch"):
+        raise ValueError(f"attention_backend={opts.attention_backend} reads per-head K and V; {what} attends over "
+                         "its latent itself (model/mla.py); use attention_backend auto")
+
+
 def kv_block_bytes(mc: ModelConfig, opts: EngineOptions) -> int:
-    """Bytes of one KV block (all layers) for these engine options."""
+    """Bytes of one KV block (all layers) for these engine options (refusing those a latent pool cannot take)."""
+    check_latent_paths(mc, opts)
     return math.prod(kv_block_shape(mc, opts.block_size)) * DTYPE_BYTES[cache_dtype(mc, opts)]
 
 

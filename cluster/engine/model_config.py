@@ -29,13 +29,26 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
+class YarnConfig:
+    """YaRN's own parameters (transformers' _compute_yarn_parameters names; model/rope.py)."""
+
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # None: from factor (and mscale / mscale_all_dim)
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "llama3"
+    rope_type: str = "default"  # "default" | "llama3" | "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    yarn: YarnConfig | None = None  # rope_type yarn's; None otherwise (and then left out of the fingerprint)
 
 
 @dataclass(frozen=True)
@@ -141,6 +154,8 @@ class ModelConfig:
         for name, default in _FINGERPRINT_DEFAULTS.items():
             if parts[name] == default:
                 del parts[name]
+        if parts["rope"]["yarn"] is None:
+            del parts["rope"]["yarn"]
         blob = json.dumps(parts, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -155,10 +170,12 @@ def _parse_rope(cfg: dict) -> RopeConfig:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"config.json rope_type={rope_type!r} is not supported (default, llama3)")
+    if rope_type not in ("default", "llama3", "yarn"):
+        raise ValueError(f"config.json rope_type={rope_type!r} is not supported (default, llama3, yarn)")
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    if rope_type == "yarn":
+        return _parse_yarn(cfg, params, theta)
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
@@ -167,3 +184,18 @@ def _parse_rope(cfg: dict) -> RopeConfig:
         high_freq_factor=params.get("high_freq_factor", 4.0),
         original_max_position_embeddings=params.get("original_max_position_embeddings", 8192),
     )
+
+
+def _parse_yarn(cfg: dict, params: dict, theta: float) -> RopeConfig:
+    """As transformers' _compute_yarn_parameters reads them: factor None is max_position_embeddings
+    over the original length (DeepSeek-V3's convention); beta_fast/slow 0 or None take 32/1."""
+    original = params.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original < 1:
+        raise ValueError(f"config.json rope_parameters.original_max_position_embeddings={original!r}: yarn needs "
+                         "the pretrained context length, a positive integer")
+    factor = params.get("factor") or cfg.get("max_position_embeddings", 2048) / original
+    yarn = YarnConfig(beta_fast=params.get("beta_fast") or 32.0, beta_slow=params.get("beta_slow") or 1.0,
+                      mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
+                      attention_factor=params.get("attention_factor"), truncate=params.get("truncate", True))
+    return RopeConfig(theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+                      yarn=yarn)

@@ -19,7 +19,7 @@ from cluster.engine.model_config import ModelConfig
 from cluster.engine.sampling_params import SamplingParams
 from tests.engine.test_engine_correctness import GREEDY, assert_leak_free, prompts
 from tests.engine.test_families import hf_config, write_checkpoint
-from tests.reference import hf_greedy
+from tests.reference import hf_greedy, hf_model
 
 LATENT = 32 + 8  # kv_lora_rank + qk_rope_head_dim of test_families' DeepSeek-V3
 
@@ -107,14 +107,36 @@ def test_variants_equal_transformers(tmp_path):
     assert_leak_free(eng)
 
 
-def _yarn() -> dict:
-    return {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32,
-                                "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
-                                "original_max_position_embeddings": 4096}}
+def _yarn(**params) -> dict:
+    return {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "original_max_position_embeddings": 128,
+                                **params}}
+
+
+# DeepSeek-V3's released rope_scaling (factor 40, mscale 1, mscale_all_dim 1, beta 32/1) scaled to a
+# 128-token pretraining context served to 512; Qwen3's (factor only: cos/sin scaled by mscale(4)).
+@pytest.mark.parametrize("model_type, rope", [
+    ("deepseek_v3", _yarn(factor=4.0, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+    ("qwen3", _yarn(factor=4.0)),
+])
+def test_yarn_rope_scaling_equals_transformers(tmp_path, model_type, rope):
+    model = write_checkpoint(tmp_path / "m", model_type, seed=17, **rope)
+    mc = ModelConfig.from_dir(model)
+    assert (mc.rope.rope_type, mc.rope.factor, mc.rope.original_max_position_embeddings) == ("yarn", 4.0, 128)
+    eng = LLMEngine.from_model(model, num_blocks=48, max_num_batched_tokens=64)
+    ps = prompts(3, [5, 140, 300], seed=18)  # past the 128 pretrained positions
+    assert [o.token_ids for o in eng.generate(ps, GREEDY)] == [hf_greedy(model, p, 12) for p in ps]
+    assert_leak_free(eng)
+    # The tables themselves (blended frequencies, cos/sin times the attention factor) are transformers'
+    cos, sin = hf_model(model).model.rotary_emb(torch.zeros(1), torch.arange(512)[None])
+    ours = eng.model.rotary
+    assert (ours.cos - cos[0]).abs().max() < 1e-6 and (ours.signed_sin.abs() - sin[0].abs()).abs().max() < 1e-6
 
 
 @pytest.mark.parametrize("change, message", [
-    (_yarn(), "config.json rope_type='yarn' is not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
+     "config.json rope_type='dynamic' is not supported (default, llama3, yarn)"),
+    (_yarn(original_max_position_embeddings=None, factor=4.0),
+     "config.json rope_parameters.original_max_position_embeddings=None: yarn needs the pretrained context length"),
     ({"num_key_value_heads": 2}, "config.json num_key_value_heads=2 is not supported: latent attention expands"),
     ({"n_group": 3}, "config.json n_group=3 is not supported: the 8 experts must split into groups of at least 2"),
     ({"topk_group": 3}, "config.json topk_group=3 is not supported: it must be 1..2 (n_group)"),
@@ -130,10 +152,21 @@ def test_an_unsupported_deepseek_field_is_refused_by_name(change, message):
     assert str(e.value).startswith(message)
 
 
-def test_an_fp8_kv_cache_and_tensor_parallelism_are_refused_for_latent_attention(checkpoint):
+@pytest.mark.parametrize("option, message", [
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype=fp8 is not implemented for latent attention (model_type 'deepseek_v3'): "
+                                "its cache holds the latent in the run dtype; use kv_cache_dtype auto"),
+    ({"static_decode": "eager"}, "static_decode=eager's paged kernel reads per-head K and V, not the latent of latent "
+                                 "attention (model_type 'deepseek_v3'); use static_decode auto or off"),
+    ({"attention_backend": "cpu_paged"}, "attention_backend=cpu_paged reads per-head K and V; latent attention "
+                                         "(model_type 'deepseek_v3') attends over its latent itself (model/mla.py); "
+                                         "use attention_backend auto"),
+])
+def test_engine_paths_that_read_per_head_kv_are_refused_for_latent_attention(checkpoint, option, message):
     with pytest.raises(ValueError) as e:
-        LLMEngine.from_model(checkpoint, num_blocks=8, kv_cache_dtype="fp8")
-    assert str(e.value) == ("kv_cache_dtype=fp8 is not implemented for latent attention (model_type 'deepseek_v3'): "
-                            "its cache holds the latent in the run dtype; use kv_cache_dtype auto")
+        LLMEngine.from_model(checkpoint, num_blocks=8, **option)
+    assert str(e.value) == message
+
+
+def test_tensor_parallelism_is_refused_for_latent_attention(checkpoint):
     with pytest.raises(ValueError, match="tensor_parallel_size 2: model_type 'deepseek_v3' has no tensor-parallel"):
         check_degree(ModelConfig.from_dir(checkpoint), 2)

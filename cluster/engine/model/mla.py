@@ -24,9 +24,19 @@ from torch import nn
 
 from cluster.engine.attention import AttentionMetadata
 from cluster.engine.model.layers import Linear, RMSNorm
-from cluster.engine.model_config import ModelConfig
+from cluster.engine.model.rope import yarn_mscale
+from cluster.engine.model_config import ModelConfig, RopeConfig
 
 LORA_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers builds them with the default eps
+
+
+def softmax_scale(qk_head_dim: int, rope: RopeConfig) -> float:
+    """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 (transformers' yarn_apply_mscale:
+    MLA scales the whole q.k, not only the rotated dims)."""
+    scale = qk_head_dim**-0.5
+    if rope.yarn is not None and rope.yarn.mscale_all_dim:
+        scale *= yarn_mscale(rope.factor, rope.yarn.mscale_all_dim) ** 2
+    return scale
 
 
 class MLAttention(nn.Module):
@@ -48,7 +58,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.c, LORA_NORM_EPS)
         self.kv_b_proj = Linear(self.c, self.h * (self.nope + self.v), bias=False)
         self.o_proj = Linear(self.h * self.v, hidden, bias=m.bias)
-        self.scale = qk**-0.5  # YaRN's mscale is not applied: yarn is refused (model_config._parse_rope)
+        self.scale = softmax_scale(qk, cfg.rope)
 
     def forward(self, x, cos, sin, cache, _v_cache, meta: AttentionMetadata, _backend=None):
         # x: [T, hidden]; cache: this layer's [num_blocks, block_size, 1, C + R] (an MLA pool has one part)
