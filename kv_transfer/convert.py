@@ -35,11 +35,12 @@ CONVERT_CHUNK = 16  # blocks converted per float32 temporary
 
 
 def layer_scales(layout: KVLayout, device: torch.device) -> torch.Tensor:
-    """[L, 2] float32: each layer's K and V scale (1.0 for a float pool), broadcast over a block's
+    """[L, parts] float32: each layer's K and V scale (1.0 for a float pool), broadcast over a block's
     [bs, H_kv, D]."""
     if layout.dtype not in SCALED_DTYPES:
-        return torch.ones(layout.num_layers, 2, 1, 1, 1, device=device)
-    return torch.tensor(layout.kv_scales, dtype=torch.float32, device=device).view(layout.num_layers, 2, 1, 1, 1)
+        return torch.ones(layout.num_layers, layout.parts, 1, 1, 1, device=device)
+    return torch.tensor(layout.kv_scales, dtype=torch.float32, device=device).view(layout.num_layers, layout.parts,
+                                                                                   1, 1, 1)
 
 
 class Staging:
@@ -47,8 +48,7 @@ class Staging:
 
     def __init__(self, agent, mem_type: str, device_id: int, peer: KVLayout, slots: int, device: torch.device):
         self.agent = agent
-        self.tensor = torch.zeros(slots, peer.num_layers, 2, peer.block_size, peer.rank_kv_heads, peer.head_dim,
-                                  dtype=getattr(torch, peer.dtype), device=device)
+        self.tensor = torch.zeros(slots, *peer.block_shape, dtype=getattr(torch, peer.dtype), device=device)
         self.reg = agent.register_memory(self.tensor)
         space = BlockSpace((self.tensor.data_ptr(),), (slots,), peer.block_bytes, device_id)
         self.dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", space.block_descs(), mem_type)
@@ -105,7 +105,7 @@ class Converter:
         self._inv = None  # [L, 2, 1, 1, 1]: our fp8 inverse scales, the float32 values a layer's write uses
         if layout.dtype in SCALED_DTYPES:
             self._inv = torch.tensor([f32(1.0 / s) for s in layout.kv_scales], device=pool.device).view(
-                layout.num_layers, 2, 1, 1, 1)
+                layout.num_layers, layout.parts, 1, 1, 1)
 
     def begin(self, peer: KVLayout, remote_blocks: list[int], local_blocks: list[int], peer_name: str) -> Conversion:
         staging = self._staging.get(peer.dtype)

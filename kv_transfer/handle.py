@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from cluster.engine.kv_cache.hashing import BlockHash
 from kv_transfer.errors import IncompatiblePeerError
 
 
+MLA_LAYOUT = "block[L,1,bs,1,C+R]"  # latent attention's pool (cluster/engine/config.py kv_block_shape)
 # KV dtypes a pull converts between (any pair); scaled ones carry per-layer K and V scales.
 CONVERTIBLE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 SCALED_DTYPES = ("float8_e4m3fn",)
@@ -28,6 +30,25 @@ class KVLayout:
     # An fp8 pool's scales, float32 values: k, v of layer 0, then of layer 1, ... (stored = x / scale;
     # cluster/engine/attention/fp8_kv.py). Empty for a float pool (its values are themselves).
     kv_scales: tuple[float, ...] = ()
+    # Latent attention (DeepSeek-V2/V3, MLA_LAYOUT): a token's entry per layer is its kv_lora_rank latent
+    # and qk_rope_head_dim rope key, this many elements, shared by every query head and whole on every
+    # rank; num_kv_heads is then 1 and head_dim latent_dim. 0: per-head K and V.
+    latent_dim: int = 0
+
+    @property
+    def parts(self) -> int:
+        """A block's parts per layer: K and V, or the one latent entry."""
+        return 1 if self.latent_dim else 2
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One rank's block: [L, 2, bs, rank_kv_heads, D], or [L, 1, bs, 1, latent_dim]."""
+        return (self.num_layers, self.parts, self.block_size, self.rank_kv_heads, self.head_dim)
+
+    def describe(self) -> str:
+        if self.latent_dim:
+            return f"the MLA latent ({self.latent_dim} elements a token and layer)"
+        return f"per-head K and V ({self.num_kv_heads} KV heads x {self.head_dim})"
 
     @property
     def rank_kv_heads(self) -> int:
@@ -41,8 +62,7 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        """One rank's block: [L, 2, bs, rank_kv_heads, D]."""
-        return self.num_layers * 2 * self.block_size * self.rank_kv_heads * self.head_dim * self.elem_bytes
+        return math.prod(self.block_shape) * self.elem_bytes
 
     def converts(self, peer: "KVLayout") -> bool:
         """Whether blocks read from `peer` must be converted into ours (kv_transfer/convert.py):
@@ -52,8 +72,11 @@ class KVLayout:
     def check_compatible(self, peer: "KVLayout", peer_name: str) -> None:
         """Everything but the degree, the dtype and the scales must match; degrees that differ
         must map (head_map); dtypes that differ must both be ones a pull converts between."""
+        if bool(self.latent_dim) != bool(peer.latent_dim):  # before the fingerprint: say what differs
+            raise IncompatiblePeerError(f"refusing KV from {peer_name}: its blocks hold {peer.describe()} and ours "
+                                        f"{self.describe()}: latent attention and GQA caches never mix")
         for field in ("model_fingerprint", "block_size", "num_layers", "num_kv_heads",
-                      "head_dim", "layout"):
+                      "head_dim", "layout", "latent_dim"):
             mine, theirs = getattr(self, field), getattr(peer, field)
             if mine != theirs:
                 raise IncompatiblePeerError(
@@ -75,7 +98,7 @@ class KVLayout:
                 raise IncompatiblePeerError(f"refusing KV from {peer_name}: dtype {peer.dtype!r} != ours "
                                             f"{self.dtype!r}, and {layout.dtype!r} is not one a pull converts "
                                             f"({', '.join(CONVERTIBLE_DTYPES)})")
-            if len(layout.kv_scales) != (2 * layout.num_layers if layout.dtype in SCALED_DTYPES else 0):
+            if len(layout.kv_scales) != (layout.parts * layout.num_layers if layout.dtype in SCALED_DTYPES else 0):
                 raise IncompatiblePeerError(f"refusing KV from {peer_name}: a {layout.dtype} layout with "
                                             f"{len(layout.kv_scales)} scales for {layout.num_layers} layers")
         if self.tensor_parallel_size != 1 or peer.tensor_parallel_size != 1:

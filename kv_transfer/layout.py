@@ -1,11 +1,17 @@
 """The KV layout of a running engine, as the transfer layer describes it."""
 
 from cluster.engine.llm_engine import LLMEngine
-from kv_transfer.handle import KVLayout
+from kv_transfer.handle import MLA_LAYOUT, KVLayout
 
 
 def engine_layout(engine: LLMEngine) -> KVLayout:
     mc = engine.model_config
+    if mc.mla is not None:  # one entry a token and layer, the latent and rope key: a pull moves only those
+        latent = mc.mla.latent_dim
+        return KVLayout(model_fingerprint=engine.model_identity, block_size=engine.block_size,
+                        dtype=str(engine.kv_cache.dtype).removeprefix("torch."), num_layers=mc.num_layers,
+                        num_kv_heads=1, head_dim=latent, layout=MLA_LAYOUT,
+                        tensor_parallel_size=engine.config.tensor_parallel_size, latent_dim=latent)
     return KVLayout(
         model_fingerprint=engine.model_identity,  # architecture + weights
         block_size=engine.block_size,

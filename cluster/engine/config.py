@@ -4,6 +4,8 @@ No torch here: the front door sizes KV blocks with `kv_block_bytes` too."""
 
 from __future__ import annotations
 
+import math
+
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -269,13 +271,43 @@ def cache_dtype(mc: ModelConfig, opts: EngineOptions) -> str:
     return KV_CACHE_DTYPES.get(opts.kv_cache_dtype) or run_dtype(mc, opts)
 
 
+def kv_block_shape(mc: ModelConfig, block_size: int) -> tuple[int, ...]:
+    """One block of all layers, one contiguous region: [L, 2, bs, H_kv, D] (each token's K and V per
+    KV head), or under latent attention [L, 1, bs, 1, kv_lora_rank + qk_rope_head_dim] (each token's
+    latent and rope key, shared by every head)."""
+    if mc.mla is not None:
+        return (mc.num_layers, 1, block_size, 1, mc.mla.latent_dim)
+    return (mc.num_layers, 2, block_size, mc.num_kv_heads, mc.head_dim)
+
+
+def check_latent_paths(mc: ModelConfig, opts: EngineOptions) -> None:
+    """A latent pool is read by model/mla.py alone: options choosing a path that reads per-head K and V
+    (or an fp8 pool) are refused, named, rather than ignored."""
+    if mc.mla is None:
+        return
+    what = f"latent attention (model_type {mc.model_type!r})"
+    if opts.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype={opts.kv_cache_dtype} is not implemented for {what}: its cache holds the "
+                         "latent in the run dtype; use kv_cache_dtype auto")
+    if opts.static_decode in ("eager", "graphs"):
+        raise ValueError(f"static_decode={opts.static_decode}'s paged kernel reads per-head K and V, not the latent "
+                         f"of {what}; use static_decode auto or off")
+    if opts.attention_backend not in ("auto", "torch"):
+        raise ValueError(f"attention_backend={opts.attention_backend} reads per-head K and V; {what} attends over "
+                         "its latent itself (model/mla.py); use attention_backend auto")
+
+
 def kv_block_bytes(mc: ModelConfig, opts: EngineOptions) -> int:
-    """Bytes of one KV block (all layers, K and V) for these engine options."""
-    return mc.num_layers * 2 * opts.block_size * mc.num_kv_heads * mc.head_dim * DTYPE_BYTES[cache_dtype(mc, opts)]
+    """Bytes of one KV block (all layers) for these engine options (refusing those a latent pool cannot take)."""
+    check_latent_paths(mc, opts)
+    return math.prod(kv_block_shape(mc, opts.block_size)) * DTYPE_BYTES[cache_dtype(mc, opts)]
 
 
 def kv_block_bytes_per_rank(mc: ModelConfig, opts: EngineOptions) -> int:
-    """Bytes of one block's share on one tensor-parallel rank (its KV heads; the whole block at tp=1):
-    what a device's kv_cache_memory_gb is divided by."""
+    """Bytes of one block's share on one tensor-parallel rank (its KV heads; the whole block at tp=1,
+    and under latent attention, whose latent every rank holds whole): what a device's
+    kv_cache_memory_gb is divided by."""
+    if mc.mla is not None:
+        return kv_block_bytes(mc, opts)
     heads = kv_heads_per_rank(mc.num_kv_heads, opts.tensor_parallel_size)
     return kv_block_bytes(mc, opts) // mc.num_kv_heads * heads

@@ -23,7 +23,7 @@ import torch
 
 from cluster.engine.attention import resolve_backend
 from cluster.engine.attention.fp8_kv import kv_quant_for
-from cluster.engine.config import EngineConfig, cache_dtype, kv_block_bytes, run_dtype
+from cluster.engine.config import EngineConfig, cache_dtype, kv_block_bytes, kv_block_shape, run_dtype
 from cluster.engine.grammar import Grammars
 from cluster.engine.kv_cache import BlockHash, KVCacheManager, TierLoader, TierUsage, extend_salt
 from cluster.engine.tier_arenas import build_tiers
@@ -77,7 +77,7 @@ class LLMEngine:
         self.tokenizer = self.validator.tokenizer
         self.max_model_len = self.validator.max_model_len
         self.block_size = config.block_size
-        # One block of all layers is one contiguous region: [L, 2, block_size, H_kv, D].
+        # One block of all layers is one contiguous region (config.kv_block_shape).
         self.block_bytes = kv_block_bytes(mc, config)
         num_blocks = self.validator.num_blocks
         self.tensor_parallel = None
@@ -94,10 +94,8 @@ class LLMEngine:
             self.model.use_ops(ops)
             # The static decode path's padding rows write one block past the pool's end (its sink):
             # allocated here, never accounted, never registered for transfer.
-            pool = torch.zeros(
-                num_blocks + (1 if static else 0), mc.num_layers, 2, config.block_size, mc.num_kv_heads, mc.head_dim,
-                dtype=kv_dtype, device=self.device,
-            )
+            pool = torch.zeros(num_blocks + (1 if static else 0), *kv_block_shape(mc, config.block_size),
+                               dtype=kv_dtype, device=self.device)
             self.kv_cache = pool[:num_blocks]
             self.model.kv_quant = kv_quant_for(self.model, kv_dtype, self.tokenizer, self.max_model_len,
                                                config.block_size, self.device)

@@ -18,24 +18,39 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cluster.engine.model.families import FAMILIES, family_of
-from cluster.engine.model.families.base import (Family, GemmaFields, MoEConfig, WeightQuant, check_common,
+from cluster.engine.model.families.base import (Family, GemmaFields, GroupedRouting, MLAConfig, MoEConfig,
+                                                 WeightQuant, check_common,
                                                 parse_quantization, sliding_window)
 
 SUPPORTED_ARCHITECTURES = tuple(sorted(FAMILIES))  # the served model_types
 # Family fields left out of the fingerprint at these values, so a Llama's is what it was before they existed.
 _FINGERPRINT_DEFAULTS = {"qk_norm": False, "moe": None, "sliding_window": None, "weight_quant": None,
-                         "hidden_act": "silu", "sliding_layers": (), "gemma": None, "local_rope": None}
+                         "hidden_act": "silu", "sliding_layers": (), "gemma": None, "local_rope": None,
+                         "moe_routing": None, "mla": None}
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class YarnConfig:
+    """YaRN's own parameters (transformers' _compute_yarn_parameters names; model/rope.py)."""
+
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # None: from factor (and mscale / mscale_all_dim)
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "linear" (positions divided by factor) | "llama3"
+    rope_type: str = "default"  # "default" | "linear" (positions divided by factor) | "llama3" | "yarn"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    yarn: YarnConfig | None = None  # rope_type yarn's; None otherwise (and then left out of the fingerprint)
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,8 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()  # layers attending within sliding_window, served windowed (Gemma 3)
     gemma: GemmaFields | None = None  # Gemma's layer (norms, scales, softcapping): families/gemma3.py
     local_rope: RopeConfig | None = None  # the sliding layers' RoPE where it differs from `rope` (Gemma 3)
+    moe_routing: GroupedRouting | None = None  # DeepSeek-V3's grouped sigmoid router + shared experts; None: softmax
+    mla: MLAConfig | None = None  # latent attention (its cache holds the latent); head_dim is then its rope part's
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
@@ -105,7 +122,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            head_dim=fields.mla.qk_rope_head_dim if fields.mla else cfg.get("head_dim") or hidden // num_heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
@@ -120,6 +137,8 @@ class ModelConfig:
             sliding_layers=fields.sliding_layers,
             gemma=fields.gemma,
             local_rope=_parse_rope({"rope_parameters": fields.rope_local}) if fields.rope_local else None,
+            moe_routing=fields.moe_routing,
+            mla=fields.mla,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             generation_defaults=GenerationDefaults.from_hf_dict(generation),
@@ -146,6 +165,8 @@ class ModelConfig:
         for name, default in _FINGERPRINT_DEFAULTS.items():
             if parts[name] == default:
                 del parts[name]
+        if parts["rope"]["yarn"] is None:
+            del parts["rope"]["yarn"]
         blob = json.dumps(parts, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -160,12 +181,14 @@ def _parse_rope(cfg: dict) -> RopeConfig:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ValueError(f"config.json rope_type={rope_type!r} is not supported (default, linear, llama3)")
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        raise ValueError(f"config.json rope_type={rope_type!r} is not supported (default, linear, llama3, yarn)")
     if rope_type == "default":
         return RopeConfig(theta=theta)
     if rope_type == "linear":
         return RopeConfig(theta=theta, rope_type=rope_type, factor=params["factor"])
+    if rope_type == "yarn":
+        return _parse_yarn(cfg, params, theta)
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
@@ -174,3 +197,18 @@ def _parse_rope(cfg: dict) -> RopeConfig:
         high_freq_factor=params.get("high_freq_factor", 4.0),
         original_max_position_embeddings=params.get("original_max_position_embeddings", 8192),
     )
+
+
+def _parse_yarn(cfg: dict, params: dict, theta: float) -> RopeConfig:
+    """As transformers' _compute_yarn_parameters reads them: factor None is max_position_embeddings
+    over the original length (DeepSeek-V3's convention); beta_fast/slow 0 or None take 32/1."""
+    original = params.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original < 1:
+        raise ValueError(f"config.json rope_parameters.original_max_position_embeddings={original!r}: yarn needs "
+                         "the pretrained context length, a positive integer")
+    factor = params.get("factor") or cfg.get("max_position_embeddings", 2048) / original
+    yarn = YarnConfig(beta_fast=params.get("beta_fast") or 32.0, beta_slow=params.get("beta_slow") or 1.0,
+                      mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
+                      attention_factor=params.get("attention_factor"), truncate=params.get("truncate", True))
+    return RopeConfig(theta=theta, rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+                      yarn=yarn)

@@ -1,4 +1,5 @@
-"""The families beyond Llama (Qwen3, Mixtral, Qwen3-MoE, Phi-3, Gemma 3) equal transformers token for token, on
+"""The families beyond Llama (Qwen3, Mixtral, Qwen3-MoE, Phi-3, Gemma 3, DeepSeek-V3) equal transformers token for
+token, on
 checkpoints transformers itself writes (save_pretrained); what a family cannot serve is refused, named."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, MixtralConfig, Phi3Config, Qwen3Config, Qwen3MoeConfig
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, MixtralConfig, Phi3Config,
+                          Qwen3Config, Qwen3MoeConfig)
 
 from cluster.engine.distributed.plan import check_degree, valid_degrees
 from cluster.engine.llm_engine import LLMEngine
@@ -41,6 +43,12 @@ FAMILIES = {
                                            sliding_window_pattern=2, rope_local_base_freq=500.0, rope_theta=30000.0,
                                            query_pre_attn_scalar=24, final_logit_softcapping=3.0,
                                            rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # MLA (a 32 + 8 latent a token and layer; q through a rank-32 LoRA), layer 0 dense, 1-2 MoE: 8 experts in 2
+    # groups, top-2 from the best group, one shared expert (tests/engine/test_deepseek.py has the rest)
+    "deepseek_v3": (DeepseekV3Config, dict(num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=48,
+                                           n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                           first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+                                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)),
 }
 # transformers initialises Gemma's norm weights to 0 (a scale of 1 + 0): random ones test the offset.
 RANDOM_NORMS = {"gemma3_text"}
@@ -60,6 +68,9 @@ def write_checkpoint(out: Path, model_type: str, seed: int = 0, **overrides) -> 
     for name, p in model.named_parameters():
         if model_type in RANDOM_NORMS and "norm" in name:
             torch.nn.init.normal_(p, std=0.2)
+    for name, bias in model.named_buffers():  # DeepSeek-V3's score correction bias, zero at init: make it choose
+        if name.endswith("e_score_correction_bias"):
+            bias.normal_(std=0.05)
     model.save_pretrained(out)
     write_tokenizer(out)
     return str(out)
@@ -205,7 +216,8 @@ def test_an_unknown_model_type_is_named_with_the_served_ones():
     with pytest.raises(ValueError) as e:
         ModelConfig.from_hf_dict({"model_type": "gpt2"})
     assert str(e.value) == ("config.json model_type='gpt2' is not supported "
-                            "(supported: gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe)")
+                            "(supported: deepseek_v3, gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3, "
+                            "qwen3_moe)")
 
 
 def _rope(model_type: str, **params) -> dict:
@@ -277,7 +289,8 @@ def test_config_json_round_trip_of_each_family(family):
                       mc.moe.sparse_layers)
     expected = {"qwen3": (True, None, 32), "mixtral": (False, (8, 2, 96, True, (0, 1, 2)), 16),
                 "qwen3_moe": (True, (8, 2, 48, False, (0, 2)), 32), "phi3": (False, None, 16),
-                "gemma3_text": (True, None, 32)}[model_type]
+                "gemma3_text": (True, None, 32),
+                "deepseek_v3": (False, (8, 2, 48, True, (1, 2)), 8)}[model_type]  # head_dim: the rope part's
     assert (mc.qk_norm, moe, mc.head_dim) == expected
     window = {"gemma3_text": (24, (0, 2))}.get(model_type, (None, ()))
     assert (cfg["model_type"], (mc.sliding_window, mc.sliding_layers), mc.family.tensor_parallel) == (

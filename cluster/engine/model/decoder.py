@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from cluster.engine.attention import AttentionBackend, AttentionMetadata
+from cluster.engine.model.deepseek_moe import DeepSeekMoE
 from cluster.engine.model.gemma import GemmaDecoderLayer, GemmaRMSNorm
 from cluster.engine.model.layers import MLP, Attention, Linear, RMSNorm
+from cluster.engine.model.mla import MLAttention
 from cluster.engine.model.moe import SparseMoE
 from cluster.engine.model.ops import TORCH_OPS
 from cluster.engine.model.rope import RotaryEmbedding
@@ -27,10 +29,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAttention(cfg) if cfg.mla is not None else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.moe is not None and index in cfg.moe.sparse_layers
-        self.mlp = SparseMoE(cfg.moe, cfg.hidden_size) if sparse else MLP(cfg)
+        self.mlp = (MLP(cfg) if not sparse else SparseMoE(cfg.moe, cfg.hidden_size) if cfg.moe_routing is None
+                    else DeepSeekMoE(cfg.moe, cfg.moe_routing, cfg.hidden_size))
 
     def forward(self, x, residual, cos, sin, k_cache, v_cache, meta, backend):
         # x: the previous layer's output, residual: the stream before it (None at the first
@@ -75,7 +78,8 @@ class DecoderForCausalLM(nn.Module):
         # The fused decode kernel (ops.decode_layers) knows only the Llama layer: a family says
         # whether its layers are that, and the layers built here must agree.
         self.llama_shaped = cfg.family.llama_shaped
-        plain = all(type(layer.mlp) is MLP and layer.self_attn.q_norm is None for layer in self.layers)
+        plain = all(type(layer.mlp) is MLP and type(layer.self_attn) is Attention and layer.self_attn.q_norm is None
+                    for layer in self.layers)
         if self.llama_shaped and not plain:
             raise ValueError(f"model_type {cfg.model_type!r} is declared Llama-shaped but has q/k norms or MoE layers")
 
@@ -127,7 +131,7 @@ class DecoderForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_cache: torch.Tensor,  # [num_blocks, L, 2, block_size, H_kv, D]
+        kv_cache: torch.Tensor,  # [num_blocks, L, 2, block_size, H_kv, D]; latent attention's [.., L, 1, .., 1, C + R]
         meta: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor,  # [S] rows whose next-token logits are wanted
@@ -147,7 +151,8 @@ class DecoderForCausalLM(nn.Module):
             for i, layer in enumerate(self.layers):
                 layer_backend = backend if quant is None else quant.layer(i, backend)
                 c, s = (cos, sin) if layer.window is None else local
-                x, residual = layer(x, residual, c, s, kv_cache[:, i, 0], kv_cache[:, i, 1], meta, layer_backend)
+                # K and V; under latent attention both are the layer's one part, the latent
+                x, residual = layer(x, residual, c, s, kv_cache[:, i, 0], kv_cache[:, i, -1], meta, layer_backend)
         x = self.norm(residual.add_(x)[logits_indices])
         logits = self.lm_head(x)
         if self.softcap is not None:

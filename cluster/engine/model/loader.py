@@ -122,6 +122,8 @@ def checkpoint_target(name: str, cfg: ModelConfig) -> Piece | None:
         return None
     if "rotary_emb" in name or (cfg.weight_quant and name.endswith(fp8_weights.SCALE_SUFFIX)):
         return None  # not parameters (the fp8 scales are read first: fp8_weights.read_scales)
+    if cfg.family.skips_extra_layers and _layer_of(name) >= cfg.num_layers:
+        return None  # a module stored past the last layer (DeepSeek-V3's multi-token prediction), not the model's
     for rename in cfg.family.renames:
         m = re.search(rename.pattern, name)
         if m:
@@ -129,6 +131,11 @@ def checkpoint_target(name: str, cfg: ModelConfig) -> Piece | None:
             target = name[: m.start()] + rename.target + name[m.end():]
             return Piece(target, rename.part, None if expert is None else int(expert))
     return Piece(name)
+
+
+def _layer_of(name: str) -> int:
+    m = re.match(r"layers\.(\d+)\.", name)
+    return -1 if m is None else int(m.group(1))
 
 
 def parts(name: str, param: torch.Tensor) -> set[str]:

@@ -36,6 +36,7 @@ from typing import Sequence
 import torch
 
 from cluster.engine.attention import AttentionBackend
+from cluster.engine.config import kv_block_shape
 from cluster.engine.kv_cache import KVCacheManager
 from cluster.engine.model.hub import resolve_checkpoint
 from cluster.engine.model.loader import load_model
@@ -92,8 +93,7 @@ class DraftProposer(Proposer):
                 f"{target.vocab_size}: a draft model must share the model's vocabulary and tokenizer")
         model = load_model(draft_model, mc, max_model_len, dtype, device)
         model.use_ops(ops)
-        kv_cache = torch.zeros(num_blocks, mc.num_layers, 2, block_size, mc.num_kv_heads, mc.head_dim,
-                               dtype=dtype, device=device)
+        kv_cache = torch.zeros(num_blocks, *kv_block_shape(mc, block_size), dtype=dtype, device=device)
         log.info("draft model %s: %d layers, KV pool %d blocks x %d tokens (%.1f MiB)", draft_model,
                  mc.num_layers, num_blocks, block_size, kv_cache.numel() * kv_cache.element_size() / 2**20)
         return cls(ModelRunner(model, kv_cache, backend, block_size, device, seed=0), KVCacheManager(

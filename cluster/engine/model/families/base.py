@@ -33,12 +33,48 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter): float32 sigmoid scores; the experts
+    are chosen by score + a per-expert correction bias (`e_score_correction_bias`), only within the
+    `topk_groups` of `num_groups` expert groups whose two best biased scores sum highest; a choice
+    weighs its unbiased score (renormalised by MoEConfig.renormalize, + 1e-20), times `scaling`. The
+    layer adds `shared_intermediate_size` always-on experts as one dense MLP."""
+
+    num_groups: int
+    topk_groups: int
+    scaling: float  # routed_scaling_factor
+    shared_intermediate_size: int  # moe_intermediate_size x n_shared_experts
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3). A token's key and value come from one compressed
+    latent (kv_lora_rank, after kv_a_layernorm) and one rope key shared by every head
+    (qk_rope_head_dim): the KV cache holds those two per token and layer, not per-head K and V."""
+
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the rope dims come as (x0, x1), (x2, x3) pairs (transformers' rope_interleave)
+    bias: bool  # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj have biases
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements a token's cache entry holds per layer: the latent, then the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class FamilyFields:
     """The family-specific part of ModelConfig (what `Family.parse` returns)."""
 
     qkv_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim on every q and k head, before RoPE (Qwen3)
     moe: MoEConfig | None = None
+    moe_routing: GroupedRouting | None = None  # None: softmax top-k (Mixtral, Qwen3-MoE)
+    mla: MLAConfig | None = None  # None: per-head q/k/v attention
     hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_pytorch_tanh (Gemma)
     sliding_layers: tuple[int, ...] = ()  # the layers that attend within sliding_window (served windowed)
     gemma: GemmaFields | None = None  # Gemma's layer (families/gemma3.py)
@@ -92,6 +128,9 @@ class Family:
     cuda_graphs: bool = True  # a decode step never reads the device from the host, so a CUDA graph can capture it
     own_activation: bool = False  # its parse reads the MLP's activation itself (hidden_activation)
     defaults: tuple[tuple[str, object], ...] = ()  # transformers' values of the config.json fields it may omit
+    # Checkpoint layers past num_hidden_layers are not the model's (DeepSeek-V3's multi-token prediction
+    # module is stored as layer num_hidden_layers; transformers does not load it either): skipped.
+    skips_extra_layers: bool = False
 
 
 @dataclass(frozen=True)
