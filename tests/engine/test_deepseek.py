@@ -134,7 +134,7 @@ def test_yarn_rope_scaling_equals_transformers(tmp_path, model_type, rope):
 
 @pytest.mark.parametrize("change, message", [
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
-     "config.json rope_type='dynamic' is not supported (default, llama3, yarn)"),
+     "config.json rope_type='dynamic' is not supported (default, linear, llama3, yarn)"),
     (_yarn(original_max_position_embeddings=None, factor=4.0),
      "config.json rope_parameters.original_max_position_embeddings=None: yarn needs the pretrained context length"),
     ({"num_key_value_heads": 2}, "config.json num_key_value_heads=2 is not supported: latent attention expands"),

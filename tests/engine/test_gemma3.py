@@ -171,9 +171,9 @@ def test_a_legacy_config_reads_as_transformers_reads_it():
     ({"sliding_window": None}, "config.json sliding_window=None is not supported"),
     ({"layer_types": ["sliding_attention"]}, "config.json layer_types=['sliding_attention'] is not supported: "
                                              "it must name each of the 3 layers"),
-    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+    ({"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6},
                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
-     "config.json rope_type='yarn' is not supported"),
+     "config.json rope_type='dynamic' is not supported"),
 ])
 def test_what_gemma3_cannot_serve_is_refused_by_name(change, message):
     with pytest.raises(ValueError) as e:
