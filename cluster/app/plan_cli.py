@@ -136,7 +136,8 @@ def _row(r) -> str:
     util = ", ".join(f"{k} {v:.0%}" for k, v in r.utilisation.items())
     return (f"{r.config.label():<32} goodput {r.goodput:7.2f} req/s  attainment {r.attainment:6.1%}  "
             f"TTFT p50/p90 {r.ttft.p50:.3f}/{r.ttft.p90:.3f} s  TPOT p50/p90 {r.tpot.p50 * 1e3:.1f}/"
-            f"{r.tpot.p90 * 1e3:.1f} ms  busy: {util}  preemptions {r.preemptions}")
+            f"{r.tpot.p90 * 1e3:.1f} ms  busy: {util}  preemptions {r.preemptions}"
+            + ("" if r.keeps_up else f"  CANNOT KEEP UP: latency +{r.trend.growth_s:.1f} s through the trace"))
 
 
 def _print_plan(plan, prof, specs, slo, attain, transfer_note, cpu_s, simulated) -> None:

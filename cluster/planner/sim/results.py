@@ -1,9 +1,10 @@
 """What a run answers: the client's TTFT (the serving path's share added), TPOT, goodput against
-the SLO, each pool's utilisation; and the invariants a test checks after a run."""
+the SLO, each pool's utilisation, the latency's trend through the trace (whether the configuration
+keeps up: outcome.Trend); and the invariants a test checks after a run."""
 
 from __future__ import annotations
 
-from cluster.planner.outcome import Dist, SimResult
+from cluster.planner.outcome import Dist, SimResult, Trend
 from cluster.planner.sim.state import SimRequest
 
 
@@ -28,7 +29,9 @@ class Results:
                 util[pool] = sum(x.busy_s for x in reps) / (len(reps) * duration) if duration > 0 else 0.0
         return SimResult(self.config, len(reqs), len(done), duration, Dist.of(ttft), Dist.of(tpot),
                          Dist.of(self.itl), met, self.preemptions, self.remote, self.local, util,
-                         self.transfer_s, clamped, tuple(self.flips))
+                         self.transfer_s, clamped, tuple(self.flips),
+                         Trend.of([r.spec.arrival_s for r in reqs],
+                                  [r.done_s - r.spec.arrival_s if r.done_s >= 0 else None for r in reqs]))
 
     def check_invariants(self) -> None:
         """Blocks: free + held == total on every decode replica; prompt tokens left == the sum
