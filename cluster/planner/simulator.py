@@ -92,6 +92,8 @@ class Simulator(EventCore, SharedCores, PrefillSteps, DecodeSteps, Flips, Result
         # client's TTFT per path, the remote hand-off (with the transfer)
         sv = profile.serving
         self.serving_step_s, self.serving_stream_s = (sv.decode_step_s, sv.decode_stream_s) if sv else (0.0, 0.0)
+        # their CPU per relayed token, competing for the cores when the replicas share a machine's
+        self.relay_cpu_s = sv.message_cpu_s if sv is not None and config.cores is not None else 0.0
         self.flips: list[tuple[float, str, str, str]] = []  # (when, replica, to, reason) as each completed
         self.decisions: list = []  # the planner's decisions other than hold, in order
 

@@ -12,16 +12,24 @@ from cluster.planner.profile import OutOfRange, Profile
 
 
 def test_a_small_grid_gives_a_profile_with_its_range(tiny_model, tmp_path):
-    lines = []
+    lines, expected = [], []
     prof = calibrate(tiny_model, prefill_tokens=[16, 48], prefill_cached=[0, 32], decode_batch=[1, 3],
-                     decode_context=[32, 64], reps=1, device="cpu", log=lines.append)
+                     decode_context=[32, 64], reps=1, device="cpu", log=lines.append, threads=1,
+                     announce=expected.append)
     assert prof.prefill.xs == (16, 48) and prof.prefill.ys == (0, 32)
     assert prof.decode.xs == (1, 3) and prof.decode.ys == (32, 64)
     assert all(v > 0 for row in prof.prefill.values + prof.decode.values for v in row)
     assert prof.transfer is None and any("transfer not measured" in n for n in prof.notes)
     assert any("decode points: distinct prompts, admitted as imported" in n for n in prof.notes)
     assert prof.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv_heads x head_dim x fp32
-    assert prof.versions["pdserve"] and prof.device["kind"] == "cpu" and len(lines) == 4
+    assert prof.versions["pdserve"] and prof.device["kind"] == "cpu" and prof.device["threads"] == 1
+    # progress: the grid's expected duration announced once, before the first point; then a line a
+    # point, in the grid's order, each with the time spent and left
+    assert len(expected) == 1 and expected[0] > 0
+    points = [re.fullmatch(r"\[(\d+)/8\] (.*): [0-9.]+ ms  \(\d+ s, ~\d+ s left\)", line) for line in lines]
+    assert [int(m[1]) for m in points] == list(range(1, 9)), lines
+    assert [m[2] for m in points] == [f"prefill {n} tokens after {c} cached" for n in (16, 48) for c in (0, 32)] + [
+        f"decode batch {b} at context {ctx}" for b in (1, 3) for ctx in (32, 64)]
     prof.save(tmp_path / "p.json")
     loaded = Profile.load(tmp_path / "p.json")
     with pytest.raises(OutOfRange, match="prefill: tokens=49"):

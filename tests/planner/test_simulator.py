@@ -193,3 +193,21 @@ def test_a_configuration_above_capacity_shows_its_queue_growing_through_the_trac
     assert r.attainment == 1.0  # every TTFT under 20 s: the trace ends before the queue misses the SLO
     two = simulate(profile, replace(cfg, decode_replicas=2), specs, SLO(20.0, 0.1))
     assert two.ttft.max == two.ttft.p50 == 2.0625 and two.trend == Trend(2.0625, 0.0) and two.keeps_up
+
+
+def test_the_serving_processes_cpu_per_relayed_token_takes_its_share_of_the_cores(profile):
+    """profile.serving.message_cpu_s = 1/64 s of CPU a relayed token, on one core: after the
+    prompt's step (its first token sampled), the relay of that token and the next decode step
+    (1/64 s alone) share the core, each at half pace: both end 1/32 s later, and so on for each
+    token. A token interval is 1/32 s, twice the step's own; without shared cores (a device each,
+    the serving processes on other cores) it is the step's own 1/64 s."""
+    from cluster.planner.profile import Serving
+
+    served = replace(profile, serving=Serving(0.0, 0.0, 0.0, 0.0, 0.0, message_cpu_s=1 / 64))
+    cfg = ClusterConfig(0, 1, chunk_tokens=512, cores=1.0)
+    sim = Simulator(served, cfg, LOOSE)
+    r = sim.run([RequestSpec(0.0, 16, 4)])
+    assert r.ttft.p50 == prefill_s(16) and r.itl.p50 == r.itl.max == 2 * decode_s(1) == 1 / 32
+    assert sim._sharing == {} and sim.busy == 0
+    alone = simulate(served, replace(cfg, cores=None), [RequestSpec(0.0, 16, 4)], LOOSE)
+    assert alone.itl.max == decode_s(1)

@@ -5,6 +5,10 @@ profile times each step alone; `pdserve profile --sharing N` measures the slowdo
 stepping at once; without it, ideal processor sharing, n / cores). A step's end moves whenever
 another step starts or ends: `_sharing` holds, per replica mid-step, [profiled seconds left, start,
 work, the id of its latest end event (earlier ones are stale)].
+
+The serving processes take their share too (profile.serving.message_cpu_s: their CPU per relayed
+token): each step's sampled tokens add that much work to one more participant, RELAY, which runs
+while it has work beside the steps, slowing them as another process would.
 """
 
 from __future__ import annotations
@@ -15,7 +19,27 @@ from cluster.planner.sim.events import STEP
 from cluster.planner.sim.state import Replica
 
 
+RELAY = "relay"  # the serving processes' participant in the share (not a replica)
+
+
 class SharedCores:
+    def _relay(self, seconds: float) -> None:
+        """Work for the serving processes (tokens relayed): it shares the cores until done."""
+        self._advance_shared()
+        entry = self._sharing.get(RELAY)
+        if entry is None:
+            self._sharing[RELAY] = [seconds, self.now, None, 0]
+        else:
+            entry[0] += seconds
+        self._reschedule_shared()
+
+    def _end_relay(self, event: int) -> None:
+        entry = self._sharing.get(RELAY)
+        if entry is not None and entry[3] == event:
+            self._advance_shared()
+            del self._sharing[RELAY]
+            self._reschedule_shared()
+
     def _start_shared(self, rep: Replica, work, seconds: float) -> None:
         self._advance_shared()
         self._sharing[rep] = [seconds, self.now, work, 0]

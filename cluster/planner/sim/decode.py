@@ -121,10 +121,11 @@ class DecodeSteps:
         rep.queue(r, front=True)
         self.preemptions += 1
 
-    def _decode_done(self, rep: Replica, work) -> None:
+    def _decode_done(self, rep: Replica, work) -> int:
+        """The step's tokens are computed; returns the tokens sampled."""
         decodes, chunks = work
         now, itl = self.now, self.itl
-        ended = []
+        ended, sampled = [], len(decodes)
         for r in decodes:  # inline: the simulator's hottest loop (one pass per token)
             r.computed += 1
             if r.in_prompt:  # a prompt's last token, computed as a decode
@@ -147,6 +148,7 @@ class DecodeSteps:
             if r.computed == r.known:
                 r.in_prompt = False
                 self._sample(r)
+                sampled += 1
                 if r.done_s >= 0:
                     ended.append(r)
         for r in ended:
@@ -154,6 +156,7 @@ class DecodeSteps:
             rep.free_blocks += r.blocks
             r.blocks = 0
             rep.assigned -= 1
+        return sampled
 
     def _release(self, rep: Replica) -> None:
         rep.assigned -= 1

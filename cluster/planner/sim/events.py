@@ -104,14 +104,19 @@ class EventCore:
             rep.step_s = seconds if rep.step_s == 0 else 0.7 * rep.step_s + 0.3 * seconds
 
     def _step_end(self, rep: Replica, work, event: int) -> None:
+        if work is None:  # the serving processes' relay work (sim/cores.py) is done
+            self._end_relay(event)
+            return
         if event and not self._end_shared(rep, work, event):  # a stale end of a shared step
             return
         rep.busy = False
         self.busy -= 1
         if rep.pool == "prefill":
-            self._prefill_done(rep, work)
+            sampled = self._prefill_done(rep, work)
         else:
-            self._decode_done(rep, work)
+            sampled = self._decode_done(rep, work)
+        if self.relay_cpu_s and sampled:
+            self._relay(sampled * self.relay_cpu_s)
         if rep.draining:
             self._finish_drain(rep)
         self._wake(rep)

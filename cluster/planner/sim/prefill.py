@@ -32,7 +32,9 @@ class PrefillSteps:
         context = sum(r.computed * take for r, take in work) / tokens  # token-weighted context before the chunk
         return self.profile.prefill(tokens, context)
 
-    def _prefill_done(self, rep: Replica, work) -> None:
+    def _prefill_done(self, rep: Replica, work) -> int:
+        """The step's chunks are computed; returns the tokens sampled (first tokens)."""
+        sampled = 0
         for r, take in work:
             r.computed += take
             rep.prompt_tokens_left -= take
@@ -40,7 +42,9 @@ class PrefillSteps:
                 r.in_prompt = False
                 rep.running.remove(r)
                 self._sample(r)
+                sampled += 1
                 if r.done_s < 0:
                     self._transfer(r)
                 else:  # its first token ended it: decode never takes it
                     self._release(r.decode)
+        return sampled
