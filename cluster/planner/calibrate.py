@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import platform
 import random
 import statistics
@@ -227,7 +228,8 @@ def device_info(engine: LLMEngine) -> dict:
             name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     except OSError:
         pass
-    return {"kind": "cpu", "name": name, "threads": torch.get_num_threads()}
+    # cores: the machine's, which replicas on it share (`pdserve plan` prices with them)
+    return {"kind": "cpu", "name": name, "threads": torch.get_num_threads(), "cores": os.cpu_count()}
 
 
 class Progress:

@@ -84,3 +84,26 @@ def test_the_sharing_factor_is_the_geometric_mean_of_the_median_slow_downs():
     # two processes at once: medians over both, 1.25 s (2x) and 0.28125 s (2.25x) -> sqrt(4.5)
     together = sharing_factor([([1.25, 1.5, 1.0], [0.25, 0.3125]), ([1.25, 2.0], [0.25, 0.375])], alone[:2])
     assert together == (1.25, 0.28125, 2.1213)
+
+
+def test_pdserve_profile_prints_its_stages_and_expected_time_up_front_then_a_line_a_point(tiny_model, tmp_path,
+                                                                                         capsys):
+    """`pdserve profile --engine-only`: what it will measure first, the expected duration before
+    the first point, a line per point, and at the end that the profile is not calibrated for a plan
+    (issue 54: the README's profile printed nothing for two minutes and lacked the serving path)."""
+    from cluster.app.cli import main
+
+    rc = main(["profile", "--model", tiny_model, "--out", str(tmp_path / "p.json"), "--prefill-tokens", "16,48",
+               "--prefill-cached", "0", "--decode-batch", "1,2", "--decode-context", "32", "--reps", "1",
+               "--sharing", "0", "--engine-only", "--device", "cpu"])
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0, lines
+    assert lines[0] == "pdserve profile: measuring the engine's steps (in-process)"
+    assert re.fullmatch(r"expected ~\d+ s in all \(engine steps ~\d+ s\)", lines[1]), lines[1]
+    assert [re.sub(r": [0-9.]+ ms .*", "", x) for x in lines[2:6]] == [
+        "[1/4] prefill 16 tokens after 0 cached", "[2/4] prefill 48 tokens after 0 cached",
+        "[3/4] decode batch 1 at context 32", "[4/4] decode batch 2 at context 32"]
+    assert lines[-1] == ("calibrated for a plan: NO, it lacks the serving path's cost (per request, step, stream "
+                         "and relayed token); the engine processes' sharing of the cores; the KV transfer (neither "
+                         "measured nor stated as assumed)")
+    assert Profile.load(tmp_path / "p.json").device["threads"] == 1
