@@ -14,6 +14,11 @@ def _ints(text: str) -> list[int]:
 
 
 def add_planner_parsers(sub) -> None:
+    _add_profile_parser(sub)
+    _add_plan_parser(sub)
+
+
+def _add_profile_parser(sub) -> None:
     pr = sub.add_parser("profile", help="measure what `pdserve plan` needs on this machine: the engine's step costs "
                                         "(in-process), the engine processes' sharing of the cores, the serving "
                                         "path's own cost and the KV transfer (real `pdserve up` runs); ~7 minutes "
@@ -33,12 +38,14 @@ def add_planner_parsers(sub) -> None:
     pr.add_argument("--engine-only", action="store_true",
                     help="only the engine's steps (and --sharing): no serving path, no transfer; `pdserve plan` "
                          "then refuses it without --uncalibrated")
-    pr.add_argument("--probe-groups", type=int, default=16, help="the serving path's runs: groups of requests")
+    pr.add_argument("--probe-groups", type=int, default=12, help="the serving path's runs: groups of requests")
     pr.add_argument("--probe-gap", type=float, default=3.0, help="the serving path's runs: seconds between groups")
     pr.add_argument("--device", default="auto")
     pr.add_argument("--dtype", default="auto")
     pr.set_defaults(func=_profile)
 
+
+def _add_plan_parser(sub) -> None:
     pl = sub.add_parser("plan", help="simulate P:D splits, chunk sizes and skip-prefill thresholds on a workload "
                                      "and print the cheapest that meets an SLO, with the simulator's error against "
                                      "real runs when --validation is given")
@@ -100,20 +107,9 @@ def _plan(args) -> int:
     if not specs:
         print("pdserve plan: the workload has no requests", file=sys.stderr)
         return 2
-    if not 0 <= args.validate <= 10:
-        print(f"pdserve plan: --validate: at most 10 runs, got {args.validate}", file=sys.stderr)
+    missing = _calibration(args, prof)
+    if missing is None:
         return 2
-    missing = prof.uncalibrated()
-    if missing and not args.uncalibrated:
-        print(f"pdserve plan: refused: {args.profile} is not calibrated for a plan: it lacks " + "; ".join(missing)
-              + ". Run `pdserve profile` without --engine-only on the machine that will serve (or give "
-              "--uncalibrated to plan anyway, with widened figures)", file=sys.stderr)
-        return 2
-    if missing and not args.json:
-        print("UNCALIBRATED: the profile lacks " + "; ".join(missing) + ": the figures below are the engine's "
-              "alone, widened by the errors such a plan had against a real run", flush=True)
-    if args.cores is None and prof.device.get("kind") == "cpu" and prof.device.get("cores"):
-        args.cores = float(prof.device["cores"])  # the replicas share the machine the profile was made on
     transfer, transfer_note = prof.transfer, "measured"
     if args.transfer_gbps is not None:
         transfer = Transfer(args.transfer_latency_ms / 1000, args.transfer_gbps * 1e9, measured=False)
@@ -183,6 +179,26 @@ def _validate(best, prof, specs, slo, runs: int) -> int:
     return 0
 
 
+def _calibration(args, prof) -> list[str] | None:
+    """What the profile lacks for a plan (printed first, with --uncalibrated); None: refused."""
+    if not 0 <= args.validate <= 10:
+        print(f"pdserve plan: --validate: at most 10 runs, got {args.validate}", file=sys.stderr)
+        return None
+    missing = [m for m in prof.uncalibrated()  # --transfer-gbps states the transfer
+               if not (args.transfer_gbps is not None and m.startswith("the KV transfer"))]
+    if missing and not args.uncalibrated:
+        print(f"pdserve plan: refused: {args.profile} is not calibrated for a plan: it lacks " + "; ".join(missing)
+              + ". Run `pdserve profile` without --engine-only on the machine that will serve (or give "
+              "--uncalibrated to plan anyway, with widened figures)", file=sys.stderr)
+        return None
+    if missing and not args.json:
+        print("UNCALIBRATED: the profile lacks " + "; ".join(missing) + ": the figures below are the engine's "
+              "alone, widened by the errors such a plan had against a real run", flush=True)
+    if args.cores is None and prof.device.get("kind") == "cpu" and prof.device.get("cores"):
+        args.cores = float(prof.device["cores"])  # the replicas share the machine the profile was made on
+    return missing
+
+
 def _row(r) -> str:
     util = ", ".join(f"{k} {v:.0%}" for k, v in r.utilisation.items())
     return (f"{r.config.label():<32} goodput {r.goodput:7.2f} req/s  attainment {r.attainment:6.1%}  "
@@ -221,7 +237,8 @@ def _print_plan(plan, prof, specs, slo, attain, transfer_note, cpu_s, simulated)
     if clamped:
         print(f"note: {clamped} step times were read below the profile's first grid point and priced at it "
               "(an over-estimate): profile smaller points to remove it")
-    print("note: prefix caching, ingress cost, KV transfer (unless given) and stale router loads are not simulated")
+    print("note: prefix caching, admission control and the router's stale loads are not simulated"
+          + ("" if prof.serving is not None else "; nor the serving path's cost (not in the profile)"))
 
 
 def _plan_json(plan, prof, specs, slo, transfer_note, cpu_s, simulated) -> dict:

@@ -149,3 +149,10 @@ def test_plan_refuses_an_engine_only_profile_unless_told_and_then_says_so_first(
     [widened] = [x for x in lines if x.startswith("UNCALIBRATED: the plan's figures widened")]
     assert "TTFT p50 2016 (1252-5168) ms" in widened
     assert "  WARNING: the upper end of a p90 band is past the SLO: calibrate before trusting the pick" in lines
+
+
+def test_plan_validate_runs_are_bounded(tmp_path, capsys):
+    synthetic_profile().save(tmp_path / "p.json")
+    rc = main(["plan", "--profile", str(tmp_path / "p.json"), "--workload", "rate=2,n=20,prompt=100:200,output=8",
+               "--slo", "ttft=1,tpot=0.1", "--budget", "1", "--max-num-seqs", "8", "--validate", "11"])
+    assert rc == 2 and capsys.readouterr().err == "pdserve plan: --validate: at most 10 runs, got 11\n"
