@@ -58,7 +58,8 @@ def profile_main(args) -> int:
         print(f"expected ~{grid_s + 15 * sharing + probe_s:.0f} s in all (engine steps ~{grid_s:.0f} s)", flush=True)
 
     try:
-        prof = cal.calibrate(model, args.prefill_tokens or cal.PREFILL_TOKENS, args.prefill_cached or cal.PREFILL_CACHED,
+        prof = cal.calibrate(model, args.prefill_tokens or cal.PREFILL_TOKENS,
+                             args.prefill_cached or cal.PREFILL_CACHED,
                              args.decode_batch or cal.DECODE_BATCH, args.decode_context or cal.DECODE_CONTEXT,
                              reps=args.reps, device=args.device, dtype=args.dtype, sharing=sharing,
                              threads=args.threads, announce=announce, log=lambda line: print(line, flush=True))

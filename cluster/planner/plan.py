@@ -5,8 +5,9 @@ colocated; each chunk size; each skip-prefill threshold, irrelevant without a pr
 simulated on the same requests. A configuration meets the SLO when at least `attain` of the
 requests have TTFT <= slo.ttft and TPOT <= slo.tpot, and it keeps up with the trace (its
 latency does not grow through it: outcome.Trend; a short trace can end before a growing queue
-pushes 10% of requests past the SLO, and a longer run of the same load would miss it). The cheapest is the one with the fewest
-replicas, then the most goodput, then the fewest prefill replicas. The Pareto front is, for each
+pushes 10% of requests past the SLO, and a longer run of the same load would miss it). The
+cheapest is the one with the fewest replicas, then the most goodput, then the fewest prefill
+replicas. The Pareto front is, for each
 replica count, the best goodput, kept where it beats every cheaper count.
 
 The binding constraint is found by what-if: the configuration that would save a replica (the
