@@ -7,8 +7,8 @@ requests have TTFT <= slo.ttft and TPOT <= slo.tpot, and it keeps up with the tr
 latency does not grow through it: outcome.Trend; a short trace can end before a growing queue
 pushes 10% of requests past the SLO, and a longer run of the same load would miss it). The
 cheapest is the one with the fewest replicas, then the most goodput, then the fewest prefill
-replicas. The Pareto front is, for each
-replica count, the best goodput, kept where it beats every cheaper count.
+replicas. The Pareto front is, for each replica count, the best goodput, kept where it beats
+every cheaper count.
 
 The binding constraint is found by what-if: the configuration that would save a replica (the
 best with one replica fewer than the plan) is simulated again with one resource relaxed at a time
