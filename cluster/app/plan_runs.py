@@ -47,7 +47,7 @@ def profile_main(args) -> int:
 
         model = str(smollm2_135m_instruct())
     sharing = _sharing_default(args) if args.device in ("auto", "cpu") else 0
-    probe_s = 0.0 if args.engine_only else 3 * (45 + args.probe_groups * args.probe_gap + 3) + 30
+    probe_s = 0.0 if args.engine_only else 3 * (45 + args.probe_groups * args.probe_gap * 1.3) + 30
     stages = ["the engine's steps (in-process)"] + ([f"{sharing} engine processes at once (~{15 * sharing} s)"]
                                                      if sharing else [])
     if not args.engine_only:

@@ -72,10 +72,17 @@ def measure_transfer(model: str, lengths=(128, 1024), reps: int = 3, dtype: str 
             f"{t0 * 1e3:.2f} and {t1 * 1e3:.2f} ms: {latency * 1e3:.2f} ms + {rate / 1e9:.2f} GB/s")
 
 
-def probe_seconds(groups: int, gap_s: float, output: int) -> float:
+def probe_seconds(groups: int, gaps: list[float]) -> float:
     """What the probe should take: three `pdserve up` runs (start ~35 s, stop ~10 s) of `groups`
-    groups `gap_s` apart, and the transfer's pulls (~30 s)."""
-    return 3 * (45 + groups * gap_s + output * 0.05) + 30
+    groups at their gaps, and the transfer's pulls (~30 s)."""
+    return sum(45 + groups * gap for gap in gaps) + 30
+
+
+def group_gap(prof: Profile, cfg: ClusterConfig, size: int, prompt: int, output: int, least_s: float) -> float:
+    """Seconds between groups so that nothing queues: 1.5 x a group's time alone (simulated,
+    engine steps alone) + 0.5 s, and at least `least_s` (a slower machine or model needs more)."""
+    alone = simulate(prof, cfg, [RequestSpec(0.0, prompt, output)] * size, SLO(10.0, 1.0))
+    return round(max(least_s, 1.5 * alone.duration_s + 0.5), 1)
 
 
 def _probe_runs(prof: Profile, args, work: Path) -> dict:
@@ -84,12 +91,13 @@ def _probe_runs(prof: Profile, args, work: Path) -> dict:
     got: dict[str, tuple[Metrics, Metrics, dict, int]] = {}
     for k, (text, size) in enumerate((("0P+1D", 1), ("0P+1D", args.batch), ("1P+1D", 1)), 1):
         tag = f"probe-{text.replace('+', '')}-x{size}"
-        specs = probe_trace(work / f"{tag}-trace.jsonl", args.groups, size, args.prompt, args.output, args.gap)
+        gap = group_gap(prof, ClusterConfig.parse(text, base), size, args.prompt, args.output, args.gap)
+        specs = probe_trace(work / f"{tag}-trace.jsonl", args.groups, size, args.prompt, args.output, gap)
         cfg = ClusterConfig.parse(text, base)
         result, cpu = run_real(cfg, prof, work / f"{tag}-trace.jsonl", slo, work, tag)
         real, sim = Metrics.of_bench(result, slo), Metrics.of_sim(simulate(prof, cfg, specs, slo))
         got[tag] = (real, sim, cpu, len(specs))
-        print(f"[{k}/3] serving path {text}, groups of {size}: TTFT p50 real {real.ttft_p50 * 1e3:.1f} ms, engine "
+        print(f"[{k}/3] serving path {text}, groups of {size} {gap:g} s apart: TTFT p50 real {real.ttft_p50 * 1e3:.1f} ms, engine "
               f"alone {sim.ttft_p50 * 1e3:.1f} ms; TPOT p50 real {real.tpot_p50 * 1e3:.2f} ms, engine alone "
               f"{sim.tpot_p50 * 1e3:.2f} ms; {result['completed']}/{len(specs)} completed", flush=True)
     return got
@@ -110,7 +118,7 @@ def serving_terms(got: dict, args) -> Serving:
         handoff_s=max(0.0, (r1r.tpot_p50 - r1s.tpot_p50 - step_1) * (args.output - 1)),
         message_cpu_s=serving_cpu / (n_b * args.output),
         probe={"runs": list(got), "groups": args.groups, "batch": args.batch, "prompt": args.prompt,
-               "output": args.output, "gap_s": args.gap, "real": {k: asdict(v[0]) for k, v in got.items()},
+               "output": args.output, "least_gap_s": args.gap, "real": {k: asdict(v[0]) for k, v in got.items()},
                "engine_alone": {k: asdict(v[1]) for k, v in got.items()},
                "cpu": {k: v[2] for k, v in got.items()},
                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
@@ -121,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", required=True, help="a `pdserve profile` file made on this machine")
     ap.add_argument("--out", required=True, help="the profile with its serving section (may be --profile)")
     ap.add_argument("--groups", type=int, default=24)
-    ap.add_argument("--batch", type=int, default=8, help="requests a group in the batched run")
+    ap.add_argument("--batch", type=int, default=4, help="requests a group in the batched run")
     ap.add_argument("--prompt", type=int, default=128, help="tokens (above the skip-prefill threshold, 64)")
     ap.add_argument("--output", type=int, default=64)
-    ap.add_argument("--gap", type=float, default=2.0, help="seconds between groups (nothing queues)")
+    ap.add_argument("--gap", type=float, default=2.0, help="least seconds between groups (more where a group "
+                    "takes longer alone: nothing queues)")
     ap.add_argument("--kv-gb", type=float, default=1.0)
     ap.add_argument("--no-transfer", action="store_true", help="keep the profile's transfer as it is")
     ap.add_argument("--work", default="/tmp/pdserve-serving-probe")
@@ -134,8 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     prof = replace(loaded, serving=None)  # the engine's steps alone
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    print(f"serving path: 3 real runs (pdserve up + pdserve bench) and the KV transfer: expected "
-          f"~{probe_seconds(args.groups, args.gap, args.output):.0f} s", flush=True)
+    base = ClusterConfig(0, 1, 512, 64, int(args.kv_gb * 2**30 // prof.engine["kv_block_bytes"]), 64)
+    gaps = [group_gap(prof, ClusterConfig.parse(t, base), n, args.prompt, args.output, args.gap)
+            for t, n in (("0P+1D", 1), ("0P+1D", args.batch), ("1P+1D", 1))]
+    print(f"serving path: 3 real runs (pdserve up + pdserve bench; groups of 1, {args.batch}, 1 at "
+          f"{', '.join(f'{g:g}' for g in gaps)} s apart) and the KV transfer: expected "
+          f"~{probe_seconds(args.groups, gaps):.0f} s", flush=True)
     transfer, notes = loaded.transfer, list(loaded.notes)
     if not args.no_transfer:
         transfer, note = measure_transfer(prof.model["path"], dtype=prof.engine.get("dtype", "auto"))
