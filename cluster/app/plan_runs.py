@@ -184,11 +184,11 @@ def side_by_side(sim, results: list[dict], slo) -> list[str]:
     measured = [Metrics.of_bench(r, slo) for r in results]
     real, pred = Metrics.median(measured), Metrics.of_sim(sim)
     lines = [f"validate: predicted against measured ({len(results)} run(s); measured = the median over runs)",
-             f"  {'metric':<10} {'predicted':>11} {'measured':>11} {'error':>8}"]
+             f"  {'metric':<10} {'predicted':>14} {'measured':>14} {'error':>8}"]
     for m in METRICS:
         p, r = getattr(pred, m), getattr(real, m)
-        unit, k = ("req/s", 1.0) if m == "goodput" else ("ms", 1e3)
-        lines.append(f"  {LABELS[m]:<10} {p * k:>8.1f} {unit:<3}{r * k:>8.1f} {unit:<3}{ape(r, p):>7.1f}%")
+        text = (lambda v: f"{v:>8.3f} req/s") if m == "goodput" else (lambda v: f"{v * 1e3:>8.1f} ms   ")
+        lines.append(f"  {LABELS[m]:<10} {text(p)} {text(r)} {ape(r, p):>7.1f}%")
     for i, r in enumerate(results):
         ok = [s == "ok" for s in r["statuses"]]
         trend = Trend.of(r["start_times"], [lat if g else None for lat, g in zip(r["latencies"], ok)])
