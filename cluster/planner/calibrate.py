@@ -283,7 +283,23 @@ def _measure_grid(cal: "Calibrator", prefill_tokens, prefill_cached, decode_batc
         for ctx in decode_context:
             decode[-1].append(cal.decode(b, ctx))
             progress.point(f"decode batch {b} at context {ctx}: {decode[-1][-1] * 1e3:.1f} ms")
+    for name, values, xs, ys, measure in (("prefill", prefill, prefill_tokens, prefill_cached, cal.prefill),
+                                          ("decode", decode, decode_batch, decode_context, cal.decode)):
+        for i, j in outliers(values):  # once more; the lower median stands (noise only adds time)
+            again = measure(xs[i], ys[j])
+            cal.log(f"{name} ({xs[i]}, {ys[j]}): {values[i][j] * 1e3:.1f} ms was above a larger point's; "
+                    f"again {again * 1e3:.1f} ms")
+            values[i][j] = min(values[i][j], again)
     return prefill, decode
+
+
+def outliers(values: Sequence[Sequence[float]]) -> list[tuple[int, int]]:
+    """Grid points whose time is above a point's with more work on either axis (more tokens or
+    rows, more context): a step's time grows along both, so such a point was slowed by something
+    else on the machine (or its neighbour was fast by chance: re-measuring keeps the lower)."""
+    n, m = len(values), len(values[0]) if values else 0
+    return [(i, j) for i in range(n) for j in range(m)
+            if (i + 1 < n and values[i][j] > values[i + 1][j]) or (j + 1 < m and values[i][j] > values[i][j + 1])]
 
 
 def calibrate(model: str, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
