@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,8 +14,15 @@ def _ints(text: str) -> list[int]:
 
 
 def add_planner_parsers(sub) -> None:
-    pr = sub.add_parser("profile", help="measure this machine's engine step costs into a profile for `pdserve plan` "
-                                        "(in-process, no Ray; a few minutes with the default grid)")
+    _add_profile_parser(sub)
+    _add_plan_parser(sub)
+
+
+def _add_profile_parser(sub) -> None:
+    pr = sub.add_parser("profile", help="measure what `pdserve plan` needs on this machine: the engine's step costs "
+                                        "(in-process), the engine processes' sharing of the cores, the serving "
+                                        "path's own cost and the KV transfer (real `pdserve up` runs); ~7 minutes "
+                                        "with the defaults on 2 CPU cores, printed as it goes")
     pr.add_argument("--model", help="checkpoint directory (default: the demo model, SmolLM2-135M-Instruct)")
     pr.add_argument("--out", default="pdserve-profile.json", help="profile file to write")
     pr.add_argument("--prefill-tokens", type=_ints, default=None, help="prompt tokens per step, e.g. 16,64,256,1024")
@@ -22,13 +30,22 @@ def add_planner_parsers(sub) -> None:
     pr.add_argument("--decode-batch", type=_ints, default=None, help="decode batch sizes, e.g. 1,8,32")
     pr.add_argument("--decode-context", type=_ints, default=None, help="decode contexts, e.g. 128,1024")
     pr.add_argument("--reps", type=int, default=3, help="timed steps per point (median)")
-    pr.add_argument("--sharing", type=int, default=0, metavar="N",
-                    help="CPU: also measure how N engine processes stepping at once slow one another "
-                         "(what `pdserve plan --cores` prices with; ~15 s per process count)")
+    pr.add_argument("--threads", type=int, default=1,
+                    help="torch threads while timing steps: a replica's (its pool's num_cpus, 1 by default)")
+    pr.add_argument("--sharing", type=int, default=None, metavar="N",
+                    help="CPU: how N engine processes stepping at once slow one another (default: the cores + 1, "
+                         "at most 4; 0: not measured; ~15 s per process count)")
+    pr.add_argument("--engine-only", action="store_true",
+                    help="only the engine's steps (and --sharing): no serving path, no transfer; `pdserve plan` "
+                         "then refuses it without --uncalibrated")
+    pr.add_argument("--probe-groups", type=int, default=12, help="the serving path's runs: groups of requests")
+    pr.add_argument("--probe-gap", type=float, default=3.0, help="the serving path's runs: seconds between groups")
     pr.add_argument("--device", default="auto")
     pr.add_argument("--dtype", default="auto")
     pr.set_defaults(func=_profile)
 
+
+def _add_plan_parser(sub) -> None:
     pl = sub.add_parser("plan", help="simulate P:D splits, chunk sizes and skip-prefill thresholds on a workload "
                                      "and print the cheapest that meets an SLO, with the simulator's error against "
                                      "real runs when --validation is given")
@@ -56,31 +73,20 @@ def add_planner_parsers(sub) -> None:
     pl.add_argument("--validation", help="a validation file (python -m cluster.tools.bench.plan_validation): its "
                                          "MAPE per metric is reported and widens the plan's predicted figures")
     pl.add_argument("--emit-config", help="write the plan as an app config (pdserve up --config FILE)")
+    pl.add_argument("--uncalibrated", action="store_true",
+                    help="plan on a profile that lacks the serving path's cost, the cores' sharing or the transfer "
+                         "(refused without it): the first line says so and the figures are widened")
+    pl.add_argument("--validate", type=int, default=0, metavar="N",
+                    help="run the plan's pick for real: `pdserve up` of the emitted config and N `pdserve bench` "
+                         "replays of the same trace, then predicted against measured side by side")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_plan)
 
 
 def _profile(args) -> int:
-    from cluster.planner import calibrate as cal  # noqa: PLC0415 — torch, only when profiling
+    from cluster.app.plan_runs import profile_main  # noqa: PLC0415
 
-    model = args.model
-    if model is None:
-        from cluster.engine.model.demo import smollm2_135m_instruct  # noqa: PLC0415
-
-        model = str(smollm2_135m_instruct())
-    try:
-        prof = cal.calibrate(model, args.prefill_tokens or cal.PREFILL_TOKENS, args.prefill_cached or cal.PREFILL_CACHED,
-                             args.decode_batch or cal.DECODE_BATCH, args.decode_context or cal.DECODE_CONTEXT,
-                             reps=args.reps, device=args.device, dtype=args.dtype, sharing=args.sharing)
-    except (ValueError, RuntimeError) as e:
-        print(f"pdserve profile: {e}", file=sys.stderr)
-        return 2
-    prof.save(args.out)
-    print(f"wrote {args.out} in {prof.wall_s:.0f} s: {prof.model['path']} on {prof.device['name']}; "
-          f"KV {prof.kv_bytes_per_token:.0f} bytes/token; calibrated {prof.range_text()}; transfer not measured"
-          + (f"; {len(prof.sharing)} engines at once: " + ", ".join(f"{f:.2f}x" for f in prof.sharing)
-             if prof.sharing else ""))
-    return 0
+    return profile_main(args)
 
 
 def _plan(args) -> int:
@@ -100,6 +106,9 @@ def _plan(args) -> int:
         return 2
     if not specs:
         print("pdserve plan: the workload has no requests", file=sys.stderr)
+        return 2
+    missing = _calibration(args, prof)
+    if missing is None:
         return 2
     transfer, transfer_note = prof.transfer, "measured"
     if args.transfer_gbps is not None:
@@ -122,21 +131,80 @@ def _plan(args) -> int:
     vlines, vjson = _validation_report(validation, plan, prof, specs, slo)
     if args.json:
         doc = _plan_json(plan, prof, specs, slo, transfer_note, cpu_s, simulated)
-        print(json.dumps({**doc, "validated": validation is not None, "validation": vjson}, indent=1))
+        print(json.dumps({**doc, "validated": validation is not None, "validation": vjson, "uncalibrated": missing},
+                         indent=1))
     else:
         _print_plan(plan, prof, specs, slo, args.attain, transfer_note, cpu_s, simulated)
-        print("\n".join(vlines))
+        print("\n".join(vlines + (_uncalibrated_lines(plan, slo) if missing else [])))
     if args.emit_config and plan.best is not None:
         _emit_config(plan.best.config, prof, slo, Path(args.emit_config))
         print(f"wrote {args.emit_config} (pdserve up --config {args.emit_config})")
+    if args.validate and plan.best is not None:
+        return _validate(plan.best, prof, specs, slo, args.validate)
     return 0 if plan.best is not None else 1
+
+
+# what an engine-only plan missed by on issue 54's trace (TTFT p50/p90, TPOT p50/p90): its band
+UNCALIBRATED_ERROR_PCT = {"ttft_p50": 61.0, "ttft_p90": 82.0, "tpot_p50": 80.0, "tpot_p90": 86.0}
+
+
+def _uncalibrated_lines(plan, slo) -> list[str]:
+    from cluster.planner.validation import band  # noqa: PLC0415
+
+    if plan.best is None:
+        return []
+    r = plan.best
+    sims = {"ttft_p50": r.ttft.p50, "ttft_p90": r.ttft.p90, "tpot_p50": r.tpot.p50, "tpot_p90": r.tpot.p90}
+    bands = {m: (v, *band(v, UNCALIBRATED_ERROR_PCT[m])) for m, v in sims.items()}
+    lines = ["UNCALIBRATED: the plan's figures widened by an engine-only plan's errors on issue 54's trace "
+             "(61-86%): " + ", ".join(_band_text(m, *b) for m, b in bands.items())]
+    if bands["ttft_p90"][2] > slo.ttft_s or bands["tpot_p90"][2] > slo.tpot_s:
+        lines.append("  WARNING: the upper end of a p90 band is past the SLO: calibrate before trusting the pick")
+    return lines
+
+
+def _validate(best, prof, specs, slo, runs: int) -> int:
+    import tempfile  # noqa: PLC0415
+
+    from cluster.app.plan_runs import side_by_side, validate  # noqa: PLC0415
+
+    doc = {**best.config.app_doc(prof.model.get("path"), prof.block_size), **slo_sections(slo)}
+    with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as work:
+        try:
+            results = validate(doc, specs, slo, runs, Path(work))
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            print(f"pdserve plan: --validate: {e}", file=sys.stderr)
+            return 4
+    print("\n".join(side_by_side(best, results, slo)))
+    return 0
+
+
+def _calibration(args, prof) -> list[str] | None:
+    """What the profile lacks for a plan (printed first, with --uncalibrated); None: refused."""
+    if not 0 <= args.validate <= 10:
+        print(f"pdserve plan: --validate: at most 10 runs, got {args.validate}", file=sys.stderr)
+        return None
+    missing = [m for m in prof.uncalibrated()  # --transfer-gbps states the transfer
+               if not (args.transfer_gbps is not None and m.startswith("the KV transfer"))]
+    if missing and not args.uncalibrated:
+        print(f"pdserve plan: refused: {args.profile} is not calibrated for a plan: it lacks " + "; ".join(missing)
+              + ". Run `pdserve profile` without --engine-only on the machine that will serve (or give "
+              "--uncalibrated to plan anyway, with widened figures)", file=sys.stderr)
+        return None
+    if missing and not args.json:
+        print("UNCALIBRATED: the profile lacks " + "; ".join(missing) + ": the figures below are the engine's "
+              "alone, widened by the errors such a plan had against a real run", flush=True)
+    if args.cores is None and prof.device.get("kind") == "cpu" and prof.device.get("cores"):
+        args.cores = float(prof.device["cores"])  # the replicas share the machine the profile was made on
+    return missing
 
 
 def _row(r) -> str:
     util = ", ".join(f"{k} {v:.0%}" for k, v in r.utilisation.items())
     return (f"{r.config.label():<32} goodput {r.goodput:7.2f} req/s  attainment {r.attainment:6.1%}  "
             f"TTFT p50/p90 {r.ttft.p50:.3f}/{r.ttft.p90:.3f} s  TPOT p50/p90 {r.tpot.p50 * 1e3:.1f}/"
-            f"{r.tpot.p90 * 1e3:.1f} ms  busy: {util}  preemptions {r.preemptions}")
+            f"{r.tpot.p90 * 1e3:.1f} ms  busy: {util}  preemptions {r.preemptions}"
+            + ("" if r.keeps_up else f"  CANNOT KEEP UP: latency +{r.trend.growth_s:.1f} s through the trace"))
 
 
 def _print_plan(plan, prof, specs, slo, attain, transfer_note, cpu_s, simulated) -> None:
@@ -169,7 +237,8 @@ def _print_plan(plan, prof, specs, slo, attain, transfer_note, cpu_s, simulated)
     if clamped:
         print(f"note: {clamped} step times were read below the profile's first grid point and priced at it "
               "(an over-estimate): profile smaller points to remove it")
-    print("note: prefix caching, ingress cost, KV transfer (unless given) and stale router loads are not simulated")
+    print("note: prefix caching, admission control and the router's stale loads are not simulated"
+          + ("" if prof.serving is not None else "; nor the serving path's cost (not in the profile)"))
 
 
 def _plan_json(plan, prof, specs, slo, transfer_note, cpu_s, simulated) -> dict:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import platform
 import random
 import statistics
@@ -98,6 +99,20 @@ class Calibrator:
             if rep:  # the first is a warm-up
                 times.append(dt)
         return statistics.median(times)
+
+    def pilot_prefill(self, n: int) -> float:
+        """One untimed-as-a-point prefill step of n fresh tokens: seconds (for the estimates)."""
+        self._add(self._tokens(n), 1)
+        dt, _ = self._timed_step()
+        self._run_out()
+        return dt
+
+    def pilot_decode(self, batch: int, context: int) -> float:
+        reps, self.reps = self.reps, 1
+        try:
+            return self.decode(batch, context)  # a warm-up step and one timed
+        finally:
+            self.reps = reps
 
     def decode(self, batch: int, context: int) -> float:
         """Median seconds of a decode step of `batch` requests at context `context`."""
@@ -213,16 +228,93 @@ def device_info(engine: LLMEngine) -> dict:
             name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     except OSError:
         pass
-    return {"kind": "cpu", "name": name, "threads": torch.get_num_threads()}
+    # cores: the machine's, which replicas on it share (`pdserve plan` prices with them)
+    return {"kind": "cpu", "name": name, "threads": torch.get_num_threads(), "cores": os.cpu_count()}
+
+
+class Progress:
+    """A line per measured point: what it measured, the time spent, and the time left by the
+    estimates so far (scaled by how the points measured compare with their estimates)."""
+
+    def __init__(self, estimates: Sequence[float], log: Callable[[str], None]):
+        self.estimates, self.log = list(estimates), log
+        self.k, self.spent_est, self.t0 = 0, 0.0, time.perf_counter()
+
+    def point(self, text: str) -> None:
+        self.k += 1
+        self.spent_est += self.estimates[self.k - 1]
+        elapsed = time.perf_counter() - self.t0
+        left = sum(self.estimates[self.k:]) * (elapsed / self.spent_est if self.spent_est > 0 else 1.0)
+        self.log(f"[{self.k}/{len(self.estimates)}] {text}  ({elapsed:.0f} s, ~{left:.0f} s left)")
+
+
+def grid_estimates(cal: "Calibrator", prefill_tokens: Sequence[int], prefill_cached: Sequence[int],
+                   decode_batch: Sequence[int], decode_context: Sequence[int]) -> list[float]:
+    """Seconds each point of the grid should take, from two pilot steps (a prefill of up to 256
+    tokens, a decode of up to 4 rows at the smallest context): a rough model (prefill time by
+    tokens, the cached prefix's own prefill; decode by rows and context), refined as points finish."""
+    n0 = min(256, max(prefill_tokens))
+    per_token = cal.pilot_prefill(n0) / n0
+    b0 = min(4, max(decode_batch))
+    per_row = cal.pilot_decode(b0, min(decode_context)) / b0
+    steps = cal.reps + 1
+    # (a chunk after c cached tokens: ~0.4 more a token per 1,024 of them, SmolLM2 on the dev VM)
+    est = [steps * per_token * n * (1 + 0.4 * c / 1024) + per_token * c
+           for n in prefill_tokens for c in prefill_cached]
+    est += [steps * per_row * (2 + b) * (1 + ctx / 2048) / 3 + 0.002 * b
+            for b in decode_batch for ctx in decode_context]
+    return est
+
+
+def _measure_grid(cal: "Calibrator", prefill_tokens, prefill_cached, decode_batch, decode_context,
+                  announce: Callable[[float], None] | None):
+    estimates = grid_estimates(cal, prefill_tokens, prefill_cached, decode_batch, decode_context)
+    if announce is not None:
+        announce(sum(estimates))
+    progress = Progress(estimates, cal.log)
+    prefill, decode = [], []
+    for n in prefill_tokens:
+        prefill.append([])
+        for c in prefill_cached:
+            prefill[-1].append(cal.prefill(n, c))
+            progress.point(f"prefill {n} tokens after {c} cached: {prefill[-1][-1] * 1e3:.1f} ms")
+    for b in decode_batch:
+        decode.append([])
+        for ctx in decode_context:
+            decode[-1].append(cal.decode(b, ctx))
+            progress.point(f"decode batch {b} at context {ctx}: {decode[-1][-1] * 1e3:.1f} ms")
+    for name, values, xs, ys, measure in (("prefill", prefill, prefill_tokens, prefill_cached, cal.prefill),
+                                          ("decode", decode, decode_batch, decode_context, cal.decode)):
+        for i, j in outliers(values):  # once more; the lower median stands (noise only adds time)
+            again = measure(xs[i], ys[j])
+            cal.log(f"{name} ({xs[i]}, {ys[j]}): {values[i][j] * 1e3:.1f} ms was above a larger point's; "
+                    f"again {again * 1e3:.1f} ms")
+            values[i][j] = min(values[i][j], again)
+    return prefill, decode
+
+
+def outliers(values: Sequence[Sequence[float]]) -> list[tuple[int, int]]:
+    """Grid points whose time is above a point's with more work on either axis (more tokens or
+    rows, more context): a step's time grows along both, so such a point was slowed by something
+    else on the machine (or its neighbour was fast by chance: re-measuring keeps the lower)."""
+    n, m = len(values), len(values[0]) if values else 0
+    return [(i, j) for i in range(n) for j in range(m)
+            if (i + 1 < n and values[i][j] > values[i + 1][j]) or (j + 1 < m and values[i][j] > values[i][j + 1])]
 
 
 def calibrate(model: str, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
               prefill_cached: Sequence[int] = PREFILL_CACHED, decode_batch: Sequence[int] = DECODE_BATCH,
               decode_context: Sequence[int] = DECODE_CONTEXT, reps: int = 3, device: str = "auto",
               dtype: str = "auto", block_size: int = 16, seed: int = 0,
-              log: Callable[[str], None] = print, sharing: int = 0) -> Profile:
-    """`sharing` > 0 (CPU only): also measure the slowdown of up to that many engine processes at once."""
+              log: Callable[[str], None] = print, sharing: int = 0, threads: int | None = None,
+              announce: Callable[[float], None] | None = None) -> Profile:
+    """`sharing` > 0 (CPU only): also measure the slowdown of up to that many engine processes at
+    once. `threads`: torch's threads while measuring (a replica's: its pool's num_cpus, 1 by
+    default, which Ray gives it as OMP_NUM_THREADS); None: this process's. `announce(seconds)`: the
+    grid's expected duration, once known (after two pilot steps)."""
     started = time.perf_counter()
+    if threads is not None:
+        torch.set_num_threads(threads)
     prefill_tokens, prefill_cached = sorted(set(prefill_tokens)), sorted(set(prefill_cached))
     decode_batch, decode_context = sorted(set(decode_batch)), sorted(set(decode_context))
     for c in [*prefill_cached, *decode_context]:
@@ -236,19 +328,16 @@ def calibrate(model: str, prefill_tokens: Sequence[int] = PREFILL_TOKENS,
                          f"{engine.device.type} (a device per replica shares nothing)")
     cal = Calibrator(engine, reps, seed, log)
     cal.prefill(min(prefill_tokens), 0)  # warm-up of the whole path, untimed
-    prefill = []
-    for n in prefill_tokens:
-        row = [cal.prefill(n, c) for c in prefill_cached]
-        log(f"prefill {n:>6} tokens after {list(prefill_cached)} cached: " + ", ".join(f"{t * 1e3:.1f} ms" for t in row))
-        prefill.append(row)
-    decode = []
-    for b in decode_batch:
-        row = [cal.decode(b, ctx) for ctx in decode_context]
-        log(f"decode batch {b:>4} at context {list(decode_context)}: " + ", ".join(f"{t * 1e3:.1f} ms" for t in row))
-        decode.append(row)
+    prefill, decode = _measure_grid(cal, prefill_tokens, prefill_cached, decode_batch, decode_context, announce)
     shared: tuple[float, ...] = ()
     if sharing:
         shared = measure_sharing(model, sharing, device="cpu", dtype=dtype, block_size=block_size, log=log)
+    return _profile(model, engine, reps, block_size, prefill_tokens, prefill_cached, decode_batch, decode_context,
+                    prefill, decode, shared, started)
+
+
+def _profile(model, engine, reps, block_size, prefill_tokens, prefill_cached, decode_batch, decode_context,
+             prefill, decode, shared, started) -> Profile:
     mc = engine.model_config
     return Profile(
         model={"path": str(model), "identity": engine.model_identity, "model_type": mc.model_type,

@@ -3,9 +3,12 @@
 Every configuration of the grid (P prefill + D decode replicas, P + D <= budget, P = 0 being
 colocated; each chunk size; each skip-prefill threshold, irrelevant without a prefill pool) is
 simulated on the same requests. A configuration meets the SLO when at least `attain` of the
-requests have TTFT <= slo.ttft and TPOT <= slo.tpot. The cheapest is the one with the fewest
-replicas, then the most goodput, then the fewest prefill replicas. The Pareto front is, for each
-replica count, the best goodput, kept where it beats every cheaper count.
+requests have TTFT <= slo.ttft and TPOT <= slo.tpot, and it keeps up with the trace (its
+latency does not grow through it: outcome.Trend; a short trace can end before a growing queue
+pushes 10% of requests past the SLO, and a longer run of the same load would miss it). The
+cheapest is the one with the fewest replicas, then the most goodput, then the fewest prefill
+replicas. The Pareto front is, for each replica count, the best goodput, kept where it beats
+every cheaper count.
 
 The binding constraint is found by what-if: the configuration that would save a replica (the
 best with one replica fewer than the plan) is simulated again with one resource relaxed at a time
@@ -99,7 +102,7 @@ def search(profile: Profile, specs: Sequence[RequestSpec], slo: SLO, budget: int
     check_range(profile, specs, chunks, max_num_seqs)
     results = [simulate(profile, c, list(specs), slo, seed, transfer)
                for c in configurations(budget, chunks, thresholds, decode_blocks, max_num_seqs, cores)]
-    meeting = sorted((r for r in results if r.attainment >= attain), key=_rank)
+    meeting = sorted((r for r in results if r.attainment >= attain and r.keeps_up), key=_rank)
     best = meeting[0] if meeting else None
     front, top = [], -1.0
     for n in range(1, budget + 1):

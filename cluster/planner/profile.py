@@ -107,13 +107,16 @@ class Serving:
     (local: the decode replica prefills; remote: a prefill replica does, one more hop); a decode
     step's time over the profiled one, fixed and per running stream (the replica's loop streaming
     each stream's delta through Ray, beside the engine's thread); the remote path's hand-off (its
-    first gap over a decode step: the pull and the hop)."""
+    first gap over a decode step: the pull and the hop); and the CPU the serving processes (the
+    ingress, the router, the proxy, each replica's loop beside its engine thread) spend per relayed
+    token, which on shared cores they take from the engines (`ClusterConfig.cores`)."""
 
     ttft_local_s: float
     ttft_remote_s: float
     decode_step_s: float  # per decode step
     decode_stream_s: float  # per stream in a decode step
     handoff_s: float
+    message_cpu_s: float = 0.0  # CPU seconds per relayed token (requests' own costs spread over theirs)
     probe: dict = field(default_factory=dict)  # what was run to measure them
 
 
@@ -144,6 +147,19 @@ class Profile:
             return max(1.0, n / cores)
         k = min(n, len(self.sharing))
         return max(1.0, self.sharing[k - 1]) * n / k  # a factor measured under 1 is noise: none
+
+    def uncalibrated(self) -> list[str]:
+        """What this profile lacks for a plan to be trusted on the machine it was made on (empty:
+        nothing): the serving path's cost, the engines' sharing of a CPU machine's cores, the KV
+        transfer measured or stated as assumed."""
+        missing = []
+        if self.serving is None:
+            missing.append("the serving path's cost (per request, step, stream and relayed token)")
+        if self.device.get("kind") == "cpu" and not self.sharing:
+            missing.append("the engine processes' sharing of the cores")
+        if self.transfer is None:
+            missing.append("the KV transfer (neither measured nor stated as assumed)")
+        return missing
 
     @property
     def block_size(self) -> int:

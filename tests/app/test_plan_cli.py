@@ -12,7 +12,14 @@ from cluster.config.app import AppConfig
 from cluster.planner.config import SLO
 from cluster.planner.profile import Curve
 from cluster.planner.validation import Case, Metrics, Validation, WorkloadRange
-from tests.planner.conftest import synthetic_profile
+from cluster.planner.profile import Serving
+from tests.planner.conftest import synthetic_profile as engine_only_profile
+
+
+def synthetic_profile(**kw):
+    """The synthetic profile, calibrated for a plan: a serving path that costs nothing (its device
+    kind is none: no cores to share; its transfer is given)."""
+    return replace(engine_only_profile(**kw), serving=Serving(0.0, 0.0, 0.0, 0.0, 0.0))
 
 TRACE = "".join(json.dumps({"timestamp": 1500 * i, "input_length": 2000, "output_length": 200}) + "\n"
                 for i in range(40))
@@ -118,3 +125,34 @@ def test_plan_says_when_the_validation_does_not_cover_its_workload_or_profile(tm
             "this one ): its errors may not carry over") in out
     assert ("  note: this workload lies outside what was validated (prompts up to 200 tokens (validated: up to 150); "
             "outputs up to 80 tokens (validated: up to 64)): the error figures do not cover it") in out
+
+
+def test_plan_refuses_an_engine_only_profile_unless_told_and_then_says_so_first(tmp_path, capsys):
+    """Issue 54: an engine-only profile's plan missed a real run by 61-86%. Refused, naming what
+    it lacks; with --uncalibrated, its first line says so and the figures are widened."""
+    engine_only_profile().save(tmp_path / "p.json")
+    (tmp_path / "t.jsonl").write_text(TRACE)
+    argv = ["plan", "--profile", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.jsonl"),
+            "--slo", "ttft=2.5,tpot=22ms", "--budget", "3", "--chunks", "2048", "--skip-prefill", "0",
+            "--max-num-seqs", "32", "--transfer-gbps", "1000"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"pdserve plan: refused: {tmp_path / 'p.json'} is not calibrated for a plan: it lacks the serving "
+                   "path's cost (per request, step, stream and relayed token). Run `pdserve profile` without "
+                   "--engine-only on the machine that will serve (or give --uncalibrated to plan anyway, with "
+                   "widened figures)\n")
+    assert main(argv + ["--uncalibrated"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("UNCALIBRATED: the profile lacks the serving path's cost")
+    assert lines[5] == "plan:" and lines[6].startswith("  2P+1D chunk=2048 skip<0 ")
+    # TTFT p50 2.015625 s widened by 61%: / 1.61 = 1252 ms to / 0.39 = 5168 ms
+    [widened] = [x for x in lines if x.startswith("UNCALIBRATED: the plan's figures widened")]
+    assert "TTFT p50 2016 (1252-5168) ms" in widened
+    assert "  WARNING: the upper end of a p90 band is past the SLO: calibrate before trusting the pick" in lines
+
+
+def test_plan_validate_runs_are_bounded(tmp_path, capsys):
+    synthetic_profile().save(tmp_path / "p.json")
+    rc = main(["plan", "--profile", str(tmp_path / "p.json"), "--workload", "rate=2,n=20,prompt=100:200,output=8",
+               "--slo", "ttft=1,tpot=0.1", "--budget", "1", "--max-num-seqs", "8", "--validate", "11"])
+    assert rc == 2 and capsys.readouterr().err == "pdserve plan: --validate: at most 10 runs, got 11\n"

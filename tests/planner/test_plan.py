@@ -83,3 +83,17 @@ def test_replicas_sharing_cores_are_priced_as_such(profile):
                     max_num_seqs=32, attain=0.9, transfer=FREE, cores=2.0)
     assert alone.best.config == ClusterConfig(2, 1, 2048, 0, 4096, 32)
     assert shared.best is None and max(r.attainment for r in shared.front) < alone.best.attainment
+
+
+def test_a_pick_that_cannot_keep_up_is_never_reported_as_meeting_the_slo(profile):
+    """The overloaded replica of test_simulator's trend test (a 2048-token prompt every 1.5 s, a
+    2.0625 s prefill step): under a 20 s TTFT every one of its 30 requests meets the SLO, because
+    the trace ends before its growing queue reaches 20 s. It is shown, not picked: two replicas."""
+    specs = [RequestSpec(1.5 * i, 2048, 1) for i in range(30)]
+    plan = search(profile, specs, SLO(20.0, 0.022), budget=2, chunks=[2048], thresholds=[0],
+                  decode_blocks=4096, max_num_seqs=32, transfer=FREE)
+    one = plan.front[0]
+    assert one.config == ClusterConfig(0, 1, 2048, 0, 4096, 32) and one.attainment == 1.0
+    assert not one.keeps_up and one.trend.growth_s == 11.25
+    assert plan.best.config == ClusterConfig(0, 2, 2048, 0, 4096, 32)
+    assert plan.best.keeps_up and plan.best.ttft.max == 2.0625

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cluster.planner.config import SLO, ClusterConfig
-from cluster.planner.outcome import Dist, percentile
+from cluster.planner.outcome import Dist, Trend, percentile
 from cluster.planner.simulator import Simulator, simulate
 from cluster.planner.workload import RequestSpec, SyntheticWorkload
 from tests.planner.conftest import decode_s, prefill_s, transfer_s
@@ -175,3 +177,37 @@ def test_the_serving_path_s_measured_costs_are_added_where_they_occur(profile):
     assert remote.itl.max == pytest.approx(transfer_s(100) + 1 / 16 + decode_s(1) + 1 / 256 + 1 / 1024, abs=1e-12)
     two = simulate(served, ClusterConfig(0, 1, chunk_tokens=512), [RequestSpec(0.0, 32, 5)] * 2, LOOSE)
     assert two.itl.p50 == decode_s(2) + 1 / 256 + 2 / 1024  # per stream in the step
+
+
+def test_a_configuration_above_capacity_shows_its_queue_growing_through_the_trace(profile):
+    """A 2048-token prompt every 1.5 s, answered in one token, on one colocated replica whose
+    prefill step of it takes 1/16 + 2 = 2.0625 s: request i's first token (its end) comes at
+    2.0625 (i + 1), so its latency is 2.0625 + 0.5625 i, growing through the trace as a real
+    overloaded run's does. Of 30 requests, the first third's median latency is 2.0625 + 0.5625 x 4.5
+    and the last third's 0.5625 x 20 = 11.25 s above it: it cannot keep up. Two replicas can."""
+    specs = [RequestSpec(1.5 * i, 2048, 1) for i in range(30)]
+    cfg = ClusterConfig(0, 1, chunk_tokens=2048, decode_blocks=4096, max_num_seqs=32)
+    r = simulate(profile, cfg, specs, SLO(20.0, 0.1))
+    assert r.ttft.max == 2.0625 + 0.5625 * 29 and r.ttft.p50 == 2.0625 + 0.5625 * 14.5
+    assert r.trend == Trend(2.0625 + 0.5625 * 4.5, 11.25) and not r.keeps_up
+    assert r.attainment == 1.0  # every TTFT under 20 s: the trace ends before the queue misses the SLO
+    two = simulate(profile, replace(cfg, decode_replicas=2), specs, SLO(20.0, 0.1))
+    assert two.ttft.max == two.ttft.p50 == 2.0625 and two.trend == Trend(2.0625, 0.0) and two.keeps_up
+
+
+def test_the_serving_processes_cpu_per_relayed_token_takes_its_share_of_the_cores(profile):
+    """profile.serving.message_cpu_s = 1/64 s of CPU a relayed token, on one core: after the
+    prompt's step (its first token sampled), the relay of that token and the next decode step
+    (1/64 s alone) share the core, each at half pace: both end 1/32 s later, and so on for each
+    token. A token interval is 1/32 s, twice the step's own; without shared cores (a device each,
+    the serving processes on other cores) it is the step's own 1/64 s."""
+    from cluster.planner.profile import Serving
+
+    served = replace(profile, serving=Serving(0.0, 0.0, 0.0, 0.0, 0.0, message_cpu_s=1 / 64))
+    cfg = ClusterConfig(0, 1, chunk_tokens=512, cores=1.0)
+    sim = Simulator(served, cfg, LOOSE)
+    r = sim.run([RequestSpec(0.0, 16, 4)])
+    assert r.ttft.p50 == prefill_s(16) and r.itl.p50 == r.itl.max == 2 * decode_s(1) == 1 / 32
+    assert sim._sharing == {} and sim.busy == 0
+    alone = simulate(served, replace(cfg, cores=None), [RequestSpec(0.0, 16, 4)], LOOSE)
+    assert alone.itl.max == decode_s(1)

@@ -35,7 +35,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from cluster.planner.config import SLO, ClusterConfig
-from cluster.planner.profile import Profile, Serving
+from cluster.planner.profile import Profile, Serving, Transfer
 from cluster.planner.simulator import simulate
 from cluster.planner.validation import Metrics
 from cluster.planner.workload import RequestSpec, read_trace
@@ -51,50 +51,115 @@ def probe_trace(path: Path, groups: int, size: int, prompt: int, output: int, ga
     return read_trace(path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", required=True, help="a `pdserve profile` file made on this machine")
-    ap.add_argument("--out", required=True, help="the profile with its serving section")
-    ap.add_argument("--groups", type=int, default=24)
-    ap.add_argument("--batch", type=int, default=8, help="requests a group in the batched run")
-    ap.add_argument("--prompt", type=int, default=128, help="tokens (above the skip-prefill threshold, 64)")
-    ap.add_argument("--output", type=int, default=64)
-    ap.add_argument("--gap", type=float, default=2.0, help="seconds between groups (nothing queues)")
-    ap.add_argument("--kv-gb", type=float, default=1.0)
-    ap.add_argument("--work", default="/tmp/pdserve-serving-probe")
-    args = ap.parse_args(argv)
+def measure_transfer(model: str, lengths=(128, 1024), reps: int = 3, dtype: str = "auto") -> tuple[Transfer, str]:
+    """The KV pull's time against its bytes, where NIXL runs: engine pulls between two processes
+    (cluster.tools.bench.kv_transfer), a line through the medians (latency + bytes / rate). Where
+    it does not, the transfer is stated as assumed: free beyond the probe's measured hand-off."""
+    try:
+        from cluster.tools.bench import kv_transfer  # noqa: PLC0415 — NIXL, torch
+    except ImportError as e:
+        return (Transfer(0.0, float("inf"), measured=False),
+                f"transfer ASSUMED free beyond the serving path's remote hand-off (NIXL unavailable here: {e})")
+    import tempfile  # noqa: PLC0415
 
-    prof = replace(Profile.load(args.profile), serving=None)  # the engine's steps alone
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as store:
+        rows = kv_transfer.bench_engines(model, list(lengths), Path(store), reps, 0, dtype=dtype, telemetry=False)
+    (b0, t0), (b1, t1) = ((r["bytes"], r["pull_ms"] / 1e3) for r in (rows[0], rows[-1]))
+    rate = (b1 - b0) / (t1 - t0) if t1 > t0 else float("inf")
+    latency = max(0.0, t0 - b0 / rate)
+    return (Transfer(latency, rate, measured=True),
+            f"transfer measured with NIXL: pulls of {lengths[0]} and {lengths[-1]} tokens took "
+            f"{t0 * 1e3:.2f} and {t1 * 1e3:.2f} ms: {latency * 1e3:.2f} ms + {rate / 1e9:.2f} GB/s")
+
+
+def probe_seconds(groups: int, gaps: list[float]) -> float:
+    """What the probe should take: three `pdserve up` runs (start ~35 s, stop ~10 s) of `groups`
+    groups at their gaps, and the transfer's pulls (~30 s)."""
+    return sum(45 + groups * gap for gap in gaps) + 30
+
+
+def group_gap(prof: Profile, cfg: ClusterConfig, size: int, prompt: int, output: int, least_s: float) -> float:
+    """Seconds between groups so that nothing queues: 1.5 x a group's time alone (simulated,
+    engine steps alone) + 0.5 s, and at least `least_s` (a slower machine or model needs more)."""
+    alone = simulate(prof, cfg, [RequestSpec(0.0, prompt, output)] * size, SLO(10.0, 1.0))
+    return round(max(least_s, 1.5 * alone.duration_s + 0.5), 1)
+
+
+def _probe_runs(prof: Profile, args, work: Path) -> dict:
     slo = SLO(10.0, 1.0)  # goodput is not the point here
     base = ClusterConfig(0, 1, 512, 64, int(args.kv_gb * 2**30 // prof.engine["kv_block_bytes"]), 64)
-    got: dict[str, tuple[Metrics, Metrics]] = {}
-    for text, size in (("0P+1D", 1), ("0P+1D", args.batch), ("1P+1D", 1)):
+    got: dict[str, tuple[Metrics, Metrics, dict, int]] = {}
+    for k, (text, size) in enumerate((("0P+1D", 1), ("0P+1D", args.batch), ("1P+1D", 1)), 1):
         tag = f"probe-{text.replace('+', '')}-x{size}"
-        specs = probe_trace(work / f"{tag}-trace.jsonl", args.groups, size, args.prompt, args.output, args.gap)
+        gap = group_gap(prof, ClusterConfig.parse(text, base), size, args.prompt, args.output, args.gap)
+        specs = probe_trace(work / f"{tag}-trace.jsonl", args.groups, size, args.prompt, args.output, gap)
         cfg = ClusterConfig.parse(text, base)
         result, cpu = run_real(cfg, prof, work / f"{tag}-trace.jsonl", slo, work, tag)
         real, sim = Metrics.of_bench(result, slo), Metrics.of_sim(simulate(prof, cfg, specs, slo))
-        got[tag] = (real, sim)
-        print(f"{text}, groups of {size}: TTFT p50 real {real.ttft_p50 * 1e3:.1f} ms, engine alone "
-              f"{sim.ttft_p50 * 1e3:.1f} ms; TPOT p50 real {real.tpot_p50 * 1e3:.2f} ms, engine alone "
-              f"{sim.tpot_p50 * 1e3:.2f} ms; {result['completed']}/{len(specs)} completed; cpu {cpu}", flush=True)
-    (l1r, l1s), (lbr, lbs), (r1r, r1s) = got.values()
+        got[tag] = (real, sim, cpu, len(specs))
+        print(f"[{k}/3] serving path {text}, groups of {size} {gap:g} s apart: TTFT p50 real {real.ttft_p50 * 1e3:.1f} ms, engine "
+              f"alone {sim.ttft_p50 * 1e3:.1f} ms; TPOT p50 real {real.tpot_p50 * 1e3:.2f} ms, engine alone "
+              f"{sim.tpot_p50 * 1e3:.2f} ms; {result['completed']}/{len(specs)} completed", flush=True)
+    return got
+
+
+def serving_terms(got: dict, args) -> Serving:
+    (l1r, l1s, _, _), (lbr, lbs, cpu_b, n_b), (r1r, r1s, _, _) = got.values()
     step_1, step_b = l1r.tpot_p50 - l1s.tpot_p50, lbr.tpot_p50 - lbs.tpot_p50
     per_stream = (step_b - step_1) / (args.batch - 1)
-    serving = Serving(
+    # the serving processes' own CPU (ingress, router, proxy: everything but the engines and the
+    # load generator) per relayed token, in the batched run: what they take from the engines' cores
+    serving_cpu = sum(v for k, v in cpu_b.items() if k in ("ingress", "router", "proxy"))
+    for pool in ("decode", "prefill"):  # each replica's process beside its engine thread (its loop, Ray)
+        serving_cpu += max(0.0, cpu_b.get(pool, 0.0) - cpu_b.get(f"{pool} engine thread on CPU", cpu_b.get(pool, 0.0)))
+    return Serving(
         ttft_local_s=l1r.ttft_p50 - l1s.ttft_p50, ttft_remote_s=r1r.ttft_p50 - r1s.ttft_p50,
         decode_step_s=step_1 - per_stream, decode_stream_s=per_stream,
         handoff_s=max(0.0, (r1r.tpot_p50 - r1s.tpot_p50 - step_1) * (args.output - 1)),
+        message_cpu_s=serving_cpu / (n_b * args.output),
         probe={"runs": list(got), "groups": args.groups, "batch": args.batch, "prompt": args.prompt,
-               "output": args.output, "gap_s": args.gap, "real": {k: asdict(v[0]) for k, v in got.items()},
+               "output": args.output, "least_gap_s": args.gap, "real": {k: asdict(v[0]) for k, v in got.items()},
                "engine_alone": {k: asdict(v[1]) for k, v in got.items()},
+               "cpu": {k: v[2] for k, v in got.items()},
                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
-    replace(Profile.load(args.profile), serving=serving).save(args.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", required=True, help="a `pdserve profile` file made on this machine")
+    ap.add_argument("--out", required=True, help="the profile with its serving section (may be --profile)")
+    ap.add_argument("--groups", type=int, default=24)
+    ap.add_argument("--batch", type=int, default=4, help="requests a group in the batched run")
+    ap.add_argument("--prompt", type=int, default=128, help="tokens (above the skip-prefill threshold, 64)")
+    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--gap", type=float, default=2.0, help="least seconds between groups (more where a group "
+                    "takes longer alone: nothing queues)")
+    ap.add_argument("--kv-gb", type=float, default=1.0)
+    ap.add_argument("--no-transfer", action="store_true", help="keep the profile's transfer as it is")
+    ap.add_argument("--work", default="/tmp/pdserve-serving-probe")
+    args = ap.parse_args(argv)
+
+    loaded = Profile.load(args.profile)
+    prof = replace(loaded, serving=None)  # the engine's steps alone
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    base = ClusterConfig(0, 1, 512, 64, int(args.kv_gb * 2**30 // prof.engine["kv_block_bytes"]), 64)
+    gaps = [group_gap(prof, ClusterConfig.parse(t, base), n, args.prompt, args.output, args.gap)
+            for t, n in (("0P+1D", 1), ("0P+1D", args.batch), ("1P+1D", 1))]
+    print(f"serving path: 3 real runs (pdserve up + pdserve bench; groups of 1, {args.batch}, 1 at "
+          f"{', '.join(f'{g:g}' for g in gaps)} s apart) and the KV transfer: expected "
+          f"~{probe_seconds(args.groups, gaps):.0f} s", flush=True)
+    transfer, notes = loaded.transfer, list(loaded.notes)
+    if not args.no_transfer:
+        transfer, note = measure_transfer(prof.model["path"], dtype=prof.engine.get("dtype", "auto"))
+        notes = [n for n in notes if not n.startswith("transfer")] + [note]
+        print(note, flush=True)
+    serving = serving_terms(_probe_runs(replace(prof, transfer=transfer), args, work), args)
+    replace(loaded, serving=serving, transfer=transfer, notes=tuple(notes)).save(args.out)
     print(f"serving path: TTFT +{serving.ttft_local_s * 1e3:.1f} ms local, +{serving.ttft_remote_s * 1e3:.1f} ms "
           f"remote; a decode step {serving.decode_step_s * 1e3:+.2f} ms {serving.decode_stream_s * 1e3:+.3f} ms a "
-          f"stream; remote hand-off {serving.handoff_s * 1e3:.1f} ms")
+          f"stream; remote hand-off {serving.handoff_s * 1e3:.1f} ms; the serving processes' CPU "
+          f"{serving.message_cpu_s * 1e3:.3f} ms a relayed token")
     print(f"wrote {args.out}")
     return 0
 

@@ -1,0 +1,202 @@
+"""What `pdserve profile` and `pdserve plan --validate` run: the calibration a plan needs, and the
+plan's pick run for real.
+
+`pdserve profile` (`profile_main`) measures, printing a line per point as it goes:
+    1. the engine's step costs, in-process (cluster/planner/calibrate.py), on a replica's torch threads;
+    2. CPU: how n engine processes stepping at once slow one another (`--sharing`);
+    3. the serving path's own cost and the KV transfer: `python -m cluster.tools.bench.serving_probe`
+       (real `pdserve up` runs; the transfer pulled with NIXL where it runs, else stated as assumed),
+       run as a child process, as `pdserve bench` is, so the tools stay out of this package.
+A profile made with `--engine-only` lacks 3 and is marked so (`Profile.uncalibrated`).
+
+`pdserve plan --validate N` (`validate`): `pdserve up` of the emitted config (on free ports), `N`
+replays of the plan's trace by `pdserve bench` (EOS ignored, a few warm-up requests not measured),
+then the cluster stopped; predicted against measured, side by side, with the same definitions
+(cluster/planner/validation.py) and the latency's trend through the trace (outcome.Trend).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+PDSERVE = str(Path(sys.executable).parent / "pdserve")
+WARMUP = 3
+
+
+def _sharing_default(args) -> int:
+    if args.sharing is not None:
+        return args.sharing
+    return min(4, (os.cpu_count() or 1) + 1)
+
+
+def profile_main(args) -> int:
+    from cluster.planner import calibrate as cal  # noqa: PLC0415 — torch, only when profiling
+
+    model = args.model
+    if model is None:
+        from cluster.engine.model.demo import smollm2_135m_instruct  # noqa: PLC0415
+
+        model = str(smollm2_135m_instruct())
+    sharing = _sharing_default(args) if args.device in ("auto", "cpu") else 0
+    probe_s = 0.0 if args.engine_only else 3 * (45 + args.probe_groups * args.probe_gap * 1.3) + 30
+    stages = ["the engine's steps (in-process)"] + ([f"{sharing} engine processes at once (~{15 * sharing} s)"]
+                                                     if sharing else [])
+    if not args.engine_only:
+        stages.append(f"the serving path and the KV transfer (3 real `pdserve up` runs, ~{probe_s:.0f} s)")
+    print("pdserve profile: measuring " + "; ".join(stages), flush=True)
+
+    def announce(grid_s: float) -> None:
+        print(f"expected ~{grid_s + 15 * sharing + probe_s:.0f} s in all (engine steps ~{grid_s:.0f} s)", flush=True)
+
+    try:
+        prof = cal.calibrate(model, args.prefill_tokens or cal.PREFILL_TOKENS,
+                             args.prefill_cached or cal.PREFILL_CACHED,
+                             args.decode_batch or cal.DECODE_BATCH, args.decode_context or cal.DECODE_CONTEXT,
+                             reps=args.reps, device=args.device, dtype=args.dtype, sharing=sharing,
+                             threads=args.threads, announce=announce, log=lambda line: print(line, flush=True))
+    except (ValueError, RuntimeError) as e:
+        print(f"pdserve profile: {e}", file=sys.stderr)
+        return 2
+    prof.save(args.out)
+    if not args.engine_only:
+        rc = _serving_probe(args)
+        if rc != 0:
+            print(f"pdserve profile: the serving path's runs failed (exit {rc}); {args.out} holds the engine's "
+                  "steps only (marked uncalibrated)", file=sys.stderr)
+            return rc
+    return _summary(args.out)
+
+
+def _serving_probe(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="pdserve-profile-") as work:
+        cmd = [sys.executable, "-m", "cluster.tools.bench.serving_probe", "--profile", args.out, "--out", args.out,
+               "--groups", str(args.probe_groups), "--gap", str(args.probe_gap), "--work", work]
+        return subprocess.run(cmd).returncode
+
+
+def _summary(path: str) -> int:
+    from cluster.planner.profile import Profile  # noqa: PLC0415
+
+    prof = Profile.load(path)
+    missing = prof.uncalibrated()
+    print(f"wrote {path}: {prof.model['path']} on {prof.device['name']}; KV {prof.kv_bytes_per_token:.0f} "
+          f"bytes/token; calibrated {prof.range_text()}"
+          + (f"; {len(prof.sharing)} engines at once: " + ", ".join(f"{f:.2f}x" for f in prof.sharing)
+             if prof.sharing else ""))
+    print("calibrated for a plan: " + ("yes" if not missing else "NO, it lacks " + "; ".join(missing)))
+    return 0
+
+
+# ---- pdserve plan --validate N ----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_trace(path: Path, specs) -> None:
+    path.write_text("".join(json.dumps({"timestamp": round(s.arrival_s * 1000.0, 3), "input_length": s.prompt_tokens,
+                                        "output_length": s.output_tokens}) + "\n" for s in specs))
+
+
+class Server:
+    """`pdserve up --config FILE` until it prints that it serves; SIGINT to stop (it shuts down what
+    it started, or leaves the Ray it joined through RAY_ADDRESS)."""
+
+    def __init__(self, config: Path, log: Path, timeout_s: float = 300.0):
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([PDSERVE, "up", "--config", str(config), "--no-dashboard"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.log.write(line)
+                self.log.flush()
+                if "Ctrl-C to stop." in line:
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(timeout_s) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError(f"pdserve up did not come up in {timeout_s:g} s (its output: {log})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def _bench(grpc_port: int, trace: Path, slo, result: Path, requests: int) -> dict:
+    cmd = [PDSERVE, "bench", "--address", f"localhost:{grpc_port}", "--dataset-name", "trace", "--dataset-path",
+           str(trace), "--ignore-eos", "--warmup-requests", str(min(WARMUP, requests)), "--disable-tqdm",
+           "--goodput", f"ttft:{slo.ttft_s * 1e3:g}", f"tpot:{slo.tpot_s * 1e3:g}", "--result-file", str(result)]
+    print("$ " + " ".join(cmd), flush=True)
+    done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"pdserve bench exited {done.returncode}: {done.stderr.strip()[-500:]}")
+    return json.loads(result.read_text())
+
+
+def validate(config_doc: dict, specs, slo, runs: int, work: Path) -> list[dict]:
+    """`runs` replays of `specs` against one `pdserve up` of `config_doc` on free ports: the bench
+    result files."""
+    import yaml  # noqa: PLC0415
+
+    grpc_port = free_port()
+    doc = {**config_doc, "grpc_port": grpc_port, "http_port": free_port()}
+    (work / "validate.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    write_trace(work / "trace.jsonl", specs)
+    print(f"validate: pdserve up --config {work / 'validate.yaml'}, then {runs} replay(s) of the trace", flush=True)
+    t0 = time.monotonic()
+    server = Server(work / "validate.yaml", work / "server.log")
+    try:
+        print(f"validate: serving after {time.monotonic() - t0:.0f} s", flush=True)
+        return [_bench(grpc_port, work / "trace.jsonl", slo, work / f"run{i}.json", len(specs)) for i in range(runs)]
+    finally:
+        server.stop()
+
+
+def side_by_side(sim, results: list[dict], slo) -> list[str]:
+    """The plan's prediction against the runs' (their median per metric), with the error in percent,
+    the trend through the trace, and what the runs did not serve."""
+    from cluster.planner.outcome import Trend  # noqa: PLC0415
+    from cluster.planner.validation import LABELS, METRICS, Metrics, ape  # noqa: PLC0415
+
+    measured = [Metrics.of_bench(r, slo) for r in results]
+    real, pred = Metrics.median(measured), Metrics.of_sim(sim)
+    lines = [f"validate: predicted against measured ({len(results)} run(s); measured = the median over runs)",
+             f"  {'metric':<10} {'predicted':>14} {'measured':>14} {'error':>8}"]
+    for m in METRICS:
+        p, r = getattr(pred, m), getattr(real, m)
+        text = (lambda v: f"{v:>8.3f} req/s") if m == "goodput" else (lambda v: f"{v * 1e3:>8.1f} ms   ")
+        lines.append(f"  {LABELS[m]:<10} {text(p)} {text(r)} {ape(r, p):>7.1f}%")
+    for i, r in enumerate(results):
+        ok = [s == "ok" for s in r["statuses"]]
+        trend = Trend.of(r["start_times"], [lat if g else None for lat, g in zip(r["latencies"], ok)])
+        failed = len(ok) - sum(ok)
+        lines.append(f"  run {i + 1}: {sum(ok)}/{len(ok)} served"
+                     + (f" ({failed} refused or failed: the simulator serves every request)" if failed else "")
+                     + f"; load generator {'kept its schedule' if r.get('client_kept_up', True) else 'FELL BEHIND'}"
+                     + (f"; {trend.text()}" if trend else ""))
+    if sim.trend is not None:
+        lines.append(f"  predicted: {sim.trend.text()}")
+    return lines

@@ -1,0 +1,40 @@
+"""`pdserve plan --validate 1` on the tiny model (Ray: `pdserve up` joins the session's Ray): the
+plan's pick is served, the plan's trace replayed once, and predicted against measured printed side
+by side. The figures are this machine's; what is asserted is what was run and printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from cluster.planner.profile import Serving
+from tests.planner.conftest import synthetic_profile
+
+PDSERVE = str(Path(sys.executable).parent / "pdserve")
+
+
+def test_validate_runs_the_pick_for_real_and_prints_predicted_against_measured(ray_session, tiny_model, tmp_path):
+    prof = synthetic_profile()
+    prof = replace(prof, model={"path": tiny_model}, engine={**prof.engine, "kv_block_bytes": 2 * 2 * 2 * 16 * 4 * 16},
+                   serving=Serving(0.0, 0.0, 0.0, 0.0, 0.0))
+    prof.save(tmp_path / "p.json")
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"timestamp": 200 * i, "input_length": 20 + i,
+                                                          "output_length": 4}) + "\n" for i in range(5)))
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    done = subprocess.run([PDSERVE, "plan", "--profile", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.jsonl"),
+                           "--slo", "ttft=5,tpot=1", "--budget", "1", "--chunks", "64", "--max-num-seqs", "8",
+                           "--kv-gb", "0.005", "--validate", "1"], capture_output=True, text=True, env=env, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout.splitlines()
+    assert "plan:" in out and out[out.index("plan:") + 1].startswith("  0P+1D colocated chunk=64 ")
+    start = out.index("validate: predicted against measured (1 run(s); measured = the median over runs)")
+    rows = [re.fullmatch(r"  (TTFT p50|TTFT p90|TPOT p50|TPOT p90|goodput) +([0-9.]+) (ms|req/s) *([0-9.]+) "
+                         r"(ms|req/s) +([0-9.]+|inf)%", line) for line in out[start + 2:start + 7]]
+    assert [m[1] for m in rows] == ["TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "goodput"], out[start:]
+    assert all(float(m[4]) > 0 for m in rows), out[start:]  # measured
+    assert out[start + 7].startswith("  run 1: 5/5 served; load generator kept its schedule"), out[start + 7]
