@@ -85,7 +85,7 @@ def test_the_capacity_stage_hands_each_stream_its_own_pace():
     clock = Clock()
     stage = CapacityStage(Capacity(AdmissionBounds(max_queue_wait_s=None, target_itl_s=0.16), clock))
     pace = stage.capacity.pace
-    o = SimpleNamespace(streaming=None, place=None)
+    o = SimpleNamespace(streaming=None, place=None, cache_hit=False)
     stage.delta(o, SimpleNamespace(token_ids=[7], finish_reason=None))  # the first token: its stream starts
     first = o.streaming
     assert pace.streams == 1 and first.first_at == clock.t
