@@ -15,11 +15,11 @@ class TransferStats:
     blocks_pulled: int = 0
     blocks_reused: int = 0  # prompt blocks found in our own prefix cache: not pulled
     bytes_pulled: int = 0
-    descriptors_used: int = 0  # counted only with telemetry on (NIXL merges adjacent blocks)
+    descriptors_used: int = 0  # counted by MeasuredTransport with telemetry on (NIXL merges adjacent blocks)
     pull_seconds_sum: float = 0.0  # over pulls_ok; constant size, so reporting stays cheap
     pull_seconds_max: float = 0.0
     last_pull_s: float = 0.0
-    # the last pull's (posting s, posted -> first poll s, polls) (cluster/tools/bench/kv_transfer.py)
+    # the last pull's (posting s, posted -> first poll s, polls): MeasuredTransport only (benchmarks)
     last_pull_phases: tuple[float, float, int] = (0.0, 0.0, 0)
     peer_refreshes: int = 0  # cached remote agent replaced (peer restarted)
     pulls_refused_lease: int = 0  # handle's lease too close to expiry to pull: recomputed instead

@@ -26,6 +26,7 @@ Not thread-safe (NIXL agents are not): one engine loop thread owns it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -65,13 +66,29 @@ class PendingPull:
     started: float
     deadline: float
     settled: bool = False  # NIXL is done with it (done, failed, or cancelled and released)
+    conversion: Conversion | None = None  # READ into staging, converted once done (kv_transfer/convert.py)
+    # Where a pull's time went, filled by MeasuredTransport only (benchmarks; kv_transfer/measured.py):
     posted: float = 0.0  # time.monotonic() once transfer() returned
     first_poll: float = 0.0  # ... at the first poll
     polls: int = 0
-    conversion: Conversion | None = None  # READ into staging, converted once done (kv_transfer/convert.py)
+
+
+def _check_environment(kv_cache: torch.Tensor, required_transports, ucx_proto_info: bool) -> list[str]:
+    """The UCX transports available (refused if a required one is not), CUDA IPC enabled for a
+    VRAM pool; the pool must be one contiguous tensor. Before the agent exists."""
+    if ucx_proto_info:
+        os.environ.setdefault("UCX_PROTO_INFO", "y")  # UCX logs its choice per endpoint
+    available = check_required(list(required_transports))
+    if kv_cache.is_cuda:
+        enable_cuda_ipc_reads()
+    if not kv_cache.is_contiguous():
+        raise ValueError("the KV pool must be one contiguous tensor to register it")
+    return available
 
 
 class NixlTransport:
+    capture_telemetry = False  # NIXL's per-transfer telemetry (MeasuredTransport turns it on: benchmarks)
+
     def __init__(
         self,
         engine_id: str,
@@ -80,23 +97,12 @@ class NixlTransport:
         store: MetadataStore,
         required_transports: list[str] = (),
         ucx_proto_info: bool = False,
-        telemetry: bool = False,
         num_threads: int = 0,
         progress_thread: bool = False,
         host_cache: torch.Tensor | None = None,  # [slots, ...] laid out like kv_cache: served to peers
         tensor_parallel=None,  # the engine's TensorParallelDriver: its workers register their pools too
     ):
-        import os  # noqa: PLC0415
-
-        if ucx_proto_info:
-            os.environ.setdefault("UCX_PROTO_INFO", "y")  # UCX logs its choice per endpoint
-        available = check_required(list(required_transports))
-        if kv_cache.is_cuda:
-            enable_cuda_ipc_reads()
-        from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415 — lazy: heavy import
-
-        if not kv_cache.is_contiguous():
-            raise ValueError("the KV pool must be one contiguous tensor to register it")
+        available = _check_environment(kv_cache, required_transports, ucx_proto_info)
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.layout = layout
@@ -109,24 +115,11 @@ class NixlTransport:
         self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
         self.device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
         self.agent_name = f"{engine_id}-{self.incarnation}"
-        self.telemetry = telemetry
-        # NIXL's progress thread busy-polls a whole core even when idle; without it UCX progresses
-        # whenever we poll (decode: every step; prefill: every loop turn), which suffices.
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(
-            backends=["UCX"], capture_telemetry=telemetry, num_threads=num_threads,
-            enable_prog_thread=progress_thread))
+        self.agent = self._make_agent(num_threads, progress_thread)
         self._kv = kv_cache  # keep the registered memory alive
         self._reg = self.agent.register_memory(kv_cache)
         self.base_addr = kv_cache.data_ptr()
-        self._host, self._host_reg, self.host_base_addr, self.host_num_blocks = None, None, 0, 0
-        if host_cache is not None:
-            if self.mem_type != "DRAM" or host_cache.is_cuda or not host_cache.is_contiguous():
-                raise ValueError("serving leases from a host tier needs a DRAM pool and a contiguous host arena "
-                                 "(a VRAM pool's host slots would need a descriptor list of their own)")
-            if host_cache[0].numel() * host_cache.element_size() != self.block_bytes:
-                raise ValueError("the host arena's slots are not the pool's block size")
-            self._host, self._host_reg = host_cache, self.agent.register_memory(host_cache)
-            self.host_base_addr, self.host_num_blocks = host_cache.data_ptr(), host_cache.shape[0]
+        self._register_host(host_cache)
         self._space = BlockSpace((self.base_addr,), (self.num_blocks,), self.block_bytes, self.device_id)
         self._local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", self._space.block_descs(), self.mem_type)
         self._remotes: dict[str, _Remote] = {}
@@ -143,6 +136,28 @@ class NixlTransport:
             "NIXL agent %s: %s pool of %d blocks x %d bytes registered; UCX transports available: %s",
             self.agent_name, self.mem_type, self.num_blocks, self.block_bytes, ", ".join(available),
         )
+
+    def _make_agent(self, num_threads: int, progress_thread: bool):
+        from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415 — lazy: heavy import
+
+        # NIXL's progress thread busy-polls a whole core even when idle; without it UCX progresses
+        # whenever we poll (decode: every step; prefill: every loop turn), which suffices.
+        return nixl_agent(self.agent_name, nixl_agent_config(
+            backends=["UCX"], capture_telemetry=self.capture_telemetry, num_threads=num_threads,
+            enable_prog_thread=progress_thread))
+
+    def _register_host(self, host_cache: torch.Tensor | None) -> None:
+        """The host tier's arena, registered beside the pool where leases are served from it."""
+        self._host, self._host_reg, self.host_base_addr, self.host_num_blocks = None, None, 0, 0
+        if host_cache is None:
+            return
+        if self.mem_type != "DRAM" or host_cache.is_cuda or not host_cache.is_contiguous():
+            raise ValueError("serving leases from a host tier needs a DRAM pool and a contiguous host arena "
+                             "(a VRAM pool's host slots would need a descriptor list of their own)")
+        if host_cache[0].numel() * host_cache.element_size() != self.block_bytes:
+            raise ValueError("the host arena's slots are not the pool's block size")
+        self._host, self._host_reg = host_cache, self.agent.register_memory(host_cache)
+        self.host_base_addr, self.host_num_blocks = host_cache.data_ptr(), host_cache.shape[0]
 
     def info(self) -> PeerInfo:
         return PeerInfo(
@@ -238,8 +253,7 @@ class NixlTransport:
             self._forget(handle.engine_id)
             raise KVTransferError(f"posting READ from {handle.engine_id} failed")
         return PendingPull(handle.request_id, handle.engine_id, remote.agent_name, xfer, len(local_blocks),
-                           len(local_blocks) * self.block_bytes, len(runs), started, started + timeout_s,
-                           posted=time.monotonic())
+                           len(local_blocks) * self.block_bytes, len(runs), started, started + timeout_s)
 
     def _start_converting_pull(self, handle: KVHandle, remote: _Remote, remote_blocks: list[int],
                                local_blocks: list[int], timeout_s: float) -> PendingPull:
@@ -270,7 +284,6 @@ class NixlTransport:
             self._release(pull)
             self._forget(pull.peer)
             raise KVTransferError(f"posting READ from {pull.peer} failed: {e}") from e
-        pull.posted = time.monotonic()
 
     def _start_mapped_pull(self, handle: KVHandle, remote: _Remote, remote_blocks: list[int],
                            local_blocks: list[int], timeout_s: float) -> PendingPull:
@@ -296,9 +309,6 @@ class NixlTransport:
         """True when done; raises KVTransferError on failure or past the deadline. After a raise,
         `pull.settled` says whether NIXL let go of the transfer; if not, the caller must
         quarantine its blocks and `abandon` it."""
-        if not pull.polls:
-            pull.first_poll = time.monotonic()
-        pull.polls += 1
         if pull.handle is None and pull.conversion is not None and time.monotonic() <= pull.deadline:
             try:
                 self._post_conversion(pull)
@@ -315,17 +325,14 @@ class NixlTransport:
             if pull.conversion is not None:  # the bytes are in staging: into our pool, our dtype
                 self._converter.finish(pull.conversion)
                 self.stats.blocks_converted += pull.num_blocks
-            took = time.monotonic() - pull.started  # posted -> seen complete (telemetry and cleanup after)
-            if self.telemetry and not isinstance(pull.handle, MappedPull):  # descriptors NIXL used (merged)
-                self.stats.descriptors_used += self.agent.get_xfer_telemetry(pull.handle).descCount
+            took = time.monotonic() - pull.started  # posted -> seen complete (cleanup after)
+            self._before_release(pull)
             self._release(pull)
             self._unsent.append((pull.peer_agent, DONE, pull.request_id))  # the lease may end now
             self.stats.pulls_ok += 1
             self.stats.blocks_pulled += pull.num_blocks
             self.stats.bytes_pulled += pull.num_bytes
             self.stats.last_pull_s = took
-            if pull.posted:  # where a pull's time went (benchmarks): posting, the wait for a poll, polling
-                self.stats.last_pull_phases = (pull.posted - pull.started, pull.first_poll - pull.posted, pull.polls)
             self.stats.pull_seconds_sum += took
             self.stats.pull_seconds_max = max(self.stats.pull_seconds_max, took)
             return True
@@ -338,6 +345,10 @@ class NixlTransport:
             self.stats.pulls_timed_out += 1
             raise KVTransferError(f"READ from {pull.peer} timed out")
         return False
+
+    def _before_release(self, pull: PendingPull) -> None:
+        """A completed READ, just before its handle goes (once a pull; MeasuredTransport reads
+        NIXL's telemetry of it here)."""
 
     def _release(self, pull: PendingPull) -> bool:
         """Free the NIXL handle (cancelling the transfer if it is still active). False when NIXL

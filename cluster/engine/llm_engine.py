@@ -17,39 +17,35 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Collection, Sequence
+from typing import Sequence
 
 import torch
 
 from cluster.engine.attention import resolve_backend
-from cluster.engine.attention.fp8_kv import kv_quant_for
-from cluster.engine.config import EngineConfig, cache_dtype, kv_block_bytes, kv_block_shape, run_dtype
+from cluster.engine.config import EngineConfig, cache_dtype, kv_block_bytes, run_dtype
+from cluster.engine.engine_build import load_weights, log_ready, make_speculator
+from cluster.engine.engine_roles import DecodeVerbs, PrefillVerbs
+from cluster.engine.engine_state import EngineState
 from cluster.engine.grammar import Grammars
-from cluster.engine.kv_cache import BlockHash, KVCacheManager, TierLoader, TierUsage, extend_salt
-from cluster.engine.tier_arenas import build_tiers
+from cluster.engine.kv_cache import KVCacheManager, TierLoader, extend_salt
 from cluster.engine.model.hub import resolve_checkpoint
-from cluster.engine.model.loader import load_model
 from cluster.engine.model.identity import model_identity
-from cluster.engine.model.ops import resolve_ops
 from cluster.engine.model_config import ModelConfig
 from cluster.engine.model_runner import ModelRunner
 from cluster.engine.output_processor import Deferred, OutputProcessor
-from cluster.engine.outputs import EngineLoad, EngineStats, RequestOutput, merge_outputs
+from cluster.engine.outputs import EngineStats, RequestOutput, merge_outputs
+from cluster.engine.probe import EngineProbe
 from cluster.engine.request import DEFAULT_CONTEXT, Request, RequestContext, RequestStatus
 from cluster.engine.sampler import RequestFailure, SamplerOutput
 from cluster.engine.sampling_params import SamplingParams
 from cluster.engine.scheduler import Scheduler, SchedulerOutput
-from cluster.engine.spec.controller import Speculator
-from cluster.engine.static_decode import StaticDecode, static_mode
-from cluster.engine.spec.draft import DraftProposer
-from cluster.engine.spec.proposer import make_proposer
-from cluster.engine.probe import EngineProbe
+from cluster.engine.static_decode import StaticDecode
+from cluster.engine.tier_arenas import build_tiers
 from cluster.engine.validation import RequestValidator
 from cluster.errors import ErrorKind
 
 log = logging.getLogger(__name__)
 
-QUEUE_CACHE_LOOKUPS = 32  # waiting requests whose cached prefix a load report looks up
 LOAD_WAIT_S = 0.005  # an engine with only tier copies in flight waits this long for one (no spin)
 # A tier copy expected to take at most this fraction of a step runs at admission, on the engine's
 # thread, and its request computes in the same step; a longer one goes to the loader thread and
@@ -65,14 +61,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class LLMEngine:
+class LLMEngine(PrefillVerbs, DecodeVerbs, EngineState):
     def __init__(self, config: EngineConfig):
         self.config = config = config.model_copy(update={"model": resolve_checkpoint(config.model)})  # Hub id: snapshot
-        self.model_config = ModelConfig.from_dir(config.model)
-        mc = self.model_config
+        self.model_config = mc = ModelConfig.from_dir(config.model)
         self.device = resolve_device(config.device)
-        dtype = getattr(torch, run_dtype(mc, config))
-        self.dtype, kv_dtype = dtype, getattr(torch, cache_dtype(mc, config))
+        self.dtype = dtype = getattr(torch, run_dtype(mc, config))
+        kv_dtype = getattr(torch, cache_dtype(mc, config))
         self.validator = RequestValidator.for_model(config.model, [config])
         self.tokenizer = self.validator.tokenizer
         self.max_model_len = self.validator.max_model_len
@@ -80,41 +75,24 @@ class LLMEngine:
         # One block of all layers is one contiguous region (config.kv_block_shape).
         self.block_bytes = kv_block_bytes(mc, config)
         num_blocks = self.validator.num_blocks
-        self.tensor_parallel = None
-        if config.tensor_parallel_size > 1:  # rank 0 of a sharded model: its heads of every block
-            from cluster.engine.distributed.driver import TensorParallelDriver  # noqa: PLC0415
-
-            self.tensor_parallel = TensorParallelDriver.start(config, mc, num_blocks, self.max_model_len, self.device)
-            self.model, ops, self.kv_cache = self.tensor_parallel, self.tensor_parallel.ops, self.tensor_parallel.kv_cache
-            pool = self.kv_cache  # no static path under tp (static_mode): StaticDecode.for_engine returns None
-        static = static_mode(config, self.device, mc.family.cuda_graphs)
-        if self.tensor_parallel is None:
-            self.model = load_model(config.model, mc, self.max_model_len, dtype, self.device)
-            ops = resolve_ops("torch" if static and config.model_ops == "auto" else config.model_ops, self.device, dtype)
-            self.model.use_ops(ops)
-            # The static decode path's padding rows write one block past the pool's end (its sink):
-            # allocated here, never accounted, never registered for transfer.
-            pool = torch.zeros(num_blocks + (1 if static else 0), *kv_block_shape(mc, config.block_size),
-                               dtype=kv_dtype, device=self.device)
-            self.kv_cache = pool[:num_blocks]
-            self.model.kv_quant = kv_quant_for(self.model, kv_dtype, self.tokenizer, self.max_model_len,
-                                               config.block_size, self.device)
+        w = load_weights(config, mc, num_blocks, self.max_model_len, dtype, kv_dtype, self.device, self.tokenizer)
+        self.tensor_parallel, self.model, self.kv_cache = w.tensor_parallel, w.model, w.kv_cache
         self.model_identity = model_identity(config.model, mc)  # architecture + weights: the KV's identity
         salt = extend_salt(self.model_identity.encode(), config.cache_salt)
         tiers = config.kv_tiers
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, salt,
-                                 build_tiers(config.kv_tiers, self.kv_cache, self.block_bytes), TierLoader(threaded=tiers.enabled and tiers.async_loads),
-                                 tiers.store_threshold)
+                                 build_tiers(config.kv_tiers, self.kv_cache, self.block_bytes),
+                                 TierLoader(threaded=tiers.enabled and tiers.async_loads), tiers.store_threshold)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    config.max_waiting, config.queue_ttl_s)
-        torch_path = static or kv_dtype != dtype  # a quantized pool is read by the torch backend only
+        torch_path = w.static or kv_dtype != dtype  # a quantized pool is read by the torch backend only
         backend = resolve_backend("torch" if torch_path and config.attention_backend == "auto"
                                   else config.attention_backend,
                                   self.device, config.block_size, dtype)
         self.eos_token_ids = self.validator.eos_token_ids
         grammars = Grammars(self.tokenizer.to_json(), max(mc.vocab_size, self.tokenizer.vocab_size),
                             tuple(t for t in self.eos_token_ids if t < self.tokenizer.vocab_size))
-        static_decode = StaticDecode.for_engine(self.model, pool, config, self.max_model_len, self.device, static)
+        static_decode = StaticDecode.for_engine(self.model, w.pool, config, self.max_model_len, self.device, w.static)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, config.block_size, self.device, config.seed,
                                   grammars, static_decode)
         self.scheduler.on_free = self._on_free
@@ -123,24 +101,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.stats, self._finished)
         self.async_output = config.async_output == "on" or (config.async_output == "auto" and self.device.type == "cuda")
         self._deferred: list[Deferred] = []  # the last decode-only step's outputs, not emitted yet
-        spec = config.speculative
-        self.speculator = None
-        if spec.enabled:
-            if spec.method == "draft":  # a second model and KV pool, beside this one
-                proposer = DraftProposer.load(
-                    spec.draft_model, mc, spec.draft_num_blocks or num_blocks, config.block_size, self.max_model_len,
-                    dtype, self.device, backend, ops)
-            else:
-                proposer = make_proposer(spec.method, spec.ngram_min, spec.ngram_max)
-            self.speculator = Speculator(spec, proposer, self.stats, self.max_model_len)
+        self.speculator = make_speculator(config, mc, num_blocks, self.max_model_len, dtype, self.device, backend,
+                                          w.ops, self.stats)
         self.probe: EngineProbe | None = None  # set by a replica with telemetry on (plain Python, no Ray)
-        log.info(
-            "engine ready: model=%s dtype=%s kv=%s device=%s attention=%s blocks=%d x %d tokens (%.1f MiB)%s",
-            config.model, mc.dtype, cache_dtype(mc, config), self.device, backend.name, num_blocks, config.block_size,
-            num_blocks * self.block_bytes / 2**20,
-            "".join(f", {t.name} tier {t.num_blocks} blocks ({t.num_blocks * self.block_bytes / 2**20:.1f} MiB)"
-                    for t in self.kv.tiers),
-        )
+        log_ready(self)
 
     @classmethod
     def from_model(cls, model: str, **kwargs) -> "LLMEngine":
@@ -208,166 +172,6 @@ class LLMEngine:
     def _emit_deferred(self) -> list[RequestOutput]:
         deferred, self._deferred = self._deferred, []
         return self.output_processor.emit(deferred) if deferred else []
-
-    # ---- verbs of the prefill role: blocks held for a peer -------------------------------------
-
-    def held(self, request_id: str) -> Request | None:
-        """A finished request whose blocks are held (added with hold_kv), or None."""
-        return self.scheduler.leased.get(request_id)
-
-    def release(self, request_id: str) -> bool:
-        """Free a held request's blocks (its transfer is done, or its lease ended)."""
-        return self.scheduler.release(request_id)
-
-    def block_ids(self, request_id: str) -> list[int]:
-        return self.kv.block_ids(request_id)
-
-    def host_arena(self) -> torch.Tensor | None:
-        """The host tier's arena when leases are served from it (kv_tiers.lease_from_host): what
-        the transport registers for peers to read."""
-        host = self.kv.host
-        return host.copier.host if host is not None and self.config.kv_tiers.lease_from_host else None
-
-    def lease_from_host(self, req: Request) -> tuple[list[int], list[BlockHash]] | None:
-        """Serve a held request's full prompt blocks from the host tier: each is written there
-        unless already held, all are pinned, and their device blocks go back to the pool now.
-        Returns (the handle's block ids: num_blocks + slot for those, then the device ids of the
-        rest; the pinned hashes, for `unpin_host` when the lease ends), or None when the tier could
-        not take them all (every slot pinned): the lease stays on the device."""
-        host, ids = self.kv.host, self.kv.block_ids(req.request_id)
-        hashes = self.full_block_hashes(req)
-        if host is None or not hashes:
-            return None
-        host.write_through(list(zip(ids, hashes)))
-        if not all(h in host for h in hashes):  # a store was dropped, or pushed an earlier one down
-            return None
-        host.pin(hashes)
-        served = [self.kv.num_blocks + host.slot_of(h) for h in hashes]
-        self.kv.free_leading(req.request_id, len(hashes))
-        return served + ids[len(hashes):], hashes
-
-    def unpin_host(self, hashes: Sequence[BlockHash]) -> None:
-        """A lease served from the host tier ended (and its grace, if any): its slots may go."""
-        self.kv.host.unpin(hashes)
-
-    # ---- quarantine: blocks an unsettled transfer may still write or read ----------------------
-
-    def quarantine(self, request_id: str, block_ids: Collection[int] | None = None) -> int:
-        """Keep the request's blocks in `block_ids` (all when None) out of the pool until
-        `release_quarantine(token)`, whatever happens to the request. Call it just before ending
-        the request (abort, requeue, release), which frees its other blocks. Token 0: none moved."""
-        return self.kv.quarantine(request_id, block_ids)
-
-    def release_quarantine(self, token: int) -> int:
-        """The transfer settled (done, failed, cancelled or past its grace): the blocks go back."""
-        return self.kv.release_quarantine(token)
-
-    def full_block_hashes(self, req: Request) -> list[BlockHash]:
-        """The chained hashes of a request's full prompt blocks (what a peer may already cache)."""
-        return self.kv.update_hashes(req)[: req.num_prompt_tokens // self.block_size]
-
-    # ---- verbs of the decode role: a prompt's KV imported from a peer --------------------------
-
-    def import_request(self, req: Request, block_hashes: Sequence[BlockHash], num_tokens: int,
-                       first_token: int) -> int | None:
-        """Admit a request whose first `num_tokens` tokens' KV arrives from a peer, after which
-        it continues from `first_token` (sampled there). Takes this engine's cached prefix and
-        allocates the rest: returns how many leading blocks were cached here, or None when the
-        pool has no room (then nothing changed). Its prompt's logprobs came with the first token."""
-        req.prompt_logprobs = None
-        reused = self.scheduler.add_importing(req, block_hashes, num_tokens)
-        if reused is not None:
-            self.stats.requests_received += 1
-            self.output_processor.add(req, list(req.prompt_token_ids) + [first_token])
-        return reused
-
-    def import_loading(self, request_id: str) -> bool:
-        """An importing request's prefix from this engine's own tiers is still copying in."""
-        return self.kv.is_loading(request_id)
-
-    def import_load_failed(self, request_id: str) -> bool:
-        """An importing request's own tier copy failed: its prompt must be recomputed (requeue)."""
-        return request_id in self.scheduler.failed_import_loads
-
-    def activate(self, request_id: str, num_tokens: int, first_token: int) -> RequestOutput | None:
-        """The imported KV has arrived: the request joins continuous batching after its first
-        token. Returns its terminal output if that token already ends it (max_tokens 1, a stop)."""
-        req = self.scheduler.activate_imported(request_id, num_tokens, first_token)
-        return self.output_processor.final_output(req, [], "") if req.status.finished else None
-
-    def requeue(self, request_id: str, first_token: int) -> None:
-        """The import failed: compute the prompt here instead, keeping the first token."""
-        self.scheduler.requeue_imported(request_id, first_token)
-
-    def add_after_first_token(self, req: Request, first_token: int) -> None:
-        """Queue a request whose first token was sampled elsewhere: its prompt is computed here
-        and it continues after that token (decode without room to import)."""
-        self.add_after_tokens(req, [first_token])
-
-    def add_after_tokens(self, req: Request, generated: Sequence[int]) -> None:
-        """Queue a request whose first output tokens were produced elsewhere (a first token from
-        prefill, or a migrated request's tokens already sent): prompt and those tokens are
-        computed here, and it continues after them. They count as its output: max_tokens,
-        min_tokens and the penalties see them as the request's own. The prompt's logprobs, if
-        asked, went out with those tokens."""
-        req.prompt_logprobs = None
-        for t in generated:
-            req.append_token(t)
-        self.add(req)
-        self.output_processor.add(req, list(req.prompt_token_ids) + list(generated))
-
-    # ---- state for load reports, the router's feed and telemetry -------------------------------
-
-    def load(self) -> EngineLoad:
-        s = self.scheduler
-        return EngineLoad(
-            free_blocks=self.kv.num_free_blocks, total_blocks=self.kv.num_blocks,
-            running=len(s.running), waiting=len(s.waiting), importing=len(s.importing) + len(s.loading),
-            held=len(s.leased),
-            queued_prefill_tokens=self._queued_prompt_tokens(),
-            quarantined_blocks=self.kv.num_quarantined_blocks,
-            running_prompt_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.running),
-        )
-
-    def _queued_prompt_tokens(self) -> int:
-        """Prompt tokens the waiting requests will compute. The router weighs a replica's queue
-        against a cache hit, so a waiting request counts only what its cached prefix does not
-        cover (else one queued hit reads as a miss). Loads are reported up to 50 times a second
-        from the loop thread: only the first QUEUE_CACHE_LOOKUPS requests are looked up (~70
-        dict lookups each); the rest count in full."""
-        total = 0
-        for i, r in enumerate(self.scheduler.waiting):
-            covered = self.kv.cached_prefix_tokens(r) if i < QUEUE_CACHE_LOOKUPS else 0
-            total += r.num_tokens - max(r.num_computed_tokens, covered)
-        return total
-
-    def queue_shape(self) -> tuple[int, int, int]:
-        """(waiting, running, importing): cheap, for noticing that the queues changed."""
-        s = self.scheduler
-        return len(s.waiting), len(s.running), len(s.importing) + len(s.loading)
-
-    def tier_usage(self) -> list[TierUsage]:
-        """The KV tiers below the pool (host, then disk): occupancy and counters."""
-        return [t.usage() for t in self.kv.tiers]
-
-    def drain_block_events(self) -> list:
-        """Block stored/removed events since the last call, in order (the router's feed): the
-        device pool's ("+" / "-", hash), then each lower tier's, its level appended to the kind
-        ("+1" / "-1": host, "+2" / "-2": disk)."""
-        events = self.kv.pool.drain_events()
-        for level, tier in enumerate(self.kv.tiers, start=1):
-            events += [(f"{kind}{level}", h) for kind, h in tier.drain_events()]
-        return events
-
-    def cached_block_hashes(self) -> list[BlockHash]:
-        return self.kv.pool.cached_hashes()
-
-    def tier_block_hashes(self) -> list[list[BlockHash]]:
-        """Each lower tier's held hashes, top down (host, disk): with the pool's, a full snapshot."""
-        return [tier.hashes() for tier in self.kv.tiers]
-
-    def reset_prefix_cache(self) -> None:
-        self.kv.reset_cache()
 
     def _on_free(self, request_id: str) -> None:
         """The scheduler's on_free: a request's blocks went (it ended, or was preempted)."""

@@ -239,12 +239,22 @@ class Scheduler:
                 self.waiting.appendleft(req)
 
     def schedule(self) -> SchedulerOutput:
+        """The step's chunks: the running requests first (decodes, then prompt chunks; a request
+        that cannot get its blocks preempts the newest), then waiting ones admitted while the
+        token budget, the batch and the pool allow."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
         if self.loading or self.kv.num_loading:
             self._settle_loads()
+        budget = self._schedule_running(out, self.max_num_batched_tokens, scheduled)
+        self._admit_waiting(out, budget, scheduled)
+        charge = self.waiting.charge
+        for chunk in out.chunks:
+            charge(chunk.request.ctx, chunk.num_tokens)
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, budget: int, scheduled: set[str]) -> int:
+        """Chunks for the running requests (decodes first); the token budget left."""
         decoding: list[Request] = []
         prefilling: list[Request] = []
         for r in self.running:
@@ -281,7 +291,11 @@ class Scheduler:
             out.chunks.append(self._chunk(req, req.num_computed_tokens, n))
             scheduled.add(req.request_id)
             budget -= n
+        return budget
 
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set[str]) -> None:
+        """Waiting requests admitted in queue order (each tenant's KV budget held) while the token
+        budget, the batch and the pool allow, and no request was preempted this step."""
         over_budget: set[str] = set()
         held: dict[str, int] | None = None  # blocks per tenant, computed when a budget applies
         while budget > 0 and not out.preempted and len(self.running) + len(self.loading) < self.max_num_seqs:
@@ -320,10 +334,6 @@ class Scheduler:
             out.chunks.append(self._chunk(req, num_cached, n))
             scheduled.add(req.request_id)
             budget -= n
-        charge = self.waiting.charge
-        for chunk in out.chunks:
-            charge(chunk.request.ctx, chunk.num_tokens)
-        return out
 
     def _blocks_by_tenant(self) -> dict[str, int]:
         held: dict[str, int] = {}

@@ -135,8 +135,6 @@ class StaticDecode:
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.steps = 0
-        # Set to a list to time each replay on the device (benchmarks): (batch, start, end) CUDA events.
-        self.replay_events: list | None = None
         log.info("static decode: %s, attention %s, batch buckets %s, table up to %d blocks",
                  "CUDA graphs" if capture else "eager", attention, self.buckets, self.max_blocks)
 
@@ -218,19 +216,16 @@ class StaticDecode:
         if self.fixed_width:  # columns past W hold older rows' ids: no row reads past its own blocks
             self._fixed[:bucket, : 2 + width].copy_(self._inputs[:size].view(bucket, 2 + width))
         if self.capture:
-            graph = self._graphs[key]
-            if self.replay_events is None:
-                graph.replay()
-            else:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                self.replay_events.append((n, start, end))
+            self._replay(self._graphs[key], n)
         else:
             self._forward(*key)
         self.steps += 1
         return self._logits[:n]
+
+    def _replay(self, graph: torch.cuda.CUDAGraph, rows: int) -> None:
+        """One captured step (`rows` of its bucket real). A benchmark times it from outside
+        (cluster/tools/bench/replay_timer.py)."""
+        graph.replay()
 
     def _forward(self, bucket: int, width: int) -> None:
         """The model over the device inputs of a (bucket, width) step, its logits into the buffer;

@@ -52,9 +52,9 @@ def test_queued_prefill_tokens_leave_out_what_the_cache_covers(tiny_model):
 def test_only_the_first_waiting_requests_are_looked_up(tiny_model, monkeypatch):
     """A load report runs on the loop thread up to 50 times a second: the cache lookup is bounded
     to the first QUEUE_CACHE_LOOKUPS waiting requests; the rest count their whole prompt."""
-    import cluster.engine.llm_engine as llm_engine
+    import cluster.engine.engine_state as engine_state
 
-    monkeypatch.setattr(llm_engine, "QUEUE_CACHE_LOOKUPS", 1)
+    monkeypatch.setattr(engine_state, "QUEUE_CACHE_LOOKUPS", 1)
     engine = LLMEngine.from_model(tiny_model, num_blocks=32, block_size=16)
     prefix = [256] + list(range(1, 64))
     engine.add_request("a", prompt_token_ids=prefix + [100], sampling=SP)

@@ -17,6 +17,7 @@ import torch
 from cluster.engine.config import kv_block_bytes
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
+from cluster.tools.bench.replay_timer import ReplayTimer
 from cluster.tools.bench.ttft_tpot import SHAPES
 
 DEVICE = os.environ.get("PDSERVE_GPU_TEST_DEVICE", "cuda")
@@ -139,12 +140,16 @@ def test_static_decode_many_streams_equals_the_cpu_reference(model_dirs):
               max_num_seqs=32, max_num_batched_tokens=8192)
     want = [o.token_ids for o in LLMEngine.from_model(model, device="cpu", static_decode="off", **kw).generate(prompts, sps)]
     eng = LLMEngine.from_model(model, device=DEVICE, static_decode=STATIC, **kw)
-    got = [o.token_ids for o in eng.generate(prompts, sps)]
-    assert got == want
     static = eng.runner.static
+    # replays timed from outside, as ttft_tpot does (a no-op on the eager path: no replays)
+    with ReplayTimer(static) as timer:
+        got = [o.token_ids for o in eng.generate(prompts, sps)]
+    assert got == want
     assert static.steps >= 50 and static._rows == {}
+    assert "_replay" not in vars(static)  # the timer is gone with its block
     if static.capture:
         assert len(static._graphs) >= 4
+        assert len(timer.events) == static.steps  # one (rows, start, end) a captured step
     _report(test="static-many", device=DEVICE, static=STATIC, attention=static.attention,
             graphs=len(static._graphs), steps=static.steps)
     eng.check_invariants()

@@ -15,6 +15,7 @@ from kv_transfer.errors import IncompatiblePeerError
 from kv_transfer.layout import engine_layout
 from kv_transfer.metadata_store import FileMetadataStore
 from kv_transfer.runs import block_runs
+from kv_transfer.measured import MeasuredTransport
 from kv_transfer.transport import NixlTransport
 from cluster.tools.local_peer import PrefillProcess
 from tests.helpers import wait_for
@@ -104,6 +105,8 @@ def test_disaggregated_output_equals_in_process(prefill, decode, reference):
     assert [f.finish_reason for f in finals] == ["length"] * len(PROMPTS)
     assert decode.transport.stats.pulls_ok == len(PROMPTS)
     assert decode.transport.stats.fallbacks_recompute == 0
+    # serving's transport keeps no benchmark measures on its poll (MeasuredTransport does: below)
+    assert (decode.transport.stats.last_pull_phases, decode.transport.stats.descriptors_used) == ((0.0, 0.0, 0), 0)
     assert_pools_whole(prefill, decode)
     s = prefill.stats()
     assert s["leases_released"] >= len(PROMPTS) and s["leases_expired"] == 0  # notifications, not expiry
@@ -129,8 +132,8 @@ def test_only_missing_blocks_are_pulled(prefill, decode, tiny_model, reference):
 def test_a_pull_posts_one_descriptor_per_run_of_blocks_contiguous_on_both_sides(prefill, tiny_model, store,
                                                                                 reference):
     engine = LLMEngine.from_model(tiny_model, num_blocks=48)
-    transport = NixlTransport("decode-runs", engine.kv_cache, engine_layout(engine), FileMetadataStore(store),
-                              telemetry=True)  # NIXL counts the descriptors it used
+    transport = MeasuredTransport("decode-runs", engine.kv_cache, engine_layout(engine), FileMetadataStore(store),
+                                  telemetry=True)  # NIXL counts the descriptors it used
     decode = DecodeEngine(engine, transport, transfer_timeout_s=5.0)
     try:
         prompt = PROMPTS[-1]  # 70 tokens: 5 blocks
@@ -142,6 +145,8 @@ def test_a_pull_posts_one_descriptor_per_run_of_blocks_contiguous_on_both_sides(
             tokens += [t for out in decode.step() for t in out.token_ids]
         assert tokens == reference[tuple(prompt)]
         assert (transport.stats.blocks_pulled, transport.stats.descriptors_used) == (5, len(runs))
+        posting, to_first_poll, polls = transport.stats.last_pull_phases  # measured from outside the poll
+        assert posting > 0 and to_first_poll >= 0 and polls >= 1
         assert_pools_whole(prefill, decode)
     finally:
         transport.close()

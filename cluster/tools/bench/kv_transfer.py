@@ -42,7 +42,7 @@ from decode.engine import DecodeEngine
 from kv_transfer.layout import engine_layout
 from cluster.tools.local_peer import PrefillProcess
 from kv_transfer.metadata_store import FileMetadataStore
-from kv_transfer.transport import NixlTransport
+from kv_transfer.measured import MeasuredTransport
 from kv_transfer.transports import available_transports, enable_cuda_ipc_reads
 
 
@@ -111,8 +111,8 @@ def bench_engines(model_dir: str, lengths: list[int], store: Path, reps: int, th
     kw = dict(num_blocks=blocks, max_num_batched_tokens=1024, max_model_len=max_len + 8, device=device, dtype=dtype)
     prefill = PrefillProcess(model_dir, store, engine_id=f"bench-prefill-{threads}", nixl_threads=threads, **kw)
     engine = LLMEngine.from_model(model_dir, **kw)
-    transport = NixlTransport(f"bench-decode-{threads}", engine.kv_cache, engine_layout(engine),
-                              FileMetadataStore(store), telemetry=telemetry, num_threads=threads)
+    transport = MeasuredTransport(f"bench-decode-{threads}", engine.kv_cache, engine_layout(engine),
+                                  FileMetadataStore(store), telemetry=telemetry, num_threads=threads)
     decode = DecodeEngine(engine, transport, transfer_timeout_s=10)  # < the 30 s lease: pulled, not recomputed
     sp = SamplingParams(max_tokens=1 + 1, temperature=0, ignore_eos=True)
     rows = []

@@ -90,7 +90,9 @@ def run_served(model_dir: str, prompts_by_c: dict, out_tokens: int, blocks: int,
     from cluster.tools.netutil import free_port
 
     cfg = AppConfig(model=model_dir, http_port=free_port(), grpc_port=free_port(), engine={"num_blocks": blocks},
-                    prefill={"num_replicas": prefill_replicas}, graceful_shutdown_timeout_s=1.0)
+                    prefill={"num_replicas": prefill_replicas}, graceful_shutdown_timeout_s=1.0,
+                    # admission control off: C requests start at once, and a refusal is no throughput to compare
+                    admission={"max_queue_wait_s": "none", "target_itl_s": "none"})
     env = serve_app.direct_ingress_env(cfg.http_port, throughput_optimized) if direct_ingress else {}
     os.environ.update(env)  # the Ray instance below (its Serve processes) reads it when they start
     ray.init(num_cpus=serve_app.cpus_needed(cfg) + 2, include_dashboard=False, log_to_driver=False)

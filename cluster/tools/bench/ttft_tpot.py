@@ -24,6 +24,7 @@ replayed as CUDA graphs (cluster/engine/static_decode.py); in graphs mode a warm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -36,6 +37,7 @@ import torch
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.model.init_model import init_model
 from cluster.engine.sampling_params import SamplingParams
+from cluster.tools.bench.replay_timer import ReplayTimer
 
 SHAPES = {
     # a rehearsal model (the script's paths on a CPU in seconds), 4 layers, hidden 64
@@ -142,19 +144,18 @@ def profile_decode(engine: LLMEngine, streams: int, plen: int, olen: int, rng: r
         engine.step()  # prefill everything first: only decode steps are profiled
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     static = engine.runner.static
-    timed = static is not None and static.capture
-    if timed:  # CUDA events around each replay: the device's share of the unprofiled steps
-        static.replay_events = []
+    # CUDA events around each replay: the device's share of the unprofiled steps
+    timer = ReplayTimer(static) if static is not None and static.capture else None
     _sync(device)
     t = time.perf_counter()
-    for _ in range(16):  # the same steps unprofiled first: the profiler's own cost stretches a step
-        engine.step()
-    _sync(device)
+    with timer or contextlib.nullcontext():
+        for _ in range(16):  # the same steps unprofiled first: the profiler's own cost stretches a step
+            engine.step()
+        _sync(device)
     plain = (time.perf_counter() - t) / 16
     replays = ""
-    if timed:
-        replay_ms = sum(s.elapsed_time(e) for _, s, e in static.replay_events)
-        static.replay_events = None
+    if timer is not None:
+        replay_ms = sum(s.elapsed_time(e) for _, s, e in timer.events)
         replays = (f"; graph replays on the device {replay_ms / 16:.2f} ms/step = {replay_ms / 16 / (plain * 1e3):.0%} "
                    f"of the unprofiled step")
     t = time.perf_counter()
@@ -189,12 +190,11 @@ def profile_decode(engine: LLMEngine, streams: int, plen: int, olen: int, rng: r
     return summary
 
 
-def graph_device_times(static, streams: int) -> str:
-    """The device's time for the captured decode steps of the last run (CUDA events around each
-    replay, the run's own inputs), at the run's full batch, against their wall time."""
+def graph_device_times(events: list, streams: int) -> str:
+    """The device's time for the captured decode steps of the last run (ReplayTimer's CUDA events
+    around each replay, the run's own inputs), at the run's full batch, against their wall time."""
     torch.cuda.synchronize()
-    full = [s.elapsed_time(e) for n, s, e in static.replay_events if n == streams]
-    static.replay_events = None
+    full = [s.elapsed_time(e) for n, s, e in events if n == streams]
     if not full:
         return f"no captured step of {streams} rows"
     return (f"captured decode steps of {streams} rows: {len(full)}, device time p50 {statistics.median(full):.2f} ms "
@@ -256,14 +256,14 @@ def main(argv=None) -> int:
         print(f"{arm}: warm-up {time.perf_counter() - t:.1f} s"
               + (f", {len(static._graphs)} graphs captured" if static is not None and static.capture else ""), flush=True)
         for c in args.streams:
-            if static is not None and static.capture:
-                static.replay_events = []
-            r = {"model": args.model, "arm": arm, "streams": c,
-                 **run_pdserve(engine, c, args.rounds, args.prompt_tokens, args.output_tokens, rng)}
+            timer = ReplayTimer(static) if static is not None and static.capture else None
+            with timer or contextlib.nullcontext():
+                r = {"model": args.model, "arm": arm, "streams": c,
+                     **run_pdserve(engine, c, args.rounds, args.prompt_tokens, args.output_tokens, rng)}
             rows.append(r)
             print(json.dumps(r), flush=True)
-            if static is not None and static.capture:
-                print(f"{arm}: {graph_device_times(static, c)}; TPOT p50 {r['tpot_p50_ms']:.2f} ms", flush=True)
+            if timer is not None:
+                print(f"{arm}: {graph_device_times(timer.events, c)}; TPOT p50 {r['tpot_p50_ms']:.2f} ms", flush=True)
         if args.profile:
             print(profile_decode(engine, top, args.prompt_tokens, max(args.output_tokens, 33), rng,
                                  Path(f"{args.profile}.{arm.removeprefix('pdserve-')}"), args.device), flush=True)

@@ -14,8 +14,9 @@ from cluster.engine.outputs import FinishReason, TokenLogprob
 from cluster.engine.sampling_params import SamplingParams
 from cluster.guardrail_rules import RuleError, compile_rule
 from router.ingress.request import Delta
+from router.ingress.gateway.guard_checks import RuleCheck
 from router.ingress.gateway.guardrails import (Action, Cause, GuardrailRejected, Guardrails, HoldBack, Intervention,
-                                       RuleCheck, Stage)
+                                               Stage)
 from router.ingress.gateway.response_cache import ResponseCache, delta_bytes
 
 # ---- rules and their bounds ------------------------------------------------------------------
@@ -191,7 +192,7 @@ def test_random_splits_never_release_any_character_of_a_match():
 
 
 def test_fold_is_nfkc_and_casefold_per_character():
-    from router.ingress.gateway.guardrails import fold
+    from cluster.guardrail_rules import fold
 
     assert fold("KiLL") == "kill"
     assert fold("\uff2b\uff49\uff4c\uff4c") == "kill"  # full-width ＫｉＬＬ
@@ -398,7 +399,7 @@ ZW = "\u200b\u200c\u200d\u2060\ufeff\u00ad"  # zero-width space, non-joiner, joi
 
 
 def test_fold_removes_invisible_characters_and_composes_accents():
-    from router.ingress.gateway.guardrails import fold
+    from cluster.guardrail_rules import fold
 
     assert fold("B\u200bo\u00adm\u2060b\ufeff") == "bomb"
     assert fold("Cafe\u0301") == fold("CAF\u00c9") == "caf\u00e9"  # decomposed and composed é fold alike
@@ -594,7 +595,7 @@ def test_a_long_prompt_is_checked_whole_within_the_bound_however_it_is_padded(on
 
 
 def test_chunks_find_a_match_across_their_seam_and_never_one_their_cut_makes():
-    from router.ingress.gateway.guardrails import INPUT_CHUNK_CHARS
+    from router.ingress.gateway.guard_checks import INPUT_CHUNK_CHARS
 
     rule = RuleCheck(GuardrailPolicy(rules=[{"name": "r", "words": ["kill"]}]).rules[0], timeout_s=0.05)
     for at in range(INPUT_CHUNK_CHARS - 5, INPUT_CHUNK_CHARS + 2):
