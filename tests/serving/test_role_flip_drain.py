@@ -28,6 +28,7 @@ from kv_transfer.notices import LeaseNotices
 from kv_transfer.stats import TransferStats
 from prefill.deployment import PREFILL_ROLE
 from prefill.engine import PrefillEngine
+from router.actor import router_name
 
 PROMPT = [256] + list(range(1, 40))
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
@@ -55,9 +56,11 @@ class Transport:
 
 
 class Router:
-    """The router actor's feed, answered at once: every load reported, in order."""
+    """The router actor's feed, answered at once: every load reported, in order. Named as the app's
+    one router (router/cells.py: one cell), so a flip keeps feeding it (RouterFeed.move: same name)."""
 
-    def __init__(self):
+    def __init__(self, name: str):
+        self.name = name
         self.loads = []
         self.feed = self
 
@@ -100,7 +103,8 @@ def replica(ray_session, tiny_model):
     r.config, r.replica_id, r.engine, r.transport, r.faults = cfg, "replica-x", engine, Transport(), None
     r.routed = {"on_target": 0, "off_target": 0}
     r.played = PlayedRole({"prefill": PREFILL_ROLE, "decode": DECODE_ROLE}, "decode", engine, r.transport, cfg)
-    r.reporter = LoadReporter(engine, r.transport.stats, r.replica_id, "decode", Registry(), Router())
+    router = Router(router_name("pdserve", cfg.serving_group))
+    r.reporter = LoadReporter(engine, r.transport.stats, r.replica_id, "decode", Registry(), router)
     r.loop = EngineLoop(r.role, idle_poll_s=DECODE_ROLE.idle_poll_s, hooks=[r.reporter])
     r.flip = RoleFlip(r.replica_id, r.played, r.loop, r.reporter, "pdserve")
     return r
