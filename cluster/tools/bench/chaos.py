@@ -17,7 +17,7 @@ at most 5 s, and 0.5 s after UNAVAILABLE, as a retrying client would), each requ
 - cancel: a stream the client cancels after its first response.
 Faults, one every `--fault-every` s (seeded): kill a prefill or decode replica, the router, the
 admission, audit-writer or ledger actor, or an ingress (Serve and Ray bring each back); drop one decode
-replica's NIXL pulls for 3 s; with `--decode-tp` > 1 also kill a tensor-parallel worker rank.
+replica's NIXL pulls for 3 s; with `--decode-tp` > 1 also kill a tensor-parallel worker rank (its Ray actor).
 
 Reported: requests sent; completed, and of the greedy ones identical to the reference; failed, by
 gRPC code; hung (a call no server status ended within its client deadline of 150 s: must be 0);
@@ -280,20 +280,17 @@ class Chaos:
         return rid
 
     def kill_tp_rank(self) -> str:
-        import os
-        import signal
-
-        import psutil
-        from ray import serve
+        """A decode replica's tensor-parallel worker rank (a Ray actor, `pdserve-tp:<replica>:<rank>`)."""
+        import ray
 
         rid = self._replica("decode").rsplit("#", 1)[1]
-        load = serve.get_deployment_handle("decode", "pdserve").load.remote(target_replica=rid).result(timeout_s=30)
-        ranks = [c for c in psutil.Process(load["pid"]).children() if "python" in c.name().lower()]
+        ranks = sorted((a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+                       if a["name"].startswith(f"pdserve-tp:{rid}:"))
         if not ranks:
-            raise LookupError(f"decode replica {rid} has no worker rank process")
-        victim = self.rng.choice(ranks)
-        os.kill(victim.pid, signal.SIGKILL)
-        return f"{rid} rank pid {victim.pid}"
+            raise LookupError(f"decode replica {rid} has no worker rank")
+        name, namespace = self.rng.choice(ranks)
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        return name
 
 
 def settle(lease_s: float) -> dict:
