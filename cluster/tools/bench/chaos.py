@@ -46,6 +46,9 @@ HUNG_AFTER_S = 150.0  # the client's deadline: far past replica_wait_s (30) + a 
 KINDS = {"greedy": 40, "long": 10, "n2": 15, "json": 20, "cancel": 15}
 FAULTS = {"kill_prefill": 3, "kill_decode": 3, "kill_router": 2, "kill_admission": 1, "kill_audit": 1,
           "kill_ledger": 1, "kill_ingress": 1, "drop_pulls": 2, "kill_tp_rank": 2}
+KILL_SERVE = {"kill_prefill": "prefill", "kill_decode": "decode", "kill_ingress": "ingress"}  # -> deployment
+KILL_CONTROL = {"kill_router": "router", "kill_admission": "admission", "kill_audit": "audit-writer",
+                "kill_ledger": "ledger"}  # -> control actor kind (router/actor.py scoped names)
 KEYS = {"alice": "chaos-key-alice", "bob": "chaos-key-bob"}
 MODEL_NAME = "chaos"
 
@@ -213,11 +216,19 @@ class Chaos:
         while not self.stop.wait(self.every_s * self.rng.uniform(0.5, 1.5)):
             kind = self.rng.choices(list(self.faults), weights=list(self.faults.values()))[0]
             try:
-                target = getattr(self, kind)()
+                target = self.make(kind)
             except Exception as e:  # noqa: BLE001 — a fault that could not be made is logged, not fatal
                 target = f"not made: {e!r}"
             self.report.faults.append((round(time.monotonic() - self.t0, 1), kind, target))
             print(f"  t={time.monotonic() - self.t0:6.1f}s  {kind}: {target}", flush=True)
+
+    def make(self, kind: str) -> str:
+        """Make one fault; returns its target."""
+        if kind in KILL_SERVE:
+            return self._kill_serve(KILL_SERVE[kind])
+        if kind in KILL_CONTROL:
+            return self._kill_control(KILL_CONTROL[kind])
+        return getattr(self, kind)()
 
     def _replica(self, deployment: str) -> str:
         import ray
@@ -247,27 +258,6 @@ class Chaos:
         name = self.rng.choice(names)
         ray.kill(lookup(name), no_restart=False)  # Ray restarts it (max_restarts=-1)
         return name
-
-    def kill_prefill(self) -> str:
-        return self._kill_serve("prefill")
-
-    def kill_decode(self) -> str:
-        return self._kill_serve("decode")
-
-    def kill_ingress(self) -> str:
-        return self._kill_serve("ingress")
-
-    def kill_router(self) -> str:
-        return self._kill_control("router")
-
-    def kill_admission(self) -> str:
-        return self._kill_control("admission")
-
-    def kill_audit(self) -> str:
-        return self._kill_control("audit-writer")
-
-    def kill_ledger(self) -> str:
-        return self._kill_control("ledger")
 
     def drop_pulls(self) -> str:
         from ray import serve
