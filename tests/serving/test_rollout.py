@@ -38,7 +38,11 @@ POOLS = ("decode-tiny-base", "decode-tiny-canary")
 def server(serve_apps, tiny_model, model_factory):
     canary = model_factory("tiny-canary", seed=1, **SHAPE)
     models = {"tiny": {"versions": {"base": {"model": tiny_model, "weight": 1}, "canary": {"model": canary, "weight": 1}},
-                       "rollout": {"window_s": WINDOW_S, "evaluate_s": EVALUATE_S, "min_requests": 10}}}
+                       # the gate judged on errors only: a tiny model's latency on two shared cores (a
+                       # replica restarting beside it) swings past 3x the baseline, and the first rule to
+                       # trip would then be a latency one (the latency rules: tests/ingress/versions)
+                       "rollout": {"window_s": WINDOW_S, "evaluate_s": EVALUATE_S, "min_requests": 10,
+                                   "max_ttft_ratio": 1000, "max_tpot_ratio": 1000}}}
     with serve_apps.run(None, mode="colocated", models=models, fault_tolerance={"fault_injection": True}) as cfg:
         yield cfg
 
