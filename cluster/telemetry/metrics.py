@@ -106,7 +106,7 @@ def ingress_metrics() -> IngressMetrics:
         cached_prompt_tokens=Counter("pdserve_cached_prompt_tokens", "Prompt tokens served from a prefix "
                                      "cache (engine-observed, as reported in usage)", t),
         route_decisions=Counter("pdserve_route_decisions", "Routing decisions by reason: cache, load, "
-                                "local_prefill, no_prefill_pool, fallback (router unavailable)", ("reason",)),
+                                "local_prefill, no_prefill_pool, remembered (router unavailable: its last choice for the prefix), fallback (router unavailable)", ("reason",)),
         route_latency=Histogram("pdserve_route_latency_seconds", "Router call latency seen by the ingress",
                                 LATENCY_S, ()),
         route_prompt_tokens=Counter("pdserve_route_prompt_tokens", "Prompt tokens of routed requests", ()),

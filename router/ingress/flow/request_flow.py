@@ -40,6 +40,7 @@ from cluster.errors import InvalidRequestError
 from router.ingress.flow.legs import DecodeLegs, PrefillLeg
 from router.ingress.flow.sampling import Sampling, to_sampling
 from router.ingress.flow.stream import ClientStream
+from router.ingress.flow.route_memory import RouteMemory
 from router.ingress.request import ClientRequest, Delta, SamplingSpec, ToolsSpec
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class RequestFlow:
         self.tokenizer: Tokenizer = self.validator.tokenizer
         self.router = router
         self.route_timeout_s = route_timeout_s
+        self.memory = RouteMemory()  # where prefixes went, for while the router cannot answer
         mc = ModelConfig.from_dir(config.model)
         self.fingerprint = model_identity(config.model, mc)  # architecture + weights digest
         self.salt = self.fingerprint.encode()  # the engines' block-hash salt, before a tenant's part
@@ -194,7 +196,8 @@ class RequestFlow:
 
     async def _route(self, ids: list[int], ctx: RequestContext, routing_key: str | None, observer: Observer):
         """One router call per request; any failure (router down, slow, no replicas known yet)
-        falls back to Serve's own choice (power of two on local load)."""
+        falls back to the decision last made for the same session or first block (route_memory.py),
+        else to Serve's own choice (power of two on local load)."""
         if self.router is None:
             return None
         hashes = hash_request_blocks(ids, self.block_size, extend_salt(self.salt, ctx.cache_salt))
@@ -203,8 +206,10 @@ class RequestFlow:
             decision = await asyncio.wait_for(self.router.route.remote(hashes, len(ids), routing_key, self.group),
                                               self.route_timeout_s)
         except Exception as e:  # noqa: BLE001
-            log.debug("routing fell back to Serve's choice: %s", e)
-            decision = None
+            decision = self.memory.recall(hashes, routing_key)
+            log.debug("routing fell back to %s: %s", "Serve's choice" if decision is None else "a remembered decision", e)
+        else:
+            self.memory.remember(hashes, routing_key, decision)
         observer.routed(decision, started, len(ids), ctx)
         return decision
 

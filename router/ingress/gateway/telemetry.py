@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from cluster.errors import InvalidRequestError
 from cluster.telemetry.metrics import ingress_metrics
 from cluster.telemetry.tracing import extract, inject, make_tracer, record_span
+from router.ingress.flow.route_memory import REMEMBERED
 from router.ingress.gateway.stages import Outcome, Stage
 from router.ingress.status import Code, code_of, error_code
 
@@ -30,6 +31,8 @@ def route_reason(decision: "RouteDecision | None") -> str:
     """A bounded label for a decision (its `reason` text names replicas and token counts)."""
     if decision is None:
         return "fallback"
+    if decision.reason.startswith(REMEMBERED):  # the router did not answer: its last choice for the prefix
+        return REMEMBERED
     if decision.mode == "remote":
         return "cache" if decision.predicted_cached_tokens else "load"
     return "no_prefill_pool" if decision.reason.startswith("no prefill pool") else "local_prefill"
