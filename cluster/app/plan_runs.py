@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from cluster.engine.distributed.ports import free_port  # below the ephemeral range: no connection takes it
 
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
 WARMUP = 3
@@ -97,12 +98,6 @@ def _summary(path: str) -> int:
 
 
 # ---- pdserve plan --validate N ----------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_trace(path: Path, specs) -> None:
@@ -197,6 +192,18 @@ def side_by_side(sim, results: list[dict], slo) -> list[str]:
                      + (f" ({failed} refused or failed: the simulator serves every request)" if failed else "")
                      + f"; load generator {'kept its schedule' if r.get('client_kept_up', True) else 'FELL BEHIND'}"
                      + (f"; {trend.text()}" if trend else ""))
+        lines += [f"    {code} x{n}: {first}" for code, n, first in unserved(r)]
     if sim.trend is not None:
         lines.append(f"  predicted: {sim.trend.text()}")
     return lines
+
+
+def unserved(result: dict) -> list[tuple[str, int, str]]:
+    """(code, how many, the first one's message) for each code a run's unserved requests ended with:
+    which refusals an operator would have to expect of the config (the simulator refuses none)."""
+    seen: dict[str, list] = {}
+    for status, code, error in zip(result["statuses"], result.get("error_codes", []), result.get("errors", [])):
+        if status != "ok" and code:
+            entry = seen.setdefault(code, [0, error or ""])
+            entry[0] += 1
+    return [(code, n, first[:300]) for code, (n, first) in sorted(seen.items())]

@@ -38,3 +38,14 @@ def test_validate_runs_the_pick_for_real_and_prints_predicted_against_measured(r
     assert [m[1] for m in rows] == ["TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "goodput"], out[start:]
     assert all(float(m[4]) > 0 for m in rows), out[start:]  # measured
     assert out[start + 7].startswith("  run 1: 5/5 served; load generator kept its schedule"), out[start + 7]
+
+
+def test_a_run_names_the_codes_its_unserved_requests_ended_with():
+    from cluster.app.plan_runs import unserved
+
+    run = {"statuses": ["ok", "failed", "failed", "ok", "failed", "incomplete"],
+           "error_codes": [None, "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED", None, "UNAVAILABLE", None],
+           "errors": [None, "pace: 4 streams at 250 ms a token", "second", None, "no replica", None]}
+    assert unserved(run) == [("RESOURCE_EXHAUSTED", 2, "pace: 4 streams at 250 ms a token"),
+                             ("UNAVAILABLE", 1, "no replica")]
+    assert unserved({"statuses": ["ok"], "error_codes": [None], "errors": [None]}) == []
