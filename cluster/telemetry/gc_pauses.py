@@ -21,6 +21,15 @@ times the default, a safety net only) and runs it itself: at a quiet moment (not
 call arriving, for `quiet_s`), and in any case `max_interval_s` after gen2 first held anything new,
 even under load, so cyclic garbage that outlives the young generations stays bounded. Generations
 0 and 1 stay automatic: they walk only what is young, a few milliseconds.
+
+That schedule is CPython's generational collector's (3.10-3.13; requires-python admits later
+ones): `set_threshold`'s third value triggers gen2 and `get_count()[2]` counts the gen1 collections
+since the last full one. Python 3.14's incremental collector has two generations (young, old):
+`set_threshold` ignores a third value (`get_threshold()[2]` is always 0), and each young
+collection scans an increment of the old generation, which already bounds the pauses this
+deferral is for. `generational_collector()` asks the running interpreter (it sets a third
+threshold and reads it back); where it is not generational nothing is deferred (logged), and the
+collector keeps its own schedule.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import asyncio
 import gc
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -107,6 +117,19 @@ def settle_after_start() -> None:
 # ---- full collections at quiet moments --------------------------------------------------------
 
 DEFERRED_FACTOR = 100  # gen2's threshold while deferred: x the default (10 gen1 collections -> 1,000)
+_PROBE = 4242  # a third threshold no one sets: read back only by a collector that keeps it
+
+
+def generational_collector(gc_module=gc) -> bool:
+    """True when the collector's third threshold is kept, i.e. it has the generation 2 this
+    deferral is written for (CPython <= 3.13); False under 3.14's incremental collector, which
+    ignores it. The thresholds are as they were after the call."""
+    saved = gc_module.get_threshold()
+    try:
+        gc_module.set_threshold(saved[0], saved[1], _PROBE)
+        return len(gc_module.get_threshold()) == 3 and gc_module.get_threshold()[2] == _PROBE
+    finally:
+        gc_module.set_threshold(*saved)
 
 
 @dataclass
@@ -137,13 +160,15 @@ class FullCollections:
     since the last full one: gc.get_count()[2] > 0), or `max_interval_s` after gen2 first held
     anything new, whatever `idle()` says. `tick()` runs every `period_s` on the event loop
     (`run()`); `clock` and `collect` are injectable for tests. `start()` raises gen2's threshold,
-    `stop()` puts back the thresholds it found."""
+    `stop()` puts back the thresholds it found. Under a collector that is not generational
+    (`generational_collector`, e.g. 3.14's incremental one) `start()` defers nothing."""
 
     def __init__(self, idle: Callable[[], bool], quiet_s: float = 0.5, max_interval_s: float = 60.0,
                  period_s: float = 0.25, clock: Callable[[], float] = time.monotonic,
-                 collect: Callable[[int], int] = gc.collect, stats: FullCollectionStats | None = None):
+                 collect: Callable[[int], int] = gc.collect, stats: FullCollectionStats | None = None,
+                 gc_module=gc):
         self.idle, self.quiet_s, self.max_interval_s, self.period_s = idle, quiet_s, max_interval_s, period_s
-        self.clock, self.collect = clock, collect
+        self.clock, self.collect, self.gc = clock, collect, gc_module
         self.stats = stats if stats is not None else FullCollectionStats()
         self._saved: tuple[int, int, int] | None = None  # the thresholds start() found
         self._idle_since: float | None = None
@@ -155,16 +180,16 @@ class FullCollections:
         return self._saved is not None
 
     def start(self) -> FullCollections:
-        if self._saved is None:
-            self._saved = gc.get_threshold()
+        if self._saved is None and generational_collector(self.gc):
+            self._saved = self.gc.get_threshold()
             t0, t1, t2 = self._saved
-            gc.set_threshold(t0, t1, max(1, t2) * DEFERRED_FACTOR)
-            self._dirty_since = self.clock() if gc.get_count()[2] > 0 else None
+            self.gc.set_threshold(t0, t1, max(1, t2) * DEFERRED_FACTOR)
+            self._dirty_since = self.clock() if self.gc.get_count()[2] > 0 else None
         return self
 
     def stop(self) -> None:
         if self._saved is not None:
-            gc.set_threshold(*self._saved)
+            self.gc.set_threshold(*self._saved)
             self._saved = None
 
     def tick(self) -> str | None:
@@ -172,7 +197,7 @@ class FullCollections:
         if self._saved is None:
             return None
         now = self.clock()
-        pending = gc.get_count()[2]  # gen1 collections since the last full one
+        pending = self.gc.get_count()[2]  # gen1 collections since the last full one
         if pending == 0:  # nothing new in gen2 (or someone else collected it)
             self._dirty_since, self._deferral_counted = None, False
         elif self._dirty_since is None:
@@ -235,6 +260,12 @@ def collect_when_quiet(idle: Callable[[], bool]) -> asyncio.Task | None:
     if not defer_enabled():
         return None
     collections = FullCollections(idle, stats=FULL).start()
+    if not collections.deferring:
+        log.info("gc: the collector is not generational (Python %s: incremental); full collections are left to "
+                 "its own schedule, whose increments bound the pauses", sys.version.split()[0])
+        return None
     log.info("gc: full collections deferred to quiet moments (quiet %.1f s, at most every %.0f s under load)",
              collections.quiet_s, collections.max_interval_s)
-    return asyncio.get_running_loop().create_task(collections.run(), name="pdserve-gc-full")
+    task = asyncio.get_running_loop().create_task(collections.run(), name="pdserve-gc-full")
+    task.add_done_callback(lambda _: collections.stop())  # also when cancelled before its first step
+    return task

@@ -124,9 +124,12 @@ def test_a_killed_ledger_comes_back_with_the_apps_current_path_and_another_app_i
     assert ray.get(ledger.snapshot.remote())["tenants"] == {}  # b's (empty), not a's spend
     assert Ledger(tmp_path / "a.json").snapshot()["tenants"]["t"]["spent_usd"] > 0  # a's spend stays in a
 
+    # 20 calls at once: each answered once its journal line is fsynced (shared writes), all read back
+    assert all(g for g, _, _ in ray.get([ledger.reserve.remote("u", f"q{i}", 1, 100) for i in range(20)]))
     restart(ledger)
     assert settings(ledger) == LedgerSettings.of(second)
-    assert ray.get(ledger.snapshot.remote())["tenants"] == {}
+    assert ray.get(ledger.snapshot.remote())["tenants"]["u"]["open_reservations"] == 20
+    assert (tmp_path / "b.json.journal").read_text().count("\n") == 20
     with pytest.raises(ray.exceptions.ActorDiedError,  # its creation refused
                        match=r"budgets\.ledger_path: .*\.b\.json\.lock is held by another pdserve"):
         get_ledger(second, OTHER).ready(READY_S)

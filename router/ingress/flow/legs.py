@@ -30,6 +30,7 @@ OVERLOAD_RETRY_S = 1.0  # retry-after for an engine's refusal (full queue, queue
 FIRST_OUTPUT_GRACE_S = 1.0  # past the deadline: a replica that has the request ends it itself, first
 FAILED = (FinishReason.ERROR, FinishReason.DEADLINE, FinishReason.REJECTED)  # an engine ended it unfinished
 MAX_REROUTES = 2  # decode legs refused by a replica whose role flipped, before the request fails
+LATE_ANSWER_WAIT_S = 30.0  # an abandoned prefill call is awaited this long (at least) for a lease to release
 CLIENT_SAFE = (QueueFullError, WrongRoleError)  # errors whose message a client may read (see `told`)
 
 # A call and its outputs go over the gRPC channel Serve keeps to every replica, not as Ray tasks
@@ -112,6 +113,7 @@ class PrefillLeg:
         # lease holders that live outside the prefill deployment (a flipped decode replica): where
         # a release goes. Replica ids are never reused, and their homes never change.
         self._holders_away: dict[str, str] = {}
+        self.late_calls: set[asyncio.Task] = set()  # abandoned calls awaited for a late lease (`_abandon`)
 
     async def first_token(self, rid: str, ids: list[int], sampling: SamplingParams, ctx: RequestContext,
                           target: str | None, stream: ClientStream, home: str | None = None):
@@ -137,17 +139,22 @@ class PrefillLeg:
         # A replica that has the request ends it at its deadline itself (DEADLINE, the client's);
         # none answering by then (+ grace), or within replica_wait_s without a deadline, is the
         # pool's failure (no replica took it: dead, asleep, stuck), as for decode. The call is
-        # cancelled, which aborts the prefill.
-        call = via(self.homes.get(home, self.handle), ids, sampling).prefill.remote(rid, ids, sampling, ctx,
-                                                                                     target_replica=target)
+        # then abandoned (`_abandon`): its prefill aborted where the replica is known, and a lease
+        # in a late answer released.
+        call = asyncio.ensure_future(via(self.homes.get(home, self.handle), ids, sampling).prefill.remote(
+            rid, ids, sampling, ctx, target_replica=target))
         remaining = ctx.remaining_s()
         bound = self.replica_wait_s
         deadline_first = remaining is not None and max(remaining, 0.0) + FIRST_OUTPUT_GRACE_S < bound
         if deadline_first:
             bound = max(remaining, 0.0) + FIRST_OUTPUT_GRACE_S
         try:
-            result = await asyncio.wait_for(call, bound)
+            result = await asyncio.wait_for(asyncio.shield(call), bound)
+        except asyncio.CancelledError:  # the request went away mid-call
+            self._abandon(rid, call, target, home)
+            raise
         except (TimeoutError, asyncio.TimeoutError) as e:
+            self._abandon(rid, call, target, home)
             if deadline_first:
                 raise ServingError(Code.DEADLINE_EXCEEDED, f"request {rid}: deadline exceeded before a prefill replica "
                                                            "answered", replica_fault=True) from e
@@ -171,6 +178,35 @@ class PrefillLeg:
             log.warning("prefill of %s failed (%s); prefilling on decode", rid, result.error)
             return None
         return result
+
+    def _abandon(self, rid: str, call: asyncio.Future, target: str | None, home: str | None) -> None:
+        """The ingress gave up on a prefill call (it timed out, or its request went away), which
+        may still answer with a lease: released on its replica as soon as it lands, not left to
+        lease_s. A named replica is told at once (`release` aborts a prefill still running there,
+        or ends the lease it already holds); either way the call is awaited, up to
+        max(replica_wait_s, LATE_ANSWER_WAIT_S) more (then cancelled), and a lease in its answer
+        released. `late_calls` holds these waits."""
+        if target is not None and home not in (None, "prefill"):
+            self._holders_away[target] = home
+
+        async def settle():
+            if target is not None:
+                await self.release(rid, target)
+            try:
+                result = await asyncio.wait_for(call, max(self.replica_wait_s, LATE_ANSWER_WAIT_S))
+            except BaseException:  # noqa: BLE001 — no answer, or no lease in it
+                return
+            handle = getattr(result, "handle", None)
+            if handle is not None:
+                log.info("prefill of %s answered after the ingress gave up; releasing its lease on %s", rid,
+                         handle.engine_id)
+                if home not in (None, "prefill"):
+                    self._holders_away[handle.engine_id] = home
+                await self.release(rid, handle.engine_id)
+
+        task = asyncio.get_running_loop().create_task(settle())
+        self.late_calls.add(task)
+        task.add_done_callback(self.late_calls.discard)
 
     async def release(self, rid: str, holder: str) -> None:
         """End a lease early, on the prefill replica that holds it (the handle's engine id is its

@@ -23,8 +23,10 @@ with `Ledger.finish` (settle the reservation if it is open, else charge), never 
 expire at the worst case, and never charging twice. Only an ingress that dies mid-request leaves a
 reservation to `reservation_ttl_s`.
 
-The ledger persists to one JSON file (written to a temporary file, fsynced, renamed) before it
-answers any call that changed it, so a restart keeps the month's spend and open reservations.
+The ledger persists each change as one line of an append-only journal (fsynced, shared by the
+calls that arrive together) before it answers the call, compacted into a snapshot file when the
+journal passes its bound (ledger_journal.py), so a restart keeps the month's spend and open
+reservations exactly.
 
 `Ledger` is plain Python with an injected clock; budget_actor.py is its Ray shell.
 """
@@ -35,12 +37,12 @@ import asyncio
 import calendar
 import json
 import logging
-import os
 import time
 from decimal import Decimal
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from router.ingress.gateway.ledger_journal import COMPACT_BYTES, Journal
 from router.ingress.gateway.stages import Outcome, Stage
 from router.ingress.status import Code, Rejected, ServingError
 
@@ -84,52 +86,94 @@ def next_month_start(t: float) -> float:
 
 class Ledger:
     """Each tenant's month: settled spend, open reservations (id -> [µUSD, created]) and the
-    budget it was last checked against. Every method that changes it marks it dirty; the owner
-    saves it (`save`) before answering."""
+    budget it was last checked against. Every call that may change it is a record (its verb, its
+    arguments, the time it ran at and the ttl it ran with) kept in `pending` until the owner
+    writes it to the journal (`take`, then `journal.append`; or `save`); replaying the records
+    on the snapshot gives the same state exactly (ledger_journal.py)."""
 
-    def __init__(self, path: str | Path, reservation_ttl_s: float = 3600.0, clock: Callable[[], float] = time.time):
+    def __init__(self, path: str | Path, reservation_ttl_s: float = 3600.0, clock: Callable[[], float] = time.time,
+                 compact_bytes: int = COMPACT_BYTES):
         self.path = Path(path)
         self.ttl_s = reservation_ttl_s
         self.clock = clock
-        self.month = month_of(clock())
+        self.month: str | None = None  # set by the first change (replayed at its own time)
         self.tenants: dict[str, dict] = {}
         self.history: dict[str, dict[str, int]] = {}
         self.charged: list[str] = []
         self._charged: set[str] = set()
-        if self.path.exists():
-            self._load(json.loads(self.path.read_text()))
+        self.seq = 0  # changes made (and recorded) so far
+        self.pending: list[str] = []  # records not yet handed to the journal
+        self._now = None
+        self._changed = False
+        self.journal = Journal(self.path, compact_bytes)
+        snapshot, records = self.journal.load()
+        if snapshot is not None:
+            self._load(snapshot)
+        for r in records:
+            self._replay(r)
 
     def _load(self, data: dict) -> None:
         self.month, self.tenants, self.history = data["month"], data["tenants"], data.get("history", {})
         self.charged = data.get("charged", [])
         self._charged = set(self.charged)
+        self.seq = data.get("seq", 0)
 
     def to_json(self) -> str:
         return json.dumps({"month": self.month, "tenants": self.tenants, "history": self.history,
-                           "charged": self.charged}, sort_keys=True)
+                           "charged": self.charged, "seq": self.seq}, sort_keys=True)
 
-    def save(self, data: str | None = None) -> None:
-        """Atomically replace the file (tmp + fsync + rename + directory fsync)."""
-        data = self.to_json() if data is None else data
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        fd = os.open(self.path.parent, os.O_RDONLY)
+    def _op(self, verb: str, *args, always: bool = True):
+        """Run a verb at one instant and record it (`always` False: only if it changed anything)."""
+        self._now, self._changed = self.clock(), False
         try:
-            os.fsync(fd)
+            result = getattr(self, "_" + verb)(*args)
         finally:
-            os.close(fd)
+            at, self._now = self._now, None
+        if always or self._changed:
+            self.seq += 1
+            self.pending.append(json.dumps({"seq": self.seq, "at": at, "ttl": self.ttl_s, "op": verb,
+                                            "args": list(args)}))
+        return result
+
+    def _replay(self, record: dict) -> None:
+        ttl, self.ttl_s = self.ttl_s, record["ttl"]
+        self._now = record["at"]
+        try:
+            getattr(self, "_" + record["op"])(*record["args"])
+        finally:
+            self._now, self.ttl_s = None, ttl
+        self.seq = record["seq"]
+
+    def take(self) -> tuple[list[str], int]:
+        """The records not yet written, and the seq they reach; the caller writes them, or hands
+        them back (`untake`) when the write failed."""
+        lines, self.pending = self.pending, []
+        return lines, self.seq
+
+    def untake(self, lines: list[str]) -> None:
+        self.pending[:0] = lines
+
+    def save(self) -> None:
+        """Every change made durable (the journal), compacted into a snapshot past its bound."""
+        lines, _ = self.take()
+        try:
+            self.journal.append(lines)
+        except BaseException:
+            self.untake(lines)
+            raise
+        if self.journal.over_bound():
+            self.journal.compact(self.to_json())  # it holds every change: any pending ones too
+            self.pending.clear()
 
     # ---- the month ------------------------------------------------------------------------------
 
     def _tenant(self, tenant: str) -> dict:
-        now = self.clock()
+        now = self._now
         month = month_of(now)
-        if month != self.month:  # a new month: spend starts again; open reservations carry over
+        if self.month is None:
+            self.month = month
+        elif month != self.month:  # a new month: spend starts again; open reservations carry over
+            self._changed = True
             self.history[self.month] = {t: s["spent"] for t, s in self.tenants.items()}
             for old in sorted(self.history)[:-HISTORY_MONTHS]:
                 del self.history[old]
@@ -141,8 +185,13 @@ class Ledger:
             if now - created > self.ttl_s:  # its ingress never settled it: charged in full
                 del state["reserved"][rid]
                 state["spent"] += amount
+                self._changed = True
                 log.warning("budget: reservation %s of tenant %r expired unsettled: charged in full", rid, tenant)
         return state
+
+    def _touch(self) -> None:
+        for t in list(self.tenants):
+            self._tenant(t)
 
     @staticmethod
     def _reserved(state: dict) -> int:
@@ -153,6 +202,9 @@ class Ledger:
     def reserve(self, tenant: str, rid: str, amount: int, budget: int) -> tuple[bool, int, int]:
         """Hold `amount` µUSD for request `rid` if settled + reserved + amount <= budget.
         (granted, spent, reserved) in µUSD, after the call. A repeated id is granted again."""
+        return self._op("reserve", tenant, rid, amount, budget)
+
+    def _reserve(self, tenant: str, rid: str, amount: int, budget: int) -> tuple[bool, int, int]:
         state = self._tenant(tenant)
         state["budget"] = budget
         if rid in state["reserved"]:
@@ -160,12 +212,15 @@ class Ledger:
         reserved = self._reserved(state)
         if state["spent"] + reserved + amount > budget:
             return False, state["spent"], reserved
-        state["reserved"][rid] = [amount, self.clock()]
+        state["reserved"][rid] = [amount, self._now]
         return True, state["spent"], reserved + amount
 
     def settle(self, tenant: str, rid: str, actual: int) -> bool:
         """Replace the reservation by the actual cost. False (and nothing changes) when it is not
         open: settled already, or expired and charged in full."""
+        return self._op("settle", tenant, rid, actual)
+
+    def _settle(self, tenant: str, rid: str, actual: int) -> bool:
         state = self._tenant(tenant)
         if state["reserved"].pop(rid, None) is None:
             return False
@@ -176,13 +231,19 @@ class Ledger:
         """The cost of a request whose reservation may or may not have been made (its reserve call
         timed out or its caller went away): settle the reservation if it is open, else charge once.
         Never both, and an open reservation never waits for its expiry."""
+        return self._op("finish", tenant, rid, actual)
+
+    def _finish(self, tenant: str, rid: str, actual: int) -> bool:
         if rid in self._tenant(tenant)["reserved"]:
-            return self.settle(tenant, rid, actual)
-        return self.charge(tenant, rid, actual) if actual else False
+            return self._settle(tenant, rid, actual)
+        return self._charge(tenant, rid, actual) if actual else False
 
     def charge(self, tenant: str, rid: str, actual: int) -> bool:
         """Add a cost with no reservation (no budget, or admitted while the ledger was
         unreachable). Once per id (the last CHARGED_IDS_KEPT ids are remembered)."""
+        return self._op("charge", tenant, rid, actual)
+
+    def _charge(self, tenant: str, rid: str, actual: int) -> bool:
         if rid in self._charged:
             return False
         state = self._tenant(tenant)
@@ -194,10 +255,10 @@ class Ledger:
         return True
 
     def snapshot(self) -> dict:
-        """Each tenant's month in USD, for `pdserve budget` and the metrics."""
-        for t in list(self.tenants):
-            self._tenant(t)
-        return {"month": self.month, "tenants": {
+        """Each tenant's month in USD, for `pdserve budget` and the metrics. Rolling the month or
+        expiring reservations on the way is a change: recorded."""
+        self._op("touch", always=False)
+        return {"month": self.month or month_of(self.clock()), "tenants": {
             t: {"spent_usd": usd(s["spent"]), "reserved_usd": usd(self._reserved(s)),
                 "open_reservations": len(s["reserved"]),
                 "budget_usd": None if s["budget"] is None else usd(s["budget"])}

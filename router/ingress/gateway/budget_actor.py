@@ -2,13 +2,15 @@
 router/ingress/gateway/budget.py's Ledger). Detached, named per app (router/actor.py), restarted by
 Ray, pinned to the head node where its file is, and holding that file's lock: a second app's ledger
 on the same file is refused, naming budgets.ledger_path. A restarted ledger runs with the settings
-it last ran with and reads its file back. Each call that changes the ledger returns only once the
-file holding the change is fsynced; calls arriving while a save runs share the next one (group
-commit)."""
+it last ran with and reads its files back (snapshot + journal, ledger_journal.py). Each call that
+changes the ledger returns only once its record is in the journal and the journal fsynced: one
+write and one fsync for all the calls that arrived while the previous write ran (group commit).
+Past its bound the journal is compacted into a snapshot."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from router.ingress.gateway.audit_actor import HEAD_NODE
 from router.ingress.gateway.budget import Ledger, usd
 
 LEDGER = "ledger"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,7 @@ class LedgerActor:
         path = state_path(s.path, "ledger.json")
         self._file_lock = Exclusive(_lock_path(path), "budgets.ledger_path")
         self.ledger = Ledger(path, s.reservation_ttl_s)
-        self._changes = 0  # mutations so far
-        self._saved = 0  # mutations covered by the file
+        self._saved = self.ledger.seq  # changes made durable
         self._lock = asyncio.Lock()
         self._metrics = None
         try:
@@ -75,27 +77,45 @@ class LedgerActor:
                 except BaseException:
                     lock.release()
                     raise
-                if self._saved < self._changes:  # the old file gets every change made to it first
-                    upto, data = self._changes, self.ledger.to_json()
-                    await asyncio.get_running_loop().run_in_executor(None, self.ledger.save, data)
-                    self._saved = upto
+                await self._write()  # the old file gets every change made to it first
                 self._file_lock.release()
                 self.ledger, self._file_lock = ledger, lock
+                self._saved = ledger.seq
             self.settings = settings
             keep(settings)
         self._export()
         return settings
 
     async def _durable(self) -> None:
-        self._changes += 1
-        mine = self._changes
+        mine = self.ledger.seq
         async with self._lock:
-            if self._saved >= mine:  # a save that started after our change covered it
+            if self._saved >= mine:  # a write that started after our change covered it
                 return
-            upto, data = self._changes, self.ledger.to_json()
-            await asyncio.get_running_loop().run_in_executor(None, self.ledger.save, data)
-            self._saved = upto
+            await self._write()
         self._export()
+
+    async def _write(self) -> None:
+        """The pending records appended (one write, one fsync); then, past the journal's bound, a
+        snapshot. Holds self._lock."""
+        loop = asyncio.get_running_loop()
+        ledger = self.ledger
+        lines, upto = ledger.take()
+        try:
+            await loop.run_in_executor(None, ledger.journal.append, lines)
+        except BaseException:
+            ledger.untake(lines)  # written by the next call, in order
+            raise
+        self._saved = max(self._saved, upto)
+        if ledger.journal.over_bound():
+            data = ledger.to_json()
+            held, upto = ledger.take()  # the snapshot holds them
+            try:
+                await loop.run_in_executor(None, ledger.journal.compact, data)
+            except Exception as e:  # noqa: BLE001 — the journal still holds every change made durable
+                ledger.untake(held)
+                log.warning("ledger: compacting %s failed (%r); the journal keeps growing", ledger.path, e)
+                return
+            self._saved = upto
 
     def _export(self) -> None:
         if self._metrics is None:
@@ -127,7 +147,10 @@ class LedgerActor:
         return done
 
     async def snapshot(self) -> dict:
-        return self.ledger.snapshot()
+        snap = self.ledger.snapshot()
+        if self.ledger.pending:  # it rolled the month or expired reservations
+            await self._durable()
+        return snap
 
 
 def get_ledger(options: BudgetOptions, app: str | None = None) -> ConfiguredRef:

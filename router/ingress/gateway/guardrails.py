@@ -16,6 +16,10 @@ On a flag the flow's stream is closed: that is the flow's cancel path, which abo
 and releases prefill's lease, so both pools free the request's blocks. The client gets the text
 released so far, then a final delta with finish reason `content_filter`.
 
+A remote check (the classifier) reads the stream once per `holdback_chars` of new text (and at
+its end), not once per delta; nothing is released between its reads, so what is held grows to up
+to twice the window with one.
+
 Logprob alternatives (`top_logprobs`, `prompt_logprobs`' top) are read by the local output rules
 (`Alternatives`): a flagged one is left out, the text goes on.
 
@@ -141,9 +145,12 @@ class RequestGuard:
     def views(self) -> tuple[MatchView, ...]:
         return (MatchView(), MatchView(decode_json=True)) if self.json_output else (MatchView(),)
 
-    async def _flagged(self, hold: HoldBack, final: bool) -> bool:
+    async def _flagged(self, hold: HoldBack, final: bool, remote: bool = True) -> bool:
+        """`remote`: the remote checks (a classifier) read it too; else only the local ones."""
         last = len(hold.views) - 1
         for check in self.policy.for_stage(Stage.OUTPUT):
+            if check.remote and not remote:
+                continue
             try:
                 for v in range(len(hold.views)) if check.every_view else (last,):
                     text, start = hold.views[v].window_text(check.reads, hold.scan_from(v, check.reads), check.context)
@@ -164,16 +171,25 @@ class RequestGuard:
                     yield d
             return
         hold = HoldBack(self.policy.window, self.views(), self.policy.context)
+        # A remote check (the classifier) reads the stream once per window of new text, not per
+        # delta: nothing is released between its calls, so every released character was read by
+        # it with the window after it, as before; the local rules still read every delta.
+        remote = any(c.remote for c in self.policy.for_stage(Stage.OUTPUT))
+        read_to = 0  # the raw text's length at the last remote read
         async with aclosing(deltas):
             async for d in deltas:
                 if self.alternatives is not None:
                     d = self.alternatives.redact(d, hold.views)
                 final = d.finish_reason is not None
                 hold.add(d, final)
-                if await self._flagged(hold, final):
+                batch = not remote or final or hold.length - read_to >= self.policy.window
+                if await self._flagged(hold, final, remote=batch):
                     await deltas.aclose()  # the flow's cancel path: both legs stop and free their blocks
                     yield replace(d, text="", token_ids=[], logprobs=None, finish_reason=FinishReason.CONTENT_FILTER)
                     return
+                if not batch:
+                    continue
+                read_to = hold.length
                 released = hold.release(final)
                 if released:
                     yield _merge(released)

@@ -4,6 +4,7 @@ serving, and ends a refusal with its code, details and retry-after."""
 
 import asyncio
 import concurrent.futures
+import socket
 import time
 
 import grpc
@@ -60,19 +61,27 @@ def config(tiny_model, **kw) -> AppConfig:
 
 
 def test_a_loopback_app_is_not_reachable_from_the_network(tiny_model):
-    other = non_loopback_address()
-    if other is None:
-        pytest.skip("this machine has no non-loopback IPv4 address")
+    """Bound to 127.0.0.1 (the default host), not to every address: a call to 127.0.0.2 (another
+    address of this host's loopback interface, present in any Linux container: 127/8 is all
+    loopback) is refused, and so is one to the host's network address where it has one. It used
+    to skip itself where the container had no network address. That 127.0.0.2 reaches a socket
+    bound to every address is shown first, so the refusal is the bind's."""
     cfg = config(tiny_model)  # host 127.0.0.1, the default
+    with socket.create_server(("0.0.0.0", 0)) as wildcard:  # every address: reached via 127.0.0.2
+        socket.create_connection(("127.0.0.2", wildcard.getsockname()[1]), timeout=2).close()
+    others = ["127.0.0.2"] + [a for a in [non_loopback_address()] if a is not None]
 
     async def body(server):
         models = await list_models(f"127.0.0.1:{cfg.grpc_port}")
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await list_models(f"{other}:{cfg.grpc_port}", timeout=2.0)
-        return [m.id for m in models.models], e.value.code()
+        codes = []
+        for other in others:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await list_models(f"{other}:{cfg.grpc_port}", timeout=2.0)
+            codes.append(e.value.code())
+        return [m.id for m in models.models], codes
 
-    ids, code = serving(cfg)(body)
-    assert ids == [cfg.model_name] and code == grpc.StatusCode.UNAVAILABLE
+    ids, codes = serving(cfg)(body)
+    assert ids == [cfg.model_name] and codes == [grpc.StatusCode.UNAVAILABLE] * len(others)
 
 
 def test_an_oversized_message_is_refused_naming_the_limit_and_the_server_keeps_serving(tiny_model):
