@@ -1,0 +1,132 @@
+"""Tensor parallelism for the families beyond Llama (issue 49): at tp=2 each gives exactly tp=1's and
+transformers' greedy tokens on a tiny random checkpoint transformers itself wrote (2 layers, hidden
+64), every rank ran every forward and holds its part of every KV block, the workers exit cleanly.
+Each rank's loaded shard equals the matching rows of the tp=1 model (no process group needed)."""
+
+from __future__ import annotations
+
+import shutil
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cluster.engine.distributed.layers import rank_config
+from cluster.engine.distributed.loader import load_rank_model
+from cluster.engine.distributed.plan import ShardPlan, check_degree
+from cluster.engine.model.loader import load_model
+from cluster.engine.model_config import ModelConfig
+from tests.engine.test_families import hf_config, write_checkpoint
+from tests.engine.test_tensor_parallel import assert_ranks_hold_their_heads, prompts, reference, run
+from tests.reference import hf_greedy
+
+# Each family's test_families config at 2 layers. Mixtral: both layers route over 8 experts of 96
+# rows; Qwen3-MoE: layer 0 over 8 experts of 48 rows, layer 1 dense (mlp_only_layers).
+CHECKPOINTS = {"qwen3": {}, "phi3": {}, "mixtral": {}, "qwen3_moe": {}}
+
+
+@lru_cache(maxsize=None)
+def checkpoint(tmp_root: str, model_type: str) -> str:
+    return write_checkpoint(Path(tmp_root) / model_type, model_type, seed=3,
+                            num_hidden_layers=2, **CHECKPOINTS[model_type])
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("tp_families"))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("model_type", sorted(CHECKPOINTS))
+def test_tp2_equals_tp1_and_transformers(tmp_root, model_type):
+    model = checkpoint(tmp_root, model_type)
+    ps = prompts(seed=1)
+    tp1_tokens, tp1_cache = reference(model, ps)
+    tokens, reports, exit_codes = run(model, 2, ps)
+    assert tokens == tp1_tokens == [hf_greedy(model, p, 8) for p in ps]
+    assert_ranks_hold_their_heads(reports, tp1_cache, [(0, 1), (1, 1)])  # 2 KV heads split
+    assert exit_codes == [0]
+
+
+def rank_shards(model: str, tp: int) -> tuple[ModelConfig, torch.nn.Module, list[dict[str, torch.Tensor]]]:
+    mc = ModelConfig.from_dir(model)
+    whole = load_model(model, mc, 64, torch.float32, torch.device("cpu"))
+    shards = [dict(load_rank_model(model, mc, ShardPlan.for_model(mc, tp, r), 64, torch.float32,
+                                   torch.device("cpu")).named_parameters()) for r in range(tp)]
+    return mc, whole, shards
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "phi3"])
+def test_each_rank_loads_its_heads_and_mlp_rows(tmp_root, model_type):
+    """Phi-3's checkpoint holds qkv_proj and gate_up_proj fused: each part is cut for the rank on its
+    own (q rows of its heads, k and v of its KV heads; gate and up rows), as from Qwen3's apart ones."""
+    mc, whole, shards = rank_shards(checkpoint(tmp_root, model_type), 2)
+    w = dict(whole.named_parameters())
+    d, inter = mc.head_dim, mc.intermediate_size
+    for r, shard in enumerate(shards):
+        q, k, v = w["layers.1.self_attn.qkv_proj.weight"].split([4 * d, 2 * d, 2 * d])
+        qkv = torch.cat([q[r * 2 * d : (r + 1) * 2 * d], k[r * d : (r + 1) * d], v[r * d : (r + 1) * d]])
+        assert torch.equal(shard["layers.1.self_attn.qkv_proj.weight"], qkv)
+        gate, up = w["layers.1.mlp.gate_up_proj.weight"].split([inter, inter])
+        half = slice(r * inter // 2, (r + 1) * inter // 2)
+        assert torch.equal(shard["layers.1.mlp.gate_up_proj.weight"], torch.cat([gate[half], up[half]]))
+        assert torch.equal(shard["layers.1.mlp.down_proj.weight"], w["layers.1.mlp.down_proj.weight"][:, half])
+        assert torch.equal(shard["layers.1.self_attn.o_proj.weight"],
+                           w["layers.1.self_attn.o_proj.weight"][:, r * 2 * d : (r + 1) * 2 * d])
+        if mc.qk_norm:  # per head_dim: whole on every rank
+            assert torch.equal(shard["layers.1.self_attn.q_norm.weight"], w["layers.1.self_attn.q_norm.weight"])
+    assert rank_config(mc, ShardPlan.for_model(mc, 2, 1)).num_heads == 2
+
+
+@pytest.mark.parametrize("model_type, prefix", [("mixtral", "layers.1.mlp.experts."),
+                                                ("qwen3_moe", "layers.0.mlp.experts.")])
+def test_each_rank_loads_its_rows_of_every_expert_and_the_whole_router(tmp_root, model_type, prefix):
+    mc, whole, shards = rank_shards(checkpoint(tmp_root, model_type), 2)
+    w = dict(whole.named_parameters())
+    n = mc.moe.intermediate_size // 2
+    gate, up = w[prefix + "gate_up_proj"].split([2 * n, 2 * n], dim=1)  # [E, I, H] each
+    for r, shard in enumerate(shards):
+        rows = slice(r * n, (r + 1) * n)
+        assert torch.equal(shard[prefix + "gate_up_proj"], torch.cat([gate[:, rows], up[:, rows]], dim=1))
+        assert torch.equal(shard[prefix + "down_proj"], w[prefix + "down_proj"][:, :, rows])
+        router = prefix.replace("experts.", "gate.weight")
+        assert torch.equal(shard[router], w[router])
+    assert tuple(shards[1][prefix + "gate_up_proj"].shape) == (8, 2 * n, 64)
+
+
+def test_a_stacked_expert_checkpoint_shards_as_the_per_expert_one(tmp_root, tmp_path):
+    """transformers 5's stacked names (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]):
+    each rank cuts the gate and the up half of every expert from the one tensor."""
+    per_expert = Path(checkpoint(tmp_root, "qwen3_moe"))
+    stacked = tmp_path / "stacked"
+    shutil.copytree(per_expert, stacked)
+    tensors = load_file(per_expert / "model.safetensors")
+    p = "model.layers.0.mlp.experts."
+    tensors[p + "gate_up_proj"] = torch.stack([torch.cat([tensors.pop(f"{p}{e}.gate_proj.weight"),
+                                                          tensors.pop(f"{p}{e}.up_proj.weight")]) for e in range(8)])
+    tensors[p + "down_proj"] = torch.stack([tensors.pop(f"{p}{e}.down_proj.weight") for e in range(8)])
+    save_file(tensors, stacked / "model.safetensors", metadata={"format": "pt"})
+    for a, b in zip(rank_shards(str(per_expert), 2)[2], rank_shards(str(stacked), 2)[2]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("model_type, change, message", [
+    ("qwen3_moe", {"moe_intermediate_size": 18},
+     "tensor_parallel_size 4 cannot shard this model: it does not divide moe_intermediate_size 18 (each expert's "
+     "rows, split over the ranks); degrees that work: [1, 2]"),
+    # Mixtral's experts are intermediate_size wide, and it has no dense MLP: the field is named as config.json's
+    ("mixtral", {"intermediate_size": 18},
+     "tensor_parallel_size 4 cannot shard this model: it does not divide intermediate_size 18 (each expert's "
+     "rows, split over the ranks); degrees that work: [1, 2]"),
+    # Qwen3-MoE's dense layer (mlp_only_layers) is intermediate_size wide, its experts moe_intermediate_size
+    ("qwen3_moe", {"intermediate_size": 90, "moe_intermediate_size": 20},
+     "tensor_parallel_size 4 cannot shard this model: it does not divide intermediate size 90; degrees that work: "
+     "[1, 2]"),
+])
+def test_a_degree_the_experts_cannot_take_is_refused_naming_the_field(model_type, change, message):
+    mc = ModelConfig.from_hf_dict(hf_config(model_type, **change).to_dict())
+    with pytest.raises(ValueError) as e:
+        check_degree(mc, 4)
+    assert str(e.value) == message
