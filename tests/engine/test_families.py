@@ -54,7 +54,8 @@ FAMILIES = {
 }
 # transformers initialises Gemma's norm weights to 0 (a scale of 1 + 0): random ones test the offset.
 RANDOM_NORMS = {"gemma3_text"}
-TENSOR_PARALLEL = {"qwen3", "phi3", "mixtral", "qwen3_moe"}  # the families here that shard at tp > 1
+# The families here that shard at tp > 1 (all of them).
+TENSOR_PARALLEL = {"qwen3", "phi3", "mixtral", "qwen3_moe", "deepseek_v3", "gemma3_text"}
 MOE_BLOCKS = {"mixtral": "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
               "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"}
 
@@ -271,7 +272,8 @@ def test_tensor_parallelism_and_cuda_graphs_refuse_what_a_family_lacks(monkeypat
     with pytest.raises(ValueError) as e:
         check_degree(new, 2)
     assert str(e.value) == ("tensor_parallel_size 2: model_type 'new_family' has no tensor-parallel sharding here "
-                            "(families that shard: llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe); "
+                            "(families that shard: deepseek_v3, gemma3_text, llama, mistral, mixtral, phi3, qwen2, "
+                            "qwen3, qwen3_moe); "
                             "use tensor_parallel_size 1")
     check_degree(new, 1)
     assert valid_degrees(new) == [1]

@@ -24,7 +24,13 @@ from tests.reference import hf_greedy
 
 # Each family's test_families config at 2 layers. Mixtral: both layers route over 8 experts of 96
 # rows; Qwen3-MoE: layer 0 over 8 experts of 48 rows, layer 1 dense (mlp_only_layers).
-CHECKPOINTS = {"qwen3": {}, "phi3": {}, "mixtral": {}, "qwen3_moe": {}}
+# DeepSeek-V3: latent attention over 4 heads (a 32 + 8 latent), layer 0 dense, layer 1 8 routed
+# experts of 48 rows in 2 groups and one shared expert.
+# Gemma 3: layer 0 slides over 24 positions (RoPE base 500), layer 1 is global; tied embeddings,
+# the logits softcapped (prompts of 1-64 tokens cross the window).
+CHECKPOINTS = {"qwen3": {}, "phi3": {}, "mixtral": {}, "qwen3_moe": {}, "deepseek_v3": {}, "gemma3_text": {}}
+# Each rank's (first KV head, count): 2 KV heads split; the latent is one entry every rank holds.
+RANK_KV_HEADS = {"deepseek_v3": [(0, 1), (0, 1)]}
 
 
 @lru_cache(maxsize=None)
@@ -46,7 +52,7 @@ def test_tp2_equals_tp1_and_transformers(tmp_root, model_type):
     tp1_tokens, tp1_cache = reference(model, ps)
     tokens, reports, exit_codes = run(model, 2, ps)
     assert tokens == tp1_tokens == [hf_greedy(model, p, 8) for p in ps]
-    assert_ranks_hold_their_heads(reports, tp1_cache, [(0, 1), (1, 1)])  # 2 KV heads split
+    assert_ranks_hold_their_heads(reports, tp1_cache, RANK_KV_HEADS.get(model_type, [(0, 1), (1, 1)]))
     assert exit_codes == [0]
 
 
@@ -58,7 +64,7 @@ def rank_shards(model: str, tp: int) -> tuple[ModelConfig, torch.nn.Module, list
     return mc, whole, shards
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "phi3"])
+@pytest.mark.parametrize("model_type", ["qwen3", "phi3", "gemma3_text"])
 def test_each_rank_loads_its_heads_and_mlp_rows(tmp_root, model_type):
     """Phi-3's checkpoint holds qkv_proj and gate_up_proj fused: each part is cut for the rank on its
     own (q rows of its heads, k and v of its KV heads; gate and up rows), as from Qwen3's apart ones."""
@@ -130,3 +136,27 @@ def test_a_degree_the_experts_cannot_take_is_refused_naming_the_field(model_type
     with pytest.raises(ValueError) as e:
         check_degree(mc, 4)
     assert str(e.value) == message
+
+
+def test_latent_attention_splits_its_heads_and_keeps_the_latent_path_whole(tmp_root):
+    """DeepSeek-V3: q_b_proj and kv_b_proj rows of the rank's heads (nope + rope, nope + v a head),
+    o_proj's columns of them; the latent's projection, its norm, the router and its score
+    correction bias whole; each routed and shared expert's rows split."""
+    mc, whole, shards = rank_shards(checkpoint(tmp_root, "deepseek_v3"), 2)
+    w = dict(whole.named_parameters())
+    m = mc.mla
+    qk, kv, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.qk_nope_head_dim + m.v_head_dim, m.v_head_dim
+    a, moe = "layers.1.self_attn.", "layers.1.mlp."
+    n = mc.moe.intermediate_size // 2
+    for r, shard in enumerate(shards):
+        assert torch.equal(shard[a + "q_b_proj.weight"], w[a + "q_b_proj.weight"][r * 2 * qk : (r + 1) * 2 * qk])
+        assert torch.equal(shard[a + "kv_b_proj.weight"], w[a + "kv_b_proj.weight"][r * 2 * kv : (r + 1) * 2 * kv])
+        assert torch.equal(shard[a + "o_proj.weight"], w[a + "o_proj.weight"][:, r * 2 * v : (r + 1) * 2 * v])
+        for name in (a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight", a + "kv_a_layernorm.weight",
+                     moe + "gate.weight", moe + "gate.e_score_correction_bias"):
+            assert torch.equal(shard[name], w[name])
+        gate, up = w[moe + "shared_experts.gate_up_proj.weight"].split([2 * n, 2 * n])
+        rows = slice(r * n, (r + 1) * n)
+        assert torch.equal(shard[moe + "shared_experts.gate_up_proj.weight"], torch.cat([gate[rows], up[rows]]))
+        assert torch.equal(shard[moe + "experts.down_proj"], w[moe + "experts.down_proj"][:, :, rows])
+    assert shards[0][moe + "gate.weight"].dtype == torch.float32
