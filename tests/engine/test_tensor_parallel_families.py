@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from cluster.engine.distributed.layers import rank_config
 from cluster.engine.distributed.loader import load_rank_model
 from cluster.engine.distributed.plan import ShardPlan, check_degree
+from cluster.engine.distributed.rank import rank_block_shape
 from cluster.engine.model.loader import load_model
 from cluster.engine.model_config import ModelConfig
 from tests.engine.test_families import hf_config, write_checkpoint
@@ -160,3 +161,17 @@ def test_latent_attention_splits_its_heads_and_keeps_the_latent_path_whole(tmp_r
         assert torch.equal(shard[moe + "shared_experts.gate_up_proj.weight"], torch.cat([gate[rows], up[rows]]))
         assert torch.equal(shard[moe + "experts.down_proj"], w[moe + "experts.down_proj"][:, :, rows])
     assert shards[0][moe + "gate.weight"].dtype == torch.float32
+
+
+def test_a_latent_pool_holds_as_many_blocks_per_device_at_tp2_as_at_tp1(tmp_root):
+    """Every rank caches the whole latent: a device's kv_cache_memory_gb holds tp=1's block count (a
+    GQA model's doubles at tp=2: tests/engine/test_tensor_parallel.py)."""
+    from cluster.engine.config import EngineOptions, kv_block_bytes_per_rank
+    from cluster.engine.validation import RequestValidator
+
+    model = checkpoint(tmp_root, "deepseek_v3")
+    mc = ModelConfig.from_dir(model)
+    opts = [EngineOptions(tensor_parallel_size=tp, kv_cache_memory_gb=2**-10) for tp in (1, 2)]
+    assert [kv_block_bytes_per_rank(mc, o) for o in opts] == [2 * 16 * 40 * 4] * 2  # layers x bs x (C + R) x fp32
+    assert [RequestValidator.for_model(model, [o]).num_blocks for o in opts] == [204, 204]  # 1 MiB // 5,120
+    assert rank_block_shape(mc, ShardPlan.for_model(mc, 2, 1), 16) == (2, 1, 16, 1, 40)
