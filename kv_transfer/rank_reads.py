@@ -52,7 +52,7 @@ class RankRead:
 
 def slice_pairs(layout: KVLayout, peer: KVLayout, s: HeadSlice) -> np.ndarray:
     """[runs, 3] (offset in the decode block, offset in the prefill block, bytes) of one slice."""
-    rows = layout.num_layers * 2 * layout.block_size
+    rows = layout.num_layers * layout.parts * layout.block_size  # K and V, or the one latent entry
     head = layout.head_dim * layout.elem_bytes
     dst_heads, src_heads = layout.rank_kv_heads, peer.rank_kv_heads
     if s.count == dst_heads == src_heads:

@@ -206,9 +206,10 @@ class EngineOptions(BaseModel):
         default_factory=KVTierOptions, description="KV tiers below the device pool (off by default).")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="Ranks the model is sharded over (cluster/engine/distributed/): query heads, "
-        "MLP rows and vocabulary split tp ways; KV heads split when tp divides them, replicated when tp is a "
-        "multiple of them, else refused. The engine is rank 0 of a torch.distributed group whose other ranks "
-        "run the worker loop (a Serve replica starts them as Ray actors in its placement group).")
+        "MLP rows, every expert's rows and vocabulary split tp ways; KV heads split when tp divides them, "
+        "replicated when tp is a multiple of them, else refused; a latent-attention (MLA) cache whole on every "
+        "rank. The engine is rank 0 of a torch.distributed group whose other ranks run the worker loop (a Serve "
+        "replica starts them as Ray actors in its placement group).")
 
     @model_validator(mode="after")
     def _tiers_need_prefix_caching(self) -> "EngineOptions":

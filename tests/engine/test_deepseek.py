@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
 from cluster.engine.config import EngineOptions, kv_block_bytes
-from cluster.engine.distributed.plan import check_degree
+from cluster.engine.distributed.plan import ShardPlan, check_degree, valid_degrees
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.model.deepseek_moe import DeepSeekMoE
 from cluster.engine.model_config import ModelConfig
@@ -167,6 +167,19 @@ def test_engine_paths_that_read_per_head_kv_are_refused_for_latent_attention(che
     assert str(e.value) == message
 
 
-def test_tensor_parallelism_is_refused_for_latent_attention(checkpoint):
-    with pytest.raises(ValueError, match="tensor_parallel_size 2: model_type 'deepseek_v3' has no tensor-parallel"):
-        check_degree(ModelConfig.from_dir(checkpoint), 2)
+def test_a_degree_the_experts_cannot_take_is_refused_and_the_latent_takes_any():
+    """The latent is replicated, so no KV-head rule applies; the heads and every expert's rows (routed
+    and shared, moe_intermediate_size each) must divide. tests/engine/test_tensor_parallel_families.py
+    runs tp=2."""
+    mc = ModelConfig.from_hf_dict(hf_config("deepseek_v3", moe_intermediate_size=18).to_dict())
+    with pytest.raises(ValueError) as e:
+        check_degree(mc, 4)
+    assert str(e.value) == ("tensor_parallel_size 4 cannot shard this model: it does not divide moe_intermediate_size "
+                            "18 (each expert's rows, split over the ranks) nor the shared experts' 18 rows; degrees "
+                            "that work: [1, 2]")
+    wide = ModelConfig.from_hf_dict(hf_config("deepseek_v3", num_attention_heads=8, num_key_value_heads=8).to_dict())
+    assert valid_degrees(wide) == [1, 2, 4, 8]
+    # rank 3 of 4: query heads 6-7, the one latent "KV head" held by all 4 ranks, 12 of 48 rows of each expert
+    p = ShardPlan.for_model(wide, 4, 3)
+    assert (p.num_heads, p.head_start, p.num_kv_heads, p.kv_head_start, p.kv_replicas) == (2, 6, 1, 0, 4)
+    assert (p.expert_intermediate, p.shared_intermediate, p.intermediate) == (12, 12, 24)

@@ -17,6 +17,8 @@ from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConf
 
 from cluster.engine.distributed.plan import check_degree, valid_degrees
 from cluster.engine.llm_engine import LLMEngine
+from cluster.engine.model.families import FAMILIES as FAMILY_REGISTRY
+from cluster.engine.model.families.base import Family, FamilyFields
 from cluster.engine.model.init_model import write_tokenizer
 from cluster.engine.model.moe import SparseMoE
 from cluster.engine.model_config import ModelConfig
@@ -52,6 +54,8 @@ FAMILIES = {
 }
 # transformers initialises Gemma's norm weights to 0 (a scale of 1 + 0): random ones test the offset.
 RANDOM_NORMS = {"gemma3_text"}
+# The families here that shard at tp > 1 (all of them).
+TENSOR_PARALLEL = {"qwen3", "phi3", "mixtral", "qwen3_moe", "deepseek_v3", "gemma3_text"}
 MOE_BLOCKS = {"mixtral": "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
               "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"}
 
@@ -261,14 +265,19 @@ def test_a_sliding_window_is_refused_unless_every_context_fits_it(tmp_path):
     assert ModelConfig.from_hf_dict(off).sliding_window is None
 
 
-def test_tensor_parallelism_and_cuda_graphs_refuse_what_a_family_lacks():
-    mc = ModelConfig.from_hf_dict(hf_config("qwen3_moe").to_dict())
+def test_tensor_parallelism_and_cuda_graphs_refuse_what_a_family_lacks(monkeypatch):
+    # A family registered before its shard rules (Family.tensor_parallel off, the default)
+    monkeypatch.setitem(FAMILY_REGISTRY, "new_family", Family(parse=lambda cfg: FamilyFields()))
+    new = ModelConfig.from_hf_dict(hf_config("qwen3").to_dict() | {"model_type": "new_family"})
     with pytest.raises(ValueError) as e:
-        check_degree(mc, 2)
-    assert str(e.value) == ("tensor_parallel_size 2: model_type 'qwen3_moe' has no tensor-parallel sharding here "
-                            "(families that shard: llama, mistral, qwen2); use tensor_parallel_size 1")
-    check_degree(mc, 1)
-    assert valid_degrees(mc) == [1]
+        check_degree(new, 2)
+    assert str(e.value) == ("tensor_parallel_size 2: model_type 'new_family' has no tensor-parallel sharding here "
+                            "(families that shard: deepseek_v3, gemma3_text, llama, mistral, mixtral, phi3, qwen2, "
+                            "qwen3, qwen3_moe); "
+                            "use tensor_parallel_size 1")
+    check_degree(new, 1)
+    assert valid_degrees(new) == [1]
+    mc = ModelConfig.from_hf_dict(hf_config("qwen3_moe").to_dict())
     opts = SimpleNamespace(static_decode="graphs", tensor_parallel_size=1, attention_backend="auto", model_ops="auto",
                            kv_cache_dtype="auto")
     with pytest.raises(ValueError, match="static_decode=graphs: this model's family reads the device from the host"):
@@ -293,5 +302,6 @@ def test_config_json_round_trip_of_each_family(family):
                 "deepseek_v3": (False, (8, 2, 48, True, (1, 2)), 8)}[model_type]  # head_dim: the rope part's
     assert (mc.qk_norm, moe, mc.head_dim) == expected
     window = {"gemma3_text": (24, (0, 2))}.get(model_type, (None, ()))
+    sharded = model_type in TENSOR_PARALLEL  # tests/engine/test_tensor_parallel_families.py
     assert (cfg["model_type"], (mc.sliding_window, mc.sliding_layers), mc.family.tensor_parallel) == (
-        model_type, window, False)
+        model_type, window, sharded)

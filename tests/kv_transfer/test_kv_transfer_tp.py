@@ -31,10 +31,17 @@ SP = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPTS = [[256] + [(7 * i + 3 * n) % 250 for i in range(n - 1)] for n in (9, 17, 40)]  # 1, 2, 3 blocks
 BLOCKS = 48
 SHAPES = {"gqa-2kv": dict(heads=4, kv_heads=2), "mqa-1kv-replicated": dict(heads=4, kv_heads=1)}
+# DeepSeek-V3 (tests/engine/test_families.py's, 2 layers): every rank holds the whole latent, so each
+# decode rank reads every pulled block whole, from one prefill rank.
+LATENT = "mla-latent-whole"
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
-def model(request, model_factory):
+@pytest.fixture(scope="module", params=[*SHAPES, LATENT])
+def model(request, model_factory, tmp_path_factory):
+    if request.param == LATENT:
+        from tests.engine.test_families import write_checkpoint  # noqa: PLC0415
+
+        return write_checkpoint(tmp_path_factory.mktemp("tpkv-mla"), "deepseek_v3", seed=5, num_hidden_layers=2)
     return model_factory(f"tpkv-{request.param}", layers=2, hidden=64, vocab=320, max_positions=512, seed=5,
                          **SHAPES[request.param])
 
@@ -68,8 +75,8 @@ def test_prefill_tp1_to_decode_tp2(model, tmp_path):
                 assert got == expected
                 st = transport.stats
                 assert (st.pulls_ok, st.fallbacks_recompute, st.blocks_pulled) == (3, 0, 6)
-                # each rank's pool holds half the heads (GQA) or the one head (replicated): its
-                # block is its share, and it read exactly that many bytes per pulled block
+                # each rank's pool holds half the heads (GQA), the one head (replicated) or the latent
+                # (whole): its block is its share, and it read exactly that many bytes per pulled block
                 assert transport.mapped.bytes_by_rank == [6 * transport.block_bytes] * 2
                 assert_pools_whole(prefill, decode)
                 assert_ranks_whole(engine)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kv_transfer.errors import IncompatiblePeerError
-from kv_transfer.handle import KVLayout, PeerInfo, RankPeer
+from kv_transfer.handle import MLA_LAYOUT, KVLayout, PeerInfo, RankPeer
 from kv_transfer.rank_reads import plan_reads
 
 L, BS, D = 2, 4, 8  # rows = L * 2 * bs = 16; a head's run = 8 floats = 32 bytes
@@ -60,6 +60,28 @@ def test_equal_degrees_and_replicated_heads_read_whole_blocks():
     (a,), (b,) = plan_reads(layout(2, 1), decode_ranks(2), 0, "DRAM", peer(1, 1), [0], [5])
     assert a.remote[:, 0].tolist() == b.remote[:, 0].tolist() == [1_000_000 + 5 * ROWS * HEAD]
     assert a.num_bytes == b.num_bytes == ROWS * HEAD
+
+
+def test_a_latent_block_is_read_whole_once_per_decode_rank_from_one_prefill_rank():
+    """MLA: every rank holds the whole latent, [L, 1, bs, 1, C + R]: each decode rank reads each block
+    whole, one descriptor, its bytes exactly the block's (not a K and a V part: 2x, into the next
+    block), from the prefill rank of its index (spread over the prefill ranks)."""
+    c = 40
+
+    def latent(tp: int) -> KVLayout:
+        return KVLayout("fp", BS, "float32", L, 1, c, layout=MLA_LAYOUT, tensor_parallel_size=tp, latent_dim=c)
+
+    block = L * BS * c * 4
+    assert latent(2).block_bytes == block
+    for src_tp, agents in ((1, ["p0", "p0"]), (2, ["p0", "p1"])):
+        peer_info = PeerInfo("p", "inc", "p0", b"md", 1_000_000, 10, "DRAM", 0, latent(src_tp),
+                             ranks=tuple(RankPeer(f"p{r}", b"md", 1_000_000 * (r + 1)) for r in range(src_tp)))
+        plan = plan_reads(latent(2), decode_ranks(2), 0, "DRAM", peer_info, [0, 3], [5, 6])
+        assert [[r.remote_agent for r in reads] for reads in plan] == [[a] for a in agents]
+        for rank, (read,) in enumerate(plan):
+            assert read.local[:, 1].tolist() == read.remote[:, 1].tolist() == [block, block]
+            assert read.local[:, 0].tolist() == [50_000_000 * (rank + 1), 50_000_000 * (rank + 1) + 3 * block]
+            assert read.remote[0, 0] == 1_000_000 * (int(agents[rank][1]) + 1) + 5 * block
 
 
 def test_blocks_outside_the_peer_pool_are_refused():

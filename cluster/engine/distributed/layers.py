@@ -6,7 +6,9 @@ built with its own head and intermediate counts (the loader fills those rows). R
 head hold a vocabulary shard each; the embedding's rows are all-reduced (one rank holds each
 token, the others add zeros: exact), the LM head's logits are gathered on rank 0, the driver,
 because the sampler reads the whole row (penalties, top-k/p, logprobs, grammar masks): a
-distributed argmax would serve greedy only.
+distributed argmax would serve greedy only. A mixture-of-experts layer holds 1/tp of every
+expert's rows and is all-reduced once (distributed/moe_shard.py); latent attention splits its
+query heads and keeps the latent path whole (its o_proj is row-parallel as any other).
 """
 
 from __future__ import annotations
@@ -18,21 +20,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cluster.engine.distributed.moe_shard import parallel_moe
 from cluster.engine.distributed.plan import ShardPlan
 from cluster.engine.model.decoder import DecoderForCausalLM
 from cluster.engine.model.layers import Linear
-from cluster.engine.model.rope import RotaryEmbedding
+from cluster.engine.model.moe import SparseMoE
 from cluster.engine.model_config import ModelConfig
 
 
 class RowParallelLinear(Linear):
-    """y = sum over ranks of x_r @ W_r^T: each rank holds the input columns of its heads (o_proj)
-    or of its MLP rows (down_proj). Bias-free (Llama's o_proj and down_proj have none)."""
+    """y = sum over ranks of x_r @ W_r^T (+ bias, once): each rank holds the input columns of its
+    heads (o_proj) or of its MLP rows (down_proj). A bias (MLA's o_proj with attention_bias) is
+    whole on every rank and added after the sum."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.ops.linear(x, self.weight, None)  # [T, hidden], this rank's partial sum
         dist.all_reduce(y)
-        return y
+        return y if self.bias is None else y.add_(self.bias)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -67,9 +71,23 @@ class ParallelLMHead(Linear):
 
 
 def rank_config(mc: ModelConfig, plan: ShardPlan) -> ModelConfig:
-    """The model as one rank sees it: its query heads, KV heads and MLP rows (hidden and vocab whole)."""
+    """The model as one rank sees it: its query heads, KV heads, MLP and expert rows (hidden, vocab,
+    the router and the latent whole)."""
+    moe = mc.moe and dataclasses.replace(mc.moe, intermediate_size=plan.expert_intermediate)
+    routing = mc.moe_routing and dataclasses.replace(mc.moe_routing, shared_intermediate_size=plan.shared_intermediate)
     return dataclasses.replace(mc, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads,
-                               intermediate_size=plan.intermediate)
+                               intermediate_size=plan.intermediate, moe=moe, moe_routing=routing)
+
+
+def shard_layer(layer: nn.Module, mc: ModelConfig, local: ModelConfig) -> None:
+    """Make a layer built from the rank's config (column-parallel already: its rows) sum over the
+    ranks: o_proj and a dense MLP's down_proj row-parallel, an MoE layer all-reduced once."""
+    attn = layer.self_attn
+    attn.o_proj = RowParallelLinear(attn.o_proj.in_features, mc.hidden_size, bias=attn.o_proj.bias is not None)
+    if isinstance(layer.mlp, SparseMoE):
+        layer.mlp = parallel_moe(local)
+    else:
+        layer.mlp.down_proj = RowParallelLinear(local.intermediate_size, mc.hidden_size, bias=False)
 
 
 def build_rank_model(mc: ModelConfig, plan: ShardPlan, max_positions: int, dtype: torch.dtype,
@@ -80,11 +98,10 @@ def build_rank_model(mc: ModelConfig, plan: ShardPlan, max_positions: int, dtype
     with torch.device("meta"):
         model = DecoderForCausalLM(local, max_positions, dtype, torch.device("meta"))
         for layer in model.layers:
-            layer.self_attn.o_proj = RowParallelLinear(plan.num_heads * mc.head_dim, hidden, bias=False)
-            layer.mlp.down_proj = RowParallelLinear(plan.intermediate, hidden, bias=False)
+            shard_layer(layer, mc, local)
         model.embed_tokens = VocabParallelEmbedding(plan, hidden)
         model.lm_head = ParallelLMHead(plan, hidden, mc.vocab_size)
         model.to(dtype=dtype)
     model.materialize(device)
-    model.rotary = RotaryEmbedding(mc.head_dim, max_positions, mc.rope, dtype, device)
+    model.build_rotary(max_positions, dtype, device)  # not in checkpoints; a sliding layer's too (Gemma 3)
     return model

@@ -4,6 +4,12 @@ Query heads, the MLP's intermediate rows and the vocabulary are split in tp equa
 are split when tp divides their count; when tp is a multiple of it each KV head is replicated on
 tp / num_kv_heads ranks (vLLM's rule); any other degree is refused. Rank r's query heads then use
 exactly the KV heads rank r holds, so attention needs no communication.
+
+Mixtures of experts shard every expert by its intermediate size (vLLM's rule): each rank holds
+1/tp of every expert's gate/up rows and down columns (and of DeepSeek-V3's shared experts), the
+router whole, so every rank routes the same tokens to the same experts and the layer's partial
+outputs are summed by one all-reduce, as a dense MLP's. Latent attention (MLA) splits its query
+heads; the latent (kv_lora_rank + qk_rope_head_dim a token) is one "KV head" every rank holds whole.
 """
 
 from __future__ import annotations
@@ -19,32 +25,62 @@ class ShardPlan:
     tp: int
     rank: int
     num_heads: int  # query heads on this rank
-    num_kv_heads: int  # KV heads on this rank (its KV cache holds only these)
-    kv_replicas: int  # ranks holding each KV head (1: split, tp / num_kv_heads: replicated)
+    num_kv_heads: int  # KV heads on this rank (its KV cache holds only these); latent attention: 1, the latent
+    kv_replicas: int  # ranks holding each KV head (1: split, tp / num_kv_heads: replicated; the latent: tp)
     head_start: int  # first query head of this rank
     kv_head_start: int
-    intermediate: int  # MLP rows on this rank
+    intermediate: int  # dense MLP rows on this rank
     vocab_shard: int  # vocabulary rows on this rank (the last shard padded when tp does not divide it)
     vocab_start: int
+    expert_intermediate: int = 0  # each expert's rows on this rank (0: no experts)
+    shared_intermediate: int = 0  # the shared experts' rows on this rank (DeepSeek-V3; 0: none)
 
     @classmethod
     def for_model(cls, mc: ModelConfig, tp: int, rank: int) -> "ShardPlan":
         check_degree(mc, tp)
         if not 0 <= rank < tp:
             raise ValueError(f"rank {rank} is outside tensor_parallel_size {tp}")
-        replicas = max(1, tp // mc.num_kv_heads)
+        kv_heads = 1 if mc.mla else mc.num_kv_heads  # the latent: one entry every rank holds
+        replicas = max(1, tp // kv_heads)
         heads = mc.num_heads // tp
         vocab_shard = -(-mc.vocab_size // tp)
-        kv_heads = kv_heads_per_rank(mc.num_kv_heads, tp)
-        return cls(tp=tp, rank=rank, num_heads=heads, num_kv_heads=kv_heads,
-                   kv_replicas=replicas, head_start=rank * heads, kv_head_start=(rank // replicas) * kv_heads,
+        local_kv = kv_heads_per_rank(kv_heads, tp)
+        shared = mc.moe_routing.shared_intermediate_size if mc.moe_routing else 0
+        return cls(tp=tp, rank=rank, num_heads=heads, num_kv_heads=local_kv,
+                   kv_replicas=replicas, head_start=rank * heads, kv_head_start=(rank // replicas) * local_kv,
                    intermediate=mc.intermediate_size // tp, vocab_shard=vocab_shard,
-                   vocab_start=rank * vocab_shard)
+                   vocab_start=rank * vocab_shard, expert_intermediate=mc.moe.intermediate_size // tp if mc.moe else 0,
+                   shared_intermediate=shared // tp)
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
     """KV heads in each rank's pool: split when tp divides them, one (replicated) when tp is a multiple."""
     return max(1, num_kv_heads // tp)
+
+
+def _has_dense_mlp(mc: ModelConfig) -> bool:
+    return mc.moe is None or len(mc.moe.sparse_layers) < mc.num_layers
+
+
+def _divisors(mc: ModelConfig) -> list[tuple[int, str]]:
+    """(count, what it is) for each count a degree must divide (the KV heads apart: _kv_ok)."""
+    out = [(mc.num_heads, f"{mc.num_heads} query heads")]
+    if _has_dense_mlp(mc):
+        out.append((mc.intermediate_size, f"intermediate size {mc.intermediate_size}"))
+    if mc.moe is not None:
+        n = mc.moe.intermediate_size
+        out.append((n, f"{mc.family.expert_size_field} {n} (each expert's rows, split over the ranks)"))
+    if mc.moe_routing is not None:  # n_shared_experts x moe_intermediate_size: divided whenever the experts are
+        n = mc.moe_routing.shared_intermediate_size
+        out.append((n, f"the shared experts' {n} rows"))
+    return out
+
+
+def _kv_ok(mc: ModelConfig, tp: int) -> bool:
+    if mc.mla is not None:  # the latent is replicated: any degree
+        return True
+    hkv = mc.num_kv_heads
+    return hkv % tp == 0 if tp <= hkv else tp % hkv == 0
 
 
 def check_degree(mc: ModelConfig, tp: int) -> None:
@@ -58,15 +94,11 @@ def check_degree(mc: ModelConfig, tp: int) -> None:
     if tp > 1 and mc.weight_quant is not None:
         raise ValueError(f"tensor_parallel_size {tp}: block-scaled fp8 checkpoints (quantization_config) are "
                          "dequantized at load at tensor_parallel_size 1 only; use tensor_parallel_size 1")
-    h, hkv = mc.num_heads, mc.num_kv_heads
-    kv_ok = hkv % tp == 0 if tp <= hkv else tp % hkv == 0
-    problems = []
-    if h % tp:
-        problems.append(f"{h} query heads")
-    if not kv_ok:
-        problems.append(f"{hkv} KV heads (split needs tp to divide them, replication tp a multiple of them)")
-    if mc.intermediate_size % tp:
-        problems.append(f"intermediate size {mc.intermediate_size}")
+    problems = [what for n, what in _divisors(mc)[:1] if n % tp]
+    if not _kv_ok(mc, tp):
+        problems.append(f"{mc.num_kv_heads} KV heads (split needs tp to divide them, replication tp a multiple of "
+                        "them)")
+    problems += [what for n, what in _divisors(mc)[1:] if n % tp]
     if problems:
         raise ValueError(f"tensor_parallel_size {tp} cannot shard this model: it does not divide "
                          f"{' nor '.join(problems)}; degrees that work: {valid_degrees(mc)}")
@@ -75,6 +107,4 @@ def check_degree(mc: ModelConfig, tp: int) -> None:
 def valid_degrees(mc: ModelConfig, up_to: int = 64) -> list[int]:
     if not mc.family.tensor_parallel:
         return [1]
-    h, hkv = mc.num_heads, mc.num_kv_heads
-    return [tp for tp in range(1, up_to + 1)
-            if h % tp == 0 and mc.intermediate_size % tp == 0 and (hkv % tp == 0 if tp <= hkv else tp % hkv == 0)]
+    return [tp for tp in range(1, up_to + 1) if _kv_ok(mc, tp) and all(n % tp == 0 for n, _ in _divisors(mc))]

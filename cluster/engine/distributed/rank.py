@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine.attention import AttentionBackend, resolve_backend
-from cluster.engine.config import run_dtype
+from cluster.engine.config import kv_block_shape, run_dtype
 from cluster.engine.distributed.loader import load_rank_model
 from cluster.engine.distributed.plan import ShardPlan
 from cluster.engine.distributed.step import RankReport, WorkerSpec
@@ -20,7 +20,7 @@ from cluster.engine.model_config import ModelConfig
 class RankModel:
     plan: ShardPlan
     model: DecoderForCausalLM
-    kv_cache: torch.Tensor  # [num_blocks, L, 2, block_size, H_kv / tp (or 1, replicated), D]
+    kv_cache: torch.Tensor  # [num_blocks, L, 2, bs, H_kv / tp (or 1, replicated), D]; MLA [.., L, 1, bs, 1, C+R]
     ops: object
     steps: int = 0
 
@@ -35,8 +35,8 @@ class RankModel:
         # between a layer's ops for the two all-reduces a tensor-parallel layer needs.
         ops = resolve_ops(config.model_ops, device, dtype, fused_decode_rows=0)
         model.use_ops(ops)
-        kv_cache = torch.zeros(spec.num_blocks, mc.num_layers, 2, config.block_size, plan.num_kv_heads,
-                               mc.head_dim, dtype=dtype, device=device)
+        kv_cache = torch.zeros(spec.num_blocks, *rank_block_shape(mc, plan, config.block_size), dtype=dtype,
+                               device=device)
         return cls(plan, model, kv_cache, ops)
 
     def forward(self, input_ids, positions, meta, backend: AttentionBackend, logits_indices) -> torch.Tensor:
@@ -50,3 +50,10 @@ class RankModel:
         return RankReport(self.plan.rank, tuple(self.kv_cache.shape),
                           (self.plan.kv_head_start, self.plan.num_kv_heads), self.steps,
                           self.kv_cache.clone() if with_kv else None)
+
+
+def rank_block_shape(mc: ModelConfig, plan: ShardPlan, block_size: int) -> tuple[int, ...]:
+    """One block on a rank: its KV heads of every layer, or the whole latent (every rank holds it)."""
+    if mc.mla is not None:
+        return kv_block_shape(mc, block_size)
+    return (mc.num_layers, 2, block_size, plan.num_kv_heads, mc.head_dim)

@@ -124,7 +124,8 @@ class Family:
     # Its layers are Llama's (norm, qkv(+bias), RoPE, attention, o, norm, gate_up, SiLU-mul, down): only
     # then may the fused CPU decode kernel (ops.decode_layers) run them.
     llama_shaped: bool = True
-    tensor_parallel: bool = False  # distributed/ has its shard rules (plan, layers, loader)
+    tensor_parallel: bool = False  # distributed/ has its shard rules (plan, layers, shard_rules, loader)
+    expert_size_field: str = "moe_intermediate_size"  # config.json's name of an expert's intermediate size (errors)
     cuda_graphs: bool = True  # a decode step never reads the device from the host, so a CUDA graph can capture it
     own_activation: bool = False  # its parse reads the MLP's activation itself (hidden_activation)
     defaults: tuple[tuple[str, object], ...] = ()  # transformers' values of the config.json fields it may omit

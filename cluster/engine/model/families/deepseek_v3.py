@@ -88,5 +88,7 @@ def _deepseek_v3(cfg: dict) -> FamilyFields:
     return FamilyFields(moe=moe, moe_routing=parse_routing(cfg, num_experts, moe.top_k), mla=mla)
 
 
+# Tensor-parallel: query heads split, the latent whole on every rank, experts (routed and shared)
+# split by their intermediate size (distributed/plan.py).
 DEEPSEEK_V3 = Family(parse=_deepseek_v3, renames=RENAMES, llama_shaped=False, cuda_graphs=False,
-                     skips_extra_layers=True)
+                     skips_extra_layers=True, tensor_parallel=True)

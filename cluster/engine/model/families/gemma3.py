@@ -78,5 +78,8 @@ MULTIMODAL = ("the multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration
               "text_config) is not served; a text-only gemma3_text checkpoint (Gemma3ForCausalLM) is")
 
 
-# Gemma's checkpoint names are Llama's (q/k/v, gate/up apart; fused at load). Not tensor-parallel.
-GEMMA3_TEXT = Family(parse=_gemma3_text, llama_shaped=False, own_activation=True, defaults=DEFAULTS)
+# Gemma's checkpoint names are Llama's (q/k/v, gate/up apart; fused at load). Tensor-parallel as Llama
+# (heads and MLP rows split; the q/k norms, per head_dim, and the four layer norms whole; a sliding
+# layer's window is per layer, the same on every rank).
+GEMMA3_TEXT = Family(parse=_gemma3_text, llama_shaped=False, own_activation=True, defaults=DEFAULTS,
+                     tensor_parallel=True)

@@ -26,4 +26,5 @@ def _mixtral(cfg: dict) -> FamilyFields:
     return FamilyFields(moe=moe)
 
 
-MIXTRAL = Family(parse=_mixtral, renames=RENAMES, llama_shaped=False, cuda_graphs=False)
+MIXTRAL = Family(parse=_mixtral, renames=RENAMES, llama_shaped=False, cuda_graphs=False, tensor_parallel=True,
+                 expert_size_field="intermediate_size")

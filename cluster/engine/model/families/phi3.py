@@ -11,5 +11,5 @@ def _phi3(cfg: dict) -> FamilyFields:
     return FamilyFields()
 
 
-# Not tensor-parallel: the rank loader slices q/k/v and gate/up from separate checkpoint tensors.
-PHI3 = Family(parse=_phi3, renames=())
+# Tensor-parallel: the rank loader cuts each part of the fused tensors (distributed/shard_rules.py).
+PHI3 = Family(parse=_phi3, renames=(), tensor_parallel=True)

@@ -17,4 +17,4 @@ def _qwen3(cfg: dict) -> FamilyFields:
     return FamilyFields(qk_norm=True)
 
 
-QWEN3 = Family(parse=_qwen3, llama_shaped=False)
+QWEN3 = Family(parse=_qwen3, llama_shaped=False, tensor_parallel=True)

@@ -48,4 +48,4 @@ def _qwen3_moe(cfg: dict) -> FamilyFields:
     return FamilyFields(qk_norm=True, moe=moe)
 
 
-QWEN3_MOE = Family(parse=_qwen3_moe, renames=RENAMES, llama_shaped=False, cuda_graphs=False)
+QWEN3_MOE = Family(parse=_qwen3_moe, renames=RENAMES, llama_shaped=False, cuda_graphs=False, tensor_parallel=True)
