@@ -21,9 +21,9 @@ def prompt(system: int, suffix: int, t: float) -> Request:
     return Request(t, system, len(tokens), hash_request_blocks(tokens, BS, b"s"))
 
 
-def simulate(replicas, reqs, cell_size=None, spill_at=None, seed=0):
+def simulate(replicas, reqs, cell_size=None, spill_at=None, seed=0, variant="cells"):
     box = []
-    arm = make_arm(replicas, cell_size, spill_at, PolicyConfig(block_size=BS), lambda: box[0].now, seed)
+    arm = make_arm(replicas, cell_size, spill_at, PolicyConfig(block_size=BS), lambda: box[0].now, seed, variant)
     sim = Simulation(replicas, arm, P, seed)
     box.append(sim)
     return sim.run(reqs), sim, arm
@@ -86,6 +86,18 @@ def test_a_request_past_its_cells_bound_is_decided_by_its_second_cell():
     assert [(r.cell, r.spilled) for r in done] == [(first, False), (first, False)] and arm.spills == 0
     # it waits 105 ms, then finds the first's system blocks: 10 ms + 32 tokens
     assert [round(r.done - r.arrival, 9) for r in done] == [0.106, 0.147] and done[1].cached == 64
+
+
+def test_two_choices_send_the_second_request_to_the_cheaper_cell():
+    """Both cells idle: the first request goes to its first cell (a tie keeps the ranking's order);
+    the second, 1 ms on, would wait behind the first's 96 tokens there (a cost of 96 + 96) and
+    costs 96 in the other cell: it goes there, and no cell was asked with a bound."""
+    replicas = two_cells()
+    first = request_ranking(prompt(0, 0, 0.0).hashes, None, 2, random.Random(0))[0]
+    done, _, arm = simulate(replicas, [prompt(0, 0, 0.0), prompt(0, 1, 0.001)], cell_size=2, variant="two")
+    assert [(r.cell, r.spilled) for r in done] == [(first, False), (1 - first, True)] and arm.spills == 1
+    assert [round(r.done - r.arrival, 9) for r in done] == [0.106, 0.106]
+    assert sum(r.stats().spilled for r in arm.routers) == 0
 
 
 def test_balanced_cells_give_each_cell_an_equal_share_of_each_role():

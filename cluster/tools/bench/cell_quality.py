@@ -110,13 +110,13 @@ def measure(done: list[Request], sim: Simulation, w: Workload) -> dict:
 
 
 def run_arm(w: Workload, p: Params, seed: int, cell_size: int | None, spill_at: int | None,
-            config: PolicyConfig, balanced: bool = False) -> dict:
+            config: PolicyConfig, variant: str = "cells") -> dict:
     """One arm, one seed: the same pool and requests for every arm of this seed."""
     rng = random.Random(seed)
     replicas = pool(w.replicas, rng)
     reqs = requests(w, p, rng)
     box: list = []
-    arm = make_arm(replicas, cell_size, spill_at, config, lambda: box[0].now, seed, balanced)
+    arm = make_arm(replicas, cell_size, spill_at, config, lambda: box[0].now, seed, variant)
     sim = Simulation(replicas, arm, p, seed, (w.warmup_s, w.seconds))
     box.append(sim)
     t0 = time.process_time()
@@ -129,20 +129,22 @@ def run_arm(w: Workload, p: Params, seed: int, cell_size: int | None, spill_at: 
 ARM_FIGURES = ("hit", "p50", "p90", "imbalance")
 
 
-def label(cell_size: int | None, spill_at: int | None, balanced: bool = False) -> str:
+def label(cell_size: int | None, spill_at: int | None, variant: str = "cells") -> str:
     if cell_size is None:
         return "one router"
-    return f"cells of {cell_size}{' balanced' if balanced else ''}, spill {spill_at}"
+    if variant == "two":
+        return f"cells of {cell_size}, two choices"
+    return f"cells of {cell_size}{' balanced' if variant == 'balanced' else ''}, spill {spill_at}"
 
 
-def compare(w: Workload, p: Params, seeds: int, arms: list[tuple[int, int, bool]], config: PolicyConfig) -> list[dict]:
+def compare(w: Workload, p: Params, seeds: int, arms: list[tuple[int, int, str]], config: PolicyConfig) -> list[dict]:
     """Each arm over `seeds` seeds: its figures' means, and each over the single router's (per seed)."""
     rows = []
     single = [run_arm(w, p, s, None, None, config) for s in range(seeds)]
     rows.append(summary(label(None, None), single, single))
-    for cell_size, spill_at, balanced in arms:
-        runs = [run_arm(w, p, s, cell_size, spill_at, config, balanced) for s in range(seeds)]
-        rows.append(summary(label(cell_size, spill_at, balanced), runs, single))
+    for cell_size, spill_at, variant in arms:
+        runs = [run_arm(w, p, s, cell_size, spill_at, config, variant) for s in range(seeds)]
+        rows.append(summary(label(cell_size, spill_at, variant), runs, single))
     return rows
 
 
@@ -190,12 +192,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--systems-per-prefill", type=float, default=4.0)
-    ap.add_argument("--balanced", action="store_true", help="also cells balanced by role (cell_sim.balanced_cells: "
-                    "not what router/cells.py does)")
+    ap.add_argument("--variants", nargs="+", choices=["cells", "balanced", "two"], default=["cells"],
+                    help="cells: router/cells.py's; balanced: cells balanced by role (cell_sim.balanced_cells); "
+                    "two: the better of a request's first two cells (cell_sim.decide_two); the last two bench only")
     args = ap.parse_args(argv)
     p, config = Params(), PolicyConfig()
-    arms = [(c, s, b) for c in args.cell_sizes for b in ([False, True] if args.balanced else [False])
-            for s in args.spill_at]
+    arms = [(c, s, v) for c in args.cell_sizes for v in args.variants
+            for s in (args.spill_at if v != "two" else [None])]
     for r in args.replicas:
         for pop in args.popularity:
             for load in args.loads:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from router.cells import ranking, request_ranking, replica_cell, text_key, walk
-from router.policy import PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
+from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
 from router.router import Router
 
 
@@ -141,15 +141,17 @@ class Arm:
     member: dict = field(default_factory=dict)  # replica id -> its router
     spills: int = 0
     local: int = 0  # decisions that prefilled on a decode replica (a cell without prefill)
+    two_choices: bool = False  # bench only: the better of a request's first two cells (decide_two)
 
 
 def make_arm(replicas: Sequence[tuple[str, str]], cell_size: int | None, spill_at: int | None,
-             config: PolicyConfig, clock, seed: int, balanced: bool = False) -> Arm:
+             config: PolicyConfig, clock, seed: int, variant: str = "cells") -> Arm:
     """`cell_size` None (or >= the replicas): one router; else ceil(len / cell_size) cells, each
-    replica in router/cells.py's `replica_cell`, or (`balanced`, not what router/cells.py does)
-    `balanced_cells`'."""
+    replica in router/cells.py's `replica_cell` (`variant` "cells": router/cells.py's own, and
+    "two": its placement, requests by `decide_two`), or "balanced": `balanced_cells` (bench only)."""
     n = 1 if cell_size is None else max(1, -(-len(replicas) // cell_size))
-    arm = Arm(n, None if n == 1 else spill_at)
+    arm = Arm(n, None if n == 1 else spill_at, two_choices=variant == "two")
+    balanced = variant == "balanced"
     arm.routers = [Router(RoutingPolicy(config, random.Random(seed * 1000 + k)), clock=clock) for k in range(n)]
     cells = balanced_cells(replicas, n) if balanced else {rid: replica_cell(role, rid, n) for role, rid in replicas}
     for rid, cell in cells.items():
@@ -182,16 +184,42 @@ def run_now(coro):
     raise RuntimeError("a routing coroutine suspended: nothing in the simulation should")
 
 
+def predicted_cost(router: Router, req: Request) -> float:
+    """The policy's cost, in tokens, of the replica `router` would have compute `req` (its uncached
+    tokens, the tokens ahead of it, the cached blocks it would evict), without recording the
+    decision (Router has no dry run; bench only, through the policy's own terms)."""
+    loads = router._loads_now(None)
+    try:
+        d = router.policy.route(req.hashes, req.tokens, router.index, loads)
+    except NoReplicaError:
+        return float("inf")
+    computes = next(x for x in loads if x.replica_id == (d.prefill or d.decode))
+    blocks = d.predicted_cached_tokens // router.policy.config.block_size
+    return router.policy._compute_cost(blocks, (), computes, req.tokens, router.index)
+
+
+def decide_two(arm: Arm, req: Request, order: list[int]) -> RouteDecision:
+    """Two choices (bench only, not router/cells.py): the request's first two cells each price it
+    as their policy would; the cheaper decides (a prefix lives in two cells, load picks)."""
+    two = order[:2]
+    req.cell = min(two, key=lambda c: (predicted_cost(arm.routers[c], req), two.index(c)))
+    req.spilled = req.cell != req.first
+    arm.spills += req.spilled
+    return arm.routers[req.cell].route(req.hashes, req.tokens)
+
+
 def decide(arm: Arm, req: Request, rng: random.Random) -> RouteDecision:
     """The arm's decision for `req` (its cell and whether it spilled set on it)."""
     if arm.cells == 1:
         return arm.routers[0].route(req.hashes, req.tokens)
+    order = request_ranking(req.hashes, None, arm.cells, rng)
+    req.first = order[0]
+    if arm.two_choices:
+        return decide_two(arm, req, order)
 
     async def ask(cell: int, spill_at: int):
         return arm.routers[cell].route(req.hashes, req.tokens, None, None, spill_at)
 
-    order = request_ranking(req.hashes, None, arm.cells, rng)
-    req.first = order[0]
     req.cell, d = run_now(walk(order, ask, arm.spill_at))
     req.spilled = req.cell != req.first
     arm.spills += req.spilled
