@@ -184,7 +184,7 @@ def print_rows(w: Workload, rows: list[dict], lam: float) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", type=int, nargs="+", default=[64, 256])
-    ap.add_argument("--cell-sizes", type=int, nargs="+", default=[32, 16])
+    ap.add_argument("--cell-sizes", type=int, nargs="*", default=[32, 16], help="none: the one router alone")
     ap.add_argument("--spill-at", type=int, nargs="+", default=[32], help="routing.cell_spill_requests")
     ap.add_argument("--loads", type=float, nargs="+", default=[0.6, 0.85])
     ap.add_argument("--popularity", choices=["uniform", "zipf"], nargs="+", default=["uniform", "zipf"])
