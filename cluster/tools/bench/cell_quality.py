@@ -1,7 +1,8 @@
 """Routing quality in cells against one router, at equal load (issue 50, item 7).
 
     python -m cluster.tools.bench.cell_quality [--replicas 64 256] [--cell-sizes 32 16]
-        [--loads 0.6 0.85] [--popularity uniform zipf] [--seeds 3] [--seconds 20] [--spill-at 32 4]
+        [--loads 0.6 0.75] [--popularity uniform zipf] [--seeds 3] [--seconds 20] [--spill-at 32 4]
+        [--variants cells balanced two]
 
 The capacity-bound shared-prefix workload (docs/benchmarks.md, issue 19) at cluster scale, on the
 discrete-event simulation of cluster/tools/bench/cell_sim.py (the real Router classes, fed the real
@@ -9,7 +10,8 @@ way; no Ray, no engines). For R replicas (P:D 1:3, as cluster/tools/bench/cells.
 seed, so each seed places them in cells afresh):
 - `systems-per-prefill` x the prefill replicas distinct system prompts of 1,024 tokens (64 blocks),
   each request one of them (uniform, or Zipf with exponent 1: the k-th most popular drawn in
-  proportion to 1/k) and a fresh suffix of 64-448 tokens; Poisson arrivals.
+  proportion to 1/k) and a fresh suffix of 64-448 tokens; Poisson arrivals, their rate ramped up
+  over the warm-up.
 - A prefill replica's cache holds 576 blocks: 9 system prompts, or fewer beside the suffixes'
   blocks; with 4 prompts a prefill replica the pool holds every prompt about twice, one replica
   about a ninth of them: the pool is capacity-bound, as issue 19's was.
@@ -20,7 +22,8 @@ seed, so each seed places them in cells afresh):
   (prefill replicas / (20 ms + 50 us x 256 mean suffix tokens)).
 Arms, on the same arrivals and prompts: one router over all replicas, and cells of each
 `--cell-sizes` (router/cells.py's cell_count, replica_cell, request_ranking and walk) at each
-`--spill-at` (routing.cell_spill_requests; its default is hot_load_cap, 32). Measured over the
+`--spill-at` (routing.cell_spill_requests; its default is hot_load_cap, 32), and the bench-only
+`--variants` beside them (cells balanced by role; two choices). Measured over the
 requests arriving after `--warmup` seconds: hit rate (cached prompt tokens / prompt tokens; the
 ceiling is 1,024 / 1,280 = 0.80), TTFT p50 / p90 (queue + prefill), load imbalance (the busiest prefill
 replica's busy time over the mean), the share of requests a second cell decided, and each figure over
