@@ -17,8 +17,9 @@ a 64-bit mix of the two; a key's cells ranked by weight, highest first, are its 
 - A request goes to the first cell of its prompt's first block hash, or of its session key when it
   has one: every request of a prefix (of a session) meets the same router, so its cache stays in
   one cell. A prompt shorter than one block, without a session, gets a random ranking.
-- Spill (`walk`): the first cell is asked with `spill_at`; when every replica its router would
-  choose already holds that many requests (the prefix is hotter than its cell) it answers HOT and
+- Spill (`walk`): the first cell is asked with `spill_at`; when the replica its router would
+  choose to compute the prompt already holds that many requests (the prefix is hotter than its
+  cell; a remote prefill's decode replica is not asked) it answers HOT and
   the second-ranked cell decides, without the bound. A cell whose router knows no replica that can
   take the request (EMPTY: a small app spread over many cells) passes it on down the ranking.
 

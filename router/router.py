@@ -17,7 +17,7 @@ from router.sessions import SessionTable
 
 # A cell's answers other than a decision (Router.route with spill_at): ask the next cell.
 EMPTY = "empty"  # no replica here can take the request
-HOT = "hot"  # every replica chosen holds spill_at requests or more
+HOT = "hot"  # the replica chosen to compute the prompt holds spill_at requests or more
 
 STRATEGIES = {"cost": RoutingPolicy, "round_robin": RoundRobinPolicy, "power_of_two": PowerOfTwoPolicy}
 
@@ -148,9 +148,9 @@ class Router:
         chosen among that version's, so prefill and decode never run on two versions.
 
         `spill_at` (a cell's router, asked first: router/cells.py): HOT instead of a decision when
-        every replica chosen holds at least this many requests (pending ones included), EMPTY when
-        this router knows no replica that can take the request; either way nothing is recorded and
-        the ingress asks the next cell. Without it, no replica raises NoReplicaError."""
+        the replica chosen to compute the prompt holds at least this many requests (pending ones
+        included), EMPTY when this router knows no replica that can take the request; either way
+        nothing is recorded and the ingress asks the next cell. Without it, no replica raises NoReplicaError."""
         self._decisions += 1
         now = self.clock()
         hint = self.sessions.get(session, now) if session is not None else None
@@ -186,10 +186,14 @@ class Router:
 
     @staticmethod
     def _hot(d: RouteDecision, loads: Sequence[ReplicaLoad], spill_at: int) -> bool:
-        """Every replica the decision chose holds at least `spill_at` requests: the prefix is
-        hotter than this cell (the policy chose the cheapest, so the rest are as loaded or more)."""
-        chosen = {d.decode} if d.prefill is None else {d.prefill, d.decode}
-        return all(load.requests >= spill_at for load in loads if load.replica_id in chosen)
+        """The replica that would compute the prompt (the prefill replica; the decode replica when
+        it prefills locally) holds at least `spill_at` requests: the prefix is hotter than this
+        cell (the policy chose the cheapest, so the rest are as loaded or more). A remote prefill's
+        decode replica is not asked: its streams say nothing of the prefix, and with them counted
+        a cell whose prefill replicas were swamped never spilled while its decode replicas held
+        fewer streams than the bound (cluster/tools/bench/cell_quality.py found it)."""
+        computes = d.decode if d.prefill is None else d.prefill
+        return any(load.requests >= spill_at for load in loads if load.replica_id == computes)
 
     def recent_decisions(self) -> list[tuple[RouteDecision, tuple[ReplicaLoad, ...]]]:
         """The last decisions, oldest first, each with the replica loads it was made on."""

@@ -188,8 +188,8 @@ class RoutingOptions(Strict):
         "ceil(replicas / cell_size) cells, each with its own router; replicas join a cell by rendezvous hashing of "
         "their id and a request by its first block (or session key). At or below it: one router, as without cells")
     cell_spill_requests: int | None = Field(
-        None, ge=1, description="With cells: a request whose chosen replicas in its cell all hold at least this many "
-        "requests (running, waiting and those sent since their last report) goes to its prefix's second-ranked "
+        None, ge=1, description="With cells: a request whose replica chosen in its cell to compute the prompt holds at "
+        "least this many requests (running, waiting and those sent since their last report) goes to its prefix's second-ranked "
         "cell instead. None: hot_load_cap")
 
 

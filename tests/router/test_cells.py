@@ -89,6 +89,17 @@ def test_a_cell_answers_hot_when_every_replica_it_chose_holds_the_bound():
         router(load("p", "prefill")).route(h, 80)  # without a bound: as before cells
 
 
+def test_a_cell_is_hot_by_the_replica_computing_the_prompt_whatever_its_decode_replica_holds():
+    h = hash_request_blocks(PROMPT, BS, b"salt")
+    swamped = router(load("p", "prefill", running=1, waiting=4), load("d", "decode", running=2))
+    assert swamped.route(h, 80, spill_at=5) == HOT  # p: 5 requests; d's 2 streams do not hold it back
+    idle_prefill = router(load("p", "prefill", running=1), load("d", "decode", running=40))
+    d = idle_prefill.route(h, 80, spill_at=5)  # d's 40 streams say nothing of the prefix
+    assert (d.prefill, d.decode, d.mode) == ("p", "d", "remote")
+    local = router(load("d", "decode", running=5))  # no prefill replica: d prefills, and it is full
+    assert local.route(h, 80, spill_at=5) == HOT
+
+
 def test_a_hot_cell_spills_to_the_second_which_decides_without_the_bound():
     h = hash_request_blocks(PROMPT, BS, b"salt")
     cells = [router(load("p0", "prefill", running=9), load("d0", "decode", running=9)),
