@@ -8,6 +8,7 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.loop import EngineLoop
 from cluster.engine.sampling_params import SamplingParams
 from cluster.serving.replica import EngineReplica
+from cluster.serving.replica_health import ReplicaHealth
 from cluster.serving.reporting import FAILING_HOLD_S, LoadReporter
 from kv_transfer.stats import TransferStats
 
@@ -64,7 +65,7 @@ def replica_around(engine: LLMEngine, max_errors: int) -> EngineReplica:
     """The real EngineReplica.check_health over a real loop, without the Ray-bound constructor."""
     replica = object.__new__(EngineReplica)
     replica.pool, replica.engine, replica.loop = "decode", engine, EngineLoop(engine)
-    replica.stuck_loop_s, replica.max_consecutive_step_errors = 30.0, max_errors
+    replica.health = ReplicaHealth("decode", engine, replica.loop, None, 30.0, max_errors)
     return replica
 
 

@@ -19,6 +19,8 @@ from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.loop import EngineLoop
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import DrainTimeoutError, WrongReplicaError, WrongRoleError
+from cluster.serving.replica_flip import RoleFlip
+from cluster.serving.replica_role import PlayedRole
 from cluster.serving.reporting import LoadReporter
 from decode.deployment import DECODE_ROLE, DecodeServer
 from decode.engine import DecodeEngine
@@ -99,12 +101,12 @@ def replica(ray_session, tiny_model):
     engine.runner = SlowRunner(engine.runner)
     r = object.__new__(Replica)
     r.config, r.replica_id, r.engine, r.transport, r.faults = cfg, "replica-x", engine, Transport(), None
-    r.roles, r.role_name, r._flip = {"prefill": PREFILL_ROLE, "decode": DECODE_ROLE}, "decode", asyncio.Lock()
-    r.routed, r.app = {"on_target": 0, "off_target": 0}, "pdserve"
-    r.role = DECODE_ROLE.make(engine, r.transport, cfg)
+    r.routed = {"on_target": 0, "off_target": 0}
+    r.played = PlayedRole({"prefill": PREFILL_ROLE, "decode": DECODE_ROLE}, "decode", engine, r.transport, cfg)
     router = Router(router_name("pdserve", cfg.serving_group))
     r.reporter = LoadReporter(engine, r.transport.stats, r.replica_id, "decode", Registry(), router)
     r.loop = EngineLoop(r.role, idle_poll_s=DECODE_ROLE.idle_poll_s, hooks=[r.reporter])
+    r.flip = RoleFlip(r.replica_id, r.played, r.loop, r.reporter, "pdserve")
     return r
 
 
