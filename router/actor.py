@@ -162,9 +162,15 @@ class _Method:
 def named_actor(actor_class, name: str, *args, namespace: str = NAMESPACE, options: dict | None = None,
                 **kwargs):
     """The cluster's one actor of this name, created (detached, with these arguments and actor
-    `options`) by whoever asks first; every later caller gets that one, whatever it passes."""
+    `options`) by whoever asks first; every later caller gets that one, whatever it passes.
+
+    Scheduled outside the caller's placement group: a tensor-parallel Serve replica runs in one
+    whose child actors Ray places in it (Serve sets placement_group_capture_child_tasks), and
+    Serve removes it with the replica; a control actor placed there would be killed with it and
+    stay RESTARTING for good (its bundle is gone), under a name every later caller resolves."""
+    opts = {"scheduling_strategy": "DEFAULT", **(options or {})}
     return actor_class.options(name=name, namespace=namespace, get_if_exists=True, lifetime="detached",
-                               **(options or {})).remote(*args, **kwargs)
+                               **opts).remote(*args, **kwargs)
 
 
 class ConfiguredRef(ActorRef):

@@ -143,3 +143,40 @@ def test_a_killed_admission_actor_comes_back_with_the_apps_current_bounds(apps):
     restart(store)
     assert settings(store) == AdmissionSettings.of(changed)
     assert [ray.get(store.begin.remote("t", f"k{i}", "f"))[0] for i in range(3)] == ["run", "run", "full"]
+
+
+@ray.remote(num_cpus=0)
+class _InAPlacementGroup:
+    """Stands for a tensor-parallel Serve replica: Serve places it in its placement group with
+    placement_group_capture_child_tasks (ray/serve/_private/deployment_scheduler.py)."""
+
+    def create(self, name: str) -> int:
+        from cluster.serving.registry import RegistryActor
+        from router.actor import named_actor
+
+        return ray.get(named_actor(RegistryActor, name).__ray_call__.remote(lambda self: os.getpid()))
+
+
+def test_a_control_actor_created_in_a_replicas_placement_group_outlives_it(apps):
+    """A named actor created from inside a placement group that captures child tasks is scheduled
+    outside it: removing the group (Serve stopping a tp replica) neither kills it nor leaves it
+    RESTARTING for good. (It was placed in the group: the registry, first asked for by a tp=2
+    replica, died with that replica's app and every later pull failed on ActorUnavailableError.)"""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    name = "test-control-actor-outside-pg"
+    pg = placement_group([{"CPU": 0.5}])
+    ray.get(pg.ready(), timeout=READY_S)
+    creator = _InAPlacementGroup.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        pg, placement_group_capture_child_tasks=True)).remote()
+    try:
+        created_pid = ray.get(creator.create.remote(name), timeout=READY_S)
+        ray.kill(creator)
+        remove_placement_group(pg)
+        wait_for(lambda: ray.util.placement_group_table(pg)["state"] == "REMOVED", "the group removed", 30)
+        actor = ray.get_actor(name, namespace="pdserve")
+        assert ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=10) == created_pid
+    finally:
+        if lookup(name, "pdserve") is not None:
+            ray.kill(ray.get_actor(name, namespace="pdserve"), no_restart=True)
