@@ -88,7 +88,7 @@ def read_head(directory: str | Path) -> dict | None:
     return head
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -204,7 +204,7 @@ class AuditLog:
             if self._size < self.max_file_bytes and day == _day(now):
                 return
         self._open(self.dir / f"audit-{_day(now)}-{self.next_seq:012d}.jsonl")
-        _fsync_dir(self.dir)  # the new name is durable too
+        fsync_dir(self.dir)  # the new name is durable too
 
     # ---- appending -----------------------------------------------------------------------------
 
@@ -291,7 +291,7 @@ class AuditLog:
         finally:
             os.close(fd)
         os.replace(tmp, self.dir / HEAD)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self._anchored = True
 
     def _remember(self, rid: str) -> None:

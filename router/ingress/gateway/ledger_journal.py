@@ -20,15 +20,9 @@ import json
 import os
 from pathlib import Path
 
+from router.ingress.gateway.audit_log import fsync_dir
+
 COMPACT_BYTES = 1 << 20  # the journal's least bound before a snapshot
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Journal:
@@ -89,7 +83,7 @@ class Journal:
                 f.truncate(self.size)
                 raise
         if created:
-            _fsync_dir(self.journal.parent)
+            fsync_dir(self.journal.parent)
         self.size += len(data)
 
     def over_bound(self) -> bool:
@@ -105,7 +99,7 @@ class Journal:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         self._snapshot_bytes = len(data)
         if self.journal.exists():
             with open(self.journal, "r+b") as f:
