@@ -13,6 +13,7 @@ from router.ingress.gateway.queue_model import MIN_SAMPLE_S, Meter
 SLOW_WINDOWS = 2  # windows in a row over target_itl_s before the pace limit shrinks
 PROBE_AT = 0.8  # the pace limit grows while the streams reach this share of it within the target...
 PROBE_STEP = 0.25  # ... by this share of itself a window
+CALM_WINDOWS = 4  # windows in a row within the target and under PROBE_AT of the limit before it is lifted
 MIN_STREAM_TOKENS = 4  # tokens past its first before a stream's own pace counts
 FLOOR_HOLD_S = 60.0  # the fastest pace seen holds this long...
 FLOOR_TAU_S = 300.0  # ...then fades towards later windows' with this time constant
@@ -52,7 +53,11 @@ class StreamPace(Meter):
     within the target and the streams reach PROBE_AT of the limit, it grows by PROBE_STEP a window
     (or to the gradient, if larger). No cap before the pool was first measured slow: at low load a
     step's fixed cost dominates the interval, and the gradient through zero would refuse a pool
-    that is far from full.
+    that is far from full. For the same reason the limit is lifted after CALM_WINDOWS windows in a
+    row within the target and under PROBE_AT of it: the load that set it has passed, and a limit
+    the streams no longer reach would only refuse the next clump of arrivals (streams and the
+    requests ahead of their first token count against it) while the pace is well inside the target.
+    Under a load that presses on it, windows reach PROBE_AT and the limit probes instead.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3,
@@ -70,6 +75,7 @@ class StreamPace(Meter):
         self.floor_itl_s: float | None = None
         self._floor_set_at = self._floor_at = self._last  # when a window set it; when it last moved
         self._slow_windows = 0
+        self._calm_windows = 0
         self._window_s = 0.0
         self._stream_s = 0.0  # integral of streams over the window
         self._tokens = 0
@@ -142,12 +148,19 @@ class StreamPace(Meter):
         gradient = self.mean_streams * target / itl_s
         if itl_s > target:
             self._slow_windows += 1
+            self._calm_windows = 0
             if self._slow_windows >= SLOW_WINDOWS:  # one slow window is a pause, not a pace
                 self.limit = max(1.0, gradient)
-        else:
-            self._slow_windows = 0
-            if self.limit is not None and self.mean_streams >= PROBE_AT * self.limit:
-                self.limit = max(self.limit + max(1.0, PROBE_STEP * self.limit), gradient)
+            return
+        self._slow_windows = 0
+        if self.limit is None:
+            return
+        if self.mean_streams >= PROBE_AT * self.limit:  # the load presses on the limit: probe up
+            self._calm_windows = 0
+            self.limit = max(self.limit + max(1.0, PROBE_STEP * self.limit), gradient)
+            return
+        self._calm_windows += 1  # the load that set the limit has passed
+        self.limit = None if self._calm_windows >= CALM_WINDOWS else max(self.limit, gradient)
 
     def cap(self) -> int | None:
         return None if self.limit is None else max(1, int(self.limit))

@@ -10,8 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.config import AdmissionBounds
+from cluster.engine.request import RequestContext
 from router.ingress.gateway.capacity import Capacity, CapacityStage
-from router.ingress.gateway.pace import FLOOR_HOLD_S, FLOOR_TAU_S, MIN_STREAM_TOKENS, StreamPace
+from router.ingress.gateway.pace import CALM_WINDOWS, FLOOR_HOLD_S, FLOOR_TAU_S, MIN_STREAM_TOKENS, StreamPace
+from router.ingress.status import Rejected
 
 # 25 decode steps of 40 ms, then two 3-chunk prompts' mixed steps of 300 ms: each stream's own time
 # per output token is (25 x 0.04 + 6 x 0.3) / 31 = 90 ms; a 0.5 s window in the prompts reads 300 ms
@@ -63,6 +65,38 @@ def test_streams_that_really_slow_down_are_still_capped():
     assert pace.cap() == 5  # 8 streams x 0.16 / their pace, 0.238 s
     young = pace.start()  # a stream with fewer than MIN_STREAM_TOKENS counts only when it has them
     assert young.tpot_s() is None and MIN_STREAM_TOKENS == 4
+
+
+def test_a_limit_the_load_no_longer_reaches_is_lifted():
+    """Two slow windows set a limit; the load then falls under PROBE_AT of it, so it never probed
+    back up, and a clump of arrivals (the requests ahead of their first token count against it)
+    was refused while the streams ran at half the target: 2 of 20 and 2 of 60 of a plan's own
+    traces (issue 51). After CALM_WINDOWS such windows it is lifted."""
+    clock = Clock()
+    capacity = Capacity(AdmissionBounds(max_queue_wait_s=None, target_itl_s=0.125), clock)
+    pace = capacity.pace
+    slow = [pace.start() for _ in range(6)]
+    relay(pace, clock, slow, [0.25] * 8)  # 6 streams at 250 ms: four windows over the target
+    assert pace.cap() == 3  # 6 x 0.125 / 0.25
+    for s in slow:
+        pace.end(s)
+    calm = [pace.start() for _ in range(2)]
+    caps = []
+    for _ in range(CALM_WINDOWS + 2):  # 2 streams at 62.5 ms, one 0.5 s window each
+        relay(pace, clock, calm, [0.0625] * 8)
+        caps.append(pace.cap())
+    # the first window still holds the slow streams that ended in it; the second presses on its
+    # limit of 1 and probes to the gradient (2 x 0.125 / 0.0625); then CALM_WINDOWS under it
+    assert caps == [1, 4] + [4] * (CALM_WINDOWS - 1) + [None]
+    clump = [capacity.first_tokens.admit(10) for _ in range(3)]  # 2 streams + 3 ahead: over the old 4
+    capacity.check(RequestContext())
+    for p in clump:
+        p.done(10)
+    back = calm + [pace.start() for _ in range(6)]
+    relay(pace, clock, back, [0.25] * 12)  # 8 streams at 250 ms: capped again
+    assert pace.cap() == 4  # 8 x 0.125 / 0.25
+    with pytest.raises(Rejected, match="the decode pool is at the streams it runs at target_itl_s 0.125"):
+        capacity.check(RequestContext())
 
 
 def test_the_floor_is_a_decayed_minimum():
