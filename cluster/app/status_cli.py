@@ -58,17 +58,23 @@ def status(args) -> int:
         print(f"application {name}: {app['status']}")
         for d, ds in app["deployments"].items():
             print(f"  {d:<8} {ds['status']:<10} replicas {ds['replicas']}")
-    # feed lag: how stale the router's view of the replica was at its last answered feed call (its max)
-    print(f"{'replica':<18} {'pool':<8} {'KV used':>12} {'running':>8} {'waiting':>8} {'step ms':>8} {'age s':>6} "
+    _print_replicas(replicas)
+    _print_routers(routers)
+    return 0
+
+
+def _print_replicas(replicas: dict) -> None:
+    """Each replica's role (with the deployment it belongs to when a flip made them differ), KV,
+    streams, step time and how stale the router's view of it was at its last answered feed call."""
+    print(f"{'replica':<18} {'role':<20} {'KV used':>12} {'running':>8} {'waiting':>8} {'step ms':>8} {'age s':>6} "
           f"{'feed lag ms (max)':>18}")
     for rid, s in replicas.items():
         used = s["total_blocks"] - s["free_blocks"]
         feed = s.get("router_feed") or {}
         lag = f"{feed['lag_last_s'] * 1e3:.0f} ({feed['lag_max_s'] * 1e3:.0f})" if feed else "-"
-        print(f"{rid:<18} {s['pool']:<8} {used:>5}/{s['total_blocks']:<6} {s['running']:>8} "
+        role = s["role"] if s["role"] == s["deployment"] else f"{s['role']} (of {s['deployment']})"
+        print(f"{rid:<18} {role:<20} {used:>5}/{s['total_blocks']:<6} {s['running']:>8} "
               f"{s['waiting'] + s['importing']:>8} {s['last_step_ms']:>8.2f} {s['age_s']:>6.1f} {lag:>18}")
-    _print_routers(routers)
-    return 0
 
 
 def _print_routers(routers: dict) -> None:

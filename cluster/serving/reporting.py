@@ -130,7 +130,7 @@ class LoadReporter:
         load = load or self.engine.load()
         stats = self.engine.stats
         return {
-            "pool": self.role, "home": self.deployment, "draining": self.draining, "node_id": self.node_id, **asdict(load),
+            "role": self.role, "deployment": self.deployment, "draining": self.draining, "node_id": self.node_id, **asdict(load),
             "requests_received": stats.requests_received,
             "last_step_ms": round(stats.last_step_s * 1e3, 3), "avg_step_ms": round(stats.step_s_avg * 1e3, 3),
             "steps": stats.steps, "step_errors": stats.step_errors, "generation_tokens": stats.generation_tokens, "preemptions": stats.preemptions,

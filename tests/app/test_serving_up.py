@@ -81,7 +81,7 @@ def test_pdserve_up_serves_and_stops_cleanly(ray_session, tiny_model):
             st = subprocess.run([PDSERVE, "status", "--json"], capture_output=True, text=True, timeout=60, env=env)
             assert st.returncode == 0, st.stderr
             status = json.loads(st.stdout)
-            pools = sorted(s["pool"] for s in status["replicas"].values() if s["age_s"] < 5)
+            pools = sorted(s["role"] for s in status["replicas"].values() if s["age_s"] < 5)
             if pools == ["decode"]:
                 break
             assert time.monotonic() < deadline, status

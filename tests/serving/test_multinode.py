@@ -49,7 +49,7 @@ def node_with(resources: dict) -> str:
 def live_replicas(pool: str) -> dict[str, dict]:
     """Replicas of `pool` that reported their load in the last 3 s (they report every second)."""
     snapshot = ray.get(get_registry().snapshot.remote())
-    return {rid: s for rid, s in snapshot.items() if s["pool"] == pool and s["age_s"] < 3.0}
+    return {rid: s for rid, s in snapshot.items() if s["role"] == pool and s["age_s"] < 3.0}
 
 
 def running(pool: str) -> int:

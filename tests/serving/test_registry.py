@@ -45,6 +45,6 @@ def test_a_restarted_registry_learns_the_peers_again_from_reports(registry):
     wait_until(lambda: ray.get(registry.__ray_call__.remote(lambda self: os.getpid())) != before,
                "the registry restarts", timeout=30)
     assert store.lookup("p1") is None  # restarted empty
-    store.report("replica-1", {"pool": "prefill"})  # the next load report republishes
+    store.report("replica-1", {"role": "prefill"})  # the next load report republishes
     wait_until(lambda: store.lookup("p1") is not None, "p1 republished", timeout=10)
     assert "replica-1" in ray.get(registry.snapshot.remote())

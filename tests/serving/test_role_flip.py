@@ -135,7 +135,7 @@ def test_a_prefill_replica_flips_to_decode_mid_stream_and_back(app, tiny_model):
     assert roles() == {victim: ("decode", "prefill", False), other: ("prefill", "prefill", False),
                        d: ("decode", "decode", False)}
     flipped = load("prefill", victim)
-    assert (flipped["pool"], flipped["home"], flipped["pid"]) == ("decode", "prefill", before[victim]["pid"])
+    assert (flipped["role"], flipped["deployment"], flipped["pid"]) == ("decode", "prefill", before[victim]["pid"])
     assert flipped["steps"] >= before[victim]["steps"] and flipped["transfer"]["leases_granted"] >= 1  # same engine
     with pytest.raises(WrongRoleError, match=f"replica {victim} plays decode now, not prefill"):
         handle("prefill").prefill.remote("refused", ps[0], SamplingParams(max_tokens=4, temperature=0),
@@ -179,5 +179,5 @@ def test_a_drain_past_its_timeout_is_called_off_and_the_stream_goes_on(app, tiny
     assert roles()[d] == ("decode", "decode", False)
     assert stream.join() == reference(tiny_model, ps, MAX_TOKENS)
     inject("decode", d, step_delay_s=0.0)
-    assert load("decode", d)["pool"] == "decode"
+    assert load("decode", d)["role"] == "decode"
     whole({**{p: "prefill" for p in serve_replica_ids()["prefill"]}, d: "decode"})
