@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import deque
 from typing import Callable
 
 from router.ingress.gateway.queue_model import MIN_SAMPLE_S, Meter
@@ -13,6 +14,8 @@ from router.ingress.gateway.queue_model import MIN_SAMPLE_S, Meter
 SLOW_WINDOWS = 2  # windows in a row over target_itl_s before the pace limit shrinks
 PROBE_AT = 0.8  # the pace limit grows while the streams reach this share of it within the target...
 PROBE_STEP = 0.25  # ... by this share of itself a window
+MIN_LIMIT = 2.0  # a running stream and one more user are never refused for the pace
+PROVEN_S = 30.0  # the most streams a window ran within the target is a floor of the limit this long
 CALM_WINDOWS = 4  # windows in a row within the target and under PROBE_AT of the limit before it is lifted
 MIN_STREAM_TOKENS = 4  # tokens past its first before a stream's own pace counts
 FLOOR_HOLD_S = 60.0  # the fastest pace seen holds this long...
@@ -58,6 +61,14 @@ class StreamPace(Meter):
     the streams no longer reach would only refuse the next clump of arrivals (streams and the
     requests ahead of their first token count against it) while the pace is well inside the target.
     Under a load that presses on it, windows reach PROBE_AT and the limit probes instead.
+
+    The limit is never set under the most streams a window ran within the target in the last
+    PROVEN_S (nor under MIN_LIMIT): a pace that is slow at fewer streams than the pool just ran
+    well is not the streams' doing (on a colocated replica, prompt chunks stall every stream, and
+    a young stream's own pace reads its first stall), and refusing streams would not bring it
+    back; at or over that many, new work still waits for the pace to return. Without it, a plan's
+    own trace was refused 4 of 60 at "measured 260 ms per token over 2.5 streams" against a target
+    of 320 ms, where the pool had run 4-5 streams within it moments before.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, alpha: float = 0.3,
@@ -76,6 +87,7 @@ class StreamPace(Meter):
         self._floor_set_at = self._floor_at = self._last  # when a window set it; when it last moved
         self._slow_windows = 0
         self._calm_windows = 0
+        self._proven: deque[tuple[float, int]] = deque()  # (when, streams) of windows within the target, streams falling
         self._window_s = 0.0
         self._stream_s = 0.0  # integral of streams over the window
         self._tokens = 0
@@ -106,14 +118,15 @@ class StreamPace(Meter):
             stream.last_at = self._last
         if self._window_s >= MIN_SAMPLE_S and self._tokens > 0:
             window = self._stream_s / self._tokens
-            paces = [t for t in (s.tpot_s() for s in self._live) if t is not None] + self._ended
+            measured = [t for t in (s.tpot_s() for s in self._live) if t is not None]
+            paces = measured + self._ended
             sample = statistics.median(paces) if paces else window
             self.itl_s = self._smooth(self.itl_s, sample)
             self.mean_streams = self._stream_s / self._window_s
             self._window_s = self._stream_s = 0.0
             self._tokens = 0
             self._ended = []
-            self._adjust(sample)
+            self._adjust(sample, len(measured) if paces else int(self.mean_streams))
 
     def target(self) -> float | None:
         """The interval streams are held to: target_itl_s, or with a floor multiple the larger of it and
@@ -138,9 +151,22 @@ class StreamPace(Meter):
         self.floor_itl_s += (itl_s - self.floor_itl_s) * (1 - math.exp(-dt / FLOOR_TAU_S))
         self._floor_at = now
 
-    def _adjust(self, itl_s: float) -> None:
+    def proven(self, ran: int | None = None) -> int:
+        """The most streams a window ran within the target in the last PROVEN_S (0: none);
+        `ran`: the streams of a window just measured within the target, recorded first."""
+        now, proven = self._last, self._proven
+        while proven and proven[0][0] < now - PROVEN_S:
+            proven.popleft()
+        if ran is not None:
+            while proven and proven[-1][1] <= ran:
+                proven.pop()
+            proven.append((now, ran))
+        return proven[0][1] if proven else 0
+
+    def _adjust(self, itl_s: float, ran: int) -> None:
         """The limit from this window's pace (not the smoothed one: a limit set in a slow
-        warm-up must not outlive it by the smoothing's memory)."""
+        warm-up must not outlive it by the smoothing's memory); `ran`: the streams it measured
+        (running, with their own pace), or the window's mean streams when it fell back on its interval."""
         self._floor(itl_s)
         target = self.target()
         if target is None:
@@ -150,8 +176,9 @@ class StreamPace(Meter):
             self._slow_windows += 1
             self._calm_windows = 0
             if self._slow_windows >= SLOW_WINDOWS:  # one slow window is a pause, not a pace
-                self.limit = max(1.0, gradient)
+                self.limit = max(MIN_LIMIT, gradient, self.proven())
             return
+        self.proven(ran)
         self._slow_windows = 0
         if self.limit is None:
             return

@@ -232,12 +232,15 @@ def test_stream_pace_caps_by_its_gradient_once_over_the_target_and_probes_back_u
     clock = Clock()
     pace = StreamPace(clock, alpha=1.0, target_itl_s=0.1)
     assert pace.cap() is None  # nothing measured: no cap
-    for _ in range(4):
+    for _ in range(2):
         pace.start()
     clock.t += 0.5
-    pace.tokens(40)  # 4 streams x 0.5 s over 40 tokens: 50 ms per token per stream
-    assert pace.itl_s == pytest.approx(0.05) and pace.mean_streams == pytest.approx(4.0)
-    assert pace.cap() is None  # within the target: no cap (the gradient, 8, would refuse a pool far from full)
+    pace.tokens(20)  # 2 streams x 0.5 s over 20 tokens: 50 ms per token per stream
+    assert pace.itl_s == pytest.approx(0.05) and pace.mean_streams == pytest.approx(2.0)
+    assert pace.cap() is None  # within the target: no cap (the gradient, 4, would refuse a pool far from full)
+    assert pace.proven() == 2  # but 2 streams ran within it
+    for _ in range(2):
+        pace.start()
     clock.t += 0.5
     pace.tokens(10)  # 4 x 0.5 s over 10 tokens: 200 ms, over the target
     assert pace.cap() is None  # one slow window: a pause, not yet a pace
@@ -248,7 +251,7 @@ def test_stream_pace_caps_by_its_gradient_once_over_the_target_and_probes_back_u
         pace.end()
     clock.t += 10.0  # 2 streams, no tokens for 10 s: one slow window
     pace.tokens(20)
-    assert pace.cap() == 1  # 2 x 0.1 / 1.0 = 0.2: never 0
+    assert pace.cap() == 2  # 2 x 0.1 / 1.0 = 0.2, but never under the 2 that ran within the target (nor MIN_LIMIT)
     clock.t += 0.5
     pace.tokens(20)  # 2 streams (>= 0.8 of the limit) at 50 ms: within the target, at the limit
     assert pace.limit == pytest.approx(4.0)  # max(1 + 1, the gradient 2 x 100 / 50 ms)

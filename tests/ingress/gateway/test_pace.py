@@ -51,7 +51,7 @@ def test_prefill_stalls_on_a_colocated_replica_are_not_slow_streams():
     window = StreamPace(clock, alpha=1.0, target_itl_s=0.16)
     blind = [window.start() for _ in range(4)]
     caps = relay(window, clock, blind, CYCLE * 10, per_stream=False)
-    assert window.cap() == 2 and 2 in caps  # 4 streams x 0.16 / 0.3
+    assert window.cap() == 4 and min(c for c in caps if c) == 4  # not one more than the 4 it ran in the decode steps
 
 
 def test_streams_that_really_slow_down_are_still_capped():
@@ -62,7 +62,10 @@ def test_streams_that_really_slow_down_are_still_capped():
     assert pace.cap() is None
     relay(pace, clock, streams, [0.32] * 60)  # every step now 320 ms: the streams' own pace follows
     assert streams[0].tpot_s() == pytest.approx((25 * 0.04 + 60 * 0.32) / 85)
-    assert pace.cap() == 5  # 8 streams x 0.16 / their pace, 0.238 s
+    # no new stream while they are slow, but none refused under the 8 that ran within the target
+    assert pace.cap() == 8 and pace.proven() == 8  # (the gradient: 8 x 0.16 / their pace, 0.238 s = 5)
+    relay(pace, clock, streams, [0.32] * 100)  # 32 s more: what ran within the target is PROVEN_S old
+    assert pace.proven() == 0 and pace.cap() == 4  # the gradient: 8 x 0.16 / 0.282 s
     young = pace.start()  # a stream with fewer than MIN_STREAM_TOKENS counts only when it has them
     assert young.tpot_s() is None and MIN_STREAM_TOKENS == 4
 
@@ -85,9 +88,9 @@ def test_a_limit_the_load_no_longer_reaches_is_lifted():
     for _ in range(CALM_WINDOWS + 2):  # 2 streams at 62.5 ms, one 0.5 s window each
         relay(pace, clock, calm, [0.0625] * 8)
         caps.append(pace.cap())
-    # the first window still holds the slow streams that ended in it; the second presses on its
-    # limit of 1 and probes to the gradient (2 x 0.125 / 0.0625); then CALM_WINDOWS under it
-    assert caps == [1, 4] + [4] * (CALM_WINDOWS - 1) + [None]
+    # the first window still holds the slow streams that ended in it (MIN_LIMIT; what ran within
+    # the target was slow); the second presses on its limit of 2 and probes to the gradient (2 x 0.125 / 0.0625); then CALM_WINDOWS under it
+    assert caps == [2, 4] + [4] * (CALM_WINDOWS - 1) + [None]
     clump = [capacity.first_tokens.admit(10) for _ in range(3)]  # 2 streams + 3 ahead: over the old 4
     capacity.check(RequestContext())
     for p in clump:
@@ -97,6 +100,30 @@ def test_a_limit_the_load_no_longer_reaches_is_lifted():
     assert pace.cap() == 4  # 8 x 0.125 / 0.25
     with pytest.raises(Rejected, match="the decode pool is at the streams it runs at target_itl_s 0.125"):
         capacity.check(RequestContext())
+
+
+def test_a_prompt_s_stall_at_fewer_streams_than_just_ran_well_does_not_cap_under_them():
+    """A plan's own trace (0P+1D colocated, chunk 256, 0.4 req/s of 350-800-token prompts) was
+    refused 4 of 60 at "measured 260 ms per token over 2.5 streams" against a target of 320 ms:
+    a long prompt's chunks stalled the streams for a second, two windows read slow, and the
+    gradient (2.5 x 0.32 / 0.4 = 2) capped a pool that had just run 4 streams within the target."""
+    clock = Clock()
+    capacity = Capacity(AdmissionBounds(max_queue_wait_s=None, target_itl_s=0.32), clock)
+    pace = capacity.pace
+    four = [pace.start() for _ in range(4)]
+    relay(pace, clock, four, [0.0625] * 16)  # 4 streams at 62.5 ms: two windows within the target
+    assert pace.cap() is None and pace.proven() == 4
+    for s in four:
+        pace.end(s)
+    young = [pace.start() for _ in range(3)]  # three new streams: their own pace reads every stall
+    relay(pace, clock, young, [0.0625] * 4 + [1.5] * 3)  # three prompts' chunks stall them 1.5 s each
+    assert pace._slow_windows == 2  # at 3.25 s / 6 tokens (the first window after: the 4 ended ones' pace)
+    assert pace.cap() == 4  # the gradient alone: 3 x 0.32 / 0.54 = 1.8, a cap of 1 before MIN_LIMIT
+    capacity.check(RequestContext())  # the fourth user: served
+    arrived = capacity.first_tokens.admit(600)
+    with pytest.raises(Rejected, match="at the streams it runs at target_itl_s 0.32"):
+        capacity.check(RequestContext())  # a fifth: more than ran within the target, while it is slow
+    arrived.done(600)
 
 
 def test_the_floor_is_a_decayed_minimum():

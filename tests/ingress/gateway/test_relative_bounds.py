@@ -170,7 +170,7 @@ def test_a_cpu_whose_one_stream_is_slower_than_the_target_is_not_capped_at_one()
     absolute = Capacity(ABSOLUTE, clock)
     absolute.pace._last = clock.t
     windows(absolute, clock, 1, 0.1, SLOW_WINDOWS)
-    assert absolute.pace.cap() == 1  # the absolute target: as before
+    assert absolute.pace.cap() == 2  # the absolute target, but never under MIN_LIMIT: a second user is served
 
 
 def test_auto_bounds_come_from_admission_s_own_objectives_else_the_slo():
