@@ -131,7 +131,8 @@ class AdmissionOptions(Strict):
     target_itl_s: PositiveFloat | Literal["auto", "none"] | None = Field(
         "auto", description="Refuse (429) new work while the decode pool's streams, as the ingress relays "
         "them, would run slower than this per token (a limit on streams, set when they are measured slower, "
-        "probed back up while they keep pace). auto: the larger of 0.8 of the token-interval objective and "
+        "never under 2 or the streams just run within it, probed back up while they keep pace, lifted when "
+        "the load falls back under it). auto: the larger of 0.8 of the token-interval objective and "
         "floor_multiple x the fastest interval the deployment has shown; a number: that bound alone; none: off")
     ttft_objective_s: PositiveFloat | None = Field(
         None, description="The TTFT objective auto bounds are derived from; default: telemetry.slo.ttft_threshold_s "
