@@ -1,5 +1,5 @@
-"""What the guardrail tests share: a delta, a guard over one rule, and a source that records
-whether the guard closed it early."""
+"""What the guardrail tests share: a delta, a guard over one rule, a source that records
+whether the guard closed it early, and the classifier deployment in this process."""
 
 import asyncio
 
@@ -42,3 +42,19 @@ def run(guard, source):
     async def collect():
         return [d async for d in guard.output(source.gen())]
     return asyncio.run(collect())
+
+
+class LocalClassifier:
+    """The classifier deployment's class in this process, called as its Serve handle is."""
+
+    def __init__(self, **options):
+        from cluster.serving.classifier import KeywordClassifierStandIn
+        from types import SimpleNamespace
+
+        self.impl = KeywordClassifierStandIn({"guardrail_classifier": options})
+        self.calls: list[int] = []
+
+        async def classify(text):
+            self.calls.append(len(text))
+            return await self.impl.classify(text)
+        self.classify = SimpleNamespace(remote=classify)

@@ -9,7 +9,7 @@ from cluster.config import AppConfig
 from cluster.engine.outputs import FinishReason
 from router.ingress.gateway.guard_checks import Action, Cause, Intervention, Stage
 from router.ingress.gateway.guardrails import Guardrails
-from tests.ingress.gateway.test_guardrails import LocalClassifier, Source
+from tests.ingress.gateway.guard_helpers import LocalClassifier, Source
 
 WINDOW = 32
 

@@ -14,7 +14,7 @@ from cluster.guardrail_rules import compile_rule
 from router.ingress.request import Delta
 from router.ingress.gateway.guard_checks import RuleCheck
 from router.ingress.gateway.guardrails import Action, Cause, GuardrailRejected, Guardrails, Intervention, Stage
-from tests.ingress.gateway.guard_helpers import Source, guard_for, run
+from tests.ingress.gateway.guard_helpers import LocalClassifier, Source, guard_for, run
 
 # ---- normalised text: invisible characters, decomposed accents (issue 39) ----------------------
 
@@ -224,22 +224,6 @@ def test_chunks_find_a_match_across_their_seam_and_never_one_their_cut_makes():
     for at in range(INPUT_CHUNK_CHARS - 5, INPUT_CHUNK_CHARS + 2):
         assert rule.flags_input("x " * (at // 2) + " " * (at % 2) + "kill now")  # "kill" on or near the seam
         assert not rule.flags_input("x " * (at // 2) + " " * (at % 2) + "killer")  # a cut after "kill" is no end
-
-
-class LocalClassifier:
-    """The classifier deployment's class in this process, called as its Serve handle is."""
-
-    def __init__(self, **options):
-        from cluster.serving.classifier import KeywordClassifierStandIn
-        from types import SimpleNamespace
-
-        self.impl = KeywordClassifierStandIn({"guardrail_classifier": options})
-        self.calls: list[int] = []
-
-        async def classify(text):
-            self.calls.append(len(text))
-            return await self.impl.classify(text)
-        self.classify = SimpleNamespace(remote=classify)
 
 
 @pytest.mark.parametrize("on_error", ["open", "closed"])
