@@ -66,7 +66,9 @@ class StreamPace(Meter):
     PROVEN_S (nor under MIN_LIMIT): a pace that is slow at fewer streams than the pool just ran
     well is not the streams' doing (on a colocated replica, prompt chunks stall every stream, and
     a young stream's own pace reads its first stall), and refusing streams would not bring it
-    back; at or over that many, new work still waits for the pace to return. Without it, a plan's
+    back; at or over that many, new work still waits for the pace to return. For the same reason
+    a window of about one stream (mean under 1.5) sets nothing however slow: a single stream's
+    pace is the prompts' beside it (the queue bound's to govern), not the streams'. Without it, a plan's
     own trace was refused 4 of 60 at "measured 260 ms per token over 2.5 streams" against a target
     of 320 ms, where the pool had run 4-5 streams within it moments before.
     """
@@ -173,6 +175,8 @@ class StreamPace(Meter):
             return
         gradient = self.mean_streams * target / itl_s
         if itl_s > target:
+            if self.mean_streams < 1.5:  # about one stream, slow: not the streams' doing (the prompts beside it)
+                return
             self._slow_windows += 1
             self._calm_windows = 0
             if self._slow_windows >= SLOW_WINDOWS:  # one slow window is a pause, not a pace

@@ -126,6 +126,27 @@ def test_a_prompt_s_stall_at_fewer_streams_than_just_ran_well_does_not_cap_under
     arrived.done(600)
 
 
+def test_one_stream_stalled_by_the_prompts_beside_it_sets_no_limit():
+    """A plan's long-prompt trace (600-1,500-token prompts at 0.15 req/s, target 200 ms) had 1 of
+    20 refused at "measured 390 ms per token over 1.0 streams": the next prompt's chunks stalled
+    the one stream, and a limit of 2 refused a third request. No number of streams refused speeds
+    up one stream; the prompts beside it are the queue bound's to govern."""
+    clock = Clock()
+    capacity = Capacity(AdmissionBounds(max_queue_wait_s=None, target_itl_s=0.2), clock)
+    pace = capacity.pace
+    one = [pace.start()]
+    relay(pace, clock, one, [0.0625] * 4 + [1.6] * 3)  # the next 1,500-token prompt's 6 chunks stall it
+    assert one[0].tpot_s() == pytest.approx(5.05 / 7) and pace.cap() is None
+    waiting = capacity.first_tokens.admit(1500)
+    capacity.check(RequestContext())  # a third request: served
+    waiting.done(1500)
+    two = one + [pace.start()]  # two streams that slow: the limit is set (never under MIN_LIMIT)
+    relay(pace, clock, two, [0.0625] * 4 + [1.6] * 3)
+    assert pace.cap() == 2
+    with pytest.raises(Rejected, match="at the streams it runs at target_itl_s 0.2"):
+        capacity.check(RequestContext())
+
+
 def test_the_floor_is_a_decayed_minimum():
     clock = Clock()
     pace = StreamPace(clock, alpha=1.0, target_itl_s=0.08, floor_multiple=8.0)

@@ -170,7 +170,9 @@ def test_a_cpu_whose_one_stream_is_slower_than_the_target_is_not_capped_at_one()
     absolute = Capacity(ABSOLUTE, clock)
     absolute.pace._last = clock.t
     windows(absolute, clock, 1, 0.1, SLOW_WINDOWS)
-    assert absolute.pace.cap() == 2  # the absolute target, but never under MIN_LIMIT: a second user is served
+    assert absolute.pace.cap() is None  # one stream over the absolute target: refusing streams cannot help it
+    windows(absolute, clock, 2, 0.2, SLOW_WINDOWS)
+    assert absolute.pace.cap() == 2  # two: the absolute target (2 x 0.08 / 0.2), never under MIN_LIMIT
 
 
 def test_auto_bounds_come_from_admission_s_own_objectives_else_the_slo():
