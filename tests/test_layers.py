@@ -284,8 +284,6 @@ BENCH_MAIN = ("a benchmark's driver (arguments, then its arms in order, then the
               "no serving path; split when it is next changed (issue 53)")
 # "path:function" -> why it may be longer for now. An entry that no longer applies fails the test.
 LONG_FUNCTIONS = {
-    "cluster/engine/model/init_model.py:init_model": "cluster/engine/model/ is being changed by issue 49 (model "
-                                                     "families) concurrently: split there",
     "cluster/tools/bench/admission.py:bench_burst": BENCH_MAIN,
     "cluster/tools/bench/admission.py:bench_noisy": BENCH_MAIN,
     "cluster/tools/bench/admission.py:main": BENCH_MAIN,

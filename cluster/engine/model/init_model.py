@@ -80,46 +80,60 @@ def init_model(
     if hidden % heads or heads % kv_heads:
         raise ValueError(f"--hidden ({hidden}) must divide by --heads ({heads}), which must divide by --kv-heads ({kv_heads})")
     intermediate = intermediate or 256 * ((8 * hidden // 3 + 255) // 256)
-    d = hidden // heads
-    config = {
+    shape = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate, vocab=vocab)
+    config = _config(**shape, max_positions=max_positions, tie_embeddings=tie_embeddings, dtype=dtype, arch=arch,
+                     rope_scaling=rope_scaling)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": 257}))
+    t = _weights(**shape, dtype=getattr(torch, dtype), seed=seed, std=std, qkv_bias=arch == "qwen2",
+                 lm_head=not tie_embeddings)
+    _save(t, out, shards)
+    return out
+
+
+def _config(layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int, max_positions: int,
+            tie_embeddings: bool, dtype: str, arch: str, rope_scaling: dict | None) -> dict:
+    """The checkpoint's config.json: a Llama (or, with q/k/v biases, a Qwen2) of this shape."""
+    return {
         "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
         "model_type": arch,
         "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": d, "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5,
+        "head_dim": hidden // heads, "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "rope_scaling": rope_scaling, "hidden_act": "silu",
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tie_embeddings,
         "bos_token_id": 256, "eos_token_id": 257, "torch_dtype": dtype,
     }
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": 257}))
 
+
+def _weights(layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int, dtype: torch.dtype,
+             seed: int, std: float, qkv_bias: bool, lm_head: bool) -> dict[str, torch.Tensor]:
+    """Random weights (normal, `std`) drawn in a fixed order from `seed`, norms at one."""
     g = torch.Generator().manual_seed(seed)
-    tdtype = getattr(torch, dtype)
+    d = hidden // heads
 
     def rand(*shape):
-        return (torch.randn(*shape, generator=g) * std).to(tdtype)
+        return (torch.randn(*shape, generator=g) * std).to(dtype)
 
-    t = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden, dtype=tdtype)}
+    t = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden, dtype=dtype)}
     for i in range(layers):
         p = f"model.layers.{i}."
         t[p + "self_attn.q_proj.weight"] = rand(heads * d, hidden)
         t[p + "self_attn.k_proj.weight"] = rand(kv_heads * d, hidden)
         t[p + "self_attn.v_proj.weight"] = rand(kv_heads * d, hidden)
         t[p + "self_attn.o_proj.weight"] = rand(hidden, heads * d)
-        if arch == "qwen2":
+        if qkv_bias:
             t[p + "self_attn.q_proj.bias"] = rand(heads * d)
             t[p + "self_attn.k_proj.bias"] = rand(kv_heads * d)
             t[p + "self_attn.v_proj.bias"] = rand(kv_heads * d)
         t[p + "mlp.gate_proj.weight"] = rand(intermediate, hidden)
         t[p + "mlp.up_proj.weight"] = rand(intermediate, hidden)
         t[p + "mlp.down_proj.weight"] = rand(hidden, intermediate)
-        t[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=tdtype)
-        t[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=tdtype)
-    if not tie_embeddings:
+        t[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
+        t[p + "post_attention_layernorm.weight"] = torch.ones(hidden, dtype=dtype)
+    if lm_head:
         t["lm_head.weight"] = rand(vocab, hidden)
-    _save(t, out, shards)
-    return out
+    return t
 
 
 def _save(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
