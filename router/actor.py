@@ -203,10 +203,11 @@ def lookup(name: str, namespace: str = NAMESPACE):
 
 
 def app_actor_names(app: str, kind: str | None = None) -> list[str]:
-    """The control actors of one app (of one kind: those named `app/kind/...`) alive now."""
+    """The control actors of one app (of one kind: the one named `app/kind`, e.g. its ledger, and
+    those named `app/kind/...`, e.g. a router per model version) alive now."""
     prefix = scoped_name(app, kind, "") if kind else scoped_name(app, "")
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))
+                  if a["namespace"] == NAMESPACE and (a["name"].startswith(prefix) or a["name"] == prefix[:-1]))
 
 
 def kill_app_actors(app: str) -> list[str]:

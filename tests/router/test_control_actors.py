@@ -12,7 +12,7 @@ import ray
 
 from cluster.config import AdmissionOptions, AuditOptions, BudgetOptions
 from router.actor import app_actor_names, get_router, kill_app_actors, lookup, router_name, tell_routers_forget
-from router.ingress.gateway.admission_actor import AdmissionSettings, get_admission
+from router.ingress.gateway.admission_actor import ADMISSION, AdmissionSettings, get_admission
 from router.ingress.gateway.audit_actor import WriterSettings, get_audit_writer
 from router.ingress.gateway.audit_log import read_records, verify
 from router.ingress.gateway.budget import Ledger
@@ -143,6 +143,7 @@ def test_a_killed_admission_actor_comes_back_with_the_apps_current_bounds(apps):
     restart(store)
     assert settings(store) == AdmissionSettings.of(changed)
     assert [ray.get(store.begin.remote("t", f"k{i}", "f"))[0] for i in range(3)] == ["run", "run", "full"]
+    assert app_actor_names(APP, ADMISSION) == [f"{APP}/{ADMISSION}"]  # a kind's one actor, not only nested names
 
 
 @ray.remote(num_cpus=0)
