@@ -175,7 +175,10 @@ def _validate(best, prof, specs, slo, runs: int) -> int:
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             print(f"pdserve plan: --validate: {e}", file=sys.stderr)
             return 4
-    print("\n".join(side_by_side(best, results, slo)))
+    def resimulate(served):
+        from cluster.planner.simulator import simulate  # noqa: PLC0415
+        return simulate(prof, best.config, served, slo)
+    print("\n".join(side_by_side(best, results, slo, list(specs), resimulate)))
     return 0
 
 

@@ -170,9 +170,12 @@ def validate(config_doc: dict, specs, slo, runs: int, work: Path) -> list[dict]:
         server.stop()
 
 
-def side_by_side(sim, results: list[dict], slo) -> list[str]:
+def side_by_side(sim, results: list[dict], slo, specs=(), resimulate=None) -> list[str]:
     """The plan's prediction against the runs' (their median per metric), with the error in percent,
-    the trend through the trace, and what the runs did not serve."""
+    the trend through the trace, and what the runs did not serve. `resimulate(specs) -> SimResult`
+    (`specs`: the trace's requests): for a run that refused some, the simulator again on the requests it
+    served, against that run: the model's own error, apart from the refusals (which the run's
+    figures leave out and the simulator, serving every request, prices into the others' waits)."""
     from cluster.planner.outcome import Trend  # noqa: PLC0415
     from cluster.planner.validation import LABELS, METRICS, Metrics, ape  # noqa: PLC0415
 
@@ -193,9 +196,33 @@ def side_by_side(sim, results: list[dict], slo) -> list[str]:
                      + f"; load generator {'kept its schedule' if r.get('client_kept_up', True) else 'FELL BEHIND'}"
                      + (f"; {trend.text()}" if trend else ""))
         lines += [f"    {code} x{n}: {first}" for code, n, first in unserved(r)]
+        if failed and resimulate is not None:
+            lines += _served_only(resimulate, r, specs, slo)
     if sim.trend is not None:
         lines.append(f"  predicted: {sim.trend.text()}")
     return lines
+
+
+def _served_only(resimulate, result: dict, specs, slo) -> list[str]:
+    from cluster.planner.validation import LABELS, METRICS, Metrics, ape  # noqa: PLC0415
+
+    served = served_specs(result, specs)
+    if not served:
+        return ["    (not re-simulated on the served requests: the run's requests do not match the trace's)"]
+    pred, real = Metrics.of_sim(resimulate(served)), Metrics.of_bench(result, slo)
+    return [f"    the simulator on the {len(served)} requests it served: " + ", ".join(
+        f"{LABELS[m]} {getattr(pred, m) * 1e3:.1f} ms ({ape(getattr(real, m), getattr(pred, m)):.1f}%)"
+        for m in METRICS if m != "goodput")]
+
+
+def served_specs(result: dict, specs: list) -> list:
+    """The trace's requests a run served, in trace order (the bench records them in that order, the
+    warm-up apart); [] when the run's prompt lengths are not the trace's."""
+    statuses, lens = result["statuses"], result.get("input_lens", [])
+    if len(statuses) != len(specs) or len(lens) != len(specs) or any(
+            status == "ok" and n != s.prompt_tokens for s, status, n in zip(specs, statuses, lens)):
+        return []
+    return [s for s, status in zip(specs, statuses) if status == "ok"]
 
 
 def unserved(result: dict) -> list[tuple[str, int, str]]:

@@ -9,9 +9,13 @@ simulator counts those lookups, `Curve.clamped_low`).
     prefill step(tokens computed, context before them)      seconds
     decode step(batch, mean context per request)            seconds
 
-A step mixing decodes and prompt chunks (a decode replica prefilling locally) is priced as the sum
-of the two lookups: that counts the step's fixed overhead twice, an over-estimate not yet checked
-against real runs. KV transfer is `latency_s + bytes / bytes_per_s` when measured; a profile
+A step mixing decodes and prompt chunks (a decode replica prefilling locally) is one forward over
+all its rows, as the engine runs it (model_runner: the decode rows, then the chunks, one batch): it
+is priced as a prefill step of the chunks' tokens plus one token per decode row, plus the decode
+rows' attention over their own context (the decode curve's rise from its smallest context to
+theirs), `Profile.mixed_step`. (Priced as the sum of a decode step and a prefill step, as it was to
+session 22, it counted the weights' read and the step's fixed cost twice: 8% over the real mixed
+steps of a colocated replica near saturation, docs/benchmarks.md, issue 54.) KV transfer is `latency_s + bytes / bytes_per_s` when measured; a profile
 without it says so (`transfer is None`).
 """
 
@@ -160,6 +164,17 @@ class Profile:
         if self.transfer is None:
             missing.append("the KV transfer (neither measured nor stated as assumed)")
         return missing
+
+    def mixed_step(self, chunk_tokens: int, chunk_context: float, batch: int, context: float) -> float:
+        """Seconds of one step computing `chunk_tokens` prompt tokens after `chunk_context` (token-
+        weighted) and `batch` decodes at mean context `context`: one forward over chunk_tokens + batch
+        rows (the step's fixed cost and the weights' read once), plus the decodes' attention over
+        their own KV, which no prompt token shares: decode(batch, context) - decode(batch, smallest
+        context) (0 at or below it)."""
+        seconds = self.prefill(chunk_tokens + batch, chunk_context)
+        if batch and context > self.decode.ys[0]:
+            seconds += max(0.0, self.decode(batch, context) - self.decode(batch, self.decode.ys[0]))
+        return seconds
 
     @property
     def block_size(self) -> int:

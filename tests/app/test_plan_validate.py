@@ -49,3 +49,31 @@ def test_a_run_names_the_codes_its_unserved_requests_ended_with():
     assert unserved(run) == [("RESOURCE_EXHAUSTED", 2, "pace: 4 streams at 250 ms a token"),
                              ("UNAVAILABLE", 1, "no replica")]
     assert unserved({"statuses": ["ok"], "error_codes": [None], "errors": [None]}) == []
+
+
+def test_a_run_that_refused_some_is_also_compared_with_the_simulator_on_what_it_served():
+    """Issue 54: a refused request is left out of the run's figures, while the simulator serves it
+    and its prompt delays the others. The side-by-side adds, for such a run, the simulator again on
+    the requests the run served. Synthetic profile, one colocated replica: of 0.0 / 0.1 / 10.0 s
+    arrivals (32-token prompts, 3 tokens), the run served the first and the third, each as the
+    simulator alone does: TTFT prefill_s(32) = 3/32 s, TPOT decode_s(1) = 1/64 s, error 0.0%."""
+    from cluster.app.plan_runs import served_specs, side_by_side
+    from cluster.planner.config import SLO, ClusterConfig
+    from cluster.planner.simulator import simulate
+    from cluster.planner.workload import RequestSpec
+    from tests.planner.conftest import decode_s, prefill_s
+
+    prof, slo, cfg = synthetic_profile(), SLO(5.0, 1.0), ClusterConfig(0, 1, chunk_tokens=512)
+    specs = [RequestSpec(0.0, 32, 3), RequestSpec(0.1, 32, 3), RequestSpec(10.0, 32, 3)]
+    ttft, e2e = prefill_s(32), prefill_s(32) + 2 * decode_s(1)
+    run = {"statuses": ["ok", "failed", "ok"], "error_codes": [None, "RESOURCE_EXHAUSTED", None],
+           "errors": [None, "pace", None], "start_times": [0.0, 0.1, 10.0], "ttfts": [ttft, None, ttft],
+           "latencies": [e2e, None, e2e], "output_lens": [3, 0, 3], "input_lens": [32, 32, 32]}
+    assert served_specs(run, specs) == [specs[0], specs[2]]
+    assert served_specs({**run, "input_lens": [32, 32, 31]}, specs) == []  # not this trace's run
+    lines = side_by_side(simulate(prof, cfg, specs, slo), [run], slo, specs,
+                         lambda served: simulate(prof, cfg, served, slo))
+    assert lines[-2:] == ["    RESOURCE_EXHAUSTED x1: pace",
+                          "    the simulator on the 2 requests it served: TTFT p50 93.8 ms (0.0%), "
+                          "TTFT p90 93.8 ms (0.0%), TPOT p50 15.6 ms (0.0%), TPOT p90 15.6 ms (0.0%)"]
+    assert all("the simulator on" not in line for line in side_by_side(simulate(prof, cfg, specs, slo), [run], slo))

@@ -54,3 +54,31 @@ def test_a_file_of_another_format_is_refused(tmp_path):
     (tmp_path / "x.json").write_text('{"format": "something-else"}')
     with pytest.raises(ValueError, match="not a pdserve-profile/1 file"):
         Profile.load(tmp_path / "x.json")
+
+
+def test_a_mixed_step_is_one_forward_of_its_rows_plus_the_decodes_attention():
+    """Issue 54: a step of B decodes and a prompt chunk is one forward over chunk + B rows (the
+    engine's model_runner batches them), plus the decodes' attention over their own KV beyond the
+    decode curve's smallest context. On curves bilinear in their axes (so interpolation is exact):
+        prefill(t, c) = 1/16 + t/1024 + t c / 2**20
+        decode(b, L)  = 1/64 + (b - 1)/1024 + b (L - 128) / 2**18
+    a step of a 200-token chunk after 256 and 4 decodes at 640 is prefill(204, 256) + 4 x 512 / 2**18,
+    not prefill(200, 256) + decode(4, 640), which counts the step's 1/64 s and its rows twice."""
+    def pf(t, c):
+        return 1 / 16 + t / 1024 + t * c / 2**20
+
+    def dc(b, ctx):
+        return 1 / 64 + (b - 1) / 1024 + b * (ctx - 128) / 2**18
+
+    prof = replace(synthetic_profile(),
+                   prefill=Curve("prefill", "tokens", "cached", [0, 1024], [0, 1024],
+                                 [[pf(t, c) for c in (0, 1024)] for t in (0, 1024)]),
+                   decode=Curve("decode", "batch", "context", [1, 65], [128, 1152],
+                                [[dc(b, x) for x in (128, 1152)] for b in (1, 65)]))
+    mixed = prof.mixed_step(200, 256, 4, 640)
+    assert mixed == pytest.approx(pf(204, 256) + 4 * 512 / 2**18, abs=1e-12)
+    # the sum's excess: the step's 1/64 s and the rows' 3/1024 again, less the 4 rows as prompt tokens
+    excess = 1 / 64 + 3 / 1024 - 4 / 1024 - 4 * 256 / 2**20
+    assert prof.prefill(200, 256) + prof.decode(4, 640) - mixed == pytest.approx(excess, abs=1e-12)
+    assert prof.mixed_step(200, 256, 4, 100) == pytest.approx(pf(204, 256), abs=1e-12)  # below 128: no attention term
+    assert prof.decode.clamped_low == 0

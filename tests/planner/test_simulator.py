@@ -211,3 +211,19 @@ def test_the_serving_processes_cpu_per_relayed_token_takes_its_share_of_the_core
     assert sim._sharing == {} and sim.busy == 0
     alone = simulate(served, replace(cfg, cores=None), [RequestSpec(0.0, 16, 4)], LOOSE)
     assert alone.itl.max == decode_s(1)
+
+
+def test_a_step_mixing_decodes_and_a_prompt_chunk_is_priced_as_one_forward(profile):
+    """Issue 54. One colocated replica, chunk 64: A (16 tokens, 3 out) prefills in step 1; B (100
+    tokens) arrives during it. Step 2 is A's decode and 63 of B's tokens, step 3 A's last decode and
+    B's other 37 (B's first token), step 4 B's decode. A mixed step is one forward of its rows,
+    prefill(chunk + decodes): prefill_s(64) and prefill_s(38), where the sum of a decode and a
+    prefill step (the model to session 22) gave decode_s(1) more each, 1/64 s."""
+    specs = [RequestSpec(0.0, 16, 3), RequestSpec(0.001, 100, 2)]
+    sim = Simulator(profile, ClusterConfig(0, 1, chunk_tokens=64, max_num_seqs=8), LOOSE)
+    r = sim.run(specs)
+    step1, step2, step3, step4 = prefill_s(16), prefill_s(64), prefill_s(38), decode_s(1)
+    assert r.ttft.max == pytest.approx(step1 + step2 + step3 - 0.001, abs=1e-12)  # B's
+    assert 2 * r.ttft.mean - r.ttft.max == pytest.approx(step1, abs=1e-12)  # A's
+    assert sim.itl == pytest.approx([step2, step3, step4], abs=1e-12)  # A's two gaps, then B's one
+    assert r.duration_s == pytest.approx(step1 + step2 + step3 + step4, abs=1e-12)

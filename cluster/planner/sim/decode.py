@@ -4,9 +4,9 @@ Continuous batching as the engine schedules a step: every decoding request one t
 prompts part-way, then the queue in order, while blocks and max_num_seqs allow. KV capacity in
 blocks; when a decode needs a block and none is free, the most recently admitted request not yet
 scheduled in the step is preempted by recompute (blocks freed, back to the queue's head, its
-prompt + output recomputed later). A step mixing decodes and prompt chunks (local prefill) is
-priced as the sum of the two lookups, plus the serving path's measured cost per decode step and
-per stream (profile.serving). A prompt prefilled remotely reaches the decode queue after its
+prompt + output recomputed later). A step mixing decodes and prompt chunks (local prefill) is one
+forward over all its rows (`Profile.mixed_step`); a step with decodes carries the serving path's
+measured cost per decode step and per stream (profile.serving). A prompt prefilled remotely reaches the decode queue after its
 transfer (the profile's or the plan's `Transfer`, plus the serving path's hand-off).
 """
 
@@ -45,14 +45,20 @@ class DecodeSteps:
         self._admit_queue(rep, budget, decodes, chunks)
         if not decodes and not chunks:
             return None
-        seconds = 0.0
-        if decodes:
-            ctx = sum(r.computed for r in decodes) / len(decodes) + 1
-            seconds += (self.profile.decode(len(decodes), ctx) + self.serving_step_s
-                        + self.serving_stream_s * len(decodes))
-        if chunks:
-            seconds += self._prefill_seconds(chunks)
-        return seconds, (decodes, chunks)
+        return self._step_seconds(decodes, chunks), (decodes, chunks)
+
+    def _step_seconds(self, decodes: list, chunks: list) -> float:
+        """A decode replica's step: the decode curve, the prefill curve, or one forward of both."""
+        if not decodes:
+            return self._prefill_seconds(chunks)
+        n = len(decodes)
+        ctx = sum(r.computed for r in decodes) / n + 1
+        serving = self.serving_step_s + self.serving_stream_s * n
+        if not chunks:
+            return self.profile.decode(n, ctx) + serving
+        tokens = sum(take for _, take in chunks)
+        chunk_ctx = sum(r.computed * take for r, take in chunks) / tokens
+        return self.profile.mixed_step(tokens, chunk_ctx, n, ctx) + serving
 
     def _admit_queue(self, rep: Replica, budget: int, decodes: list, chunks: list) -> None:
         """(3) the queue, in order, while the token budget, max_num_seqs and the blocks allow."""
