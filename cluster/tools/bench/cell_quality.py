@@ -22,8 +22,9 @@ seed, so each seed places them in cells afresh):
   (prefill replicas / (20 ms + 50 us x 256 mean suffix tokens)).
 Arms, on the same arrivals and prompts: one router over all replicas, and cells of each
 `--cell-sizes` (router/cells.py's cell_count, replica_cell, request_ranking and walk) at each
-`--spill-at` (routing.cell_spill_requests; its default is hot_load_cap, 32), and the bench-only
-`--variants` beside them (cells balanced by role; two choices). Measured over the
+`--spill-at` (routing.cell_choice "spill", routing.cell_spill_requests; its default is hot_load_cap,
+32), and `--variants` beside them (two choices: routing.cell_choice "two", the default, through
+Router.price and router/cells.py's prefer; cells balanced by role, bench only). Measured over the
 requests arriving after `--warmup` seconds: hit rate (cached prompt tokens / prompt tokens; the
 ceiling is 1,024 / 1,280 = 0.80), TTFT p50 / p90 (queue + prefill), load imbalance (the busiest prefill
 replica's busy time over the mean), the share of requests a second cell decided, and each figure over
@@ -196,8 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--systems-per-prefill", type=float, default=4.0)
     ap.add_argument("--variants", nargs="+", choices=["cells", "balanced", "two"], default=["cells"],
-                    help="cells: router/cells.py's; balanced: cells balanced by role (cell_sim.balanced_cells); "
-                    "two: the better of a request's first two cells (cell_sim.decide_two); the last two bench only")
+                    help="cells: router/cells.py's spill walk; balanced: cells balanced by role (cell_sim.balanced_cells); "
+                    "two: routing.cell_choice two, the cheaper of a request's first two cells (cell_sim.decide_two)")
     args = ap.parse_args(argv)
     p, config = Params(), PolicyConfig()
     arms = [(c, s, v) for c in args.cell_sizes for v in args.variants
