@@ -28,7 +28,8 @@ Router.price and router/cells.py's prefer; cells balanced by role, bench only). 
 requests arriving after `--warmup` seconds: hit rate (cached prompt tokens / prompt tokens; the
 ceiling is 1,024 / 1,280 = 0.80), TTFT p50 / p90 (queue + prefill), load imbalance (the busiest prefill
 replica's busy time over the mean), the share of requests a second cell decided, and each figure over
-the single router's (mean over seeds, with the range)."""
+the single router's (mean over seeds, with the range); and the routers' CPU a call, in process (a
+decision; a price, with two choices)."""
 
 from __future__ import annotations
 
@@ -110,7 +111,13 @@ def measure(done: list[Request], sim: Simulation, w: Workload) -> dict:
     return {"hit": sum(r.cached for r in m) / sum(r.tokens for r in m),
             "p50": pct(ttft, 0.5), "p90": pct(ttft, 0.9),
             "imbalance": max(busy) / statistics.mean(busy) if statistics.mean(busy) > 0 else float("nan"),
-            "spilled": sum(r.spilled for r in m) / len(m), "local": sim.arm.local, "requests": len(m)}
+            "spilled": sum(r.spilled for r in m) / len(m), "local": sim.arm.local, "requests": len(m),
+            "price_us": per_call_us(sim.arm.price_cpu), "route_us": per_call_us(sim.arm.route_cpu)}
+
+
+def per_call_us(acc: list) -> float:
+    """Mean CPU microseconds a call over a run ([seconds, calls]; nan without a call)."""
+    return acc[0] / acc[1] * 1e6 if acc[1] else float("nan")
 
 
 def run_arm(w: Workload, p: Params, seed: int, cell_size: int | None, spill_at: int | None,
@@ -155,7 +162,8 @@ def compare(w: Workload, p: Params, seeds: int, arms: list[tuple[int, int, str]]
 def summary(name: str, runs: list[dict], single: list[dict]) -> dict:
     row = {"arm": name, "cells": runs[0]["cells"], "requests": sum(r["requests"] for r in runs),
            "spilled": statistics.mean(r["spilled"] for r in runs), "local": sum(r["local"] for r in runs),
-           "cpu_s": sum(r["cpu_s"] for r in runs)}
+           "cpu_s": sum(r["cpu_s"] for r in runs), "price_us": statistics.mean(r["price_us"] for r in runs),
+           "route_us": statistics.mean(r["route_us"] for r in runs)}
     for k in ARM_FIGURES:
         row[k] = statistics.mean(r[k] for r in runs)
         ratios = [r[k] / s[k] for r, s in zip(runs, single)]
@@ -181,6 +189,8 @@ def print_rows(w: Workload, rows: list[dict], lam: float) -> None:
         print(f"  {r['arm']:<31} {r['cells']:>2} cells: hit {r['hit']:.3f}, TTFT p50 {r['p50'] * 1e3:6.1f} ms "
               f"p90 {r['p90'] * 1e3:7.1f} ms, imbalance {r['imbalance']:.2f}, spilled {r['spilled']:.1%}, "
               f"local {r['local']}, {r['requests']} requests, {r['cpu_s']:.0f} s CPU", flush=True)
+        price = "" if r["price_us"] != r["price_us"] else f", price {r['price_us']:.0f} us"
+        print(f"    router calls (in process): decide {r['route_us']:.0f} us{price}", flush=True)
         if r["arm"] != "one router":
             print(f"    / one router: {ratio}{goal}", flush=True)
 

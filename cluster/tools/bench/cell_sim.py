@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import random
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -143,6 +144,10 @@ class Arm:
     spills: int = 0
     local: int = 0  # decisions that prefilled on a decode replica (a cell without prefill)
     two_choices: bool = False  # router/cells.py's two choices (decide_two); else its spill walk
+    # in-process CPU (process_time) of the routers' calls: [seconds, calls] of Router.price and of
+    # the calls that decide (route, with a spill walk's HOT and EMPTY answers)
+    price_cpu: list = field(default_factory=lambda: [0.0, 0])
+    route_cpu: list = field(default_factory=lambda: [0.0, 0])
 
 
 def make_arm(replicas: Sequence[tuple[str, str]], cell_size: int | None, spill_at: int | None,
@@ -189,10 +194,10 @@ def decide_two(arm: Arm, req: Request, order: list[int]) -> RouteDecision:
     """Two choices, as router/cells.py's CellRouters decides (routing.cell_choice "two"): the
     request's first two cells each price it (`Router.price`), `prefer` puts the cheaper first,
     and `walk` has it decide without a bound."""
-    prices = [arm.routers[cell].price(req.hashes, req.tokens) for cell in order[:2]]
+    prices = [timed(arm.price_cpu, arm.routers[cell].price, req.hashes, req.tokens) for cell in order[:2]]
 
     async def ask(cell: int, spill_at: int):
-        return arm.routers[cell].route(req.hashes, req.tokens, None, None, spill_at)
+        return timed(arm.route_cpu, arm.routers[cell].route, req.hashes, req.tokens, None, None, spill_at)
 
     req.cell, d = run_now(walk(prefer(order, prices), ask, NO_BOUND))
     req.spilled = req.cell != req.first
@@ -200,17 +205,26 @@ def decide_two(arm: Arm, req: Request, order: list[int]) -> RouteDecision:
     return d
 
 
+def timed(acc: list, fn, *args):
+    """fn(*args), its CPU time and one call added to `acc` ([seconds, calls])."""
+    t0 = time.process_time()
+    out = fn(*args)
+    acc[0] += time.process_time() - t0
+    acc[1] += 1
+    return out
+
+
 def decide(arm: Arm, req: Request, rng: random.Random) -> RouteDecision:
     """The arm's decision for `req` (its cell and whether it spilled set on it)."""
     if arm.cells == 1:
-        return arm.routers[0].route(req.hashes, req.tokens)
+        return timed(arm.route_cpu, arm.routers[0].route, req.hashes, req.tokens)
     order = request_ranking(req.hashes, None, arm.cells, rng)
     req.first = order[0]
     if arm.two_choices:
         return decide_two(arm, req, order)
 
     async def ask(cell: int, spill_at: int):
-        return arm.routers[cell].route(req.hashes, req.tokens, None, None, spill_at)
+        return timed(arm.route_cpu, arm.routers[cell].route, req.hashes, req.tokens, None, None, spill_at)
 
     req.cell, d = run_now(walk(order, ask, arm.spill_at))
     req.spilled = req.cell != req.first
