@@ -23,6 +23,8 @@ a 64-bit mix of the two; a key's cells ranked by weight, highest first, are its 
   both asked at once; the cheaper decides (`prefer`; a tie keeps the ranking's order), so a
   prefix lives in at most two cells and load picks between them, as one router's policy would.
   One decision per request; a round trip more than one cell's (the prices, then the decision).
+  A second cell whose router fails to answer is left out (the first decides); a first cell's
+  failure fails the call, as one router's does (the flow falls back to RouteMemory).
 - Spill (`routing.cell_choice` "spill", `walk`): the first cell is asked with `spill_at`; when
   the replica its router would choose to compute the prompt already holds that many prompts (the
   prefix is hotter than its cell; a remote prefill's decode replica is not asked) it answers HOT
@@ -196,7 +198,11 @@ class CellRouters:
             _, decision = await walk(order, ask, self.spill_at)
             return decision
         prices = await asyncio.gather(*(self.refs[cell].price.remote(hashes, num_prompt_tokens, session, group)
-                                        for cell in order[:2]))
+                                        for cell in order[:2]), return_exceptions=True)
+        if isinstance(prices[0], Exception):  # the request's own cell's router failed: as with one cell
+            raise prices[0]
+        if isinstance(prices[1], Exception):  # the second's failed: the first decides, as before two choices
+            prices[1] = None
         _, decision = await walk(prefer(order, prices), ask, NO_BOUND)
         return decision
 

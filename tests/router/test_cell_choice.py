@@ -5,6 +5,8 @@ its first two cells at once and sending it to the cheaper one's router, on real 
 import asyncio
 import random
 
+import pytest
+
 from cluster.config import AppConfig
 from cluster.engine.kv_cache import hash_request_blocks
 from router.actor import ActorRef
@@ -115,3 +117,28 @@ def test_one_cell_is_one_router_asked_once_and_cells_choose_by_two_prices():
     spill = ingress_routers(AppConfig(model="m", mode="colocated", decode={"num_replicas": 2},
                                       routing={"cell_size": 1, "cell_choice": "spill"}), "app")
     assert spill.spill_at == 32
+
+
+class Down:
+    """A cell whose router fails every call (its actor died), as a Ray call raises."""
+
+    def __getattr__(self, method):
+        async def call(*args):
+            raise RuntimeError(f"{method}: the router is gone")
+
+        return type("M", (), {"remote": staticmethod(call)})
+
+
+def test_a_second_cell_that_fails_leaves_the_first_to_decide_and_a_first_that_fails_fails_the_call():
+    first, second = ranking(block_key(H[0]), 2)
+    live = Router(RoutingPolicy(PolicyConfig(block_size=BS), random.Random(0)))
+    for x in (load("p0", "prefill", queued=5000), load("d0", "decode")):
+        live.report_load(x)
+    refs = [None, None]
+    refs[first], refs[second] = Local(first, live, []), Down()
+    d = asyncio.run(CellRouters(refs, None).route.remote(H, 80, None, None))
+    assert (d.prefill, d.decode, live.stats().decisions) == ("p0", "d0", 1)  # however dear: the other cannot price
+    refs[first], refs[second] = Down(), Local(second, live, [])
+    with pytest.raises(RuntimeError, match="price: the router is gone"):
+        asyncio.run(CellRouters(refs, None).route.remote(H, 80, None, None))
+    assert live.stats().decisions == 1  # nothing decided: the flow recalls where the prefix went (RouteMemory)
