@@ -17,11 +17,21 @@ a 64-bit mix of the two; a key's cells ranked by weight, highest first, are its 
 - A request goes to the first cell of its prompt's first block hash, or of its session key when it
   has one: every request of a prefix (of a session) meets the same router, so its cache stays in
   one cell. A prompt shorter than one block, without a session, gets a random ranking.
-- Spill (`walk`): the first cell is asked with `spill_at`; when the replica its router would
-  choose to compute the prompt already holds that many requests (the prefix is hotter than its
-  cell; a remote prefill's decode replica is not asked) it answers HOT and
-  the second-ranked cell decides, without the bound. A cell whose router knows no replica that can
-  take the request (EMPTY: a small app spread over many cells) passes it on down the ranking.
+- Two choices (`routing.cell_choice` "two", the default): the first two cells of the ranking
+  each price the request (`Router.price`: what their router would decide the prompt costs on the
+  replica computing it, in tokens: uncached tokens, tokens ahead, evictions; nothing recorded),
+  both asked at once; the cheaper decides (`prefer`; a tie keeps the ranking's order), so a
+  prefix lives in at most two cells and load picks between them, as one router's policy would.
+  One decision per request; a round trip more than one cell's (the prices, then the decision).
+  A second cell whose router fails to answer is left out (the first decides); a first cell's
+  failure fails the call, as one router's does (the flow falls back to RouteMemory).
+- Spill (`routing.cell_choice` "spill", `walk`): the first cell is asked with `spill_at`; when
+  the replica its router would choose to compute the prompt already holds that many prompts (the
+  prefix is hotter than its cell; a remote prefill's decode replica is not asked) it answers HOT
+  and the second-ranked cell decides, without the bound. Measured worse than two choices
+  (docs/benchmarks.md, "Routing quality in cells against one router").
+Either way a cell whose router knows no replica that can take the request (EMPTY, price None: a
+small app spread over many cells) passes it on down the ranking.
 
 Weights are a splitmix64 finalizer over 64-bit keys (a block hash's first 8 bytes are already
 uniform; replica ids and session keys go through blake2b once): a few hundred nanoseconds a cell,
@@ -107,9 +117,12 @@ def cell_count(cfg) -> int:
     return max(1, -(-most // cfg.routing.cell_size))
 
 
-def spill_bound(cfg) -> int:
-    """Requests on each chosen replica at which a cell spills (routing.cell_spill_requests)."""
+def spill_bound(cfg) -> int | None:
+    """Prompts on the replica chosen to compute one at which a cell spills
+    (routing.cell_spill_requests); None with two choices (routing.cell_choice "two")."""
     r = cfg.routing
+    if r.cell_choice == "two":
+        return None
     return r.hot_load_cap if r.cell_spill_requests is None else r.cell_spill_requests
 
 
@@ -144,6 +157,16 @@ async def walk(order: Sequence[int], ask: Ask, spill_at: int) -> tuple[int, Rout
     raise NoReplicaError(f"no cell of {len(order)} has a replica for this request")
 
 
+def prefer(order: Sequence[int], prices: Sequence["float | None"]) -> list[int]:
+    """Two choices: `order` (a request's ranking) with its first len(prices) cells (two) put
+    cheapest first (a tie keeps the ranking's order) and those priced None (no replica for the
+    request: EMPTY) put last; the first cell of the result decides (walk with NO_BOUND)."""
+    k = len(prices)
+    priced = sorted((p, i) for i, p in enumerate(prices) if p is not None)
+    return ([order[i] for _, i in priced] + list(order[k:])
+            + [order[i] for i, p in enumerate(prices) if p is None])
+
+
 class _Method:
     """`x.remote(...)`: an awaitable, as a router actor's method gives (what RequestFlow awaits)."""
 
@@ -154,9 +177,10 @@ class _Method:
 class CellRouters:
     """The ingress's router for a version in cells: it is called as one router actor's handle is
     (`route.remote(...)`, `live_loads.remote()`: awaitables; `configure.remote(...)`: sent), so
-    the request flow is the same with one router or many. `refs`: cell K's router (ActorRef)."""
+    the request flow is the same with one router or many. `refs`: cell K's router (ActorRef);
+    `spill_at`: None for two choices, else the spill bound (module docstring)."""
 
-    def __init__(self, refs: Sequence, spill_at: int, rng: random.Random | None = None):
+    def __init__(self, refs: Sequence, spill_at: int | None, rng: random.Random | None = None):
         self.refs = list(refs)
         self.spill_at = spill_at
         self.rng = rng or random.Random()
@@ -169,7 +193,17 @@ class CellRouters:
         async def ask(cell: int, spill_at: int):
             return await self.refs[cell].route.remote(hashes, num_prompt_tokens, session, group, spill_at)
 
-        _, decision = await walk(request_ranking(hashes, session, len(self.refs), self.rng), ask, self.spill_at)
+        order = request_ranking(hashes, session, len(self.refs), self.rng)
+        if self.spill_at is not None:
+            _, decision = await walk(order, ask, self.spill_at)
+            return decision
+        prices = await asyncio.gather(*(self.refs[cell].price.remote(hashes, num_prompt_tokens, session, group)
+                                        for cell in order[:2]), return_exceptions=True)
+        if isinstance(prices[0], Exception):  # the request's own cell's router failed: as with one cell
+            raise prices[0]
+        if isinstance(prices[1], Exception):  # the second's failed: the first decides, as before two choices
+            prices[1] = None
+        _, decision = await walk(prefer(order, prices), ask, NO_BOUND)
         return decision
 
     async def _live_loads(self) -> list:

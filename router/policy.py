@@ -145,6 +145,10 @@ class RouteDecision:
     prefill_deployment: Literal["prefill", "decode"] | None = None
     decode_deployment: Literal["prefill", "decode"] = "decode"
     queue_ahead: int = 0  # requests waiting on the replica computing the prompt (queue_wait_s is theirs)
+    # the prompt's price on the replica computing it, in tokens (its uncached tokens, the tokens
+    # ahead of it, the cached blocks it would push out; no slow penalty or session bonus): what
+    # two cells compare (Router.price, router/cells.py)
+    compute_cost: float = 0.0
 
 
 class NoReplicaError(RuntimeError):
@@ -206,7 +210,8 @@ class RoutingPolicy:
             why = "no prefill pool" if not prefills else f"local prefill: {missing} uncached tokens"
             return RouteDecision(None, decode.replica_id, "local", cached_on_decode, "; ".join([why, *reasons]),
                                  load_model.replica_queue_wait_s(decode, decodes) or 0.0, cached_on_decode,
-                                 decode_deployment=decode.deployment, queue_ahead=decode.waiting)
+                                 decode_deployment=decode.deployment, queue_ahead=decode.waiting,
+                                 compute_cost=self._compute_cost(device, lower, decode, num_prompt_tokens, index))
 
         return self._remote(hashes, num_prompt_tokens, index, prefills, slow, session, decode,
                             cached_on_decode, reasons)
@@ -238,7 +243,8 @@ class RoutingPolicy:
         return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached,
                              "; ".join([*why, *p_reasons, *reasons]),
                              load_model.replica_queue_wait_s(prefill, prefills) or 0.0, cached_on_decode,
-                             prefill.deployment, decode.deployment, queue_ahead=prefill.waiting)
+                             prefill.deployment, decode.deployment, queue_ahead=prefill.waiting,
+                             compute_cost=prefill_cost(prefill))
 
     def _compute_cost(self, cached_blocks: int, lower: Sequence[int], r: ReplicaLoad, num_prompt_tokens: int,
                       index: PrefixIndex) -> float:

@@ -174,26 +174,51 @@ class Router:
             self._pending_requests[rid] = self._pending_requests.get(rid, 0) + 1
         return d
 
-    def _loads_now(self, group: str | None) -> list[ReplicaLoad]:
+    def price(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, session: str | None = None,
+              group: str | None = None) -> float | None:
+        """What `route` with these arguments would decide the prompt costs on the replica it
+        computes it on (RouteDecision.compute_cost, in tokens); None where `route` would find no
+        replica (EMPTY). Changes nothing: no decision is recorded or counted, no work pending, no
+        session touched, no replica forgotten, and the policy's tie-breaking draws are put back,
+        so a `route` right after picks the replicas priced. The ingress prices a request in its
+        first two cells and sends it to the cheaper (router/cells.py)."""
+        now = self.clock()
+        hint = self.sessions.peek(session, now) if session is not None else None
+        loads = self._loads_now(group, [load for t, load in self._loads.values() if now - t <= self.stale_after_s])
+        rng = self.policy.rng
+        state = rng.getstate()
+        try:
+            return self.policy.route(hashes, num_prompt_tokens, self.index, loads, hint).compute_cost
+        except NoReplicaError:
+            return None
+        finally:
+            rng.setstate(state)
+
+    def _loads_now(self, group: str | None, live: Sequence[ReplicaLoad] | None = None) -> list[ReplicaLoad]:
         """The live replicas' loads (of `group`), with the work sent to each since its last report.
         Only the replicas sent work since their last report get a copy with it added (a copy per
-        replica per decision was 29% of a decision at 128 replicas)."""
+        replica per decision was 29% of a decision at 128 replicas). `live`: the loads to use
+        (default: live_loads(), which forgets the replicas silent too long)."""
         pending_tokens, pending_requests = self._pending_tokens, self._pending_requests
         return [load if load.replica_id not in pending_requests else
                 replace(load, queued_prefill_tokens=load.queued_prefill_tokens + pending_tokens.get(load.replica_id, 0),
                         waiting=load.waiting + pending_requests[load.replica_id])
-                for load in self.live_loads() if group is None or load.group == group]
+                for load in (self.live_loads() if live is None else live) if group is None or load.group == group]
 
     @staticmethod
     def _hot(d: RouteDecision, loads: Sequence[ReplicaLoad], spill_at: int) -> bool:
-        """The replica that would compute the prompt (the prefill replica; the decode replica when
-        it prefills locally) holds at least `spill_at` requests: the prefix is hotter than this
-        cell (the policy chose the cheapest, so the rest are as loaded or more). A remote prefill's
-        decode replica is not asked: its streams say nothing of the prefix, and with them counted
-        a cell whose prefill replicas were swamped never spilled while its decode replicas held
+        """The replica that would compute the prompt holds at least `spill_at` prompts: the prefix
+        is hotter than this cell (the policy chose the cheapest, so the rest are as loaded or
+        more). A prefill replica's requests (running and waiting) are all prompts; a decode
+        replica prefilling locally (colocated, or a short miss) counts only its waiting ones: its
+        running requests are mostly streams, which say nothing of the prefix (counted, a busy
+        colocated replica of 32 streams spilled every request at the default bound). A remote
+        prefill's decode replica is not asked, for the same reason: with its streams counted a
+        cell whose prefill replicas were swamped never spilled while its decode replicas held
         fewer streams than the bound (cluster/tools/bench/cell_quality.py found it)."""
-        computes = d.decode if d.prefill is None else d.prefill
-        return any(load.requests >= spill_at for load in loads if load.replica_id == computes)
+        if d.prefill is not None:
+            return any(load.requests >= spill_at for load in loads if load.replica_id == d.prefill)
+        return any(load.waiting >= spill_at for load in loads if load.replica_id == d.decode)
 
     def recent_decisions(self) -> list[tuple[RouteDecision, tuple[ReplicaLoad, ...]]]:
         """The last decisions, oldest first, each with the replica loads it was made on."""

@@ -26,6 +26,11 @@ class SessionTable:
         entry = self._entries.get(key)
         return None if entry is None else entry[1]
 
+    def peek(self, key: str, now: float) -> SessionHint | None:
+        """As `get`, changing nothing (an entry past its time-to-live is not there)."""
+        entry = self._entries.get(key)
+        return None if entry is None or now - entry[0] >= self.ttl_s else entry[1]
+
     def record(self, key: str, decision: RouteDecision, now: float) -> None:
         """The replicas a session's request was just sent to. With local prefill the prompt was
         computed on the decode replica, so the prefill hint stays what it was."""

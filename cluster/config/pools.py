@@ -187,11 +187,23 @@ class RoutingOptions(Strict):
         "most (num_replicas, or autoscaling.max_replicas, both pools), exceed this is split into "
         "ceil(replicas / cell_size) cells, each with its own router; replicas join a cell by rendezvous hashing of "
         "their id and a request by its first block (or session key). At or below it: one router, as without cells")
+    cell_choice: Literal["two", "spill"] = Field(
+        "two", description="With cells, which cell decides a request. two: its first two cells (by rendezvous "
+        "hashing) each price it, the cheaper decides; spill: its first cell, unless the replica chosen there to "
+        "compute the prompt holds cell_spill_requests prompts (then the second)")
     cell_spill_requests: int | None = Field(
-        None, ge=1, description="With cells: a request whose replica chosen in its cell to compute the prompt holds at "
-        "least this many requests (running, waiting and those sent since their last report) goes to its prefix's second-ranked "
+        None, ge=1, description="With cell_choice spill: a request whose replica chosen in its cell to compute the "
+        "prompt holds at least this many prompts (a prefill replica's running and waiting requests, a decode "
+        "replica's waiting ones; those sent since its last report included) goes to its prefix's second-ranked "
         "cell instead. None: hot_load_cap")
 
+
+    @model_validator(mode="after")
+    def _spill_needs_spill(self) -> "RoutingOptions":
+        if self.cell_spill_requests is not None and self.cell_choice != "spill":
+            raise ValueError(f"routing.cell_spill_requests applies only with routing.cell_choice 'spill' (it is "
+                             f"{self.cell_choice!r}): set both, or neither")
+        return self
 
     @field_validator("tier_weights")
     @classmethod

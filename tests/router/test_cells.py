@@ -38,8 +38,13 @@ def test_the_number_of_cells_comes_from_the_most_replicas_and_the_cell_size():
     assert cell_count(AppConfig(model="m", decode=scaled, routing={"cell_size": 10})) == 10  # 1 + 90 replicas
     # colocated: the prefill section is not a pool
     assert cell_count(AppConfig(model="m", mode="colocated", decode={"num_replicas": 2}, routing={"cell_size": 1})) == 2
-    assert spill_bound(AppConfig(model="m")) == 32  # hot_load_cap
-    assert spill_bound(AppConfig(model="m", routing={"cell_spill_requests": 5})) == 5
+    assert spill_bound(AppConfig(model="m")) is None  # two choices, the default: no bound
+    assert spill_bound(AppConfig(model="m", routing={"cell_choice": "spill"})) == 32  # hot_load_cap
+    assert spill_bound(AppConfig(model="m", routing={"cell_choice": "spill", "cell_spill_requests": 5})) == 5
+    with pytest.raises(ValueError, match="routing.cell_spill_requests applies only with routing.cell_choice 'spill'"):
+        AppConfig(model="m", routing={"cell_spill_requests": 5})
+    with pytest.raises(ValueError, match="cell_choice"):
+        AppConfig(model="m", routing={"cell_choice": "three"})
     with pytest.raises(ValueError, match="cell_size"):
         AppConfig(model="m", routing={"cell_size": 0})
     with pytest.raises(ValueError, match="cell_size"):
@@ -96,8 +101,20 @@ def test_a_cell_is_hot_by_the_replica_computing_the_prompt_whatever_its_decode_r
     idle_prefill = router(load("p", "prefill", running=1), load("d", "decode", running=40))
     d = idle_prefill.route(h, 80, spill_at=5)  # d's 40 streams say nothing of the prefix
     assert (d.prefill, d.decode, d.mode) == ("p", "d", "remote")
-    local = router(load("d", "decode", running=5))  # no prefill replica: d prefills, and it is full
+    local = router(load("d", "decode", waiting=5))  # no prefill replica: d prefills, and 5 prompts wait there
     assert local.route(h, 80, spill_at=5) == HOT
+
+
+def test_a_colocated_replicas_streams_do_not_make_its_cell_hot_its_waiting_prompts_do():
+    h = hash_request_blocks(PROMPT, BS, b"salt")
+    streaming = router(load("d", "decode", running=40, waiting=1))  # 40 streams, 1 prompt waiting
+    d = streaming.route(h, 80, spill_at=32)  # the default bound: it decides (it answered HOT before)
+    assert (d.prefill, d.decode, d.mode) == (None, "d", "local")
+    assert streaming.route(h, 80, spill_at=2) == HOT  # 1 waiting + the one just sent: 2 prompts
+    short_miss = router(load("p", "prefill"), load("d", "decode", running=40))  # P/D, the prompt cached on d:
+    short_miss.index.resync("d", "i", 1, h[:4])  # 16 uncached tokens, under local_prefill_threshold
+    d = short_miss.route(h, 80, spill_at=32)
+    assert (d.prefill, d.decode, d.mode) == (None, "d", "local")
 
 
 def test_a_hot_cell_spills_to_the_second_which_decides_without_the_bound():
@@ -119,7 +136,7 @@ def test_a_hot_cell_spills_to_the_second_which_decides_without_the_bound():
 
 def test_empty_cells_pass_the_request_on_and_a_hot_cell_decides_when_no_other_can():
     h = hash_request_blocks(PROMPT, BS, b"salt")
-    empty, hot = router(load("p", "prefill")), router(load("d", "decode", running=9))
+    empty, hot = router(load("p", "prefill")), router(load("d", "decode", waiting=9))
     asked = []
 
     def asker(cells):

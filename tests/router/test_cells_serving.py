@@ -1,6 +1,7 @@
 """Routers in cells on Ray (router/cells.py): a colocated app of two decode replicas with cell_size 1
 has two cells. Each replica feeds only the router of the cell rendezvous hashing gives it, and a
-prefix asked twice is decided twice by the router of its first block's cell, and hits there."""
+prefix asked twice is decided twice by the router of its first block's cell (priced in both cells,
+the cheaper: the first when both are idle, the one holding the prefix after), and hits there."""
 
 import pytest
 import ray
@@ -57,6 +58,15 @@ def test_each_replica_feeds_its_cell_only_and_a_prefix_is_decided_and_hit_in_its
     decisions = [d for d, _ in ray.get(lookup(cells[home]).recent_decisions.remote())[-2:]]
     assert decisions[0].decode == decisions[1].decode and decisions[1].predicted_cached_tokens == 64
     assert decisions[1].decode in expected[home]
+
+    # each cell's price over Ray (Router.price, what the ingress asked of both before each request):
+    # a third request's, once the home router heard the second's replica again (nothing pending)
+    router = lookup(cells[home])
+    wait_until(lambda: ray.get(router.pending_requests.remote()) == 0, "the home cell heard its replica's load")
+    third = hash_request_blocks(system + [3] * 32, 16, salt)
+    assert ray.get(router.price.remote(third, 96)) == 32.0  # 64 of its 96 tokens cached, nothing ahead
+    assert ray.get(lookup(cells[1 - home]).price.remote(third, 96)) == (96.0 if expected[1 - home] else None)
+    assert [ray.get(lookup(n).stats.remote()).decisions for n in cells] == after  # priced, not decided
 
     # `pdserve status` (its routers part, text and --json): each cell, the replicas it hears from, spills
     from cluster.app.status_cli import _print_routers, _routers

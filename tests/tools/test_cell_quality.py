@@ -98,6 +98,9 @@ def test_two_choices_send_the_second_request_to_the_cheaper_cell():
     assert [(r.cell, r.spilled) for r in done] == [(first, False), (1 - first, True)] and arm.spills == 1
     assert [round(r.done - r.arrival, 9) for r in done] == [0.106, 0.106]
     assert sum(r.stats().spilled for r in arm.routers) == 0
+    # through the product's calls: each request priced in both cells, decided in one
+    assert (arm.price_cpu[1], arm.route_cpu[1]) == (4, 2)
+    assert [r.stats().decisions for r in arm.routers] == [1, 1]
 
 
 def test_balanced_cells_give_each_cell_an_equal_share_of_each_role():

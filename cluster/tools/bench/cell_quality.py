@@ -22,12 +22,14 @@ seed, so each seed places them in cells afresh):
   (prefill replicas / (20 ms + 50 us x 256 mean suffix tokens)).
 Arms, on the same arrivals and prompts: one router over all replicas, and cells of each
 `--cell-sizes` (router/cells.py's cell_count, replica_cell, request_ranking and walk) at each
-`--spill-at` (routing.cell_spill_requests; its default is hot_load_cap, 32), and the bench-only
-`--variants` beside them (cells balanced by role; two choices). Measured over the
+`--spill-at` (routing.cell_choice "spill", routing.cell_spill_requests; its default is hot_load_cap,
+32), and `--variants` beside them (two choices: routing.cell_choice "two", the default, through
+Router.price and router/cells.py's prefer; cells balanced by role, bench only). Measured over the
 requests arriving after `--warmup` seconds: hit rate (cached prompt tokens / prompt tokens; the
 ceiling is 1,024 / 1,280 = 0.80), TTFT p50 / p90 (queue + prefill), load imbalance (the busiest prefill
 replica's busy time over the mean), the share of requests a second cell decided, and each figure over
-the single router's (mean over seeds, with the range)."""
+the single router's (mean over seeds, with the range); and the routers' CPU a call, in process (a
+decision; a price, with two choices)."""
 
 from __future__ import annotations
 
@@ -109,7 +111,13 @@ def measure(done: list[Request], sim: Simulation, w: Workload) -> dict:
     return {"hit": sum(r.cached for r in m) / sum(r.tokens for r in m),
             "p50": pct(ttft, 0.5), "p90": pct(ttft, 0.9),
             "imbalance": max(busy) / statistics.mean(busy) if statistics.mean(busy) > 0 else float("nan"),
-            "spilled": sum(r.spilled for r in m) / len(m), "local": sim.arm.local, "requests": len(m)}
+            "spilled": sum(r.spilled for r in m) / len(m), "local": sim.arm.local, "requests": len(m),
+            "price_us": per_call_us(sim.arm.price_cpu), "route_us": per_call_us(sim.arm.route_cpu)}
+
+
+def per_call_us(acc: list) -> float:
+    """Mean CPU microseconds a call over a run ([seconds, calls]; nan without a call)."""
+    return acc[0] / acc[1] * 1e6 if acc[1] else float("nan")
 
 
 def run_arm(w: Workload, p: Params, seed: int, cell_size: int | None, spill_at: int | None,
@@ -154,7 +162,8 @@ def compare(w: Workload, p: Params, seeds: int, arms: list[tuple[int, int, str]]
 def summary(name: str, runs: list[dict], single: list[dict]) -> dict:
     row = {"arm": name, "cells": runs[0]["cells"], "requests": sum(r["requests"] for r in runs),
            "spilled": statistics.mean(r["spilled"] for r in runs), "local": sum(r["local"] for r in runs),
-           "cpu_s": sum(r["cpu_s"] for r in runs)}
+           "cpu_s": sum(r["cpu_s"] for r in runs), "price_us": statistics.mean(r["price_us"] for r in runs),
+           "route_us": statistics.mean(r["route_us"] for r in runs)}
     for k in ARM_FIGURES:
         row[k] = statistics.mean(r[k] for r in runs)
         ratios = [r[k] / s[k] for r, s in zip(runs, single)]
@@ -180,6 +189,8 @@ def print_rows(w: Workload, rows: list[dict], lam: float) -> None:
         print(f"  {r['arm']:<31} {r['cells']:>2} cells: hit {r['hit']:.3f}, TTFT p50 {r['p50'] * 1e3:6.1f} ms "
               f"p90 {r['p90'] * 1e3:7.1f} ms, imbalance {r['imbalance']:.2f}, spilled {r['spilled']:.1%}, "
               f"local {r['local']}, {r['requests']} requests, {r['cpu_s']:.0f} s CPU", flush=True)
+        price = "" if r["price_us"] != r["price_us"] else f", price {r['price_us']:.0f} us"
+        print(f"    router calls (in process): decide {r['route_us']:.0f} us{price}", flush=True)
         if r["arm"] != "one router":
             print(f"    / one router: {ratio}{goal}", flush=True)
 
@@ -196,8 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--systems-per-prefill", type=float, default=4.0)
     ap.add_argument("--variants", nargs="+", choices=["cells", "balanced", "two"], default=["cells"],
-                    help="cells: router/cells.py's; balanced: cells balanced by role (cell_sim.balanced_cells); "
-                    "two: the better of a request's first two cells (cell_sim.decide_two); the last two bench only")
+                    help="cells: router/cells.py's spill walk; balanced: cells balanced by role (cell_sim.balanced_cells); "
+                    "two: routing.cell_choice two, the cheaper of a request's first two cells (cell_sim.decide_two)")
     args = ap.parse_args(argv)
     p, config = Params(), PolicyConfig()
     arms = [(c, s, v) for c in args.cell_sizes for v in args.variants

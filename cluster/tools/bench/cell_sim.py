@@ -19,20 +19,22 @@ drives it is cluster/tools/bench/cell_quality.py; tests/tools/test_cell_quality.
   clock is the simulation's.
 - **An arm** is one router over every replica, or the cells router/cells.py makes: a replica feeds
   the router of `replica_cell(role, id, n)`, a request is decided by `walk` over its
-  `request_ranking` with the spill bound (the real functions; `walk` is driven without an event
-  loop, as nothing it awaits suspends).
+  `request_ranking` with the spill bound, or with two choices by the cheaper of its first two
+  cells (`Router.price`, `prefer`: what CellRouters does); the real functions; `walk` is driven
+  without an event loop, as nothing it awaits suspends.
 TTFT = the prefill's end - the arrival (queue + prefill; the router's own time is not counted)."""
 
 from __future__ import annotations
 
 import heapq
 import random
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from router.cells import ranking, request_ranking, replica_cell, text_key, walk
-from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
+from router.cells import NO_BOUND, prefer, ranking, request_ranking, replica_cell, text_key, walk
+from router.policy import PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
 from router.router import Router
 
 
@@ -141,14 +143,18 @@ class Arm:
     member: dict = field(default_factory=dict)  # replica id -> its router
     spills: int = 0
     local: int = 0  # decisions that prefilled on a decode replica (a cell without prefill)
-    two_choices: bool = False  # bench only: the better of a request's first two cells (decide_two)
+    two_choices: bool = False  # router/cells.py's two choices (decide_two); else its spill walk
+    # in-process CPU (process_time) of the routers' calls: [seconds, calls] of Router.price and of
+    # the calls that decide (route, with a spill walk's HOT and EMPTY answers)
+    price_cpu: list = field(default_factory=lambda: [0.0, 0])
+    route_cpu: list = field(default_factory=lambda: [0.0, 0])
 
 
 def make_arm(replicas: Sequence[tuple[str, str]], cell_size: int | None, spill_at: int | None,
              config: PolicyConfig, clock, seed: int, variant: str = "cells") -> Arm:
     """`cell_size` None (or >= the replicas): one router; else ceil(len / cell_size) cells, each
-    replica in router/cells.py's `replica_cell` (`variant` "cells": router/cells.py's own, and
-    "two": its placement, requests by `decide_two`), or "balanced": `balanced_cells` (bench only)."""
+    replica in router/cells.py's `replica_cell` (`variant` "cells": its spill walk, and "two": its
+    two choices, `decide_two`), or "balanced": `balanced_cells` (bench only)."""
     n = 1 if cell_size is None else max(1, -(-len(replicas) // cell_size))
     arm = Arm(n, None if n == 1 else spill_at, two_choices=variant == "two")
     balanced = variant == "balanced"
@@ -184,41 +190,41 @@ def run_now(coro):
     raise RuntimeError("a routing coroutine suspended: nothing in the simulation should")
 
 
-def predicted_cost(router: Router, req: Request) -> float:
-    """The policy's cost, in tokens, of the replica `router` would have compute `req` (its uncached
-    tokens, the tokens ahead of it, the cached blocks it would evict), without recording the
-    decision (Router has no dry run; bench only, through the policy's own terms)."""
-    loads = router._loads_now(None)
-    try:
-        d = router.policy.route(req.hashes, req.tokens, router.index, loads)
-    except NoReplicaError:
-        return float("inf")
-    computes = next(x for x in loads if x.replica_id == (d.prefill or d.decode))
-    blocks = d.predicted_cached_tokens // router.policy.config.block_size
-    return router.policy._compute_cost(blocks, (), computes, req.tokens, router.index)
-
-
 def decide_two(arm: Arm, req: Request, order: list[int]) -> RouteDecision:
-    """Two choices (bench only, not router/cells.py): the request's first two cells each price it
-    as their policy would; the cheaper decides (a prefix lives in two cells, load picks)."""
-    two = order[:2]
-    req.cell = min(two, key=lambda c: (predicted_cost(arm.routers[c], req), two.index(c)))
+    """Two choices, as router/cells.py's CellRouters decides (routing.cell_choice "two"): the
+    request's first two cells each price it (`Router.price`), `prefer` puts the cheaper first,
+    and `walk` has it decide without a bound."""
+    prices = [timed(arm.price_cpu, arm.routers[cell].price, req.hashes, req.tokens) for cell in order[:2]]
+
+    async def ask(cell: int, spill_at: int):
+        return timed(arm.route_cpu, arm.routers[cell].route, req.hashes, req.tokens, None, None, spill_at)
+
+    req.cell, d = run_now(walk(prefer(order, prices), ask, NO_BOUND))
     req.spilled = req.cell != req.first
     arm.spills += req.spilled
-    return arm.routers[req.cell].route(req.hashes, req.tokens)
+    return d
+
+
+def timed(acc: list, fn, *args):
+    """fn(*args), its CPU time and one call added to `acc` ([seconds, calls])."""
+    t0 = time.process_time()
+    out = fn(*args)
+    acc[0] += time.process_time() - t0
+    acc[1] += 1
+    return out
 
 
 def decide(arm: Arm, req: Request, rng: random.Random) -> RouteDecision:
     """The arm's decision for `req` (its cell and whether it spilled set on it)."""
     if arm.cells == 1:
-        return arm.routers[0].route(req.hashes, req.tokens)
+        return timed(arm.route_cpu, arm.routers[0].route, req.hashes, req.tokens)
     order = request_ranking(req.hashes, None, arm.cells, rng)
     req.first = order[0]
     if arm.two_choices:
         return decide_two(arm, req, order)
 
     async def ask(cell: int, spill_at: int):
-        return arm.routers[cell].route(req.hashes, req.tokens, None, None, spill_at)
+        return timed(arm.route_cpu, arm.routers[cell].route, req.hashes, req.tokens, None, None, spill_at)
 
     req.cell, d = run_now(walk(order, ask, arm.spill_at))
     req.spilled = req.cell != req.first

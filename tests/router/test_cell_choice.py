@@ -1,0 +1,144 @@
+"""Two choices between cells without Ray (router/cells.py, routing.cell_choice "two"): the price a
+router gives without deciding (Router.price), and the ingress's CellRouters pricing a request in
+its first two cells at once and sending it to the cheaper one's router, on real Router objects."""
+
+import asyncio
+import random
+
+import pytest
+
+from cluster.config import AppConfig
+from cluster.engine.kv_cache import hash_request_blocks
+from router.actor import ActorRef
+from router.cells import CellRouters, block_key, ingress_routers, prefer, ranking, spill_bound
+from router.policy import PolicyConfig, ReplicaLoad, RoutingPolicy
+from router.router import Router
+
+BS = 16
+PROMPT = list(range(80))  # 5 blocks
+H = hash_request_blocks(PROMPT, BS, b"salt")
+
+
+def load(rid, pool, running=0, waiting=0, queued=0):
+    return ReplicaLoad(rid, pool, 1000, 1000, running, waiting, queued)
+
+
+def state(r: Router):
+    """Everything a decision changes or reads: loads, work pending, sessions, counters, history, draws."""
+    return (dict(r._loads), dict(r._pending_tokens), dict(r._pending_requests), list(r.sessions._entries.items()),
+            r.stats(), r.recent_decisions(), r.policy.rng.getstate(), {rid: r.hashes(rid) for rid in r._loads})
+
+
+def test_a_price_is_the_cost_the_decision_then_picks_and_changes_nothing():
+    now = [0.0]
+    r = Router(RoutingPolicy(PolicyConfig(block_size=BS, session_ttl_s=1.0), random.Random(0)), clock=lambda: now[0])
+    r.report_load(load("gone", "prefill", queued=1))  # silent from here on: stale (past 3 s) when priced
+    now[0] = 2.0
+    for x in (load("p0", "prefill", queued=100), load("p1", "prefill"), *(load(f"d{i}", "decode") for i in range(3))):
+        r.report_load(x)
+    r.resync("p0", "i", 1, H[:4])  # p0 holds the first 64 tokens, behind 100 queued
+    first = r.route(H, 80, session="old")  # p0: 16 + 100 = 116, p1: 80, gone: 81
+    assert (first.prefill, first.compute_cost) == ("p1", 80.0) and r.pending_requests() == 2
+    # two of the three decode replicas are idle still: each decision draws between them
+    now[0] = 3.5  # "gone" is stale; the session "old" is past its ttl (1 s)
+    before = state(r)
+    # p0: 16 uncached + 100 ahead = 116; p1: 80 uncached + the 80 sent to it since its last report = 160
+    assert r.price(H, 80, session="old") == 116.0
+    assert state(r) == before  # nothing recorded, pending, expired, forgotten or drawn
+    assert r.price(H, 80) == 116.0  # asked again: the same
+    d = r.route(H, 80)  # the decision picks what was priced (the decode pair's tie drawn alike)
+    assert (d.prefill, d.mode, d.compute_cost) == ("p0", "remote", 116.0) and d.decode != first.decode
+    assert r.policy.rng.getstate() != before[6]  # the decision drew; the prices did not
+    assert r.stats().decisions == 2 and "gone" not in r._loads  # the decision forgot the stale replica
+
+
+def test_a_local_decision_is_priced_on_its_decode_replica_and_a_cell_without_one_has_no_price():
+    r = Router(RoutingPolicy(PolicyConfig(block_size=BS), random.Random(0)))
+    r.report_load(load("d", "decode", running=40, queued=7))  # colocated: d computes the prompt
+    r.resync("d", "i", 1, H[:2])
+    assert r.price(H, 80) == 80 - 32 + 7 == r.route(H, 80).compute_cost
+    assert Router().price(H, 80) is None  # no replica: what route(spill_at=...) answers EMPTY
+
+
+def test_prefer_puts_the_cheaper_of_the_first_two_first_and_the_unpriced_last():
+    assert prefer([3, 1, 0, 2], [50.0, 10.0]) == [1, 3, 0, 2]
+    assert prefer([3, 1, 0, 2], [10.0, 10.0]) == [3, 1, 0, 2]  # a tie keeps the ranking's order
+    assert prefer([3, 1, 0, 2], [None, 10.0]) == [1, 0, 2, 3]  # cell 3 has no replica for it
+    assert prefer([3, 1, 0, 2], [None, None]) == [0, 2, 3, 1]
+
+
+class Local:
+    """A Router called as its actor's handle is (`method.remote(...)`: an awaitable), each call
+    logged when it starts and when it answers (a price call yields once in between)."""
+
+    def __init__(self, cell: int, router: Router, log: list):
+        self.cell, self.router, self.log = cell, router, log
+
+    def __getattr__(self, method):
+        fn = getattr(self.router, method)
+
+        async def call(*args):
+            self.log.append((method, self.cell, "asked"))
+            await asyncio.sleep(0)  # let the other cell's call start: they run at once
+            self.log.append((method, self.cell, "answered"))
+            return fn(*args)
+
+        return type("M", (), {"remote": staticmethod(call)})
+
+
+def test_a_request_whose_first_cell_is_swamped_goes_to_the_other_cells_replica():
+    first, second = ranking(block_key(H[0]), 2)
+    routers = [None, None]
+    # its first cell holds the prefix on p0, behind 5,000 queued tokens and 10 prompts (under the
+    # spill bound of 32: the spill walk would keep it there, behind them); the second is idle
+    routers[first] = Router(RoutingPolicy(PolicyConfig(block_size=BS), random.Random(0)))
+    for x in (load("p0", "prefill", running=1, waiting=9, queued=5000), load("d0", "decode")):
+        routers[first].report_load(x)
+    routers[first].resync("p0", "i", 1, H[:4])
+    routers[second] = Router(RoutingPolicy(PolicyConfig(block_size=BS), random.Random(0)))
+    for x in (load("p1", "prefill"), load("d1", "decode")):
+        routers[second].report_load(x)
+    log = []
+    cells = CellRouters([Local(k, routers[k], log) for k in (0, 1)], spill_bound(AppConfig(model="m")))
+    d = asyncio.run(cells.route.remote(H, 80, None, None))
+    assert (d.prefill, d.decode, d.predicted_cached_tokens, d.compute_cost) == ("p1", "d1", 0, 80.0)
+    assert log == [("price", first, "asked"), ("price", second, "asked"), ("price", first, "answered"),
+                   ("price", second, "answered"), ("route", second, "asked"), ("route", second, "answered")]
+    assert [routers[k].stats().decisions for k in (first, second)] == [0, 1]  # one decision, in the cheaper cell
+    assert routers[first].pending_requests() == 0 and routers[second].pending_requests() == 2
+
+
+def test_one_cell_is_one_router_asked_once_and_cells_choose_by_two_prices():
+    one = ingress_routers(AppConfig(model="m"), "app")  # 2 replicas: one router, its actor's ref, as before
+    assert isinstance(one, ActorRef) and one.name == "app/router/m"
+    many = ingress_routers(AppConfig(model="m", mode="colocated", decode={"num_replicas": 2},
+                                     routing={"cell_size": 1}), "app")
+    assert isinstance(many, CellRouters) and len(many.refs) == 2 and many.spill_at is None
+    spill = ingress_routers(AppConfig(model="m", mode="colocated", decode={"num_replicas": 2},
+                                      routing={"cell_size": 1, "cell_choice": "spill"}), "app")
+    assert spill.spill_at == 32
+
+
+class Down:
+    """A cell whose router fails every call (its actor died), as a Ray call raises."""
+
+    def __getattr__(self, method):
+        async def call(*args):
+            raise RuntimeError(f"{method}: the router is gone")
+
+        return type("M", (), {"remote": staticmethod(call)})
+
+
+def test_a_second_cell_that_fails_leaves_the_first_to_decide_and_a_first_that_fails_fails_the_call():
+    first, second = ranking(block_key(H[0]), 2)
+    live = Router(RoutingPolicy(PolicyConfig(block_size=BS), random.Random(0)))
+    for x in (load("p0", "prefill", queued=5000), load("d0", "decode")):
+        live.report_load(x)
+    refs = [None, None]
+    refs[first], refs[second] = Local(first, live, []), Down()
+    d = asyncio.run(CellRouters(refs, None).route.remote(H, 80, None, None))
+    assert (d.prefill, d.decode, live.stats().decisions) == ("p0", "d0", 1)  # however dear: the other cannot price
+    refs[first], refs[second] = Down(), Local(second, live, [])
+    with pytest.raises(RuntimeError, match="price: the router is gone"):
+        asyncio.run(CellRouters(refs, None).route.remote(H, 80, None, None))
+    assert live.stats().decisions == 1  # nothing decided: the flow recalls where the prefix went (RouteMemory)
