@@ -17,7 +17,10 @@ import pytest
 
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
-from tests.helpers import grpc_stub, serve_replica_ids, wait_for
+from tests.engine.test_engine_correctness import prompts as engine_prompts
+from tests.engine.test_families import write_checkpoint
+from tests.helpers import grpc_stub, pool_loads, serve_replica_ids, wait_for, wait_pools_whole
+from tests.reference import hf_greedy
 from tests.serving.test_tensor_parallel_serving import NUM_BLOCKS, prompt, request
 
 
@@ -67,3 +70,37 @@ def test_pools_of_different_degrees_stream_the_reference_tokens(app, tiny_model)
     assert t["blocks_pulled"] == sum(-(-len(p) // 16) for p in prompts), t  # each prompt block once
     for pool, tp in (("prefill", p_tp), ("decode", d_tp)):
         assert len(seen[pool].get("rank_nodes", [seen[pool]["node_id"]])) == tp
+
+
+# Mixtures of experts and latent attention, prefill tp=1 -> decode tp=2, through the served app: each
+# prompt prefilled on the prefill pool (local_prefill_threshold 0), its KV pulled by both decode ranks.
+# DeepSeek-V3 (test_families' config at 2 layers: MLA, layer 1 8 routed experts + 1 shared): each
+# decode rank reads every latent block whole from the one prefill rank, so the pull moves
+# blocks x latent block bytes (2 layers x 16 tokens x (32 + 8) x fp32 = 5,120) x 2 ranks; Qwen3-MoE
+# (layer 0 sparse, layer 1 dense; 2 KV heads): each decode rank reads its head, the block's bytes once.
+MOE_PROMPT_LENGTHS = [17, 40, 100]  # 2 + 3 + 7 blocks
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model_type, pulled_bytes_per_block", [("deepseek_v3", 2 * 5120),
+                                                                 ("qwen3_moe", 2 * 2 * 16 * 2 * 32 * 4)])
+def test_moe_and_latent_attention_pulled_from_tp1_into_tp2_give_transformers_tokens(
+        serve_apps, tmp_path_factory, model_type, pulled_bytes_per_block):
+    checkpoint = write_checkpoint(tmp_path_factory.mktemp(f"pd-tp-{model_type}"), model_type, seed=3,
+                                  num_hidden_layers=2)
+    ps = engine_prompts(len(MOE_PROMPT_LENGTHS), MOE_PROMPT_LENGTHS, seed=49)
+    with serve_apps.run(checkpoint, engine={"num_blocks": NUM_BLOCKS}, routing={"local_prefill_threshold": 0},
+                        prefill={"num_replicas": 1, "num_cpus": 0.5},
+                        decode={"num_replicas": 1, "num_cpus": 0.5, "engine": {"tensor_parallel_size": 2}}) as cfg:
+        received = pool_loads()["prefill"]["requests_received"]
+        with grpc_stub(cfg) as stub:
+            streams = [[t for r in stub.Generate(request(p, 8), timeout=120) for t in r.token_ids] for p in ps]
+        assert streams == [hf_greedy(checkpoint, p, 8) for p in ps]
+        seen = wait_pools_whole()
+        assert seen["prefill"]["requests_received"] - received == len(ps)  # each one prefilled there
+        assert seen["prefill"]["total_blocks"] == seen["decode"]["total_blocks"] == NUM_BLOCKS
+        t = seen["decode"]["transfer"]
+        assert (t["pulls_ok"], t["pulls_failed"], t["fallbacks_recompute"]) == (len(ps), 0, 0), t
+        blocks = sum(-(-n // 16) for n in MOE_PROMPT_LENGTHS)
+        assert (t["blocks_pulled"], t["bytes_pulled"]) == (blocks, blocks * pulled_bytes_per_block), t
+        assert len(seen["decode"]["rank_nodes"]) == 2
