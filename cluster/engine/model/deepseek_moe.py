@@ -60,4 +60,4 @@ class DeepSeekMoE(SparseMoE):
         return weights * self.scaling, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H] -> [T, H]
-        return super().forward(x) + self.shared_experts(x)
+        return self.routed(x) + self.shared_experts(x)

@@ -126,6 +126,7 @@ class Family:
     llama_shaped: bool = True
     tensor_parallel: bool = False  # distributed/ has its shard rules (plan, layers, shard_rules, loader)
     expert_size_field: str = "moe_intermediate_size"  # config.json's name of an expert's intermediate size (errors)
+    expert_count_field: str = "num_experts"  # config.json's name of the routed experts' count (errors)
     cuda_graphs: bool = True  # a decode step never reads the device from the host, so a CUDA graph can capture it
     own_activation: bool = False  # its parse reads the MLP's activation itself (hidden_activation)
     defaults: tuple[tuple[str, object], ...] = ()  # transformers' values of the config.json fields it may omit

@@ -89,6 +89,7 @@ def _deepseek_v3(cfg: dict) -> FamilyFields:
 
 
 # Tensor-parallel: query heads split, the latent whole on every rank, experts (routed and shared)
-# split by their intermediate size (distributed/plan.py).
+# split by their intermediate size, or the routed ones whole per rank with expert_parallel
+# (distributed/plan.py).
 DEEPSEEK_V3 = Family(parse=_deepseek_v3, renames=RENAMES, llama_shaped=False, cuda_graphs=False,
-                     skips_extra_layers=True, tensor_parallel=True)
+                     skips_extra_layers=True, tensor_parallel=True, expert_count_field="n_routed_experts")
