@@ -29,9 +29,10 @@ from tests.reference import hf_greedy
 # experts of 48 rows in 2 groups and one shared expert.
 # Gemma 3: layer 0 slides over 24 positions (RoPE base 500), layer 1 is global; tied embeddings,
 # the logits softcapped (prompts of 1-64 tokens cross the window).
-SHARDED = ("deepseek_v3", "gemma3_text", "mixtral", "phi3", "qwen3", "qwen3_moe")
+# DeepSeek-V2: as V3, with q straight from q_proj and softmax routing over 4 groups.
+SHARDED = ("deepseek_v2", "deepseek_v3", "gemma3_text", "mixtral", "phi3", "qwen3", "qwen3_moe")
 # Each rank's (first KV head, count): 2 KV heads split; the latent is one entry every rank holds.
-RANK_KV_HEADS = {"deepseek_v3": [(0, 1), (0, 1)]}
+RANK_KV_HEADS = {"deepseek_v2": [(0, 1), (0, 1)], "deepseek_v3": [(0, 1), (0, 1)]}
 
 
 @lru_cache(maxsize=None)
