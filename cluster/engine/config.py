@@ -211,10 +211,10 @@ class EngineOptions(BaseModel):
         "rank. The engine is rank 0 of a torch.distributed group whose other ranks run the worker loop (a Serve "
         "replica starts them as Ray actors in its placement group).")
     expert_parallel: bool = Field(
-        False, description="Mixtures of experts (Mixtral, Qwen3-MoE, DeepSeek-V3) over the tensor_parallel_size "
+        False, description="Mixtures of experts (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) over the tensor_parallel_size "
         "ranks: each rank holds num_experts / tp whole routed experts instead of 1/tp of every expert's rows (vLLM's "
         "--enable-expert-parallel); tp must divide the routed experts' count. The router is whole on every rank, "
-        "DeepSeek-V3's shared experts stay split by their rows, one all-reduce sums a layer's output as without it. "
+        "DeepSeek's shared experts stay split by their rows, one all-reduce sums a layer's output as without it. "
         "Refused for a model without routed experts; at tensor_parallel_size 1 the one rank holds every expert.")
 
     @model_validator(mode="after")

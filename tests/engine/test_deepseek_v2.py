@@ -70,7 +70,8 @@ def test_greedy_routing_with_q_lora_equals_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"scoring_func": "sigmoid"}, "config.json scoring_func='sigmoid' is not supported: DeepSeek-V2 routing is softmax"),
+    ({"scoring_func": "sigmoid"},
+     "config.json scoring_func='sigmoid' is not supported: DeepSeek-V2 routing is softmax"),
     ({"topk_method": "noaux_tc"}, "config.json topk_method='noaux_tc' is not supported: DeepSeek-V2 routing is one of "
                                   "greedy, group_limited_greedy"),
     ({"norm_topk_prob": True}, "config.json norm_topk_prob=True is not supported: transformers' DeepSeek-V2 router "

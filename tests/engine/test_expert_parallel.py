@@ -1,7 +1,7 @@
 """Expert parallelism (engine.expert_parallel, issue 49): at tp=2 each rank holds half the routed
-experts whole (not half of every expert's rows), the router whole, DeepSeek-V3's shared experts
-split by their rows. Mixtral, Qwen3-MoE and DeepSeek-V3 give exactly tp=1's and transformers'
-greedy tokens on the tiny checkpoints of test_tensor_parallel_families.py; each rank's weights are
+experts whole (not half of every expert's rows), the router whole, DeepSeek's shared experts
+split by their rows. Mixtral, Qwen3-MoE, DeepSeek-V2 and DeepSeek-V3 give exactly tp=1's and
+transformers' greedy tokens on the tiny checkpoints of test_tensor_parallel_families.py; each rank's weights are
 the tp=1 model's rows of its experts, and its bytes exact; degrees the experts' count cannot take,
 and a model without experts, are refused naming the field."""
 
@@ -22,11 +22,12 @@ from tests.engine.test_tensor_parallel import assert_ranks_hold_their_heads, pro
 from tests.engine.test_tensor_parallel_families import checkpoint, tmp_root  # noqa: F401 (a fixture)
 from tests.reference import hf_greedy
 
-MOE = ("deepseek_v3", "mixtral", "qwen3_moe")
-# Each family's sparse layer in the 2-layer checkpoints (Qwen3-MoE: layer 1 dense; DeepSeek-V3: layer 0)
-SPARSE = {"deepseek_v3": "layers.1.mlp.", "mixtral": "layers.1.mlp.", "qwen3_moe": "layers.0.mlp."}
+MOE = ("deepseek_v2", "deepseek_v3", "mixtral", "qwen3_moe")
+# Each family's sparse layer in the 2-layer checkpoints (Qwen3-MoE: layer 1 dense; DeepSeek: layer 0)
+SPARSE = {"deepseek_v2": "layers.1.mlp.", "deepseek_v3": "layers.1.mlp.", "mixtral": "layers.1.mlp.",
+          "qwen3_moe": "layers.0.mlp."}
 # hidden 64: an expert of I rows holds gate and up [I, 64] and down [64, I] (3 x 64 x I floats); 8 experts
-EXPERT_ROWS = {"deepseek_v3": 48, "mixtral": 96, "qwen3_moe": 48}
+EXPERT_ROWS = {"deepseek_v2": 48, "deepseek_v3": 48, "mixtral": 96, "qwen3_moe": 48}
 
 
 @pytest.mark.timeout(90)
@@ -37,7 +38,7 @@ def test_ep2_equals_tp1_and_transformers(tmp_root, model_type):
     tp1_tokens, tp1_cache = reference(model, ps)
     tokens, reports, exit_codes = run(model, 2, ps, expert_parallel=True)
     assert tokens == tp1_tokens == [hf_greedy(model, p, 8) for p in ps]
-    heads = [(0, 1), (0, 1)] if model_type == "deepseek_v3" else [(0, 1), (1, 1)]  # the latent: whole on each
+    heads = [(0, 1), (0, 1)] if model_type.startswith("deepseek") else [(0, 1), (1, 1)]  # the latent: whole on each
     assert_ranks_hold_their_heads(reports, tp1_cache, heads)
     assert exit_codes == [0]
 
@@ -73,7 +74,7 @@ def test_each_rank_holds_half_the_experts_whole_and_everything_else_as_tensor_pa
         layers = 2 if model_type == "mixtral" else 1  # sparse layers
         assert nbytes(ep[r], is_routed) == nbytes(tp[r], is_routed) == layers * 4 * 3 * 64 * rows * 4
         assert nbytes(ep[r], lambda n: True) == nbytes(tp[r], lambda n: True)
-    if model_type == "deepseek_v3":  # one shared expert of 48 rows: 24 on each rank
+    if model_type.startswith("deepseek"):  # one shared expert of 48 rows: 24 on each rank
         assert tuple(ep[1][SPARSE[model_type] + "shared_experts.gate_up_proj.weight"].shape) == (2 * 24, 64)
 
 
