@@ -18,6 +18,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-replicas", type=int)
     p.add_argument("--decode-replicas", type=int)
     p.add_argument("--num-blocks", type=int, help="KV blocks per replica")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="engine.expert_parallel for both pools: a mixture of experts' routed experts partitioned "
+                        "whole over each replica's tensor_parallel_size ranks (docs/architecture.md)")
     p.add_argument("--host")
     p.add_argument("--http-port", type=int)
     p.add_argument("--grpc-port", type=int)
@@ -48,6 +51,8 @@ def load_app_config(args):
             data[pool]["autoscaling"] = None
     if args.num_blocks is not None:
         data.setdefault("engine", {})["num_blocks"] = args.num_blocks
+    if args.enable_expert_parallel:
+        data.setdefault("engine", {})["expert_parallel"] = True
     return AppConfig.model_validate(data)
 
 

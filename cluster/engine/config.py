@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cluster.errors import InvalidRequestError
 
-from cluster.engine.distributed.plan import kv_heads_per_rank
+from cluster.engine.distributed.plan import check_expert_parallel, kv_heads_per_rank
 from cluster.engine.model_config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
@@ -210,6 +210,12 @@ class EngineOptions(BaseModel):
         "replicated when tp is a multiple of them, else refused; a latent-attention (MLA) cache whole on every "
         "rank. The engine is rank 0 of a torch.distributed group whose other ranks run the worker loop (a Serve "
         "replica starts them as Ray actors in its placement group).")
+    expert_parallel: bool = Field(
+        False, description="Mixtures of experts (Mixtral, Qwen3-MoE, DeepSeek-V2/V3) over the tensor_parallel_size "
+        "ranks: each rank holds num_experts / tp whole routed experts instead of 1/tp of every expert's rows (vLLM's "
+        "--enable-expert-parallel); tp must divide the routed experts' count. The router is whole on every rank, "
+        "DeepSeek's shared experts stay split by their rows, one all-reduce sums a layer's output as without it. "
+        "Refused for a model without routed experts; at tensor_parallel_size 1 the one rank holds every expert.")
 
     @model_validator(mode="after")
     def _tiers_need_prefix_caching(self) -> "EngineOptions":
@@ -299,8 +305,10 @@ def check_latent_paths(mc: ModelConfig, opts: EngineOptions) -> None:
 
 
 def kv_block_bytes(mc: ModelConfig, opts: EngineOptions) -> int:
-    """Bytes of one KV block (all layers) for these engine options (refusing those a latent pool cannot take)."""
+    """Bytes of one KV block (all layers) for these engine options (refusing those a latent pool cannot take,
+    and expert_parallel on a model without experts)."""
     check_latent_paths(mc, opts)
+    check_expert_parallel(mc, opts.expert_parallel)
     return math.prod(kv_block_shape(mc, opts.block_size)) * DTYPE_BYTES[cache_dtype(mc, opts)]
 
 

@@ -167,6 +167,8 @@ class ModelConfig:
                 del parts[name]
         if parts["rope"]["yarn"] is None:
             del parts["rope"]["yarn"]
+        if (parts.get("moe_routing") or {}).get("scoring") == "sigmoid":
+            del parts["moe_routing"]["scoring"]  # DeepSeek-V3's, as before the field existed
         blob = json.dumps(parts, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, MixtralConfig, Phi3Config,
-                          Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, Gemma3TextConfig, MixtralConfig,
+                          Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from cluster.engine.distributed.plan import check_degree, valid_degrees
 from cluster.engine.llm_engine import LLMEngine
@@ -51,11 +51,18 @@ FAMILIES = {
                                            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
                                            first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
                                            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)),
+    # DeepSeek-V2 (V2-Lite's q_proj straight from the hidden state): MLA as V3's, layer 0 dense, 1-2 MoE behind
+    # softmax routing: 8 experts in 4 groups, top-2 from the 2 groups whose best expert scores highest, x 1.5
+    "deepseek_v2": (DeepseekV2Config, dict(num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=48,
+                                           n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                           topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                           routed_scaling_factor=1.5, first_k_dense_replace=1, q_lora_rank=None,
+                                           kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)),
 }
 # transformers initialises Gemma's norm weights to 0 (a scale of 1 + 0): random ones test the offset.
 RANDOM_NORMS = {"gemma3_text"}
 # The families here that shard at tp > 1 (all of them).
-TENSOR_PARALLEL = {"qwen3", "phi3", "mixtral", "qwen3_moe", "deepseek_v3", "gemma3_text"}
+TENSOR_PARALLEL = {"qwen3", "phi3", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gemma3_text"}
 MOE_BLOCKS = {"mixtral": "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
               "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"}
 
@@ -220,8 +227,8 @@ def test_an_unknown_model_type_is_named_with_the_served_ones():
     with pytest.raises(ValueError) as e:
         ModelConfig.from_hf_dict({"model_type": "gpt2"})
     assert str(e.value) == ("config.json model_type='gpt2' is not supported "
-                            "(supported: deepseek_v3, gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3, "
-                            "qwen3_moe)")
+                            "(supported: deepseek_v2, deepseek_v3, gemma3_text, llama, mistral, mixtral, phi3, qwen2, "
+                            "qwen3, qwen3_moe)")
 
 
 def _rope(model_type: str, **params) -> dict:
@@ -272,8 +279,8 @@ def test_tensor_parallelism_and_cuda_graphs_refuse_what_a_family_lacks(monkeypat
     with pytest.raises(ValueError) as e:
         check_degree(new, 2)
     assert str(e.value) == ("tensor_parallel_size 2: model_type 'new_family' has no tensor-parallel sharding here "
-                            "(families that shard: deepseek_v3, gemma3_text, llama, mistral, mixtral, phi3, qwen2, "
-                            "qwen3, qwen3_moe); "
+                            "(families that shard: deepseek_v2, deepseek_v3, gemma3_text, llama, mistral, mixtral, phi3, "
+                            "qwen2, qwen3, qwen3_moe); "
                             "use tensor_parallel_size 1")
     check_degree(new, 1)
     assert valid_degrees(new) == [1]
@@ -299,7 +306,8 @@ def test_config_json_round_trip_of_each_family(family):
     expected = {"qwen3": (True, None, 32), "mixtral": (False, (8, 2, 96, True, (0, 1, 2)), 16),
                 "qwen3_moe": (True, (8, 2, 48, False, (0, 2)), 32), "phi3": (False, None, 16),
                 "gemma3_text": (True, None, 32),
-                "deepseek_v3": (False, (8, 2, 48, True, (1, 2)), 8)}[model_type]  # head_dim: the rope part's
+                "deepseek_v3": (False, (8, 2, 48, True, (1, 2)), 8),
+                "deepseek_v2": (False, (8, 2, 48, False, (1, 2)), 8)}[model_type]  # head_dim: the rope part's
     assert (mc.qk_norm, moe, mc.head_dim) == expected
     window = {"gemma3_text": (24, (0, 2))}.get(model_type, (None, ()))
     sharded = model_type in TENSOR_PARALLEL  # tests/engine/test_tensor_parallel_families.py

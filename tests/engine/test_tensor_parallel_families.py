@@ -29,9 +29,10 @@ from tests.reference import hf_greedy
 # experts of 48 rows in 2 groups and one shared expert.
 # Gemma 3: layer 0 slides over 24 positions (RoPE base 500), layer 1 is global; tied embeddings,
 # the logits softcapped (prompts of 1-64 tokens cross the window).
-SHARDED = ("deepseek_v3", "gemma3_text", "mixtral", "phi3", "qwen3", "qwen3_moe")
+# DeepSeek-V2: as V3, with q straight from q_proj and softmax routing over 4 groups.
+SHARDED = ("deepseek_v2", "deepseek_v3", "gemma3_text", "mixtral", "phi3", "qwen3", "qwen3_moe")
 # Each rank's (first KV head, count): 2 KV heads split; the latent is one entry every rank holds.
-RANK_KV_HEADS = {"deepseek_v3": [(0, 1), (0, 1)]}
+RANK_KV_HEADS = {"deepseek_v2": [(0, 1), (0, 1)], "deepseek_v3": [(0, 1), (0, 1)]}
 
 
 @lru_cache(maxsize=None)
@@ -56,10 +57,11 @@ def test_tp2_equals_tp1_and_transformers(tmp_root, model_type):
     assert exit_codes == [0]
 
 
-def rank_shards(model: str, tp: int) -> tuple[ModelConfig, torch.nn.Module, list[dict[str, torch.Tensor]]]:
+def rank_shards(model: str, tp: int, expert_parallel: bool = False
+                ) -> tuple[ModelConfig, torch.nn.Module, list[dict[str, torch.Tensor]]]:
     mc = ModelConfig.from_dir(model)
     whole = load_model(model, mc, 64, torch.float32, torch.device("cpu"))
-    shards = [dict(load_rank_model(model, mc, ShardPlan.for_model(mc, tp, r), 64, torch.float32,
+    shards = [dict(load_rank_model(model, mc, ShardPlan.for_model(mc, tp, r, expert_parallel), 64, torch.float32,
                                    torch.device("cpu")).named_parameters()) for r in range(tp)]
     return mc, whole, shards
 
@@ -102,9 +104,11 @@ def test_each_rank_loads_its_rows_of_every_expert_and_the_whole_router(tmp_root,
     assert tuple(shards[1][prefix + "gate_up_proj"].shape) == (8, 2 * n, 64)
 
 
-def test_a_stacked_expert_checkpoint_shards_as_the_per_expert_one(tmp_root, tmp_path):
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["rows", "whole-experts"])
+def test_a_stacked_expert_checkpoint_shards_as_the_per_expert_one(tmp_root, tmp_path, expert_parallel):
     """transformers 5's stacked names (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]):
-    each rank cuts the gate and the up half of every expert from the one tensor."""
+    each rank cuts the gate and the up half of every expert from the one tensor, or under expert
+    parallelism its E/tp experts whole."""
     per_expert = Path(checkpoint(tmp_root, "qwen3_moe"))
     stacked = tmp_path / "stacked"
     shutil.copytree(per_expert, stacked)
@@ -114,8 +118,10 @@ def test_a_stacked_expert_checkpoint_shards_as_the_per_expert_one(tmp_root, tmp_
                                                           tensors.pop(f"{p}{e}.up_proj.weight")]) for e in range(8)])
     tensors[p + "down_proj"] = torch.stack([tensors.pop(f"{p}{e}.down_proj.weight") for e in range(8)])
     save_file(tensors, stacked / "model.safetensors", metadata={"format": "pt"})
-    for a, b in zip(rank_shards(str(per_expert), 2)[2], rank_shards(str(stacked), 2)[2]):
+    apart, together = (rank_shards(str(d), 2, expert_parallel)[2] for d in (per_expert, stacked))
+    for a, b in zip(apart, together):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert a[p[len("model."):] + "gate_up_proj"].shape[0] == (4 if expert_parallel else 8)
 
 
 @pytest.mark.parametrize("model_type, change, message", [

@@ -1,7 +1,7 @@
 """Families beyond Llama served by the whole app (issue 49): a Qwen3-MoE checkpoint (q/k norms, sparse
 and dense layers), a Phi-3 one (fused checkpoint tensors), a Gemma 3 one (sliding layers of a
-24-token window: the pulled KV read windowed by decode) and a DeepSeek-V3 one (latent attention: its
-pulls move the latent), each written by transformers' save_pretrained, give exactly transformers'
+24-token window: the pulled KV read windowed by decode), a DeepSeek-V2 and a DeepSeek-V3 one
+(latent attention: their pulls move the latent), each written by transformers' save_pretrained, give exactly transformers'
 greedy tokens over gRPC with every prompt prefilled on the prefill pool and its KV pulled by decode;
 both pools end whole."""
 
@@ -16,7 +16,7 @@ from tests.reference import hf_greedy
 LENGTHS = [1, 17, 300]  # one token; past one block; past the chunk budget
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "phi3", "gemma3_text", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "phi3", "gemma3_text", "deepseek_v2", "deepseek_v3"])
 def test_a_family_is_served_with_every_prompt_prefilled_remotely(serve_apps, tmp_path_factory, model_type):
     checkpoint = write_checkpoint(tmp_path_factory.mktemp(f"served-{model_type}"), model_type)
     # local_prefill_threshold 0: no prompt is ever prefilled on decode while a prefill replica exists

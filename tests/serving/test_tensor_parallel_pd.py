@@ -6,7 +6,9 @@ heads: one a rank at tp=2; kv_transfer/rank_reads.py):
 - prefill tp=2, decode tp=2 (the same degree): decode rank r reads head r from prefill rank r.
 
 Greedy streams equal the in-process engine's, every prompt's KV was pulled (no recompute), each
-pulled block's bytes once, and both pools are whole afterwards.
+pulled block's bytes once, and both pools are whole afterwards. Then a mixture of experts with latent
+attention (DeepSeek-V3) and one with expert parallelism on decode (Qwen3-MoE), each prefilled at
+tp=1 and decoded at tp=2, against transformers' tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import pytest
 
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
-from tests.helpers import grpc_stub, serve_replica_ids, wait_for
+from tests.engine.test_engine_correctness import prompts as engine_prompts
+from tests.engine.test_families import write_checkpoint
+from tests.helpers import grpc_stub, pool_loads, serve_replica_ids, wait_for, wait_pools_whole
+from tests.reference import hf_greedy
 from tests.serving.test_tensor_parallel_serving import NUM_BLOCKS, prompt, request
 
 
@@ -67,3 +72,40 @@ def test_pools_of_different_degrees_stream_the_reference_tokens(app, tiny_model)
     assert t["blocks_pulled"] == sum(-(-len(p) // 16) for p in prompts), t  # each prompt block once
     for pool, tp in (("prefill", p_tp), ("decode", d_tp)):
         assert len(seen[pool].get("rank_nodes", [seen[pool]["node_id"]])) == tp
+
+
+# Mixtures of experts and latent attention, prefill tp=1 -> decode tp=2, through the served app: each
+# prompt prefilled on the prefill pool (local_prefill_threshold 0), its KV pulled by both decode ranks.
+# DeepSeek-V3 (test_families' config at 2 layers: MLA, layer 1 8 routed experts + 1 shared, each split
+# by its rows): each decode rank reads every latent block whole from the one prefill rank, so the pull
+# moves blocks x latent block bytes (2 layers x 16 tokens x (32 + 8) x fp32 = 5,120) x 2 ranks.
+# Qwen3-MoE (layer 0 sparse, layer 1 dense; 2 KV heads of 32) with expert parallelism on decode (4 whole
+# experts a rank): each decode rank reads its head, the block's bytes (2 x K, V x 16 x 2 x 32 x fp32) once.
+MOE_PROMPT_LENGTHS = [17, 40, 100]  # 2 + 3 + 7 blocks
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model_type, decode_engine, pulled_bytes_per_block", [
+    ("deepseek_v3", {}, 2 * 5120),
+    ("qwen3_moe", {"expert_parallel": True}, 2 * 2 * 16 * 2 * 32 * 4),
+], ids=["deepseek_v3", "qwen3_moe-expert-parallel"])
+def test_moe_and_latent_attention_pulled_from_tp1_into_tp2_give_transformers_tokens(
+        serve_apps, tmp_path_factory, model_type, decode_engine, pulled_bytes_per_block):
+    checkpoint = write_checkpoint(tmp_path_factory.mktemp(f"pd-tp-{model_type}"), model_type, seed=3,
+                                  num_hidden_layers=2)
+    ps = engine_prompts(len(MOE_PROMPT_LENGTHS), MOE_PROMPT_LENGTHS, seed=49)
+    decode = {"num_replicas": 1, "num_cpus": 0.5, "engine": {"tensor_parallel_size": 2, **decode_engine}}
+    with serve_apps.run(checkpoint, engine={"num_blocks": NUM_BLOCKS}, routing={"local_prefill_threshold": 0},
+                        prefill={"num_replicas": 1, "num_cpus": 0.5}, decode=decode) as cfg:
+        received = pool_loads()["prefill"]["requests_received"]
+        with grpc_stub(cfg) as stub:
+            streams = [[t for r in stub.Generate(request(p, 8), timeout=120) for t in r.token_ids] for p in ps]
+        assert streams == [hf_greedy(checkpoint, p, 8) for p in ps]
+        seen = wait_pools_whole()
+        assert seen["prefill"]["requests_received"] - received == len(ps)  # each one prefilled there
+        assert seen["prefill"]["total_blocks"] == seen["decode"]["total_blocks"] == NUM_BLOCKS
+        t = seen["decode"]["transfer"]
+        assert (t["pulls_ok"], t["pulls_failed"], t["fallbacks_recompute"]) == (len(ps), 0, 0), t
+        blocks = sum(-(-n // 16) for n in MOE_PROMPT_LENGTHS)
+        assert (t["blocks_pulled"], t["bytes_pulled"]) == (blocks, blocks * pulled_bytes_per_block), t
+        assert len(seen["decode"]["rank_nodes"]) == 2

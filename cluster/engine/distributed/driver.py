@@ -28,7 +28,7 @@ class TensorParallelDriver:
         """Rank 0 of a group whose workers are waiting (launch.py, or a replica's Ray actors): sends them
         the spec, then loads its own shard. A degree the model cannot take is refused first."""
         tp = config.tensor_parallel_size
-        check_degree(mc, tp)
+        check_degree(mc, tp, config.expert_parallel)
         if not dist.is_initialized() or dist.get_world_size() != tp or dist.get_rank() != 0:
             raise RuntimeError(
                 f"tensor_parallel_size {tp} needs this process to be rank 0 of a torch.distributed group of "

@@ -7,7 +7,8 @@ head hold a vocabulary shard each; the embedding's rows are all-reduced (one ran
 token, the others add zeros: exact), the LM head's logits are gathered on rank 0, the driver,
 because the sampler reads the whole row (penalties, top-k/p, logprobs, grammar masks): a
 distributed argmax would serve greedy only. A mixture-of-experts layer holds 1/tp of every
-expert's rows and is all-reduced once (distributed/moe_shard.py); latent attention splits its
+expert's rows, or with expert parallelism E/tp whole experts, and is all-reduced once
+(distributed/moe_shard.py); latent attention splits its
 query heads and keeps the latent path whole (its o_proj is row-parallel as any other).
 """
 
@@ -79,13 +80,13 @@ def rank_config(mc: ModelConfig, plan: ShardPlan) -> ModelConfig:
                                intermediate_size=plan.intermediate, moe=moe, moe_routing=routing)
 
 
-def shard_layer(layer: nn.Module, mc: ModelConfig, local: ModelConfig) -> None:
+def shard_layer(layer: nn.Module, mc: ModelConfig, local: ModelConfig, plan: ShardPlan) -> None:
     """Make a layer built from the rank's config (column-parallel already: its rows) sum over the
     ranks: o_proj and a dense MLP's down_proj row-parallel, an MoE layer all-reduced once."""
     attn = layer.self_attn
     attn.o_proj = RowParallelLinear(attn.o_proj.in_features, mc.hidden_size, bias=attn.o_proj.bias is not None)
     if isinstance(layer.mlp, SparseMoE):
-        layer.mlp = parallel_moe(local)
+        layer.mlp = parallel_moe(local, plan)
     else:
         layer.mlp.down_proj = RowParallelLinear(local.intermediate_size, mc.hidden_size, bias=False)
 
@@ -98,7 +99,7 @@ def build_rank_model(mc: ModelConfig, plan: ShardPlan, max_positions: int, dtype
     with torch.device("meta"):
         model = DecoderForCausalLM(local, max_positions, dtype, torch.device("meta"))
         for layer in model.layers:
-            shard_layer(layer, mc, local)
+            shard_layer(layer, mc, local, plan)
         model.embed_tokens = VocabParallelEmbedding(plan, hidden)
         model.lm_head = ParallelLMHead(plan, hidden, mc.vocab_size)
         model.to(dtype=dtype)

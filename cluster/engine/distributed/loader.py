@@ -1,5 +1,7 @@
 """Load one rank's slices of a Hugging Face checkpoint: each rank reads only the rows (or columns)
-it holds (distributed/shard_rules.py), through safetensors' lazy slices, never the whole tensor."""
+it holds (distributed/shard_rules.py), through safetensors' lazy slices, never the whole tensor.
+Under expert parallelism a rank reads only its own routed experts: a per-expert tensor of another
+rank's expert is skipped, a stacked [E, ...] one is sliced to the rank's E/tp."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from cluster.engine.distributed.layers import build_rank_model
 from cluster.engine.distributed.plan import ShardPlan
 from cluster.engine.distributed.shard_rules import Split, rank_split
 from cluster.engine.model.decoder import DecoderForCausalLM
-from cluster.engine.model.loader import check_context, check_loaded, checkpoint_entries, keys_of
+from cluster.engine.model.loader import Piece, check_context, check_loaded, checkpoint_entries, keys_of
 from cluster.engine.model_config import ModelConfig
 
 
@@ -26,25 +28,47 @@ def load_rank_model(model_dir: str | Path, mc: ModelConfig, plan: ShardPlan, max
     for f, name, piece, dest in checkpoint_entries(model_dir, mc, params):
         if piece.target.endswith(("embed_tokens.weight", "lm_head.weight")):
             dest.zero_()  # the last vocabulary shard's padding rows
+        held = rank_experts(piece, plan)
+        if held is None:
+            continue  # another rank's expert (expert parallelism)
+        piece, experts = held
         if piece.expert is not None:  # one expert's tensor: its slice of the stacked [E, ...] parameter
             dest = dest[piece.expert]
-        copy_shard(f.get_slice(name), dest, rank_split(piece.target, mc, plan), piece.part, f"{name}: rank {plan.rank}")
+        copy_shard(f.get_slice(name), dest, rank_split(piece.target, mc, plan), piece.part,
+                   f"{name}: rank {plan.rank}", experts)
         loaded |= keys_of(piece, params[piece.target])
     check_loaded(model, mc, loaded, model_dir)
     model.eval()
     return model
 
 
-def copy_shard(lazy, dest: torch.Tensor, split: Split | None, part: int | None, what: str) -> None:
+def rank_experts(piece: Piece, plan: ShardPlan) -> tuple[Piece, slice | None] | None:
+    """Under expert parallelism, where a routed expert's tensor goes on this rank: (the piece, its
+    expert index made local; for a stacked [E, ...] tensor the rank's slice of E), or None when
+    another rank holds that expert. Otherwise (piece, None)."""
+    if not plan.expert_parallel or ".mlp.experts." not in piece.target:
+        return piece, None
+    first = plan.expert_start
+    if piece.expert is None:
+        return piece, slice(first, first + plan.local_experts)
+    if not plan.holds_expert(piece.expert):
+        return None
+    return dataclasses.replace(piece, expert=piece.expert - first), None
+
+
+def copy_shard(lazy, dest: torch.Tensor, split: Split | None, part: int | None, what: str,
+               experts: slice | None = None) -> None:
     """Copy the rank's slice of a checkpoint tensor (a safetensors slice) into `dest`: the whole
-    tensor (split None), one part of a fused parameter (part), or every part of a fused one."""
+    tensor (split None), one part of a fused parameter (part), or every part of a fused one;
+    `experts`: the rank's slice of a stacked tensor's first (expert) axis."""
     ndim = len(lazy.get_shape())
+    lead = [slice(None) if experts is None else experts] + [slice(None)] * (ndim - 1)
     if split is None:
-        _copy(lazy[tuple(slice(None) for _ in range(ndim))], dest, what)
+        _copy(lazy[tuple(lead)], dest, what)
         return
     parts = split.parts if part is None else (dataclasses.replace(split.parts[part], src=0),)
     for p in parts:
-        index = [slice(None)] * ndim
+        index = list(lead)
         index[ndim + split.axis] = slice(p.src + p.start, p.src + p.start + p.length)
         _copy(lazy[tuple(index)], dest.narrow(dest.dim() + split.axis, p.dst, p.length), what)
 

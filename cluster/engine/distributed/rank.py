@@ -28,7 +28,7 @@ class RankModel:
     def build(cls, spec: WorkerSpec, rank: int, device: torch.device) -> "RankModel":
         config = spec.config
         mc = ModelConfig.from_dir(config.model)
-        plan = ShardPlan.for_model(mc, config.tensor_parallel_size, rank)
+        plan = ShardPlan.for_model(mc, config.tensor_parallel_size, rank, config.expert_parallel)
         dtype = getattr(torch, run_dtype(mc, config))
         model = load_rank_model(config.model, mc, plan, spec.max_model_len, dtype, device)
         # Layer by layer: the fused decode kernel runs every layer in one call, with no point

@@ -6,7 +6,8 @@ of qkv_proj (each of the rank's heads), gate and up of gate_up_proj (each its 1/
 checkpoint tensor that is one part (q_proj) fills that part; one that is the whole fused
 parameter (Phi-3's qkv_proj and gate_up_proj) fills every part from its own offsets. A parameter
 with no rule (the norms, q/k norms, the router, MLA's down-projections and latent norm) is whole
-on every rank.
+on every rank, and so is each routed expert a rank holds under expert parallelism (which experts
+it holds: distributed/loader.py).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def rank_split(target: str, mc: ModelConfig, plan: ShardPlan) -> Split | None:
     m = re.search(_MLP + r"(gate_up_proj|down_proj)(?:\.weight)?$", target)
     if m:
         whole, local = _mlp_sizes(target, mc, plan)
+        if plan.expert_parallel and ".mlp.experts." in target:  # the rank's experts whole: every row
+            return _gate_up(whole, whole, 0) if m.group(1) == "gate_up_proj" else None
         if m.group(1) == "gate_up_proj":
             return _gate_up(whole, local, plan.rank)
         return _one(-1, plan.rank * local, local)

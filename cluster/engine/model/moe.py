@@ -17,11 +17,12 @@ from cluster.engine.model_config import MoEConfig
 
 
 class Experts(nn.Module):
-    """Every expert's SiLU-gated MLP, stacked (transformers 5's layout and names)."""
+    """Every expert's SiLU-gated MLP, stacked (transformers 5's layout and names); under expert
+    parallelism a rank's whole experts only (distributed/moe_shard.py)."""
 
-    def __init__(self, moe: MoEConfig, hidden: int):
+    def __init__(self, num_experts: int, intermediate: int, hidden: int):
         super().__init__()
-        e, i = moe.num_experts, moe.intermediate_size
+        e, i = num_experts, intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden))  # [E, 2I, H]: gate rows, then up rows
         self.down_proj = nn.Parameter(torch.empty(e, hidden, i))  # [E, H, I]
 
@@ -32,7 +33,7 @@ class SparseMoE(nn.Module):
     def __init__(self, moe: MoEConfig, hidden: int):
         super().__init__()
         self.gate = Linear(hidden, moe.num_experts, bias=False)  # the router
-        self.experts = Experts(moe, hidden)
+        self.experts = Experts(moe.num_experts, moe.intermediate_size, hidden)
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.renormalize, self.float32_weights = moe.renormalize, moe.float32_weights
 
@@ -45,22 +46,32 @@ class SparseMoE(nn.Module):
         return weights, experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H] -> [T, H]
+        return self.routed(x)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """Every token's routed experts' weighted outputs, summed: [T, H]."""
         weights, experts = self.route(x)
-        choices = experts.flatten()  # [T*k]: row r is token r // k's (r % k)-th expert
+        return self.grouped(x, weights.flatten(), experts.flatten(), None)
+
+    def grouped(self, x: torch.Tensor, w: torch.Tensor, choices: torch.Tensor,
+                rows: torch.Tensor | None) -> torch.Tensor:
+        """Run the (token, choice) rows expert by expert and add them onto their tokens. Row i runs
+        expert choices[i] (an index into self.experts) weighted by w[i]; it is (token, choice) row
+        rows[i] of the T*k (token r // k's (r % k)-th expert), or row i itself when rows is None."""
         order = choices.argsort(stable=True)  # the rows grouped by expert, ascending
-        counts = torch.bincount(choices, minlength=self.num_experts).tolist()  # one host read a layer
-        tokens = order // self.top_k
-        rows = x[tokens]  # [T*k, H], expert by expert
-        out = torch.empty_like(rows)
+        counts = torch.bincount(choices, minlength=self.experts.down_proj.shape[0]).tolist()  # one host read
+        tokens = (order if rows is None else rows[order]) // self.top_k
+        xs = x[tokens]  # [R, H], expert by expert
+        out = torch.empty_like(xs)
         ops, start = self.ops, 0
         for e, n in enumerate(counts):
             if n:
                 block = slice(start, start + n)
-                gate_up = ops.linear(rows[block], self.experts.gate_up_proj[e], None)  # [n, 2I]
+                gate_up = ops.linear(xs[block], self.experts.gate_up_proj[e], None)  # [n, 2I]
                 out[block] = ops.linear(ops.silu_mul(gate_up), self.experts.down_proj[e], None)
                 start += n
-        w = weights.flatten()[order, None]  # [T*k, 1]
+        w = w[order, None]  # [R, 1]
         # Mixtral scales in float32 (its weights stay float32); Qwen3-MoE casts them to the model dtype.
         out = (out.float() * w).to(x.dtype) if self.float32_weights else out * w.to(x.dtype)
-        # Each token's k rows are added in expert order, as transformers' per-expert index_add_.
+        # Each token's rows are added in expert order, as transformers' per-expert index_add_.
         return torch.zeros_like(x).index_add_(0, tokens, out)

@@ -4,6 +4,7 @@ one declares). A new family is one file here and one line below."""
 from __future__ import annotations
 
 from cluster.engine.model.families.base import Family
+from cluster.engine.model.families.deepseek_v2 import DEEPSEEK_V2
 from cluster.engine.model.families.deepseek_v3 import DEEPSEEK_V3
 from cluster.engine.model.families.gemma3 import GEMMA3_TEXT, MULTIMODAL
 from cluster.engine.model.families.llama import LLAMA, QWEN2
@@ -21,6 +22,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": QWEN3_MOE,
     "phi3": PHI3,
     "gemma3_text": GEMMA3_TEXT,
+    "deepseek_v2": DEEPSEEK_V2,
     "deepseek_v3": DEEPSEEK_V3,
 }
 # model_types refused with a reason of their own (besides the served list).

@@ -38,12 +38,17 @@ class GroupedRouting:
     are chosen by score + a per-expert correction bias (`e_score_correction_bias`), only within the
     `topk_groups` of `num_groups` expert groups whose two best biased scores sum highest; a choice
     weighs its unbiased score (renormalised by MoEConfig.renormalize, + 1e-20), times `scaling`. The
-    layer adds `shared_intermediate_size` always-on experts as one dense MLP."""
+    layer adds `shared_intermediate_size` always-on experts as one dense MLP.
+
+    scoring "softmax" is DeepSeek-V2's router (transformers' DeepseekV2TopkRouter): float32 softmax
+    scores, no correction bias, a group scored by its best expert (topk_method group_limited_greedy;
+    greedy is one group), a choice weighing its score times `scaling`, never renormalised."""
 
     num_groups: int
     topk_groups: int
     scaling: float  # routed_scaling_factor
     shared_intermediate_size: int  # moe_intermediate_size x n_shared_experts
+    scoring: str = "sigmoid"  # "sigmoid" (DeepSeek-V3) or "softmax" (DeepSeek-V2)
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,7 @@ class Family:
     llama_shaped: bool = True
     tensor_parallel: bool = False  # distributed/ has its shard rules (plan, layers, shard_rules, loader)
     expert_size_field: str = "moe_intermediate_size"  # config.json's name of an expert's intermediate size (errors)
+    expert_count_field: str = "num_experts"  # config.json's name of the routed experts' count (errors)
     cuda_graphs: bool = True  # a decode step never reads the device from the host, so a CUDA graph can capture it
     own_activation: bool = False  # its parse reads the MLP's activation itself (hidden_activation)
     defaults: tuple[tuple[str, object], ...] = ()  # transformers' values of the config.json fields it may omit

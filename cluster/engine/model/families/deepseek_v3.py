@@ -54,31 +54,49 @@ def parse_routing(cfg: dict, num_experts: int, top_k: int) -> GroupedRouting:
     for field, served in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         if cfg.get(field, served) != served:
             raise unsupported(field, cfg[field], f"DeepSeek-V3 routing is {served} here (as transformers')")
+    groups, topk_groups = parse_groups(cfg, num_experts, top_k, 2)
+    return GroupedRouting(num_groups=groups, topk_groups=topk_groups, scaling=parse_scaling(cfg, 2.5),
+                          shared_intermediate_size=shared_intermediate(cfg))
+
+
+def parse_groups(cfg: dict, num_experts: int, top_k: int, min_per_group: int) -> tuple[int, int]:
+    """(n_group, topk_group): the expert groups and how many of them a token's experts come from."""
     groups = _positive(cfg, "n_group")
-    if num_experts % groups or num_experts // groups < 2:
-        raise unsupported("n_group", groups, f"the {num_experts} experts must split into groups of at least 2")
+    if num_experts % groups or num_experts // groups < min_per_group:
+        raise unsupported("n_group", groups, f"the {num_experts} experts must split into groups of at least "
+                          f"{min_per_group}")
     topk_groups = _positive(cfg, "topk_group")
     per_group = num_experts // groups
     if topk_groups > groups or top_k > topk_groups * per_group:
         raise unsupported("topk_group", topk_groups, f"it must be 1..{groups} (n_group) and its groups must hold "
                           f"num_experts_per_tok={top_k} experts ({per_group} a group)")
-    shared = _positive(cfg, "n_shared_experts")
-    scaling = cfg.get("routed_scaling_factor", 2.5)
+    return groups, topk_groups
+
+
+def parse_scaling(cfg: dict, default: float) -> float:
+    scaling = cfg.get("routed_scaling_factor", default)
     if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or scaling <= 0:
         raise unsupported("routed_scaling_factor", scaling, "it must be a positive number")
-    return GroupedRouting(num_groups=groups, topk_groups=topk_groups, scaling=float(scaling),
-                          shared_intermediate_size=required(cfg, "moe_intermediate_size") * shared)
+    return float(scaling)
 
 
-def _deepseek_v3(cfg: dict) -> FamilyFields:
-    mla = parse_mla(cfg)
-    layers = cfg["num_hidden_layers"]
-    first_dense = cfg.get("first_k_dense_replace", 3)
+def shared_intermediate(cfg: dict) -> int:
+    return required(cfg, "moe_intermediate_size") * _positive(cfg, "n_shared_experts")
+
+
+def moe_layers(cfg: dict, first_dense_default: int) -> tuple[int, ...]:
+    """The sparse layers: every one past the first `first_k_dense_replace` dense ones."""
+    first_dense = cfg.get("first_k_dense_replace", first_dense_default)
     if not isinstance(first_dense, int) or first_dense < 0:
         raise unsupported("first_k_dense_replace", first_dense, "it must be a non-negative integer")
     if cfg.get("moe_layer_freq", 1) != 1:  # the Hub configs' field; transformers makes every later layer sparse
         raise unsupported("moe_layer_freq", cfg["moe_layer_freq"], "every layer past first_k_dense_replace is sparse")
-    sparse = tuple(range(first_dense, layers))
+    return tuple(range(first_dense, cfg["num_hidden_layers"]))
+
+
+def _deepseek_v3(cfg: dict) -> FamilyFields:
+    mla = parse_mla(cfg)
+    sparse = moe_layers(cfg, 3)
     if not sparse:
         return FamilyFields(mla=mla)
     num_experts = required(cfg, "n_routed_experts", "num_local_experts")
@@ -89,6 +107,7 @@ def _deepseek_v3(cfg: dict) -> FamilyFields:
 
 
 # Tensor-parallel: query heads split, the latent whole on every rank, experts (routed and shared)
-# split by their intermediate size (distributed/plan.py).
+# split by their intermediate size, or the routed ones whole per rank with expert_parallel
+# (distributed/plan.py).
 DEEPSEEK_V3 = Family(parse=_deepseek_v3, renames=RENAMES, llama_shaped=False, cuda_graphs=False,
-                     skips_extra_layers=True, tensor_parallel=True)
+                     skips_extra_layers=True, tensor_parallel=True, expert_count_field="n_routed_experts")

@@ -27,4 +27,4 @@ def _mixtral(cfg: dict) -> FamilyFields:
 
 
 MIXTRAL = Family(parse=_mixtral, renames=RENAMES, llama_shaped=False, cuda_graphs=False, tensor_parallel=True,
-                 expert_size_field="intermediate_size")
+                 expert_size_field="intermediate_size", expert_count_field="num_local_experts")
