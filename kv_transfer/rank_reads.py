@@ -2,9 +2,12 @@
 
 Every rank registers its own pool with its own NIXL agent (rank 0's is the engine's transport;
 ranks 1..N-1 make a RankAgent when the driver says so, cluster/engine/distributed/step.py), and
-the engine publishes all of them in its PeerInfo.ranks. Rank 0 of the decode engine (the driver)
-plans every rank's READ from the head map (kv_transfer/head_map.py) and the block ids; each rank
-posts its own part from its own agent, and the pull is done when every rank's part is.
+the engine publishes all of them in its PeerInfo.ranks. To start a pull, rank 0 of the decode
+engine (the driver) broadcasts its small inputs: the block ids and the peer's PeerInfo (a few
+hundred bytes a rank). Each rank plans its own READs from them and the head map
+(kv_transfer/head_map.py) and posts them from its own agent; the descriptors never cross the group
+(at 80 layers x 256 blocks a rank's are ~31 MB). The pull is done when every rank's part is: the
+driver polls its own part locally and asks the workers only once that is done (MappedPull).
 
 Descriptors. A rank's block is [L, 2, bs, H_rank, D]: heads are the second-fastest axis, so a
 head slice of a block is L * 2 * bs runs of count * D elements. Where the slice is the whole
@@ -22,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,6 +37,15 @@ from kv_transfer.handle import KVLayout, PeerInfo, RankPeer
 from kv_transfer.head_map import HeadSlice, head_map
 
 log = logging.getLogger(__name__)
+
+# Once rank 0's part of a pull is done the driver asks the workers (one broadcast and one gather);
+# each waits up to SETTLE_WAIT_S for its own part (checked every SETTLE_POLL_S), and a part still
+# running is asked about again RECHECK_S later, doubling up to MAX_RECHECK_S. The engine's step
+# waits in that gather: the wait is short, and the parts, posted together, usually end together.
+SETTLE_WAIT_S = 0.02
+SETTLE_POLL_S = 0.0005
+RECHECK_S = 0.005
+MAX_RECHECK_S = 0.16
 
 
 @dataclass(frozen=True)
@@ -65,33 +78,44 @@ def slice_pairs(layout: KVLayout, peer: KVLayout, s: HeadSlice) -> np.ndarray:
     return out
 
 
-def plan_reads(layout: KVLayout, local: Sequence[RankPeer], device_id: int, mem_type: str, peer: PeerInfo,
-               local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> list[list[RankRead]]:
-    """For each local (decode) rank, its READs (one per prefill rank it reads from) of the heads it
-    owns of remote_blocks[i] into local_blocks[i]. Raises ValueError for a block outside a pool
-    (a prefill host tier is not mapped between degrees)."""
+def check_blocks(peer: PeerInfo, local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> None:
+    """ValueError for blocks a pull between degrees cannot read: lists of unequal length, or a block
+    outside the peer's pool (a prefill host tier is not mapped between degrees)."""
+    if len(local_blocks) != len(remote_blocks) or any(not 0 <= b < peer.num_blocks for b in remote_blocks):
+        raise ValueError(f"blocks {list(remote_blocks)} are not all in {peer.engine_id}'s pool of {peer.num_blocks} "
+                         "(a host tier's slots are not read between tensor-parallel degrees)")
+
+
+def plan_rank_reads(layout: KVLayout, rank: int, base_addr: int, device_id: int, peer: PeerInfo,
+                    local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> list[RankRead]:
+    """Decode rank `rank`'s READs (one per prefill rank it reads from) of the heads it owns of
+    remote_blocks[i] into local_blocks[i] of its pool at `base_addr`. Every rank computes its own
+    from the same small inputs (the pull's block ids, the peer's published ranks): the descriptors,
+    L x 2 x bs a block and head slice, never cross the group. Raises as check_blocks."""
+    check_blocks(peer, local_blocks, remote_blocks)
     theirs = peer.kv_layout
     ranks = peer.ranks or (RankPeer(peer.agent_name, peer.agent_metadata, peer.base_addr),)
     lb = np.asarray(local_blocks, dtype=np.int64)
     rb = np.asarray(remote_blocks, dtype=np.int64)
-    if len(lb) != len(rb) or (len(rb) and (rb.max() >= peer.num_blocks or rb.min() < 0)):
-        raise ValueError(f"blocks {list(remote_blocks)} are not all in {peer.engine_id}'s pool of {peer.num_blocks} "
-                         "(a host tier's slots are not read between tensor-parallel degrees)")
-    plan = []
-    for rank, slices in enumerate(head_map(layout.num_kv_heads, theirs.tensor_parallel_size,
-                                           layout.tensor_parallel_size)):
-        reads = []
-        for src, group in itertools.groupby(slices, key=lambda s: s.src_rank):
-            pairs = np.concatenate([slice_pairs(layout, theirs, s) for s in group])  # [runs, 3]
-            n = len(lb) * len(pairs)
-            loc, rem = np.empty((n, 3), dtype=np.uint64), np.empty((n, 3), dtype=np.uint64)
-            loc[:, 0] = (local[rank].base_addr + lb[:, None] * layout.block_bytes + pairs[None, :, 0]).ravel()
-            rem[:, 0] = (ranks[src].base_addr + rb[:, None] * theirs.block_bytes + pairs[None, :, 1]).ravel()
-            loc[:, 1] = rem[:, 1] = np.tile(pairs[:, 2], len(lb))
-            loc[:, 2], rem[:, 2] = device_id, peer.device_id
-            reads.append(RankRead(ranks[src].agent_name, ranks[src].agent_metadata, peer.mem_type, loc, rem))
-        plan.append(reads)
-    return plan
+    slices = head_map(layout.num_kv_heads, theirs.tensor_parallel_size, layout.tensor_parallel_size)[rank]
+    reads = []
+    for src, group in itertools.groupby(slices, key=lambda s: s.src_rank):
+        pairs = np.concatenate([slice_pairs(layout, theirs, s) for s in group])  # [runs, 3]
+        n = len(lb) * len(pairs)
+        loc, rem = np.empty((n, 3), dtype=np.uint64), np.empty((n, 3), dtype=np.uint64)
+        loc[:, 0] = (base_addr + lb[:, None] * layout.block_bytes + pairs[None, :, 0]).ravel()
+        rem[:, 0] = (ranks[src].base_addr + rb[:, None] * theirs.block_bytes + pairs[None, :, 1]).ravel()
+        loc[:, 1] = rem[:, 1] = np.tile(pairs[:, 2], len(lb))
+        loc[:, 2], rem[:, 2] = device_id, peer.device_id
+        reads.append(RankRead(ranks[src].agent_name, ranks[src].agent_metadata, peer.mem_type, loc, rem))
+    return reads
+
+
+def plan_reads(layout: KVLayout, local: Sequence[RankPeer], device_id: int, peer: PeerInfo,
+               local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> list[list[RankRead]]:
+    """Every decode rank's READs, rank by rank (as each computes its own; for tests and tools)."""
+    return [plan_rank_reads(layout, r, p.base_addr, device_id, peer, local_blocks, remote_blocks)
+            for r, p in enumerate(local)]
 
 
 class ReadPoster:
@@ -138,23 +162,24 @@ class ReadPoster:
 
 
 class RankAgent:
-    """A worker rank's pool registered with its own NIXL agent, and the READs the driver gives it.
+    """A worker rank's pool registered with its own NIXL agent, and its parts of the driver's pulls.
 
     A prefill rank's agent is read by peers and must progress UCX for their READs to complete (a
     READ's flush waits for the target), but the worker's thread blocks in the group's broadcast
     between steps: a thread progresses the agent every `progress_s` (a sleep, not a spin)."""
 
-    def __init__(self, name: str, kv_cache, progress_s: float = 0.002):
+    def __init__(self, name: str, rank: int, kv_cache, layout: KVLayout, progress_s: float = 0.002):
         from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415 — lazy: heavy import
 
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"], enable_prog_thread=False))
         self._kv = kv_cache
         self._reg = self.agent.register_memory(kv_cache)
-        self.name = name
-        mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
-        self.poster = ReadPoster(self.agent, mem_type)
-        self._pulls: dict[int, tuple[list, int]] = {}  # pull id -> (handles, bytes)
-        self._done: set[int] = set()  # done here, the pull not yet released (other ranks may still read)
+        self.name, self.rank, self.layout = name, rank, layout  # the decode pool's layout: its part is planned for it
+        self.base_addr = kv_cache.data_ptr()
+        self.device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
+        self.poster = ReadPoster(self.agent, "VRAM" if kv_cache.is_cuda else "DRAM")
+        self._pulls: dict[int, tuple[list, int]] = {}  # posted, not seen done: pull id -> (handles, bytes)
+        self._failed: set[int] = set()  # not posted (nothing in flight) until the driver releases the pull
         self.bytes_read = 0  # of completed READs
         self._lock = threading.Lock()  # NIXL agents are not thread-safe
         self._stop = threading.Event()
@@ -163,7 +188,7 @@ class RankAgent:
         self._thread.start()
 
     def peer(self) -> RankPeer:
-        return RankPeer(self.name, self.agent.get_agent_metadata(), self._kv.data_ptr())
+        return RankPeer(self.name, self.agent.get_agent_metadata(), self.base_addr)
 
     def _progress(self, every_s: float) -> None:
         while not self._stop.wait(every_s):
@@ -173,20 +198,23 @@ class RankAgent:
                 except Exception as e:  # noqa: BLE001
                     log.debug("UCX progress: %s", e)
 
-    def post(self, pull_id: int, reads: Sequence[RankRead]) -> str:
-        """Post this rank's part of a pull; "ERR" when posting failed (nothing left in flight)."""
+    def post(self, pull_id: int, peer: PeerInfo, local_blocks: Sequence[int], remote_blocks: Sequence[int]) -> None:
+        """Plan this rank's part of a pull and post it; a failure shows as ERR when the driver asks."""
         with self._lock:
             try:
+                reads = plan_rank_reads(self.layout, self.rank, self.base_addr, self.device_id, peer,
+                                        local_blocks, remote_blocks)
                 self._pulls[pull_id] = (self.poster.post(reads), sum(r.num_bytes for r in reads))
-            except Exception as e:  # noqa: BLE001 — the driver's poll reports it
+            except Exception as e:  # noqa: BLE001 — the driver's next ask reports it
                 log.warning("rank READ %d not posted: %s", pull_id, e)
-                return "ERR"
-        return "PROC"
+                self._failed.add(pull_id)
 
     def state(self, pull_id: int) -> str:
+        """DONE once every READ of the part is (released and forgotten here: the driver does not
+        ask again), PROC while one runs, ERR when one failed or the part was never posted."""
         with self._lock:
-            if pull_id not in self._pulls:
-                return "DONE" if pull_id in self._done else "ERR"
+            if pull_id in self._failed or pull_id not in self._pulls:
+                return "ERR"
             handles, nbytes = self._pulls[pull_id]
             try:
                 state = self.poster.state(handles)
@@ -197,13 +225,20 @@ class RankAgent:
                 self.bytes_read += nbytes
                 self.poster.release(handles)
                 del self._pulls[pull_id]
-                self._done.add(pull_id)
+        return state
+
+    def settle(self, pull_id: int, wait_s: float) -> str:
+        """The part's state, waiting up to wait_s while it runs (the driver asks once its own part
+        is done, and the ranks' parts, posted together, usually end together)."""
+        deadline = time.monotonic() + wait_s
+        while (state := self.state(pull_id)) == "PROC" and time.monotonic() < deadline:
+            time.sleep(SETTLE_POLL_S)
         return state
 
     def release(self, pull_id: int) -> bool:
         """Let go of a pull (cancelling it); False when NIXL refuses (it may still be writing)."""
         with self._lock:
-            self._done.discard(pull_id)
+            self._failed.discard(pull_id)
             entry = self._pulls.get(pull_id)
             if entry is None:
                 return True
@@ -226,7 +261,7 @@ class RankAgent:
 
 @dataclass
 class RankPullState:
-    """A worker's answer to the driver's poll of one pull."""
+    """A worker's answer to the driver's ask about one pull."""
 
     rank: int
     state: str  # DONE | PROC | ERR
@@ -234,13 +269,20 @@ class RankPullState:
 
 
 class MappedPull:
-    """A pull across ranks: rank 0's READs on the driver's agent, the workers' through the group.
-    The transport treats it as one transfer handle (state, release)."""
+    """A pull across ranks: rank 0's READs on the driver's agent, the workers' on theirs. The
+    transport treats it as one transfer handle (state, release).
 
-    def __init__(self, reader: "MappedReader", pull_id: int, handles: list, nbytes: int, workers: bool):
+    The driver polls its own part locally, every time the engine polls. Once it is done it asks the
+    workers whose part it has not seen done (one broadcast and one gather; each waits up to the
+    reader's settle_wait_s for its part), and while one still runs asks again recheck_s later,
+    doubling up to MAX_RECHECK_S: a pull's collectives do not grow with the engine's polls."""
+
+    def __init__(self, reader: "MappedReader", pull_id: int, handles: list, nbytes: int, workers: int):
         self.id = pull_id
-        self.reader, self.handles, self.nbytes, self.workers = reader, handles, nbytes, workers
+        self.reader, self.handles, self.nbytes = reader, handles, nbytes
+        self.pending = tuple(range(1, workers + 1))  # worker ranks whose part is not known to be done
         self._done0 = False
+        self._ask_at, self._recheck_s = 0.0, reader.recheck_s
 
     def state(self) -> str:
         r = self.reader
@@ -249,40 +291,55 @@ class MappedPull:
             if s0 == "ERR":
                 log.warning("pull %d: rank 0's READ failed", self.id)
                 return "ERR"
-            if s0 == "DONE":
-                self._done0 = True
-                r.bytes_by_rank[0] += self.nbytes
-                r.poster.release(self.handles)
-                self.handles = []
-        states = ["DONE" if self._done0 else "PROC"]
-        if self.workers:
-            for answer in r.driver.kv_poll(self.id):
-                r.bytes_by_rank[answer.rank] = answer.bytes_read
-                states.append(answer.state)
-        if "ERR" in states:
-            log.warning("pull %d: a rank's READ failed (rank states %s)", self.id, states)
+            if s0 != "DONE":
+                return "PROC"
+            self._done0 = True
+            r.bytes_by_rank[0] += self.nbytes
+            r.poster.release(self.handles)
+            self.handles = []
+        if not self.pending:
+            return "DONE"
+        if r.clock() < self._ask_at:
+            return "PROC"
+        answers = r.driver.kv_poll(self.id, self.pending, r.settle_wait_s)
+        for answer in answers:
+            r.bytes_by_rank[answer.rank] = answer.bytes_read
+        if any(a.state == "ERR" for a in answers):
+            log.warning("pull %d: a rank's READ failed (rank states %s)", self.id,
+                        {a.rank: a.state for a in answers})
             return "ERR"
-        return "DONE" if all(s == "DONE" for s in states) else "PROC"
+        self.pending = tuple(a.rank for a in answers if a.state != "DONE")
+        if not self.pending:
+            return "DONE"
+        self._ask_at = r.clock() + self._recheck_s
+        self._recheck_s = min(2 * self._recheck_s, MAX_RECHECK_S)
+        return "PROC"
 
     def release(self) -> bool:
-        """Every rank lets go (cancelling what still runs); False while one cannot (retried)."""
+        """Every rank lets go (cancelling what still runs); False while one cannot (retried). A
+        worker that answered DONE has let go already: a pull done everywhere costs no collective."""
         self.handles = self.reader.poster.release(self.handles)
         ok = not self.handles
-        if self.workers:
-            ok = all(self.reader.driver.kv_release(self.id)) and ok
+        if self.pending:
+            workers_ok = all(self.reader.driver.kv_release(self.id))
+            if workers_ok:
+                self.pending = ()
+            ok = workers_ok and ok
         return ok
 
 
 class MappedReader:
-    """The driver's side: its ranks' registered pools, and pulls planned from the head map."""
+    """The driver's side: its ranks' registered pools, and the pulls between degrees it starts."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, agent, mem_type: str, device_id: int, layout: KVLayout, rank0: RankPeer, driver=None):
+    def __init__(self, agent, mem_type: str, device_id: int, layout: KVLayout, rank0: RankPeer, driver=None,
+                 settle_wait_s: float = SETTLE_WAIT_S, recheck_s: float = RECHECK_S, clock=time.monotonic):
         self.poster = ReadPoster(agent, mem_type)
         self.layout, self.device_id, self.mem_type = layout, device_id, mem_type
         self.driver = driver  # TensorParallelDriver, None at tp=1
-        workers = driver.kv_register(rank0.agent_name) if driver is not None else []
+        self.settle_wait_s, self.recheck_s, self.clock = settle_wait_s, recheck_s, clock
+        workers = driver.kv_register(rank0.agent_name, layout) if driver is not None else []
         self.ranks: tuple[RankPeer, ...] = (rank0, *workers)
         self.bytes_by_rank = [0] * len(self.ranks)  # pulled by each rank, from completed READs
 
@@ -293,25 +350,28 @@ class MappedReader:
     def start(self, peer: PeerInfo, local_blocks: Sequence[int], remote_blocks: Sequence[int],
               loaded_agent: str = "") -> MappedPull:
         """`loaded_agent`: the peer's rank-0 agent, already loaded on ours by the handshake. Raises
-        ValueError (a block outside the peer's pool) or what NIXL raised posting rank 0's part; the
-        workers' parts posted by then are released."""
-        plan = plan_reads(self.layout, self.ranks, self.device_id, self.mem_type, peer, local_blocks, remote_blocks)
-        pull_id, workers = next(self._ids), len(plan) > 1
+        ValueError (a block outside the peer's pool) before any rank posts, or what NIXL raised
+        posting rank 0's part; the workers' parts posted by then are released."""
+        local_blocks, remote_blocks = tuple(map(int, local_blocks)), tuple(map(int, remote_blocks))
+        check_blocks(peer, local_blocks, remote_blocks)
+        pull_id, workers = next(self._ids), len(self.ranks) - 1
         self.poster.loaded.add(loaded_agent)
-        if workers:
-            self.driver.kv_read(pull_id, plan)  # first: their READs run while rank 0 posts its own
+        if workers:  # first: their READs run while rank 0 plans and posts its own
+            self.driver.kv_read(pull_id, peer, local_blocks, remote_blocks)
         try:
-            handles = self.poster.post(plan[0])
+            reads = plan_rank_reads(self.layout, 0, self.ranks[0].base_addr, self.device_id, peer, local_blocks,
+                                    remote_blocks)
+            handles = self.poster.post(reads)
         except Exception:
             if workers:
                 self.driver.kv_release(pull_id)
             raise
-        return MappedPull(self, pull_id, handles, sum(r.num_bytes for r in plan[0]), workers)
+        return MappedPull(self, pull_id, handles, sum(r.num_bytes for r in reads), workers)
 
 
 class RankKV:
     """A worker rank's part of KV transfer between degrees (cluster/engine/distributed/worker.py's
-    RankExtension): its NIXL agent over the rank's pool, the READs the driver plans for it. Given to
+    RankExtension): its NIXL agent over the rank's pool, its parts of the driver's pulls. Given to
     the ranks by whoever starts them (a Serve replica, a test); picklable until its first message."""
 
     def __init__(self):
@@ -323,12 +383,15 @@ class RankKV:
     def handle(self, msg, rank: int, shard) -> None:
         if isinstance(msg, KVRegister):
             self.close()
-            self.agent = RankAgent(f"{msg.agent_name}-rank{rank}", shard.kv_cache)
+            self.agent = RankAgent(f"{msg.agent_name}-rank{rank}", rank, shard.kv_cache, msg.layout)
             step.gather_reports(self.agent.peer())
         elif isinstance(msg, KVRead):
-            self.agent.post(msg.pull_id, msg.reads[rank])
+            self.agent.post(msg.pull_id, msg.peer, msg.local_blocks, msg.remote_blocks)
         elif isinstance(msg, KVPoll):
-            step.gather_reports(RankPullState(rank, self.agent.state(msg.pull_id), self.agent.bytes_read))
+            answer = None
+            if rank in msg.ranks:
+                answer = RankPullState(rank, self.agent.settle(msg.pull_id, msg.wait_s), self.agent.bytes_read)
+            step.gather_reports(answer)
         else:
             step.gather_reports(self.agent.release(msg.pull_id))
 

@@ -54,7 +54,7 @@ class RankActor:
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def run(self, rank: int, tp: int, init_method: str, timeout_s: float, backend: str, device: str,
+    def run(self, rank: int, tp: int, address: str, timeout_s: float, backend: str, device: str,
             threads: int) -> int:
         import torch.distributed as dist  # noqa: PLC0415
 
@@ -63,7 +63,7 @@ class RankActor:
         from kv_transfer.rank_reads import RankKV  # noqa: PLC0415
 
         torch.set_num_threads(threads)
-        join_group(rank, tp, init_method, timeout_s, backend)
+        join_group(rank, tp, address, timeout_s, backend)
         try:
             return serve_rank(rank, torch.device(device), RankKV())  # KV transfer between degrees
         finally:
@@ -83,7 +83,7 @@ class RayRanks:
               timeout_s: float = GROUP_TIMEOUT_S) -> "RayRanks":
         """Start the ranks in this replica's placement group (actors named pdserve-tp:<replica>:<rank>)
         and join them as rank 0: blocks until all are placed and joined, each at most timeout_s."""
-        from cluster.engine.distributed.launch import collective_backend, free_port, join_group  # noqa: PLC0415
+        from cluster.engine.distributed.launch import collective_backend, host_rendezvous, join_group  # noqa: PLC0415
 
         pg = ray.util.get_current_placement_group()
         if pg is None or pg.bundle_count < tp:
@@ -91,8 +91,7 @@ class RayRanks:
                 f"tensor_parallel_size {tp} needs the replica in a placement group of {tp} bundles (one per rank), "
                 f"which cluster.app.builder gives a pool's deployment; this replica has "
                 f"{'none' if pg is None else f'{pg.bundle_count} bundles'}")
-        host = ray.util.get_node_ip_address()
-        init_method = f"tcp://{host}:{free_port(host)}"
+        store, address = host_rendezvous(ray.util.get_node_ip_address(), tp, timeout_s)  # its port held from now
         backend = collective_backend(device)
         threads = max(1, int(num_cpus))
         actors = [RankActor.options(
@@ -106,13 +105,13 @@ class RayRanks:
             except ray.exceptions.GetTimeoutError as e:
                 raise RuntimeError(f"tensor-parallel workers of {replica_id} not placed within {timeout_s:g} s "
                                    f"(placement group bundles {pg.bundle_specs})") from e
-            ranks.loops = [a.run.remote(r, tp, init_method, timeout_s, backend, device.type, threads)
+            ranks.loops = [a.run.remote(r, tp, address, timeout_s, backend, device.type, threads)
                            for r, a in enumerate(actors, start=1)]
-            join_group(0, tp, init_method, timeout_s, backend)
+            join_group(0, tp, address, timeout_s, backend, store=store)
         except Exception:
             ranks.kill()
             raise
-        log.info("tensor-parallel replica: rank 0 and %d worker actors joined at %s (%s)", tp - 1, init_method,
+        log.info("tensor-parallel replica: rank 0 and %d worker actors joined at %s (%s)", tp - 1, address,
                  backend)
         return ranks
 

@@ -28,7 +28,7 @@ def decode_ranks(tp: int) -> list[RankPeer]:
 
 
 def test_prefill_tp2_to_decode_tp1_reads_each_prefill_ranks_whole_block_into_its_head():
-    plan = plan_reads(layout(1), decode_ranks(1), 0, "DRAM", peer(2), [3, 4], [7, 2])
+    plan = plan_reads(layout(1), decode_ranks(1), 0, peer(2), [3, 4], [7, 2])
     (reads,) = plan
     assert [r.remote_agent for r in reads] == ["p0", "p1"]
     src_block, dst_block = ROWS * HEAD, ROWS * 2 * HEAD  # one head there, two here
@@ -43,7 +43,7 @@ def test_prefill_tp2_to_decode_tp1_reads_each_prefill_ranks_whole_block_into_its
 
 
 def test_prefill_tp1_to_decode_tp2_each_decode_rank_reads_its_half():
-    plan = plan_reads(layout(2), decode_ranks(2), 0, "DRAM", peer(1), [0, 1, 2], [5, 6, 9])
+    plan = plan_reads(layout(2), decode_ranks(2), 0, peer(1), [0, 1, 2], [5, 6, 9])
     src_block, dst_block = ROWS * 2 * HEAD, ROWS * HEAD
     for rank, reads in enumerate(plan):
         (read,) = reads
@@ -53,11 +53,11 @@ def test_prefill_tp1_to_decode_tp2_each_decode_rank_reads_its_half():
 
 
 def test_equal_degrees_and_replicated_heads_read_whole_blocks():
-    (r0,), (r1,) = plan_reads(layout(2), decode_ranks(2), 0, "DRAM", peer(2), [0, 1], [5, 6])
+    (r0,), (r1,) = plan_reads(layout(2), decode_ranks(2), 0, peer(2), [0, 1], [5, 6])
     assert (r0.remote_agent, r1.remote_agent) == ("p0", "p1")
     assert r0.local[:, 1].tolist() == [ROWS * HEAD] * 2  # one descriptor a block
     # one KV head: replicated on both decode ranks, each reads the whole (one-head) block
-    (a,), (b,) = plan_reads(layout(2, 1), decode_ranks(2), 0, "DRAM", peer(1, 1), [0], [5])
+    (a,), (b,) = plan_reads(layout(2, 1), decode_ranks(2), 0, peer(1, 1), [0], [5])
     assert a.remote[:, 0].tolist() == b.remote[:, 0].tolist() == [1_000_000 + 5 * ROWS * HEAD]
     assert a.num_bytes == b.num_bytes == ROWS * HEAD
 
@@ -76,7 +76,7 @@ def test_a_latent_block_is_read_whole_once_per_decode_rank_from_one_prefill_rank
     for src_tp, agents in ((1, ["p0", "p0"]), (2, ["p0", "p1"])):
         peer_info = PeerInfo("p", "inc", "p0", b"md", 1_000_000, 10, "DRAM", 0, latent(src_tp),
                              ranks=tuple(RankPeer(f"p{r}", b"md", 1_000_000 * (r + 1)) for r in range(src_tp)))
-        plan = plan_reads(latent(2), decode_ranks(2), 0, "DRAM", peer_info, [0, 3], [5, 6])
+        plan = plan_reads(latent(2), decode_ranks(2), 0, peer_info, [0, 3], [5, 6])
         assert [[r.remote_agent for r in reads] for reads in plan] == [[a] for a in agents]
         for rank, (read,) in enumerate(plan):
             assert read.local[:, 1].tolist() == read.remote[:, 1].tolist() == [block, block]
@@ -86,7 +86,7 @@ def test_a_latent_block_is_read_whole_once_per_decode_rank_from_one_prefill_rank
 
 def test_blocks_outside_the_peer_pool_are_refused():
     with pytest.raises(ValueError, match="host tier"):
-        plan_reads(layout(1), decode_ranks(1), 0, "DRAM", peer(2), [0], [10])
+        plan_reads(layout(1), decode_ranks(1), 0, peer(2), [0], [10])
 
 
 def test_the_handshake_maps_degrees_and_refuses_what_cannot_map():

@@ -59,19 +59,20 @@ class TensorParallelDriver:
 
     # ---- KV transfer between degrees: the workers' parts of a pull (kv_transfer/rank_reads.py) ----
 
-    def kv_register(self, agent_name: str) -> list:
-        """Ranks 1..N-1 register their pools; returns their RankPeers in rank order."""
-        step.send(KVRegister(agent_name))
+    def kv_register(self, agent_name: str, layout) -> list:
+        """Ranks 1..N-1 register their pools (their pulls planned for `layout`, a KVLayout); returns
+        their RankPeers in rank order."""
+        step.send(KVRegister(agent_name, layout))
         return step.gather_reports(None)[1:]
 
-    def kv_read(self, pull_id: int, plan: list) -> None:
-        """Ranks 1..N-1 post their parts (plan[r]); a failure to post shows in their next poll."""
-        step.send(KVRead(pull_id, ((),) + tuple(tuple(reads) for reads in plan[1:])))
+    def kv_read(self, pull_id: int, peer, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...]) -> None:
+        """Ranks 1..N-1 plan and post their parts; a failure shows when they are asked (kv_poll)."""
+        step.send(KVRead(pull_id, peer, local_blocks, remote_blocks))
 
-    def kv_poll(self, pull_id: int) -> list:
-        """Ranks 1..N-1's RankPullStates of the pull."""
-        step.send(KVPoll(pull_id))
-        return step.gather_reports(None)[1:]
+    def kv_poll(self, pull_id: int, ranks: tuple[int, ...], wait_s: float) -> list:
+        """The RankPullStates of the pull on `ranks` (workers), each waiting up to wait_s."""
+        step.send(KVPoll(pull_id, ranks, wait_s))
+        return [answer for answer in step.gather_reports(None)[1:] if answer is not None]
 
     def kv_release(self, pull_id: int) -> list[bool]:
         step.send(KVRelease(pull_id))

@@ -1,7 +1,11 @@
 """Ranks 1..tp-1 of a tensor-parallel engine as local processes (torch.multiprocessing spawn, gloo
-over 127.0.0.1 on a free port); this process is rank 0 and runs the engine. For tests and the
+over 127.0.0.1); this process is rank 0 and runs the engine. For tests and the
 benchmark. A Serve replica starts the same worker loop (worker.serve_rank) in tp - 1 Ray actors of
 its placement group and joins them with the same `join_group` (cluster/serving/tensor_parallel.py).
+
+The rendezvous is rank 0's TCPStore, listening on a port the kernel gave it before any worker is
+told the address (`host_rendezvous`): no other process can take the port between a check and a
+bind, as one could when a checked-free port was handed out and bound later.
 
 Every wait is bounded: the group's timeout bounds each collective (a hung or dead rank fails the
 driver's next step instead of hanging it), and close() joins with a timeout, then kills.
@@ -22,7 +26,6 @@ import torch.multiprocessing as mp
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.distributed import step
-from cluster.engine.distributed.ports import free_port
 from cluster.engine.distributed.step import Stop
 from cluster.engine.distributed.worker import serve_rank
 from cluster.engine.llm_engine import LLMEngine
@@ -37,16 +40,28 @@ def collective_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def join_group(rank: int, tp: int, init_method: str, timeout_s: float, backend: str = "gloo") -> None:
-    """Join the replica's group; rank 0 hosts the rendezvous at `init_method` (tcp://host:port).
-    Blocks until all tp ranks joined, at most timeout_s, which also bounds every later collective."""
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp,
-                            timeout=timedelta(seconds=timeout_s))
+def host_rendezvous(host: str, tp: int, timeout_s: float) -> tuple[dist.TCPStore, str]:
+    """Rank 0: the group's store, listening on a port the kernel chose (port 0), and its address
+    host:port for the workers. The port is held from the moment it is known."""
+    store = dist.TCPStore(host, 0, tp, is_master=True, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return store, f"{host}:{store.port}"
 
 
-def _worker_main(rank: int, tp: int, init_method: str, timeout_s: float, threads: int, extension=None) -> None:
+def join_group(rank: int, tp: int, address: str, timeout_s: float, backend: str = "gloo",
+               store: dist.Store | None = None) -> None:
+    """Join the replica's group at `address` (host:port of rank 0's store; rank 0 passes the store
+    it hosts, from host_rendezvous). Blocks until all tp ranks joined, at most timeout_s, which
+    also bounds every later collective."""
+    if store is None:
+        host, port = address.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), tp, is_master=False, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=tp, timeout=timedelta(seconds=timeout_s))
+
+
+def _worker_main(rank: int, tp: int, address: str, timeout_s: float, threads: int, extension=None) -> None:
     torch.set_num_threads(threads)
-    join_group(rank, tp, init_method, timeout_s)
+    join_group(rank, tp, address, timeout_s)
     serve_rank(rank, torch.device("cpu"), extension)
     dist.destroy_process_group()
     # A clean stop skips the interpreter's teardown: there, after the last Python frame, a C++
@@ -72,14 +87,14 @@ class LocalRanks:
         """extension: worker.RankExtension each worker runs (picklable; e.g. kv_transfer's RankKV)."""
         if dist.is_initialized():
             raise RuntimeError("this process is already in a torch.distributed group")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        store, address = host_rendezvous("127.0.0.1", tp, timeout_s)
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker_main, args=(r, tp, init_method, timeout_s, worker_threads, extension),
+        procs = [ctx.Process(target=_worker_main, args=(r, tp, address, timeout_s, worker_threads, extension),
                              name=f"tp-rank-{r}", daemon=True) for r in range(1, tp)]
         for p in procs:
             p.start()
         try:
-            join_group(0, tp, init_method, timeout_s)
+            join_group(0, tp, address, timeout_s, store=store)
         except Exception:
             cls(procs).kill()
             raise

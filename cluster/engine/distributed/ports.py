@@ -1,4 +1,6 @@
-"""A TCP port to hand to a server that binds it later (a test's gRPC port, a rank's rendezvous).
+"""A TCP port to hand to a server that binds it later (a test's gRPC port, `plan --validate`'s). A
+tensor-parallel group's rendezvous binds port 0 and publishes what it got (launch.host_rendezvous):
+nothing can take a port held from the moment it is known.
 
 A port the kernel just gave to a probe socket (bind to port 0) lies in its ephemeral range
 (`net.ipv4.ip_local_port_range`, 32768-60999 by default), the same range it draws every outgoing

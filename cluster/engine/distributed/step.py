@@ -59,7 +59,9 @@ class Stop:
 
 
 # KV transfer between tensor-parallel degrees (kv_transfer/rank_reads.py): each rank registers its
-# own pool with its own NIXL agent, and posts the part of a pull the driver planned for it.
+# own pool with its own NIXL agent, plans its own part of a pull from the pull's small inputs and
+# posts it; the driver asks about the workers' parts once its own is done. The engine does not
+# import kv_transfer: its types are named in comments.
 
 
 @dataclass(frozen=True)
@@ -67,21 +69,28 @@ class KVRegister:
     """Register the rank's pool as agent f"{agent_name}-rank{r}"; every rank answers its RankPeer."""
 
     agent_name: str
+    layout: object  # KVLayout of the replica's pool: each rank plans its pulls' parts for it
 
 
 @dataclass(frozen=True)
 class KVRead:
-    """Post pull `pull_id`: rank r posts reads[r] (its RankReads; rank 0's part is the driver's own)."""
+    """Start pull `pull_id` of remote_blocks[i] into local_blocks[i] from `peer` (a PeerInfo, which
+    lists the peer's ranks): each worker plans its own part and posts it (rank 0 posts its own)."""
 
     pull_id: int
-    reads: tuple
+    peer: object
+    local_blocks: tuple[int, ...]
+    remote_blocks: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class KVPoll:
-    """Every rank answers the pull's state on it (a RankPullState)."""
+    """The ranks in `ranks` answer their part's state (a RankPullState), each waiting up to wait_s
+    while it runs; the other ranks answer None."""
 
     pull_id: int
+    ranks: tuple[int, ...]
+    wait_s: float
 
 
 @dataclass(frozen=True)
