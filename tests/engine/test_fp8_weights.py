@@ -144,3 +144,27 @@ def test_a_missing_scale_is_refused(pair, tmp_path):
         LLMEngine.from_model(str(bad), num_blocks=16)
     assert str(e.value) == ("checkpoint tensor 'model.layers.1.mlp.down_proj.weight' is float8_e4m3fn and has no "
                             "'model.layers.1.mlp.down_proj.weight_scale_inv'")
+
+
+def test_each_rank_loads_its_slice_of_the_dequantized_weights(pair):
+    """tp=2 cuts the intermediate 320 at row 160, inside a 128-row scale block: each rank's slice of an
+    fp8 weight is its slice of the dequantized tensor, exactly its twin's."""
+    from tests.engine.test_tensor_parallel_families import rank_shards
+
+    fp8, twin = pair
+    _, _, fp8_shards = rank_shards(fp8, 2)
+    _, _, twin_shards = rank_shards(twin, 2)
+    for a, b in zip(fp8_shards, twin_shards):
+        assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+    assert fp8_shards[1]["layers.0.mlp.down_proj.weight"].shape == (256, 160)
+
+
+@pytest.mark.timeout(90)
+def test_an_fp8_checkpoint_at_tp2_gives_tp1_s_and_transformers_tokens(pair):
+    from tests.engine.test_tensor_parallel import reference, run
+
+    fp8, twin = pair
+    ps = prompts(2, [9, 40], seed=6)
+    tokens, _, exit_codes = run(fp8, 2, ps)
+    assert tokens == reference(fp8, ps)[0] == [hf_greedy(twin, p, 8) for p in ps]
+    assert exit_codes == [0]

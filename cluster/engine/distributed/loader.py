@@ -1,7 +1,9 @@
 """Load one rank's slices of a Hugging Face checkpoint: each rank reads only the rows (or columns)
 it holds (distributed/shard_rules.py), through safetensors' lazy slices, never the whole tensor.
 Under expert parallelism a rank reads only its own routed experts: a per-expert tensor of another
-rank's expert is skipped, a stacked [E, ...] one is sliced to the rank's E/tp."""
+rank's expert is skipped, a stacked [E, ...] one is sliced to the rank's E/tp. A block-scaled fp8
+weight is read whole and dequantized with its scales (as at tp=1) before the rank takes its slice:
+a slice's rows need not fall on the scales' block bounds."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from cluster.engine.distributed.layers import build_rank_model
 from cluster.engine.distributed.plan import ShardPlan
 from cluster.engine.distributed.shard_rules import Split, rank_split
 from cluster.engine.model.decoder import DecoderForCausalLM
-from cluster.engine.model.loader import Piece, check_context, check_loaded, checkpoint_entries, keys_of
+from cluster.engine.model import fp8_weights
+from cluster.engine.model.loader import Piece, check_context, check_loaded, checkpoint_entries, keys_of, safetensors_files
 from cluster.engine.model_config import ModelConfig
 
 
@@ -25,19 +28,24 @@ def load_rank_model(model_dir: str | Path, mc: ModelConfig, plan: ShardPlan, max
     model = build_rank_model(mc, plan, max_positions, dtype, device)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    scales = fp8_weights.read_scales(safetensors_files(model_dir)) if mc.weight_quant else {}
     for f, name, piece, dest in checkpoint_entries(model_dir, mc, params):
         if piece.target.endswith(("embed_tokens.weight", "lm_head.weight")):
             dest.zero_()  # the last vocabulary shard's padding rows
         held = rank_experts(piece, plan)
         if held is None:
-            continue  # another rank's expert (expert parallelism)
+            scales.pop(name, None)  # another rank's expert (expert parallelism), and its scale
+            continue
         piece, experts = held
         if piece.expert is not None:  # one expert's tensor: its slice of the stacked [E, ...] parameter
             dest = dest[piece.expert]
-        copy_shard(f.get_slice(name), dest, rank_split(piece.target, mc, plan), piece.part,
-                   f"{name}: rank {plan.rank}", experts)
+        lazy = f.get_slice(name)
+        if lazy.get_dtype() == "F8_E4M3":  # no quantization_config, or no scale: refused by name
+            lazy = Whole(fp8_weights.dequantize(name, f.get_tensor(name), scales, mc.weight_quant, dtype))
+        copy_shard(lazy, dest, rank_split(piece.target, mc, plan), piece.part, f"{name}: rank {plan.rank}", experts)
         loaded |= keys_of(piece, params[piece.target])
     check_loaded(model, mc, loaded, model_dir)
+    fp8_weights.check_scales_used(scales)
     model.eval()
     return model
 
@@ -54,6 +62,19 @@ def rank_experts(piece: Piece, plan: ShardPlan) -> tuple[Piece, slice | None] | 
     if not plan.holds_expert(piece.expert):
         return None
     return dataclasses.replace(piece, expert=piece.expert - first), None
+
+
+class Whole:
+    """A tensor read whole (an fp8 weight, dequantized), sliced as a safetensors lazy slice is."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
 
 
 def copy_shard(lazy, dest: torch.Tensor, split: Split | None, part: int | None, what: str,

@@ -125,9 +125,6 @@ def check_degree(mc: ModelConfig, tp: int, expert_parallel: bool = False) -> Non
         sharded = sorted(t for t, f in FAMILIES.items() if f.tensor_parallel)
         raise ValueError(f"tensor_parallel_size {tp}: model_type {mc.model_type!r} has no tensor-parallel "
                          f"sharding here (families that shard: {', '.join(sharded)}); use tensor_parallel_size 1")
-    if tp > 1 and mc.weight_quant is not None:
-        raise ValueError(f"tensor_parallel_size {tp}: block-scaled fp8 checkpoints (quantization_config) are "
-                         "dequantized at load at tensor_parallel_size 1 only; use tensor_parallel_size 1")
     divisors = _divisors(mc, expert_parallel)
     problems = [what for n, what in divisors[:1] if n % tp]
     if not _kv_ok(mc, tp):
