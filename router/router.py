@@ -138,7 +138,12 @@ class Router:
         for rid, (t, _) in list(self._loads.items()):
             if now - t > self.stale_after_s:  # silent for too long: treat as dead
                 self.forget(rid)
-        return [load for _, load in self._loads.values()]
+        return self._fresh_loads(now)
+
+    def _fresh_loads(self, now: float) -> list[ReplicaLoad]:
+        """The loads reported within stale_after_s of `now`, forgetting nothing (what `live_loads`
+        returns once it has forgotten the others)."""
+        return [load for t, load in self._loads.values() if now - t <= self.stale_after_s]
 
     def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, session: str | None = None,
               group: str | None = None, spill_at: int | None = None) -> RouteDecision | str:
@@ -184,7 +189,7 @@ class Router:
         first two cells and sends it to the cheaper (router/cells.py)."""
         now = self.clock()
         hint = self.sessions.peek(session, now) if session is not None else None
-        loads = self._loads_now(group, [load for t, load in self._loads.values() if now - t <= self.stale_after_s])
+        loads = self._loads_now(group, self._fresh_loads(now))
         rng = self.policy.rng
         state = rng.getstate()
         try:

@@ -13,6 +13,7 @@ transfer (the profile's or the plan's `Transfer`, plus the serving path's hand-o
 from __future__ import annotations
 
 from cluster.planner.sim.events import TRANSFERRED
+from cluster.planner.sim.prefill import chunk_shape
 from cluster.planner.sim.state import Replica, SimRequest
 
 
@@ -56,9 +57,7 @@ class DecodeSteps:
         serving = self.serving_step_s + self.serving_stream_s * n
         if not chunks:
             return self.profile.decode(n, ctx) + serving
-        tokens = sum(take for _, take in chunks)
-        chunk_ctx = sum(r.computed * take for r, take in chunks) / tokens
-        return self.profile.mixed_step(tokens, chunk_ctx, n, ctx) + serving
+        return self.profile.mixed_step(*chunk_shape(chunks), n, ctx) + serving
 
     def _admit_queue(self, rep: Replica, budget: int, decodes: list, chunks: list) -> None:
         """(3) the queue, in order, while the token budget, max_num_seqs and the blocks allow."""

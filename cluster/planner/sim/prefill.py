@@ -28,9 +28,7 @@ class PrefillSteps:
         return self._prefill_seconds(work), work
 
     def _prefill_seconds(self, work) -> float:
-        tokens = sum(take for _, take in work)
-        context = sum(r.computed * take for r, take in work) / tokens  # token-weighted context before the chunk
-        return self.profile.prefill(tokens, context)
+        return self.profile.prefill(*chunk_shape(work))
 
     def _prefill_done(self, rep: Replica, work) -> int:
         """The step's chunks are computed; returns the tokens sampled (first tokens)."""
@@ -48,3 +46,10 @@ class PrefillSteps:
                 else:  # its first token ended it: decode never takes it
                     self._release(r.decode)
         return sampled
+
+
+def chunk_shape(work) -> tuple[int, float]:
+    """A step's prompt chunks ((request, tokens taken), ...): their tokens, and the token-weighted
+    context computed before them."""
+    tokens = sum(take for _, take in work)
+    return tokens, sum(r.computed * take for r, take in work) / tokens
