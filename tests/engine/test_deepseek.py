@@ -29,6 +29,18 @@ def checkpoint(tmp_path_factory) -> str:
     return write_checkpoint(tmp_path_factory.mktemp("deepseek_v3"), "deepseek_v3")
 
 
+def moe_like(block: torch.nn.Module, config) -> DeepSeekMoE:
+    """Our MoE layer holding transformers' DeepSeek MoE `block`'s weights (its shared expert's gate
+    and up fused, as ours holds them); strict: every parameter on both sides."""
+    mc = ModelConfig.from_hf_dict(config.to_dict())
+    ours = DeepSeekMoE(mc.moe, mc.moe_routing, config.hidden_size)
+    state = dict(block.state_dict())
+    state["shared_experts.gate_up_proj.weight"] = torch.cat([state.pop("shared_experts.gate_proj.weight"),
+                                                             state.pop("shared_experts.up_proj.weight")])
+    ours.load_state_dict(state)
+    return ours
+
+
 def test_router_and_moe_equal_transformers_block():
     """Sigmoid scores, the correction bias, the best group only (topk_group 1 of 2), renormalised and
     scaled by 2.5, plus the shared expert: the same experts in the same order, the same weights."""
@@ -37,12 +49,7 @@ def test_router_and_moe_equal_transformers_block():
     block = DeepseekV3MoE(config).eval()
     for p in (*block.parameters(), block.gate.e_score_correction_bias):
         torch.nn.init.normal_(p, std=0.1)
-    mc = ModelConfig.from_hf_dict(config.to_dict())
-    ours = DeepSeekMoE(mc.moe, mc.moe_routing, 64)
-    state = dict(block.state_dict())
-    state["shared_experts.gate_up_proj.weight"] = torch.cat([state.pop("shared_experts.gate_proj.weight"),
-                                                             state.pop("shared_experts.up_proj.weight")])
-    ours.load_state_dict(state)
+    ours = moe_like(block, config)
     x = torch.randn(37, 64)
     with torch.inference_mode():
         _, ref_weights, ref_experts = block.gate(x)

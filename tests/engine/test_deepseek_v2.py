@@ -14,6 +14,7 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.model.deepseek_moe import DeepSeekMoE
 from cluster.engine.model_config import ModelConfig
+from tests.engine.test_deepseek import moe_like
 from tests.engine.test_engine_correctness import GREEDY, assert_leak_free, prompts
 from tests.engine.test_families import hf_config, write_checkpoint
 from tests.reference import hf_greedy
@@ -26,13 +27,7 @@ def moe_pair(**change) -> tuple[DeepseekV2Moe, DeepSeekMoE]:
     block = DeepseekV2Moe(config).eval()
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    mc = ModelConfig.from_hf_dict(config.to_dict())
-    ours = DeepSeekMoE(mc.moe, mc.moe_routing, 64)
-    state = dict(block.state_dict())
-    state["shared_experts.gate_up_proj.weight"] = torch.cat([state.pop("shared_experts.gate_proj.weight"),
-                                                             state.pop("shared_experts.up_proj.weight")])
-    ours.load_state_dict(state)  # strict: no correction bias on either side
-    return block, ours
+    return block, moe_like(block, config)  # strict: no correction bias on either side
 
 
 @pytest.mark.parametrize("change", [{}, {"topk_method": "greedy", "n_group": None, "topk_group": None}],
