@@ -46,6 +46,20 @@ def serve_replica_ids(app: str = "pdserve") -> dict[str, list[str]]:
     return {d: sorted(r) for d, r in ids.items()}
 
 
+def inject_fault(replica: str, deployment: str = "decode", app: str = "pdserve", timeout: float = 30.0,
+                 **fault) -> None:
+    """Apply `fault` (EngineReplica.inject_fault's keywords) on that one replica. A handle sends a
+    call naming a replica it does not know yet (a replacement just started) to another one, which
+    refuses it (WrongReplicaError, nothing changed): retried until the named replica applied it."""
+    from ray import serve
+
+    from cluster.errors import WrongReplicaError
+
+    handle = serve.get_deployment_handle(deployment, app)
+    wait_for(lambda: handle.inject_fault.remote(**fault, target_replica=replica).result(timeout_s=30) == replica,
+             f"{deployment} replica {replica} to take the fault {fault}", timeout, retry_on=(WrongReplicaError,))
+
+
 def pool_loads(pools: tuple[str, ...] = ("prefill", "decode")) -> dict[str, dict]:
     """The load of the `pdserve` app's prefill and decode replica (one each in the tests that ask),
     or of the named deployments' (a model version's pools)."""

@@ -33,6 +33,7 @@ from cluster.engine.loop import EngineLoop
 from cluster.engine.outputs import RequestOutput, merge_outputs
 from cluster.engine.request import DEFAULT_CONTEXT, RequestContext
 from cluster.engine.sampling_params import SamplingParams
+from cluster.errors import WrongReplicaError
 from cluster.serving import faults
 from cluster.serving.replica_build import EngineStack, make_replica_telemetry, serve_replica_id
 from cluster.serving.replica_flip import RoleFlip
@@ -205,15 +206,20 @@ class EngineReplica:
 
     async def inject_fault(self, pull: faults.PullFault | None = None, step_delay_s: float | None = None,
                            stall_loop_s: float | None = None, fail_requests: float | None = None,
-                           target_replica: str | None = None, poison_token: int | None = None) -> None:
+                           target_replica: str | None = None, poison_token: int | None = None) -> str:
         """Chaos tests and drills (only with fault_tolerance.fault_injection): `pull` "drop" |
         "stall" | "none" on this replica's KV transfers, a delay added to every engine step (a
         slow node), one loop turn blocked for `stall_loop_s` (a stuck engine), or the fraction
         of new requests a decode replica fails at once (`fail_requests`: a broken version), or a
         forward whose input holds `poison_token` raises (a poison request; -1 turns it off).
-        `target_replica` picks the replica (read by the request router)."""
+        `target_replica` picks the replica (read by the request router); another replica that the
+        call reached (the named one gone, or not yet known to the caller's handle) refuses it with
+        WrongReplicaError before changing anything. Returns the replica id it was applied on."""
         if self.faults is None:
             raise PermissionError("fault injection is off (fault_tolerance.fault_injection: false)")
+        if target_replica is not None and target_replica != self.replica_id:
+            raise WrongReplicaError(f"inject_fault named replica {target_replica} but reached replica "
+                                    f"{self.replica_id}; nothing was changed")
 
         def apply():
             if pull is not None:
@@ -228,6 +234,7 @@ class EngineReplica:
         await self.loop.call(apply)
         if stall_loop_s:
             asyncio.ensure_future(self.loop.call(lambda: time.sleep(stall_loop_s)))
+        return self.replica_id
 
     def __del__(self):
         loop = getattr(self, "loop", None)

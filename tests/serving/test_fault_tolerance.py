@@ -12,7 +12,7 @@ import ray
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
-from tests.helpers import app_router, grpc_stub, wait_for, wait_until
+from tests.helpers import app_router, grpc_stub, inject_fault, wait_for, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +55,6 @@ def live_replicas(pool) -> list[str]:
 
 def replica_load(pool, replica_id) -> dict:
     return handle(pool).load.remote(target_replica=replica_id).result(timeout_s=30)
-
-
-def inject(pool, replica_id, **fault):
-    handle(pool).inject_fault.remote(**fault, target_replica=replica_id).result(timeout_s=30)
 
 
 def kill(replica_id):
@@ -114,7 +110,7 @@ def test_killed_decode_replica_mid_stream_every_stream_migrates_and_finishes_ide
 
 def test_killed_prefill_replica_during_prefill_requests_complete(cluster, reference):
     [victim] = live_replicas("prefill")
-    inject("prefill", victim, step_delay_s=0.5)  # 3 chunked steps of 0.5 s per prompt: time to kill
+    inject_fault(victim, "prefill", step_delay_s=0.5)  # 3 chunked steps of 0.5 s per prompt: time to kill
     ps = prompts(4, 40, base=100)
     expected = reference(ps, 12)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -130,14 +126,14 @@ def test_killed_prefill_replica_during_prefill_requests_complete(cluster, refere
 def test_dropped_or_stalled_transfer_is_recomputed_to_the_reference(cluster, reference, fault, counter):
     decodes = live_replicas("decode")
     for rid in decodes:
-        inject("decode", rid, pull=fault)
+        inject_fault(rid, "decode", pull=fault)
     before = {rid: replica_load("decode", rid)["transfer"] for rid in decodes}
     ps = prompts(3, 48, base=200 + len(fault))  # 47 uncached tokens >= 16: prefilled remotely, pulled
     try:
         outs = [[t for r in cluster.Generate(request(p, 10), timeout=60) for t in r.token_ids] for p in ps]
     finally:
         for rid in decodes:
-            inject("decode", rid, pull="none")
+            inject_fault(rid, "decode", pull="none")
     assert outs == reference(ps, 10)
     after = {rid: replica_load("decode", rid)["transfer"] for rid in decodes}
     assert sum(after[r][counter] - before[r][counter] for r in decodes) == 3
@@ -169,7 +165,7 @@ def test_a_replica_slowed_three_times_gets_fewer_new_requests(cluster):
 
     for i, rid in enumerate((fast, slow)):  # past the replicas' warm-up steps: step times are measured
         direct(rid, f"warm-{i}", 300 + i)
-    inject("decode", slow, step_delay_s=0.05)  # the tiny model steps in a few ms: this is >> 3x
+    inject_fault(slow, "decode", step_delay_s=0.05)  # the tiny model steps in a few ms: this is >> 3x
     direct(slow, "slowed", 320)  # it steps slowly and reports so
 
     def step_times():
@@ -181,7 +177,7 @@ def test_a_replica_slowed_three_times_gets_fewer_new_requests(cluster):
     try:
         run(12, 340)
     finally:
-        inject("decode", slow, step_delay_s=0.0)
+        inject_fault(slow, "decode", step_delay_s=0.0)
     after = served()
     share = (after[slow] - before[slow]) / sum(after[r] - before[r] for r in (fast, slow))
     # one request at a time on an idle pool, decided on settled reports: the slow replica's cost
@@ -192,7 +188,7 @@ def test_a_replica_slowed_three_times_gets_fewer_new_requests(cluster):
 
 def test_stuck_engine_loop_fails_health_and_the_replica_is_replaced(cluster, reference):
     stuck = live_replicas("decode")[0]
-    inject("decode", stuck, stall_loop_s=30.0)  # stuck_loop_s is 1 s; Serve checks every second
+    inject_fault(stuck, "decode", stall_loop_s=30.0)  # stuck_loop_s is 1 s; Serve checks every second
     wait_until(lambda: stuck not in live_replicas("decode") and not ray.get(app_router().hashes.remote(stuck)),
                "the stuck replica is dropped", timeout=30)
     p = prompts(1, 20, base=400)
@@ -213,7 +209,7 @@ def test_a_poison_request_fails_only_its_prefill_replica_and_is_not_redone_on_de
     errors_before = {(p, r): replica_load(p, r)["step_errors"] for p, rs in replicas.items() for r in rs}
     received = {key: replica_load(*key)["requests_received"] for key in errors_before}
     for (pool, rid) in errors_before:
-        inject(pool, rid, poison_token=POISON)
+        inject_fault(rid, pool, poison_token=POISON)
     try:
         [ids] = prompts(1, 40, base=7)
         ids[5] = POISON  # in the first 16-token chunk
@@ -221,7 +217,7 @@ def test_a_poison_request_fails_only_its_prefill_replica_and_is_not_redone_on_de
             list(cluster.Generate(request(ids, 8), timeout=60))
     finally:
         for (pool, rid) in errors_before:
-            inject(pool, rid, poison_token=-1)
+            inject_fault(rid, pool, poison_token=-1)
     assert e.value.code().name == "INTERNAL"
     assert re.fullmatch(
         r"request [0-9a-f]{32}: the forward holding it failed on prefill replica \S+ after 0 tokens \(engine step "

@@ -17,7 +17,7 @@ import ray
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import DrainTimeoutError, WrongRoleError
-from tests.helpers import app_router, grpc_stub, serve_replica_ids, wait_for, wait_until
+from tests.helpers import app_router, grpc_stub, inject_fault, serve_replica_ids, wait_for, wait_until
 from tests.serving.test_tensor_parallel_serving import request
 
 NUM_BLOCKS = 128  # four streams of ~100 + 240 tokens fit one decode replica without preemption
@@ -86,10 +86,6 @@ class Streams:
         return self.got
 
 
-def inject(deployment: str, replica: str, **fault) -> None:
-    handle(deployment).inject_fault.remote(**fault, target_replica=replica).result(timeout_s=30)
-
-
 def whole(replicas: dict[str, str]) -> None:
     """Every replica (id -> home deployment) back at its block total, nothing queued or leased; the
     router's in-flight count at 0."""
@@ -113,8 +109,8 @@ def test_a_prefill_replica_flips_to_decode_mid_stream_and_back(app, tiny_model):
     # a prefill step takes 1.5 s, so the flip lands while prefills run (at 0.3 s a fresh-clone CI
     # run once flipped after the victim's prompts and leases had all ended: drained_requests 0)
     for p in prefills:
-        inject("prefill", p, step_delay_s=1.5)
-    inject("decode", d, step_delay_s=0.02)  # 240 tokens: ~5 s streams, the flip lands while they run
+        inject_fault(p, "prefill", step_delay_s=1.5)
+    inject_fault(d, "decode", step_delay_s=0.02)  # 240 tokens: ~5 s streams, the flip lands while they run
 
     ps = prompts(4, base=0)
     expected = reference(tiny_model, ps, MAX_TOKENS)
@@ -152,7 +148,7 @@ def test_a_prefill_replica_flips_to_decode_mid_stream_and_back(app, tiny_model):
 
     # new requests decode on the flipped replica too (reached through the prefill deployment)
     for r, home in homes.items():
-        inject(home, r, step_delay_s=0.0)
+        inject_fault(r, home, step_delay_s=0.0)
     ps2 = prompts(4, base=101)
     assert Streams(app, ps2, 32).join() == reference(tiny_model, ps2, 32)
     decoded = load("prefill", victim)
@@ -170,7 +166,7 @@ def test_a_prefill_replica_flips_to_decode_mid_stream_and_back(app, tiny_model):
 @pytest.mark.timeout(120)
 def test_a_drain_past_its_timeout_is_called_off_and_the_stream_goes_on(app, tiny_model):
     [d] = serve_replica_ids()["decode"]
-    inject("decode", d, step_delay_s=0.02)
+    inject_fault(d, "decode", step_delay_s=0.02)
     ps = prompts(1, base=211)
     stream = Streams(app, ps, MAX_TOKENS)
     wait_for(lambda: len(stream.got[0]) >= 3 or stream.errors, "the stream decodes", timeout=60)
@@ -178,6 +174,6 @@ def test_a_drain_past_its_timeout_is_called_off_and_the_stream_goes_on(app, tiny
         handle("decode").set_role.remote("prefill", drain_timeout_s=0.5, target_replica=d).result(timeout_s=30)
     assert roles()[d] == ("decode", "decode", False)
     assert stream.join() == reference(tiny_model, ps, MAX_TOKENS)
-    inject("decode", d, step_delay_s=0.0)
+    inject_fault(d, "decode", step_delay_s=0.0)
     assert load("decode", d)["role"] == "decode"
     whole({**{p: "prefill" for p in serve_replica_ids()["prefill"]}, d: "decode"})

@@ -17,7 +17,7 @@ import threading
 import pytest
 import ray
 
-from tests.helpers import grpc_stub, serve_replica_ids, wait_for
+from tests.helpers import grpc_stub, inject_fault, serve_replica_ids, wait_for
 from tests.serving.test_tensor_parallel_pd import load, reference
 from tests.serving.test_tensor_parallel_serving import NUM_BLOCKS, prompt, request, workers
 
@@ -40,13 +40,10 @@ def whole(pool: str, replica: str, seen: dict) -> bool:
 
 @pytest.mark.timeout(300)
 def test_killing_a_decode_worker_migrates_streams_pulled_over_nixl_to_the_reference_tokens(app, tiny_model):
-    from ray import serve
-
     [p_replica], before = serve_replica_ids()["prefill"], serve_replica_ids()["decode"]
     assert len(before) == 2
-    decode = serve.get_deployment_handle("decode", "pdserve")
     for r in before:  # ~7 s streams: the kill lands while they run
-        decode.inject_fault.remote(step_delay_s=0.1, target_replica=r).result(timeout_s=30)
+        inject_fault(r, step_delay_s=0.1)
     # 92 .. 150 tokens: past routing.local_prefill_threshold (64), so each is prefilled on the prefill pool
     prompts = [prompt(i) for i in range(3, 6)]
     expected = reference(tiny_model, prompts, MAX_TOKENS)

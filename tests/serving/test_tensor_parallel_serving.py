@@ -20,7 +20,7 @@ import ray
 from cluster.engine.llm_engine import LLMEngine
 from cluster.engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import generation_pb2 as pb
-from tests.helpers import grpc_stub, serve_replica_ids, wait_for
+from tests.helpers import app_router, grpc_stub, inject_fault, serve_replica_ids, wait_for
 
 NUM_BLOCKS = 64
 
@@ -66,6 +66,19 @@ def workers(replica: str) -> list:
     return [ray.get_actor(name, namespace=ns) for name, ns in names]
 
 
+def two_live_replicas() -> list[str]:
+    """The two decode replicas, once Serve runs exactly two (a replacement of an earlier test's
+    victim has started) and the app's router routes to exactly those: no replica is still starting
+    or ending, so the one a request reaches is one of them."""
+    def settled() -> bool:
+        named = serve_replica_ids().get("decode", [])
+        routed = sorted(load.replica_id for load in ray.get(app_router().live_loads.remote()) if load.role == "decode")
+        return len(named) == 2 and routed == named
+
+    wait_for(settled, "two decode replicas, both routed to", 120)
+    return serve_replica_ids()["decode"]
+
+
 def wait_whole(replicas: list[str]) -> dict[str, dict]:
     seen: dict[str, dict] = {}
 
@@ -94,12 +107,9 @@ def test_tp2_replicas_stream_tp1s_tokens_and_their_pools_are_whole(app, referenc
 
 @pytest.mark.timeout(240)
 def test_killing_a_worker_mid_stream_migrates_the_stream_to_the_reference_tokens(app, reference):
-    from ray import serve
-
-    before = serve_replica_ids()["decode"]
-    handle = serve.get_deployment_handle("decode", "pdserve")
+    before = two_live_replicas()
     for r in before:  # ~10 s streams: the kill lands while the stream runs, not after it ended
-        handle.inject_fault.remote(step_delay_s=0.1, target_replica=r).result(timeout_s=30)
+        inject_fault(r, step_delay_s=0.1)
     ids, max_tokens = prompt(2), 96
     with grpc_stub(app) as stub:
         stream = stub.Generate(request(ids, max_tokens), timeout=180)
@@ -115,9 +125,7 @@ def test_killing_a_worker_mid_stream_migrates_the_stream_to_the_reference_tokens
 
 @pytest.mark.timeout(240)
 def test_killing_an_idle_replicas_worker_fails_its_health_check(app):
-    wait_for(lambda: len(serve_replica_ids().get("decode", [])) == 2, "two decode replicas", 120)
-    replicas = serve_replica_ids()["decode"]
-    victim = replicas[0]
+    victim = two_live_replicas()[0]
     [worker] = workers(victim)
     ray.kill(worker, no_restart=True)
     wait_for(lambda: victim not in serve_replica_ids().get("decode", []), "Serve to replace the replica", 60)
@@ -131,13 +139,9 @@ def test_a_poison_request_ends_one_tp_replica_and_is_not_migrated_onto_the_other
     replica never runs it and stays up. (It used to end this replica, migrate, and end the next.)"""
     import re
 
-    from ray import serve
-
-    wait_for(lambda: len(serve_replica_ids().get("decode", [])) == 2, "two decode replicas", 120)
-    before = serve_replica_ids()["decode"]
-    handle = serve.get_deployment_handle("decode", "pdserve")
+    before = two_live_replicas()
     for r in before:
-        handle.inject_fault.remote(poison_token=255, step_delay_s=0.0, target_replica=r).result(timeout_s=30)
+        inject_fault(r, poison_token=255, step_delay_s=0.0)
     with grpc_stub(app) as stub, pytest.raises(Exception) as e:
         list(stub.Generate(request([256, 1, 2, 255, 3], 8), timeout=60))
     assert e.value.code().name == "INTERNAL"
@@ -147,9 +151,10 @@ def test_a_poison_request_ends_one_tp_replica_and_is_not_migrated_onto_the_other
         r"another replica, as it may be what made the forward fail", e.value.details())
     assert match is not None, e.value.details()
     hit = match.group(1)
+    assert hit in before, (hit, before, serve_replica_ids().get("decode"))
     [other] = [r for r in before if r != hit]
     wait_for(lambda: hit not in serve_replica_ids().get("decode", []), "the poisoned replica to end", 60)
     assert other in serve_replica_ids()["decode"]
     load = replica_load(other)  # it never ran the poison request: no step of it failed (one would end it)
     assert (load["replica_id"], load["step_errors"]) == (other, 0)
-    handle.inject_fault.remote(poison_token=-1, target_replica=other).result(timeout_s=30)
+    inject_fault(other, poison_token=-1)
