@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import deque
 from typing import Callable
@@ -18,6 +17,7 @@ MIN_LIMIT = 2.0  # a running stream and one more user are never refused for the 
 PROVEN_S = 30.0  # the most streams a window ran within the target is a floor of the limit this long
 CALM_WINDOWS = 4  # windows in a row within the target and under PROBE_AT of the limit before it is lifted
 MIN_STREAM_TOKENS = 4  # tokens past its first before a stream's own pace counts
+WEIGHT_TOKENS = 16  # a stream's pace weighs its tokens so far, up to this many
 FLOOR_HOLD_S = 60.0  # the fastest pace seen holds this long...
 FLOOR_TAU_S = 300.0  # ...then fades towards later windows' with this time constant
 
@@ -36,18 +36,29 @@ class Stream:
         return (self.last_at - self.first_at) / self.tokens if self.tokens >= MIN_STREAM_TOKENS else None
 
 
+def weighted_pace(streams: list[Stream]) -> float:
+    """The streams' own paces so far, each weighing its tokens up to WEIGHT_TOKENS."""
+    weights = [min(s.tokens, WEIGHT_TOKENS) for s in streams]
+    return sum(w * s.tpot_s() for w, s in zip(weights, streams)) / sum(weights)
+
+
 class StreamPace(Meter):
     """The streams past their first token and their pace as this ingress relays them (the decode
     pool's, measured where the client gets it), over windows of MIN_SAMPLE_S with at least one
     stream running, and the limit on streams it implies.
 
-    A window's pace is the median of its streams' own time per output token so far (each since
-    its first token; the streams that ended in the window at their final one), not the window's
-    mean interval: on a colocated replica every prefill chunk stalls every stream for a chunk's
-    time (~270 ms on this CPU), so a 0.5 s window's mean interval read 250-470 ms while the
-    requests' own TPOT was p50 61 ms, and the pace cap refused 10 of the 90 requests of a plan's
-    own trace that the plan said would meet its SLO. A window whose streams have too few tokens
-    yet falls back on its mean interval (stream-seconds over tokens).
+    A window's pace is its streams' own time per output token so far (each since its first
+    token; the streams that ended in the window at their final one), each weighing its tokens up
+    to WEIGHT_TOKENS (`weighted_pace`), not the window's mean interval: on a colocated replica
+    every prefill chunk stalls every stream for a chunk's time (~270 ms on this CPU), so a 0.5 s
+    window's mean interval read 250-470 ms while the requests' own TPOT was p50 61 ms, and the pace
+    cap refused 10 of the 90 requests of a plan's own trace that the plan said would meet its SLO.
+    Nor is it their median: a clump of arrivals' prompt chunks stall every stream, and the young
+    streams, then the majority, read the stalls over their first few tokens (a near-saturation
+    trace was refused 1-3 of 60 at "388 ms per token over 10.0 streams" while the served requests'
+    TPOT was p90 161-243 ms, target 320). The weight is capped so that a pool that really slows
+    is not hidden for long behind its oldest streams' history. A window whose streams have too
+    few tokens yet falls back on its mean interval (stream-seconds over tokens).
 
     The limit (`cap()`) exists once SLOW_WINDOWS windows in a row measured the pace over the
     target: it is then set to the streams the pool would run at the target by the gradient of the
@@ -94,7 +105,7 @@ class StreamPace(Meter):
         self._stream_s = 0.0  # integral of streams over the window
         self._tokens = 0
         self._live: set[Stream] = set()
-        self._ended: list[float] = []  # final paces of the streams that ended in this window
+        self._ended: list[Stream] = []  # the streams that ended in this window (with their own pace)
 
     def start(self) -> Stream:
         self._advance()
@@ -108,9 +119,8 @@ class StreamPace(Meter):
         self.streams -= 1
         if stream is not None and stream in self._live:
             self._live.discard(stream)
-            tpot = stream.tpot_s()
-            if tpot is not None:
-                self._ended.append(tpot)
+            if stream.tpot_s() is not None:
+                self._ended.append(stream)
 
     def tokens(self, n: int, stream: Stream | None = None) -> None:
         self._advance()
@@ -119,16 +129,15 @@ class StreamPace(Meter):
             stream.tokens += n
             stream.last_at = self._last
         if self._window_s >= MIN_SAMPLE_S and self._tokens > 0:
-            window = self._stream_s / self._tokens
-            measured = [t for t in (s.tpot_s() for s in self._live) if t is not None]
-            paces = measured + self._ended
-            sample = statistics.median(paces) if paces else window
+            measured = [s for s in self._live if s.tpot_s() is not None]
+            paced = measured + self._ended
+            sample = weighted_pace(paced) if paced else self._stream_s / self._tokens
             self.itl_s = self._smooth(self.itl_s, sample)
             self.mean_streams = self._stream_s / self._window_s
             self._window_s = self._stream_s = 0.0
             self._tokens = 0
             self._ended = []
-            self._adjust(sample, len(measured) if paces else int(self.mean_streams))
+            self._adjust(sample, len(measured) if paced else int(self.mean_streams))
 
     def target(self) -> float | None:
         """The interval streams are held to: target_itl_s, or with a floor multiple the larger of it and
