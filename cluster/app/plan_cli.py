@@ -78,7 +78,11 @@ def _add_plan_parser(sub) -> None:
                          "(refused without it): the first line says so and the figures are widened")
     pl.add_argument("--validate", type=int, default=0, metavar="N",
                     help="run the plan's pick for real: `pdserve up` of the emitted config and N `pdserve bench` "
-                         "replays of the same trace, then predicted against measured side by side")
+                         "replays of the same trace (each with prompts of its own), then predicted against measured "
+                         "side by side")
+    pl.add_argument("--validate-dir", metavar="DIR",
+                    help="with --validate: keep its files here (the config served, the trace, the server's log, each "
+                         "replay's bench result); default: a temporary directory, removed")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=_plan)
 
@@ -140,7 +144,7 @@ def _plan(args) -> int:
         _emit_config(plan.best.config, prof, slo, Path(args.emit_config))
         print(f"wrote {args.emit_config} (pdserve up --config {args.emit_config})")
     if args.validate and plan.best is not None:
-        return _validate(plan.best, prof, specs, slo, args.validate)
+        return _validate(plan.best, prof, specs, slo, args.validate, args.validate_dir)
     return 0 if plan.best is not None else 1
 
 
@@ -163,13 +167,17 @@ def _uncalibrated_lines(plan, slo) -> list[str]:
     return lines
 
 
-def _validate(best, prof, specs, slo, runs: int) -> int:
+def _validate(best, prof, specs, slo, runs: int, keep: str | None) -> int:
+    import contextlib  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
     from cluster.app.plan_runs import side_by_side, validate  # noqa: PLC0415
 
     doc = {**best.config.app_doc(prof.model.get("path"), prof.block_size), **slo_sections(slo)}
-    with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as work:
+    if keep is not None:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+    where = contextlib.nullcontext(keep) if keep is not None else tempfile.TemporaryDirectory(prefix="pdserve-validate-")
+    with where as work:
         try:
             results = validate(doc, specs, slo, runs, Path(work))
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
@@ -184,6 +192,9 @@ def _validate(best, prof, specs, slo, runs: int) -> int:
 
 def _calibration(args, prof) -> list[str] | None:
     """What the profile lacks for a plan (printed first, with --uncalibrated); None: refused."""
+    if args.validate_dir is not None and not args.validate:
+        print("pdserve plan: --validate-dir needs --validate N", file=sys.stderr)
+        return None
     if not 0 <= args.validate <= 10:
         print(f"pdserve plan: --validate: at most 10 runs, got {args.validate}", file=sys.stderr)
         return None

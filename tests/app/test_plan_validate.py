@@ -28,7 +28,8 @@ def test_validate_runs_the_pick_for_real_and_prints_predicted_against_measured(r
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     done = subprocess.run([PDSERVE, "plan", "--profile", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.jsonl"),
                            "--slo", "ttft=5,tpot=1", "--budget", "1", "--chunks", "64", "--max-num-seqs", "8",
-                           "--kv-gb", "0.005", "--validate", "1"], capture_output=True, text=True, env=env, timeout=400)
+                           "--kv-gb", "0.005", "--validate", "1", "--validate-dir", str(tmp_path / "v")],
+                          capture_output=True, text=True, env=env, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout.splitlines()
     assert "plan:" in out and out[out.index("plan:") + 1].startswith("  0P+1D colocated chunk=64 ")
@@ -38,6 +39,9 @@ def test_validate_runs_the_pick_for_real_and_prints_predicted_against_measured(r
     assert [m[1] for m in rows] == ["TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "goodput"], out[start:]
     assert all(float(m[4]) > 0 for m in rows), out[start:]  # measured
     assert out[start + 7].startswith("  run 1: 5/5 served; load generator kept its schedule"), out[start + 7]
+    assert sorted(p.name for p in (tmp_path / "v").iterdir()) == ["run0.json", "server.log", "trace.jsonl",
+                                                                  "validate.yaml"]
+    assert json.loads((tmp_path / "v" / "run0.json").read_text())["statuses"] == ["ok"] * 5
 
 
 def test_a_run_names_the_codes_its_unserved_requests_ended_with():
