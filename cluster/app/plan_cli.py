@@ -183,9 +183,9 @@ def _validate(best, prof, specs, slo, runs: int, keep: str | None) -> int:
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             print(f"pdserve plan: --validate: {e}", file=sys.stderr)
             return 4
-    def resimulate(served):
-        from cluster.planner.simulator import simulate  # noqa: PLC0415
-        return simulate(prof, best.config, served, slo)
+    def resimulate(served, factor: float):
+        from cluster.planner.plan import at_speed  # noqa: PLC0415
+        return at_speed(prof, factor, best.config, served, slo)
     print("\n".join(side_by_side(best, results, slo, list(specs), resimulate)))
     return 0
 
@@ -237,6 +237,8 @@ def _print_plan(plan, prof, specs, slo, attain, transfer_note, cpu_s, simulated)
     print("plan:" if plan.best else "plan: NONE within the budget meets the SLO (best attainment shown below)")
     if plan.best:
         print("  " + _row(plan.best))
+    for line in _band_lines(plan, slo):
+        print(line)
     print("Pareto front (replicas -> best goodput):")
     for r in plan.front:
         print(f"  {r.config.replicas:>3}  " + _row(r))
@@ -255,6 +257,24 @@ def _print_plan(plan, prof, specs, slo, attain, transfer_note, cpu_s, simulated)
           + ("" if prof.serving is not None else "; nor the serving path's cost (not in the profile)"))
 
 
+def _band_lines(plan, slo) -> list[str]:
+    """The pick at SPEED_BAND slower and faster steps (planner/plan.py: the speed band)."""
+    from cluster.planner.plan import SPEED_BAND  # noqa: PLC0415
+
+    if not plan.band:
+        return []
+    slow, fast = plan.band
+    pct = f"{SPEED_BAND:.0%}"
+    lines = [f"  at {pct} slower / faster steps: attainment {slow.attainment:.1%} / {fast.attainment:.1%}  "
+             f"TTFT p50 {slow.ttft.p50:.3f} / {fast.ttft.p50:.3f} s, p90 {slow.ttft.p90:.3f} / {fast.ttft.p90:.3f} s  "
+             f"TPOT p50 {slow.tpot.p50 * 1e3:.1f} / {fast.tpot.p50 * 1e3:.1f} ms, p90 {slow.tpot.p90 * 1e3:.1f} / "
+             f"{fast.tpot.p90 * 1e3:.1f} ms"]
+    if slow.attainment < plan.attain or not slow.keeps_up:
+        lines.append(f"  WARNING: with {pct} slower steps the pick misses the SLO (attainment {slow.attainment:.1%}"
+                     + ("" if slow.keeps_up else ", cannot keep up") + "): it has no margin for a slower machine")
+    return lines
+
+
 def _plan_json(plan, prof, specs, slo, transfer_note, cpu_s, simulated) -> dict:
     from dataclasses import asdict  # noqa: PLC0415
 
@@ -263,7 +283,7 @@ def _plan_json(plan, prof, specs, slo, transfer_note, cpu_s, simulated) -> dict:
 
     return {"best": res(plan.best), "front": [res(r) for r in plan.front], "evaluated": plan.evaluated,
             "probed": res(plan.probed), "binding": list(plan.binding),
-            "relaxations": [asdict(x) for x in plan.relaxations], "slo": asdict(slo), "requests": len(specs),
+            "relaxations": [asdict(x) for x in plan.relaxations], "speed_band": [res(r) for r in plan.band], "slo": asdict(slo), "requests": len(specs),
             "transfer": transfer_note, "cpu_s": cpu_s, "requests_per_cpu_s": simulated / cpu_s if cpu_s else None,
             "profile": {"model": prof.model, "device": prof.device, "range": prof.range_text()}}
 

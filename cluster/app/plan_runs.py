@@ -181,10 +181,12 @@ def validate(config_doc: dict, specs, slo, runs: int, work: Path) -> list[dict]:
 
 def side_by_side(sim, results: list[dict], slo, specs=(), resimulate=None) -> list[str]:
     """The plan's prediction against the runs' (their median per metric), with the error in percent,
-    the trend through the trace, and what the runs did not serve. `resimulate(specs) -> SimResult`
-    (`specs`: the trace's requests): for a run that refused some, the simulator again on the requests it
-    served, against that run: the model's own error, apart from the refusals (which the run's
-    figures leave out and the simulator, serving every request, prices into the others' waits)."""
+    the trend through the trace, and what the runs did not serve. `resimulate(specs, factor) ->
+    SimResult` (`specs`: the trace's requests; `factor` on every step time): for a run that refused
+    some, the simulator again on the requests it served, against that run: the model's own error,
+    apart from the refusals (which the run's figures leave out and the simulator, serving every
+    request, prices into the others' waits); and for every run, the simulator at the speed the
+    run's TTFT p50 reads (`run_speed`)."""
     from cluster.planner.outcome import Trend  # noqa: PLC0415
     from cluster.planner.validation import LABELS, METRICS, Metrics, ape  # noqa: PLC0415
 
@@ -209,6 +211,8 @@ def side_by_side(sim, results: list[dict], slo, specs=(), resimulate=None) -> li
         lines += [f"    {code} x{n}: {first}" for code, n, first in unserved(r)]
         if failed and resimulate is not None:
             lines += _served_only(resimulate, r, specs, slo)
+        if resimulate is not None:
+            lines += _at_run_speed(resimulate, r, specs, slo)
     if sim.trend is not None:
         lines.append(f"  predicted: {sim.trend.text()}")
     return lines
@@ -220,10 +224,44 @@ def _served_only(resimulate, result: dict, specs, slo) -> list[str]:
     served = served_specs(result, specs)
     if not served:
         return ["    (not re-simulated on the served requests: the run's requests do not match the trace's)"]
-    pred, real = Metrics.of_sim(resimulate(served)), Metrics.of_bench(result, slo)
+    pred, real = Metrics.of_sim(resimulate(served, 1.0)), Metrics.of_bench(result, slo)
     return [f"    the simulator on the {len(served)} requests it served: " + ", ".join(
         f"{LABELS[m]} {getattr(pred, m) * 1e3:.1f} ms ({ape(getattr(real, m), getattr(pred, m)):.1f}%)"
         for m in METRICS if m != "goodput")]
+
+
+SPEEDS = (0.7, 1.4)  # the step-time factors a run's speed is looked for between
+
+
+def run_speed(resimulate, specs: list, ttft_p50_s: float, iterations: int = 12) -> float | None:
+    """The factor on every step time at which the simulator's TTFT p50 on `specs` is the run's
+    (bisection: TTFT grows with the factor); None: outside SPEEDS. The machine's speed moves between
+    runs, and near saturation TPOT moves 5-6x as much; TTFT, the best-predicted figure, says how
+    fast the machine ran, so the TPOT at that speed is the model's own error, apart from the speed."""
+    lo, hi = SPEEDS
+    if not resimulate(specs, lo).ttft.p50 <= ttft_p50_s <= resimulate(specs, hi).ttft.p50:
+        return None
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if resimulate(specs, mid).ttft.p50 < ttft_p50_s else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _at_run_speed(resimulate, result: dict, specs, slo) -> list[str]:
+    from cluster.planner.validation import Metrics, ape  # noqa: PLC0415
+
+    served = served_specs(result, specs)
+    if not served:
+        return []
+    real = Metrics.of_bench(result, slo)
+    factor = run_speed(resimulate, served, real.ttft_p50)
+    if factor is None:
+        return [f"    its TTFT p50 reads a speed outside steps x{SPEEDS[0]:g}-x{SPEEDS[1]:g} the profile's"]
+    pred = Metrics.of_sim(resimulate(served, factor))
+    return [f"    at the speed its TTFT p50 reads (every step x{factor:.2f} the profile's): the simulator's TPOT p50 "
+            f"{pred.tpot_p50 * 1e3:.1f} ms ({ape(real.tpot_p50, pred.tpot_p50):.1f}%), p90 {pred.tpot_p90 * 1e3:.1f} ms "
+            f"({ape(real.tpot_p90, pred.tpot_p90):.1f}%), TTFT p90 {pred.ttft_p90 * 1e3:.0f} ms "
+            f"({ape(real.ttft_p90, pred.ttft_p90):.1f}%)"]
 
 
 def served_specs(result: dict, specs: list) -> list:

@@ -15,6 +15,12 @@ best with one replica fewer than the plan) is simulated again with one resource 
 (prefill steps twice as fast, decode steps twice as fast, twice the KV blocks, free transfers); the
 relaxation that raises attainment most is what binds. Before simulating, the workload is checked
 against the profile's calibrated range: out of range, the plan refuses (`OutOfRange`).
+
+The speed band: the pick simulated again with every step SPEED_BAND slower and faster. A machine's
+speed moves between runs (this 2-core VM's: a near-saturation trace's TTFT p50 read 1.43-2.05 s
+over runs of one config), and near saturation a small change in speed is a large one in latency:
+5% slower steps took that trace's TPOT p50 from 95 to 126 ms, 5% faster to 73. The band says how
+far the pick's figures can be trusted before any run.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ class Relaxation:
     goodput: float
 
 
+SPEED_BAND = 0.05  # the speed band: every step this much slower, and faster
+
+
 @dataclass(frozen=True)
 class Plan:
     best: SimResult | None  # None: nothing within the budget meets the SLO
@@ -44,6 +53,7 @@ class Plan:
     probed: SimResult | None  # the configuration the relaxations were run on
     relaxations: tuple[Relaxation, ...]  # best first
     attain: float = 0.9
+    band: tuple[SimResult, ...] = ()  # the best with every step SPEED_BAND slower, and faster (none: no best)
 
     @property
     def binding(self) -> tuple[str, ...]:
@@ -114,7 +124,21 @@ def search(profile: Profile, specs: Sequence[RequestSpec], slo: SLO, budget: int
                 top = r.goodput
     probe = _probe_target(results, best)
     relax = relaxations(profile, probe.config, specs, slo, transfer, seed) if probe is not None else ()
-    return Plan(best, tuple(front), len(results), probe, relax, attain)
+    band = speed_band(profile, best.config, specs, slo, transfer, seed) if best is not None else ()
+    return Plan(best, tuple(front), len(results), probe, relax, attain, band)
+
+
+def at_speed(profile: Profile, factor: float, config: ClusterConfig, specs: Sequence[RequestSpec], slo: SLO,
+             transfer: Transfer | None = None, seed: int = 0) -> SimResult:
+    """`config` simulated with every prefill and decode step `factor` times as long."""
+    return simulate(profile.scaled(prefill=factor, decode=factor), config, list(specs), slo, seed, transfer)
+
+
+def speed_band(profile: Profile, config: ClusterConfig, specs: Sequence[RequestSpec], slo: SLO,
+               transfer: Transfer | None = None, seed: int = 0) -> tuple[SimResult, SimResult]:
+    """(slower, faster): `config` with every step SPEED_BAND slower, and faster."""
+    return tuple(at_speed(profile, f, config, specs, slo, transfer, seed)
+                 for f in (1 + SPEED_BAND, 1 / (1 + SPEED_BAND)))
 
 
 def _probe_target(results: list[SimResult], best: SimResult | None) -> SimResult | None:

@@ -12,6 +12,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from cluster.planner.profile import Serving
 from tests.planner.conftest import synthetic_profile
 
@@ -61,8 +63,9 @@ def test_a_run_that_refused_some_is_also_compared_with_the_simulator_on_what_it_
     the requests the run served. Synthetic profile, one colocated replica: of 0.0 / 0.1 / 10.0 s
     arrivals (32-token prompts, 3 tokens), the run served the first and the third, each as the
     simulator alone does: TTFT prefill_s(32) = 3/32 s, TPOT decode_s(1) = 1/64 s, error 0.0%."""
-    from cluster.app.plan_runs import served_specs, side_by_side
+    from cluster.app.plan_runs import run_speed, served_specs, side_by_side
     from cluster.planner.config import SLO, ClusterConfig
+    from cluster.planner.plan import at_speed
     from cluster.planner.simulator import simulate
     from cluster.planner.workload import RequestSpec
     from tests.planner.conftest import decode_s, prefill_s
@@ -76,10 +79,18 @@ def test_a_run_that_refused_some_is_also_compared_with_the_simulator_on_what_it_
     assert served_specs(run, specs) == [specs[0], specs[2]]
     assert served_specs({**run, "input_lens": [32, 32, 31]}, specs) == []  # not this trace's run
     lines = side_by_side(simulate(prof, cfg, specs, slo), [run], slo, specs,
-                         lambda served: simulate(prof, cfg, served, slo))
-    assert lines[-2:] == ["    RESOURCE_EXHAUSTED x1: pace",
+                         lambda served, factor: at_speed(prof, factor, cfg, served, slo))
+    assert lines[-3:] == ["    RESOURCE_EXHAUSTED x1: pace",
                           "    the simulator on the 2 requests it served: TTFT p50 93.8 ms (0.0%), "
-                          "TTFT p90 93.8 ms (0.0%), TPOT p50 15.6 ms (0.0%), TPOT p90 15.6 ms (0.0%)"]
+                          "TTFT p90 93.8 ms (0.0%), TPOT p50 15.6 ms (0.0%), TPOT p90 15.6 ms (0.0%)",
+                          "    at the speed its TTFT p50 reads (every step x1.00 the profile's): the simulator's "
+                          "TPOT p50 15.6 ms (0.0%), p90 15.6 ms (0.0%), TTFT p90 94 ms (0.0%)"]
+    # a run whose prompts took 10% longer reads as 10% slower steps
+    slow = {**run, "ttfts": [1.1 * ttft, None, 1.1 * ttft]}
+    assert run_speed(lambda served, factor: at_speed(prof, factor, cfg, served, slo), [specs[0], specs[2]],
+                     1.1 * ttft) == pytest.approx(1.1, abs=1e-3)
+    assert "every step x1.10 the profile's" in side_by_side(
+        simulate(prof, cfg, specs, slo), [slow], slo, specs, lambda served, f: at_speed(prof, f, cfg, served, slo))[-1]
     assert all("the simulator on" not in line for line in side_by_side(simulate(prof, cfg, specs, slo), [run], slo))
 
 

@@ -97,3 +97,28 @@ def test_a_pick_that_cannot_keep_up_is_never_reported_as_meeting_the_slo(profile
     assert not one.keeps_up and one.trend.growth_s == 11.25
     assert plan.best.config == ClusterConfig(0, 2, 2048, 0, 4096, 32)
     assert plan.best.keeps_up and plan.best.ttft.max == 2.0625
+
+
+def test_the_speed_band_is_the_pick_at_five_percent_slower_and_faster_steps(profile):
+    """A machine's speed moves between runs; near saturation latency moves far more (planner/plan.py,
+    the speed band). The pick 2P+1D: its TTFT (one prefill step, no queue) scales exactly with
+    the steps. With a TTFT SLO of 2.05 s it meets the SLO (2.016 s) with no margin for 5% slower
+    steps (2.116 s), and the plan says so."""
+    from cluster.app.plan_cli import _band_lines
+    from cluster.planner.plan import SPEED_BAND
+
+    slo = SLO(ttft_s=2.05, tpot_s=0.022)
+    plan = search(profile, SPECS, slo, budget=3, chunks=[2048], thresholds=[0], decode_blocks=4096,
+                  max_num_seqs=32, transfer=FREE)
+    assert plan.best.config == ClusterConfig(2, 1, 2048, 0, 4096, 32) and plan.best.attainment == 1.0
+    slow, fast = plan.band
+    step = 1 / 16 + 2000 / 1024
+    assert (slow.ttft.max, fast.ttft.max) == (pytest.approx(step * (1 + SPEED_BAND)), pytest.approx(step / (1 + SPEED_BAND)))
+    assert (slow.attainment, fast.attainment) == (0.0, 1.0)
+    lines = _band_lines(plan, slo)
+    assert lines[0].startswith("  at 5% slower / faster steps: attainment 0.0% / 100.0%  TTFT p50 2.116 / 1.920 s")
+    assert lines[1] == ("  WARNING: with 5% slower steps the pick misses the SLO (attainment 0.0%): it has no "
+                        "margin for a slower machine")
+    roomy = search(profile, SPECS, SLO_, budget=3, chunks=[2048], thresholds=[0], decode_blocks=4096,
+                   max_num_seqs=32, transfer=FREE)
+    assert len(_band_lines(roomy, SLO_)) == 1  # 2.116 s within 2.5: no warning
