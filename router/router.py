@@ -146,8 +146,8 @@ class Router:
         return [load for t, load in self._loads.values() if now - t <= self.stale_after_s]
 
     def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, session: str | None = None,
-              group: str | None = None, carried: Carried | None = None,
-              spill_at: int | None = None) -> RouteDecision | str:
+              group: str | None = None, spill_at: int | None = None,
+              carried: Carried | None = None) -> RouteDecision | str:
         """`session`: the request's session key (tenant-scoped by the ingress), if it has one: the
         replicas that served the session last are preferred while their load allows. `carried`:
         the replicas the ingress last saw chosen for the session; a router with no entry for it

@@ -77,11 +77,11 @@ class Local:
     def __getattr__(self, method):
         fn = getattr(self.router, method)
 
-        async def call(*args):
+        async def call(*args, **kwargs):
             self.log.append((method, self.cell, "asked"))
             await asyncio.sleep(0)  # let the other cell's call start: they run at once
             self.log.append((method, self.cell, "answered"))
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         return type("M", (), {"remote": staticmethod(call)})
 
@@ -123,7 +123,7 @@ class Down:
     """A cell whose router fails every call (its actor died), as a Ray call raises."""
 
     def __getattr__(self, method):
-        async def call(*args):
+        async def call(*args, **kwargs):
             raise RuntimeError(f"{method}: the router is gone")
 
         return type("M", (), {"remote": staticmethod(call)})
@@ -158,7 +158,7 @@ def test_cells_carry_the_session_to_both_prices_and_its_cell_adopts_it():
             for x in (load(f"p{k}a", "prefill"), load(f"p{k}b", "prefill"), load(f"d{k}", "decode")):
                 r.report_load(x)
         carried = (f"p{home}b", f"d{home}", 3.0)
-        d = asyncio.run(cells.route.remote(H, 80, f"t/s{i}", None, carried))
+        d = asyncio.run(cells.route.remote(H, 80, f"t/s{i}", None, carried=carried))
         assert (d.prefill, d.decode) == carried[:2] and f"session kept on p{home}b" in d.reason
         assert routers[home].sessions.peek(f"t/s{i}", 0.0) == SessionHint(*carried[:2])
     assert [len(r.sessions) for r in routers] == [homes.count(0), homes.count(1)] and set(homes) == {0, 1}

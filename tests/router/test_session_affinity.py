@@ -128,34 +128,34 @@ def test_a_restarted_router_adopts_the_session_the_ingress_carries():
     for seed in range(8):
         router = idle_router(now)
         router.policy.rng.seed(seed)
-        assert router.price(hashes(PROMPT), len(PROMPT), "t/s1", None, ("p-b", "d-1", 4.0)) == 80.0
+        assert router.price(hashes(PROMPT), len(PROMPT), "t/s1", None, carried=("p-b", "d-1", 4.0)) == 80.0
         assert len(router.sessions) == 0  # a price adopts nothing
-        d = router.route(hashes(PROMPT), len(PROMPT), "t/s1", None, ("p-b", "d-1", 4.0))
+        d = router.route(hashes(PROMPT), len(PROMPT), "t/s1", None, carried=("p-b", "d-1", 4.0))
         assert (d.prefill, d.decode) == ("p-b", "d-1")
         assert "session kept on p-b" in d.reason and "session kept on d-1" in d.reason
         assert router.sessions.peek("t/s1", now[0]) == SessionHint("p-b", "d-1") and router.stats().sessions == 1
     # its own entry wins over what an ingress carries (another ingress saw an older turn)
-    d = router.route(hashes(PROMPT), len(PROMPT), "t/s1", None, ("p-a", "d-0", 1.0))
+    d = router.route(hashes(PROMPT), len(PROMPT), "t/s1", None, carried=("p-a", "d-0", 1.0))
     assert (d.prefill, d.decode) == ("p-b", "d-1")
 
 
 def test_only_live_replicas_and_a_session_within_its_ttl_are_adopted():
     now = [100.0]
     router = idle_router(now, session_ttl_s=30.0)
-    d = router.route(hashes(PROMPT), len(PROMPT), "t/gone", None, ("p-z", "d-1", 1.0))  # p-z left
+    d = router.route(hashes(PROMPT), len(PROMPT), "t/gone", None, carried=("p-z", "d-1", 1.0))  # p-z left
     assert "session kept on d-1" in d.reason and "p-z" not in d.reason
     assert router.sessions.peek("t/gone", now[0]) == SessionHint(d.prefill, "d-1")
-    d = router.route(hashes(PROMPT), len(PROMPT), "t/role", None, ("d-0", "p-a", 1.0))  # roles swapped: neither
+    d = router.route(hashes(PROMPT), len(PROMPT), "t/role", None, carried=("d-0", "p-a", 1.0))  # roles swapped: neither
     assert "session" not in d.reason
-    router.route(hashes(PROMPT), len(PROMPT), "t/old", None, ("p-b", "d-1", 30.0))  # as old as the ttl
+    router.route(hashes(PROMPT), len(PROMPT), "t/old", None, carried=("p-b", "d-1", 30.0))  # as old as the ttl
     assert "session" not in router.recent_decisions()[-1][0].reason
-    router.route(hashes(PROMPT), len(PROMPT), None, None, ("p-b", "d-1", 1.0))  # no session: nothing kept
+    router.route(hashes(PROMPT), len(PROMPT), None, None, carried=("p-b", "d-1", 1.0))  # no session: nothing kept
     assert router.stats().sessions == 3  # gone, role, old: recorded from their own decisions
 
 
 def test_a_local_turn_after_adoption_keeps_the_adopted_prefill():
     now = [0.0]
     router = idle_router(now, local_prefill_threshold=1000)  # every turn local
-    d = router.route(hashes(PROMPT), len(PROMPT), "t/s", None, ("p-b", "d-0", 2.0))
+    d = router.route(hashes(PROMPT), len(PROMPT), "t/s", None, carried=("p-b", "d-0", 2.0))
     assert (d.mode, d.decode) == ("local", "d-0")
     assert router.sessions.peek("t/s", 0.0) == SessionHint("p-b", "d-0")

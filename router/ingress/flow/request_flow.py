@@ -206,7 +206,7 @@ class RequestFlow:
         carried = self.memory.carried(routing_key, started)  # a restarted router's table learns the session
         try:
             decision = await asyncio.wait_for(self.router.route.remote(hashes, len(ids), routing_key, self.group,
-                                                                       carried), self.route_timeout_s)
+                                                                       carried=carried), self.route_timeout_s)
         except Exception as e:  # noqa: BLE001
             decision = self.memory.recall(hashes, routing_key)
             log.debug("routing fell back to %s: %s", "Serve's choice" if decision is None else "a remembered decision", e)
