@@ -10,7 +10,7 @@ come back from the ingress, which remembers them anyway for routing while the ro
 (the replicas it last saw chosen for the session and how long ago), and a router with no entry
 for the session adopts it: only the replicas it has live in that role, only if younger than
 `ttl_s`, into this table with its bounds (Router.route). No extra call and no store to keep in
-step: the carried tuple is ~50 bytes of a call the ingress makes anyway (~0.3 us to pickle),
+step: the carried tuple is ~50 bytes of a call the ingress makes anyway (< 1 us a request),
 and it rebuilds the table entry by entry as sessions come back, never all at once. Chosen over
 the alternatives: the router writing its table somewhere that outlives it costs it a write per
 decision (or loses the last interval's); the replicas reporting the sessions they served in
