@@ -189,15 +189,17 @@ class CellRouters:
         self.configure = _Method(self._configure)
 
     async def _route(self, hashes: Sequence[bytes], num_prompt_tokens: int, session: str | None = None,
-                     group: str | None = None) -> RouteDecision:
+                     group: str | None = None, carried: tuple | None = None) -> RouteDecision:
         async def ask(cell: int, spill_at: int):
-            return await self.refs[cell].route.remote(hashes, num_prompt_tokens, session, group, spill_at)
+            return await self.refs[cell].route.remote(hashes, num_prompt_tokens, session, group, spill_at,
+                                                      carried=carried)
 
         order = request_ranking(hashes, session, len(self.refs), self.rng)
         if self.spill_at is not None:
             _, decision = await walk(order, ask, self.spill_at)
             return decision
-        prices = await asyncio.gather(*(self.refs[cell].price.remote(hashes, num_prompt_tokens, session, group)
+        prices = await asyncio.gather(*(self.refs[cell].price.remote(hashes, num_prompt_tokens, session, group,
+                                                                     carried=carried)
                                         for cell in order[:2]), return_exceptions=True)
         if isinstance(prices[0], Exception):  # the request's own cell's router failed: as with one cell
             raise prices[0]

@@ -125,10 +125,11 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class SessionHint:
-    """The replicas that served a session's last request."""
+    """The replicas that served a session's last request (None: none known for that pool; a hint
+    adopted from the ingress after a router restart keeps only the replicas still live)."""
 
     prefill: str | None
-    decode: str
+    decode: str | None
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from typing import Callable, Sequence
 from cluster.engine.kv_cache.hashing import BlockHash
 from router.baselines import PowerOfTwoPolicy, RoundRobinPolicy
 from router.index import PrefixIndex
-from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
-from router.sessions import SessionTable
+from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy, SessionHint
+from router.sessions import Carried, SessionTable
 
 
 # A cell's answers other than a decision (Router.route with spill_at): ask the next cell.
@@ -146,9 +146,12 @@ class Router:
         return [load for t, load in self._loads.values() if now - t <= self.stale_after_s]
 
     def route(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, session: str | None = None,
-              group: str | None = None, spill_at: int | None = None) -> RouteDecision | str:
+              group: str | None = None, spill_at: int | None = None,
+              carried: Carried | None = None) -> RouteDecision | str:
         """`session`: the request's session key (tenant-scoped by the ingress), if it has one: the
-        replicas that served the session last are preferred while their load allows. `group`: the
+        replicas that served the session last are preferred while their load allows. `carried`:
+        the replicas the ingress last saw chosen for the session; a router with no entry for it
+        (restarted) adopts them (router/sessions.py, `_adoptable`). `group`: the
         model version the request was assigned (None: every replica): both of its replicas are
         chosen among that version's, so prefill and decode never run on two versions.
 
@@ -158,8 +161,12 @@ class Router:
         nothing is recorded and the ingress asks the next cell. Without it, no replica raises NoReplicaError."""
         self._decisions += 1
         now = self.clock()
-        hint = self.sessions.get(session, now) if session is not None else None
         loads = self._loads_now(group)
+        hint = adopted = None
+        if session is not None:
+            hint = self.sessions.get(session, now)
+            if hint is None and carried is not None:
+                hint = adopted = self._adoptable(carried, loads)
         try:
             d = self.policy.route(hashes, num_prompt_tokens, self.index, loads, hint)
         except NoReplicaError:
@@ -170,6 +177,8 @@ class Router:
             self._spilled += 1
             return HOT
         if session is not None:
+            if adopted is not None:  # what a local-prefill turn keeps of it: its prefill replica
+                self.sessions.adopt(session, adopted, now)
             self.sessions.record(session, d, now)
         self._recent.append((d, tuple(loads)))
         computed_at = d.prefill if d.mode == "remote" else d.decode
@@ -180,7 +189,7 @@ class Router:
         return d
 
     def price(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, session: str | None = None,
-              group: str | None = None) -> float | None:
+              group: str | None = None, carried: Carried | None = None) -> float | None:
         """What `route` with these arguments would decide the prompt costs on the replica it
         computes it on (RouteDecision.compute_cost, in tokens); None where `route` would find no
         replica (EMPTY). Changes nothing: no decision is recorded or counted, no work pending, no
@@ -188,8 +197,10 @@ class Router:
         so a `route` right after picks the replicas priced. The ingress prices a request in its
         first two cells and sends it to the cheaper (router/cells.py)."""
         now = self.clock()
-        hint = self.sessions.peek(session, now) if session is not None else None
         loads = self._loads_now(group, self._fresh_loads(now))
+        hint = self.sessions.peek(session, now) if session is not None else None
+        if hint is None and session is not None and carried is not None:
+            hint = self._adoptable(carried, loads)  # priced as route would decide it, adopted nowhere
         rng = self.policy.rng
         state = rng.getstate()
         try:
@@ -198,6 +209,19 @@ class Router:
             return None
         finally:
             rng.setstate(state)
+
+    def _adoptable(self, carried: Carried, loads: Sequence[ReplicaLoad]) -> SessionHint | None:
+        """The part of an ingress's `carried` hint this router may take as a session's entry: the
+        replicas it has live (of the request's group) in the role named, and none at all when the
+        hint is as old as the table's ttl_s (the session would have been forgotten). Runs only
+        for a session this router has no entry for: one pass over the loads."""
+        prefill, decode, age_s = carried
+        if not age_s < self.sessions.ttl_s:
+            return None
+        live = {load.replica_id: load.role for load in loads if load.replica_id in (prefill, decode)}
+        prefill = prefill if live.get(prefill) == "prefill" else None
+        decode = decode if live.get(decode) == "decode" else None
+        return None if prefill is None and decode is None else SessionHint(prefill, decode)
 
     def _loads_now(self, group: str | None, live: Sequence[ReplicaLoad] | None = None) -> list[ReplicaLoad]:
         """The live replicas' loads (of `group`), with the work sent to each since its last report.

@@ -10,8 +10,8 @@ import pytest
 from cluster.config import AppConfig
 from cluster.engine.kv_cache import hash_request_blocks
 from router.actor import ActorRef
-from router.cells import CellRouters, block_key, ingress_routers, prefer, ranking, spill_bound
-from router.policy import PolicyConfig, ReplicaLoad, RoutingPolicy
+from router.cells import CellRouters, block_key, ingress_routers, prefer, ranking, spill_bound, text_key
+from router.policy import PolicyConfig, ReplicaLoad, RoutingPolicy, SessionHint
 from router.router import Router
 
 BS = 16
@@ -77,11 +77,11 @@ class Local:
     def __getattr__(self, method):
         fn = getattr(self.router, method)
 
-        async def call(*args):
+        async def call(*args, **kwargs):
             self.log.append((method, self.cell, "asked"))
             await asyncio.sleep(0)  # let the other cell's call start: they run at once
             self.log.append((method, self.cell, "answered"))
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         return type("M", (), {"remote": staticmethod(call)})
 
@@ -123,7 +123,7 @@ class Down:
     """A cell whose router fails every call (its actor died), as a Ray call raises."""
 
     def __getattr__(self, method):
-        async def call(*args):
+        async def call(*args, **kwargs):
             raise RuntimeError(f"{method}: the router is gone")
 
         return type("M", (), {"remote": staticmethod(call)})
@@ -142,3 +142,24 @@ def test_a_second_cell_that_fails_leaves_the_first_to_decide_and_a_first_that_fa
     with pytest.raises(RuntimeError, match="price: the router is gone"):
         asyncio.run(CellRouters(refs, None).route.remote(H, 80, None, None))
     assert live.stats().decisions == 1  # nothing decided: the flow recalls where the prefix went (RouteMemory)
+
+
+def test_cells_carry_the_session_to_both_prices_and_its_cell_adopts_it():
+    """A session's carried replicas (RouteMemory.carried) ride on both cells' prices and on the
+    decision. On idle cells the prices tie and the session's first cell decides (its replicas
+    are there: it decided the session's turns before); it alone adopts the session (the other has
+    none of the replicas live, and a price adopts nothing)."""
+    routers = [Router(RoutingPolicy(PolicyConfig(block_size=BS), random.Random(k))) for k in (0, 1)]
+    log = []
+    cells = CellRouters([Local(k, routers[k], log) for k in (0, 1)], None)
+    homes = [ranking(text_key(f"t/s{i}"), 2)[0] for i in range(6)]
+    for i, home in enumerate(homes):
+        for k, r in enumerate(routers):  # idle again: the work sent since counts no more
+            for x in (load(f"p{k}a", "prefill"), load(f"p{k}b", "prefill"), load(f"d{k}", "decode")):
+                r.report_load(x)
+        carried = (f"p{home}b", f"d{home}", 3.0)
+        d = asyncio.run(cells.route.remote(H, 80, f"t/s{i}", None, carried=carried))
+        assert (d.prefill, d.decode) == carried[:2] and f"session kept on p{home}b" in d.reason
+        assert routers[home].sessions.peek(f"t/s{i}", 0.0) == SessionHint(*carried[:2])
+    assert [len(r.sessions) for r in routers] == [homes.count(0), homes.count(1)] and set(homes) == {0, 1}
+    assert [m for m, _, when in log if when == "asked"] == ["price", "price", "route"] * len(homes)

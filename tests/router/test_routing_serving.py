@@ -1,6 +1,6 @@
 """Prefix-aware routing in the serving cluster (2 prefill + 1 decode replicas): shared prefixes go
 where they are cached; a killed prefill replica leaves the index; a killed router degrades to
-Serve's own choice and recovers."""
+Serve's own choice and recovers, and a session keeps its replicas across the router's restart."""
 
 import time
 
@@ -11,6 +11,7 @@ import ray
 from protos.pdserve.v1 import generation_pb2 as pb
 from cluster.engine.kv_cache import hash_request_blocks
 from cluster.engine.model.identity import model_identity
+from router.policy import SessionHint
 from tests.helpers import app_router, grpc_stub, http_base, serve_replica_ids, wait_until
 
 
@@ -227,3 +228,37 @@ def test_killed_router_degrades_to_serves_choice_and_recovers(cluster):
 
     wait_until(both_prefixes_routed_to_their_cache, "routing by cache again after the restart", timeout=20)
     assert time.monotonic() - killed_at < 20
+
+
+def test_a_session_keeps_its_replicas_across_a_router_restart(cluster):
+    """Ray restarts a killed router with an empty session table; the ingress's route call carries
+    the replicas it last saw chosen for the session, and the new router adopts them: the session's
+    next turn (a cold prompt, so its prefix cannot decide) lands on the same prefill and decode
+    replicas, by the session's bonus, and the restarted router's table holds the session again."""
+    key = "default\ns:conv-restart"  # the routing key: tenant (this API key's), then the tagged session
+
+    def turn(i):
+        prompt = [256, 254, 252, 250, i] + [(i * 17 + j) % 250 for j in range(43)]  # first block sent by no other test
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                 sampling=pb.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        list(cluster.stub.Generate(req, timeout=60, metadata=[("authorization", f"Bearer {KEY}"),
+                                                              ("x-session-id", "conv-restart")]))
+        return ray.get(app_router().recent_decisions.remote())[-1][0]
+
+    def table():
+        return ray.get(app_router().__ray_call__.remote(lambda self: self.sessions.peek(key, self.clock())))
+
+    wait_until(lambda: sorted(router_state()[1].values()) == ["decode", "prefill", "prefill"],
+               "all three replicas report to the router")
+    before = [turn(i) for i in range(2)]
+    kept = table()
+    assert [SessionHint(d.prefill, d.decode) for d in before] == [kept] * 2 and kept.decode is not None
+    pid = router_pid()
+    ray.kill(app_router(), no_restart=False)  # Ray restarts it with an empty table
+    wait_until(lambda: router_pid() != pid, "the router restarted")
+    assert table() is None
+    wait_until(lambda: {kept.prefill, kept.decode} <= set(router_state()[1]), "the session's replicas report again")
+    after = turn(2)
+    assert (after.mode, after.prefill, after.decode) == ("remote", kept.prefill, kept.decode)
+    assert f"session kept on {kept.prefill}" in after.reason, after.reason  # the bonus, not a tie
+    assert table() == kept and ray.get(app_router().stats.remote()).sessions == 1

@@ -110,3 +110,52 @@ def test_router_remembers_where_a_session_went():
     assert router.stats().sessions == 1  # same bounds: the table stays
     router.configure(PolicyConfig(block_size=BS, max_sessions=10))
     assert router.stats().sessions == 0  # new bounds: a new table
+
+
+def idle_router(now, **cfg) -> Router:
+    config = PolicyConfig(**{"block_size": BS, "local_prefill_threshold": 0, **cfg})
+    router = Router(RoutingPolicy(config, random.Random(0)), clock=lambda: now[0])
+    for rid, pool in (("p-a", "prefill"), ("p-b", "prefill"), ("d-0", "decode"), ("d-1", "decode")):
+        router.report_load(load(rid, pool))
+    return router
+
+
+def test_a_restarted_router_adopts_the_session_the_ingress_carries():
+    """A router restarted by Ray starts with an empty table; the ingress's route call carries the
+    replicas it last saw chosen for the session (RouteMemory.carried), and the new router keeps the
+    session there (on idle pools, without the session, every pair is a random tie) and in its table."""
+    now = [100.0]
+    for seed in range(8):
+        router = idle_router(now)
+        router.policy.rng.seed(seed)
+        assert router.price(hashes(PROMPT), len(PROMPT), "t/s1", None, carried=("p-b", "d-1", 4.0)) == 80.0
+        assert len(router.sessions) == 0  # a price adopts nothing
+        d = router.route(hashes(PROMPT), len(PROMPT), "t/s1", None, carried=("p-b", "d-1", 4.0))
+        assert (d.prefill, d.decode) == ("p-b", "d-1")
+        assert "session kept on p-b" in d.reason and "session kept on d-1" in d.reason
+        assert router.sessions.peek("t/s1", now[0]) == SessionHint("p-b", "d-1") and router.stats().sessions == 1
+    # its own entry wins over what an ingress carries (another ingress saw an older turn)
+    d = router.route(hashes(PROMPT), len(PROMPT), "t/s1", None, carried=("p-a", "d-0", 1.0))
+    assert (d.prefill, d.decode) == ("p-b", "d-1")
+
+
+def test_only_live_replicas_and_a_session_within_its_ttl_are_adopted():
+    now = [100.0]
+    router = idle_router(now, session_ttl_s=30.0)
+    d = router.route(hashes(PROMPT), len(PROMPT), "t/gone", None, carried=("p-z", "d-1", 1.0))  # p-z left
+    assert "session kept on d-1" in d.reason and "p-z" not in d.reason
+    assert router.sessions.peek("t/gone", now[0]) == SessionHint(d.prefill, "d-1")
+    d = router.route(hashes(PROMPT), len(PROMPT), "t/role", None, carried=("d-0", "p-a", 1.0))  # roles swapped: neither
+    assert "session" not in d.reason
+    router.route(hashes(PROMPT), len(PROMPT), "t/old", None, carried=("p-b", "d-1", 30.0))  # as old as the ttl
+    assert "session" not in router.recent_decisions()[-1][0].reason
+    router.route(hashes(PROMPT), len(PROMPT), None, None, carried=("p-b", "d-1", 1.0))  # no session: nothing kept
+    assert router.stats().sessions == 3  # gone, role, old: recorded from their own decisions
+
+
+def test_a_local_turn_after_adoption_keeps_the_adopted_prefill():
+    now = [0.0]
+    router = idle_router(now, local_prefill_threshold=1000)  # every turn local
+    d = router.route(hashes(PROMPT), len(PROMPT), "t/s", None, carried=("p-b", "d-0", 2.0))
+    assert (d.mode, d.decode) == ("local", "d-0")
+    assert router.sessions.peek("t/s", 0.0) == SessionHint("p-b", "d-0")

@@ -197,19 +197,21 @@ class RequestFlow:
     async def _route(self, ids: list[int], ctx: RequestContext, routing_key: str | None, observer: Observer):
         """One router call per request; any failure (router down, slow, no replicas known yet)
         falls back to the decision last made for the same session or first block (route_memory.py),
-        else to Serve's own choice (power of two on local load)."""
+        else to Serve's own choice (power of two on local load). A session's call carries the
+        replicas last chosen for it, which a restarted router adopts (router/sessions.py)."""
         if self.router is None:
             return None
         hashes = hash_request_blocks(ids, self.block_size, extend_salt(self.salt, ctx.cache_salt))
         started = time.monotonic()
+        carried = self.memory.carried(routing_key, started)  # a restarted router's table learns the session
         try:
-            decision = await asyncio.wait_for(self.router.route.remote(hashes, len(ids), routing_key, self.group),
-                                              self.route_timeout_s)
+            decision = await asyncio.wait_for(self.router.route.remote(hashes, len(ids), routing_key, self.group,
+                                                                       carried=carried), self.route_timeout_s)
         except Exception as e:  # noqa: BLE001
             decision = self.memory.recall(hashes, routing_key)
             log.debug("routing fell back to %s: %s", "Serve's choice" if decision is None else "a remembered decision", e)
         else:
-            self.memory.remember(hashes, routing_key, decision)
+            self.memory.remember(hashes, routing_key, decision, started)
         observer.routed(decision, started, len(ids), ctx)
         return decision
 
