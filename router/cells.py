@@ -96,15 +96,17 @@ def replica_cell(role: str, replica_id: str, n: int) -> int:
     return max(range(n), key=lambda cell: weight(key, cell))
 
 
+def request_key(hashes: Sequence[bytes], session: str | None) -> int | None:
+    """What ranks a request's cells: its session key's, else its first block's (None: neither)."""
+    if session is not None:
+        return text_key(session)
+    return block_key(hashes[0]) if hashes else None
+
+
 def request_ranking(hashes: Sequence[bytes], session: str | None, n: int, rng: random.Random) -> list[int]:
     """A request's cells, best first: by its session key, else its first block, else at random."""
-    if session is not None:
-        key = text_key(session)
-    elif hashes:
-        key = block_key(hashes[0])
-    else:
-        key = rng.getrandbits(64)
-    return ranking(key, n)
+    key = request_key(hashes, session)
+    return ranking(rng.getrandbits(64) if key is None else key, n)
 
 
 def cell_count(cfg) -> int:
@@ -167,6 +169,46 @@ def prefer(order: Sequence[int], prices: Sequence["float | None"]) -> list[int]:
             + [order[i] for i, p in enumerate(prices) if p is None])
 
 
+HOT_WINDOW = 1024  # requests an ingress counts before it reads which prefixes are hot
+
+
+class HotPrefixes:
+    """How many cells to price a request in (two choices): 2, or more for a prefix hotter than two
+    cells. Two choices serve a prefix of up to one cell's share of the requests (1 / cells) with
+    half of it in each of its two cells; a prefix with a larger share gets d = ceil(2 x share x
+    cells) choices (at most `most`, routing.cell_max_choices, and the cells): the first d of its
+    ranking, so that each carries at most half a cell's share of it, and its cache stays in those d.
+
+    The share is counted here, at the ingress, over windows of `window` requests (its ranking key:
+    the session's or the first block's); a window's end sets the hot keys for the next one (a
+    prefix that cools is back to 2 after a window; the first window has none). A request costs a
+    dict update and a lookup; a window's end one pass over its counts (at most `window` keys, and
+    fewer than `cells` are hot). Each ingress process counts its own requests: a share, not a rate,
+    so many ingresses agree."""
+
+    def __init__(self, cells: int, most: int, window: int = HOT_WINDOW, spread: int = 2):
+        self.cells, self.most, self.window, self.spread = cells, min(most, cells), window, spread
+        self.counts: dict[int, int] = {}
+        self.seen = 0
+        self.hot: dict[int, int] = {}  # key -> cells to price it in, from the last window
+
+    def choices(self, key: int) -> int:
+        """Counts a request of `key`; the cells to price it in."""
+        counts = self.counts
+        counts[key] = counts.get(key, 0) + 1
+        self.seen += 1
+        if self.seen >= self.window:
+            self.roll()
+        return self.hot.get(key, 2)
+
+    def roll(self) -> None:
+        """A window's end: a key counted c times of `seen` (c x cells > seen: more than a cell's
+        share) gets min(most, ceil(2 c cells / seen)) choices until the next."""
+        n, seen, k = self.cells, self.seen, self.spread
+        self.hot = {key: min(self.most, -(-k * c * n // seen)) for key, c in self.counts.items() if k * c * n > 2 * seen}
+        self.counts, self.seen = {}, 0
+
+
 class _Method:
     """`x.remote(...)`: an awaitable, as a router actor's method gives (what RequestFlow awaits)."""
 
@@ -178,12 +220,16 @@ class CellRouters:
     """The ingress's router for a version in cells: it is called as one router actor's handle is
     (`route.remote(...)`, `live_loads.remote()`: awaitables; `configure.remote(...)`: sent), so
     the request flow is the same with one router or many. `refs`: cell K's router (ActorRef);
-    `spill_at`: None for two choices, else the spill bound (module docstring)."""
+    `spill_at`: None for two choices, else the spill bound (module docstring); `most_choices`: the
+    most cells a hot prefix's request is priced in (routing.cell_max_choices; HotPrefixes)."""
 
-    def __init__(self, refs: Sequence, spill_at: int | None, rng: random.Random | None = None):
+    def __init__(self, refs: Sequence, spill_at: int | None, rng: random.Random | None = None,
+                 most_choices: int = 2):
         self.refs = list(refs)
         self.spill_at = spill_at
         self.rng = rng or random.Random()
+        self.hot = HotPrefixes(len(self.refs), most_choices) if spill_at is None and min(
+            most_choices, len(self.refs)) > 2 else None
         self.route = _Method(self._route)
         self.live_loads = _Method(self._live_loads)
         self.configure = _Method(self._configure)
@@ -193,16 +239,18 @@ class CellRouters:
         async def ask(cell: int, spill_at: int):
             return await self.refs[cell].route.remote(hashes, num_prompt_tokens, session, group, spill_at)
 
-        order = request_ranking(hashes, session, len(self.refs), self.rng)
+        key = request_key(hashes, session)
+        order = ranking(self.rng.getrandbits(64) if key is None else key, len(self.refs))
         if self.spill_at is not None:
             _, decision = await walk(order, ask, self.spill_at)
             return decision
+        d = 2 if self.hot is None or key is None else self.hot.choices(key)
         prices = await asyncio.gather(*(self.refs[cell].price.remote(hashes, num_prompt_tokens, session, group)
-                                        for cell in order[:2]), return_exceptions=True)
+                                        for cell in order[:d]), return_exceptions=True)
         if isinstance(prices[0], Exception):  # the request's own cell's router failed: as with one cell
             raise prices[0]
-        if isinstance(prices[1], Exception):  # the second's failed: the first decides, as before two choices
-            prices[1] = None
+        # another's failed: left out (with two choices the first decides, as before two choices)
+        prices = [None if isinstance(p, Exception) else p for p in prices]
         _, decision = await walk(prefer(order, prices), ask, NO_BOUND)
         return decision
 
@@ -219,7 +267,8 @@ def ingress_routers(cfg, app: str):
     n = cell_count(cfg)
     if n == 1:
         return get_router(cfg.serving_group, app)
-    return CellRouters([get_router(cfg.serving_group, app, cell) for cell in range(n)], spill_bound(cfg))
+    return CellRouters([get_router(cfg.serving_group, app, cell) for cell in range(n)], spill_bound(cfg),
+                       most_choices=cfg.routing.cell_max_choices)
 
 
 def cell_of_name(name: str) -> int | None:
