@@ -173,27 +173,35 @@ HOT_WINDOW = 1024  # requests an ingress counts before it reads which prefixes a
 
 
 class HotPrefixes:
-    """How many cells to price a request in (two choices): 2, or more for a prefix hotter than two
-    cells. Two choices serve a prefix of up to one cell's share of the requests (1 / cells) with
-    half of it in each of its two cells; a prefix with a larger share gets d = ceil(2 x share x
-    cells) choices (at most `most`, routing.cell_max_choices, and the cells): the first d of its
-    ranking, so that each carries at most half a cell's share of it, and its cache stays in those d.
+    """Which two cells price a request (two choices): its ranking's first two, or, for a prefix
+    hotter than two cells, two drawn from its first d. Two choices serve a prefix of up to one
+    cell's share of the requests (1 / cells), half of it in each of its two cells; a prefix with a
+    larger share gets d = ceil(2 x share x cells) cells (at most `most`, routing.cell_max_choices,
+    and the cells), so each carries about half a cell's share of it, and its cache stays in those d.
+
+    Drawn, not all d priced: a cell that does not hold the prefix prices its miss (~1,600 tokens
+    for 1,024 of prefix) above a holder's hit however queued the holder runs at such loads, so a
+    third price never won a request (docs/benchmarks.md, "A prefix hotter than two cells"); a
+    request whose two cells include a non-holder, or none of the holders, seeds it there, and load
+    then picks among the d as among two. Each request still asks two prices.
 
     The share is counted here, at the ingress, over windows of `window` requests (its ranking key:
     the session's or the first block's); a window's end sets the hot keys for the next one (a
-    prefix that cools is back to 2 after a window; the first window has none). A request costs a
-    dict update and a lookup; a window's end one pass over its counts (at most `window` keys, and
-    fewer than `cells` are hot). Each ingress process counts its own requests: a share, not a rate,
-    so many ingresses agree."""
+    prefix that cools is back to its first two after a window; the first window has none). A
+    request costs a dict update and a lookup, a hot one a draw; a window's end one pass over its
+    counts (at most `window` keys; fewer than `cells` / 2 hot). Each ingress process counts its own
+    requests: a share, not a rate, so many ingresses agree."""
 
-    def __init__(self, cells: int, most: int, window: int = HOT_WINDOW, spread: int = 2):
+    def __init__(self, cells: int, most: int, rng: random.Random | None = None, window: int = HOT_WINDOW,
+                 spread: int = 2):
         self.cells, self.most, self.window, self.spread = cells, min(most, cells), window, spread
+        self.rng = rng or random.Random()
         self.counts: dict[int, int] = {}
         self.seen = 0
-        self.hot: dict[int, int] = {}  # key -> cells to price it in, from the last window
+        self.hot: dict[int, int] = {}  # key -> its cells (d), from the last window
 
     def choices(self, key: int) -> int:
-        """Counts a request of `key`; the cells to price it in."""
+        """Counts a request of `key`; the cells it is spread over (d: 2 for all but hot ones)."""
         counts = self.counts
         counts[key] = counts.get(key, 0) + 1
         self.seen += 1
@@ -203,10 +211,19 @@ class HotPrefixes:
 
     def roll(self) -> None:
         """A window's end: a key counted c times of `seen` (c x cells > seen: more than a cell's
-        share) gets min(most, ceil(2 c cells / seen)) choices until the next."""
+        share) is spread over min(most, ceil(spread x c x cells / seen)) cells until the next."""
         n, seen, k = self.cells, self.seen, self.spread
         self.hot = {key: min(self.most, -(-k * c * n // seen)) for key, c in self.counts.items() if k * c * n > 2 * seen}
         self.counts, self.seen = {}, 0
+
+    def order(self, order: list[int], key: int) -> list[int]:
+        """`order` (the request's ranking, of `key`) with the two cells to price first: as it is,
+        or for a hot key two of its first d drawn at random (the rest after them, in order)."""
+        d = self.choices(key)
+        if d == 2:
+            return order
+        a, b = self.rng.sample(range(d), 2)
+        return [order[a], order[b]] + [cell for i, cell in enumerate(order) if i != a and i != b]
 
 
 class _Method:
@@ -221,14 +238,14 @@ class CellRouters:
     (`route.remote(...)`, `live_loads.remote()`: awaitables; `configure.remote(...)`: sent), so
     the request flow is the same with one router or many. `refs`: cell K's router (ActorRef);
     `spill_at`: None for two choices, else the spill bound (module docstring); `most_choices`: the
-    most cells a hot prefix's request is priced in (routing.cell_max_choices; HotPrefixes)."""
+    most cells a hot prefix is spread over (routing.cell_max_choices; HotPrefixes)."""
 
     def __init__(self, refs: Sequence, spill_at: int | None, rng: random.Random | None = None,
                  most_choices: int = 2):
         self.refs = list(refs)
         self.spill_at = spill_at
         self.rng = rng or random.Random()
-        self.hot = HotPrefixes(len(self.refs), most_choices) if spill_at is None and min(
+        self.hot = HotPrefixes(len(self.refs), most_choices, self.rng) if spill_at is None and min(
             most_choices, len(self.refs)) > 2 else None
         self.route = _Method(self._route)
         self.live_loads = _Method(self._live_loads)
@@ -244,13 +261,14 @@ class CellRouters:
         if self.spill_at is not None:
             _, decision = await walk(order, ask, self.spill_at)
             return decision
-        d = 2 if self.hot is None or key is None else self.hot.choices(key)
+        if self.hot is not None and key is not None:
+            order = self.hot.order(order, key)
         prices = await asyncio.gather(*(self.refs[cell].price.remote(hashes, num_prompt_tokens, session, group)
-                                        for cell in order[:d]), return_exceptions=True)
+                                        for cell in order[:2]), return_exceptions=True)
         if isinstance(prices[0], Exception):  # the request's own cell's router failed: as with one cell
             raise prices[0]
-        # another's failed: left out (with two choices the first decides, as before two choices)
-        prices = [None if isinstance(p, Exception) else p for p in prices]
+        if isinstance(prices[1], Exception):  # the second's failed: the first decides, as before two choices
+            prices[1] = None
         _, decision = await walk(prefer(order, prices), ask, NO_BOUND)
         return decision
 

@@ -192,10 +192,10 @@ class RoutingOptions(Strict):
         "hashing) each price it, the cheaper decides; spill: its first cell, unless the replica chosen there to "
         "compute the prompt holds cell_spill_requests prompts (then the second)")
     cell_max_choices: int = Field(
-        4, ge=2, le=16, description="With cell_choice two: the most cells a request of a prefix hotter than two "
-        "cells is priced in. The ingress counts each prefix's share of its last 1,024 requests; one past a cell's "
-        "share (1 / cells) is priced in its first ceil(2 x share x cells) cells, at most this many (2: two choices "
-        "for every prefix)")
+        8, ge=2, le=64, description="With cell_choice two: the most cells one hot prefix is spread over. The ingress "
+        "counts each prefix's share of its last 1,024 requests; one past a cell's share (1 / cells) has its two "
+        "priced cells drawn from its first ceil(2 x share x cells) by rendezvous hashing, at most this many (2: "
+        "its first two always)")
     cell_spill_requests: int | None = Field(
         None, ge=1, description="With cell_choice spill: a request whose replica chosen in its cell to compute the "
         "prompt holds at least this many prompts (a prefill replica's running and waiting requests, a decode "

@@ -24,13 +24,13 @@ Arms, on the same arrivals and prompts: one router over all replicas, and cells 
 `--cell-sizes` (router/cells.py's cell_count, replica_cell, request_ranking and walk) at each
 `--spill-at` (routing.cell_choice "spill", routing.cell_spill_requests; its default is hot_load_cap,
 32), and `--variants` beside them (two choices: routing.cell_choice "two", the default, through
-Router.price and router/cells.py's prefer, a hot prefix priced in up to each `--max-choices` cells:
-routing.cell_max_choices, HotPrefixes, 2 for plain two choices; cells balanced by role, bench
-only). Seeds `--first-seed` on, `--seeds` of them (a long run split in parts). Measured over the
+Router.price and router/cells.py's prefer, a hot prefix spread over up to each `--max-choices`
+cells: routing.cell_max_choices, HotPrefixes, 2 for plain two choices; cells balanced by role,
+bench only). Seeds `--first-seed` on, `--seeds` of them (a long run split in parts). Measured over the
 requests arriving after `--warmup` seconds: hit rate (cached prompt tokens / prompt tokens; the
 ceiling is 1,024 / 1,280 = 0.80), TTFT p50 / p90 (queue + prefill), load imbalance (the busiest prefill
 replica's busy time over the mean), the share of requests a second cell decided (and with more
-choices, the share priced in more than two cells and their mean cells), and each figure over
+choices, the share of requests of hot prefixes and the cells they spread over), and each figure over
 the single router's (mean over seeds, with the range); and the routers' CPU a call, in process (a
 decision; a price, with two choices)."""
 
@@ -117,7 +117,7 @@ def measure(done: list[Request], sim: Simulation, w: Workload) -> dict:
             "imbalance": max(busy) / statistics.mean(busy) if statistics.mean(busy) > 0 else float("nan"),
             "spilled": sum(r.spilled for r in m) / len(m), "local": sim.arm.local, "requests": len(m),
             "price_us": per_call_us(sim.arm.price_cpu), "route_us": per_call_us(sim.arm.route_cpu),
-            "wide": sim.arm.priced[0] / max(1, len(done)), "wide_cells": sim.arm.priced[1] / max(1, sim.arm.priced[0])}
+            "wide": sim.arm.drawn[0] / max(1, len(done)), "wide_cells": sim.arm.drawn[1] / max(1, sim.arm.drawn[0])}
 
 
 def per_call_us(acc: list) -> float:
@@ -201,7 +201,7 @@ def print_rows(w: Workload, rows: list[dict], lam: float) -> None:
               f"local {r['local']}, {r['requests']} requests, {r['cpu_s']:.0f} s CPU", flush=True)
         price = "" if r["price_us"] != r["price_us"] else f", price {r['price_us']:.0f} us"
         if r["wide"]:
-            price += f"; {r['wide']:.1%} of requests priced in more than 2 cells ({r['wide_cells']:.2f} on average)"
+            price += f"; {r['wide']:.1%} of requests of hot prefixes, spread over {r['wide_cells']:.2f} cells on average"
         print(f"    router calls (in process): decide {r['route_us']:.0f} us{price}", flush=True)
         if r["arm"] != "one router":
             print(f"    / one router: {ratio}{goal}", flush=True)
@@ -217,9 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--max-choices", type=int, nargs="+", default=[RoutingOptions().cell_max_choices],
-                    help="two: the most cells a hot prefix is priced in (routing.cell_max_choices; 2: two choices always)")
+                    help="two: the most cells a hot prefix is spread over (routing.cell_max_choices; 2: its first two always)")
     ap.add_argument("--spread", type=int, nargs="+", default=[2],
-                    help="two: a prefix of share s gets ceil(spread x s x cells) choices (HotPrefixes.spread; bench only)")
+                    help="two: a prefix of share s is spread over ceil(spread x s x cells) cells (HotPrefixes.spread; bench only)")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--systems-per-prefill", type=float, default=4.0)

@@ -19,9 +19,9 @@ drives it is cluster/tools/bench/cell_quality.py; tests/tools/test_cell_quality.
   clock is the simulation's.
 - **An arm** is one router over every replica, or the cells router/cells.py makes: a replica feeds
   the router of `replica_cell(role, id, n)`, a request is decided by `walk` over its
-  `request_ranking` with the spill bound, or with two choices by the cheapest of its first two
-  cells, or more for a hot prefix (`HotPrefixes`, `Router.price`, `prefer`: what CellRouters
-  does); the real functions; `walk` is driven
+  `request_ranking` with the spill bound, or with two choices by the cheaper of its first two
+  cells, or of two drawn from its first d for a hot prefix (`HotPrefixes`, `Router.price`,
+  `prefer`: what CellRouters does); the real functions; `walk` is driven
   without an event loop, as nothing it awaits suspends.
 TTFT = the prefill's end - the arrival (queue + prefill; the router's own time is not counted)."""
 
@@ -146,7 +146,7 @@ class Arm:
     local: int = 0  # decisions that prefilled on a decode replica (a cell without prefill)
     two_choices: bool = False  # router/cells.py's two choices (decide_two); else its spill walk
     hot: HotPrefixes | None = None  # two choices: the ingress's count of hot prefixes (None: 2 choices always)
-    priced: list = field(default_factory=lambda: [0, 0])  # two choices: [requests priced in more than 2 cells, prices]
+    drawn: list = field(default_factory=lambda: [0, 0])  # two choices: [requests of hot prefixes, their d summed]
     # in-process CPU (process_time) of the routers' calls: [seconds, calls] of Router.price and of
     # the calls that decide (route, with a spill walk's HOT and EMPTY answers)
     price_cpu: list = field(default_factory=lambda: [0.0, 0])
@@ -158,12 +158,12 @@ def make_arm(replicas: Sequence[tuple[str, str]], cell_size: int | None, spill_a
              spread: int = 2) -> Arm:
     """`cell_size` None (or >= the replicas): one router; else ceil(len / cell_size) cells, each
     replica in router/cells.py's `replica_cell` (`variant` "cells": its spill walk, and "two": its
-    two choices, `decide_two`, a hot prefix priced in up to `most_choices` cells:
+    two choices, `decide_two`, a hot prefix spread over up to `most_choices` cells:
     routing.cell_max_choices), or "balanced": `balanced_cells` (bench only)."""
     n = 1 if cell_size is None else max(1, -(-len(replicas) // cell_size))
     arm = Arm(n, None if n == 1 else spill_at, two_choices=variant == "two")
     if arm.two_choices and min(most_choices, n) > 2:  # as CellRouters builds its own
-        arm.hot = HotPrefixes(n, most_choices, spread=spread)
+        arm.hot = HotPrefixes(n, most_choices, random.Random(seed), spread=spread)
     balanced = variant == "balanced"
     arm.routers = [Router(RoutingPolicy(config, random.Random(seed * 1000 + k)), clock=clock) for k in range(n)]
     cells = balanced_cells(replicas, n) if balanced else {rid: replica_cell(role, rid, n) for role, rid in replicas}
@@ -199,13 +199,16 @@ def run_now(coro):
 
 def decide_two(arm: Arm, req: Request, order: list[int], key: int | None) -> RouteDecision:
     """Two choices, as router/cells.py's CellRouters decides (routing.cell_choice "two"): the
-    request's first two cells (more for a hot prefix: `HotPrefixes`) each price it
-    (`Router.price`), `prefer` puts the cheapest first, and `walk` has it decide without a bound."""
-    d = 2 if arm.hot is None or key is None else arm.hot.choices(key)
-    if d > 2:
-        arm.priced[0] += 1
-        arm.priced[1] += d
-    prices = [timed(arm.price_cpu, arm.routers[cell].price, req.hashes, req.tokens) for cell in order[:d]]
+    request's first two cells (for a hot prefix two drawn from its first d: `HotPrefixes.order`)
+    each price it (`Router.price`), `prefer` puts the cheaper first, and `walk` has it decide
+    without a bound."""
+    if arm.hot is not None and key is not None:
+        order = arm.hot.order(order, key)
+        d = arm.hot.hot.get(key, 2)
+        if d > 2:
+            arm.drawn[0] += 1
+            arm.drawn[1] += d
+    prices = [timed(arm.price_cpu, arm.routers[cell].price, req.hashes, req.tokens) for cell in order[:2]]
 
     async def ask(cell: int, spill_at: int):
         return timed(arm.route_cpu, arm.routers[cell].route, req.hashes, req.tokens, None, None, spill_at)
