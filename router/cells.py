@@ -21,8 +21,12 @@ a 64-bit mix of the two; a key's cells ranked by weight, highest first, are its 
   each price the request (`Router.price`: what their router would decide the prompt costs on the
   replica computing it, in tokens: uncached tokens, tokens ahead, evictions; nothing recorded),
   both asked at once; the cheaper decides (`prefer`; a tie keeps the ranking's order), so a
-  prefix lives in at most two cells and load picks between them, as one router's policy would.
+  prefix lives in at most two cells (more when hot: below) and load picks between them, as one
+  router's policy would.
   One decision per request; a round trip more than one cell's (the prices, then the decision).
+  A prefix hotter than two cells (past one cell's share of the ingress's recent requests:
+  `HotPrefixes`) has its two priced cells drawn from its first d, d growing with its share (at
+  most `routing.cell_max_choices`), so it lives in those d cells and load picks among them.
   A second cell whose router fails to answer is left out (the first decides); a first cell's
   failure fails the call, as one router's does (the flow falls back to RouteMemory).
 - Spill (`routing.cell_choice` "spill", `walk`): the first cell is asked with `spill_at`; when
@@ -213,7 +217,8 @@ class HotPrefixes:
         """A window's end: a key counted c times of `seen` (c x cells > seen: more than a cell's
         share) is spread over min(most, ceil(spread x c x cells / seen)) cells until the next."""
         n, seen, k = self.cells, self.seen, self.spread
-        self.hot = {key: min(self.most, -(-k * c * n // seen)) for key, c in self.counts.items() if k * c * n > 2 * seen}
+        self.hot = {key: min(self.most, -(-k * c * n // seen))
+                    for key, c in self.counts.items() if k * c * n > 2 * seen}
         self.counts, self.seen = {}, 0
 
     def order(self, order: list[int], key: int) -> list[int]:

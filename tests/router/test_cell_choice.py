@@ -179,8 +179,8 @@ def swamped_and_idle(cells: int, holders: list[int]) -> list[Router]:
     for k in range(cells):
         r = Router(RoutingPolicy(PolicyConfig(block_size=BS), random.Random(0)))
         busy = k in holders
-        for x in (load(f"p{k}", "prefill", running=busy, waiting=9 * busy, queued=5000 * busy), load(f"d{k}", "decode")):
-            r.report_load(x)
+        r.report_load(load(f"p{k}", "prefill", running=busy, waiting=9 * busy, queued=5000 * busy))
+        r.report_load(load(f"d{k}", "decode"))
         if busy:
             r.resync(f"p{k}", "i", 1, H[:4])
         routers.append(r)

@@ -201,7 +201,8 @@ def print_rows(w: Workload, rows: list[dict], lam: float) -> None:
               f"local {r['local']}, {r['requests']} requests, {r['cpu_s']:.0f} s CPU", flush=True)
         price = "" if r["price_us"] != r["price_us"] else f", price {r['price_us']:.0f} us"
         if r["wide"]:
-            price += f"; {r['wide']:.1%} of requests of hot prefixes, spread over {r['wide_cells']:.2f} cells on average"
+            price += (f"; {r['wide']:.1%} of requests of hot prefixes, spread over {r['wide_cells']:.2f} cells "
+                      "on average")
         print(f"    router calls (in process): decide {r['route_us']:.0f} us{price}", flush=True)
         if r["arm"] != "one router":
             print(f"    / one router: {ratio}{goal}", flush=True)
