@@ -174,14 +174,16 @@ def prefer(order: Sequence[int], prices: Sequence["float | None"]) -> list[int]:
 
 
 HOT_WINDOW = 1024  # requests an ingress counts before it reads which prefixes are hot
+SPREAD = 4  # a hot prefix's cells: ceil(SPREAD x its share x the cells)
 
 
 class HotPrefixes:
     """Which two cells price a request (two choices): its ranking's first two, or, for a prefix
-    hotter than two cells, two drawn from its first d. Two choices serve a prefix of up to one
-    cell's share of the requests (1 / cells), half of it in each of its two cells; a prefix with a
-    larger share gets d = ceil(2 x share x cells) cells (at most `most`, routing.cell_max_choices,
-    and the cells), so each carries about half a cell's share of it, and its cache stays in those d.
+    hotter than two cells, two drawn from its first d. A prefix past half a cell's share of the
+    requests (1 / (2 x cells)) gets d = ceil(`spread` x share x cells) cells, spread 4 (at most
+    `most`, routing.cell_max_choices, and the cells), so each carries about a quarter of a cell's
+    share of it, and its cache stays in those d: d grows with its share, not with the cells
+    (measured against 2 and 3: docs/benchmarks.md, "A prefix hotter than two cells").
 
     Drawn, not all d priced: a cell that does not hold the prefix prices its miss (~1,600 tokens
     for 1,024 of prefix) above a holder's hit however queued the holder runs at such loads, so a
@@ -193,11 +195,11 @@ class HotPrefixes:
     the session's or the first block's); a window's end sets the hot keys for the next one (a
     prefix that cools is back to its first two after a window; the first window has none). A
     request costs a dict update and a lookup, a hot one a draw; a window's end one pass over its
-    counts (at most `window` keys; fewer than `cells` / 2 hot). Each ingress process counts its own
+    counts (at most `window` keys; fewer than 2 x `cells` hot). Each ingress process counts its own
     requests: a share, not a rate, so many ingresses agree."""
 
     def __init__(self, cells: int, most: int, rng: random.Random | None = None, window: int = HOT_WINDOW,
-                 spread: int = 2):
+                 spread: int = SPREAD):
         self.cells, self.most, self.window, self.spread = cells, min(most, cells), window, spread
         self.rng = rng or random.Random()
         self.counts: dict[int, int] = {}
@@ -214,8 +216,8 @@ class HotPrefixes:
         return self.hot.get(key, 2)
 
     def roll(self) -> None:
-        """A window's end: a key counted c times of `seen` (c x cells > seen: more than a cell's
-        share) is spread over min(most, ceil(spread x c x cells / seen)) cells until the next."""
+        """A window's end: a key counted c times of `seen` is spread over min(most, ceil(spread x
+        c x cells / seen)) cells until the next, where that is more than 2."""
         n, seen, k = self.cells, self.seen, self.spread
         self.hot = {key: min(self.most, -(-k * c * n // seen))
                     for key, c in self.counts.items() if k * c * n > 2 * seen}

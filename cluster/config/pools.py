@@ -193,9 +193,9 @@ class RoutingOptions(Strict):
         "compute the prompt holds cell_spill_requests prompts (then the second)")
     cell_max_choices: int = Field(
         8, ge=2, le=64, description="With cell_choice two: the most cells one hot prefix is spread over. The ingress "
-        "counts each prefix's share of its last 1,024 requests; one past a cell's share (1 / cells) has its two "
-        "priced cells drawn from its first ceil(2 x share x cells) by rendezvous hashing, at most this many (2: "
-        "its first two always)")
+        "counts each prefix's share of its last 1,024 requests; one past half a cell's share (1 / (2 x cells)) has "
+        "its two priced cells drawn from its first ceil(4 x share x cells) by rendezvous hashing, at most this many "
+        "(2: its first two always)")
     cell_spill_requests: int | None = Field(
         None, ge=1, description="With cell_choice spill: a request whose replica chosen in its cell to compute the "
         "prompt holds at least this many prompts (a prefill replica's running and waiting requests, a decode "

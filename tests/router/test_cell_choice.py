@@ -145,18 +145,18 @@ def test_a_second_cell_that_fails_leaves_the_first_to_decide_and_a_first_that_fa
     assert live.stats().decisions == 1  # nothing decided: the flow recalls where the prefix went (RouteMemory)
 
 
-def test_a_prefix_past_a_cells_share_is_spread_over_more_cells_for_the_next_window_and_a_cold_one_keeps_two():
-    hot = HotPrefixes(8, 4, window=16)  # 8 cells: a cell's share is 2 of 16 requests
-    keys = [1] * 6 + [2] * 2 + [3] * 3 + [4] * 5
-    assert [hot.choices(key) for key in keys[:-1]] == [2] * 15  # the first window knows nothing hot
-    assert hot.choices(4) == 4  # the request that ends it gets what it found
-    # the window's end: 1 had 6 / 16 (ceil(2 x 6/16 x 8) = 6, at most 4), 3 had 3 / 16 (ceil(3) = 3),
-    # 4 had 5 / 16 (ceil(5) = 5: 4); 2 had exactly a cell's share: its first two still
-    assert hot.hot == {1: 4, 3: 3, 4: 4} and (hot.counts, hot.seen) == ({}, 0)
-    assert [hot.choices(k) for k in (1, 2, 3, 5)] == [4, 2, 3, 2]
-    for _ in range(12):
+def test_a_prefix_past_half_a_cells_share_is_spread_over_more_cells_for_the_next_window_and_a_cold_one_keeps_two():
+    hot = HotPrefixes(8, 6, window=32)  # 8 cells: half a cell's share is 2 of 32 requests
+    keys = [1] * 12 + [2] * 2 + [3] * 3 + [4] * 5 + list(range(100, 110))
+    assert [hot.choices(key) for key in keys[:-1]] == [2] * 31  # the first window knows nothing hot
+    assert hot.choices(109) == 2 and hot.seen == 0  # the request that ends it
+    # ceil(4 x share x 8): 1 had 12 / 32 (12 cells, at most 6), 3 had 3 / 32 (3), 4 had 5 / 32 (5);
+    # 2 had exactly half a cell's share (2 cells: its first two), the others less
+    assert hot.hot == {1: 6, 3: 3, 4: 5} and hot.counts == {}
+    assert [hot.choices(k) for k in (1, 2, 3, 5)] == [6, 2, 3, 2]
+    for _ in range(28):
         hot.choices(5)  # 5 takes the window; 1 and 3 cool
-    assert hot.hot == {5: 4} and hot.choices(1) == 2 == hot.choices(3)
+    assert hot.hot == {5: 6} and hot.choices(1) == 2 == hot.choices(3)
     assert HotPrefixes(3, 16).most == 3  # never more cells than there are
 
 
@@ -166,7 +166,7 @@ def test_a_hot_prefixs_two_priced_cells_are_drawn_from_its_first_d_and_a_cold_on
     for _ in range(3):
         assert hot.order(order, 9) is order  # nothing hot yet: the ranking as it is
     drawn = [hot.order(order, 9) for _ in range(30)]  # the first ends the window: 9 is hot from it on
-    assert hot.hot == {9: 3}  # the whole window: ceil(2 x 1 x 8) = 16 cells, at most 3
+    assert hot.hot == {9: 3}  # the whole window: ceil(4 x 1 x 8) = 32 cells, at most 3
     assert all(sorted(o[:2]) in ([2, 5], [2, 7], [5, 7]) and sorted(o) == sorted(order) for o in drawn)
     assert [o[2:] for o in drawn] == [[c for c in order if c not in o[:2]] for o in drawn]  # the rest in order
     assert {tuple(sorted(o[:2])) for o in drawn} == {(2, 5), (2, 7), (5, 7)}  # each pair drawn, in 30
@@ -199,7 +199,7 @@ def test_a_hot_prefix_whose_two_cells_are_swamped_reaches_its_third_and_every_re
     assert d.prefill == f"p{order[0]}" and [c for m, c, _ in log if m == "price"] == [order[0], order[1]] * 2
     assert cells.hot.hot == {}
     for _ in range(HOT_WINDOW):
-        cells.hot.choices(block_key(H[0]))  # H takes a whole window: hot (ceil(2 x 1 x 4) = 8, at most 3)
+        cells.hot.choices(block_key(H[0]))  # H takes a whole window: hot (ceil(4 x 1 x 4) = 16, at most 3)
     assert cells.hot.hot == {block_key(H[0]): 3}
     decided = []
     for _ in range(12):

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from cluster.engine.kv_cache import hash_request_blocks
 from cluster.tools.bench.cell_sim import Params, Request, Simulation, make_arm
 from cluster.config.pools import RoutingOptions
+from router.cells import SPREAD
 from router.policy import PolicyConfig
 
 SALT = b"bench-model"
@@ -126,7 +127,8 @@ def per_call_us(acc: list) -> float:
 
 
 def run_arm(w: Workload, p: Params, seed: int, cell_size: int | None, spill_at: int | None,
-            config: PolicyConfig, variant: str = "cells", most_choices: int = 2, spread: int = 2) -> dict:
+            config: PolicyConfig, variant: str = "cells", most_choices: int = 2,
+            spread: int = SPREAD) -> dict:
     """One arm, one seed: the same pool and requests for every arm of this seed."""
     rng = random.Random(seed)
     replicas = pool(w.replicas, rng)
@@ -146,11 +148,11 @@ ARM_FIGURES = ("hit", "p50", "p90", "imbalance")
 
 
 def label(cell_size: int | None, spill_at: int | None, variant: str = "cells", most_choices: int = 2,
-          spread: int = 2) -> str:
+          spread: int = SPREAD) -> str:
     if cell_size is None:
         return "one router"
     if variant == "two":
-        more = f"up to {most_choices} choices{'' if spread == 2 else f' x{spread}'}"
+        more = f"up to {most_choices} choices{'' if spread == SPREAD else f' x{spread}'}"
         return f"cells of {cell_size}, {'two choices' if most_choices == 2 else more}"
     return f"cells of {cell_size}{' balanced' if variant == 'balanced' else ''}, spill {spill_at}"
 
@@ -219,7 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--max-choices", type=int, nargs="+", default=[RoutingOptions().cell_max_choices],
                     help="two: the most cells a hot prefix is spread over (routing.cell_max_choices; 2: its first two always)")
-    ap.add_argument("--spread", type=int, nargs="+", default=[2],
+    ap.add_argument("--spread", type=int, nargs="+", default=[SPREAD],
                     help="two: a prefix of share s is spread over ceil(spread x s x cells) cells (HotPrefixes.spread; bench only)")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=5.0)
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
     p, config = Params(), PolicyConfig()
     arms = [(c, s, v, m, k) for c in args.cell_sizes for v in args.variants
             for s in (args.spill_at if v != "two" else [None]) for m in (args.max_choices if v == "two" else [2])
-            for k in (args.spread if m > 2 else [2])]
+            for k in (args.spread if m > 2 else [SPREAD])]
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     for r in args.replicas:
         for pop in args.popularity:

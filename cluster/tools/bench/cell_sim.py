@@ -34,7 +34,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from router.cells import HotPrefixes, NO_BOUND, prefer, ranking, replica_cell, request_key, text_key, walk
+from router.cells import SPREAD, HotPrefixes, NO_BOUND, prefer, ranking, replica_cell, request_key, text_key, walk
 from router.policy import PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
 from router.router import Router
 
@@ -155,7 +155,7 @@ class Arm:
 
 def make_arm(replicas: Sequence[tuple[str, str]], cell_size: int | None, spill_at: int | None,
              config: PolicyConfig, clock, seed: int, variant: str = "cells", most_choices: int = 2,
-             spread: int = 2) -> Arm:
+             spread: int = SPREAD) -> Arm:
     """`cell_size` None (or >= the replicas): one router; else ceil(len / cell_size) cells, each
     replica in router/cells.py's `replica_cell` (`variant` "cells": its spill walk, and "two": its
     two choices, `decide_two`, a hot prefix spread over up to `most_choices` cells:
