@@ -230,7 +230,9 @@ class HotPrefixes:
         if d == 2:
             return order
         a, b = self.rng.sample(range(d), 2)
-        return [order[a], order[b]] + [cell for i, cell in enumerate(order) if i != a and i != b]
+        rest = order[:]  # the others in order (deletes at C speed: 312 cells cost ~8 us as a comprehension)
+        del rest[max(a, b)], rest[min(a, b)]
+        return [order[a], order[b]] + rest
 
 
 class _Method:
