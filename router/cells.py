@@ -24,7 +24,7 @@ a 64-bit mix of the two; a key's cells ranked by weight, highest first, are its 
   prefix lives in at most two cells (more when hot: below) and load picks between them, as one
   router's policy would.
   One decision per request; a round trip more than one cell's (the prices, then the decision).
-  A prefix hotter than two cells (past one cell's share of the ingress's recent requests:
+  A prefix hotter than two cells (past half a cell's share of the ingress's recent requests:
   `HotPrefixes`) has its two priced cells drawn from its first d, d growing with its share (at
   most `routing.cell_max_choices`), so it lives in those d cells and load picks among them.
   A second cell whose router fails to answer is left out (the first decides); a first cell's
@@ -185,11 +185,11 @@ class HotPrefixes:
     share of it, and its cache stays in those d: d grows with its share, not with the cells
     (measured against 2 and 3: docs/benchmarks.md, "A prefix hotter than two cells").
 
-    Drawn, not all d priced: a cell that does not hold the prefix prices its miss (~1,600 tokens
-    for 1,024 of prefix) above a holder's hit however queued the holder runs at such loads, so a
-    third price never won a request (docs/benchmarks.md, "A prefix hotter than two cells"); a
-    request whose two cells include a non-holder, or none of the holders, seeds it there, and load
-    then picks among the d as among two. Each request still asks two prices.
+    Drawn, not all d priced: a cell that does not hold the prefix prices its miss (~1,650 tokens
+    for 1,024 of prefix) above a holder's queued hit (~750), so a third price almost never won a
+    request (0 of 4,612 in one run: docs/benchmarks.md, "A prefix hotter than two cells") and the
+    prefix never came to be held there; a drawn pair without a holder seeds it, and load then
+    picks among the d as among two. Each request still asks two prices.
 
     The share is counted here, at the ingress, over windows of `window` requests (its ranking key:
     the session's or the first block's); a window's end sets the hot keys for the next one (a
