@@ -21,8 +21,12 @@ a 64-bit mix of the two; a key's cells ranked by weight, highest first, are its 
   each price the request (`Router.price`: what their router would decide the prompt costs on the
   replica computing it, in tokens: uncached tokens, tokens ahead, evictions; nothing recorded),
   both asked at once; the cheaper decides (`prefer`; a tie keeps the ranking's order), so a
-  prefix lives in at most two cells and load picks between them, as one router's policy would.
+  prefix lives in at most two cells (more when hot: below) and load picks between them, as one
+  router's policy would.
   One decision per request; a round trip more than one cell's (the prices, then the decision).
+  A prefix hotter than two cells (past half a cell's share of the ingress's recent requests:
+  `HotPrefixes`) has its two priced cells drawn from its first d, d growing with its share (at
+  most `routing.cell_max_choices`), so it lives in those d cells and load picks among them.
   A second cell whose router fails to answer is left out (the first decides); a first cell's
   failure fails the call, as one router's does (the flow falls back to RouteMemory).
 - Spill (`routing.cell_choice` "spill", `walk`): the first cell is asked with `spill_at`; when
@@ -96,15 +100,17 @@ def replica_cell(role: str, replica_id: str, n: int) -> int:
     return max(range(n), key=lambda cell: weight(key, cell))
 
 
+def request_key(hashes: Sequence[bytes], session: str | None) -> int | None:
+    """What ranks a request's cells: its session key's, else its first block's (None: neither)."""
+    if session is not None:
+        return text_key(session)
+    return block_key(hashes[0]) if hashes else None
+
+
 def request_ranking(hashes: Sequence[bytes], session: str | None, n: int, rng: random.Random) -> list[int]:
     """A request's cells, best first: by its session key, else its first block, else at random."""
-    if session is not None:
-        key = text_key(session)
-    elif hashes:
-        key = block_key(hashes[0])
-    else:
-        key = rng.getrandbits(64)
-    return ranking(key, n)
+    key = request_key(hashes, session)
+    return ranking(rng.getrandbits(64) if key is None else key, n)
 
 
 def cell_count(cfg) -> int:
@@ -167,6 +173,68 @@ def prefer(order: Sequence[int], prices: Sequence["float | None"]) -> list[int]:
             + [order[i] for i, p in enumerate(prices) if p is None])
 
 
+HOT_WINDOW = 1024  # requests an ingress counts before it reads which prefixes are hot
+SPREAD = 4  # a hot prefix's cells: ceil(SPREAD x its share x the cells)
+
+
+class HotPrefixes:
+    """Which two cells price a request (two choices): its ranking's first two, or, for a prefix
+    hotter than two cells, two drawn from its first d. A prefix past half a cell's share of the
+    requests (1 / (2 x cells)) gets d = ceil(`spread` x share x cells) cells, spread 4 (at most
+    `most`, routing.cell_max_choices, and the cells), so each carries about a quarter of a cell's
+    share of it, and its cache stays in those d: d grows with its share, not with the cells
+    (measured against 2 and 3: docs/benchmarks.md, "A prefix hotter than two cells").
+
+    Drawn, not all d priced: a cell that does not hold the prefix prices its miss (~1,650 tokens
+    for 1,024 of prefix) above a holder's queued hit (~750), so a third price almost never won a
+    request (0 of 4,612 in one run: docs/benchmarks.md, "A prefix hotter than two cells") and the
+    prefix never came to be held there; a drawn pair without a holder seeds it, and load then
+    picks among the d as among two. Each request still asks two prices.
+
+    The share is counted here, at the ingress, over windows of `window` requests (its ranking key:
+    the session's or the first block's); a window's end sets the hot keys for the next one (a
+    prefix that cools is back to its first two after a window; the first window has none). A
+    request costs a dict update and a lookup, a hot one a draw; a window's end one pass over its
+    counts (at most `window` keys; fewer than 2 x `cells` hot). Each ingress process counts its own
+    requests: a share, not a rate, so many ingresses agree."""
+
+    def __init__(self, cells: int, most: int, rng: random.Random | None = None, window: int = HOT_WINDOW,
+                 spread: int = SPREAD):
+        self.cells, self.most, self.window, self.spread = cells, min(most, cells), window, spread
+        self.rng = rng or random.Random()
+        self.counts: dict[int, int] = {}
+        self.seen = 0
+        self.hot: dict[int, int] = {}  # key -> its cells (d), from the last window
+
+    def choices(self, key: int) -> int:
+        """Counts a request of `key`; the cells it is spread over (d: 2 for all but hot ones)."""
+        counts = self.counts
+        counts[key] = counts.get(key, 0) + 1
+        self.seen += 1
+        if self.seen >= self.window:
+            self.roll()
+        return self.hot.get(key, 2)
+
+    def roll(self) -> None:
+        """A window's end: a key counted c times of `seen` is spread over min(most, ceil(spread x
+        c x cells / seen)) cells until the next, where that is more than 2."""
+        n, seen, k = self.cells, self.seen, self.spread
+        self.hot = {key: min(self.most, -(-k * c * n // seen))
+                    for key, c in self.counts.items() if k * c * n > 2 * seen}
+        self.counts, self.seen = {}, 0
+
+    def order(self, order: list[int], key: int) -> list[int]:
+        """`order` (the request's ranking, of `key`) with the two cells to price first: as it is,
+        or for a hot key two of its first d drawn at random (the rest after them, in order)."""
+        d = self.choices(key)
+        if d == 2:
+            return order
+        a, b = self.rng.sample(range(d), 2)
+        rest = order[:]  # the others in order (deletes at C speed: 312 cells cost ~8 us as a comprehension)
+        del rest[max(a, b)], rest[min(a, b)]
+        return [order[a], order[b]] + rest
+
+
 class _Method:
     """`x.remote(...)`: an awaitable, as a router actor's method gives (what RequestFlow awaits)."""
 
@@ -178,12 +246,16 @@ class CellRouters:
     """The ingress's router for a version in cells: it is called as one router actor's handle is
     (`route.remote(...)`, `live_loads.remote()`: awaitables; `configure.remote(...)`: sent), so
     the request flow is the same with one router or many. `refs`: cell K's router (ActorRef);
-    `spill_at`: None for two choices, else the spill bound (module docstring)."""
+    `spill_at`: None for two choices, else the spill bound (module docstring); `most_choices`: the
+    most cells a hot prefix is spread over (routing.cell_max_choices; HotPrefixes)."""
 
-    def __init__(self, refs: Sequence, spill_at: int | None, rng: random.Random | None = None):
+    def __init__(self, refs: Sequence, spill_at: int | None, rng: random.Random | None = None,
+                 most_choices: int = 2):
         self.refs = list(refs)
         self.spill_at = spill_at
         self.rng = rng or random.Random()
+        self.hot = HotPrefixes(len(self.refs), most_choices, self.rng) if spill_at is None and min(
+            most_choices, len(self.refs)) > 2 else None
         self.route = _Method(self._route)
         self.live_loads = _Method(self._live_loads)
         self.configure = _Method(self._configure)
@@ -194,10 +266,13 @@ class CellRouters:
             return await self.refs[cell].route.remote(hashes, num_prompt_tokens, session, group, spill_at,
                                                       carried=carried)
 
-        order = request_ranking(hashes, session, len(self.refs), self.rng)
+        key = request_key(hashes, session)
+        order = ranking(self.rng.getrandbits(64) if key is None else key, len(self.refs))
         if self.spill_at is not None:
             _, decision = await walk(order, ask, self.spill_at)
             return decision
+        if self.hot is not None and key is not None:
+            order = self.hot.order(order, key)
         prices = await asyncio.gather(*(self.refs[cell].price.remote(hashes, num_prompt_tokens, session, group,
                                                                      carried=carried)
                                         for cell in order[:2]), return_exceptions=True)
@@ -221,7 +296,8 @@ def ingress_routers(cfg, app: str):
     n = cell_count(cfg)
     if n == 1:
         return get_router(cfg.serving_group, app)
-    return CellRouters([get_router(cfg.serving_group, app, cell) for cell in range(n)], spill_bound(cfg))
+    return CellRouters([get_router(cfg.serving_group, app, cell) for cell in range(n)], spill_bound(cfg),
+                       most_choices=cfg.routing.cell_max_choices)
 
 
 def cell_of_name(name: str) -> int | None:

@@ -191,6 +191,11 @@ class RoutingOptions(Strict):
         "two", description="With cells, which cell decides a request. two: its first two cells (by rendezvous "
         "hashing) each price it, the cheaper decides; spill: its first cell, unless the replica chosen there to "
         "compute the prompt holds cell_spill_requests prompts (then the second)")
+    cell_max_choices: int = Field(
+        8, ge=2, le=64, description="With cell_choice two: the most cells one hot prefix is spread over. The ingress "
+        "counts each prefix's share of its last 1,024 requests; one past half a cell's share (1 / (2 x cells)) has "
+        "its two priced cells drawn from its first ceil(4 x share x cells) by rendezvous hashing, at most this many "
+        "(2: its first two always)")
     cell_spill_requests: int | None = Field(
         None, ge=1, description="With cell_choice spill: a request whose replica chosen in its cell to compute the "
         "prompt holds at least this many prompts (a prefill replica's running and waiting requests, a decode "
@@ -203,6 +208,9 @@ class RoutingOptions(Strict):
         if self.cell_spill_requests is not None and self.cell_choice != "spill":
             raise ValueError(f"routing.cell_spill_requests applies only with routing.cell_choice 'spill' (it is "
                              f"{self.cell_choice!r}): set both, or neither")
+        if "cell_max_choices" in self.model_fields_set and self.cell_choice != "two":
+            raise ValueError(f"routing.cell_max_choices applies only with routing.cell_choice 'two' (it is "
+                             f"{self.cell_choice!r})")
         return self
 
     @field_validator("tier_weights")

@@ -10,7 +10,8 @@ import pytest
 from cluster.config import AppConfig
 from cluster.engine.kv_cache import hash_request_blocks
 from router.actor import ActorRef
-from router.cells import CellRouters, block_key, ingress_routers, prefer, ranking, spill_bound, text_key
+from router.cells import (HOT_WINDOW, CellRouters, HotPrefixes, block_key, ingress_routers, prefer, ranking,
+                          spill_bound, text_key)
 from router.policy import PolicyConfig, ReplicaLoad, RoutingPolicy, SessionHint
 from router.router import Router
 
@@ -163,3 +164,89 @@ def test_cells_carry_the_session_to_both_prices_and_its_cell_adopts_it():
         assert routers[home].sessions.peek(f"t/s{i}", 0.0) == SessionHint(*carried[:2])
     assert [len(r.sessions) for r in routers] == [homes.count(0), homes.count(1)] and set(homes) == {0, 1}
     assert [m for m, _, when in log if when == "asked"] == ["price", "price", "route"] * len(homes)
+
+
+def test_a_prefix_past_half_a_cells_share_is_spread_over_more_cells_for_the_next_window_and_a_cold_one_keeps_two():
+    hot = HotPrefixes(8, 6, window=32)  # 8 cells: half a cell's share is 2 of 32 requests
+    keys = [1] * 12 + [2] * 2 + [3] * 3 + [4] * 5 + list(range(100, 110))
+    assert [hot.choices(key) for key in keys[:-1]] == [2] * 31  # the first window knows nothing hot
+    assert hot.choices(109) == 2 and hot.seen == 0  # the request that ends it
+    # ceil(4 x share x 8): 1 had 12 / 32 (12 cells, at most 6), 3 had 3 / 32 (3), 4 had 5 / 32 (5);
+    # 2 had exactly half a cell's share (2 cells: its first two), the others less
+    assert hot.hot == {1: 6, 3: 3, 4: 5} and hot.counts == {}
+    assert [hot.choices(k) for k in (1, 2, 3, 5)] == [6, 2, 3, 2]
+    for _ in range(28):
+        hot.choices(5)  # 5 takes the window; 1 and 3 cool
+    assert hot.hot == {5: 6} and hot.choices(1) == 2 == hot.choices(3)
+    assert HotPrefixes(3, 16).most == 3  # never more cells than there are
+
+
+def test_a_hot_prefixs_two_priced_cells_are_drawn_from_its_first_d_and_a_cold_ones_are_its_first_two():
+    hot = HotPrefixes(8, 3, random.Random(0), window=4)
+    order = [5, 2, 7, 0, 1, 3, 4, 6]
+    for _ in range(3):
+        assert hot.order(order, 9) is order  # nothing hot yet: the ranking as it is
+    drawn = [hot.order(order, 9) for _ in range(30)]  # the first ends the window: 9 is hot from it on
+    assert hot.hot == {9: 3}  # the whole window: ceil(4 x 1 x 8) = 32 cells, at most 3
+    assert all(sorted(o[:2]) in ([2, 5], [2, 7], [5, 7]) and sorted(o) == sorted(order) for o in drawn)
+    assert [o[2:] for o in drawn] == [[c for c in order if c not in o[:2]] for o in drawn]  # the rest in order
+    assert {tuple(sorted(o[:2])) for o in drawn} == {(2, 5), (2, 7), (5, 7)}  # each pair drawn, in 30
+
+
+def swamped_and_idle(cells: int, holders: list[int]) -> list[Router]:
+    """A router per cell: those in `holders` hold the prompt's first 4 blocks on their prefill
+    replica behind 5,000 queued tokens, the others are idle."""
+    routers = []
+    for k in range(cells):
+        r = Router(RoutingPolicy(PolicyConfig(block_size=BS), random.Random(0)))
+        busy = k in holders
+        r.report_load(load(f"p{k}", "prefill", running=busy, waiting=9 * busy, queued=5000 * busy))
+        r.report_load(load(f"d{k}", "decode"))
+        if busy:
+            r.resync(f"p{k}", "i", 1, H[:4])
+        routers.append(r)
+    return routers
+
+
+def test_a_hot_prefix_whose_two_cells_are_swamped_reaches_its_third_and_every_request_asks_two_prices():
+    order = ranking(block_key(H[0]), 4)
+    routers = swamped_and_idle(4, order[:2])
+    log = []
+    cells = CellRouters([Local(k, routers[k], log) for k in range(4)], None, random.Random(1), most_choices=3)
+    for key in range(HOT_WINDOW - 1):
+        cells.hot.choices(key)  # a window of as many prefixes but one request
+    d = asyncio.run(cells.route.remote(H, 80, None, None))  # the window's end: H had 1 of 1,024
+    # its first two, as before: dear and as dear (a tie keeps the ranking's order)
+    assert d.prefill == f"p{order[0]}" and [c for m, c, _ in log if m == "price"] == [order[0], order[1]] * 2
+    assert cells.hot.hot == {}
+    for _ in range(HOT_WINDOW):
+        cells.hot.choices(block_key(H[0]))  # H takes a whole window: hot (ceil(4 x 1 x 4) = 16, at most 3)
+    assert cells.hot.hot == {block_key(H[0]): 3}
+    decided = []
+    for _ in range(12):
+        log.clear()
+        d = asyncio.run(cells.route.remote(H, 80, None, None))
+        asked = [c for m, c, s in log if m == "price" and s == "asked"]
+        assert len(asked) == 2 and set(asked) < set(order[:3])  # two prices, of its first three cells
+        # the third, idle, wins when drawn (a miss beats 5,000 ahead); else the cheaper holder
+        assert d.prefill == f"p{order[2]}" if order[2] in asked else d.prefill in (f"p{order[0]}", f"p{order[1]}")
+        decided.append(d.prefill)
+    assert decided.count(f"p{order[2]}") == 8  # random.Random(1)'s draws: the third in 8 of 12
+    log.clear()
+    cold = hash_request_blocks([7] + PROMPT[1:], BS, b"salt")  # another first block: another prefix
+    asyncio.run(cells.route.remote(cold, 80, None, None))
+    assert [c for m, c, s in log if m == "price" and s == "asked"] == ranking(block_key(cold[0]), 4)[:2]
+
+
+def test_more_choices_are_configured_bounded_and_cost_nothing_with_two_cells_or_a_bound_of_two():
+    assert AppConfig(model="m").routing.cell_max_choices == 8
+    cfg = dict(model="m", mode="colocated", decode={"num_replicas": 3})
+    three = ingress_routers(AppConfig(**cfg, routing={"cell_size": 1}), "app")
+    assert (three.hot.cells, three.hot.most) == (3, 3)  # 8, but only 3 cells
+    assert ingress_routers(AppConfig(**cfg, routing={"cell_size": 1, "cell_max_choices": 2}), "app").hot is None
+    assert ingress_routers(AppConfig(**cfg, routing={"cell_size": 2}), "app").hot is None  # 2 cells: 2 choices
+    for bad in (1, 65):
+        with pytest.raises(ValueError, match="cell_max_choices"):
+            AppConfig(model="m", routing={"cell_max_choices": bad})
+    with pytest.raises(ValueError, match="routing.cell_max_choices applies only with routing.cell_choice 'two'"):
+        AppConfig(model="m", routing={"cell_choice": "spill", "cell_max_choices": 3})

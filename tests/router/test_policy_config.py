@@ -8,7 +8,8 @@ from cluster.config import AppConfig
 from cluster.config.pools import RoutingOptions
 from router.policy import PolicyConfig
 
-FRONT_DOOR_ONLY = {"enabled", "strategy", "cell_size", "cell_choice", "cell_spill_requests"}  # what the ingress reads itself, not the policy
+# what the ingress reads itself, not the policy
+FRONT_DOOR_ONLY = {"enabled", "strategy", "cell_size", "cell_choice", "cell_max_choices", "cell_spill_requests"}
 
 
 def test_every_routing_option_is_a_policy_field_with_the_same_default():

@@ -21,9 +21,12 @@ def prompt(system: int, suffix: int, t: float) -> Request:
     return Request(t, system, len(tokens), hash_request_blocks(tokens, BS, b"s"))
 
 
-def simulate(replicas, reqs, cell_size=None, spill_at=None, seed=0, variant="cells"):
+def simulate(replicas, reqs, cell_size=None, spill_at=None, seed=0, variant="cells", most_choices=2, window=None):
     box = []
-    arm = make_arm(replicas, cell_size, spill_at, PolicyConfig(block_size=BS), lambda: box[0].now, seed, variant)
+    arm = make_arm(replicas, cell_size, spill_at, PolicyConfig(block_size=BS), lambda: box[0].now, seed, variant,
+                   most_choices)
+    if window is not None:
+        arm.hot.window = window
     sim = Simulation(replicas, arm, P, seed)
     box.append(sim)
     return sim.run(reqs), sim, arm
@@ -61,12 +64,12 @@ def test_two_prefill_replicas_of_one_prompts_room_each_keep_one_prompt_each(seed
     assert (arm.spills, arm.local, sim.replicas["d"].streams, sim.replicas["d"].stream_blocks) == (0, 0, 1, 6)
 
 
-def two_cells() -> list[tuple[str, str]]:
-    """One prefill and one decode replica in each of 2 cells, as router/cells.py places them."""
+def two_cells(n: int = 2) -> list[tuple[str, str]]:
+    """One prefill and one decode replica in each of n cells, as router/cells.py places them."""
     out = []
     for role in ("prefill", "decode"):
         ids = [f"{role}-{i}" for i in range(64)]
-        out += [(role, next(rid for rid in ids if replica_cell(role, rid, 2) == cell)) for cell in (0, 1)]
+        out += [(role, next(rid for rid in ids if replica_cell(role, rid, n) == cell)) for cell in range(n)]
     return out
 
 
@@ -101,6 +104,24 @@ def test_two_choices_send_the_second_request_to_the_cheaper_cell():
     # through the product's calls: each request priced in both cells, decided in one
     assert (arm.price_cpu[1], arm.route_cpu[1]) == (4, 2)
     assert [r.stats().decisions for r in arm.routers] == [1, 1]
+
+
+def test_a_prefix_hotter_than_two_cells_is_decided_in_more_after_a_window_each_request_priced_in_two():
+    """4 cells of one prefill and one decode replica; one system prompt, a request every 50 ms
+    (each 42-106 ms of prefill). Past a window of 16 requests, all of one prefix, it is spread
+    over ceil(4 x 1 x 4) = 16 cells, at most 4: its requests are priced in two drawn from all 4,
+    and the cells its first two never hold come to decide some; with most_choices 2, never."""
+    replicas = two_cells(4)
+    reqs = [prompt(0, i, 0.05 * i) for i in range(48)]
+    first_two = set(request_ranking(reqs[0].hashes, None, 4, random.Random(0))[:2])
+    done, _, arm = simulate(replicas, reqs, cell_size=2, variant="two")
+    assert arm.cells == 4 and arm.hot is None and {r.cell for r in done} == first_two
+    reqs = [prompt(0, i, 0.05 * i) for i in range(48)]
+    done, _, arm = simulate(replicas, reqs, cell_size=2, variant="two", seed=2, most_choices=4, window=16)
+    assert {r.cell for r in done[:15]} == first_two  # the first window: its first two, as before
+    later = [r.cell for r in done[15:]]  # the 16th ends the window: drawn, as the 32 after it
+    assert set(later) == {0, 1, 2, 3} and sum(c not in first_two for c in later) == 18  # of 33
+    assert arm.drawn == [33, 132] and (arm.price_cpu[1], arm.route_cpu[1]) == (96, 48)  # two prices a request
 
 
 def test_balanced_cells_give_each_cell_an_equal_share_of_each_role():

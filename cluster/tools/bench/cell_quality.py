@@ -2,7 +2,7 @@
 
     python -m cluster.tools.bench.cell_quality [--replicas 64 256] [--cell-sizes 32 16]
         [--loads 0.6 0.75] [--popularity uniform zipf] [--seeds 3] [--seconds 20] [--spill-at 32 4]
-        [--variants cells balanced two]
+        [--variants cells balanced two] [--max-choices 4 2] [--first-seed 0]
 
 The capacity-bound shared-prefix workload (docs/benchmarks.md, issue 19) at cluster scale, on the
 discrete-event simulation of cluster/tools/bench/cell_sim.py (the real Router classes, fed the real
@@ -24,10 +24,13 @@ Arms, on the same arrivals and prompts: one router over all replicas, and cells 
 `--cell-sizes` (router/cells.py's cell_count, replica_cell, request_ranking and walk) at each
 `--spill-at` (routing.cell_choice "spill", routing.cell_spill_requests; its default is hot_load_cap,
 32), and `--variants` beside them (two choices: routing.cell_choice "two", the default, through
-Router.price and router/cells.py's prefer; cells balanced by role, bench only). Measured over the
+Router.price and router/cells.py's prefer, a hot prefix spread over up to each `--max-choices`
+cells: routing.cell_max_choices, HotPrefixes, 2 for plain two choices; cells balanced by role,
+bench only). Seeds `--first-seed` on, `--seeds` of them (a long run split in parts). Measured over the
 requests arriving after `--warmup` seconds: hit rate (cached prompt tokens / prompt tokens; the
 ceiling is 1,024 / 1,280 = 0.80), TTFT p50 / p90 (queue + prefill), load imbalance (the busiest prefill
-replica's busy time over the mean), the share of requests a second cell decided, and each figure over
+replica's busy time over the mean), the share of requests a second cell decided (and with more
+choices, the share of requests of hot prefixes and the cells they spread over), and each figure over
 the single router's (mean over seeds, with the range); and the routers' CPU a call, in process (a
 decision; a price, with two choices)."""
 
@@ -41,6 +44,8 @@ from dataclasses import dataclass
 
 from cluster.engine.kv_cache import hash_request_blocks
 from cluster.tools.bench.cell_sim import Params, Request, Simulation, make_arm
+from cluster.config.pools import RoutingOptions
+from router.cells import SPREAD
 from router.policy import PolicyConfig
 
 SALT = b"bench-model"
@@ -112,7 +117,8 @@ def measure(done: list[Request], sim: Simulation, w: Workload) -> dict:
             "p50": pct(ttft, 0.5), "p90": pct(ttft, 0.9),
             "imbalance": max(busy) / statistics.mean(busy) if statistics.mean(busy) > 0 else float("nan"),
             "spilled": sum(r.spilled for r in m) / len(m), "local": sim.arm.local, "requests": len(m),
-            "price_us": per_call_us(sim.arm.price_cpu), "route_us": per_call_us(sim.arm.route_cpu)}
+            "price_us": per_call_us(sim.arm.price_cpu), "route_us": per_call_us(sim.arm.route_cpu),
+            "wide": sim.arm.drawn[0] / max(1, len(done)), "wide_cells": sim.arm.drawn[1] / max(1, sim.arm.drawn[0])}
 
 
 def per_call_us(acc: list) -> float:
@@ -121,13 +127,14 @@ def per_call_us(acc: list) -> float:
 
 
 def run_arm(w: Workload, p: Params, seed: int, cell_size: int | None, spill_at: int | None,
-            config: PolicyConfig, variant: str = "cells") -> dict:
+            config: PolicyConfig, variant: str = "cells", most_choices: int = 2,
+            spread: int = SPREAD) -> dict:
     """One arm, one seed: the same pool and requests for every arm of this seed."""
     rng = random.Random(seed)
     replicas = pool(w.replicas, rng)
     reqs = requests(w, p, rng)
     box: list = []
-    arm = make_arm(replicas, cell_size, spill_at, config, lambda: box[0].now, seed, variant)
+    arm = make_arm(replicas, cell_size, spill_at, config, lambda: box[0].now, seed, variant, most_choices, spread)
     sim = Simulation(replicas, arm, p, seed, (w.warmup_s, w.seconds))
     box.append(sim)
     t0 = time.process_time()
@@ -140,22 +147,26 @@ def run_arm(w: Workload, p: Params, seed: int, cell_size: int | None, spill_at: 
 ARM_FIGURES = ("hit", "p50", "p90", "imbalance")
 
 
-def label(cell_size: int | None, spill_at: int | None, variant: str = "cells") -> str:
+def label(cell_size: int | None, spill_at: int | None, variant: str = "cells", most_choices: int = 2,
+          spread: int = SPREAD) -> str:
     if cell_size is None:
         return "one router"
     if variant == "two":
-        return f"cells of {cell_size}, two choices"
+        more = f"up to {most_choices} choices{'' if spread == SPREAD else f' x{spread}'}"
+        return f"cells of {cell_size}, {'two choices' if most_choices == 2 else more}"
     return f"cells of {cell_size}{' balanced' if variant == 'balanced' else ''}, spill {spill_at}"
 
 
-def compare(w: Workload, p: Params, seeds: int, arms: list[tuple[int, int, str]], config: PolicyConfig) -> list[dict]:
-    """Each arm over `seeds` seeds: its figures' means, and each over the single router's (per seed)."""
+def compare(w: Workload, p: Params, seeds: range, arms: list[tuple[int, int, str, int, int]],
+            config: PolicyConfig) -> list[dict]:
+    """Each arm over `seeds`: its figures' means, and each over the single router's (per seed).
+    An arm: (cell size, spill bound, variant, most choices, spread)."""
     rows = []
-    single = [run_arm(w, p, s, None, None, config) for s in range(seeds)]
+    single = [run_arm(w, p, s, None, None, config) for s in seeds]
     rows.append(summary(label(None, None), single, single))
-    for cell_size, spill_at, variant in arms:
-        runs = [run_arm(w, p, s, cell_size, spill_at, config, variant) for s in range(seeds)]
-        rows.append(summary(label(cell_size, spill_at, variant), runs, single))
+    for cell_size, spill_at, variant, most, spread in arms:
+        runs = [run_arm(w, p, s, cell_size, spill_at, config, variant, most, spread) for s in seeds]
+        rows.append(summary(label(cell_size, spill_at, variant, most, spread), runs, single))
     return rows
 
 
@@ -163,7 +174,8 @@ def summary(name: str, runs: list[dict], single: list[dict]) -> dict:
     row = {"arm": name, "cells": runs[0]["cells"], "requests": sum(r["requests"] for r in runs),
            "spilled": statistics.mean(r["spilled"] for r in runs), "local": sum(r["local"] for r in runs),
            "cpu_s": sum(r["cpu_s"] for r in runs), "price_us": statistics.mean(r["price_us"] for r in runs),
-           "route_us": statistics.mean(r["route_us"] for r in runs)}
+           "route_us": statistics.mean(r["route_us"] for r in runs), "wide": statistics.mean(r["wide"] for r in runs),
+           "wide_cells": statistics.mean(r["wide_cells"] for r in runs)}
     for k in ARM_FIGURES:
         row[k] = statistics.mean(r[k] for r in runs)
         ratios = [r[k] / s[k] for r, s in zip(runs, single)]
@@ -190,6 +202,9 @@ def print_rows(w: Workload, rows: list[dict], lam: float) -> None:
               f"p90 {r['p90'] * 1e3:7.1f} ms, imbalance {r['imbalance']:.2f}, spilled {r['spilled']:.1%}, "
               f"local {r['local']}, {r['requests']} requests, {r['cpu_s']:.0f} s CPU", flush=True)
         price = "" if r["price_us"] != r["price_us"] else f", price {r['price_us']:.0f} us"
+        if r["wide"]:
+            price += (f"; {r['wide']:.1%} of requests of hot prefixes, spread over {r['wide_cells']:.2f} cells "
+                      "on average")
         print(f"    router calls (in process): decide {r['route_us']:.0f} us{price}", flush=True)
         if r["arm"] != "one router":
             print(f"    / one router: {ratio}{goal}", flush=True)
@@ -203,6 +218,11 @@ def main(argv=None) -> int:
     ap.add_argument("--loads", type=float, nargs="+", default=[0.6, 0.85])
     ap.add_argument("--popularity", choices=["uniform", "zipf"], nargs="+", default=["uniform", "zipf"])
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
+    ap.add_argument("--max-choices", type=int, nargs="+", default=[RoutingOptions().cell_max_choices],
+                    help="two: the most cells a hot prefix is spread over (routing.cell_max_choices; 2: its first two always)")
+    ap.add_argument("--spread", type=int, nargs="+", default=[SPREAD],
+                    help="two: a prefix of share s is spread over ceil(spread x s x cells) cells (HotPrefixes.spread; bench only)")
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--systems-per-prefill", type=float, default=4.0)
@@ -211,14 +231,16 @@ def main(argv=None) -> int:
                     "two: routing.cell_choice two, the cheaper of a request's first two cells (cell_sim.decide_two)")
     args = ap.parse_args(argv)
     p, config = Params(), PolicyConfig()
-    arms = [(c, s, v) for c in args.cell_sizes for v in args.variants
-            for s in (args.spill_at if v != "two" else [None])]
+    arms = [(c, s, v, m, k) for c in args.cell_sizes for v in args.variants
+            for s in (args.spill_at if v != "two" else [None]) for m in (args.max_choices if v == "two" else [2])
+            for k in (args.spread if m > 2 else [SPREAD])]
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     for r in args.replicas:
         for pop in args.popularity:
             for load in args.loads:
                 w = Workload(r, load, 1.0 if pop == "zipf" else 0.0, args.systems_per_prefill, args.seconds,
                              args.warmup)
-                print_rows(w, compare(w, p, args.seeds, arms, config), rate(w, p))
+                print_rows(w, compare(w, p, seeds, arms, config), rate(w, p))
     return 0
 
 

@@ -20,7 +20,8 @@ drives it is cluster/tools/bench/cell_quality.py; tests/tools/test_cell_quality.
 - **An arm** is one router over every replica, or the cells router/cells.py makes: a replica feeds
   the router of `replica_cell(role, id, n)`, a request is decided by `walk` over its
   `request_ranking` with the spill bound, or with two choices by the cheaper of its first two
-  cells (`Router.price`, `prefer`: what CellRouters does); the real functions; `walk` is driven
+  cells, or of two drawn from its first d for a hot prefix (`HotPrefixes`, `Router.price`,
+  `prefer`: what CellRouters does); the real functions; `walk` is driven
   without an event loop, as nothing it awaits suspends.
 TTFT = the prefill's end - the arrival (queue + prefill; the router's own time is not counted)."""
 
@@ -33,7 +34,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from router.cells import NO_BOUND, prefer, ranking, request_ranking, replica_cell, text_key, walk
+from router.cells import SPREAD, HotPrefixes, NO_BOUND, prefer, ranking, replica_cell, request_key, text_key, walk
 from router.policy import PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
 from router.router import Router
 
@@ -144,6 +145,8 @@ class Arm:
     spills: int = 0
     local: int = 0  # decisions that prefilled on a decode replica (a cell without prefill)
     two_choices: bool = False  # router/cells.py's two choices (decide_two); else its spill walk
+    hot: HotPrefixes | None = None  # two choices: the ingress's count of hot prefixes (None: 2 choices always)
+    drawn: list = field(default_factory=lambda: [0, 0])  # two choices: [requests of hot prefixes, their d summed]
     # in-process CPU (process_time) of the routers' calls: [seconds, calls] of Router.price and of
     # the calls that decide (route, with a spill walk's HOT and EMPTY answers)
     price_cpu: list = field(default_factory=lambda: [0.0, 0])
@@ -151,12 +154,16 @@ class Arm:
 
 
 def make_arm(replicas: Sequence[tuple[str, str]], cell_size: int | None, spill_at: int | None,
-             config: PolicyConfig, clock, seed: int, variant: str = "cells") -> Arm:
+             config: PolicyConfig, clock, seed: int, variant: str = "cells", most_choices: int = 2,
+             spread: int = SPREAD) -> Arm:
     """`cell_size` None (or >= the replicas): one router; else ceil(len / cell_size) cells, each
     replica in router/cells.py's `replica_cell` (`variant` "cells": its spill walk, and "two": its
-    two choices, `decide_two`), or "balanced": `balanced_cells` (bench only)."""
+    two choices, `decide_two`, a hot prefix spread over up to `most_choices` cells:
+    routing.cell_max_choices), or "balanced": `balanced_cells` (bench only)."""
     n = 1 if cell_size is None else max(1, -(-len(replicas) // cell_size))
     arm = Arm(n, None if n == 1 else spill_at, two_choices=variant == "two")
+    if arm.two_choices and min(most_choices, n) > 2:  # as CellRouters builds its own
+        arm.hot = HotPrefixes(n, most_choices, random.Random(seed), spread=spread)
     balanced = variant == "balanced"
     arm.routers = [Router(RoutingPolicy(config, random.Random(seed * 1000 + k)), clock=clock) for k in range(n)]
     cells = balanced_cells(replicas, n) if balanced else {rid: replica_cell(role, rid, n) for role, rid in replicas}
@@ -190,10 +197,17 @@ def run_now(coro):
     raise RuntimeError("a routing coroutine suspended: nothing in the simulation should")
 
 
-def decide_two(arm: Arm, req: Request, order: list[int]) -> RouteDecision:
+def decide_two(arm: Arm, req: Request, order: list[int], key: int | None) -> RouteDecision:
     """Two choices, as router/cells.py's CellRouters decides (routing.cell_choice "two"): the
-    request's first two cells each price it (`Router.price`), `prefer` puts the cheaper first,
-    and `walk` has it decide without a bound."""
+    request's first two cells (for a hot prefix two drawn from its first d: `HotPrefixes.order`)
+    each price it (`Router.price`), `prefer` puts the cheaper first, and `walk` has it decide
+    without a bound."""
+    if arm.hot is not None and key is not None:
+        order = arm.hot.order(order, key)
+        d = arm.hot.hot.get(key, 2)
+        if d > 2:
+            arm.drawn[0] += 1
+            arm.drawn[1] += d
     prices = [timed(arm.price_cpu, arm.routers[cell].price, req.hashes, req.tokens) for cell in order[:2]]
 
     async def ask(cell: int, spill_at: int):
@@ -218,10 +232,11 @@ def decide(arm: Arm, req: Request, rng: random.Random) -> RouteDecision:
     """The arm's decision for `req` (its cell and whether it spilled set on it)."""
     if arm.cells == 1:
         return timed(arm.route_cpu, arm.routers[0].route, req.hashes, req.tokens)
-    order = request_ranking(req.hashes, None, arm.cells, rng)
+    key = request_key(req.hashes, None)  # request_ranking's, with the key kept for two choices
+    order = ranking(rng.getrandbits(64) if key is None else key, arm.cells)
     req.first = order[0]
     if arm.two_choices:
-        return decide_two(arm, req, order)
+        return decide_two(arm, req, order, key)
 
     async def ask(cell: int, spill_at: int):
         return timed(arm.route_cpu, arm.routers[cell].route, req.hashes, req.tokens, None, None, spill_at)
