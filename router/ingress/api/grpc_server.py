@@ -45,7 +45,7 @@ from cluster.config import AppConfig
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.ingress.api import grpc_api, probes
+from router.ingress.api import grpc_api, grpc_events, probes
 from router.ingress.api.grpc_guard import KeyFirst, Meter, Oversized, generation_handler
 from router.ingress.gateway.front_door import FrontDoor
 from router.ingress.status import Code, ServingError
@@ -296,10 +296,12 @@ class GrpcServer:
         self.loop: asyncio.AbstractEventLoop | None = None  # the transport's
         self.server: grpc.aio.Server | None = None
         self.generation: Generation | None = None
+        self.handed_off_loops = 0  # the loops that stopped watching gRPC's poller (grpc_events.py)
 
     async def start(self) -> None:
         """Bind and serve; a port that cannot be bound raises here (and fails the replica)."""
         app_loop = asyncio.get_running_loop()
+        grpc_events.bind_this_loop()  # before the transport takes gRPC's wake-ups (grpc_events.py)
         started: concurrent.futures.Future = concurrent.futures.Future()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self._run, args=(app_loop, started), name="pdserve-grpc", daemon=True).start()
@@ -346,6 +348,8 @@ class GrpcServer:
             raise RuntimeError(f"the gRPC server could not bind {self.address} (grpc_port; another "
                                f"process holds it without SO_REUSEPORT?): {e}") from None
         await self.server.start()
+        # gRPC's completions wake this loop alone; the other loops' are handed to them from here
+        self.handed_off_loops = grpc_events.read_only_on(self.loop)
 
     async def stop(self, grace_s: float) -> None:
         """Stop taking calls; the calls in flight get `grace_s` to finish."""
