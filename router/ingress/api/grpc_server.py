@@ -35,6 +35,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from dataclasses import replace
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -45,7 +46,7 @@ from cluster.config import AppConfig
 from cluster.errors import InvalidRequestError
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
-from router.ingress.api import grpc_api, probes
+from router.ingress.api import grpc_api, grpc_events, probes
 from router.ingress.api.grpc_guard import KeyFirst, Meter, Oversized, generation_handler
 from router.ingress.gateway.front_door import FrontDoor
 from router.ingress.status import Code, ServingError
@@ -172,18 +173,22 @@ class Health(health_pb2_grpc.HealthServicer):
 
 
 class Handoff:
-    """Items put on one thread, delivered in order on `loop`: one wake-up of that loop for all that
-    arrives before it runs (a call_soon_threadsafe per item woke it once per response and once more
-    for the end)."""
+    """Items put on one thread for any of the calls, delivered in order on `loop`: one wake-up of
+    that loop for all that arrives before it runs, whichever calls it is for (a call_soon_threadsafe
+    per response woke it once per response and once more for the end; one a call, once per call
+    whose responses a turn of the front door's loop made). `sender(deliver)`: one call's `put`."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[object], None]):
-        self.loop, self.deliver = loop, deliver
-        self._items: list = []
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._items: list[tuple[Callable[[object], None], object]] = []
         self._lock = threading.Lock()
 
-    def put(self, item: object) -> None:
+    def sender(self, deliver: Callable[[object], None]) -> Callable[[object], None]:
+        return lambda item: self._put(deliver, item)
+
+    def _put(self, deliver: Callable[[object], None], item: object) -> None:
         with self._lock:
-            self._items.append(item)
+            self._items.append((deliver, item))
             if len(self._items) > 1:
                 return  # its wake-up is on its way
         self.loop.call_soon_threadsafe(self._take)
@@ -191,8 +196,22 @@ class Handoff:
     def _take(self) -> None:
         with self._lock:
             items, self._items = self._items, []
-        for item in items:
-            self.deliver(item)
+        for deliver, item in items:
+            try:
+                deliver(item)
+            except Exception:  # noqa: BLE001 — a bug in one call's delivery: the others' still go
+                log.exception("delivering a gRPC call's response failed")
+
+
+_HANDOFFS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Handoff]" = weakref.WeakKeyDictionary()
+
+
+def handoff_to(loop: asyncio.AbstractEventLoop) -> Handoff:
+    """The one Handoff of every call relayed to `loop` (the transport's; made on its first call)."""
+    handoff = _HANDOFFS.get(loop)
+    if handoff is None:
+        handoff = _HANDOFFS[loop] = Handoff(loop)
+    return handoff
 
 
 async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerContext,
@@ -229,7 +248,7 @@ async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerC
         if sent_one:
             refusal = loop.create_task(_abort_unread(context, max_unread))
 
-    put = Handoff(loop, deliver).put
+    put = handoff_to(loop).sender(deliver)
 
     async def run() -> None:
         try:
@@ -296,10 +315,12 @@ class GrpcServer:
         self.loop: asyncio.AbstractEventLoop | None = None  # the transport's
         self.server: grpc.aio.Server | None = None
         self.generation: Generation | None = None
+        self.handed_off_loops = 0  # the loops that stopped watching gRPC's poller (grpc_events.py)
 
     async def start(self) -> None:
         """Bind and serve; a port that cannot be bound raises here (and fails the replica)."""
         app_loop = asyncio.get_running_loop()
+        grpc_events.bind_this_loop()  # before the transport takes gRPC's wake-ups (grpc_events.py)
         started: concurrent.futures.Future = concurrent.futures.Future()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self._run, args=(app_loop, started), name="pdserve-grpc", daemon=True).start()
@@ -346,6 +367,8 @@ class GrpcServer:
             raise RuntimeError(f"the gRPC server could not bind {self.address} (grpc_port; another "
                                f"process holds it without SO_REUSEPORT?): {e}") from None
         await self.server.start()
+        # gRPC's completions wake this loop alone; the other loops' are handed to them from here
+        self.handed_off_loops = grpc_events.read_only_on(self.loop)
 
     async def stop(self, grace_s: float) -> None:
         """Stop taking calls; the calls in flight get `grace_s` to finish."""

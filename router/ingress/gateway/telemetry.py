@@ -18,6 +18,7 @@ from cluster.errors import InvalidRequestError
 from cluster.telemetry.metrics import ingress_metrics
 from cluster.telemetry.tracing import extract, inject, make_tracer, record_span
 from router.ingress.flow.route_memory import REMEMBERED
+from router.ingress.gateway.counter_batch import CounterBatch
 from router.ingress.gateway.stages import Outcome, Stage
 from router.ingress.status import Code, code_of, error_code
 
@@ -52,6 +53,7 @@ def refusal_reason(error: BaseException) -> str:
 class IngressTelemetry:
     def __init__(self, options: "TelemetryOptions"):
         self.metrics = None
+        self.counts = CounterBatch()  # the counters' increments, summed a while (counter_batch.py)
         if options.metrics:
             self.metrics = ingress_metrics()
         self.tracer = make_tracer(options, "pdserve-ingress")
@@ -72,14 +74,14 @@ class IngressTelemetry:
         end = time.monotonic()
         refused = last is None and error is not None and code_of(error).refusal
         if self.metrics is not None:
-            m, tenant = self.metrics, {"tenant": tags["tenant"]}
-            m.requests.inc(1, {**tags, "code": code})
+            m, tenant, inc = self.metrics, {"tenant": tags["tenant"]}, self.counts.inc
+            inc(m.requests, 1, {**tags, "code": code})
             if (pool := getattr(error, "contained_pool", None)) is not None:  # flow/legs.py ForwardFailed
-                m.contained.inc(1, {"model": tags["model"], "version": tags["version"], "pool": pool})
+                inc(m.contained, 1, {"model": tags["model"], "version": tags["version"], "pool": pool})
             if refused:
-                m.rejected.inc(1, {**tenant, "code": code, "reason": refusal_reason(error)})
+                inc(m.rejected, 1, {**tenant, "code": code, "reason": refusal_reason(error)})
             else:
-                m.streams.inc(1, {**tags, "outcome": stream_outcome(code)})
+                inc(m.streams, 1, {**tags, "outcome": stream_outcome(code)})
             if first is not None:
                 m.ttft.observe(first - start, tags)
             if code == "OK":
@@ -90,7 +92,7 @@ class IngressTelemetry:
                 for counter, n in ((m.prompt_tokens, last.prompt_tokens), (m.generation_tokens, last.completion_tokens),
                                    (m.cached_prompt_tokens, last.cached_prompt_tokens)):
                     if n > 0:
-                        counter.inc(n, tags)
+                        inc(counter, n, tags)
         if span is not None:
             from opentelemetry.trace import Status, StatusCode  # noqa: PLC0415
 
@@ -107,8 +109,8 @@ class IngressTelemetry:
         """A refusal at an edge, before the flow (unknown API key, unknown model)."""
         if self.metrics is not None:
             code = error_code(error)
-            self.metrics.requests.inc(1, {"tenant": tenant, "model": "", "version": "", "code": code})
-            self.metrics.rejected.inc(1, {"tenant": tenant, "code": code, "reason": refusal_reason(error)})
+            self.counts.inc(self.metrics.requests, 1, {"tenant": tenant, "model": "", "version": "", "code": code})
+            self.counts.inc(self.metrics.rejected, 1, {"tenant": tenant, "code": code, "reason": refusal_reason(error)})
 
     def routed(self, decision: "RouteDecision | None", started: float, num_prompt_tokens: int,
                ctx: "RequestContext") -> None:
@@ -116,12 +118,12 @@ class IngressTelemetry:
         ended = time.monotonic()
         if self.metrics is not None:
             m = self.metrics
-            m.route_decisions.inc(1, {"reason": route_reason(decision)})
+            self.counts.inc(m.route_decisions, 1, {"reason": route_reason(decision)})
             m.route_latency.observe(ended - started)
             if decision is not None:
-                m.route_prompt_tokens.inc(num_prompt_tokens)
+                self.counts.inc(m.route_prompt_tokens, num_prompt_tokens)
                 if decision.predicted_cached_tokens:
-                    m.route_predicted_cached_tokens.inc(decision.predicted_cached_tokens)
+                    self.counts.inc(m.route_predicted_cached_tokens, decision.predicted_cached_tokens)
         if self.tracer is not None and ctx.trace_context:
             attrs = {"pdserve.route_reason": route_reason(decision)}
             if decision is not None:

@@ -5,6 +5,7 @@ serving, and ends a refusal with its code, details and retry-after."""
 import asyncio
 import concurrent.futures
 import socket
+import threading
 import time
 
 import grpc
@@ -17,6 +18,7 @@ from cluster.tools.netutil import free_port
 from protos.pdserve.v1 import generation_pb2 as pb
 from protos.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from cluster.engine.outputs import FinishReason, RequestOutput
+from router.ingress.api import grpc_events
 from router.ingress.api.grpc_server import MAX_UNREAD_RESPONSES, TRANSPORT_CAP_FACTOR, GrpcServer
 from router.ingress.status import Code
 from tests.helpers import front_door, wait_for
@@ -148,6 +150,38 @@ def test_health_names_only_its_services(tiny_model):
 
     err = serving(cfg)(body)
     assert (err.code(), err.details()) == (grpc.StatusCode.NOT_FOUND, "unknown service 'other.Service'")
+
+
+def test_only_the_transport_loop_reads_grpc_wakeups_and_the_other_loops_still_get_their_events(tiny_model):
+    """grpc_events.py: every loop hooked on gRPC's poller (the door's; another one, as Ray's actor
+    loop is) stops watching its socket once the server starts, the transport's keeps it; a call
+    made on the door's loop (as Serve's handles make theirs) still completes, its events handed over."""
+    cfg = config(tiny_model)
+    other = asyncio.new_event_loop()  # hooked before the server starts, on a thread of its own
+    threading.Thread(target=other.run_forever, daemon=True).start()
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), other).result(timeout=5)
+    other.call_soon_threadsafe(grpc_events.bind_this_loop)
+
+    async def watches(sock) -> bool:  # remove_reader: whether this loop watched it
+        return asyncio.get_running_loop().remove_reader(sock)
+
+    async def body(server):
+        first = await list_models(f"127.0.0.1:{cfg.grpc_port}")
+        socks = {id(sock): sock for _, sock in grpc_events.bound_loops()}
+        assert len(socks) == 1  # one poller socket for all loops (grpcio 1.85)
+        sock = next(iter(socks.values()))
+        on_door = await watches(sock)
+        on_other = asyncio.run_coroutine_threadsafe(watches(sock), other).result(timeout=5)
+        second = await list_models(f"127.0.0.1:{cfg.grpc_port}")
+        return server.handed_off_loops, on_door, on_other, [m.id for m in first.models], [m.id for m in second.models]
+
+    try:
+        handed_off, on_door, on_other, first, second = serving(cfg)(body)
+    finally:
+        other.call_soon_threadsafe(other.stop)
+    assert handed_off >= 2  # the door's and the other (loops of earlier tests in this process too)
+    assert (on_door, on_other) == (False, False)
+    assert first == second == [cfg.model_name]
 
 
 def test_a_taken_port_fails_the_replica(tiny_model):
