@@ -72,6 +72,19 @@ def hf_config(model_type: str, **overrides):
     return cls(**COMMON | kwargs | overrides)
 
 
+def assert_moe_matches(block: torch.nn.Module, ours: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`ours` routes `x` exactly as transformers' MoE `block` (the same experts, in the same order,
+    the same weights) and its output differs from the block's only by float rounding; its experts."""
+    with torch.inference_mode():
+        _, ref_weights, ref_experts = block.gate(x)
+        ref = block(x[None])[0]
+        weights, experts = ours.route(x)
+        out = ours(x)
+    assert torch.equal(experts, ref_experts) and torch.equal(weights, ref_weights)
+    assert (out - ref).abs().max().item() < 1e-6
+    return experts
+
+
 def write_checkpoint(out: Path, model_type: str, seed: int = 0, **overrides) -> str:
     """A random float32 checkpoint as transformers saves it, with the byte tokenizer the engine reads."""
     torch.manual_seed(seed)
@@ -185,14 +198,7 @@ def test_moe_layer_equals_transformers_block(model_type, overrides):
     ours.gate.weight.data.copy_(block.gate.weight.data)
     ours.experts.gate_up_proj.data.copy_(block.experts.gate_up_proj.data)
     ours.experts.down_proj.data.copy_(block.experts.down_proj.data)
-    x = torch.randn(37, 64)
-    with torch.inference_mode():
-        _, ref_weights, ref_experts = block.gate(x)
-        ref = block(x[None])[0]
-        weights, experts = ours.route(x)
-        out = ours(x)
-    assert torch.equal(experts, ref_experts) and torch.equal(weights, ref_weights)
-    assert (out - ref).abs().max().item() < 1e-6
+    assert_moe_matches(block, ours, torch.randn(37, 64))
 
 
 def test_stacked_expert_checkpoint_loads_as_the_per_expert_one(tmp_path):
