@@ -18,9 +18,8 @@ from cluster.engine.distributed.plan import ShardPlan, check_degree, valid_degre
 from cluster.engine.model.loader import load_model
 from cluster.engine.model_config import ModelConfig
 from tests.engine.test_families import hf_config
-from tests.engine.test_tensor_parallel import assert_ranks_hold_their_heads, prompts, reference, run
-from tests.engine.test_tensor_parallel_families import checkpoint, tmp_root  # noqa: F401 (a fixture)
-from tests.reference import hf_greedy
+from tests.engine.test_tensor_parallel_families import assert_two_ranks_equal_tp1, checkpoint
+from tests.engine.test_tensor_parallel_families import tmp_root  # noqa: F401 (a fixture)
 
 MOE = ("deepseek_v2", "deepseek_v3", "mixtral", "qwen3_moe")
 # Each family's sparse layer in the 2-layer checkpoints (Qwen3-MoE: layer 1 dense; DeepSeek: layer 0)
@@ -33,14 +32,8 @@ EXPERT_ROWS = {"deepseek_v2": 48, "deepseek_v3": 48, "mixtral": 96, "qwen3_moe":
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("model_type", MOE)
 def test_ep2_equals_tp1_and_transformers(tmp_root, model_type):
-    model = checkpoint(tmp_root, model_type)
-    ps = prompts(seed=1)
-    tp1_tokens, tp1_cache = reference(model, ps)
-    tokens, reports, exit_codes = run(model, 2, ps, expert_parallel=True)
-    assert tokens == tp1_tokens == [hf_greedy(model, p, 8) for p in ps]
     heads = [(0, 1), (0, 1)] if model_type.startswith("deepseek") else [(0, 1), (1, 1)]  # the latent: whole on each
-    assert_ranks_hold_their_heads(reports, tp1_cache, heads)
-    assert exit_codes == [0]
+    assert_two_ranks_equal_tp1(tmp_root, model_type, heads, expert_parallel=True)
 
 
 def shards(model: str, expert_parallel: bool) -> list[dict[str, torch.Tensor]]:

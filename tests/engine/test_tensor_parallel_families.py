@@ -45,16 +45,22 @@ def tmp_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("tp_families"))
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("model_type", SHARDED)
-def test_tp2_equals_tp1_and_transformers(tmp_root, model_type):
+def assert_two_ranks_equal_tp1(tmp_root: str, model_type: str, heads: list, **run_options) -> None:
+    """Two ranks (`run_options`: e.g. expert_parallel) stream tp1's and transformers' greedy tokens,
+    each rank holding the KV heads `heads` names, and exit cleanly."""
     model = checkpoint(tmp_root, model_type)
     ps = prompts(seed=1)
     tp1_tokens, tp1_cache = reference(model, ps)
-    tokens, reports, exit_codes = run(model, 2, ps)
+    tokens, reports, exit_codes = run(model, 2, ps, **run_options)
     assert tokens == tp1_tokens == [hf_greedy(model, p, 8) for p in ps]
-    assert_ranks_hold_their_heads(reports, tp1_cache, RANK_KV_HEADS.get(model_type, [(0, 1), (1, 1)]))
+    assert_ranks_hold_their_heads(reports, tp1_cache, heads)
     assert exit_codes == [0]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("model_type", SHARDED)
+def test_tp2_equals_tp1_and_transformers(tmp_root, model_type):
+    assert_two_ranks_equal_tp1(tmp_root, model_type, RANK_KV_HEADS.get(model_type, [(0, 1), (1, 1)]))
 
 
 def rank_shards(model: str, tp: int, expert_parallel: bool = False
