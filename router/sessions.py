@@ -34,6 +34,12 @@ from router.policy import RouteDecision, SessionHint
 Carried = tuple[str | None, str, float]
 
 
+def session_prefill(decision: RouteDecision, before: str | None) -> str | None:
+    """The prefill replica a session keeps after `decision`: the one it chose, or, with local
+    prefill (the prompt computed on the decode replica), the one it had `before`."""
+    return decision.prefill if decision.mode == "remote" else before
+
+
 class SessionTable:
     def __init__(self, max_sessions: int, ttl_s: float):
         self.max_sessions = max_sessions
@@ -57,7 +63,7 @@ class SessionTable:
         """The replicas a session's request was just sent to. With local prefill the prompt was
         computed on the decode replica, so the prefill hint stays what it was."""
         old = self._entries.pop(key, None)
-        prefill = decision.prefill if decision.mode == "remote" else (old[1].prefill if old else None)
+        prefill = session_prefill(decision, old[1].prefill if old else None)
         self._entries[key] = (now, SessionHint(prefill, decision.decode))
         while len(self._entries) > self.max_sessions:
             self._entries.popitem(last=False)

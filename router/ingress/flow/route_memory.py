@@ -25,7 +25,7 @@ from collections import OrderedDict
 from typing import Hashable, Sequence
 
 from router.policy import RouteDecision
-from router.sessions import Carried
+from router.sessions import Carried, session_prefill
 
 REMEMBERED = "remembered"  # the reason a recalled decision carries (its route_decisions label)
 
@@ -48,7 +48,7 @@ class RouteMemory:
             self._put(self._blocks, hashes[0], decision)
         if session is not None:
             old = self._sessions.get(session)
-            prefill = decision.prefill if decision.mode == "remote" else (old[1] if old else None)
+            prefill = session_prefill(decision, old[1] if old else None)
             self._put(self._sessions, session, (decision, prefill, now))
 
     def _put(self, entries: OrderedDict, key: Hashable, value) -> None:
