@@ -209,22 +209,23 @@ def side_by_side(sim, results: list[dict], slo, specs=(), resimulate=None) -> li
                      + f"; TTFT p50/p90 {m.ttft_p50 * 1e3:.0f}/{m.ttft_p90 * 1e3:.0f} ms, "
                        f"TPOT p50/p90 {m.tpot_p50 * 1e3:.1f}/{m.tpot_p90 * 1e3:.1f} ms")
         lines += [f"    {code} x{n}: {first}" for code, n, first in unserved(r)]
+        served = served_specs(r, specs) if resimulate is not None else []
         if failed and resimulate is not None:
-            lines += _served_only(resimulate, r, specs, slo)
-        if resimulate is not None:
-            lines += _at_run_speed(resimulate, r, specs, slo)
+            lines += _served_only(resimulate, served, m)
+        if served:
+            lines += _at_run_speed(resimulate, served, m)
     if sim.trend is not None:
         lines.append(f"  predicted: {sim.trend.text()}")
     return lines
 
 
-def _served_only(resimulate, result: dict, specs, slo) -> list[str]:
+def _served_only(resimulate, served: list, real) -> list[str]:
+    """The simulator on the requests a run served (`real`: the run's metrics)."""
     from cluster.planner.validation import LABELS, METRICS, Metrics, ape  # noqa: PLC0415
 
-    served = served_specs(result, specs)
     if not served:
         return ["    (not re-simulated on the served requests: the run's requests do not match the trace's)"]
-    pred, real = Metrics.of_sim(resimulate(served, 1.0)), Metrics.of_bench(result, slo)
+    pred = Metrics.of_sim(resimulate(served, 1.0))
     return [f"    the simulator on the {len(served)} requests it served: " + ", ".join(
         f"{LABELS[m]} {getattr(pred, m) * 1e3:.1f} ms ({ape(getattr(real, m), getattr(pred, m)):.1f}%)"
         for m in METRICS if m != "goodput")]
@@ -247,13 +248,10 @@ def run_speed(resimulate, specs: list, ttft_p50_s: float, iterations: int = 12) 
     return (lo + hi) / 2
 
 
-def _at_run_speed(resimulate, result: dict, specs, slo) -> list[str]:
+def _at_run_speed(resimulate, served: list, real) -> list[str]:
+    """The simulator on a run's served requests at the speed its TTFT p50 reads (`run_speed`)."""
     from cluster.planner.validation import Metrics, ape  # noqa: PLC0415
 
-    served = served_specs(result, specs)
-    if not served:
-        return []
-    real = Metrics.of_bench(result, slo)
     factor = run_speed(resimulate, served, real.ttft_p50)
     if factor is None:
         return [f"    its TTFT p50 reads a speed outside steps x{SPEEDS[0]:g}-x{SPEEDS[1]:g} the profile's"]
