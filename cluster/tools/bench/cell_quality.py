@@ -28,7 +28,8 @@ Router.price and router/cells.py's prefer, a hot prefix spread over up to each `
 cells: routing.cell_max_choices, HotPrefixes, 2 for plain two choices; cells balanced by role,
 bench only), each replica placed by each `--placement`: "rank", the product's (a replica's Serve
 rank mod the cells, its rank its index among its role's replicas), or "hash", the placement before
-ranks (each replica by the hash of its role and id; cell_sim.placed). Seeds `--first-seed` on, `--seeds` of them (a long run split in parts). Measured over the
+ranks (each replica by the hash of its role and id; cell_sim.placed). Seeds `--first-seed` on,
+`--seeds` of them (a long run split in parts). Measured over the
 requests arriving after `--warmup` seconds: hit rate (cached prompt tokens / prompt tokens; the
 ceiling is 1,024 / 1,280 = 0.80), TTFT p50 / p90 (queue + prefill), load imbalance (the busiest prefill
 replica's busy time over the mean), the share of requests a second cell decided (and with more
