@@ -49,7 +49,10 @@ small app spread over many cells) passes it on down the ranking.
 
 Weights are a splitmix64 finalizer over 64-bit keys (a block hash's first 8 bytes are already
 uniform; replica ids and session keys go through blake2b once): a few hundred nanoseconds a cell,
-stable across processes and Python versions (not `hash()`, which is salted per process)."""
+stable across processes and Python versions (not `hash()`, which is salted per process). A
+request's ranking over `VECTOR_FROM` cells or more is computed with numpy over all the cells at
+once (uint64 arithmetic wraps as the masked Python does; the weights are distinct, so the order is
+the same to the last cell): ~10 us at 312 cells against ~100 us a cell at a time."""
 
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ import asyncio
 import hashlib
 import random
 from typing import Awaitable, Callable, Sequence
+
+import numpy as np
 
 from router.actor import ROUTER, app_actor_names, get_router, lookup, router_name
 from router.policy import NoReplicaError, RouteDecision
@@ -96,10 +101,25 @@ def weight(key: int, cell: int) -> int:
     return _mix(key ^ _seeds(cell + 1)[cell])
 
 
+VECTOR_FROM = 16  # cells from which numpy ranks faster (8 cells: 2.8 us in Python, 4.5 with numpy; 32: 9.9, 4.6)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_R30, _R27, _R31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_SEED_ARRAYS: dict[int, np.ndarray] = {}  # n -> the first n seeds as uint64
+
+
 def ranking(key: int, n: int) -> list[int]:
     """The cells 0..n-1 by this key's weight, highest first."""
     seeds = _seeds(n)
-    return sorted(range(n), key=lambda cell: _mix(key ^ seeds[cell]), reverse=True)
+    if n < VECTOR_FROM:
+        return sorted(range(n), key=lambda cell: _mix(key ^ seeds[cell]), reverse=True)
+    arr = _SEED_ARRAYS.get(n)
+    if arr is None:
+        arr = _SEED_ARRAYS[n] = np.array(seeds[:n], dtype=np.uint64)
+    x = arr ^ np.uint64(key)  # _mix, every cell at once (uint64 products wrap: & MASK)
+    x = (x ^ (x >> _R30)) * _M1
+    x = (x ^ (x >> _R27)) * _M2
+    x ^= x >> _R31
+    return np.argsort(x)[::-1].tolist()
 
 
 def replica_cell(role: str, replica_id: str, n: int, rank: int | None = None) -> int:

@@ -9,8 +9,8 @@ import pytest
 
 from cluster.config import AppConfig
 from cluster.engine.kv_cache import hash_request_blocks
-from router.cells import (NO_BOUND, block_key, cell_count, cell_of_name, ranking, replica_cell, request_ranking,
-                          spill_bound, text_key, walk)
+from router.cells import (MASK, NO_BOUND, VECTOR_FROM, block_key, cell_count, cell_of_name, ranking, replica_cell,
+                          request_ranking, spill_bound, text_key, walk, weight)
 from router.actor import router_name
 from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RoutingPolicy
 from router.router import EMPTY, HOT, Router
@@ -63,6 +63,17 @@ def test_rendezvous_rankings_are_fixed_and_a_new_cell_takes_replicas_only_for_it
     five = {i: replica_cell("decode", f"r{i}", 5) for i in range(1000)}
     moved = [i for i in four if five[i] != four[i]]
     assert len(moved) == 192 and {five[i] for i in moved} == {4}  # only to the new cell; the rest stay
+
+
+def test_a_ranking_over_many_cells_is_every_cells_weight_in_order():
+    """From VECTOR_FROM cells the ranking is computed with numpy: the same order, to the last cell,
+    as each cell's weight sorted one at a time (what it was before, and is below VECTOR_FROM)."""
+    rng = random.Random(3)
+    for n in (VECTOR_FROM - 1, VECTOR_FROM, 312):
+        for key in [0, MASK] + [rng.getrandbits(64) for _ in range(200)]:
+            assert ranking(key, n) == sorted(range(n), key=lambda cell: weight(key, cell), reverse=True)
+    assert ranking(block_key(bytes(range(16))), 40)[:6] == [39, 34, 26, 17, 29, 4]
+    assert ranking(text_key("conv-1"), 312)[:6] == [300, 82, 50, 102, 198, 221]
 
 
 def test_replicas_by_serve_rank_spread_each_role_evenly_and_keep_their_cell_as_the_pool_grows():
