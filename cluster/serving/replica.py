@@ -183,7 +183,8 @@ class EngineReplica:
 
         What stays the home deployment's: the engine and its options (blocks, batch, chunking,
         tensor parallelism), the loop thread's niceness, the telemetry's pool label, Serve's
-        scaling and autoscaling (a flipped replica's signals count in its home deployment).
+        scaling and autoscaling (a flipped replica's signals count in its home deployment), and
+        with cells the cell it feeds (its rank's in the home deployment: router/cells.py).
         What follows the role: the loop's idle wake-up and stream_interval.
 
         Past `drain_timeout_s` the flip is called off: the replica keeps its role and its work,
