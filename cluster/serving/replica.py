@@ -35,7 +35,8 @@ from cluster.engine.request import DEFAULT_CONTEXT, RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import WrongReplicaError
 from cluster.serving import faults
-from cluster.serving.replica_build import EngineStack, make_replica_telemetry, serve_replica_id
+from cluster.serving.replica_build import (EngineStack, make_replica_telemetry, rank_of, serve_replica_id,
+                                           serve_replica_rank)
 from cluster.serving.replica_flip import RoleFlip
 from cluster.serving.replica_health import ReplicaHealth
 from cluster.serving.replica_role import PlayedRole, Role, RoleSpec
@@ -72,8 +73,9 @@ class EngineReplica:
         self.played = PlayedRole({**(roles or {}), self.pool: self.home_role}, self.pool, self.engine, self.transport,
                                  cfg)
         self.app = serve_app()  # its router: its app's, of its model version
+        rank = serve_replica_rank()  # with cells, its rank's cell feeds (router/cells.py)
         self.reporter = LoadReporter(self.engine, self.transport.stats, self.replica_id, self.pool, stack.registry,
-                                     cell_router(cfg, self.app, self.pool, self.replica_id),
+                                     cell_router(cfg, self.app, self.pool, self.replica_id, rank),
                                      node_id=ray.get_runtime_context().get_node_id(), group=cfg.serving_group)
         hooks = [self.reporter]
         telemetry = make_replica_telemetry(cfg.telemetry, self.engine, self.transport.stats, self.pool,
@@ -83,7 +85,7 @@ class EngineReplica:
         self.loop = EngineLoop(self.played.obj, idle_poll_s=self.home_role.idle_poll_s, name=f"pdserve-{self.pool}",
                                hooks=hooks, nice=getattr(cfg, self.pool).compute_nice,
                                stream_interval=getattr(cfg, self.pool).stream_interval)
-        self.flip = RoleFlip(self.replica_id, self.played, self.loop, self.reporter, self.app)
+        self.flip = RoleFlip(self.replica_id, self.played, self.loop, self.reporter, self.app, rank)
         self.health = ReplicaHealth(self.pool, self.engine, self.loop, self.ranks, cfg.fault_tolerance.stuck_loop_s,
                                     cfg.fault_tolerance.max_consecutive_step_errors)
         # A full collection holds the GIL, so it stalls the engine's step thread and every stream with
@@ -100,6 +102,15 @@ class EngineReplica:
     def role_name(self) -> Role:
         """The role it plays now (set_role)."""
         return self.played.name
+
+    async def reconfigure(self, user_config, rank=None) -> None:
+        """Serve's call after the replica starts and whenever Serve changes its rank (a
+        ReplicaRank; named `rank` so Serve passes it): a new rank may be a new cell, whose router
+        it feeds from then on (RoleFlip.reranked). The deployments take no user_config (the app's
+        config is their options): one is refused, not ignored."""
+        if user_config is not None:
+            raise ValueError("pdserve's replicas take no Serve user_config (their options are the app's config)")
+        await self.flip.reranked(rank_of(rank))
 
     def arrived(self, target_replica: str | None) -> None:
         """Count a call against the replica it named (none named: not counted). ~60 ns a call
@@ -172,7 +183,8 @@ class EngineReplica:
 
         What stays the home deployment's: the engine and its options (blocks, batch, chunking,
         tensor parallelism), the loop thread's niceness, the telemetry's pool label, Serve's
-        scaling and autoscaling (a flipped replica's signals count in its home deployment).
+        scaling and autoscaling (a flipped replica's signals count in its home deployment), and
+        with cells the cell it feeds (its rank's in the home deployment: router/cells.py).
         What follows the role: the loop's idle wake-up and stream_interval.
 
         Past `drain_timeout_s` the flip is called off: the replica keeps its role and its work,

@@ -58,6 +58,22 @@ def serve_replica_id() -> str | None:
         return None
 
 
+def rank_of(rank) -> int | None:
+    """A Serve rank as an int: Serve passes a ReplicaRank (its `rank`: 0..N-1 in its deployment)."""
+    return getattr(rank, "rank", rank)
+
+
+def serve_replica_rank() -> int | None:
+    """This replica's rank in its deployment (what places it in a cell: router/cells.py)."""
+    from ray import serve  # noqa: PLC0415
+    from ray.serve.exceptions import RayServeException  # noqa: PLC0415
+
+    try:
+        return rank_of(serve.get_replica_context().rank)
+    except RayServeException:  # not running as a Serve replica
+        return None
+
+
 @dataclass
 class EngineStack:
     """A replica's engine and what is built around it, once; every role it plays runs over these."""

@@ -19,10 +19,31 @@ ROUTER_ACK_S = 5.0  # the longest a flip waits for the router to take one of its
 
 
 class RoleFlip:
-    def __init__(self, replica_id: str, played: PlayedRole, loop, reporter, app: str):
+    """`rank`: the replica's Serve rank, which places it in a cell whatever role it plays (None: not
+    a Serve replica; its role's hash places it: router/cells.py replica_cell)."""
+
+    def __init__(self, replica_id: str, played: PlayedRole, loop, reporter, app: str, rank: int | None = None):
         self.replica_id, self.played, self.loop, self.reporter = replica_id, played, loop, reporter
         self.app = app  # its Serve app: whose routers (cells) it feeds
-        self._lock = asyncio.Lock()  # one flip at a time
+        self.rank = rank
+        self._lock = asyncio.Lock()  # one flip (or move to a new rank's cell) at a time
+
+    async def reranked(self, rank: int | None) -> bool:
+        """Serve gave this replica a new rank (after a downscale it re-ranks the replicas above the
+        new count into the holes): from now on it feeds its new rank's cell (RouterFeed.move; the
+        old cell's router forgets it). False: the same rank, or the same cell (nothing moved)."""
+        if rank is None or rank == self.rank:
+            return False
+        async with self._lock:
+            self.rank = rank
+            if self.reporter.feed is None:
+                return False
+            router = await asyncio.to_thread(cell_router, self.played.config, self.app, self.played.name,
+                                             self.replica_id, rank)  # GCS calls: off Serve's loop
+            moved = await self.loop.call(lambda: self.reporter.feed.move(router))
+            if moved:
+                log.info("replica %s: rank %d, feeds %s", self.replica_id, rank, getattr(router, "name", router))
+            return moved
 
     async def set_role(self, role: Role, drain_timeout_s: float, target_replica: str | None) -> dict:
         """EngineReplica.set_role's body (its docstring says what a flip keeps and moves)."""
@@ -75,8 +96,8 @@ class RoleFlip:
         spec = self.played.swap(role)
         self.loop.replace_core(self.played.obj, spec.idle_poll_s, getattr(self.played.config, role).stream_interval)
         self.reporter.flipped(role)
-        if self.reporter.feed is not None:  # with cells, the new role's cell (router/cells.py)
-            self.reporter.feed.move(cell_router(self.played.config, self.app, role, self.replica_id))
+        if self.reporter.feed is not None:  # with cells and no rank, the new role's cell (router/cells.py)
+            self.reporter.feed.move(cell_router(self.played.config, self.app, role, self.replica_id, self.rank))
         return True, self.reporter.push(time.monotonic())
 
     async def _acked(self, ack) -> None:

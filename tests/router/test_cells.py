@@ -9,8 +9,8 @@ import pytest
 
 from cluster.config import AppConfig
 from cluster.engine.kv_cache import hash_request_blocks
-from router.cells import (NO_BOUND, block_key, cell_count, cell_of_name, ranking, replica_cell, request_ranking,
-                          spill_bound, text_key, walk)
+from router.cells import (MASK, NO_BOUND, VECTOR_FROM, block_key, cell_count, cell_of_name, ranking, replica_cell,
+                          request_ranking, spill_bound, text_key, walk, weight)
 from router.actor import router_name
 from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RoutingPolicy
 from router.router import EMPTY, HOT, Router
@@ -63,6 +63,43 @@ def test_rendezvous_rankings_are_fixed_and_a_new_cell_takes_replicas_only_for_it
     five = {i: replica_cell("decode", f"r{i}", 5) for i in range(1000)}
     moved = [i for i in four if five[i] != four[i]]
     assert len(moved) == 192 and {five[i] for i in moved} == {4}  # only to the new cell; the rest stay
+
+
+def test_a_ranking_over_many_cells_is_every_cells_weight_in_order():
+    """From VECTOR_FROM cells the ranking is computed with numpy: the same order, to the last cell,
+    as each cell's weight sorted one at a time (what it was before, and is below VECTOR_FROM)."""
+    rng = random.Random(3)
+    for n in (VECTOR_FROM - 1, VECTOR_FROM, 312):
+        for key in [0, MASK] + [rng.getrandbits(64) for _ in range(200)]:
+            assert ranking(key, n) == sorted(range(n), key=lambda cell: weight(key, cell), reverse=True)
+    assert ranking(block_key(bytes(range(16))), 40)[:6] == [39, 34, 26, 17, 29, 4]
+    assert ranking(text_key("conv-1"), 312)[:6] == [300, 82, 50, 102, 198, 221]
+
+
+def test_replicas_by_serve_rank_spread_each_role_evenly_and_keep_their_cell_as_the_pool_grows():
+    # Serve ranks a deployment's replicas 0..N-1: a replica's cell is its rank mod the cells
+    assert [replica_cell("prefill", f"r{i}", 3, rank=i) for i in range(8)] == [0, 1, 2, 0, 1, 2, 0, 1]
+
+    def counts(role: str, n_replicas: int, cells: int, rank: bool) -> list[int]:
+        c = Counter(replica_cell(role, f"{role}-{i}", cells, i if rank else None) for i in range(n_replicas))
+        return [c[k] for k in range(cells)]
+
+    # 256 replicas, P:D 1:3, in 8 cells of 32 (docs/benchmarks.md, "A prefix hotter than two cells"):
+    # by rank, each cell 8 prefill and 24 decode replicas; by hash (no rank), 5-12 and 14-32
+    assert counts("prefill", 64, 8, True) == [8] * 8 and counts("decode", 192, 8, True) == [24] * 8
+    assert counts("prefill", 64, 8, False) == [7, 12, 6, 9, 5, 8, 7, 10]
+    assert counts("decode", 192, 8, False) == [14, 28, 28, 27, 18, 25, 32, 20]
+    # N of a role over n cells: floor(N / n) each, the first N mod n one more
+    assert counts("decode", 67, 8, True) == [9, 9, 9, 8, 8, 8, 8, 8]
+    assert counts("prefill", 3, 8, True) == [1, 1, 1, 0, 0, 0, 0, 0]  # a small app: cells 0-2 hold both roles
+    # as the pool grows (autoscaling takes the next rank) no replica moves: its cell is its rank's alone
+    grown = [[replica_cell("decode", f"r{i}", 8, i) for i in range(size)] for size in (1, 9, 40, 67)]
+    assert all(big[:len(small)] == small for small, big in zip(grown, grown[1:]))
+    # whatever role it plays (a flip keeps its cell); one cell: 0
+    assert replica_cell("prefill", "a", 8, 13) == replica_cell("decode", "a", 8, 13) == 5
+    assert replica_cell("decode", "a", 1, 13) == 0
+    # no rank (not a Serve replica): the hash of its role and id, as pinned above
+    assert replica_cell("decode", "r1", 3, None) == replica_cell("decode", "r1", 3) == 2
 
 
 def test_a_request_ranks_cells_by_its_session_else_its_first_block():

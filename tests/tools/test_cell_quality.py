@@ -6,8 +6,8 @@ import random
 import pytest
 
 from cluster.engine.kv_cache import hash_request_blocks
-from cluster.tools.bench.cell_quality import Workload, rate
-from cluster.tools.bench.cell_sim import BlockLRU, Params, Request, Simulation, balanced_cells, make_arm
+from cluster.tools.bench.cell_quality import Workload, label, pool, rate
+from cluster.tools.bench.cell_sim import BlockLRU, Params, Request, Simulation, balanced_cells, make_arm, placed
 from router.cells import replica_cell, request_ranking
 from router.policy import PolicyConfig
 
@@ -129,6 +129,29 @@ def test_balanced_cells_give_each_cell_an_equal_share_of_each_role():
     cells = balanced_cells(replicas, 2)
     assert sorted(sum(cells[r] == c for _, r in replicas[:16]) for c in (0, 1)) == [8, 8]
     assert sorted(sum(cells[r] == c for _, r in replicas[16:]) for c in (0, 1)) == [24, 24]
+
+
+def test_the_arms_place_replicas_by_the_products_replica_cell_by_rank_or_by_hash():
+    """Seed 2's pool at R = 256 in 8 cells (docs/benchmarks.md: its cells of 15 and 4 prefill
+    replicas by hash): by rank (the product's), 8 prefill and 24 decode replicas each."""
+    replicas = pool(256, random.Random(2))
+    role_counts = {pl: [[sum(cells[r] == k for role, r in replicas if role == want) for k in range(8)]
+                        for want in ("prefill", "decode")]
+                   for pl, cells in (("rank", placed(replicas, 8)), ("hash", placed(replicas, 8, "hash")))}
+    assert role_counts["rank"] == [[8] * 8, [24] * 8]
+    assert role_counts["hash"] == [[15, 12, 9, 5, 6, 4, 6, 7], [21, 30, 21, 23, 25, 19, 28, 25]]
+    # each through router/cells.py's replica_cell: the k-th replica of a role has rank k
+    ranked = placed(replicas, 8)
+    assert all(ranked[rid] == replica_cell(role, rid, 8, k % 64 if role == "prefill" else k - 64)
+               for k, (role, rid) in enumerate(replicas))
+    hashed = placed(replicas, 8, "hash")
+    assert all(hashed[rid] == replica_cell(role, rid, 8) for role, rid in replicas)
+    arm = make_arm(replicas, 32, None, PolicyConfig(), lambda: 0.0, 0, "two", 8, placement="hash")
+    members = [sum(arm.member[r] is arm.routers[k] for _, r in replicas) for k in range(8)]
+    assert members == [36, 42, 30, 28, 31, 23, 34, 32]  # the two roles' counts above, summed
+    assert label(32, None, "two", 8, placement="hash") == "cells of 32, up to 8 choices, by hash"
+    with pytest.raises(ValueError, match="placement must be 'rank' or 'hash', not 'ring'"):
+        placed(replicas, 8, "ring")
 
 
 def test_the_arrival_rate_is_the_load_times_the_pools_capacity_at_full_hits():

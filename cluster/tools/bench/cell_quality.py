@@ -2,7 +2,7 @@
 
     python -m cluster.tools.bench.cell_quality [--replicas 64 256] [--cell-sizes 32 16]
         [--loads 0.6 0.75] [--popularity uniform zipf] [--seeds 3] [--seconds 20] [--spill-at 32 4]
-        [--variants cells balanced two] [--max-choices 4 2] [--first-seed 0]
+        [--variants cells balanced two] [--max-choices 4 2] [--first-seed 0] [--placement rank hash]
 
 The capacity-bound shared-prefix workload (docs/benchmarks.md, issue 19) at cluster scale, on the
 discrete-event simulation of cluster/tools/bench/cell_sim.py (the real Router classes, fed the real
@@ -26,7 +26,10 @@ Arms, on the same arrivals and prompts: one router over all replicas, and cells 
 32), and `--variants` beside them (two choices: routing.cell_choice "two", the default, through
 Router.price and router/cells.py's prefer, a hot prefix spread over up to each `--max-choices`
 cells: routing.cell_max_choices, HotPrefixes, 2 for plain two choices; cells balanced by role,
-bench only). Seeds `--first-seed` on, `--seeds` of them (a long run split in parts). Measured over the
+bench only), each replica placed by each `--placement`: "rank", the product's (a replica's Serve
+rank mod the cells, its rank its index among its role's replicas), or "hash", the placement before
+ranks (each replica by the hash of its role and id; cell_sim.placed). Seeds `--first-seed` on,
+`--seeds` of them (a long run split in parts). Measured over the
 requests arriving after `--warmup` seconds: hit rate (cached prompt tokens / prompt tokens; the
 ceiling is 1,024 / 1,280 = 0.80), TTFT p50 / p90 (queue + prefill), load imbalance (the busiest prefill
 replica's busy time over the mean), the share of requests a second cell decided (and with more
@@ -128,13 +131,14 @@ def per_call_us(acc: list) -> float:
 
 def run_arm(w: Workload, p: Params, seed: int, cell_size: int | None, spill_at: int | None,
             config: PolicyConfig, variant: str = "cells", most_choices: int = 2,
-            spread: int = SPREAD) -> dict:
+            spread: int = SPREAD, placement: str = "rank") -> dict:
     """One arm, one seed: the same pool and requests for every arm of this seed."""
     rng = random.Random(seed)
     replicas = pool(w.replicas, rng)
     reqs = requests(w, p, rng)
     box: list = []
-    arm = make_arm(replicas, cell_size, spill_at, config, lambda: box[0].now, seed, variant, most_choices, spread)
+    arm = make_arm(replicas, cell_size, spill_at, config, lambda: box[0].now, seed, variant, most_choices, spread,
+                   placement)
     sim = Simulation(replicas, arm, p, seed, (w.warmup_s, w.seconds))
     box.append(sim)
     t0 = time.process_time()
@@ -148,25 +152,26 @@ ARM_FIGURES = ("hit", "p50", "p90", "imbalance")
 
 
 def label(cell_size: int | None, spill_at: int | None, variant: str = "cells", most_choices: int = 2,
-          spread: int = SPREAD) -> str:
+          spread: int = SPREAD, placement: str = "rank") -> str:
     if cell_size is None:
         return "one router"
+    by = ", by hash" if placement == "hash" and variant != "balanced" else ""
     if variant == "two":
         more = f"up to {most_choices} choices{'' if spread == SPREAD else f' x{spread}'}"
-        return f"cells of {cell_size}, {'two choices' if most_choices == 2 else more}"
-    return f"cells of {cell_size}{' balanced' if variant == 'balanced' else ''}, spill {spill_at}"
+        return f"cells of {cell_size}, {'two choices' if most_choices == 2 else more}{by}"
+    return f"cells of {cell_size}{' balanced' if variant == 'balanced' else ''}, spill {spill_at}{by}"
 
 
-def compare(w: Workload, p: Params, seeds: range, arms: list[tuple[int, int, str, int, int]],
+def compare(w: Workload, p: Params, seeds: range, arms: list[tuple[int, int, str, int, int, str]],
             config: PolicyConfig) -> list[dict]:
     """Each arm over `seeds`: its figures' means, and each over the single router's (per seed).
-    An arm: (cell size, spill bound, variant, most choices, spread)."""
+    An arm: (cell size, spill bound, variant, most choices, spread, placement)."""
     rows = []
     single = [run_arm(w, p, s, None, None, config) for s in seeds]
     rows.append(summary(label(None, None), single, single))
-    for cell_size, spill_at, variant, most, spread in arms:
-        runs = [run_arm(w, p, s, cell_size, spill_at, config, variant, most, spread) for s in seeds]
-        rows.append(summary(label(cell_size, spill_at, variant, most, spread), runs, single))
+    for arm in arms:
+        runs = [run_arm(w, p, s, arm[0], arm[1], config, *arm[2:]) for s in seeds]
+        rows.append(summary(label(*arm), runs, single))
     return rows
 
 
@@ -229,11 +234,13 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="+", choices=["cells", "balanced", "two"], default=["cells"],
                     help="cells: router/cells.py's spill walk; balanced: cells balanced by role (cell_sim.balanced_cells); "
                     "two: routing.cell_choice two, the cheaper of a request's first two cells (cell_sim.decide_two)")
+    ap.add_argument("--placement", nargs="+", choices=["rank", "hash"], default=["rank"],
+                    help="cells and two: a replica's cell by its rank (the product's) or by its hash (before ranks)")
     args = ap.parse_args(argv)
     p, config = Params(), PolicyConfig()
-    arms = [(c, s, v, m, k) for c in args.cell_sizes for v in args.variants
+    arms = [(c, s, v, m, k, pl) for c in args.cell_sizes for v in args.variants
             for s in (args.spill_at if v != "two" else [None]) for m in (args.max_choices if v == "two" else [2])
-            for k in (args.spread if m > 2 else [SPREAD])]
+            for k in (args.spread if m > 2 else [SPREAD]) for pl in (args.placement if v != "balanced" else ["rank"])]
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     for r in args.replicas:
         for pop in args.popularity:

@@ -18,7 +18,9 @@ drives it is cluster/tools/bench/cell_quality.py; tests/tools/test_cell_quality.
   (router/events.py's timing). Replicas are spread over four phases of the interval. The routers'
   clock is the simulation's.
 - **An arm** is one router over every replica, or the cells router/cells.py makes: a replica feeds
-  the router of `replica_cell(role, id, n)`, a request is decided by `walk` over its
+  the router of `replica_cell(role, id, n, rank)`, its rank its index among its role's replicas
+  (as Serve ranks a deployment's: 0..N-1), or with placement "hash" no rank (the placement before
+  ranks: each replica by its own hash); a request is decided by `walk` over its
   `request_ranking` with the spill bound, or with two choices by the cheaper of its first two
   cells, or of two drawn from its first d for a hot prefix (`HotPrefixes`, `Router.price`,
   `prefer`: what CellRouters does); the real functions; `walk` is driven
@@ -155,10 +157,10 @@ class Arm:
 
 def make_arm(replicas: Sequence[tuple[str, str]], cell_size: int | None, spill_at: int | None,
              config: PolicyConfig, clock, seed: int, variant: str = "cells", most_choices: int = 2,
-             spread: int = SPREAD) -> Arm:
+             spread: int = SPREAD, placement: str = "rank") -> Arm:
     """`cell_size` None (or >= the replicas): one router; else ceil(len / cell_size) cells, each
-    replica in router/cells.py's `replica_cell` (`variant` "cells": its spill walk, and "two": its
-    two choices, `decide_two`, a hot prefix spread over up to `most_choices` cells:
+    replica in router/cells.py's `replica_cell` (`placed`; `variant` "cells": its spill walk, and
+    "two": its two choices, `decide_two`, a hot prefix spread over up to `most_choices` cells:
     routing.cell_max_choices), or "balanced": `balanced_cells` (bench only)."""
     n = 1 if cell_size is None else max(1, -(-len(replicas) // cell_size))
     arm = Arm(n, None if n == 1 else spill_at, two_choices=variant == "two")
@@ -166,10 +168,24 @@ def make_arm(replicas: Sequence[tuple[str, str]], cell_size: int | None, spill_a
         arm.hot = HotPrefixes(n, most_choices, random.Random(seed), spread=spread)
     balanced = variant == "balanced"
     arm.routers = [Router(RoutingPolicy(config, random.Random(seed * 1000 + k)), clock=clock) for k in range(n)]
-    cells = balanced_cells(replicas, n) if balanced else {rid: replica_cell(role, rid, n) for role, rid in replicas}
+    cells = balanced_cells(replicas, n) if balanced else placed(replicas, n, placement)
     for rid, cell in cells.items():
         arm.member[rid] = arm.routers[cell]
     return arm
+
+
+def placed(replicas: Sequence[tuple[str, str]], n: int, placement: str = "rank") -> dict[str, int]:
+    """Each replica's cell by router/cells.py's `replica_cell`: `placement` "rank", with its rank
+    (its index among its role's replicas in `replicas`, as Serve ranks a deployment's 0..N-1), or
+    "hash", without one (each replica by the hash of its role and id: the placement before ranks)."""
+    if placement not in ("rank", "hash"):
+        raise ValueError(f"placement must be 'rank' or 'hash', not {placement!r}")
+    seen: dict[str, int] = {}
+    out: dict[str, int] = {}
+    for role, rid in replicas:
+        rank = seen[role] = seen.get(role, -1) + 1
+        out[rid] = replica_cell(role, rid, n, rank if placement == "rank" else None)
+    return out
 
 
 def balanced_cells(replicas: Sequence[tuple[str, str]], n: int) -> dict[str, int]:
