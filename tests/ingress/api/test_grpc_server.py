@@ -185,6 +185,35 @@ def test_only_the_transport_loop_reads_grpc_wakeups_and_the_other_loops_still_ge
     assert first == second == [cfg.model_name]
 
 
+@pytest.mark.parametrize("loops", [1, 2])
+def test_the_calls_run_on_the_front_doors_loop_with_one_loop_and_on_a_transport_thread_with_two(tiny_model, loops):
+    """ingress_event_loops 1: no transport thread; a call's work and gRPC's own part of it (the
+    interceptor's key check) run on the thread of the loop that started the server. 2: the
+    interceptor runs on the transport's thread, the work on the door's."""
+    cfg = config(tiny_model, ingress_event_loops=loops)
+    door = front_door(cfg)
+    seen = {}
+    listed, authenticate = door.model_info, door.admission.authenticate
+    door.model_info = lambda tenant=None: seen.setdefault("work", threading.current_thread().name) and listed(tenant)
+    door.admission.authenticate = lambda header: seen.setdefault(
+        "key", threading.current_thread().name) and authenticate(header)
+
+    async def body(server):
+        seen["door"] = threading.current_thread().name
+        models = await list_models(f"127.0.0.1:{cfg.grpc_port}")
+        threads = [t.name for t in threading.enumerate() if t.name == "pdserve-grpc" and t.ident not in before]
+        return [m.id for m in models.models], threads, server.loop is asyncio.get_running_loop()
+
+    before = {t.ident for t in threading.enumerate()}  # earlier tests' transports keep their threads
+    ids, threads, same_loop = serving(cfg, door)(body)
+    assert ids == [cfg.model_name]
+    assert seen["work"] == seen["door"]
+    if loops == 1:
+        assert (threads, same_loop, seen["key"]) == ([], True, seen["door"])
+    else:
+        assert (threads, same_loop, seen["key"]) == (["pdserve-grpc"], False, "pdserve-grpc")
+
+
 def test_a_taken_port_fails_the_replica(tiny_model):
     cfg = config(tiny_model)
     import socket
