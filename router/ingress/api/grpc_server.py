@@ -26,13 +26,7 @@ every version's capacity would refuse any request)? Then the call is refused at 
 waiting for a turn of the front door's loop. The calls it let through that have not reached the
 front door's loop yet (`Transit`) are ahead of the new one, so they count in that question: under a
 burst the queue model refuses here what it would refuse on the front door's loop a turn or a
-hundred milliseconds later.
-
-**Or one.** With `ingress_event_loops: 1` the server runs on the front door's loop itself (no
-transport thread): a call's work starts on the loop that took it, its responses go to gRPC without
-a hand-off, and the bad-key and shedding refusals are the first things a call does there, but they
-wait for the loop's turn like everything else (docs/benchmarks.md, "The front door on one loop").
-Serve's handles stay on the loop they were made on (the front door's) either way."""
+hundred milliseconds later."""
 
 from __future__ import annotations
 
@@ -98,22 +92,11 @@ class Transit:
         return leave
 
 
-def to_loop(loop: asyncio.AbstractEventLoop) -> Callable[..., object]:
-    """`loop.call_soon_threadsafe` from another thread; `call_soon` on the loop's own (one loop)."""
-    try:
-        same = asyncio.get_running_loop() is loop
-    except RuntimeError:
-        same = False
-    return loop.call_soon if same else loop.call_soon_threadsafe
-
-
 class Generation(pb_grpc.GenerationServicer):
-    """Runs on the transport's loop; each method's work runs on `app_loop` (the front door's; the
-    same loop with ingress_event_loops 1). Made on the transport's loop."""
+    """Runs on the transport's loop; each method's work runs on `app_loop` (the front door's)."""
 
     def __init__(self, door: FrontDoor, config: AppConfig, app_loop: asyncio.AbstractEventLoop):
         self.door, self.config, self.app_loop = door, config, app_loop
-        self.to_door = to_loop(app_loop)
         self.transit = Transit()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext  # noqa: N802
@@ -122,7 +105,7 @@ class Generation(pb_grpc.GenerationServicer):
         shed = self.door.shedding(metadata.get("authorization"), self.transit.calls)
         if shed is not None:  # overloaded: refused here
             tenant, refusal = shed
-            self.to_door(self.door.count_refused, refusal, tenant)
+            self.app_loop.call_soon_threadsafe(self.door.count_refused, refusal, tenant)
             await abort(context, refusal)
         leave = self.transit.enter()
         try:
@@ -265,8 +248,7 @@ async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerC
         if sent_one:
             refusal = loop.create_task(_abort_unread(context, max_unread))
 
-    same_loop = app_loop is loop  # ingress_event_loops 1: no hand-off between threads
-    put = deliver if same_loop else handoff_to(loop).sender(deliver)
+    put = handoff_to(loop).sender(deliver)
 
     async def run() -> None:
         try:
@@ -278,7 +260,7 @@ async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerC
             log.exception("a gRPC call failed")
             put(ServingError(Code.INTERNAL, "internal error"))
 
-    job = loop.create_task(run()) if same_loop else asyncio.run_coroutine_threadsafe(run(), app_loop)
+    job = asyncio.run_coroutine_threadsafe(run(), app_loop)
     try:
         while (item := await out.get()) is not _END:
             if item is _UNREAD:
@@ -322,9 +304,8 @@ async def abort(context: grpc.aio.ServicerContext, error: InvalidRequestError | 
 
 class GrpcServer:
     """One ingress replica's server: its transport on a thread and event loop of its own (see the
-    module's docstring), its calls' work on the loop that starts it; with ingress_event_loops 1,
-    all of it on the loop that starts it. `liveness`: what health calls answer from (default: the
-    door's own probe, cached)."""
+    module's docstring), its calls' work on the loop that starts it. `liveness`: what health
+    calls answer from (default: the door's own probe, cached)."""
 
     def __init__(self, door: FrontDoor, config: AppConfig, liveness: probes.Liveness | None = None):
         self.door, self.config = door, config
@@ -340,10 +321,6 @@ class GrpcServer:
         """Bind and serve; a port that cannot be bound raises here (and fails the replica)."""
         app_loop = asyncio.get_running_loop()
         grpc_events.bind_this_loop()  # before the transport takes gRPC's wake-ups (grpc_events.py)
-        if self.config.ingress_event_loops == 1:  # the server on this loop: no thread of its own
-            self.loop = app_loop
-            await self._serve(app_loop)
-            return
         started: concurrent.futures.Future = concurrent.futures.Future()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self._run, args=(app_loop, started), name="pdserve-grpc", daemon=True).start()
@@ -372,10 +349,8 @@ class GrpcServer:
                 return e
             return None
 
-        to_door = to_loop(app_loop)
-
         def refused(error: ServingError) -> None:  # counted and audited on the door's loop
-            to_door(door.refused, error)
+            app_loop.call_soon_threadsafe(door.refused, error)
 
         self.server = grpc.aio.server(
             interceptors=[KeyFirst(check, refused)],
@@ -397,11 +372,7 @@ class GrpcServer:
 
     async def stop(self, grace_s: float) -> None:
         """Stop taking calls; the calls in flight get `grace_s` to finish."""
-        if self.server is None:
-            return
-        if self.loop is asyncio.get_running_loop():  # ingress_event_loops 1
-            await self.server.stop(grace_s)
-        else:
+        if self.server is not None:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self.loop))
 
 
