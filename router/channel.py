@@ -19,13 +19,15 @@ reader closes the connection); a call whose frame would be larger goes as a Ray 
 
 **Who runs a call.** The router is a sync Ray actor (one task at a time on Ray's thread); the
 channel's calls run on the server's own thread, so every public method of the router holds one
-lock (`LockedRouter`), whichever thread calls it: the router's state is never touched by two at once.
+lock (`locked`), whichever thread calls it: the router's state is never touched by two at once.
 
 **Failures.** Anything wrong with the channel (no address yet, connect refused, the router
 restarted at a new address, the connection lost mid-call, a frame too large) sends the call as the
 Ray call it was before (the flow's `route_timeout_s` bounds both, and its fallback to route memory
-is unchanged); the address is looked up again (a Ray call, off the request path) at most once a
-RETRY_S. Only `route` and `price` use the channel: replicas' feeds and every other call stay Ray calls."""
+is unchanged); the address is looked up again (a Ray call, off the request path) at once after a
+lost connection, and after a failed connect at most once a RETRY_S, doubled while connects keep
+failing (up to MAX_RETRY_S: a router whose port a firewall drops costs a lookup a half minute).
+Only `route` and `price` use the channel: replicas' feeds and every other call stay Ray calls."""
 
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ log = logging.getLogger(__name__)
 MAX_FRAME_BYTES = 4 << 20  # a route call of ~230,000 blocks (16-byte hashes); larger ones go by Ray
 HEADER = struct.Struct(">I")
 CONNECT_TIMEOUT_S = 2.0  # the address lookup and the connect, each (off the request path)
-RETRY_S = 1.0  # after a failed connect, calls go by Ray this long before the address is looked up again
+RETRY_S = 1.0  # after a failed connect, calls go by Ray this long before the address is looked up again,
+MAX_RETRY_S = 30.0  # doubled after each failure in a row, up to this
 
 # the methods on the channel, with their parameters in order (what a call's positional args are)
 METHODS = {"route": ("hashes", "num_prompt_tokens", "session", "group", "spill_at", "carried"),
@@ -288,8 +291,9 @@ class RouterChannel:
         self._node_id = node_id
         self.loop: asyncio.AbstractEventLoop | None = None
         self.proto: _ClientProtocol | None = None
-        self._connecting: asyncio.Task | None = None
-        self._retry_at = 0.0
+        self.connecting: asyncio.Task | None = None
+        self.retry_at = 0.0
+        self.retry_s = RETRY_S
         self._ids = itertools.count(1)
         self.connects = 0  # connections made (1 while the first one holds)
 
@@ -300,18 +304,22 @@ class RouterChannel:
             return True
         if self.loop is None:
             self.loop = loop
-        if self.loop is loop and self._connecting is None and time.monotonic() >= self._retry_at:
-            self._connecting = loop.create_task(self._connect())
+        if self.loop is loop and self.connecting is None and time.monotonic() >= self.retry_at:
+            self.connecting = loop.create_task(self._connect())
         return False
 
     async def _connect(self) -> None:
         try:
             await self.connect(await asyncio.wait_for(self.ref.channel_address.remote(), CONNECT_TIMEOUT_S))
         except Exception as e:  # noqa: BLE001 — calls go by Ray meanwhile
-            self._retry_at = time.monotonic() + RETRY_S
-            log.info("router channel to %s: not connected (%r); calls go by Ray", self.ref.name, e)
+            self.retry_at = time.monotonic() + self.retry_s
+            log.log(logging.INFO if self.retry_s == RETRY_S else logging.DEBUG,
+                    "router channel to %s: not connected (%r); calls go by Ray", self.ref.name, e)
+            self.retry_s = min(2 * self.retry_s, MAX_RETRY_S)
+        else:
+            self.retry_s = RETRY_S
         finally:
-            self._connecting = None
+            self.connecting = None
 
     async def connect(self, address: dict) -> None:
         """Connect to the router's channel at `address` (its `channel_address`), on this loop."""

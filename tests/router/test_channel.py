@@ -130,3 +130,38 @@ def test_every_public_method_of_a_locked_router_holds_its_lock():
         assert not done.wait(0.2)  # stats waits for the lock
     t.join(10)
     assert done.is_set()
+
+
+class FixedAddress:
+    """What a channel asks its router's ref (`channel_address.remote()`), answering one address."""
+
+    name = "a router"
+
+    def __init__(self, address: dict):
+        self.address, self.channel_address = address, self
+
+    async def remote(self) -> dict:
+        return self.address
+
+
+def test_a_failed_connect_is_tried_again_later_each_time_until_one_holds(served):
+    with socket.socket() as s:  # a port nothing listens on: the connect is refused
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    ref = FixedAddress(dict(served.address, port=closed))
+
+    async def attempt(channel) -> bool:
+        channel.retry_at = 0.0  # due now
+        assert not channel.usable()  # the call goes by Ray; a connect starts
+        await channel.connecting
+        return channel.usable()
+
+    async def run():
+        channel = RouterChannel(ref, node_id="node-b")  # another node: TCP
+        refused = [(await attempt(channel), channel.retry_s) for _ in range(6)]
+        ref.address = served.address  # the router's real address (as after its restart)
+        return refused, await attempt(channel), channel.retry_s, channel.connects
+
+    refused, up, retry_s, connects = asyncio.run(run())
+    assert refused == [(False, 2.0), (False, 4.0), (False, 8.0), (False, 16.0), (False, 30.0), (False, 30.0)]
+    assert (up, retry_s, connects) == (True, 1.0, 1)
