@@ -14,8 +14,9 @@ sends is run). The first frame of a connection is the token the router published
 connection that sends another is closed. A call is `[id, method, args]` (args positional, the
 method's parameters in order); a reply `[id, kind, value]` (DECISION: a RouteDecision's fields,
 VALUE: a string (EMPTY, HOT) or a price, ERROR: the exception's class name and message). Every frame
-either side reads is at most MAX_FRAME_BYTES (FrameTooLarge names the size and the limit, and the
-reader closes the connection); a call whose frame would be larger goes as a Ray call.
+either side reads is at most MAX_FRAME_BYTES, a connection's first HELLO_BYTES (FrameTooLarge names
+the size and the limit, and the reader closes the connection); a call whose frame would be larger
+goes as a Ray call.
 
 **Who runs a call.** The router is a sync Ray actor (one task at a time on Ray's thread); the
 channel's calls run on the server's own thread, so every public method of the router holds one
@@ -54,6 +55,7 @@ from router.policy import NoReplicaError, RouteDecision
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 4 << 20  # a route call of ~230,000 blocks (16-byte hashes); larger ones go by Ray
+HELLO_BYTES = 64  # a connection's first frame (the token: 18 bytes): no peer without it gets more buffered
 HEADER = struct.Struct(">I")
 CONNECT_TIMEOUT_S = 2.0  # the address lookup and the connect, each (off the request path)
 RETRY_S = 1.0  # after a failed connect, calls go by Ray this long before the address is looked up again,
@@ -85,10 +87,11 @@ def frame(obj: Any) -> bytes:
 
 class FrameReader:
     """Splits a byte stream into decoded frames; raises FrameTooLarge for a length over `limit`
-    (before reading its body)."""
+    (`first_limit` for the stream's first frame), before reading its body."""
 
-    def __init__(self, limit: int = MAX_FRAME_BYTES):
+    def __init__(self, limit: int = MAX_FRAME_BYTES, first_limit: int | None = None):
         self.limit = limit
+        self._next_limit = limit if first_limit is None else first_limit
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list:
@@ -97,10 +100,12 @@ class FrameReader:
         out, at = [], 0
         while len(buf) - at >= 4:
             (n,) = HEADER.unpack_from(buf, at)
-            if n > self.limit:
-                raise FrameTooLarge(f"router channel: a frame of {n} bytes is over the limit of {self.limit} bytes")
+            limit = self._next_limit
+            if n > limit:
+                raise FrameTooLarge(f"router channel: a frame of {n} bytes is over the limit of {limit} bytes")
             if len(buf) - at - 4 < n:
                 break
+            self._next_limit = self.limit
             out.append(msgpack.unpackb(bytes(buf[at + 4:at + 4 + n]), raw=False, use_list=True))
             at += 4 + n
         del buf[:at]
@@ -243,7 +248,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 class _ServerProtocol(asyncio.Protocol):
     def __init__(self, server: ChannelServer):
         self.server = server
-        self.reader = FrameReader()
+        self.reader = FrameReader(first_limit=HELLO_BYTES)
         self.transport = None
         self.authed = False
 

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from cluster.engine.kv_cache import hash_request_blocks
-from router.channel import (HEADER, MAX_FRAME_BYTES, ChannelServer, FrameReader, FrameTooLarge, RouterChannel, frame,
-                            locked)
+from router.channel import (HEADER, HELLO_BYTES, MAX_FRAME_BYTES, ChannelServer, FrameReader, FrameTooLarge,
+                            RouterChannel, frame, locked)
 from router.policy import NoReplicaError, PolicyConfig, ReplicaLoad, RoutingPolicy
 from router.router import Router
 
@@ -32,7 +32,15 @@ def test_a_frame_over_the_limit_is_refused_naming_its_size_and_the_limit():
     with pytest.raises(FrameTooLarge) as e:
         reader.feed(HEADER.pack(101) + b"y")  # refused on its header, before its body arrives
     assert str(e.value) == "router channel: a frame of 101 bytes is over the limit of 100 bytes"
-    assert MAX_FRAME_BYTES == 4 << 20
+    assert (MAX_FRAME_BYTES, HELLO_BYTES) == (4 << 20, 64)
+
+
+def test_a_streams_first_frame_has_a_limit_of_its_own():
+    reader = FrameReader(limit=100, first_limit=20)
+    assert reader.feed(frame(b"t" * 16) + frame(b"x" * 90)) == [b"t" * 16, b"x" * 90]  # 18 bytes, then 92
+    with pytest.raises(FrameTooLarge) as e:
+        FrameReader(limit=100, first_limit=20).feed(frame(b"t" * 19))
+    assert str(e.value) == "router channel: a frame of 21 bytes is over the limit of 20 bytes"
 
 
 def test_frames_cut_anywhere_are_read_whole_and_in_order():
@@ -91,6 +99,9 @@ def test_the_router_closes_a_connection_without_its_token_or_with_a_frame_over_t
         assert s.recv(100) == b""  # closed, unanswered
     with raw(served.path) as s:
         s.sendall(frame(served.token) + HEADER.pack(MAX_FRAME_BYTES + 1))
+        assert s.recv(100) == b""
+    with raw(served.path) as s:  # a first frame past HELLO_BYTES: nothing more is buffered
+        s.sendall(HEADER.pack(HELLO_BYTES + 1))
         assert s.recv(100) == b""
     with raw(served.path) as s:
         s.sendall(frame(served.token) + frame([9, "stats", []]))  # only route and price are on the channel
