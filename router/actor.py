@@ -28,6 +28,7 @@ import fcntl
 import logging
 import os
 import pickle
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +37,7 @@ from urllib.parse import quote
 import ray
 from ray.experimental import internal_kv
 
+from router.channel import ChannelDown, ChannelServer, RouterChannel, ChannelMethod, locked, positional
 from router.policy import PolicyConfig
 from router.router import Router
 
@@ -253,11 +255,16 @@ class Exclusive:
 # ---- the router -------------------------------------------------------------------------------------
 
 @ray.remote(num_cpus=0, max_restarts=-1)
+@locked
 class RouterActor(Router):
     """A router created by whoever asks first (usually a replica, which knows no policy) takes the
-    policy its ingress last configured under its name; configure() keeps the new one there."""
+    policy its ingress last configured under its name; configure() keeps the new one there.
+    Its `route` and `price` are also served on a channel of its own (router/channel.py), started
+    by the first `channel_address` call; every public method holds the router's lock (`locked`)."""
 
     def __init__(self, **kwargs):
+        self._lock = threading.RLock()
+        self._channel: ChannelServer | None = None
         super().__init__(**kwargs)
         name = ray.get_runtime_context().get_actor_name()
         policy = saved(name) if name else None
@@ -268,14 +275,46 @@ class RouterActor(Router):
         super().configure(config, strategy)  # validates the strategy before it is kept
         keep((config, strategy))
 
+    def channel_address(self) -> dict:
+        """Where this router's channel listens ({node, unix, host, port, token}); starts it."""
+        if self._channel is None:
+            self._channel = ChannelServer(self, ray.util.get_node_ip_address(),
+                                          ray.get_runtime_context().get_node_id())
+        return self._channel.address
 
-def get_router(group: str, app: str | None = None, cell: int | None = None) -> ActorRef:
+    def channel_calls(self) -> int:
+        """Calls served on the channel since this router started."""
+        return 0 if self._channel is None else self._channel.calls
+
+
+class RouterRef(ActorRef):
+    """The ingress's ref to a router: `route.remote(...)` and `price.remote(...)` give awaitables
+    answered over the router's channel when it is up (router/channel.py), else as Ray calls (as
+    ActorRef's); every other method is ActorRef's. Its calls must be awaited on an event loop."""
+
+    def __init__(self, name: str, resolve: Callable[[], Any]):
+        super().__init__(name, resolve)
+        self.channel = RouterChannel(self)
+        self.route = ChannelMethod(self, "route")
+        self.price = ChannelMethod(self, "price")
+
+    async def channel_call(self, method: str, args: tuple, kwargs: dict):
+        channel = self.channel
+        if channel.usable():
+            try:
+                return await channel.call(method, positional(method, args, kwargs))
+            except ChannelDown as e:
+                log.debug("router channel: %s; by Ray", e)
+        return await _Method(self, method).remote(*args, **kwargs)
+
+
+def get_router(group: str, app: str | None = None, cell: int | None = None, channel: bool = False) -> ActorRef:
     """The router of one model version (`group`: AppConfig.serving_group) of an app (None: the
     caller's, serve_app), or of one of its cells. Created by its first call; restarted by Ray with
     its policy if it dies (a restarted router refuses each replica's next event batch, and the
-    replica resyncs)."""
+    replica resyncs). `channel`: a RouterRef (the ingress's: `route`/`price` over the channel)."""
     name = router_name(app or serve_app(), group, cell)
-    return ActorRef(name, lambda: named_actor(RouterActor, name))
+    return (RouterRef if channel else ActorRef)(name, lambda: named_actor(RouterActor, name))
 
 
 def tell_routers_forget(app: str, replica_id: str) -> None:

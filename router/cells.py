@@ -325,11 +325,12 @@ class CellRouters:
 
 
 def ingress_routers(cfg, app: str):
-    """A version's router as the ingress calls it: the one router's ActorRef, or its cells'."""
+    """A version's router as the ingress calls it: the one router's RouterRef (`route` and `price`
+    over its channel: router/channel.py), or its cells'."""
     n = cell_count(cfg)
     if n == 1:
-        return get_router(cfg.serving_group, app)
-    return CellRouters([get_router(cfg.serving_group, app, cell) for cell in range(n)], spill_bound(cfg),
+        return get_router(cfg.serving_group, app, channel=True)
+    return CellRouters([get_router(cfg.serving_group, app, cell, channel=True) for cell in range(n)], spill_bound(cfg),
                        most_choices=cfg.routing.cell_max_choices)
 
 

@@ -78,6 +78,24 @@ def test_shared_prefixes_go_where_they_are_cached(cluster):
     assert hit_rate >= 0.9, cached
 
 
+def channel_calls() -> tuple[int, int]:
+    """(calls the router served on its channel, decisions it made) since it started."""
+    router = app_router()
+    return ray.get(router.channel_calls.remote()), ray.get(router.stats.remote()).decisions
+
+
+def test_the_ingress_routes_over_the_routers_channel(cluster):
+    """Every request's route call is a call on the router's channel (router/channel.py), not a Ray
+    actor call: once the ingress has connected, each decision the router makes came over it."""
+    prompt = SYSTEMS[1] + [7] * 32
+    wait_until(lambda: (generate(cluster, prompt), channel_calls()[0] > 0)[1], "the ingress's channel is up")
+    before = channel_calls()
+    for i in range(3):
+        assert generate(cluster, SYSTEMS[1] + [8, i] + [9] * 30).finish_reason == pb.FINISH_REASON_LENGTH
+    after = channel_calls()
+    assert (after[0] - before[0], after[1] - before[1]) == (3, 3)
+
+
 def test_a_session_stays_on_its_replicas_over_grpc_and_http(cluster):
     """Cold prompts (nothing cached anywhere) of one session: load alone would alternate the
     prefill replicas (the router counts its pending work); the session's bonus keeps them on
@@ -216,6 +234,8 @@ def test_killed_router_degrades_to_serves_choice_and_recovers(cluster):
     wait_until(lambda: router_pid() != before, "the router restarted")
     assert ray.get(app_router().policy_settings.remote()) == policy  # configured before the restart
     wait_until(lambda: router_state()[0].replicas >= 2, "the replicas resync the restarted router")
+    wait_until(lambda: (generate(cluster, SYSTEMS[1] + [6] * 32), channel_calls()[0] > 0)[1],
+               "the ingress finds the restarted router's channel")
 
     polls = iter(range(1000))
 

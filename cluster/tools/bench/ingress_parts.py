@@ -31,7 +31,8 @@ _DELTA_LOOP = [("Gateway.run", f"gateway/stages.py:{line})") for line in range(1
 PARTS: list[tuple[str, list[tuple[str, str]]]] = [
     ("tokenize", [("RequestFlow.prepare", "flow/request_flow.py"),
                   ("RequestFlow._make_request", "flow/request_flow.py")]),
-    ("route", [("RequestFlow._route", "flow/request_flow.py")]),
+    ("route", [("RequestFlow._route", "flow/request_flow.py"), ("RouterRef.", "router/actor.py"),
+               ("", "router/channel.py")]),  # the route call's task and its answer on the router's channel
     ("prefill call", [("PrefillLeg.", "flow/legs.py")]),
     ("relay", [("DecodeLegs._outputs", "flow/legs.py"), ("coalesce", "flow/relay.py"),
                ("ClientStream.", "flow/stream.py"), ("responses", "api/grpc_api.py"),
