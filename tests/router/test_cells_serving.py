@@ -39,6 +39,13 @@ def decode_ranks() -> dict[str, int]:
     return {rid: r.rank for rid, r in ranks.items()}
 
 
+def idle(router) -> bool:
+    """Nothing sent to the router's replicas since their last load report, and nothing in it."""
+    return ray.get(router.pending_requests.remote()) == 0 and all(
+        (load.running, load.waiting, load.queued_prefill_tokens) == (0, 0, 0)
+        for load in ray.get(router.live_loads.remote()))
+
+
 def test_each_replica_feeds_its_cell_only_and_a_prefix_is_decided_and_hit_in_its_cell(app, tiny_model, capsys):
     cfg, stub = app
     group = cfg.serving_group
@@ -62,11 +69,17 @@ def test_each_replica_feeds_its_cell_only_and_a_prefix_is_decided_and_hit_in_its
     before = [ray.get(lookup(n).stats.remote()).decisions for n in cells]
     cached = []
     for tail in ([1] * 32, [2] * 32):
+        # each request priced against idle replicas, as both routers have heard them (the last
+        # request neither pending nor running in a load report: else the home cell's price carries
+        # its work, and the other cell may win)
+        wait_until(lambda: all(idle(lookup(n)) for n in cells), "the cells' routers heard their replicas idle")
         req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=system + tail), sampling=pb.SamplingParams(
             max_tokens=2, temperature=0, ignore_eos=True))
         cached.append(list(stub.Generate(req, timeout=60))[-1].usage.cached_prompt_tokens)
     after = [ray.get(lookup(n).stats.remote()).decisions for n in cells]
-    assert [a - b for a, b in zip(after, before)] == [2 if k == home else 0 for k in (0, 1)]
+    assert [a - b for a, b in zip(after, before)] == [2 if k == home else 0 for k in (0, 1)], (
+        home, [ray.get(lookup(n).recent_decisions.remote())[-2:] for n in cells],
+        [ray.get(lookup(n).live_loads.remote()) for n in cells])
     assert cached == [0, 64]  # the second request hit the 4 blocks the first left in the cell
     decisions = [d for d, _ in ray.get(lookup(cells[home]).recent_decisions.remote())[-2:]]
     assert decisions[0].decode == decisions[1].decode and decisions[1].predicted_cached_tokens == 64

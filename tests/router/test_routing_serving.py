@@ -229,7 +229,7 @@ def test_killed_router_degrades_to_serves_choice_and_recovers(cluster):
     # served while the router restarts and relearns, each on the prefill replica that holds the
     # system prompt: the ingress remembers where the prefix went (Serve's own choice, the fallback
     # without that memory, picks one of the two prefill replicas at random)
-    during = [generate(cluster, SYSTEMS[0] + [i] * 32) for i in range(3)]
+    during = [generate(cluster, SYSTEMS[0] + [120 + i] * 32) for i in range(3)]  # suffixes no other test sends
     assert [(d.finish_reason, d.usage.cached_prompt_tokens) for d in during] == [(pb.FINISH_REASON_LENGTH, 64)] * 3
     wait_until(lambda: router_pid() != before, "the router restarted")
     assert ray.get(app_router().policy_settings.remote()) == policy  # configured before the restart
