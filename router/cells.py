@@ -140,10 +140,17 @@ def request_key(hashes: Sequence[bytes], session: str | None) -> int | None:
     return block_key(hashes[0]) if hashes else None
 
 
-def request_ranking(hashes: Sequence[bytes], session: str | None, n: int, rng: random.Random) -> list[int]:
-    """A request's cells, best first: by its session key, else its first block, else at random."""
+def keyed_ranking(hashes: Sequence[bytes], session: str | None, n: int,
+                  rng: random.Random) -> tuple[int | None, list[int]]:
+    """(request_key, the request's cells best first): by its session key, else its first block,
+    else (key None) at random."""
     key = request_key(hashes, session)
-    return ranking(rng.getrandbits(64) if key is None else key, n)
+    return key, ranking(rng.getrandbits(64) if key is None else key, n)
+
+
+def request_ranking(hashes: Sequence[bytes], session: str | None, n: int, rng: random.Random) -> list[int]:
+    """A request's cells, best first (keyed_ranking's)."""
+    return keyed_ranking(hashes, session, n, rng)[1]
 
 
 def cell_count(cfg) -> int:
@@ -299,8 +306,7 @@ class CellRouters:
             return await self.refs[cell].route.remote(hashes, num_prompt_tokens, session, group, spill_at,
                                                       carried=carried)
 
-        key = request_key(hashes, session)
-        order = ranking(self.rng.getrandbits(64) if key is None else key, len(self.refs))
+        key, order = keyed_ranking(hashes, session, len(self.refs), self.rng)
         if self.spill_at is not None:
             _, decision = await walk(order, ask, self.spill_at)
             return decision

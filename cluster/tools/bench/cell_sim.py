@@ -36,7 +36,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from router.cells import SPREAD, HotPrefixes, NO_BOUND, prefer, ranking, replica_cell, request_key, text_key, walk
+from router.cells import SPREAD, HotPrefixes, NO_BOUND, keyed_ranking, prefer, ranking, replica_cell, text_key, walk
 from router.policy import PolicyConfig, ReplicaLoad, RouteDecision, RoutingPolicy
 from router.router import Router
 
@@ -248,8 +248,7 @@ def decide(arm: Arm, req: Request, rng: random.Random) -> RouteDecision:
     """The arm's decision for `req` (its cell and whether it spilled set on it)."""
     if arm.cells == 1:
         return timed(arm.route_cpu, arm.routers[0].route, req.hashes, req.tokens)
-    key = request_key(req.hashes, None)  # request_ranking's, with the key kept for two choices
-    order = ranking(rng.getrandbits(64) if key is None else key, arm.cells)
+    key, order = keyed_ranking(req.hashes, None, arm.cells, rng)  # the key kept for two choices
     req.first = order[0]
     if arm.two_choices:
         return decide_two(arm, req, order, key)
