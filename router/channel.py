@@ -245,27 +245,44 @@ def _new_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-class _ServerProtocol(asyncio.Protocol):
-    def __init__(self, server: ChannelServer):
-        self.server = server
-        self.reader = FrameReader(first_limit=HELLO_BYTES)
+class _FramedProtocol(asyncio.Protocol):
+    """Either end of a connection: bytes in, decoded frames to `frames_received`; a stream that
+    cannot be read on (a frame over its limit, not msgpack) is closed."""
+
+    def __init__(self, reader: FrameReader):
+        self.reader = reader
         self.transport = None
-        self.authed = False
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.reader.feed(data)
+        except Exception as e:  # noqa: BLE001 — too large, or not msgpack
+            log.warning("router channel: closing a connection: %s", e)
+            self.transport.close()
+            return
+        self.frames_received(frames)
+
+    def frames_received(self, frames: list) -> None:
+        raise NotImplementedError
+
+
+class _ServerProtocol(_FramedProtocol):
+    def __init__(self, server: ChannelServer):
+        super().__init__(FrameReader(first_limit=HELLO_BYTES))
+        self.server = server
+        self.authed = False
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
         self.server.connections.add(transport)
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self.transport)
 
-    def data_received(self, data: bytes) -> None:
-        try:
-            frames = self.reader.feed(data)
-        except Exception as e:  # noqa: BLE001 — too large, or not msgpack: the stream cannot be read on
-            log.warning("router channel: closing a connection: %s", e)
-            self.transport.close()
-            return
+    def frames_received(self, frames: list) -> None:
         for f in frames:
             if not self.authed:
                 if not (isinstance(f, bytes) and hmac.compare_digest(f, self.server.token)):
@@ -373,27 +390,17 @@ class RouterChannel:
             self.proto = None  # the next call looks the address up again
 
 
-class _ClientProtocol(asyncio.Protocol):
+class _ClientProtocol(_FramedProtocol):
     def __init__(self, channel: RouterChannel):
+        super().__init__(FrameReader())
         self.channel = channel
-        self.reader = FrameReader()
         self.pending: dict[int, asyncio.Future] = {}
-        self.transport = None
 
     def hello(self, token: bytes) -> "_ClientProtocol":
         self.transport.write(frame(token))
         return self
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            frames = self.reader.feed(data)
-        except Exception as e:  # noqa: BLE001 — too large, or not msgpack: the stream cannot be read on
-            log.warning("router channel: closing the connection: %s", e)
-            self.transport.close()
-            return
+    def frames_received(self, frames: list) -> None:
         for call_id, kind, value in frames:
             future = self.pending.pop(call_id, None)
             if future is not None and not future.done():  # None: its caller gave up (timed out)
