@@ -65,22 +65,31 @@ def kill(replica_id):
 
 def wait_whole_and_forgotten(dead=(), decodes=2, timeout=30.0):
     """Every live replica's blocks at their totals and queues empty; the router's in-flight count
-    at 0; nothing indexed for the dead replicas."""
+    at 0; nothing indexed for the dead replicas. On a timeout the message names what was still off."""
     router = app_router()
+    off = ["nothing read yet"]
 
     def whole():
-        if len(live_replicas("decode")) != decodes or len(live_replicas("prefill")) != 1:
+        counts = {pool: live_replicas(pool) for pool in ("prefill", "decode")}
+        if len(counts["decode"]) != decodes or len(counts["prefill"]) != 1:
+            off[0] = f"live replicas {counts}"
             return False
-        for pool in ("prefill", "decode"):
-            for rid in live_replicas(pool):
+        for pool, rids in counts.items():
+            for rid in rids:
                 s = replica_load(pool, rid)
                 if s["replica_id"] != rid or not (s["free_blocks"] == s["total_blocks"] == 64 and s["running"]
                                                   == s["waiting"] == s["importing"] == s["held"] == 0):
+                    off[0] = f"{pool} replica {rid} not whole: {s}"
                     return False
-        return ray.get(router.pending_requests.remote()) == 0 and not any(
-            ray.get(router.hashes.remote(rid)) for rid in dead) and not set(dead) & set(live_replicas("decode"))
+        pending = ray.get(router.pending_requests.remote())
+        indexed = {rid: len(ray.get(router.hashes.remote(rid))) for rid in dead}
+        off[0] = f"router pending {pending}, blocks indexed for the dead {indexed}, live {counts}"
+        return pending == 0 and not any(indexed.values()) and not set(dead) & set(counts["decode"])
 
-    wait_until(whole, "pools whole, router settled, dead replicas forgotten", timeout)
+    try:
+        wait_until(whole, "pools whole, router settled, dead replicas forgotten", timeout)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; last seen: {off[0]}") from None
 
 
 def prompts(n, length, base=0):
