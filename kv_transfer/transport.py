@@ -88,6 +88,7 @@ def _check_environment(kv_cache: torch.Tensor, required_transports, ucx_proto_in
 
 class NixlTransport:
     capture_telemetry = False  # NIXL's per-transfer telemetry (MeasuredTransport turns it on: benchmarks)
+    notice_sender = NoticeSender  # what sends lease notices (fault injection wraps it: cluster/serving/faults.py)
 
     def __init__(
         self,
@@ -196,7 +197,7 @@ class NixlTransport:
             if not self.mapped.applies(info.kv_layout):
                 dlist = self.agent.prep_xfer_dlist(name, space.block_descs(), info.mem_type)
             if self._notices is None:
-                self._notices = NoticeSender(f"{self.agent_name}-notices")
+                self._notices = self.notice_sender(f"{self.agent_name}-notices")
             self._notices.add_peer(info.agent_metadata)
         except Exception as e:  # unreachable or dead peer
             for agent in (self.agent, self._notices.agent if self._notices else None):

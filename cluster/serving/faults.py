@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 PullFault = Literal["none", "drop", "stall"]
+NoticeFault = Literal["send", "drop"]
 
 
 @dataclass
@@ -17,6 +18,7 @@ class Faults:
     """What is injected now; the wrappers read it on every call."""
 
     pull: PullFault = "none"  # drop: every READ fails at completion; stall: none completes (times out)
+    notices: NoticeFault = "send"  # drop: every lease notice to prefill is lost (as a killed decode's unsent ones)
     step_delay_s: float = 0.0  # added to every model step (a slow node)
     fail_requests: float = 0.0  # the fraction of new requests a decode replica fails before any work (a bad version)
     poison_token: int | None = None  # a forward whose input holds this token id raises (a poison request)
@@ -43,6 +45,21 @@ class _FaultyAgent:
 
     def __getattr__(self, name):
         return getattr(self._agent, name)
+
+
+class _FaultyNotices:
+    """A decode engine's lease-notice sender that loses every notice while `faults.notices` is "drop"."""
+
+    def __init__(self, sender, faults: Faults):
+        self._sender = sender
+        self._faults = faults
+
+    def send(self, notices) -> None:
+        if self._faults.notices != "drop":
+            self._sender.send(notices)
+
+    def __getattr__(self, name):
+        return getattr(self._sender, name)
 
 
 class _SlowRunner:
@@ -98,4 +115,6 @@ def install(engine, transport) -> Faults:
         engine.runner.model = _PoisonModel(engine.runner.model, faults)
     engine.runner = _SlowRunner(engine.runner, faults)
     transport.agent = _FaultyAgent(transport.agent, faults)
+    make_sender = transport.notice_sender
+    transport.notice_sender = lambda name: _FaultyNotices(make_sender(name), faults)
     return faults

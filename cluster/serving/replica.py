@@ -218,12 +218,14 @@ class EngineReplica:
 
     async def inject_fault(self, pull: faults.PullFault | None = None, step_delay_s: float | None = None,
                            stall_loop_s: float | None = None, fail_requests: float | None = None,
-                           target_replica: str | None = None, poison_token: int | None = None) -> str:
+                           target_replica: str | None = None, poison_token: int | None = None,
+                           notices: faults.NoticeFault | None = None) -> str:
         """Chaos tests and drills (only with fault_tolerance.fault_injection): `pull` "drop" |
         "stall" | "none" on this replica's KV transfers, a delay added to every engine step (a
         slow node), one loop turn blocked for `stall_loop_s` (a stuck engine), or the fraction
         of new requests a decode replica fails at once (`fail_requests`: a broken version), or a
-        forward whose input holds `poison_token` raises (a poison request; -1 turns it off).
+        forward whose input holds `poison_token` raises (a poison request; -1 turns it off), or
+        `notices` "drop": the lease notices this replica sends prefill are lost (as a killed one's).
         `target_replica` picks the replica (read by the request router); another replica that the
         call reached (the named one gone, or not yet known to the caller's handle) refuses it with
         WrongReplicaError before changing anything. Returns the replica id it was applied on."""
@@ -236,6 +238,8 @@ class EngineReplica:
         def apply():
             if pull is not None:
                 self.faults.pull = pull
+            if notices is not None:
+                self.faults.notices = notices
             if step_delay_s is not None:
                 self.faults.step_delay_s = step_delay_s
             if fail_requests is not None:

@@ -332,6 +332,7 @@ class DecodeLegs:
         except QueueFullError as e:  # the decode replica's queue is full (raised by its submit)
             raise Rejected(f"request {rid}: {told(e)}", OVERLOAD_RETRY_S) from e
         except (RayActorError, ActorUnavailableError) as e:
+            state.died = True
             raise ReplicaDied(e) from e
         except Exception as e:
             log.warning("decode of %s on replica %s failed: %s", rid, target, e)  # the replica's traceback
@@ -340,8 +341,12 @@ class DecodeLegs:
         finally:
             if not state.finished:
                 replies.cancel()
-            if kv_handle is not None and not state.pulled and not state.refused and self.prefill is not None:
-                await self.prefill.release(rid, kv_handle.engine_id)  # only the first leg has a handle
+            # Only the first leg has a handle. Its lease ends here where nothing else ends it: the
+            # replica never took the request (no READ), or died (its "done" notice for a READ it
+            # completed may have died with it: notices are best effort). Else lease_s ends it.
+            if kv_handle is not None and (state.died or not state.pulled) and not state.refused \
+                    and self.prefill is not None:
+                await self.prefill.release(rid, kv_handle.engine_id)
 
     async def _outputs(self, rid: str, replies, kv_handle, ctx: RequestContext, client: ClientStream,
                        state: "_LegState", target: str | None = None) -> AsyncIterator[Delta]:
@@ -380,7 +385,7 @@ def _on(target: str | None) -> str:
 class _LegState:
     """What one leg's cleanup needs to know of how far it got."""
 
-    __slots__ = ("bound", "deadline_first", "pulled", "finished", "refused")
+    __slots__ = ("bound", "deadline_first", "pulled", "finished", "refused", "died")
 
     def __init__(self):
         self.bound = None  # the bound on the first output (asyncio.Timeout)
@@ -388,3 +393,4 @@ class _LegState:
         self.pulled = False  # the replica sent an output: it has the request (and pulled the KV)
         self.finished = False
         self.refused = False  # the replica does not decode now: nothing started there
+        self.died = False  # the replica was lost mid-leg (the request may migrate)
