@@ -36,7 +36,8 @@ from collections import Counter
 
 from cluster.engine.kv_cache import hash_request_blocks
 from cluster.tools.bench.saturation import (INGRESS_MESSAGE_S, INGRESS_REQUEST_S, MEASURED_DECISIONS, RAY_FEED_CALL_S,
-                                            RAY_REPORT_CALL_S, RAY_ROUTE_EXTRA_S, SALT, Deployment, interpolate, project)
+                                            RAY_REPORT_CALL_S, RAY_ROUTE_EXTRA_S, Deployment, interpolate, project)
+from cluster.tools.bench.saturation_router import SALT
 from router.cells import block_key, ranking, replica_cell, request_ranking
 from router.policy import ReplicaLoad
 

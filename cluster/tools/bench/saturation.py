@@ -2,11 +2,11 @@
 and a projection for a large deployment.
 
     python -m cluster.tools.bench.saturation [--replicas 8 32 128 512] [--blocks 10000 100000 1000000]
-                                             [--decisions 2000] [--batches 1 8 64 256] [--ray]
+                                             [--decisions 2000] [--batches 1 8 64 256] [--ray] [--channel]
     python -m cluster.tools.bench.saturation --project-only
 
 In process (no Ray), on the real classes: `router.router.Router` (PrefixIndex + RoutingPolicy +
-session table), the plain class the router actor is a thin shell over.
+session table), the plain class the router actor is a thin shell over (saturation_router.py).
   decisions  Router.route for a prompt of a shared 1024-token system prompt + 64-448 own tokens,
              over R replicas (P:D 1:3, every replica's load reported) and B blocks indexed in all.
              The block hashes are computed before timing: the ingress hashes, the router decides.
@@ -14,10 +14,10 @@ session table), the plain class the router actor is a thin shell over.
              in steady state evicts what it stores), as a replica's feed (router/events.py) sends
              them with its load, at most one call in flight and one every 20 ms.
 CPU time (time.process_time) of the one thread doing the work: capacity per core.
-`--ray`: the same calls to a real RouterActor (router/actor.py) from this process, at most 64
-in flight (many replicas' feeds, one call each): the actor process's CPU (psutil, all its threads) per
-call is what one call costs the router's core over Ray; this process is the load generator and
-its CPU is printed too.
+`--ray` / `--channel`: the same calls to a real RouterActor (router/actor.py) from this process,
+at most 64 in flight, over Ray and (route only) over the router's channel, as the ingress sends
+it (saturation_actor.py): the actor process's CPU (psutil, all its threads) per call is what one
+call costs the router's core; this process is the load generator and its CPU is printed too.
 The projection (`project`) turns those capacities and a deployment's shape into the replica count
 at which each component saturates; its assumptions are arguments, printed with the answer.
 """
@@ -26,48 +26,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import time
 from collections import deque
 from dataclasses import dataclass
 
-from cluster.engine.kv_cache import hash_request_blocks
-from router.policy import PolicyConfig, ReplicaLoad, RoutingPolicy
-from router.router import Router
-
-SALT = b"bench-model"
-SYSTEMS = 32  # distinct shared system prompts
-SYSTEM_TOKENS = 1024
-
-
-def build_router(replicas: int, blocks: int, rng: random.Random) -> tuple[Router, list[list[int]]]:
-    """A Router over `replicas` (1 prefill per 3 decode, at least one of each) indexing `blocks`
-    hashes in all: each replica holds 4 of the shared system prompts, the rest random hashes."""
-    n_pre = max(1, replicas // 4)
-    ids = [f"prefill-{i}" for i in range(n_pre)] + [f"decode-{i}" for i in range(replicas - n_pre)]
-    systems = [[rng.randrange(32000) for _ in range(SYSTEM_TOKENS)] for _ in range(SYSTEMS)]
-    system_hashes = [hash_request_blocks(s, 16, SALT) for s in systems]
-    now = [0.0]
-    router = Router(RoutingPolicy(PolicyConfig(), random.Random(1)), clock=lambda: now[0])
-    per_replica = max(0, blocks // replicas)
-    for n, rid in enumerate(ids):
-        own = [h for k in range(4) for h in system_hashes[(n + 7 * k) % SYSTEMS]][:per_replica]
-        filler = [rng.randbytes(16) for _ in range(per_replica - len(own))]
-        router.resync(rid, "inc", 0, own + filler)
-        pool = "prefill" if n < n_pre else "decode"
-        router.report_load(ReplicaLoad(rid, pool, 2000 + rng.randrange(4000), 8000, rng.randrange(32),
-                                       rng.randrange(4), rng.randrange(4096) if pool == "prefill" else 0,
-                                       0.03 + rng.random() * 0.01, 20000.0))
-    return router, systems
-
-
-def prompts(systems: list[list[int]], n: int, rng: random.Random) -> list[tuple[list[bytes], int]]:
-    out = []
-    for i in range(n):
-        p = systems[i % SYSTEMS] + [rng.randrange(32000) for _ in range(rng.randrange(64, 449))]
-        out.append((hash_request_blocks(p, 16, SALT), len(p)))
-    return out
+from cluster.tools.bench.saturation_router import build_router, prompts
 
 
 def bench_decisions(replicas: int, blocks: int, decisions: int) -> dict:
@@ -122,71 +86,6 @@ def bench_events(batch: int, replicas: int = 128, blocks: int = 100_000, total_e
             raise AssertionError("batch refused")
     cpu = time.process_time() - cpu0
     return {"batch": batch, "batches_per_s": len(calls) / cpu, "events_per_s": len(calls) * batch / cpu}
-
-
-def bench_ray(replicas: int, blocks: int, seconds: float, batch: int) -> list[dict]:
-    """The real RouterActor over Ray: per call, the actor process's CPU and this process's."""
-    import psutil
-    import ray
-
-    from router.actor import RouterActor
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        rng = random.Random(0)
-        local, systems = build_router(replicas, blocks, rng)
-        actor = RouterActor.remote()
-        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
-        for rid in local.index.replicas():
-            ray.get(actor.resync.remote(rid, "inc", 0, list(local.index.hashes(rid))))
-        loads = [load for _, load in local._loads.values()]
-        for load in loads:
-            ray.get(actor.report_load.remote(load))
-        work = prompts(systems, 512, rng)
-        fresh = iter(rng.randbytes(16) for _ in range(10_000_000))
-        seqs = dict.fromkeys(local.index.replicas(), 0)
-        ids = list(seqs)
-        proc = psutil.Process(pid)
-        out = []
-
-        def arm(name, call, seconds=seconds):
-            inflight = []
-            n = 0
-            t_end = time.monotonic() + seconds
-            a0, c0, w0 = sum(proc.cpu_times()[:2]), time.process_time(), time.monotonic()
-            while time.monotonic() < t_end:
-                inflight.append(call(n))
-                n += 1
-                if len(inflight) >= 64:
-                    ready, inflight = ray.wait(inflight, num_returns=32)
-                    ray.get(ready)
-            ray.get(inflight)
-            wall = time.monotonic() - w0
-            actor_cpu, gen_cpu = sum(proc.cpu_times()[:2]) - a0, time.process_time() - c0
-            out.append({"arm": name, "calls_per_s": n / wall, "actor_cores": actor_cpu / wall,
-                        "actor_cpu_us": actor_cpu / n * 1e6, "per_actor_core_s": n / actor_cpu,
-                        "loadgen_cores": gen_cpu / wall})
-
-        def events(n):
-            rid = ids[n % len(ids)]
-            seqs[rid] += 1
-            ev = [("+", next(fresh)) for _ in range(batch)]
-            return actor.events.remote(rid, "inc", seqs[rid], ev)
-
-        def feed(n):  # the replica's one call per interval: its events and its load together
-            rid = ids[n % len(ids)]
-            seqs[rid] += 1
-            ev = [("+", next(fresh)) for _ in range(batch)]
-            return actor.feed.remote(rid, "inc", seqs[rid], ev, loads[n % len(loads)], None, time.time())
-
-        arm(f"events (batch {batch})", events)
-        arm("report_load", lambda n: actor.report_load.remote(loads[n % len(loads)]))
-        arm(f"feed (batch {batch} + load)", feed)
-        ray.get([actor.report_load.remote(load) for load in loads])  # loads go stale after 3 s
-        arm("route", seconds=min(seconds, 2.0), call=lambda n: actor.route.remote(work[n % len(work)][0], work[n % len(work)][1]))
-        return out
-    finally:
-        ray.shutdown()
 
 
 # ---- the projection ----------------------------------------------------------------------------
@@ -329,6 +228,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decisions", type=int, nargs="+", default=[2000])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--ray", action="store_true", help="also the RouterActor over Ray (128 replicas, 100k blocks)")
+    ap.add_argument("--channel", action="store_true", help="also route over the RouterActor's channel (as --ray)")
     ap.add_argument("--ray-seconds", type=float, default=4.0)
     ap.add_argument("--skip-inprocess", action="store_true")
     ap.add_argument("--project-only", action="store_true", help="print the projection and exit")
@@ -355,11 +255,13 @@ def main(argv=None) -> int:
         for b in args.batches:
             m = bench_events(b)
             print(f"{b:>6} {m['batches_per_s']:>10.0f} {m['events_per_s']:>10.0f}", flush=True)
-    if args.ray:
-        print("RouterActor over Ray (128 replicas, 100k blocks; 64 calls in flight from one driver)")
-        for m in bench_ray(128, 100_000, args.ray_seconds, 8):
-            print(f"{m['arm']:>18}: {m['calls_per_s']:.0f} calls/s, actor {m['actor_cores']:.2f} cores "
-                  f"({m['actor_cpu_us']:.0f} us CPU a call: {m['per_actor_core_s']:.0f} calls per actor "
+    if args.ray or args.channel:
+        from cluster.tools.bench.saturation_actor import bench_actor
+
+        print("RouterActor (128 replicas, 100k blocks; 64 calls in flight from one driver)")
+        for m in bench_actor(128, 100_000, args.ray_seconds, 8, args.ray, args.channel):
+            print(f"{m['arm']:>22}: {m['calls']} calls, {m['calls_per_s']:.0f} calls/s, actor {m['actor_cores']:.2f} "
+                  f"cores ({m['actor_cpu_us']:.0f} us CPU a call: {m['per_actor_core_s']:.0f} calls per actor "
                   f"core-second), load generator {m['loadgen_cores']:.2f} cores", flush=True)
     return 0
 
