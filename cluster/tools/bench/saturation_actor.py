@@ -22,7 +22,14 @@ import time
 from cluster.tools.bench.saturation_router import build_router, prompts
 
 IN_FLIGHT = 64
+REFRESH_EVERY = 64  # route calls between re-reports of every load (saturation.bench_decisions's)
 ROUTE_SECONDS = 2.0  # at most: the loads reported before a route arm go stale after 3 s
+
+
+def _report_all(router, loads) -> int:
+    for load in loads:
+        router.report_load(load)
+    return len(loads)
 
 
 class RouterUnderTest:
@@ -52,6 +59,15 @@ class RouterUnderTest:
         import ray
 
         ray.get([self.actor.report_load.remote(load) for load in self.loads])
+
+    def route_args(self, n: int) -> tuple:
+        """The n-th route call's arguments (saturation.bench_decisions's: a session among 500).
+        Every REFRESH_EVERY-th also re-reports the loads inside the actor (one Ray call), as the
+        replicas' feeds do while serving, so the pending work a decision copies stays bounded."""
+        if n % REFRESH_EVERY == 0:
+            self.actor.__ray_call__.remote(_report_all, self.loads)
+        hashes, tokens = self.work[n % len(self.work)]
+        return hashes, tokens, f"s{n % 500}"
 
     def actor_cpu_s(self) -> float:
         return sum(self.proc.cpu_times()[:2])
@@ -100,9 +116,9 @@ async def _channel_routes(r: RouterUnderTest, seconds: float) -> tuple[int, floa
 
     async def caller() -> None:
         while time.monotonic() < t_end:
-            hashes, tokens = r.work[count[0] % len(r.work)]
+            args = r.route_args(count[0])
             count[0] += 1
-            await ref.route.remote(hashes, tokens)
+            await ref.route.remote(*args)
 
     a0, c0, w0 = r.actor_cpu_s(), time.process_time(), time.monotonic()
     await asyncio.gather(*(caller() for _ in range(IN_FLIGHT)))
@@ -138,7 +154,7 @@ def bench_actor(replicas: int, blocks: int, seconds: float, batch: int, over_ray
             out.append(ray_arm(r, f"feed (batch {batch} + load)", lambda n: a.feed.remote(
                 *r.next_batch(n), r.loads[n % len(r.loads)], None, time.time()), seconds))
             r.report_loads()
-            out.append(ray_arm(r, "route (Ray)", lambda n: a.route.remote(*r.work[n % len(r.work)]), route_s))
+            out.append(ray_arm(r, "route (Ray)", lambda n: a.route.remote(*r.route_args(n)), route_s))
         if channel:
             out.append(channel_arm(r, route_s))
         return out
