@@ -176,30 +176,66 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float:
     raise AssertionError
 
 
-# Measured on the development VM (2 vCPUs; docs/benchmarks.md, "Where the router and the ingress
-# saturate"): the projection's default inputs. Decisions per CPU-second of Router.route in process
-# at 100k blocks (the block count moved them < 20%); the rest per call of the RouterActor over Ray,
-# the better of two runs (so the saturation points are upper bounds for this VM's cores).
-MEASURED_DECISIONS = [(8, 7231.0), (32, 2883.0), (128, 632.0), (512, 86.0)]
-MEASURED_EVENTS_PER_S = 1_000_000.0  # Router.events in process, batches of 8-256 (1.02-1.21M)
-RAY_ROUTE_EXTRA_S = 2055e-6 - 1 / 632.0  # route over Ray at 128 replicas minus in process
-RAY_EVENTS_CALL_S = 375e-6  # events.remote (batch 8): actor CPU a call
-RAY_REPORT_CALL_S = 317e-6  # report_load.remote: actor CPU a call
-# feed.remote (8 events + the load, the replica's one call per interval since issue 50): one run,
-# in which events cost 261 us and report_load 186 us (docs/benchmarks.md, "The feed").
-RAY_FEED_CALL_S = 333e-6
-# One ingress process's CPU (front_door --served 1 64, 16 callers, demo model; issue 50's run after
-# the legs went by gRPC, docs/benchmarks.md "The front door's parts"): 2.29 ms a one-token request;
-# a 64-token one 0.59 cores at 84.1 requests/s and 2,448.7 messages/s: 0.16 ms a relayed message.
-# (Issue 42's run: 5.26 ms and 0.67 ms.)
-INGRESS_REQUEST_S = 2.29e-3
-INGRESS_MESSAGE_S = (0.59 - 84.1 * 2.29e-3) / 2448.7
+# Measured on the development VM (2 vCPUs): the projection's default inputs, every one the better
+# (the cheaper) of two runs of this bench, 2026-12-07 13:06-13:07 and 13:10-13:11 UTC under the lock, main 04647e5
+# with this bench (docs/benchmarks.md, "Where the router and the ingress saturate"):
+#     saturation --replicas 8 32 128 512 --blocks 100000 --decisions 500 --batches 8 64 --ray --channel
+# Decisions per CPU-second of Router.route in process at 100k blocks (the block count moved them
+# < 20% in issue 42's runs); the rest per call of a RouterActor at 128 replicas, its process's CPU.
+MEASURED_DECISIONS = [(8, 14988.0), (32, 8035.0), (128, 3403.0), (512, 1142.0)]
+MEASURED_EVENTS_PER_S = 1_562_409.0  # Router.events in process, batches of 8 and 64
+RAY_EVENTS_CALL_S = 260e-6  # events.remote (batch 8): actor CPU a call
+RAY_REPORT_CALL_S = 215e-6  # report_load.remote: actor CPU a call
+RAY_FEED_CALL_S = 331e-6  # feed.remote (8 events + the load: a replica's one call per interval)
+ROUTE_MEASURED_AT = 128  # replicas: the route arms'
+RAY_ROUTE_CALL_S = 736e-6  # route as a Ray actor call (the ingress's before issue 50's channel)
+CHANNEL_ROUTE_CALL_S = 462e-6  # route over the router's channel (the ingress's since)
+# What the route call costs the router beyond the decision itself, each way: the actor's CPU a
+# call less the decision's in process, both at ROUTE_MEASURED_AT replicas. A price (cells, two
+# choices) is the same call with the same arguments (router/channel.py).
+RAY_ROUTE_EXTRA_S = RAY_ROUTE_CALL_S - 1 / interpolate(MEASURED_DECISIONS, ROUTE_MEASURED_AT)
+CHANNEL_ROUTE_EXTRA_S = CHANNEL_ROUTE_CALL_S - 1 / interpolate(MEASURED_DECISIONS, ROUTE_MEASURED_AT)
+
+
+@dataclass(frozen=True)
+class IngressCost:
+    """One ingress process's CPU: a one-token request, and each further relayed message."""
+
+    request_s: float
+    message_s: float
+
+
+# front_door --served 1 64 --seconds 8 --clients 16 --parts (demo model, 1 prefill + 1 decode replica):
+# the means of the four alternating pairs P1-P4 of docs/benchmarks.md "The route call on a channel
+# of its own" (2026-12-07 09:16-10:24 UTC). Before: main 15c58e5, the route call a Ray actor call
+# (2.15-2.38 ms, 0.128-0.164 ms). After: the route call over the channel (1.48-1.61, 0.128-0.162).
+# (Issue 50's parts run before the channel: 2.29 and 0.16 ms; issue 42's: 5.26 and 0.67 ms.)
+INGRESS_ROUTE_BY_RAY = IngressCost(sum((2.15, 2.17, 2.34, 2.38)) / 4 * 1e-3, sum((0.149, 0.142, 0.164, 0.128)) / 4 * 1e-3)
+INGRESS = IngressCost(sum((1.48, 1.51, 1.61, 1.53)) / 4 * 1e-3, sum((0.128, 0.137, 0.147, 0.162)) / 4 * 1e-3)
+INGRESS_REQUEST_S, INGRESS_MESSAGE_S = INGRESS.request_s, INGRESS.message_s
+# A further call over the channel (cells, two choices: two prices a request): the caller's CPU a
+# route call over the channel, the highest of route_channel's runs (0.016-0.039 ms; same page).
+INGRESS_CHANNEL_CALL_S = 0.039e-3
+INGRESS_PROCESS_CORES = 0.8  # an ingress process is planned at 80% of its core
+
+
+def ingress_cores(p: dict, d: Deployment, cost: IngressCost) -> float:
+    """The ingress's cores for project()'s traffic `p`: its requests and its relayed messages."""
+    return p["requests_per_s"] * cost.request_s + p["output_tokens_per_s"] / d.tokens_per_message * cost.message_s
+
+
+def ingress_processes(cores: float) -> int:
+    """Ingress processes (`ingress_replicas`) that carry `cores` at INGRESS_PROCESS_CORES each."""
+    return max(1, math.ceil(cores / INGRESS_PROCESS_CORES - 1e-9))
 
 
 def saturation_table(d: Deployment = Deployment()) -> list[dict]:
     """Each component's load at d's size, its utilisation of one core there, and the replica
-    count at which it reaches one core (traffic per replica held at d's)."""
+    count at which it reaches one core (traffic per replica held at d's). The route call's two
+    transports are two rows each: as a Ray actor call (before issue 50's channel) and over the
+    channel (the ingress's since)."""
     decide_s = lambda n: 1 / interpolate(MEASURED_DECISIONS, n)  # noqa: E731
+    feeds = lambda n: project(d, n)["feed_calls_per_s"] * RAY_FEED_CALL_S  # noqa: E731
     rows = {
         "router: decisions (policy, in process)":
             lambda n: project(d, n)["decisions_per_s"] * decide_s(n),
@@ -208,17 +244,37 @@ def saturation_table(d: Deployment = Deployment()) -> list[dict]:
         "router actor: event + load calls (before the feed)":
             lambda n: (project(d, n)["event_batches_per_s"] * RAY_EVENTS_CALL_S
                        + project(d, n)["load_reports_per_s"] * RAY_REPORT_CALL_S),
-        "router actor: the feed's calls over Ray":
-            lambda n: project(d, n)["feed_calls_per_s"] * RAY_FEED_CALL_S,
-        "router actor: all of it over Ray":
-            lambda n: (project(d, n)["decisions_per_s"] * (decide_s(n) + RAY_ROUTE_EXTRA_S)
-                       + project(d, n)["feed_calls_per_s"] * RAY_FEED_CALL_S),
-        "one ingress process: requests and messages":
-            lambda n: (project(d, n)["requests_per_s"] * INGRESS_REQUEST_S
-                       + project(d, n)["output_tokens_per_s"] / d.tokens_per_message * INGRESS_MESSAGE_S),
+        "router actor: the feed's calls over Ray": feeds,
+        "router actor: all of it, route over Ray (before)":
+            lambda n: project(d, n)["decisions_per_s"] * (decide_s(n) + RAY_ROUTE_EXTRA_S) + feeds(n),
+        "router actor: all of it, route over the channel":
+            lambda n: project(d, n)["decisions_per_s"] * (decide_s(n) + CHANNEL_ROUTE_EXTRA_S) + feeds(n),
+        "ingress: route over Ray (before)": lambda n: ingress_cores(project(d, n), d, INGRESS_ROUTE_BY_RAY),
+        "ingress: route over the channel": lambda n: ingress_cores(project(d, n), d, INGRESS),
     }
     return [{"component": name, "cores_at_size": cores(d.replicas),
              "saturates_at": saturation_replicas(lambda n: 1.0, cores)} for name, cores in rows.items()]
+
+
+def print_projection(gpus: list[int]) -> None:
+    """`--project-only`: the projection's inputs, then each size's traffic and table."""
+    print(f"inputs: decisions/s {MEASURED_DECISIONS}; events/s {MEASURED_EVENTS_PER_S:,.0f}; actor CPU a call: "
+          f"events {RAY_EVENTS_CALL_S * 1e6:.0f} us, report_load {RAY_REPORT_CALL_S * 1e6:.0f}, feed "
+          f"{RAY_FEED_CALL_S * 1e6:.0f}, route at {ROUTE_MEASURED_AT} replicas {RAY_ROUTE_CALL_S * 1e6:.0f} by Ray / "
+          f"{CHANNEL_ROUTE_CALL_S * 1e6:.0f} by the channel (beyond the decision: {RAY_ROUTE_EXTRA_S * 1e6:.0f} / "
+          f"{CHANNEL_ROUTE_EXTRA_S * 1e6:.0f}); ingress a request / a message: "
+          f"{INGRESS_ROUTE_BY_RAY.request_s * 1e3:.3f} / {INGRESS_ROUTE_BY_RAY.message_s * 1e3:.4f} ms by Ray, "
+          f"{INGRESS.request_s * 1e3:.4f} / {INGRESS.message_s * 1e3:.4f} ms by the channel")
+    for n_gpus in gpus:
+        d = Deployment(gpus=n_gpus)
+        print(f"deployment (assumptions): {d}")
+        for k, v in project(d).items():
+            print(f"  {k}: {v:,.0f}" if isinstance(v, (int, float)) else f"  {k}: {v}")
+        for row in saturation_table(d):
+            more = (f" ({ingress_processes(row['cores_at_size'])} processes at {INGRESS_PROCESS_CORES:.0%})"
+                    if row["component"].startswith("ingress") else "")
+            print(f"  {row['component']:<50} {row['cores_at_size']:7.2f} cores at {d.replicas} replicas{more}; "
+                  f"one core saturates at {row['saturates_at']} replicas")
 
 
 def main(argv=None) -> int:
@@ -232,15 +288,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ray-seconds", type=float, default=4.0)
     ap.add_argument("--skip-inprocess", action="store_true")
     ap.add_argument("--project-only", action="store_true", help="print the projection and exit")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[1000, 10_000], help="the projection's sizes (8 a replica)")
     args = ap.parse_args(argv)
     if args.project_only:
-        d = Deployment()
-        print(f"deployment (assumptions): {d}")
-        for k, v in project(d).items():
-            print(f"  {k}: {v:,.0f}" if isinstance(v, (int, float)) else f"  {k}: {v}")
-        for row in saturation_table(d):
-            print(f"  {row['component']:<44} {row['cores_at_size']:6.2f} cores at {d.replicas} replicas; "
-                  f"one core saturates at {row['saturates_at']} replicas")
+        print_projection(args.gpus)
         return 0
     if not args.skip_inprocess:
         print("decisions (Router.route in process, one core; hashing excluded: the ingress's)")
