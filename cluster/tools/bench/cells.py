@@ -21,8 +21,11 @@ cores it would need at the per-replica traffic of saturation.py's Deployment (70
 its members' feed calls plus its share of the decisions. Flat per-cell cost as R grows is the claim.
 
 `--project-only` (also printed after a run, with its measured costs): 1,000 and 10,000 GPUs, the
-cores of each component: the cells' routers, the ingress (its per-request and per-message CPU,
-saturation.py, plus choosing a cell), and the registry's reports (estimated, not measured here)."""
+cores of each component with two choices (a request priced in two cells and decided in one, over
+the routers' channels): the cells' routers (the mean cell and the largest), the ingress (its
+per-request and per-message CPU, saturation.py, plus the prices' calls and choosing a cell), and
+the registry's reports (estimated, not measured here). This bench's own route calls go by Ray: a
+run's projection swaps their Ray share for the channel's (saturation.py's two route arms)."""
 
 from __future__ import annotations
 
@@ -249,8 +252,9 @@ def projection(cell_size: int, feed_us: float, route_us: Callable[[float], float
 def report(rows: list[dict], label: str) -> None:
     for r in rows:
         print(f"  {label} cell {r['cell']:>3}: {r['members']:>3} replicas, {r['feed_us']:6.0f} us a feed call, "
-              f"{r['route_us']:6.0f} us a decision -> {cell_cores(r['members'], r['feed_us'], r['route_us']):.3f} "
-              f"cores at the deployment's traffic; load generator {r['loadgen_cores_feed']:.2f} / "
+              f"{r['route_us']:6.0f} us a decision (Ray) -> {cell_cores(r['members'], r['feed_us'], r['route_us']):.3f} "
+              f"cores at the deployment's traffic (a decision a request, no prices); load generator "
+              f"{r['loadgen_cores_feed']:.2f} / "
               f"{r['loadgen_cores_route']:.2f} cores (feed / route)", flush=True)
 
 
@@ -299,7 +303,8 @@ def main(argv=None) -> int:
     if measured:
         feed = statistics.median(x["feed_us"] for x in measured)
         route = statistics.median(x["route_us"] for x in measured) - (RAY_ROUTE_EXTRA_S - CHANNEL_ROUTE_EXTRA_S) * 1e6
-        projection(args.cell_size, feed, lambda n: route, f"the medians of this run's {len(measured)} cells; its route calls "
+        projection(args.cell_size, feed, lambda n: route,
+                   f"the medians of this run's {len(measured)} cells; its route calls "
                    "went by Ray, their Ray share swapped for the channel's (saturation.py)")
     return 0
 

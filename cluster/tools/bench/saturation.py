@@ -210,7 +210,8 @@ class IngressCost:
 # of its own" (2026-12-07 09:16-10:24 UTC). Before: main 15c58e5, the route call a Ray actor call
 # (2.15-2.38 ms, 0.128-0.164 ms). After: the route call over the channel (1.48-1.61, 0.128-0.162).
 # (Issue 50's parts run before the channel: 2.29 and 0.16 ms; issue 42's: 5.26 and 0.67 ms.)
-INGRESS_ROUTE_BY_RAY = IngressCost(sum((2.15, 2.17, 2.34, 2.38)) / 4 * 1e-3, sum((0.149, 0.142, 0.164, 0.128)) / 4 * 1e-3)
+INGRESS_ROUTE_BY_RAY = IngressCost(sum((2.15, 2.17, 2.34, 2.38)) / 4 * 1e-3,
+                                   sum((0.149, 0.142, 0.164, 0.128)) / 4 * 1e-3)
 INGRESS = IngressCost(sum((1.48, 1.51, 1.61, 1.53)) / 4 * 1e-3, sum((0.128, 0.137, 0.147, 0.162)) / 4 * 1e-3)
 INGRESS_REQUEST_S, INGRESS_MESSAGE_S = INGRESS.request_s, INGRESS.message_s
 # A further call over the channel (cells, two choices: two prices a request): the caller's CPU a
