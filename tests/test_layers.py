@@ -295,7 +295,6 @@ LONG_FUNCTIONS = {
     "cluster/tools/bench/models.py:main": BENCH_MAIN,
     "cluster/tools/bench/plan_validation.py:main": BENCH_MAIN,
     "cluster/tools/bench/routing.py:run_arm": BENCH_MAIN,
-    "cluster/tools/bench/saturation.py:bench_ray": BENCH_MAIN,
     "cluster/tools/bench/spec.py:main": BENCH_MAIN,
     "cluster/tools/bench/tiers.py:main": BENCH_MAIN,
     "cluster/tools/bench/ttft_tpot.py:main": BENCH_MAIN,

@@ -21,8 +21,11 @@ cores it would need at the per-replica traffic of saturation.py's Deployment (70
 its members' feed calls plus its share of the decisions. Flat per-cell cost as R grows is the claim.
 
 `--project-only` (also printed after a run, with its measured costs): 1,000 and 10,000 GPUs, the
-cores of each component: the cells' routers, the ingress (its per-request and per-message CPU,
-saturation.py, plus choosing a cell), and the registry's reports (estimated, not measured here)."""
+cores of each component with two choices (a request priced in two cells and decided in one, over
+the routers' channels): the cells' routers (the mean cell and the largest), the ingress (its
+per-request and per-message CPU, saturation.py, plus the prices' calls and choosing a cell), and
+the registry's reports (estimated, not measured here). This bench's own route calls go by Ray: a
+run's projection swaps their Ray share for the channel's (saturation.py's two route arms)."""
 
 from __future__ import annotations
 
@@ -33,10 +36,13 @@ import random
 import statistics
 import time
 from collections import Counter
+from typing import Callable
 
 from cluster.engine.kv_cache import hash_request_blocks
-from cluster.tools.bench.saturation import (INGRESS_MESSAGE_S, INGRESS_REQUEST_S, MEASURED_DECISIONS, RAY_FEED_CALL_S,
-                                            RAY_REPORT_CALL_S, RAY_ROUTE_EXTRA_S, SALT, Deployment, interpolate, project)
+from cluster.tools.bench.saturation import (CHANNEL_ROUTE_EXTRA_S, INGRESS, INGRESS_CHANNEL_CALL_S, INGRESS_PROCESS_CORES,
+                                            MEASURED_DECISIONS, RAY_FEED_CALL_S, RAY_REPORT_CALL_S, RAY_ROUTE_EXTRA_S,
+                                            Deployment, ingress_cores, ingress_processes, interpolate, project)
+from cluster.tools.bench.saturation_router import SALT
 from router.cells import block_key, ranking, replica_cell, request_ranking
 from router.policy import ReplicaLoad
 
@@ -159,16 +165,52 @@ def run_cells(cells: list, which: list[int], blocks_per_replica: int, seconds: f
     return out
 
 
-def route_s(replicas: float) -> float:
-    """A decision's actor CPU over Ray at this many replicas (saturation.py's measured figures)."""
-    return 1 / interpolate(MEASURED_DECISIONS, replicas) + RAY_ROUTE_EXTRA_S
+def route_s(replicas: float, extra_s: float = CHANNEL_ROUTE_EXTRA_S) -> float:
+    """A route (or price) call's actor CPU at this many replicas: the decision in process plus the
+    call's transport (saturation.py's measured figures; the channel, as the ingress calls since
+    issue 50, unless `extra_s` says otherwise)."""
+    return 1 / interpolate(MEASURED_DECISIONS, replicas) + extra_s
 
 
-def cell_cores(members: int, feed_us: float, route_us: float, d: Deployment = Deployment()) -> float:
-    """A cell's cores at d's per-replica traffic: its members' feed calls and their share of decisions."""
+# A request's router calls over its cells (routing.cell_choice): "two" (the default) prices it in
+# two cells and the cheaper decides (3 calls, a price costing what a decision does); "spill" asks
+# its first cell (1; a second only when that one is hot).
+CALLS_PER_REQUEST = {"two": 3, "spill": 1}
+
+
+def cell_cores(members: float, feed_us: float, route_us: float, d: Deployment = Deployment(),
+               calls_per_request: int = 1) -> float:
+    """A cell's cores at d's per-replica traffic: its members' feed calls, and their share of the
+    requests' router calls (`calls_per_request` of them, each costing `route_us`)."""
     p = project(d)
-    per_replica_feeds, per_replica_decisions = p["feed_calls_per_s"] / p["replicas"], p["decisions_per_s"] / p["replicas"]
-    return members * (per_replica_feeds * feed_us + per_replica_decisions * route_us) * 1e-6
+    per_replica_feeds, per_replica_requests = p["feed_calls_per_s"] / p["replicas"], p["requests_per_s"] / p["replicas"]
+    return members * (per_replica_feeds * feed_us + per_replica_requests * calls_per_request * route_us) * 1e-6
+
+
+def cells_projection(gpus: int, cell_size: int, feed_us: float, route_us: Callable[[float], float], rank_s: float,
+                     choice: str = "two") -> dict:
+    """Cores of each component for `gpus` H200s of saturation.py's Deployment (70B, tp=8), in
+    cells of `cell_size`: the cells' routers (the mean cell and the largest of those router/cells.py
+    makes, each at `route_us(its replicas)` a route or price call), the one router they replace
+    (for comparison: route over Ray and over the channel), and the ingress (INGRESS a request and
+    a message, the prices' further channel calls, `rank_s` to rank the cells), with the processes
+    (`ingress_replicas`) that carries at 80% each."""
+    d = Deployment(gpus=gpus)
+    p = project(d)
+    n = max(1, -(-p["replicas"] // cell_size))
+    calls = CALLS_PER_REQUEST[choice]
+    mean = p["replicas"] / n
+    per_cell = cell_cores(mean, feed_us, route_us(mean), d, calls)
+    largest = max(len(c) for c in cells_of(p["replicas"], cell_size))
+    single = {way: p["feed_calls_per_s"] * RAY_FEED_CALL_S + p["decisions_per_s"] * route_s(p["replicas"], extra)
+              for way, extra in (("ray", RAY_ROUTE_EXTRA_S), ("channel", CHANNEL_ROUTE_EXTRA_S))}
+    ingress = ingress_cores(p, d, INGRESS) + p["requests_per_s"] * ((calls - 1) * INGRESS_CHANNEL_CALL_S + rank_s)
+    return {"gpus": gpus, "replicas": p["replicas"], "requests_per_s": p["requests_per_s"],
+            "messages_per_s": p["output_tokens_per_s"] / d.tokens_per_message, "cells": n,
+            "cell_cores": per_cell, "routers_cores": n * per_cell, "single_router_cores": single, "largest_cell": largest,
+            "largest_cell_cores": cell_cores(largest, feed_us, route_us(largest), d, calls),
+            "ingress_cores": ingress, "ingress_processes": ingress_processes(ingress),
+            "ranking_cores": p["requests_per_s"] * rank_s, "registry_cores": p["replicas"] * RAY_REPORT_CALL_S}
 
 
 def ranking_us(n_cells: int, tries: int = 20_000) -> float:
@@ -181,35 +223,38 @@ def ranking_us(n_cells: int, tries: int = 20_000) -> float:
     return (time.process_time() - t) / tries * 1e6
 
 
-def projection(cell_size: int, feed_us: float, route_us: float, measured: str) -> None:
+def projection(cell_size: int, feed_us: float, route_us: Callable[[float], float], measured: str) -> None:
     """Cores of each component at 1,000 and 10,000 H200s (70B, tp=8: 8 GPUs a replica)."""
     print(f"projection: saturation.py's Deployment (70B, tp=8, H200s; its traffic per replica), cell_size "
-          f"{cell_size}, a cell's router at {feed_us:.0f} us a feed call and {route_us:.0f} us a decision ({measured})")
+          f"{cell_size}, two choices (a price and a decision: {CALLS_PER_REQUEST['two']} router calls a request), "
+          f"a cell's router at {feed_us:.0f} us a feed call and, at {cell_size} replicas, {route_us(cell_size):.0f} us a "
+          f"route or price call ({measured})")
     for gpus in (1000, 10_000):
-        d = Deployment(gpus=gpus)
-        p = project(d)
-        n = max(1, -(-p["replicas"] // cell_size))
-        per_cell = cell_cores(p["replicas"] / n, feed_us, route_us, d)
-        rank_s = ranking_us(n) * 1e-6
-        ingress = p["requests_per_s"] * (INGRESS_REQUEST_S + rank_s) + (
-            p["output_tokens_per_s"] / d.tokens_per_message * INGRESS_MESSAGE_S)
-        single = p["feed_calls_per_s"] * RAY_FEED_CALL_S + p["decisions_per_s"] * route_s(p["replicas"])
-        print(f"  {gpus:>6} GPUs, {p['replicas']} replicas, {p['requests_per_s']:,.0f} requests/s, "
-              f"{p['output_tokens_per_s'] / d.tokens_per_message:,.0f} messages/s")
-        print(f"    routers: {n} cells x {per_cell:.2f} cores = {n * per_cell:.2f} cores (one core each: "
-              f"{per_cell:.0%} of it); one router for all would need {single:.1f} cores of its one (at least: "
-              f"saturation.py's costs, a decision's measured up to 512 replicas)")
-        print(f"    ingress: {ingress:.1f} cores ({ingress / 0.8:.0f} processes at 80%), of which choosing "
-              f"a cell {p['requests_per_s'] * rank_s:.3f} ({rank_s * 1e6:.1f} us a request)")
+        n_cells = max(1, -(-Deployment(gpus=gpus).replicas // cell_size))
+        rank_s = ranking_us(n_cells) * 1e-6
+        c = cells_projection(gpus, cell_size, feed_us, route_us, rank_s)
+        mean = c["replicas"] / c["cells"]
+        print(f"  {gpus:>6} GPUs, {c['replicas']} replicas, {c['requests_per_s']:,.0f} requests/s, "
+              f"{c['messages_per_s']:,.0f} messages/s")
+        print(f"    routers: {c['cells']} cells x {c['cell_cores']:.2f} cores = {c['routers_cores']:.2f} cores (one "
+              f"core each: {c['cell_cores']:.0%} of it, a cell of {mean:.1f} replicas; the largest, "
+              f"{c['largest_cell']}: {c['largest_cell_cores']:.2f}); one router for all would need "
+              f"{c['single_router_cores']['channel']:.1f} cores of its one, route over the channel "
+              f"({c['single_router_cores']['ray']:.1f} by Ray; at least: a decision's cost measured up to 512 replicas)")
+        print(f"    ingress: {c['ingress_cores']:.1f} cores: {c['ingress_processes']} processes (ingress_replicas) at "
+              f"{INGRESS_PROCESS_CORES:.0%}, of which the prices' further calls "
+              f"{c['requests_per_s'] * (CALLS_PER_REQUEST['two'] - 1) * INGRESS_CHANNEL_CALL_S:.2f}"
+              f" and choosing a cell {c['ranking_cores']:.3f} ({rank_s * 1e6:.1f} us a request)")
         print(f"    registry reports (1/s a replica, at report_load's {RAY_REPORT_CALL_S * 1e6:.0f} us: an "
-              f"estimate): {p['replicas'] * RAY_REPORT_CALL_S:.2f} cores")
+              f"estimate): {c['registry_cores']:.2f} cores")
 
 
 def report(rows: list[dict], label: str) -> None:
     for r in rows:
         print(f"  {label} cell {r['cell']:>3}: {r['members']:>3} replicas, {r['feed_us']:6.0f} us a feed call, "
-              f"{r['route_us']:6.0f} us a decision -> {cell_cores(r['members'], r['feed_us'], r['route_us']):.3f} "
-              f"cores at the deployment's traffic; load generator {r['loadgen_cores_feed']:.2f} / "
+              f"{r['route_us']:6.0f} us a decision (Ray) -> {cell_cores(r['members'], r['feed_us'], r['route_us']):.3f} "
+              f"cores at the deployment's traffic (a decision a request, no prices); load generator "
+              f"{r['loadgen_cores_feed']:.2f} / "
               f"{r['loadgen_cores_route']:.2f} cores (feed / route)", flush=True)
 
 
@@ -224,7 +269,7 @@ def main(argv=None) -> int:
     ap.add_argument("--project-only", action="store_true")
     args = ap.parse_args(argv)
     if args.project_only:
-        projection(args.cell_size, RAY_FEED_CALL_S * 1e6, route_s(args.cell_size) * 1e6, "saturation.py's figures")
+        projection(args.cell_size, RAY_FEED_CALL_S * 1e6, lambda n: route_s(n) * 1e6, "saturation.py's figures")
         return 0
     import ray
 
@@ -257,8 +302,10 @@ def main(argv=None) -> int:
         ray.shutdown()
     if measured:
         feed = statistics.median(x["feed_us"] for x in measured)
-        route = statistics.median(x["route_us"] for x in measured)
-        projection(args.cell_size, feed, route, f"the medians of this run's {len(measured)} cells")
+        route = statistics.median(x["route_us"] for x in measured) - (RAY_ROUTE_EXTRA_S - CHANNEL_ROUTE_EXTRA_S) * 1e6
+        projection(args.cell_size, feed, lambda n: route,
+                   f"the medians of this run's {len(measured)} cells; its route calls "
+                   "went by Ray, their Ray share swapped for the channel's (saturation.py)")
     return 0
 
 

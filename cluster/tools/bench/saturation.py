@@ -2,11 +2,11 @@
 and a projection for a large deployment.
 
     python -m cluster.tools.bench.saturation [--replicas 8 32 128 512] [--blocks 10000 100000 1000000]
-                                             [--decisions 2000] [--batches 1 8 64 256] [--ray]
+                                             [--decisions 2000] [--batches 1 8 64 256] [--ray] [--channel]
     python -m cluster.tools.bench.saturation --project-only
 
 In process (no Ray), on the real classes: `router.router.Router` (PrefixIndex + RoutingPolicy +
-session table), the plain class the router actor is a thin shell over.
+session table), the plain class the router actor is a thin shell over (saturation_router.py).
   decisions  Router.route for a prompt of a shared 1024-token system prompt + 64-448 own tokens,
              over R replicas (P:D 1:3, every replica's load reported) and B blocks indexed in all.
              The block hashes are computed before timing: the ingress hashes, the router decides.
@@ -14,10 +14,10 @@ session table), the plain class the router actor is a thin shell over.
              in steady state evicts what it stores), as a replica's feed (router/events.py) sends
              them with its load, at most one call in flight and one every 20 ms.
 CPU time (time.process_time) of the one thread doing the work: capacity per core.
-`--ray`: the same calls to a real RouterActor (router/actor.py) from this process, at most 64
-in flight (many replicas' feeds, one call each): the actor process's CPU (psutil, all its threads) per
-call is what one call costs the router's core over Ray; this process is the load generator and
-its CPU is printed too.
+`--ray` / `--channel`: the same calls to a real RouterActor (router/actor.py) from this process,
+at most 64 in flight, over Ray and (route only) over the router's channel, as the ingress sends
+it (saturation_actor.py): the actor process's CPU (psutil, all its threads) per call is what one
+call costs the router's core; this process is the load generator and its CPU is printed too.
 The projection (`project`) turns those capacities and a deployment's shape into the replica count
 at which each component saturates; its assumptions are arguments, printed with the answer.
 """
@@ -26,48 +26,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import time
 from collections import deque
 from dataclasses import dataclass
 
-from cluster.engine.kv_cache import hash_request_blocks
-from router.policy import PolicyConfig, ReplicaLoad, RoutingPolicy
-from router.router import Router
-
-SALT = b"bench-model"
-SYSTEMS = 32  # distinct shared system prompts
-SYSTEM_TOKENS = 1024
-
-
-def build_router(replicas: int, blocks: int, rng: random.Random) -> tuple[Router, list[list[int]]]:
-    """A Router over `replicas` (1 prefill per 3 decode, at least one of each) indexing `blocks`
-    hashes in all: each replica holds 4 of the shared system prompts, the rest random hashes."""
-    n_pre = max(1, replicas // 4)
-    ids = [f"prefill-{i}" for i in range(n_pre)] + [f"decode-{i}" for i in range(replicas - n_pre)]
-    systems = [[rng.randrange(32000) for _ in range(SYSTEM_TOKENS)] for _ in range(SYSTEMS)]
-    system_hashes = [hash_request_blocks(s, 16, SALT) for s in systems]
-    now = [0.0]
-    router = Router(RoutingPolicy(PolicyConfig(), random.Random(1)), clock=lambda: now[0])
-    per_replica = max(0, blocks // replicas)
-    for n, rid in enumerate(ids):
-        own = [h for k in range(4) for h in system_hashes[(n + 7 * k) % SYSTEMS]][:per_replica]
-        filler = [rng.randbytes(16) for _ in range(per_replica - len(own))]
-        router.resync(rid, "inc", 0, own + filler)
-        pool = "prefill" if n < n_pre else "decode"
-        router.report_load(ReplicaLoad(rid, pool, 2000 + rng.randrange(4000), 8000, rng.randrange(32),
-                                       rng.randrange(4), rng.randrange(4096) if pool == "prefill" else 0,
-                                       0.03 + rng.random() * 0.01, 20000.0))
-    return router, systems
-
-
-def prompts(systems: list[list[int]], n: int, rng: random.Random) -> list[tuple[list[bytes], int]]:
-    out = []
-    for i in range(n):
-        p = systems[i % SYSTEMS] + [rng.randrange(32000) for _ in range(rng.randrange(64, 449))]
-        out.append((hash_request_blocks(p, 16, SALT), len(p)))
-    return out
+from cluster.tools.bench.saturation_router import build_router, prompts
 
 
 def bench_decisions(replicas: int, blocks: int, decisions: int) -> dict:
@@ -122,71 +86,6 @@ def bench_events(batch: int, replicas: int = 128, blocks: int = 100_000, total_e
             raise AssertionError("batch refused")
     cpu = time.process_time() - cpu0
     return {"batch": batch, "batches_per_s": len(calls) / cpu, "events_per_s": len(calls) * batch / cpu}
-
-
-def bench_ray(replicas: int, blocks: int, seconds: float, batch: int) -> list[dict]:
-    """The real RouterActor over Ray: per call, the actor process's CPU and this process's."""
-    import psutil
-    import ray
-
-    from router.actor import RouterActor
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        rng = random.Random(0)
-        local, systems = build_router(replicas, blocks, rng)
-        actor = RouterActor.remote()
-        pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
-        for rid in local.index.replicas():
-            ray.get(actor.resync.remote(rid, "inc", 0, list(local.index.hashes(rid))))
-        loads = [load for _, load in local._loads.values()]
-        for load in loads:
-            ray.get(actor.report_load.remote(load))
-        work = prompts(systems, 512, rng)
-        fresh = iter(rng.randbytes(16) for _ in range(10_000_000))
-        seqs = dict.fromkeys(local.index.replicas(), 0)
-        ids = list(seqs)
-        proc = psutil.Process(pid)
-        out = []
-
-        def arm(name, call, seconds=seconds):
-            inflight = []
-            n = 0
-            t_end = time.monotonic() + seconds
-            a0, c0, w0 = sum(proc.cpu_times()[:2]), time.process_time(), time.monotonic()
-            while time.monotonic() < t_end:
-                inflight.append(call(n))
-                n += 1
-                if len(inflight) >= 64:
-                    ready, inflight = ray.wait(inflight, num_returns=32)
-                    ray.get(ready)
-            ray.get(inflight)
-            wall = time.monotonic() - w0
-            actor_cpu, gen_cpu = sum(proc.cpu_times()[:2]) - a0, time.process_time() - c0
-            out.append({"arm": name, "calls_per_s": n / wall, "actor_cores": actor_cpu / wall,
-                        "actor_cpu_us": actor_cpu / n * 1e6, "per_actor_core_s": n / actor_cpu,
-                        "loadgen_cores": gen_cpu / wall})
-
-        def events(n):
-            rid = ids[n % len(ids)]
-            seqs[rid] += 1
-            ev = [("+", next(fresh)) for _ in range(batch)]
-            return actor.events.remote(rid, "inc", seqs[rid], ev)
-
-        def feed(n):  # the replica's one call per interval: its events and its load together
-            rid = ids[n % len(ids)]
-            seqs[rid] += 1
-            ev = [("+", next(fresh)) for _ in range(batch)]
-            return actor.feed.remote(rid, "inc", seqs[rid], ev, loads[n % len(loads)], None, time.time())
-
-        arm(f"events (batch {batch})", events)
-        arm("report_load", lambda n: actor.report_load.remote(loads[n % len(loads)]))
-        arm(f"feed (batch {batch} + load)", feed)
-        ray.get([actor.report_load.remote(load) for load in loads])  # loads go stale after 3 s
-        arm("route", seconds=min(seconds, 2.0), call=lambda n: actor.route.remote(work[n % len(work)][0], work[n % len(work)][1]))
-        return out
-    finally:
-        ray.shutdown()
 
 
 # ---- the projection ----------------------------------------------------------------------------
@@ -277,30 +176,67 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float:
     raise AssertionError
 
 
-# Measured on the development VM (2 vCPUs; docs/benchmarks.md, "Where the router and the ingress
-# saturate"): the projection's default inputs. Decisions per CPU-second of Router.route in process
-# at 100k blocks (the block count moved them < 20%); the rest per call of the RouterActor over Ray,
-# the better of two runs (so the saturation points are upper bounds for this VM's cores).
-MEASURED_DECISIONS = [(8, 7231.0), (32, 2883.0), (128, 632.0), (512, 86.0)]
-MEASURED_EVENTS_PER_S = 1_000_000.0  # Router.events in process, batches of 8-256 (1.02-1.21M)
-RAY_ROUTE_EXTRA_S = 2055e-6 - 1 / 632.0  # route over Ray at 128 replicas minus in process
-RAY_EVENTS_CALL_S = 375e-6  # events.remote (batch 8): actor CPU a call
-RAY_REPORT_CALL_S = 317e-6  # report_load.remote: actor CPU a call
-# feed.remote (8 events + the load, the replica's one call per interval since issue 50): one run,
-# in which events cost 261 us and report_load 186 us (docs/benchmarks.md, "The feed").
-RAY_FEED_CALL_S = 333e-6
-# One ingress process's CPU (front_door --served 1 64, 16 callers, demo model; issue 50's run after
-# the legs went by gRPC, docs/benchmarks.md "The front door's parts"): 2.29 ms a one-token request;
-# a 64-token one 0.59 cores at 84.1 requests/s and 2,448.7 messages/s: 0.16 ms a relayed message.
-# (Issue 42's run: 5.26 ms and 0.67 ms.)
-INGRESS_REQUEST_S = 2.29e-3
-INGRESS_MESSAGE_S = (0.59 - 84.1 * 2.29e-3) / 2448.7
+# Measured on the development VM (2 vCPUs): the projection's default inputs, every one the better
+# (the cheaper) of two runs of this bench, 2026-12-07 13:06-13:07 and 13:10-13:11 UTC under the lock, main 04647e5
+# with this bench (docs/benchmarks.md, "Where the router and the ingress saturate"):
+#     saturation --replicas 8 32 128 512 --blocks 100000 --decisions 500 --batches 8 64 --ray --channel
+# Decisions per CPU-second of Router.route in process at 100k blocks (the block count moved them
+# < 20% in issue 42's runs); the rest per call of a RouterActor at 128 replicas, its process's CPU.
+MEASURED_DECISIONS = [(8, 14988.0), (32, 8035.0), (128, 3403.0), (512, 1142.0)]
+MEASURED_EVENTS_PER_S = 1_562_409.0  # Router.events in process, batches of 8 and 64
+RAY_EVENTS_CALL_S = 260e-6  # events.remote (batch 8): actor CPU a call
+RAY_REPORT_CALL_S = 215e-6  # report_load.remote: actor CPU a call
+RAY_FEED_CALL_S = 331e-6  # feed.remote (8 events + the load: a replica's one call per interval)
+ROUTE_MEASURED_AT = 128  # replicas: the route arms'
+RAY_ROUTE_CALL_S = 736e-6  # route as a Ray actor call (the ingress's before issue 50's channel)
+CHANNEL_ROUTE_CALL_S = 462e-6  # route over the router's channel (the ingress's since)
+# What the route call costs the router beyond the decision itself, each way: the actor's CPU a
+# call less the decision's in process, both at ROUTE_MEASURED_AT replicas. A price (cells, two
+# choices) is the same call with the same arguments (router/channel.py).
+RAY_ROUTE_EXTRA_S = RAY_ROUTE_CALL_S - 1 / interpolate(MEASURED_DECISIONS, ROUTE_MEASURED_AT)
+CHANNEL_ROUTE_EXTRA_S = CHANNEL_ROUTE_CALL_S - 1 / interpolate(MEASURED_DECISIONS, ROUTE_MEASURED_AT)
+
+
+@dataclass(frozen=True)
+class IngressCost:
+    """One ingress process's CPU: a one-token request, and each further relayed message."""
+
+    request_s: float
+    message_s: float
+
+
+# front_door --served 1 64 --seconds 8 --clients 16 --parts (demo model, 1 prefill + 1 decode replica):
+# the means of the four alternating pairs P1-P4 of docs/benchmarks.md "The route call on a channel
+# of its own" (2026-12-07 09:16-10:24 UTC). Before: main 15c58e5, the route call a Ray actor call
+# (2.15-2.38 ms, 0.128-0.164 ms). After: the route call over the channel (1.48-1.61, 0.128-0.162).
+# (Issue 50's parts run before the channel: 2.29 and 0.16 ms; issue 42's: 5.26 and 0.67 ms.)
+INGRESS_ROUTE_BY_RAY = IngressCost(sum((2.15, 2.17, 2.34, 2.38)) / 4 * 1e-3,
+                                   sum((0.149, 0.142, 0.164, 0.128)) / 4 * 1e-3)
+INGRESS = IngressCost(sum((1.48, 1.51, 1.61, 1.53)) / 4 * 1e-3, sum((0.128, 0.137, 0.147, 0.162)) / 4 * 1e-3)
+INGRESS_REQUEST_S, INGRESS_MESSAGE_S = INGRESS.request_s, INGRESS.message_s
+# A further call over the channel (cells, two choices: two prices a request): the caller's CPU a
+# route call over the channel, the highest of route_channel's runs (0.016-0.039 ms; same page).
+INGRESS_CHANNEL_CALL_S = 0.039e-3
+INGRESS_PROCESS_CORES = 0.8  # an ingress process is planned at 80% of its core
+
+
+def ingress_cores(p: dict, d: Deployment, cost: IngressCost) -> float:
+    """The ingress's cores for project()'s traffic `p`: its requests and its relayed messages."""
+    return p["requests_per_s"] * cost.request_s + p["output_tokens_per_s"] / d.tokens_per_message * cost.message_s
+
+
+def ingress_processes(cores: float) -> int:
+    """Ingress processes (`ingress_replicas`) that carry `cores` at INGRESS_PROCESS_CORES each."""
+    return max(1, math.ceil(cores / INGRESS_PROCESS_CORES - 1e-9))
 
 
 def saturation_table(d: Deployment = Deployment()) -> list[dict]:
     """Each component's load at d's size, its utilisation of one core there, and the replica
-    count at which it reaches one core (traffic per replica held at d's)."""
+    count at which it reaches one core (traffic per replica held at d's). The route call's two
+    transports are two rows each: as a Ray actor call (before issue 50's channel) and over the
+    channel (the ingress's since)."""
     decide_s = lambda n: 1 / interpolate(MEASURED_DECISIONS, n)  # noqa: E731
+    feeds = lambda n: project(d, n)["feed_calls_per_s"] * RAY_FEED_CALL_S  # noqa: E731
     rows = {
         "router: decisions (policy, in process)":
             lambda n: project(d, n)["decisions_per_s"] * decide_s(n),
@@ -309,17 +245,37 @@ def saturation_table(d: Deployment = Deployment()) -> list[dict]:
         "router actor: event + load calls (before the feed)":
             lambda n: (project(d, n)["event_batches_per_s"] * RAY_EVENTS_CALL_S
                        + project(d, n)["load_reports_per_s"] * RAY_REPORT_CALL_S),
-        "router actor: the feed's calls over Ray":
-            lambda n: project(d, n)["feed_calls_per_s"] * RAY_FEED_CALL_S,
-        "router actor: all of it over Ray":
-            lambda n: (project(d, n)["decisions_per_s"] * (decide_s(n) + RAY_ROUTE_EXTRA_S)
-                       + project(d, n)["feed_calls_per_s"] * RAY_FEED_CALL_S),
-        "one ingress process: requests and messages":
-            lambda n: (project(d, n)["requests_per_s"] * INGRESS_REQUEST_S
-                       + project(d, n)["output_tokens_per_s"] / d.tokens_per_message * INGRESS_MESSAGE_S),
+        "router actor: the feed's calls over Ray": feeds,
+        "router actor: all of it, route over Ray (before)":
+            lambda n: project(d, n)["decisions_per_s"] * (decide_s(n) + RAY_ROUTE_EXTRA_S) + feeds(n),
+        "router actor: all of it, route over the channel":
+            lambda n: project(d, n)["decisions_per_s"] * (decide_s(n) + CHANNEL_ROUTE_EXTRA_S) + feeds(n),
+        "ingress: route over Ray (before)": lambda n: ingress_cores(project(d, n), d, INGRESS_ROUTE_BY_RAY),
+        "ingress: route over the channel": lambda n: ingress_cores(project(d, n), d, INGRESS),
     }
     return [{"component": name, "cores_at_size": cores(d.replicas),
              "saturates_at": saturation_replicas(lambda n: 1.0, cores)} for name, cores in rows.items()]
+
+
+def print_projection(gpus: list[int]) -> None:
+    """`--project-only`: the projection's inputs, then each size's traffic and table."""
+    print(f"inputs: decisions/s {MEASURED_DECISIONS}; events/s {MEASURED_EVENTS_PER_S:,.0f}; actor CPU a call: "
+          f"events {RAY_EVENTS_CALL_S * 1e6:.0f} us, report_load {RAY_REPORT_CALL_S * 1e6:.0f}, feed "
+          f"{RAY_FEED_CALL_S * 1e6:.0f}, route at {ROUTE_MEASURED_AT} replicas {RAY_ROUTE_CALL_S * 1e6:.0f} by Ray / "
+          f"{CHANNEL_ROUTE_CALL_S * 1e6:.0f} by the channel (beyond the decision: {RAY_ROUTE_EXTRA_S * 1e6:.0f} / "
+          f"{CHANNEL_ROUTE_EXTRA_S * 1e6:.0f}); ingress a request / a message: "
+          f"{INGRESS_ROUTE_BY_RAY.request_s * 1e3:.3f} / {INGRESS_ROUTE_BY_RAY.message_s * 1e3:.4f} ms by Ray, "
+          f"{INGRESS.request_s * 1e3:.4f} / {INGRESS.message_s * 1e3:.4f} ms by the channel")
+    for n_gpus in gpus:
+        d = Deployment(gpus=n_gpus)
+        print(f"deployment (assumptions): {d}")
+        for k, v in project(d).items():
+            print(f"  {k}: {v:,.0f}" if isinstance(v, (int, float)) else f"  {k}: {v}")
+        for row in saturation_table(d):
+            more = (f" ({ingress_processes(row['cores_at_size'])} processes at {INGRESS_PROCESS_CORES:.0%})"
+                    if row["component"].startswith("ingress") else "")
+            print(f"  {row['component']:<50} {row['cores_at_size']:7.2f} cores at {d.replicas} replicas{more}; "
+                  f"one core saturates at {row['saturates_at']} replicas")
 
 
 def main(argv=None) -> int:
@@ -329,18 +285,14 @@ def main(argv=None) -> int:
     ap.add_argument("--decisions", type=int, nargs="+", default=[2000])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--ray", action="store_true", help="also the RouterActor over Ray (128 replicas, 100k blocks)")
+    ap.add_argument("--channel", action="store_true", help="also route over the RouterActor's channel (as --ray)")
     ap.add_argument("--ray-seconds", type=float, default=4.0)
     ap.add_argument("--skip-inprocess", action="store_true")
     ap.add_argument("--project-only", action="store_true", help="print the projection and exit")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[1000, 10_000], help="the projection's sizes (8 a replica)")
     args = ap.parse_args(argv)
     if args.project_only:
-        d = Deployment()
-        print(f"deployment (assumptions): {d}")
-        for k, v in project(d).items():
-            print(f"  {k}: {v:,.0f}" if isinstance(v, (int, float)) else f"  {k}: {v}")
-        for row in saturation_table(d):
-            print(f"  {row['component']:<44} {row['cores_at_size']:6.2f} cores at {d.replicas} replicas; "
-                  f"one core saturates at {row['saturates_at']} replicas")
+        print_projection(args.gpus)
         return 0
     if not args.skip_inprocess:
         print("decisions (Router.route in process, one core; hashing excluded: the ingress's)")
@@ -355,11 +307,13 @@ def main(argv=None) -> int:
         for b in args.batches:
             m = bench_events(b)
             print(f"{b:>6} {m['batches_per_s']:>10.0f} {m['events_per_s']:>10.0f}", flush=True)
-    if args.ray:
-        print("RouterActor over Ray (128 replicas, 100k blocks; 64 calls in flight from one driver)")
-        for m in bench_ray(128, 100_000, args.ray_seconds, 8):
-            print(f"{m['arm']:>18}: {m['calls_per_s']:.0f} calls/s, actor {m['actor_cores']:.2f} cores "
-                  f"({m['actor_cpu_us']:.0f} us CPU a call: {m['per_actor_core_s']:.0f} calls per actor "
+    if args.ray or args.channel:
+        from cluster.tools.bench.saturation_actor import bench_actor
+
+        print("RouterActor (128 replicas, 100k blocks; 64 calls in flight from one driver)")
+        for m in bench_actor(128, 100_000, args.ray_seconds, 8, args.ray, args.channel):
+            print(f"{m['arm']:>22}: {m['calls']} calls, {m['calls_per_s']:.0f} calls/s, actor {m['actor_cores']:.2f} "
+                  f"cores ({m['actor_cpu_us']:.0f} us CPU a call: {m['per_actor_core_s']:.0f} calls per actor "
                   f"core-second), load generator {m['loadgen_cores']:.2f} cores", flush=True)
     return 0
 
