@@ -1,7 +1,8 @@
 """The routing policy: one cost per candidate replica, in tokens of work; lowest wins.
 
-    prefill cost(r) = uncached prompt tokens on r + the prompt tokens ahead on r (queued and running)
-                      + evict_block_cost * cached blocks the miss would evict on r
+    prefill cost(r) = work(r) + the prompt tokens ahead on r (queued and running)
+                      + backlog * (work(r) - the least uncached prompt tokens on any replica of the pool)
+    work(r)         = uncached prompt tokens on r + evict_block_cost * cached blocks the miss would evict on r
     decode cost(r)  = decode_request_cost * requests on r + decode_block_cost * blocks in use on r
                       + (decode_block_cost + pull cost of a block) * prompt blocks r lacks
 
@@ -20,6 +21,15 @@ Adjustments, each visible in the decision's reason:
   deprioritised (its cost is multiplied by slow_penalty, plus one token so it loses ties at zero);
 - a replica already at hot_load_cap requests gets no credit for its cache, so a hot prefix
   spreads to a second replica instead of piling onto one;
+- backlog: the fewest requests waiting on any replica of the pool computing the prompt (failing
+  ones left out). While one has none waiting the pool has spare capacity, and a miss's extra work
+  (the tokens a holder would not compute, the recompute of what it evicts) costs the request
+  alone; once every replica has a queue, that work delays the requests waiting behind it
+  (an externality of at least `backlog` requests each token), so the extra is charged
+  1 + backlog times and a miss must beat a holder by more the further the whole pool is backed
+  up. Without it the policy is bistable on a capacity-bound pool near its capacity: a pool pushed
+  past it by misses spreads its prefixes, misses more and never recovers (docs/benchmarks.md, "Why
+  seed 5 collapses"). The decision says "pool backlogged".
 - local prefill: when the chosen decode replica lacks fewer than local_prefill_threshold prompt
   tokens (or there is no prefill pool), the decode replica prefills them itself.
 - colocated (no prefill pool): every decode replica would compute the prompt, so its cost adds the
@@ -147,8 +157,8 @@ class RouteDecision:
     decode_deployment: Literal["prefill", "decode"] = "decode"
     queue_ahead: int = 0  # requests waiting on the replica computing the prompt (queue_wait_s is theirs)
     # the prompt's price on the replica computing it, in tokens (its uncached tokens, the tokens
-    # ahead of it, the cached blocks it would push out; no slow penalty or session bonus): what
-    # two cells compare (Router.price, router/cells.py)
+    # ahead of it, the cached blocks it would push out, the backlog's charge on its extra work; no
+    # slow penalty or session bonus): what two cells compare (Router.price, router/cells.py)
     compute_cost: float = 0.0
 
 
@@ -195,24 +205,28 @@ class RoutingPolicy:
         def decode_cost(r: ReplicaLoad) -> float:
             cost = cfg.decode_request_cost * r.requests + cfg.decode_block_cost * r.used_blocks
             if not prefills:  # colocated: the decode replica computes the prompt too
-                cost += self._compute_cost(*dec_tiers[r.replica_id], r, num_prompt_tokens, index)
+                cost += self._compute_cost(*dec_tiers[r.replica_id], r, num_prompt_tokens, index, dec_charge)
             else:  # it pulls, and allocates, only the blocks it lacks (its tiers' blocks are loaded, at their weight)
                 device, lower = dec_tiers[r.replica_id]
                 held = device + self._tier_credit(r, lower)
                 cost += self._pull_block_cost(pull_s_per_block, prefill_rate) * (prompt_blocks - held)
             return cost
 
+        dec_charge = self._backlog_charge(dec_tiers, decodes, num_prompt_tokens)
         dec_affine = session.decode if session is not None else None
         decode, reasons = self._pick(decodes, decode_cost, slow, dec_affine)
         device, lower = dec_tiers[decode.replica_id]  # its own tiers serve local prefill and imports alike
         cached_on_decode = self._cached_tokens(device + len(lower), decode, num_prompt_tokens)
         missing = num_prompt_tokens - cached_on_decode
         if not prefills or missing < cfg.local_prefill_threshold:
-            why = "no prefill pool" if not prefills else f"local prefill: {missing} uncached tokens"
-            return RouteDecision(None, decode.replica_id, "local", cached_on_decode, "; ".join([why, *reasons]),
+            why = ["no prefill pool" if not prefills else f"local prefill: {missing} uncached tokens"]
+            if dec_charge[0]:
+                why.append(f"pool backlogged: {dec_charge[0]} waiting on each replica")
+            return RouteDecision(None, decode.replica_id, "local", cached_on_decode, "; ".join([*why, *reasons]),
                                  load_model.replica_queue_wait_s(decode, decodes) or 0.0, cached_on_decode,
                                  decode_deployment=decode.deployment, queue_ahead=decode.waiting,
-                                 compute_cost=self._compute_cost(device, lower, decode, num_prompt_tokens, index))
+                                 compute_cost=self._compute_cost(device, lower, decode, num_prompt_tokens, index,
+                                                                  dec_charge))
 
         return self._remote(hashes, num_prompt_tokens, index, prefills, slow, session, decode,
                             cached_on_decode, reasons)
@@ -223,14 +237,12 @@ class RoutingPolicy:
         """Remote prefill: the prefill replica for a request whose decode replica is chosen."""
         cfg = self.config
         pre_tiers = index.prefix_tiers(hashes, [r.replica_id for r in prefills])
-        hot = set()
+        hot = {r.replica_id for r in prefills if any(pre_tiers[r.replica_id]) and r.requests >= cfg.hot_load_cap}
+        credited = {rid: ((0, ()) if rid in hot else held) for rid, held in pre_tiers.items()}
+        charge = self._backlog_charge(credited, prefills, num_prompt_tokens)
 
         def prefill_cost(r: ReplicaLoad) -> float:
-            blocks, lower = pre_tiers[r.replica_id]
-            if (blocks or lower) and r.requests >= cfg.hot_load_cap:
-                hot.add(r.replica_id)
-                blocks, lower = 0, ()
-            return self._compute_cost(blocks, lower, r, num_prompt_tokens, index)
+            return self._compute_cost(*credited[r.replica_id], r, num_prompt_tokens, index, charge)
 
         pre_affine = session.prefill if session is not None else None
         prefill, p_reasons = self._pick(prefills, prefill_cost, slow, pre_affine)
@@ -241,25 +253,46 @@ class RoutingPolicy:
         why = ["cache" if cached else "load"]
         if hot:
             why.append(f"hot prefix spread past cap on {sorted(hot)}")
+        if charge[0]:
+            why.append(f"pool backlogged: {charge[0]} waiting on each replica")
         return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached,
                              "; ".join([*why, *p_reasons, *reasons]),
                              load_model.replica_queue_wait_s(prefill, prefills) or 0.0, cached_on_decode,
                              prefill.deployment, decode.deployment, queue_ahead=prefill.waiting,
                              compute_cost=prefill_cost(prefill))
 
+    def _backlog_charge(self, tiers: dict[str, tuple[int, Sequence[int]]], pool: Sequence[ReplicaLoad],
+                        num_prompt_tokens: int) -> tuple[int, float]:
+        """(backlog, least uncached): the fewest requests waiting on any working replica of the pool
+        (0 while one has none: spare capacity), and the fewest prompt tokens any replica of it
+        would compute for this prompt (its cache credited as `tiers` holds it: device blocks and
+        lower tiers' levels). The least is looked for only when there is a backlog to charge."""
+        backlog = min((r.waiting for r in pool if not r.failing), default=None)
+        if backlog is None:  # every replica failing (or none): they are the pool
+            backlog = min((r.waiting for r in pool), default=0)
+        if backlog <= 0:
+            return 0, 0.0
+        least = min(num_prompt_tokens - self._cached_tokens(tiers[r.replica_id][0] + self._tier_credit(
+            r, tiers[r.replica_id][1]), r, num_prompt_tokens) for r in pool)
+        return backlog, least
+
     def _compute_cost(self, cached_blocks: int, lower: Sequence[int], r: ReplicaLoad, num_prompt_tokens: int,
-                      index: PrefixIndex) -> float:
+                      index: PrefixIndex, charge: tuple[int, float] = (0, 0.0)) -> float:
         """Prompt work on the replica that computes it: its uncached tokens, its queue, and the
         cached blocks its new blocks would push out. Never-cached free blocks are at least
         free - cached (every cached block may be a free one); a miss beyond them evicts. `lower`:
         the levels of the blocks after the device prefix that lower tiers hold (credited at
-        tier_weights; they still take device blocks when loaded back)."""
+        tier_weights; they still take device blocks when loaded back). `charge`: the pool's
+        (backlog, least uncached tokens) (`_backlog_charge`): the work beyond the least is charged
+        backlog times more, for the requests it delays."""
         credit = cached_blocks + self._tier_credit(r, lower)
         cached = self._cached_tokens(credit, r, num_prompt_tokens)
         new_blocks = -(-num_prompt_tokens // self.config.block_size) - cached_blocks
         room = max(0, r.free_blocks - index.num_blocks(r.replica_id))
         evicted = min(max(0, new_blocks - room), index.num_blocks(r.replica_id))
-        return num_prompt_tokens - cached + load_model.tokens_ahead(r) + self.config.evict_block_cost * evicted
+        work = num_prompt_tokens - cached + self.config.evict_block_cost * evicted
+        backlog, least = charge
+        return work + load_model.tokens_ahead(r) + backlog * (work - least)
 
     def tier_weights(self, r: ReplicaLoad) -> tuple[float, ...]:
         """The credit of a block in each of r's lower tiers: configured, or what computing it
