@@ -272,9 +272,15 @@ class RoutingPolicy:
             backlog = min((r.waiting for r in pool), default=0)
         if backlog <= 0:
             return 0, 0.0
-        least = min(num_prompt_tokens - self._cached_tokens(tiers[r.replica_id][0] + self._tier_credit(
-            r, tiers[r.replica_id][1]), r, num_prompt_tokens) for r in pool)
+        least = min(self._uncached_tokens(*tiers[r.replica_id], r, num_prompt_tokens) for r in pool)
         return backlog, least
+
+    def _uncached_tokens(self, cached_blocks: int, lower: Sequence[int], r: ReplicaLoad,
+                         num_prompt_tokens: int) -> float:
+        """The prompt tokens r would compute: those past its device blocks and its lower tiers'
+        (credited at tier_weights)."""
+        return num_prompt_tokens - self._cached_tokens(cached_blocks + self._tier_credit(r, lower), r,
+                                                       num_prompt_tokens)
 
     def _compute_cost(self, cached_blocks: int, lower: Sequence[int], r: ReplicaLoad, num_prompt_tokens: int,
                       index: PrefixIndex, charge: tuple[int, float] = (0, 0.0)) -> float:
@@ -285,12 +291,11 @@ class RoutingPolicy:
         tier_weights; they still take device blocks when loaded back). `charge`: the pool's
         (backlog, least uncached tokens) (`_backlog_charge`): the work beyond the least is charged
         backlog times more, for the requests it delays."""
-        credit = cached_blocks + self._tier_credit(r, lower)
-        cached = self._cached_tokens(credit, r, num_prompt_tokens)
+        uncached = self._uncached_tokens(cached_blocks, lower, r, num_prompt_tokens)
         new_blocks = -(-num_prompt_tokens // self.config.block_size) - cached_blocks
         room = max(0, r.free_blocks - index.num_blocks(r.replica_id))
         evicted = min(max(0, new_blocks - room), index.num_blocks(r.replica_id))
-        work = num_prompt_tokens - cached + self.config.evict_block_cost * evicted
+        work = uncached + self.config.evict_block_cost * evicted
         backlog, least = charge
         return work + load_model.tokens_ahead(r) + backlog * (work - least)
 

@@ -72,7 +72,8 @@ class Calibrator:
         self.engine.add_request(rid, prompt_token_ids=prompt, sampling=sp)
         return rid
 
-    def _run_out(self) -> None:
+    def run_out(self) -> None:
+        """Step until nothing is left unfinished."""
         while self.engine.has_unfinished():
             self.engine.step()
 
@@ -86,7 +87,7 @@ class Calibrator:
         prefix = self._tokens(cached)
         if cached:
             self._add(prefix, 1)
-            self._run_out()
+            self.run_out()
         times = []
         for rep in range(self.reps + 1):
             self._add(prefix + self._tokens(n), 1)
@@ -104,7 +105,7 @@ class Calibrator:
         """One untimed-as-a-point prefill step of n fresh tokens: seconds (for the estimates)."""
         self._add(self._tokens(n), 1)
         dt, _ = self._timed_step()
-        self._run_out()
+        self.run_out()
         return dt
 
     def pilot_decode(self, batch: int, context: int) -> float:
@@ -114,10 +115,11 @@ class Calibrator:
         finally:
             self.reps = reps
 
-    def decode(self, batch: int, context: int) -> float:
-        """Median seconds of a decode step of `batch` requests at context `context`."""
-        sp = SamplingParams(max_tokens=self.reps + 3, temperature=0, ignore_eos=True)
-        ids = set()
+    def import_decodes(self, batch: int, context: int, max_tokens: int) -> list[str]:
+        """`batch` requests of distinct `context`-token prompts, imported as decode takes a pulled
+        prompt (nothing computed here) and decoding from the next step; their ids."""
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        ids = []
         for _ in range(batch):
             self._n += 1
             req = self.engine.make_request(f"profile-{self._n}", prompt_token_ids=self._tokens(context), sampling=sp)
@@ -126,7 +128,16 @@ class Calibrator:
                 raise RuntimeError(f"decode point ({batch}, {context}): no room to admit {batch} requests "
                                    "of distinct prompts, or one was found cached")
             self.engine.activate(req.request_id, context, first)
-            ids.add(req.request_id)
+            ids.append(req.request_id)
+        return ids
+
+    def fresh_prompt(self, n: int, max_tokens: int) -> str:
+        """A request of n fresh random tokens added to the engine; its id."""
+        return self._add(self._tokens(n), max_tokens)
+
+    def decode(self, batch: int, context: int) -> float:
+        """Median seconds of a decode step of `batch` requests at context `context`."""
+        ids = self.import_decodes(batch, context, self.reps + 3)
         times = []
         for rep in range(self.reps + 1):
             dt, outs = self._timed_step()
@@ -136,7 +147,7 @@ class Calibrator:
                 times.append(dt)
         for rid in ids:
             self.engine.abort(rid)
-        self._run_out()
+        self.run_out()
         return statistics.median(times)
 
 

@@ -16,7 +16,6 @@ import time
 import torch
 
 from cluster.engine.llm_engine import LLMEngine
-from cluster.engine.sampling_params import SamplingParams
 from cluster.planner.calibrate import Calibrator
 from cluster.planner.profile import Profile
 
@@ -29,24 +28,14 @@ def mixed(cal: Calibrator, batch: int, context: int, chunk_index: int, reps: int
     eng, chunk = cal.engine, BUDGET - batch
     times = []
     for rep in range(reps + 1):
-        sampling = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-        ids = []
-        for _ in range(batch):
-            cal._n += 1
-            req = eng.make_request(f"mixed-{cal._n}", prompt_token_ids=cal._tokens(context), sampling=sampling)
-            first = cal._tokens(1)[0]
-            if eng.import_request(req, eng.full_block_hashes(req), context, first) != 0:
-                raise RuntimeError("a decode's prompt was found cached: the shapes would lie")
-            eng.activate(req.request_id, context, first)
-            ids.append(req.request_id)
-        ids.append(cal._add(cal._tokens(3 * chunk + 10), 1))
+        ids = cal.import_decodes(batch, context, 64) + [cal.fresh_prompt(3 * chunk + 10, 1)]
         for _ in range(chunk_index + 1):
             t = time.perf_counter()
             eng.step()
             seconds = time.perf_counter() - t
         for rid in ids:
             eng.abort(rid)
-        cal._run_out()
+        cal.run_out()
         if rep:  # the first is a warm-up
             times.append(seconds)
     return statistics.median(times)
