@@ -12,6 +12,7 @@ threads py-spy cannot see (Ray's and gRPC's C++ threads) in a part of its own: "
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -169,10 +170,14 @@ def save(path: Path, cpu: dict[int, tuple[str, float]], arm: dict) -> None:
                                 "n": arm["n"], "messages": arm["messages"]}))
 
 
-def main() -> None:
+def main(argv=None) -> None:
     """Split saved arms again: `python -m cluster.tools.bench.ingress_parts DIR [MAX_TOKENS ...]`."""
-    d = Path(sys.argv[1])
-    for arm in sys.argv[2:] or ["1", "64"]:
+    ap = argparse.ArgumentParser(description="Split a front_door --parts run's saved arms into a request's parts.")
+    ap.add_argument("dir", type=Path, help="the directory `front_door --parts DIR` wrote")
+    ap.add_argument("arms", nargs="*", default=["1", "64"], help="the arms' max_tokens (default: 1 64)")
+    args = ap.parse_args(argv)
+    d = args.dir
+    for arm in args.arms:
         saved = json.loads((d / f"threads-{arm}.json").read_text())
         cpu = {int(t): (v[0], v[1]) for t, v in saved["cpu"].items()}
         s = split(cpu, read_samples(d / f"ingress-{arm}.txt"))
