@@ -144,7 +144,7 @@ def _plan(args) -> int:
         _emit_config(plan.best.config, prof, slo, Path(args.emit_config))
         print(f"wrote {args.emit_config} (pdserve up --config {args.emit_config})")
     if args.validate and plan.best is not None:
-        return _validate(plan.best, prof, specs, slo, args.validate, args.validate_dir)
+        return _validate(plan.best, prof, specs, slo, args.validate, args.validate_dir, plan.spread)
     return 0 if plan.best is not None else 1
 
 
@@ -167,7 +167,7 @@ def _uncalibrated_lines(plan, slo) -> list[str]:
     return lines
 
 
-def _validate(best, prof, specs, slo, runs: int, keep: str | None) -> int:
+def _validate(best, prof, specs, slo, runs: int, keep: str | None, spread=None) -> int:
     import contextlib  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
@@ -186,7 +186,7 @@ def _validate(best, prof, specs, slo, runs: int, keep: str | None) -> int:
     def resimulate(served, factor: float):
         from cluster.planner.plan import at_speed  # noqa: PLC0415
         return at_speed(prof, factor, best.config, served, slo)
-    print("\n".join(side_by_side(best, results, slo, list(specs), resimulate)))
+    print("\n".join(side_by_side(best, results, slo, list(specs), resimulate, spread)))
     return 0
 
 
@@ -259,7 +259,7 @@ def _print_plan(plan, prof, specs, slo, attain, transfer_note, cpu_s, simulated)
 
 def _band_lines(plan, slo) -> list[str]:
     """The pick at SPEED_BAND slower and faster steps (planner/plan.py: the speed band)."""
-    from cluster.planner.plan import SPEED_BAND  # noqa: PLC0415
+    from cluster.planner.plan import RUN_JITTER, SPEED_BAND, STEP_JITTER  # noqa: PLC0415
 
     if not plan.band:
         return []
@@ -272,6 +272,12 @@ def _band_lines(plan, slo) -> list[str]:
     if slow.attainment < plan.attain or not slow.keeps_up:
         lines.append(f"  WARNING: with {pct} slower steps the pick misses the SLO (attainment {slow.attainment:.1%}"
                      + ("" if slow.keeps_up else ", cannot keep up") + "): it has no margin for a slower machine")
+    if plan.spread is not None:
+        lo, hi = plan.spread.low, plan.spread.high
+        lines.append(f"  one run's spread ({plan.spread.draws} simulations, each with its own noise: the run's speed "
+                     f"{RUN_JITTER:.0%}, each step {STEP_JITTER:.0%}; 10th-90th percentile): TTFT p50 {lo.ttft_p50:.3f}-"
+                     f"{hi.ttft_p50:.3f} s, p90 {lo.ttft_p90:.3f}-{hi.ttft_p90:.3f} s  TPOT p50 {lo.tpot_p50 * 1e3:.1f}-"
+                     f"{hi.tpot_p50 * 1e3:.1f} ms, p90 {lo.tpot_p90 * 1e3:.1f}-{hi.tpot_p90 * 1e3:.1f} ms")
     return lines
 
 
@@ -283,7 +289,10 @@ def _plan_json(plan, prof, specs, slo, transfer_note, cpu_s, simulated) -> dict:
 
     return {"best": res(plan.best), "front": [res(r) for r in plan.front], "evaluated": plan.evaluated,
             "probed": res(plan.probed), "binding": list(plan.binding),
-            "relaxations": [asdict(x) for x in plan.relaxations], "speed_band": [res(r) for r in plan.band], "slo": asdict(slo), "requests": len(specs),
+            "relaxations": [asdict(x) for x in plan.relaxations], "speed_band": [res(r) for r in plan.band],
+            "one_run_spread": None if plan.spread is None else {"draws": plan.spread.draws, "p10": asdict(plan.spread.low),
+                                                                "p90": asdict(plan.spread.high)},
+            "slo": asdict(slo), "requests": len(specs),
             "transfer": transfer_note, "cpu_s": cpu_s, "requests_per_cpu_s": simulated / cpu_s if cpu_s else None,
             "profile": {"model": prof.model, "device": prof.device, "range": prof.range_text()}}
 

@@ -179,14 +179,15 @@ def validate(config_doc: dict, specs, slo, runs: int, work: Path) -> list[dict]:
         server.stop()
 
 
-def side_by_side(sim, results: list[dict], slo, specs=(), resimulate=None) -> list[str]:
+def side_by_side(sim, results: list[dict], slo, specs=(), resimulate=None, spread=None) -> list[str]:
     """The plan's prediction against the runs' (their median per metric), with the error in percent,
     the trend through the trace, and what the runs did not serve. `resimulate(specs, factor) ->
     SimResult` (`specs`: the trace's requests; `factor` on every step time): for a run that refused
     some, the simulator again on the requests it served, against that run: the model's own error,
     apart from the refusals (which the run's figures leave out and the simulator, serving every
     request, prices into the others' waits); and for every run, the simulator at the speed the
-    run's TTFT p50 reads (`run_speed`)."""
+    run's TTFT p50 reads (`run_speed`). `spread` (plan.Spread): one run's spread, and each run's
+    figures outside it named."""
     from cluster.planner.outcome import Trend  # noqa: PLC0415
     from cluster.planner.validation import LABELS, METRICS, Metrics, ape  # noqa: PLC0415
 
@@ -197,7 +198,8 @@ def side_by_side(sim, results: list[dict], slo, specs=(), resimulate=None) -> li
     for m in METRICS:
         p, r = getattr(pred, m), getattr(real, m)
         text = (lambda v: f"{v:>8.3f} req/s") if m == "goodput" else (lambda v: f"{v * 1e3:>8.1f} ms   ")
-        lines.append(f"  {LABELS[m]:<10} {text(p)} {text(r)} {ape(r, p):>7.1f}%")
+        lines.append(f"  {LABELS[m]:<10} {text(p)} {text(r)} {ape(r, p):>7.1f}%"
+                     + (f"   one run: {_span(m, spread)}" if spread is not None and m != "goodput" else ""))
     for i, (r, m) in enumerate(zip(results, measured)):
         ok = [s == "ok" for s in r["statuses"]]
         trend = Trend.of(r["start_times"], [lat if g else None for lat, g in zip(r["latencies"], ok)])
@@ -209,6 +211,10 @@ def side_by_side(sim, results: list[dict], slo, specs=(), resimulate=None) -> li
                      + f"; TTFT p50/p90 {m.ttft_p50 * 1e3:.0f}/{m.ttft_p90 * 1e3:.0f} ms, "
                        f"TPOT p50/p90 {m.tpot_p50 * 1e3:.1f}/{m.tpot_p90 * 1e3:.1f} ms")
         lines += [f"    {code} x{n}: {first}" for code, n, first in unserved(r)]
+        if spread is not None:
+            out = [f"{LABELS[k]} {getattr(m, k) * 1e3:.1f} ms ({_span(k, spread)})"
+                   for k in METRICS if k != "goodput" and not spread.holds(k, getattr(m, k))]
+            lines.append("    outside one run's spread: " + ", ".join(out) if out else "    within one run's spread")
         served = served_specs(r, specs) if resimulate is not None else []
         if failed and resimulate is not None:
             lines += _served_only(resimulate, served, m)
@@ -217,6 +223,10 @@ def side_by_side(sim, results: list[dict], slo, specs=(), resimulate=None) -> li
     if sim.trend is not None:
         lines.append(f"  predicted: {sim.trend.text()}")
     return lines
+
+
+def _span(metric: str, spread) -> str:
+    return f"{getattr(spread.low, metric) * 1e3:.1f}-{getattr(spread.high, metric) * 1e3:.1f} ms"
 
 
 def _served_only(resimulate, served: list, real) -> list[str]:

@@ -23,7 +23,9 @@ What it does not model yet (each is a known gap, not validated against real runs
 (every prompt is computed in full; trace hash ids are ignored), the prefill pool's KV capacity and
 leases, the router seeing loads up to a second old (it sees the exact simulated loads), ingress
 cost, admission control and queue limits, speculative decoding, host/disk KV tiers.
-Deterministic: the same inputs and seed give the same result.
+Deterministic: the same inputs and seed give the same result. With `step_jitter` (sigma > 0) each
+step's time is its profiled time times a log-normal factor (median 1) drawn from `jitter_seed`'s
+stream: one real run's step-to-step noise, for the plan's one-run spread (planner/plan.py).
 
 The parts, one concept a module, are in cluster/planner/sim/ (the event core; the shared cores;
 prefill; decode and transfer; flips; results); this module assembles them.
@@ -54,10 +56,12 @@ __all__ = ["PREFILL_BLOCKS", "Replica", "SimRequest", "Simulator", "simulate"]
 
 class Simulator(EventCore, SharedCores, PrefillSteps, DecodeSteps, Flips, Results):
     def __init__(self, profile: Profile, config: ClusterConfig, slo: SLO, seed: int = 0,
-                 transfer: Transfer | None = None, split: SplitPolicy | None = None, flip_s: float = 0.5):
+                 transfer: Transfer | None = None, split: SplitPolicy | None = None, flip_s: float = 0.5,
+                 step_jitter: float = 0.0, jitter_seed: int = 0):
         """`split`: the run-time planner's policy, asked every split.opts.interval_s of simulated
         time; a replica it moves drains (no new work), then changes pool `flip_s` later (its
-        weights stay loaded: the flip's own cost)."""
+        weights stay loaded: the flip's own cost). `step_jitter`: the sigma of every step's
+        log-normal noise factor (0: none, the profiled times exactly)."""
         if config.decode_replicas < 1:
             raise ValueError("a cluster needs at least one decode replica")
         if config.max_num_seqs > config.chunk_tokens:
@@ -88,6 +92,8 @@ class Simulator(EventCore, SharedCores, PrefillSteps, DecodeSteps, Flips, Result
         self.remote = self.local = 0
         self.transfer_s = 0.0
         self.split, self.flip_s = split, flip_s
+        self.step_jitter = step_jitter
+        self._jitter = random.Random(jitter_seed)  # the steps' noise, apart from the router's draws
         # the serving path's measured costs (profile.serving): a decode step's loop and relay, the
         # client's TTFT per path, the remote hand-off (with the transfer)
         sv = profile.serving
@@ -99,5 +105,6 @@ class Simulator(EventCore, SharedCores, PrefillSteps, DecodeSteps, Flips, Result
 
 
 def simulate(profile: Profile, config: ClusterConfig, specs: list[RequestSpec], slo: SLO, seed: int = 0,
-             transfer: Transfer | None = None, split: SplitPolicy | None = None, flip_s: float = 0.5) -> SimResult:
-    return Simulator(profile, config, slo, seed, transfer, split, flip_s).run(specs)
+             transfer: Transfer | None = None, split: SplitPolicy | None = None, flip_s: float = 0.5,
+             step_jitter: float = 0.0, jitter_seed: int = 0) -> SimResult:
+    return Simulator(profile, config, slo, seed, transfer, split, flip_s, step_jitter, jitter_seed).run(specs)

@@ -37,10 +37,13 @@ def test_validate_runs_the_pick_for_real_and_prints_predicted_against_measured(r
     assert "plan:" in out and out[out.index("plan:") + 1].startswith("  0P+1D colocated chunk=64 ")
     start = out.index("validate: predicted against measured (1 run(s); measured = the median over runs)")
     rows = [re.fullmatch(r"  (TTFT p50|TTFT p90|TPOT p50|TPOT p90|goodput) +([0-9.]+) (ms|req/s) *([0-9.]+) "
-                         r"(ms|req/s) +([0-9.]+|inf)%", line) for line in out[start + 2:start + 7]]
+                         r"(ms|req/s) +([0-9.]+|inf)%(   one run: [0-9.]+-[0-9.]+ ms)?", line)
+            for line in out[start + 2:start + 7]]
     assert [m[1] for m in rows] == ["TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "goodput"], out[start:]
     assert all(float(m[4]) > 0 for m in rows), out[start:]  # measured
     assert out[start + 7].startswith("  run 1: 5/5 served; load generator kept its schedule"), out[start + 7]
+    assert [m[7] is not None for m in rows] == [True] * 4 + [False]  # one run's spread beside each latency
+    assert out[start + 8].startswith(("    within one run's spread", "    outside one run's spread: ")), out[start + 8]
     assert sorted(p.name for p in (tmp_path / "v").iterdir()) == ["run0.json", "server.log", "trace.jsonl",
                                                                   "validate.yaml"]
     assert json.loads((tmp_path / "v" / "run0.json").read_text())["statuses"] == ["ok"] * 5

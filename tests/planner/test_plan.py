@@ -121,4 +121,70 @@ def test_the_speed_band_is_the_pick_at_five_percent_slower_and_faster_steps(prof
                         "margin for a slower machine")
     roomy = search(profile, SPECS, SLO_, budget=3, chunks=[2048], thresholds=[0], decode_blocks=4096,
                    max_num_seqs=32, transfer=FREE)
-    assert len(_band_lines(roomy, SLO_)) == 1  # 2.116 s within 2.5: no warning
+    assert len(_band_lines(roomy, SLO_)) == 2  # 2.116 s within 2.5: no warning (the band, one run's spread)
+
+
+def test_no_step_jitter_is_the_deterministic_simulation_and_a_jitter_seed_repeats(profile):
+    """The noise is off unless asked for (sigma 0: the profiled times to the bit, whatever its
+    seed); with it on, the same stream gives the same run and another stream another."""
+    from cluster.planner.simulator import simulate
+
+    config = ClusterConfig(0, 2, 512, 0, 4096, 32)
+    plain = simulate(profile, config, SPECS, SLO_, transfer=FREE)
+    assert simulate(profile, config, SPECS, SLO_, transfer=FREE, step_jitter=0.0, jitter_seed=7) == plain
+    noisy = simulate(profile, config, SPECS, SLO_, transfer=FREE, step_jitter=0.05, jitter_seed=7)
+    assert simulate(profile, config, SPECS, SLO_, transfer=FREE, step_jitter=0.05, jitter_seed=7) == noisy
+    other = simulate(profile, config, SPECS, SLO_, transfer=FREE, step_jitter=0.05, jitter_seed=8)
+    assert noisy.ttft.p50 != plain.ttft.p50 and other.ttft.p50 != noisy.ttft.p50
+
+
+def test_one_runs_spread_is_the_pick_itself_without_noise_and_the_runs_speeds_with_it(profile):
+    """Without noise every draw is the plan's own simulation: the spread is one point. With the
+    run's speed alone (no step noise), the pick 2P+1D's TTFT is one prefill step with no queue, so
+    draw k's TTFT is the step times draw k's factor exactly, and the spread's ends are the 10th and
+    90th percentiles of those factors."""
+    import random
+
+    from cluster.planner.outcome import percentile
+    from cluster.planner.plan import run_spread
+    from cluster.planner.validation import Metrics
+    from cluster.planner.simulator import simulate
+
+    config = ClusterConfig(2, 1, 2048, 0, 4096, 32)
+    still = run_spread(profile, config, SPECS, SLO_, FREE, draws=5, run_jitter=0.0, step_jitter=0.0)
+    assert still.low == still.high == Metrics.of_sim(simulate(profile, config, SPECS, SLO_, transfer=FREE))
+    assert still.draws == 5
+    speeds = run_spread(profile, config, SPECS, SLO_, FREE, draws=24, run_jitter=0.04, step_jitter=0.0)
+    step = 1 / 16 + 2000 / 1024
+    factors = sorted(random.Random(k).lognormvariate(0.0, 0.04) for k in range(24))
+    assert speeds.low.ttft_p50 == pytest.approx(step * percentile(factors, 10))
+    assert speeds.high.ttft_p50 == pytest.approx(step * percentile(factors, 90))
+    assert speeds.holds("ttft_p50", step) and not speeds.holds("ttft_p50", step * 1.2)
+
+
+def test_the_plan_prints_one_runs_spread_and_a_validation_names_the_runs_outside_it(profile):
+    from cluster.app.plan_cli import _band_lines
+    from cluster.app.plan_runs import side_by_side
+
+    plan = search(profile, SPECS, SLO_, budget=3, chunks=[2048], thresholds=[0], decode_blocks=4096,
+                  max_num_seqs=32, transfer=FREE)
+    lo, hi = plan.spread.low, plan.spread.high
+    assert plan.spread.draws == 24 and lo.ttft_p50 < plan.best.ttft.p50 < hi.ttft_p50
+    assert _band_lines(plan, SLO_)[-1] == (
+        "  one run's spread (24 simulations, each with its own noise: the run's speed 4%, each step 5%; 10th-90th "
+        f"percentile): TTFT p50 {lo.ttft_p50:.3f}-{hi.ttft_p50:.3f} s, p90 {lo.ttft_p90:.3f}-{hi.ttft_p90:.3f} s  "
+        f"TPOT p50 {lo.tpot_p50 * 1e3:.1f}-{hi.tpot_p50 * 1e3:.1f} ms, p90 {lo.tpot_p90 * 1e3:.1f}-"
+        f"{hi.tpot_p90 * 1e3:.1f} ms")
+
+    def run(ttft_s: float) -> dict:  # a bench result: every request served with this TTFT and the plan's TPOT
+        tpot = plan.best.tpot.p50
+        return {"statuses": ["ok"] * len(SPECS), "start_times": [s.arrival_s for s in SPECS],
+                "ttfts": [ttft_s] * len(SPECS), "latencies": [ttft_s + 199 * tpot] * len(SPECS),
+                "output_lens": [200] * len(SPECS)}
+    inside, slow = run(plan.best.ttft.p50), run(hi.ttft_p90 * 1.5)
+    lines = side_by_side(plan.best, [inside, slow], SLO_, spread=plan.spread)
+    assert lines[2].endswith(f"one run: {lo.ttft_p50 * 1e3:.1f}-{hi.ttft_p50 * 1e3:.1f} ms")
+    within = [x for x in lines if "one run's spread" in x]
+    assert within[0] == "    within one run's spread"
+    assert within[1].startswith(f"    outside one run's spread: TTFT p50 {hi.ttft_p90 * 1.5e3:.1f} ms "
+                                f"({lo.ttft_p50 * 1e3:.1f}-{hi.ttft_p50 * 1e3:.1f} ms), TTFT p90")

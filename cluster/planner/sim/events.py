@@ -82,6 +82,8 @@ class EventCore:
         if plan is None:
             return
         seconds, work = plan
+        if self.step_jitter:
+            seconds *= self._jitter.lognormvariate(0.0, self.step_jitter)
         self.busy += 1
         rep.busy = True
         rep.steps += 1
