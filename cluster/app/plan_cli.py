@@ -25,7 +25,7 @@ def _add_profile_parser(sub) -> None:
                                         "with the defaults on 2 CPU cores, printed as it goes")
     pr.add_argument("--model", help="checkpoint directory (default: the demo model, SmolLM2-135M-Instruct)")
     pr.add_argument("--out", default="pdserve-profile.json", help="profile file to write")
-    pr.add_argument("--prefill-tokens", type=_ints, default=None, help="prompt tokens per step, e.g. 16,64,256,1024")
+    pr.add_argument("--prefill-tokens", type=_ints, default=None, help="prompt tokens per step (default 16,64,256,512,1024)")
     pr.add_argument("--prefill-cached", type=_ints, default=None, help="cached tokens before them, e.g. 0,1024")
     pr.add_argument("--decode-batch", type=_ints, default=None, help="decode batch sizes, e.g. 1,8,32")
     pr.add_argument("--decode-context", type=_ints, default=None, help="decode contexts, e.g. 128,1024")
@@ -131,7 +131,7 @@ def _plan(args) -> int:
         print(f"pdserve plan: refused: {e}", file=sys.stderr)
         return 3
     cpu_s = time.process_time() - t0
-    simulated = (plan.evaluated + len(plan.relaxations)) * len(specs)
+    simulated = (plan.evaluated + _extra_runs(plan)) * len(specs)
     vlines, vjson = _validation_report(validation, plan, prof, specs, slo)
     if args.json:
         doc = _plan_json(plan, prof, specs, slo, transfer_note, cpu_s, simulated)
@@ -232,7 +232,8 @@ def _print_plan(plan, prof, specs, slo, attain, transfer_note, cpu_s, simulated)
           f"max {outputs[-1]}")
     print(f"SLO: TTFT <= {slo.ttft_s:g} s and TPOT <= {slo.tpot_s * 1e3:g} ms for >= {attain:.0%} of requests; "
           f"KV transfer: {transfer_note}")
-    print(f"simulated {plan.evaluated} configurations (+{len(plan.relaxations)} what-ifs) in {cpu_s:.1f} CPU-s "
+    print(f"simulated {plan.evaluated} configurations (+{len(plan.relaxations)} what-ifs, +{_extra_runs(plan) - len(plan.relaxations)} "
+          f"runs of the pick for its speed band and one run's spread) in {cpu_s:.1f} CPU-s "
           f"({simulated / cpu_s if cpu_s else 0:.0f} requests/CPU-s)")
     print("plan:" if plan.best else "plan: NONE within the budget meets the SLO (best attainment shown below)")
     if plan.best:
@@ -255,6 +256,11 @@ def _print_plan(plan, prof, specs, slo, attain, transfer_note, cpu_s, simulated)
               "(an over-estimate): profile smaller points to remove it")
     print("note: prefix caching, admission control and the router's stale loads are not simulated"
           + ("" if prof.serving is not None else "; nor the serving path's cost (not in the profile)"))
+
+
+def _extra_runs(plan) -> int:
+    """Simulations beside the grid's: the what-ifs, the speed band, one run's spread."""
+    return len(plan.relaxations) + len(plan.band) + (plan.spread.draws if plan.spread is not None else 0)
 
 
 def _band_lines(plan, slo) -> list[str]:

@@ -45,8 +45,12 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.planner.profile import Curve, Profile
 
 # The default grid: contexts up to 2,048 tokens (prompt + output), chunks up to 1,024, batches up to
-# the engine's default max_num_seqs (64); about two minutes for SmolLM2-135M on 2 CPU cores.
-PREFILL_TOKENS = (16, 64, 256, 1024)
+# the engine's default max_num_seqs (64); about two minutes for SmolLM2-135M on 2 CPU cores. Every
+# chunk size `pdserve plan` searches (256, 512, 1024) is a point: a chunk-sized step is the most
+# common step of a prompt longer than the chunk, and a line between the points next to it can be
+# far off (an Intel Xeon VM, 2026-12-07: 512 tokens took 831 ms where the line from 256 to 1,024
+# said 1,026).
+PREFILL_TOKENS = (16, 64, 256, 512, 1024)
 PREFILL_CACHED = (0, 1024, 2048)
 # Every batch up to 6: CPU step time is not linear there (the dev VM's bench model: 16.9 ms at 4,
 # 24.7 ms at 5, where a line from 4 to 8 says 21).
