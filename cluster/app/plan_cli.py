@@ -264,7 +264,8 @@ def _extra_runs(plan) -> int:
 
 
 def _band_lines(plan, slo) -> list[str]:
-    """The pick at SPEED_BAND slower and faster steps (planner/plan.py: the speed band)."""
+    """The pick at SPEED_BAND slower and faster steps (planner/plan.py: the speed band), and one
+    run's spread (planner/plan.py `run_spread`)."""
     from cluster.planner.plan import RUN_JITTER, SPEED_BAND, STEP_JITTER  # noqa: PLC0415
 
     if not plan.band:
@@ -280,8 +281,8 @@ def _band_lines(plan, slo) -> list[str]:
                      + ("" if slow.keeps_up else ", cannot keep up") + "): it has no margin for a slower machine")
     if plan.spread is not None:
         lo, hi = plan.spread.low, plan.spread.high
-        lines.append(f"  one run's spread ({plan.spread.draws} simulations, each with its own noise: the run's speed "
-                     f"{RUN_JITTER:.0%}, each step {STEP_JITTER:.0%}; 10th-90th percentile): TTFT p50 {lo.ttft_p50:.3f}-"
+        lines.append(f"  one run's spread (an 80% band: 10th-90th percentile of {plan.spread.draws} simulations with noise, "
+                     f"the run's speed sigma {RUN_JITTER:.0%}, each step's {STEP_JITTER:.0%}): TTFT p50 {lo.ttft_p50:.3f}-"
                      f"{hi.ttft_p50:.3f} s, p90 {lo.ttft_p90:.3f}-{hi.ttft_p90:.3f} s  TPOT p50 {lo.tpot_p50 * 1e3:.1f}-"
                      f"{hi.tpot_p50 * 1e3:.1f} ms, p90 {lo.tpot_p90 * 1e3:.1f}-{hi.tpot_p90 * 1e3:.1f} ms")
     return lines

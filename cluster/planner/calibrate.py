@@ -45,7 +45,7 @@ from cluster.engine.sampling_params import SamplingParams
 from cluster.planner.profile import Curve, Profile
 
 # The default grid: contexts up to 2,048 tokens (prompt + output), chunks up to 1,024, batches up to
-# the engine's default max_num_seqs (64); about two minutes for SmolLM2-135M on 2 CPU cores. Every
+# the engine's default max_num_seqs (64); about three minutes for SmolLM2-135M on 2 CPU cores. Every
 # chunk size `pdserve plan` searches (256, 512, 1024) is a point: a chunk-sized step is the most
 # common step of a prompt longer than the chunk, and a line between the points next to it can be
 # far off (an Intel Xeon VM, 2026-12-07: 512 tokens took 831 ms where the line from 256 to 1,024

@@ -30,10 +30,13 @@ stream's last tokens just before or just after the next prompt's chunk): on a sh
 such requests move a percentile across a gap between two groups of requests (issue 54's long
 trace on an Intel Xeon: TPOT p50 read 57-97 ms over three runs of one config, each request's own
 TPOT within 10% of the simulation's but for the two or three that met a chunk in one and not in
-the other). The spread says how far one run may read from the plan with nothing wrong in the
-model. The two sigmas are this 2-core VM's: the runs of one validation read speeds within about
-±4% of one another by their TTFT (`plan_runs.run_speed`), and a point the profile measured again
-differed by 6%.
+the other). The spread is an 80% band figure by figure: where a correct model's run lands 8 times
+in 10 on each figure (so over four figures a run is often outside on one); a run outside it on the
+same side in every run is the model's error, not the run's luck. The sigmas are a choice, not a
+fit: RUN_JITTER from the runs of one validation on the Intel Xeon VM of issue 54 (their speeds, read
+from their TTFT by `plan_runs.run_speed`, within about ±4% of one another), STEP_JITTER a
+step-to-step noise of the same order (it mostly averages out over a stream's steps; what it moves
+is which steps meet).
 """
 
 from __future__ import annotations
@@ -44,10 +47,9 @@ from typing import Sequence
 
 from cluster.planner.profile import OutOfRange, Profile, Transfer
 from cluster.planner.config import SLO, ClusterConfig
-from cluster.planner.outcome import SimResult
+from cluster.planner.outcome import SimResult, percentile
 from cluster.planner.simulator import simulate
 from cluster.planner.validation import METRICS, Metrics
-from cluster.planner.outcome import percentile
 from cluster.planner.workload import RequestSpec
 
 
@@ -170,13 +172,15 @@ def at_speed(profile: Profile, factor: float, config: ClusterConfig, specs: Sequ
 def run_spread(profile: Profile, config: ClusterConfig, specs: Sequence[RequestSpec], slo: SLO,
                transfer: Transfer | None = None, seed: int = 0, draws: int = SPREAD_DRAWS,
                run_jitter: float = RUN_JITTER, step_jitter: float = STEP_JITTER) -> Spread:
-    """`config` simulated `draws` times, draw k with its run's speed and its steps' noise from
-    stream k; the 10th and 90th percentiles of each figure. Deterministic."""
+    """`config` simulated `draws` times, draw k's run speed and its steps' noise seeded from stream
+    k (two independent streams); the 10th and 90th percentiles of each figure. Deterministic."""
     runs = []
     for k in range(draws):
-        factor = random.Random(k).lognormvariate(0.0, run_jitter) if run_jitter else 1.0
+        rng = random.Random(k)
+        factor = rng.lognormvariate(0.0, run_jitter) if run_jitter else 1.0
         runs.append(Metrics.of_sim(simulate(profile.scaled(prefill=factor, decode=factor), config, list(specs), slo,
-                                            seed, transfer, step_jitter=step_jitter, jitter_seed=k)))
+                                            seed, transfer, step_jitter=step_jitter,
+                                            jitter_seed=rng.getrandbits(64))))
 
     def at(q: float) -> Metrics:
         return Metrics(*(percentile(sorted(getattr(m, name) for m in runs), q) for name in METRICS))

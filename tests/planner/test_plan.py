@@ -171,18 +171,31 @@ def test_the_plan_prints_one_runs_spread_and_a_validation_names_the_runs_outside
     lo, hi = plan.spread.low, plan.spread.high
     assert plan.spread.draws == 24 and lo.ttft_p50 < plan.best.ttft.p50 < hi.ttft_p50
     assert _band_lines(plan, SLO_)[-1] == (
-        "  one run's spread (24 simulations, each with its own noise: the run's speed 4%, each step 5%; 10th-90th "
-        f"percentile): TTFT p50 {lo.ttft_p50:.3f}-{hi.ttft_p50:.3f} s, p90 {lo.ttft_p90:.3f}-{hi.ttft_p90:.3f} s  "
+        "  one run's spread (an 80% band: 10th-90th percentile of 24 simulations with noise, the run's speed sigma "
+        f"4%, each step's 5%): TTFT p50 {lo.ttft_p50:.3f}-{hi.ttft_p50:.3f} s, p90 {lo.ttft_p90:.3f}-{hi.ttft_p90:.3f} s  "
         f"TPOT p50 {lo.tpot_p50 * 1e3:.1f}-{hi.tpot_p50 * 1e3:.1f} ms, p90 {lo.tpot_p90 * 1e3:.1f}-"
         f"{hi.tpot_p90 * 1e3:.1f} ms")
 
-    def run(ttft_s: float) -> dict:  # a bench result: every request served with this TTFT and the plan's TPOT
-        tpot = plan.best.tpot.p50
+    from dataclasses import asdict
+
+    from cluster.app.plan_cli import _extra_runs, _plan_json
+    doc = _plan_json(plan, profile, SPECS, SLO_, "free", 1.0, 1)
+    assert doc["one_run_spread"] == {"draws": 24, "p10": asdict(lo), "p90": asdict(hi)}
+    assert _extra_runs(plan) == len(plan.relaxations) + 2 + 24  # the what-ifs, the speed band, the spread
+
+    def inside(name: str) -> float:  # a value inside both the p50's and the p90's bands (every request alike)
+        low = max(getattr(lo, f"{name}_p50"), getattr(lo, f"{name}_p90"))
+        high = min(getattr(hi, f"{name}_p50"), getattr(hi, f"{name}_p90"))
+        assert low < high
+        return (low + high) / 2
+
+    def run(ttft_s: float) -> dict:  # a bench result: every request served with this TTFT, TPOT inside the band
+        tpot = inside("tpot")
         return {"statuses": ["ok"] * len(SPECS), "start_times": [s.arrival_s for s in SPECS],
                 "ttfts": [ttft_s] * len(SPECS), "latencies": [ttft_s + 199 * tpot] * len(SPECS),
                 "output_lens": [200] * len(SPECS)}
-    inside, slow = run(plan.best.ttft.p50), run(hi.ttft_p90 * 1.5)
-    lines = side_by_side(plan.best, [inside, slow], SLO_, spread=plan.spread)
+    ok, slow = run(inside("ttft")), run(hi.ttft_p90 * 1.5)
+    lines = side_by_side(plan.best, [ok, slow], SLO_, spread=plan.spread)
     assert lines[2].endswith(f"one run: {lo.ttft_p50 * 1e3:.1f}-{hi.ttft_p50 * 1e3:.1f} ms")
     within = [x for x in lines if "one run's spread" in x]
     assert within[0] == "    within one run's spread"

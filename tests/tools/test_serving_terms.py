@@ -33,8 +33,9 @@ def test_the_terms_are_the_differences_of_the_medians():
 
 
 def test_a_difference_under_zero_is_held_at_zero_and_kept_as_measured():
-    """The session-27 probe: the batched run read 4 ms under the engine's own curve, which as a
-    per-stream slope (-1.64 ms) would price a 16-stream step 24 ms under the engine alone."""
+    """The session-27 probe's local runs (the batched run read 4 ms under the engine's own curve,
+    which as a per-stream slope, -1.64 ms, would price a 16-stream step 24 ms under the engine
+    alone), with its remote run's real TTFT lowered to 300 ms so that that difference is negative too."""
     got = runs((0.3325, 0.04602, 0.3173, 0.04507), (0.971, 0.06498, 0.7951, 0.06895), (0.3000, 0.04675, 0.3173, 0.04509))
     s = serving_terms(got, ARGS)
     assert s.decode_stream_s == 0.0
@@ -43,3 +44,12 @@ def test_a_difference_under_zero_is_held_at_zero_and_kept_as_measured():
     assert s.ttft_local_s == pytest.approx(0.3325 - 0.3173)
     assert s.probe["raw"]["per_stream_s"] == pytest.approx(((0.06498 - 0.06895) - (0.04602 - 0.04507)) / 3)
     assert s.probe["raw"]["ttft_remote_s"] == pytest.approx(0.3000 - 0.3173)
+
+
+def test_a_batch_one_step_under_the_engines_is_floored_and_the_hand_off_is_over_the_priced_step():
+    """step_1 -1 ms (real TPOT under the simulated): the decode step's term is 0, not -1 ms, and the
+    remote run's first gap counts from that priced 0, not from -1 ms (which would add 63 ms)."""
+    s = serving_terms(runs((0.340, 0.0470, 0.320, 0.0480), (1.0, 0.0650, 0.95, 0.0650), (0.350, 0.0490, 0.320, 0.0470)),
+                      ARGS)
+    assert s.decode_step_s == 0.0 and s.decode_stream_s == pytest.approx(0.001 / 3)
+    assert s.handoff_s == pytest.approx((0.002 - 0.001 / 3) * 63)

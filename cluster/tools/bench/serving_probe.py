@@ -13,6 +13,7 @@ engine's steps alone and takes the differences of the medians:
     0P+1D, groups of 1 (the local path: the decode replica prefills)
         ttft_local_s   = real TTFT p50 - simulated
         step_1         = real TPOT p50 - simulated  (batch 1: one step a token)
+    (each term floored at 0: a difference under 0 is the engine curve's own noise; see serving_terms)
     0P+1D, groups of --batch B
         step_B         = real TPOT p50 - simulated  (batch B)
         -> a decode step's serving cost = decode_step_s + decode_stream_s x batch, through both
@@ -111,7 +112,7 @@ def serving_terms(got: dict, args) -> Serving:
     # What the serving path adds is never negative. A difference under 0 is the engine's own curve
     # over-estimating that point (its noise), and a per-stream term carries it to every batch size
     # (an Intel Xeon VM, 2026-12-07: real batch-4 TPOT 65.0 ms against 69.0 ms simulated read -1.64 ms
-    # a stream, which prices a 16-stream step 24 ms under the engine's own). Each term is held at 0;
+    # a stream, which prices a 16-stream step 24 ms under the engine's own). Each term is floored at 0;
     # the differences as measured stay in `probe["raw"]`.
     per_stream = max(0.0, raw["per_stream_s"])
     # the serving processes' own CPU (ingress, router, proxy: everything but the engines and the
@@ -122,7 +123,9 @@ def serving_terms(got: dict, args) -> Serving:
     return Serving(
         ttft_local_s=max(0.0, raw["ttft_local_s"]), ttft_remote_s=max(0.0, raw["ttft_remote_s"]),
         decode_step_s=max(0.0, step_1 - per_stream), decode_stream_s=per_stream,
-        handoff_s=max(0.0, (r1r.tpot_p50 - r1s.tpot_p50 - step_1) * (args.output - 1)),
+        # the first gap beyond a batch-1 decode step as priced (the floored terms, not the raw step_1)
+        handoff_s=max(0.0, (r1r.tpot_p50 - r1s.tpot_p50 - (max(0.0, step_1 - per_stream) + per_stream))
+                      * (args.output - 1)),
         message_cpu_s=serving_cpu / (n_b * args.output),
         probe={"runs": list(got), "raw": raw, "groups": args.groups, "batch": args.batch, "prompt": args.prompt,
                "output": args.output, "least_gap_s": args.gap, "real": {k: asdict(v[0]) for k, v in got.items()},
