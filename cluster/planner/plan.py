@@ -164,9 +164,12 @@ def search(profile: Profile, specs: Sequence[RequestSpec], slo: SLO, budget: int
 
 
 def at_speed(profile: Profile, factor: float, config: ClusterConfig, specs: Sequence[RequestSpec], slo: SLO,
-             transfer: Transfer | None = None, seed: int = 0) -> SimResult:
-    """`config` simulated with every prefill and decode step `factor` times as long."""
-    return simulate(profile.scaled(prefill=factor, decode=factor), config, list(specs), slo, seed, transfer)
+             transfer: Transfer | None = None, seed: int = 0, step_jitter: float = 0.0,
+             jitter_seed: int = 0) -> SimResult:
+    """`config` simulated with every prefill and decode step `factor` times as long (and, with
+    `step_jitter`, each step times its own noise: Simulator)."""
+    return simulate(profile.scaled(prefill=factor, decode=factor), config, list(specs), slo, seed, transfer,
+                    step_jitter=step_jitter, jitter_seed=jitter_seed)
 
 
 def run_spread(profile: Profile, config: ClusterConfig, specs: Sequence[RequestSpec], slo: SLO,
@@ -178,9 +181,8 @@ def run_spread(profile: Profile, config: ClusterConfig, specs: Sequence[RequestS
     for k in range(draws):
         rng = random.Random(k)
         factor = rng.lognormvariate(0.0, run_jitter) if run_jitter else 1.0
-        runs.append(Metrics.of_sim(simulate(profile.scaled(prefill=factor, decode=factor), config, list(specs), slo,
-                                            seed, transfer, step_jitter=step_jitter,
-                                            jitter_seed=rng.getrandbits(64))))
+        runs.append(Metrics.of_sim(at_speed(profile, factor, config, specs, slo, transfer, seed, step_jitter,
+                                            rng.getrandbits(64))))
 
     def at(q: float) -> Metrics:
         return Metrics(*(percentile(sorted(getattr(m, name) for m in runs), q) for name in METRICS))

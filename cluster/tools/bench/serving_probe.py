@@ -115,6 +115,7 @@ def serving_terms(got: dict, args) -> Serving:
     # a stream, which prices a 16-stream step 24 ms under the engine's own). Each term is floored at 0;
     # the differences as measured stay in `probe["raw"]`.
     per_stream = max(0.0, raw["per_stream_s"])
+    step = max(0.0, step_1 - per_stream)  # a decode step's own term; batch 1 is priced step + per_stream
     # the serving processes' own CPU (ingress, router, proxy: everything but the engines and the
     # load generator) per relayed token, in the batched run: what they take from the engines' cores
     serving_cpu = sum(v for k, v in cpu_b.items() if k in ("ingress", "router", "proxy"))
@@ -122,10 +123,9 @@ def serving_terms(got: dict, args) -> Serving:
         serving_cpu += max(0.0, cpu_b.get(pool, 0.0) - cpu_b.get(f"{pool} engine thread on CPU", cpu_b.get(pool, 0.0)))
     return Serving(
         ttft_local_s=max(0.0, raw["ttft_local_s"]), ttft_remote_s=max(0.0, raw["ttft_remote_s"]),
-        decode_step_s=max(0.0, step_1 - per_stream), decode_stream_s=per_stream,
+        decode_step_s=step, decode_stream_s=per_stream,
         # the first gap beyond a batch-1 decode step as priced (the floored terms, not the raw step_1)
-        handoff_s=max(0.0, (r1r.tpot_p50 - r1s.tpot_p50 - (max(0.0, step_1 - per_stream) + per_stream))
-                      * (args.output - 1)),
+        handoff_s=max(0.0, (r1r.tpot_p50 - r1s.tpot_p50 - (step + per_stream)) * (args.output - 1)),
         message_cpu_s=serving_cpu / (n_b * args.output),
         probe={"runs": list(got), "raw": raw, "groups": args.groups, "batch": args.batch, "prompt": args.prompt,
                "output": args.output, "least_gap_s": args.gap, "real": {k: asdict(v[0]) for k, v in got.items()},
