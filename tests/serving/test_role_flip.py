@@ -1,11 +1,12 @@
 """Runtime role flips on real pools (issue 42): 2 prefill replicas and 1 decode replica of the tiny
-model. While four greedy streams run, the prefill replica that holds some of their prompts is
-flipped to decode through the prefill deployment's handle: it drains (its prefills finish, decode
-pulls their KV, the leases end), then decodes from the same process and engine, reached through
-the prefill deployment. Every stream equals the in-process engine's tokens, none failed, none
-migrated or fell back to local prefill; new requests then decode on the flipped replica; it flips
-back; every replica's blocks are whole. A drain past its timeout is called off: the replica keeps
-its role and its stream. The drain's mechanics without Ray: test_role_flip_drain.py."""
+model. While four greedy streams wait on their KV pulls (decode's READs stalled until the drain has
+begun), the prefill replica that holds some of their leases is flipped to decode through the
+prefill deployment's handle: it drains (decode pulls their KV, the leases end), then decodes from
+the same process and engine, reached through the prefill deployment. Every stream equals the
+in-process engine's tokens, none failed, none migrated or fell back to local prefill; new requests
+then decode on the flipped replica; it flips back; every replica's blocks are whole. A drain past
+its timeout is called off: the replica keeps its role and its stream. The drain's mechanics
+without Ray: test_role_flip_drain.py."""
 
 from __future__ import annotations
 
@@ -106,27 +107,32 @@ def test_a_prefill_replica_flips_to_decode_mid_stream_and_back(app, tiny_model):
     prefills, [d] = ids["prefill"], ids["decode"]
     homes = {**{p: "prefill" for p in prefills}, d: "decode"}
     before = {r: load(home, r) for r, home in homes.items()}
-    # a prefill step takes 1.5 s, so the flip lands while prefills run (at 0.3 s a fresh-clone CI
-    # run once flipped after the victim's prompts and leases had all ended: drained_requests 0)
-    for p in prefills:
-        inject_fault(p, "prefill", step_delay_s=1.5)
-    inject_fault(d, "decode", step_delay_s=0.02)  # 240 tokens: ~5 s streams, the flip lands while they run
+    # decode's READs never complete until the flip's drain has begun, so the victim still holds
+    # leases when it drains. Without it the flip raced decode's pulls: a prefill replica's load is
+    # answered between engine turns, and by the time the test had read it and sent the flip, decode
+    # had pulled every prompt in a few ms (a fresh-clone CI run: drained_requests 0, twice, with
+    # prefill steps slowed to 0.3 s and then to 1.5 s)
+    inject_fault(d, "decode", pull="stall", step_delay_s=0.02)  # 240 tokens: ~5 s streams after the pulls
 
     ps = prompts(4, base=0)
     expected = reference(tiny_model, ps, MAX_TOKENS)
     wave = Streams(app, ps, MAX_TOKENS)
-    wait_for(lambda: sum(load("prefill", p)["requests_received"] - before[p]["requests_received"]
-                         for p in prefills) == len(ps), "every prompt on a prefill replica", timeout=60)
-    held = {p: (lambda s: s["running"] + s["waiting"] + s["held"])(load("prefill", p)) for p in prefills}
+    held: dict[str, int] = {}
+
+    def leased() -> bool:  # every prompt prefilled and held under a lease (decode's READs stall)
+        held.update({p: load("prefill", p)["held"] for p in prefills})
+        return sum(held.values()) == len(ps)
+    wait_for(leased, "every prompt prefilled and leased", timeout=60)
     victim = max(held, key=held.get)
     [other] = [p for p in prefills if p != victim]
-    assert held[victim] >= 1, held  # it has prompts to finish and leases to see pulled before it flips
 
-    flip = handle("prefill").set_role.remote("decode", drain_timeout_s=30.0, target_replica=victim).result(
-        timeout_s=60)
+    flipping = handle("prefill").set_role.remote("decode", drain_timeout_s=30.0, target_replica=victim)
+    wait_until(lambda: roles()[victim][2], f"replica {victim} drains", timeout=30)
+    inject_fault(d, "decode", pull="none")  # well inside the pulls' timeout_s (10 s): none falls back
+    flip = flipping.result(timeout_s=60)
     assert {k: flip[k] for k in ("replica_id", "from", "to")} == {"replica_id": victim, "from": "prefill",
                                                                     "to": "decode"}
-    assert flip["drained_requests"] >= 1 and flip["drained_s"] > 0, flip
+    assert flip["drained_requests"] == held[victim] >= 1 and flip["drained_s"] > 0, flip
     assert max(len(g) for g in wave.got) < MAX_TOKENS  # the streams still run
     assert roles() == {victim: ("decode", "prefill", False), other: ("prefill", "prefill", False),
                        d: ("decode", "decode", False)}
