@@ -156,14 +156,16 @@ async def _served(address: str, clients: int, seconds: float, max_tokens: int, p
 
     procs = {name: psutil.Process(pid) for name, pid in pids.items()}
     before = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
+    switched = {name: ingress_parts.switches(pid) for name, pid in pids.items()}
     cpu0, t0 = time.process_time(), time.monotonic()
     await asyncio.gather(*(caller() for _ in range(clients)))
     wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
     cores = {name: (sum(p.cpu_times()[:2]) - before[name]) / wall for name, p in procs.items()}
+    switched = {name: ingress_parts.switches(pid) - switched[name] for name, pid in pids.items()}
     await channel.close()
     return {"n": done, "messages": messages, "rps": done / wall, "tokens_per_s": tokens / wall,
             "messages_per_s": messages / wall,
-            "errors": dict(errors), "cores": cores, "client_cores": cpu / wall}
+            "errors": dict(errors), "cores": cores, "client_cores": cpu / wall, "switches": switched}
 
 
 def _pids() -> dict[str, int]:
@@ -228,7 +230,8 @@ def served_arms(address: str, args) -> None:
         print(f"  max_tokens {max_tokens:>4}: {r['rps']:7.1f} req/s, {r['tokens_per_s']:8.1f} tokens/s "
               f"({r['messages_per_s']:.1f} messages/s); ingress {ing:.2f} cores = {ing / rps * 1e3:.2f} ms "
               f"a request; " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["cores"].items()))
-              + f" cores; load generator {r['client_cores']:.2f} cores; errors {r['errors'] or 0}", flush=True)
+              + f" cores; ingress context switches {r['switches'].get('ingress', 0) / max(r['n'], 1):.1f} a request"
+              + f"; load generator {r['client_cores']:.2f} cores; errors {r['errors'] or 0}", flush=True)
         if spied is not None:
             proc, raw, before = spied
             after = ingress_parts.thread_cpu(pids["ingress"])

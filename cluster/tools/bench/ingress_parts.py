@@ -72,6 +72,20 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
+def switches(pid: int) -> int:
+    """Context switches so far (voluntary and not) over every thread of `pid`: a wake-up each,
+    at the least (/proc/PID/status counts the main thread's only)."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:  # the thread ended
+            continue
+        n += sum(int(line.split()[1]) for line in status.splitlines()
+                 if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")))
+    return n
+
+
 def cpu_between(before: dict[int, tuple[str, float]],
                 after: dict[int, tuple[str, float]]) -> dict[int, tuple[str, float]]:
     return {tid: (name, cpu - before.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in after.items()}
