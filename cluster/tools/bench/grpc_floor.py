@@ -16,6 +16,8 @@ upstream process standing in for a decode replica, on this machine:
   socket  the same relay over one persistent Unix socket to the upstream, length-prefixed msgpack
           frames multiplexed by call id (router/channel.py's framing): a front door whose hop is a
           socket of its own
+`--busy N`: N processes spin while each arm runs, the cores the engines take beside the real
+front door (its figures are taken with both engines on the same two cores).
 `--step-ms`: the chunks come at an engine's pace (every step, each stream in flight its next
 chunk), so an arm can run at the rate the real front door serves (its figures move with the rate:
 a wake-up serves more events at a higher one); 0 = as fast as they are read.
@@ -247,8 +249,14 @@ def _wait_path(path: str, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def arm(name: str, max_tokens: int, step_ms: float, clients: int, seconds: float) -> dict:
-    """One arm at one output length: its own server (and upstream) processes, at its own step."""
+def _spin() -> None:
+    while True:
+        pass
+
+
+def arm(name: str, max_tokens: int, step_ms: float, clients: int, seconds: float, busy: int = 0) -> dict:
+    """One arm at one output length: its own server (and upstream) processes, at its own step;
+    `busy` processes spin meanwhile (the engines' share of the cores, as the real front door has)."""
     from cluster.tools.bench.front_door import _served
     from cluster.tools.netutil import free_port
 
@@ -271,6 +279,8 @@ def arm(name: str, max_tokens: int, step_ms: float, clients: int, seconds: float
         address = f"127.0.0.1:{port}"
         asyncio.run(_served(address, 4, 1.0, 8, {}))  # warm-up
         pids = {k: p.pid for k, p in procs.items()}
+        for i in range(busy):
+            procs[f"busy{i}"] = _start("--spin")
         r = asyncio.run(_served(address, clients, seconds, max_tokens, pids))
         r["messages_a_request"] = r["messages"] / max(r["n"], 1)
         r["step_ms"] = step_ms
@@ -293,12 +303,18 @@ def main() -> None:
                          "its next response, as a decode engine's batch; 0 = as fast as read")
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--busy", type=int, default=0,
+                    help="processes that spin while each arm runs: the cores the engines take beside the real "
+                         "front door")
+    ap.add_argument("--spin", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve", choices=["edge", "grpc", "socket"], help=argparse.SUPPRESS)
     ap.add_argument("--serve-upstream", choices=["grpc", "socket"], help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--upstream", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.spin:
+        return _spin()
     step_s = args.step_ms[0] / 1e3
     if args.serve:  # the edge arm paces itself; the relay arms' upstream paces them
         return _run(_server(args.serve, args.port, args.upstream, step_s if args.serve == "edge" else 0.0))
@@ -310,10 +326,10 @@ def main() -> None:
     if len(steps) != len(args.tokens):
         ap.error("--step-ms: one value, or one per --tokens")
 
-    print(f"grpc floor: {args.clients} closed-loop callers for {args.seconds:g} s per arm and message count "
-          f"({os.cpu_count()} CPUs)")
+    print(f"grpc floor: {args.clients} closed-loop callers for {args.seconds:g} s per arm and output length "
+          f"({os.cpu_count()} CPUs; {args.busy} spinning processes beside)")
     for name in args.arms:
-        rs = [arm(name, t, step_ms, args.clients, args.seconds) for t, step_ms in zip(args.tokens, steps)]
+        rs = [arm(name, t, step_ms, args.clients, args.seconds, args.busy) for t, step_ms in zip(args.tokens, steps)]
         first = None
         for r in rs:
             n = max(r["n"], 1)
