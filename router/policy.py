@@ -158,8 +158,13 @@ class RouteDecision:
     queue_ahead: int = 0  # requests waiting on the replica computing the prompt (queue_wait_s is theirs)
     # the prompt's price on the replica computing it, in tokens (its uncached tokens, the tokens
     # ahead of it, the cached blocks it would push out, the backlog's charge on its extra work; no
-    # slow penalty or session bonus): what two cells compare (Router.price, router/cells.py)
+    # slow penalty or session bonus): what chose the replica within its pool
     compute_cost: float = 0.0
+    # compute_cost without the backlog's charge: the prompt's own work and wait there. What two
+    # cells compare (Router.price, router/cells.py): a cell charges work beyond the least any of
+    # its own replicas needs, so its charge is on no common scale with another cell's (a cell
+    # without the prefix charges its misses nothing beyond its own least, which is a miss too)
+    prompt_cost: float = 0.0
 
 
 class NoReplicaError(RuntimeError):
@@ -226,7 +231,8 @@ class RoutingPolicy:
                                  load_model.replica_queue_wait_s(decode, decodes) or 0.0, cached_on_decode,
                                  decode_deployment=decode.deployment, queue_ahead=decode.waiting,
                                  compute_cost=self._compute_cost(device, lower, decode, num_prompt_tokens, index,
-                                                                  dec_charge))
+                                                                  dec_charge),
+                                 prompt_cost=self._compute_cost(device, lower, decode, num_prompt_tokens, index))
 
         return self._remote(hashes, num_prompt_tokens, index, prefills, slow, session, decode,
                             cached_on_decode, reasons)
@@ -259,7 +265,9 @@ class RoutingPolicy:
                              "; ".join([*why, *p_reasons, *reasons]),
                              load_model.replica_queue_wait_s(prefill, prefills) or 0.0, cached_on_decode,
                              prefill.deployment, decode.deployment, queue_ahead=prefill.waiting,
-                             compute_cost=prefill_cost(prefill))
+                             compute_cost=prefill_cost(prefill),
+                             prompt_cost=self._compute_cost(*credited[prefill.replica_id], prefill, num_prompt_tokens,
+                                                            index))
 
     def _backlog_charge(self, tiers: dict[str, tuple[int, Sequence[int]]], pool: Sequence[ReplicaLoad],
                         num_prompt_tokens: int) -> tuple[int, float]:

@@ -191,8 +191,8 @@ class Router:
     def price(self, hashes: Sequence[BlockHash], num_prompt_tokens: int, session: str | None = None,
               group: str | None = None, carried: Carried | None = None) -> float | None:
         """What `route` with these arguments would decide the prompt costs on the replica it
-        computes it on (RouteDecision.compute_cost, in tokens); None where `route` would find no
-        replica (EMPTY). Changes nothing: no decision is recorded or counted, no work pending, no
+        computes it on, without its pool's backlog charge (RouteDecision.prompt_cost, in tokens);
+        None where `route` would find no replica (EMPTY). Changes nothing: no decision is recorded or counted, no work pending, no
         session touched, no replica forgotten, and the policy's tie-breaking draws are put back,
         so a `route` right after picks the replicas priced. The ingress prices a request in its
         first two cells and sends it to the cheaper (router/cells.py)."""
@@ -204,7 +204,7 @@ class Router:
         rng = self.policy.rng
         state = rng.getstate()
         try:
-            return self.policy.route(hashes, num_prompt_tokens, self.index, loads, hint).compute_cost
+            return self.policy.route(hashes, num_prompt_tokens, self.index, loads, hint).prompt_cost
         except NoReplicaError:
             return None
         finally:

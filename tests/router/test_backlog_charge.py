@@ -33,10 +33,11 @@ def route(loads, holdings=None, **config):
 def test_a_backlogged_pool_keeps_a_prefix_on_its_holder_longer():
     # p-a: 16 uncached + its queue. p-b: 80 uncached + 50 ahead, and with 2 waiting on every
     # replica its 64 tokens beyond p-a's 16 are charged twice more: 80 + 50 + 2 * 64 = 258.
-    for queued_a, expected, price in [(241, "p-a", 257.0), (243, "p-b", 258.0)]:
+    # prompt_cost: the chosen replica's cost without the charge (the holder's is its own least)
+    for queued_a, expected, price, own in [(241, "p-a", 257.0, 257.0), (243, "p-b", 258.0, 130.0)]:
         d = route([load("p-a", "prefill", 2, queued_a), load("p-b", "prefill", 2, 50), load("d-0", "decode")])
-        assert (d.prefill, d.predicted_cached_tokens, d.compute_cost) == (
-            expected, 64 if expected == "p-a" else 0, price)
+        assert (d.prefill, d.predicted_cached_tokens, d.compute_cost, d.prompt_cost) == (
+            expected, 64 if expected == "p-a" else 0, price, own)
         assert "pool backlogged: 2 waiting on each replica" in d.reason
     # Today (no charge) p-a at 241 ahead costs 257 against p-b's 130: the miss won. Here too,
     # while p-b has nothing waiting (spare capacity): no charge, and nothing said of it.
@@ -53,7 +54,7 @@ def test_the_charge_counts_the_blocks_a_miss_evicts():
     assert (d.prefill, d.compute_cost) == ("p-a", 193.0)
     loads[0] = load("p-a", "prefill", 1, 179)
     d = route(loads, holdings)
-    assert (d.prefill, d.compute_cost) == ("p-b", 194.0)
+    assert (d.prefill, d.compute_cost, d.prompt_cost) == ("p-b", 194.0, 110.0)
 
 
 def test_a_failing_idle_replica_is_not_spare_capacity():
@@ -81,5 +82,6 @@ def test_colocated_decode_replicas_are_charged_over_their_own_pool():
     # decode cost each): d-a 32 + 16 + 100 = 148, d-b 32 + 80 + 1 * 64 = 176 (uncharged, 112: d-b).
     loads = [load("d-a", "decode", 1, 100), load("d-b", "decode", 1, 0)]
     d = route(loads, {"d-a": SYSTEM})
-    assert (d.decode, d.mode, d.predicted_cached_tokens, d.compute_cost) == ("d-a", "local", 64, 116.0)
+    assert (d.decode, d.mode, d.predicted_cached_tokens, d.compute_cost, d.prompt_cost) == (
+        "d-a", "local", 64, 116.0, 116.0)
     assert d.reason == "no prefill pool; pool backlogged: 1 waiting on each replica"

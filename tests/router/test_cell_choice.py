@@ -53,6 +53,27 @@ def test_a_price_is_the_cost_the_decision_then_picks_and_changes_nothing():
     assert r.stats().decisions == 2 and "gone" not in r._loads  # the decision forgot the stale replica
 
 
+def test_a_backlogged_cells_price_is_its_prompts_own_cost_without_the_charge():
+    # both prefill replicas have 2 waiting: the cell's backlog charge (1 + 2 on work beyond the
+    # least: p0 holds 64 of the 80 tokens) sends the prompt to p0 behind its 200 queued, and the
+    # decision says what chose it: 16 + 200 = 216 against p1's 80 + 10 + 2 * 64 = 218. Another
+    # cell's charge is over its own least, so the price two cells compare is the prompt's own work
+    # there, 216 too; when the charge is what a miss pays, the price is the miss's own: p1, 80 + 10.
+    r = Router(RoutingPolicy(PolicyConfig(block_size=BS), random.Random(0)))
+    for x in (load("p0", "prefill", waiting=2, queued=200), load("p1", "prefill", waiting=2, queued=10),
+              load("d0", "decode")):
+        r.report_load(x)
+    r.resync("p0", "i", 1, H[:4])
+    assert r.price(H, 80) == 216.0
+    d = r.route(H, 80)
+    assert (d.prefill, d.compute_cost, d.prompt_cost) == ("p0", 216.0, 216.0)
+    assert "pool backlogged: 2 waiting on each replica" in d.reason
+    r.report_load(load("p0", "prefill", waiting=2, queued=300))  # now p1's charged miss wins: 218 < 316
+    assert r.price(H, 80) == 90.0
+    d = r.route(H, 80)
+    assert (d.prefill, d.compute_cost, d.prompt_cost) == ("p1", 218.0, 90.0)
+
+
 def test_a_local_decision_is_priced_on_its_decode_replica_and_a_cell_without_one_has_no_price():
     r = Router(RoutingPolicy(PolicyConfig(block_size=BS), random.Random(0)))
     r.report_load(load("d", "decode", running=40, queued=7))  # colocated: d computes the prompt
