@@ -33,36 +33,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import struct
 import subprocess
 import sys
 import time
 
 import msgpack
 
-HEADER = struct.Struct("!I")
-
-
-def _frame(obj) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
-    return HEADER.pack(len(body)) + body
-
-
-class _Frames:
-    def __init__(self):
-        self.buf = bytearray()
-
-    def feed(self, data: bytes) -> list:
-        buf, out, at = self.buf, [], 0
-        buf += data
-        while len(buf) - at >= 4:
-            (n,) = HEADER.unpack_from(buf, at)
-            if len(buf) - at - 4 < n:
-                break
-            out.append(msgpack.unpackb(bytes(buf[at + 4:at + 4 + n]), raw=False))
-            at += 4 + n
-        del buf[:at]
-        return out
+from router.channel import FrameReader as _Frames
+from router.channel import frame as _frame
 
 
 def _chunks(max_tokens: int) -> list[list]:
