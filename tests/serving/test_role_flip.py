@@ -130,43 +130,51 @@ def test_a_prefill_replica_flips_to_decode_mid_stream_and_back(app, tiny_model):
     wait_until(lambda: roles()[victim][2], f"replica {victim} drains", timeout=30)
     inject_fault(d, "decode", pull="none")  # well inside the pulls' timeout_s (10 s): none falls back
     flip = flipping.result(timeout_s=60)
-    assert {k: flip[k] for k in ("replica_id", "from", "to")} == {"replica_id": victim, "from": "prefill",
-                                                                    "to": "decode"}
-    assert flip["drained_requests"] == held[victim] >= 1 and flip["drained_s"] > 0, flip
-    assert max(len(g) for g in wave.got) < MAX_TOKENS  # the streams still run
-    assert roles() == {victim: ("decode", "prefill", False), other: ("prefill", "prefill", False),
-                       d: ("decode", "decode", False)}
-    flipped = load("prefill", victim)
-    assert (flipped["role"], flipped["deployment"], flipped["pid"]) == ("decode", "prefill", before[victim]["pid"])
-    assert flipped["steps"] >= before[victim]["steps"] and flipped["transfer"]["leases_granted"] >= 1  # same engine
-    with pytest.raises(WrongRoleError, match=f"replica {victim} plays decode now, not prefill"):
-        handle("prefill").prefill.remote("refused", ps[0], SamplingParams(max_tokens=4, temperature=0),
-                                         target_replica=victim).result(timeout_s=30)
+    try:
+        assert {k: flip[k] for k in ("replica_id", "from", "to")} == {"replica_id": victim, "from": "prefill",
+                                                                        "to": "decode"}
+        assert flip["drained_requests"] == held[victim] >= 1 and flip["drained_s"] > 0, flip
+        assert max(len(g) for g in wave.got) < MAX_TOKENS  # the streams still run
+        assert roles() == {victim: ("decode", "prefill", False), other: ("prefill", "prefill", False),
+                           d: ("decode", "decode", False)}
+        flipped = load("prefill", victim)
+        assert (flipped["role"], flipped["deployment"], flipped["pid"]) == ("decode", "prefill", before[victim]["pid"])
+        assert flipped["steps"] >= before[victim]["steps"] and flipped["transfer"]["leases_granted"] >= 1  # same engine
+        with pytest.raises(WrongRoleError, match=f"replica {victim} plays decode now, not prefill"):
+            handle("prefill").prefill.remote("refused", ps[0], SamplingParams(max_tokens=4, temperature=0),
+                                             target_replica=victim).result(timeout_s=30)
 
-    assert wave.join() == expected
-    after = {r: load(home, r) for r, home in homes.items()}
-    received = {r: after[r]["requests_received"] - before[r]["requests_received"] for r in homes}
-    # one prefill and one decode leg a stream: no migration (a second leg), no local prefill fallback
-    assert (received[d], received[victim] + received[other]) == (len(ps), len(ps)), received
-    pulled = after[d]["transfer"]["pulls_ok"] - before[d]["transfer"]["pulls_ok"]
-    assert (pulled, after[d]["transfer"]["fallbacks_recompute"]) == (len(ps), 0)
-    assert [after[p]["transfer"]["leases_expired"] for p in prefills] == [0, 0]
+        assert wave.join() == expected
+        after = {r: load(home, r) for r, home in homes.items()}
+        received = {r: after[r]["requests_received"] - before[r]["requests_received"] for r in homes}
+        # one prefill and one decode leg a stream: no migration (a second leg), no local prefill fallback
+        assert (received[d], received[victim] + received[other]) == (len(ps), len(ps)), received
+        pulled = after[d]["transfer"]["pulls_ok"] - before[d]["transfer"]["pulls_ok"]
+        assert (pulled, after[d]["transfer"]["fallbacks_recompute"]) == (len(ps), 0)
+        assert [after[p]["transfer"]["leases_expired"] for p in prefills] == [0, 0]
 
-    # new requests decode on the flipped replica too (reached through the prefill deployment)
-    for r, home in homes.items():
-        inject_fault(r, home, step_delay_s=0.0)
-    ps2 = prompts(4, base=101)
-    assert Streams(app, ps2, 32).join() == reference(tiny_model, ps2, 32)
-    decoded = load("prefill", victim)
-    assert decoded["transfer"]["pulls_ok"] >= 1 and decoded["requests_received"] > after[victim]["requests_received"]
+        # new requests decode on the flipped replica too (reached through the prefill deployment)
+        for r, home in homes.items():
+            inject_fault(r, home, step_delay_s=0.0)
+        ps2 = prompts(4, base=101)
+        assert Streams(app, ps2, 32).join() == reference(tiny_model, ps2, 32)
+        decoded = load("prefill", victim)
+        assert (decoded["transfer"]["pulls_ok"] >= 1
+                and decoded["requests_received"] > after[victim]["requests_received"])
 
-    back = handle("prefill").set_role.remote("prefill", target_replica=victim).result(timeout_s=60)
-    assert {k: back[k] for k in ("replica_id", "from", "to", "drained_requests")} == {
-        "replica_id": victim, "from": "decode", "to": "prefill", "drained_requests": 0}
-    assert roles() == {victim: ("prefill", "prefill", False), other: ("prefill", "prefill", False),
-                       d: ("decode", "decode", False)}
-    assert load("prefill", victim)["pid"] == before[victim]["pid"]
-    whole(homes)
+        back = handle("prefill").set_role.remote("prefill", target_replica=victim).result(timeout_s=60)
+        assert {k: back[k] for k in ("replica_id", "from", "to", "drained_requests")} == {
+            "replica_id": victim, "from": "decode", "to": "prefill", "drained_requests": 0}
+        assert roles() == {victim: ("prefill", "prefill", False), other: ("prefill", "prefill", False),
+                           d: ("decode", "decode", False)}
+        assert load("prefill", victim)["pid"] == before[victim]["pid"]
+        whole(homes)
+    finally:  # a failure above leaves the module as the next test expects it: no fault, roles at home
+        for r, home in homes.items():
+            inject_fault(r, home, pull="none", step_delay_s=0.0)
+        if roles().get(victim, ("prefill",))[0] == "decode":
+            handle("prefill").set_role.remote("prefill", drain_timeout_s=60.0, target_replica=victim).result(
+                timeout_s=90)
 
 
 @pytest.mark.timeout(120)
