@@ -227,12 +227,12 @@ class RoutingPolicy:
             why = ["no prefill pool" if not prefills else f"local prefill: {missing} uncached tokens"]
             if dec_charge[0]:
                 why.append(f"pool backlogged: {dec_charge[0]} waiting on each replica")
+            cost = self._compute_cost(device, lower, decode, num_prompt_tokens, index, dec_charge)
             return RouteDecision(None, decode.replica_id, "local", cached_on_decode, "; ".join([*why, *reasons]),
                                  load_model.replica_queue_wait_s(decode, decodes) or 0.0, cached_on_decode,
                                  decode_deployment=decode.deployment, queue_ahead=decode.waiting,
-                                 compute_cost=self._compute_cost(device, lower, decode, num_prompt_tokens, index,
-                                                                  dec_charge),
-                                 prompt_cost=self._compute_cost(device, lower, decode, num_prompt_tokens, index))
+                                 compute_cost=cost, prompt_cost=self._uncharged(cost, dec_charge, device, lower, decode,
+                                                                                num_prompt_tokens, index))
 
         return self._remote(hashes, num_prompt_tokens, index, prefills, slow, session, decode,
                             cached_on_decode, reasons)
@@ -261,13 +261,21 @@ class RoutingPolicy:
             why.append(f"hot prefix spread past cap on {sorted(hot)}")
         if charge[0]:
             why.append(f"pool backlogged: {charge[0]} waiting on each replica")
+        cost = prefill_cost(prefill)
         return RouteDecision(prefill.replica_id, decode.replica_id, "remote", cached,
                              "; ".join([*why, *p_reasons, *reasons]),
                              load_model.replica_queue_wait_s(prefill, prefills) or 0.0, cached_on_decode,
                              prefill.deployment, decode.deployment, queue_ahead=prefill.waiting,
-                             compute_cost=prefill_cost(prefill),
-                             prompt_cost=self._compute_cost(*credited[prefill.replica_id], prefill, num_prompt_tokens,
-                                                            index))
+                             compute_cost=cost, prompt_cost=self._uncharged(cost, charge, *credited[prefill.replica_id],
+                                                                            prefill, num_prompt_tokens, index))
+
+    def _uncharged(self, cost: float, charge: tuple[int, float], cached_blocks: int, lower: Sequence[int],
+                   r: ReplicaLoad, num_prompt_tokens: int, index: PrefixIndex) -> float:
+        """`cost` (r's, with the pool's `charge`) without the charge: itself while nothing is
+        charged, else priced again uncharged (RouteDecision.prompt_cost)."""
+        if not charge[0]:
+            return cost
+        return self._compute_cost(cached_blocks, lower, r, num_prompt_tokens, index)
 
     def _backlog_charge(self, tiers: dict[str, tuple[int, Sequence[int]]], pool: Sequence[ReplicaLoad],
                         num_prompt_tokens: int) -> tuple[int, float]:

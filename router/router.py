@@ -192,10 +192,10 @@ class Router:
               group: str | None = None, carried: Carried | None = None) -> float | None:
         """What `route` with these arguments would decide the prompt costs on the replica it
         computes it on, without its pool's backlog charge (RouteDecision.prompt_cost, in tokens);
-        None where `route` would find no replica (EMPTY). Changes nothing: no decision is recorded or counted, no work pending, no
-        session touched, no replica forgotten, and the policy's tie-breaking draws are put back,
-        so a `route` right after picks the replicas priced. The ingress prices a request in its
-        first two cells and sends it to the cheaper (router/cells.py)."""
+        None where `route` would find no replica (EMPTY). Changes nothing: no decision is recorded
+        or counted, no work pending, no session touched, no replica forgotten, and the policy's
+        tie-breaking draws are put back, so a `route` right after picks the replicas priced. The
+        ingress prices a request in its first two cells and sends it to the cheaper (router/cells.py)."""
         now = self.clock()
         loads = self._loads_now(group, self._fresh_loads(now))
         hint = self.sessions.peek(session, now) if session is not None else None

@@ -178,9 +178,8 @@ async def _server(arm: str, port: int, upstream: str, step_s: float) -> None:
     else:
         ticker = _Ticker(step_s)
 
-        async def chunks(max_tokens: int):
-            async for ids, last in _paced(max_tokens, ticker):
-                yield ids, last
+        def chunks(max_tokens: int):
+            return _paced(max_tokens, ticker)
 
     class Generation(pb_grpc.GenerationServicer):
         async def Generate(self, request, context):
@@ -311,9 +310,10 @@ def main() -> None:
         first = None
         for r in rs:
             n = max(r["n"], 1)
-            ms = {k: c * r["rps"] ** -1 * 1e3 if r["rps"] else float("nan") for k, c in r["cores"].items()}
-            line = (f"  {name:<6} {r['messages_a_request']:4.1f} messages, step {r['step_ms']:g} ms: {r['rps']:7.1f} req/s "
-                    f"({r['messages_per_s']:.0f} messages/s); server {r['cores']['server']:.2f} cores = "
+            ms = {k: c / r["rps"] * 1e3 if r["rps"] else float("nan") for k, c in r["cores"].items()}
+            line = (f"  {name:<6} {r['messages_a_request']:4.1f} messages, step {r['step_ms']:g} ms: "
+                    f"{r['rps']:7.1f} req/s ({r['messages_per_s']:.0f} messages/s); "
+                    f"server {r['cores']['server']:.2f} cores = "
                     f"{ms['server']:.3f} ms a request")
             if "upstream" in ms:
                 line += f"; upstream {ms['upstream']:.3f} ms a request"
