@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from router.ingress.flow import relay
 from router.ingress.flow.relay import coalesce
 
 
@@ -96,3 +97,53 @@ def test_leaving_early_cancels_the_source():
 
     assert asyncio.run(run()) == [0]
     assert closed == [True]
+
+
+def test_leaving_after_a_final_item_lets_the_source_end_uncancelled():
+    """A finished call's stream is read to its end, not cancelled (a cancel resets a gRPC call)."""
+    how = []
+
+    async def finishing():
+        try:
+            yield [1, "end"]
+            await asyncio.sleep(0)  # the call's end arrives after its last message
+            how.append("ended")
+        except BaseException as e:  # noqa: BLE001 — what stopped it is the point
+            how.append(type(e).__name__)
+            raise
+
+    async def run():
+        agen = coalesce(finishing(), merge, final=lambda x: "end" in x)
+        first = await agen.__anext__()
+        await agen.aclose()  # the consumer leaves at once, as a finished request's leg does
+        pumps = set(relay._draining)
+        await asyncio.wait_for(asyncio.gather(*pumps), 5)
+        return first, len(pumps)
+
+    assert asyncio.run(run()) == ([1, "end"], 1)
+    assert how == ["ended"]
+    assert relay._draining == set()
+
+
+def test_a_source_that_does_not_end_after_its_final_item_is_cancelled_after_the_grace(monkeypatch):
+    monkeypatch.setattr(relay, "DRAIN_S", 0.01)
+    how = []
+
+    async def lingering():
+        try:
+            yield [1, "end"]
+            await asyncio.Event().wait()  # never ends by itself
+        except BaseException as e:  # noqa: BLE001
+            how.append(type(e).__name__)
+            raise
+
+    async def run():
+        agen = coalesce(lingering(), merge, final=lambda x: "end" in x)
+        await agen.__anext__()
+        await agen.aclose()
+        (pump,) = relay._draining
+        await asyncio.wait_for(asyncio.gather(pump, return_exceptions=True), 5)
+
+    asyncio.run(run())
+    assert how == ["CancelledError"]
+    assert relay._draining == set()
