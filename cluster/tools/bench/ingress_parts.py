@@ -41,7 +41,7 @@ PARTS: list[tuple[str, list[tuple[str, str]]]] = [
                ("relay", "api/grpc_server.py"), ("Handoff.", "api/grpc_server.py"),
                ("Generation.Generate", "api/grpc_server.py"), ("RequestFlow.run", "flow/request_flow.py"),
                ("*.delta", "gateway/"), *_DELTA_LOOP]),
-    ("decode call", [("DecodeLegs.", "flow/legs.py"), ("via", "flow/legs.py")]),
+    ("decode call", [("DecodeLegs.", "flow/legs.py"), ("Homes.", "flow/legs.py")]),
     ("admit", [("Gateway.", "gateway/stages.py"), ("FrontDoor.", "gateway/front_door.py"),
                ("Generation._generate", "api/grpc_server.py"), ("request_from_proto", "api/grpc_api.py"),
                ("", "gateway/")]),

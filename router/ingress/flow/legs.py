@@ -41,11 +41,38 @@ CLIENT_SAFE = (QueueFullError, WrongRoleError)  # errors whose message a client 
 VIA_GRPC_MAX_TOKENS = 262_144
 
 
-def via(handle, ids: list[int], sampling: SamplingParams):
-    """The handle a request's call goes by (the pools stay Serve deployments either way: Serve
-    picks the replica, or takes the router's target_replica, and counts the replica's load)."""
+def by_reference(ids: list[int], sampling: SamplingParams) -> bool:
+    """Whether a request's calls go by reference (Ray tasks and objects) rather than over gRPC."""
     logprobs = sampling is not None and (sampling.logprobs is not None or sampling.prompt_logprobs is not None)
-    return handle if logprobs or len(ids) > VIA_GRPC_MAX_TOKENS else handle.options(_by_reference=False)
+    return logprobs or len(ids) > VIA_GRPC_MAX_TOKENS
+
+
+class Homes:
+    """Every deployment's handle, by home, and the variants a call goes by (the pools stay Serve
+    deployments either way: Serve picks the replica, or takes the router's target_replica, and
+    counts the replica's load). A variant is made once: `options()`, and a handle's method
+    attribute, copy its options on every use; variants share their handle's request router."""
+
+    def __init__(self, homes: Mapping[str, object], default):
+        self.homes = dict(homes)
+        self.default = default  # a home not in `homes` (None: no decision named one)
+        self._variants: dict[tuple[str | None, str, bool, bool], object] = {}
+
+    def get(self, home: str | None):
+        return self.homes.get(home, self.default)
+
+    def via(self, home: str | None, method: str, ids: list[int], sampling: SamplingParams, stream: bool = False):
+        """`home`'s handle for `method`, by reference or over gRPC as the request needs."""
+        key = (home if home in self.homes else None, method, by_reference(ids, sampling), stream)
+        handle = self._variants.get(key)
+        if handle is None:
+            handle = self.get(home)
+            if not key[2]:  # the call's arguments are our own plain dataclasses: C pickle, not cloudpickle (~3x)
+                handle = handle.options(_by_reference=False, request_serialization="pickle")
+            if stream:
+                handle = handle.options(stream=True)
+            handle = self._variants[key] = getattr(handle, method)  # Serve's: options(method_name=method)
+        return handle
 
 
 # A decode replica a fresh routing decision names: (replica id, home deployment), or (None, None): Serve's choice
@@ -108,7 +135,7 @@ class PrefillLeg:
 
     def __init__(self, handle, replica_wait_s: float = 120.0, homes: Mapping[str, object] | None = None):
         self.handle = handle
-        self.homes = {**(homes or {}), "prefill": handle}
+        self.homes = Homes({**(homes or {}), "prefill": handle}, handle)
         self.replica_wait_s = replica_wait_s  # the bound on a prefill's answer, deadline or not
         # lease holders that live outside the prefill deployment (a flipped decode replica): where
         # a release goes. Replica ids are never reused, and their homes never change.
@@ -141,7 +168,7 @@ class PrefillLeg:
         # pool's failure (no replica took it: dead, asleep, stuck), as for decode. The call is
         # then abandoned (`_abandon`): its prefill aborted where the replica is known, and a lease
         # in a late answer released.
-        call = asyncio.ensure_future(via(self.homes.get(home, self.handle), ids, sampling).prefill.remote(
+        call = asyncio.ensure_future(self.homes.via(home, "prefill", ids, sampling).remote(
             rid, ids, sampling, ctx, target_replica=target))
         remaining = ctx.remaining_s()
         bound = self.replica_wait_s
@@ -213,7 +240,7 @@ class PrefillLeg:
         Serve replica id; the request router honours target_replica). If that replica is gone
         the router picks another, which holds nothing of `rid` (ids are ours and unique): a no-op."""
         try:
-            home = self.homes.get(self._holders_away.get(holder), self.handle)
+            home = self.homes.get(self._holders_away.get(holder))
             await home.release.remote(rid, target_replica=holder)
         except Exception as e:  # noqa: BLE001 — the lease expires anyway
             log.warning("release of %s on %s failed (its lease will expire): %s", rid, holder, e)
@@ -229,7 +256,7 @@ class DecodeLegs:
     def __init__(self, handle, max_migrations: int, prefill: PrefillLeg | None, replica_wait_s: float = 120.0,
                  homes: Mapping[str, object] | None = None):
         self.handle = handle
-        self.homes = {**(homes or {}), "decode": handle}  # every deployment's handle, by home
+        self.homes = Homes({**(homes or {}), "decode": handle}, handle)
         self.max_migrations = max_migrations
         self.prefill = prefill  # where a handle's lease is released when decode never took it
         self.replica_wait_s = replica_wait_s  # the bound on waiting for a replica, deadline or not
@@ -302,7 +329,7 @@ class DecodeLegs:
         from ray.exceptions import ActorUnavailableError, RayActorError  # noqa: PLC0415
 
         try:
-            replies = via(self.homes.get(home, self.handle), ids, sampling).options(stream=True).generate.remote(
+            replies = self.homes.via(home, "generate", ids, sampling, stream=True).remote(
                 rid, ids, sampling, kv_handle, ctx, target_replica=target, generated=generated)
         except Exception as e:  # noqa: BLE001
             if kv_handle is not None and self.prefill is not None:  # nothing will pull it: end the lease now
