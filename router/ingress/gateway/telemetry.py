@@ -18,7 +18,7 @@ from cluster.errors import InvalidRequestError
 from cluster.telemetry.metrics import ingress_metrics
 from cluster.telemetry.tracing import extract, inject, make_tracer, record_span
 from router.ingress.flow.route_memory import REMEMBERED
-from router.ingress.gateway.counter_batch import CounterBatch
+from router.ingress.gateway.metric_batch import MetricBatch
 from router.ingress.gateway.stages import Outcome, Stage
 from router.ingress.status import Code, code_of, error_code
 
@@ -53,7 +53,7 @@ def refusal_reason(error: BaseException) -> str:
 class IngressTelemetry:
     def __init__(self, options: "TelemetryOptions"):
         self.metrics = None
-        self.counts = CounterBatch()  # the counters' increments, summed a while (counter_batch.py)
+        self.batch = MetricBatch()  # recorded off the loop, counters summed a while (metric_batch.py)
         if options.metrics:
             self.metrics = ingress_metrics()
         self.tracer = make_tracer(options, "pdserve-ingress")
@@ -74,7 +74,7 @@ class IngressTelemetry:
         end = time.monotonic()
         refused = last is None and error is not None and code_of(error).refusal
         if self.metrics is not None:
-            m, tenant, inc = self.metrics, {"tenant": tags["tenant"]}, self.counts.inc
+            m, tenant, inc, observe = self.metrics, {"tenant": tags["tenant"]}, self.batch.inc, self.batch.observe
             inc(m.requests, 1, {**tags, "code": code})
             if (pool := getattr(error, "contained_pool", None)) is not None:  # flow/legs.py ForwardFailed
                 inc(m.contained, 1, {"model": tags["model"], "version": tags["version"], "pool": pool})
@@ -83,11 +83,11 @@ class IngressTelemetry:
             else:
                 inc(m.streams, 1, {**tags, "outcome": stream_outcome(code)})
             if first is not None:
-                m.ttft.observe(first - start, tags)
+                observe(m.ttft, first - start, tags)
             if code == "OK":
-                m.e2e.observe(end - start, tags)
+                observe(m.e2e, end - start, tags)
                 if last.completion_tokens > 1 and first is not None:  # a guardrail may stop one before any token went out
-                    m.tpot.observe((last_token - first) / (last.completion_tokens - 1), tags)
+                    observe(m.tpot, (last_token - first) / (last.completion_tokens - 1), tags)
             if last is not None:
                 for counter, n in ((m.prompt_tokens, last.prompt_tokens), (m.generation_tokens, last.completion_tokens),
                                    (m.cached_prompt_tokens, last.cached_prompt_tokens)):
@@ -109,8 +109,8 @@ class IngressTelemetry:
         """A refusal at an edge, before the flow (unknown API key, unknown model)."""
         if self.metrics is not None:
             code = error_code(error)
-            self.counts.inc(self.metrics.requests, 1, {"tenant": tenant, "model": "", "version": "", "code": code})
-            self.counts.inc(self.metrics.rejected, 1, {"tenant": tenant, "code": code, "reason": refusal_reason(error)})
+            self.batch.inc(self.metrics.requests, 1, {"tenant": tenant, "model": "", "version": "", "code": code})
+            self.batch.inc(self.metrics.rejected, 1, {"tenant": tenant, "code": code, "reason": refusal_reason(error)})
 
     def routed(self, decision: "RouteDecision | None", started: float, num_prompt_tokens: int,
                ctx: "RequestContext") -> None:
@@ -118,12 +118,12 @@ class IngressTelemetry:
         ended = time.monotonic()
         if self.metrics is not None:
             m = self.metrics
-            self.counts.inc(m.route_decisions, 1, {"reason": route_reason(decision)})
-            m.route_latency.observe(ended - started)
+            self.batch.inc(m.route_decisions, 1, {"reason": route_reason(decision)})
+            self.batch.observe(m.route_latency, ended - started)
             if decision is not None:
-                self.counts.inc(m.route_prompt_tokens, num_prompt_tokens)
+                self.batch.inc(m.route_prompt_tokens, num_prompt_tokens)
                 if decision.predicted_cached_tokens:
-                    self.counts.inc(m.route_predicted_cached_tokens, decision.predicted_cached_tokens)
+                    self.batch.inc(m.route_predicted_cached_tokens, decision.predicted_cached_tokens)
         if self.tracer is not None and ctx.trace_context:
             attrs = {"pdserve.route_reason": route_reason(decision)}
             if decision is not None:
