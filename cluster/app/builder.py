@@ -22,6 +22,21 @@ log = logging.getLogger(__name__)
 
 RANDOM_DEMO_DIR = Path.home() / ".cache" / "pdserve" / "demo-model"
 
+# gRPC's pollers, not its EventEngine, in every pdserve replica's process. Serve's calls between the
+# ingress and the pools, and the ingress's own server, go over grpcio, whose EventEngine (1.85's
+# default) moves each socket event across threads of its own before the completion queue's poller
+# sees it: ~13 context switches of the ingress's threads a request, ~4 a relayed message. With these
+# experiments off, a socket's events are read by the thread polling the queue: the ingress's switches
+# fell from 41-42 to 25 a request and its CPU a relayed message to 0.84x (docs/benchmarks.md, "gRPC's
+# pollers"). Ray's own gRPC in those processes reads the same variable. A GRPC_EXPERIMENTS in the
+# environment of the process that builds the app is passed on instead (empty: gRPC's defaults).
+GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints"
+
+
+def replica_runtime_env() -> dict:
+    """The runtime_env of every pdserve deployment's replicas (Serve merges the app's env_vars in)."""
+    return {"env_vars": {"GRPC_EXPERIMENTS": os.environ.get("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)}}
+
 
 def ensure_model(config: AppConfig, default: Literal["smollm2", "random"] = "smollm2") -> AppConfig:
     """With no model configured, use the embedded default: SmolLM2-135M-Instruct, a real chat model
@@ -57,7 +72,8 @@ def _pool_options(name: str, config: AppConfig) -> dict:
     pool: PoolOptions = getattr(config, name)
     opts = {
         # Custom resources (e.g. pdserve_decode) keep each pool on its own nodes (deploy/cluster.yaml).
-        "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": pool.resources},
+        "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": pool.resources,
+                              "runtime_env": replica_runtime_env()},
         "max_ongoing_requests": pool.max_ongoing_requests,
         "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
         "graceful_shutdown_wait_loop_s": min(2.0, config.graceful_shutdown_timeout_s),
@@ -119,7 +135,8 @@ def build_app(config: AppConfig):
                                        **_pool_options("prefill", cfg)).bind(engine_cfg, roles)
         pools[cfg.serving_group] = (prefill, decode)
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=config.ingress_replicas,
-                               ray_actor_options={"num_cpus": INGRESS_CPUS}, max_ongoing_requests=1024,
+                               ray_actor_options={"num_cpus": INGRESS_CPUS, "runtime_env": replica_runtime_env()},
+                               max_ongoing_requests=1024,
                                graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
                                graceful_shutdown_wait_loop_s=min(2.0, config.graceful_shutdown_timeout_s))
     classifier = None  # the guardrail classifier: its own deployment and CPUs, when a policy asks for it
@@ -129,7 +146,8 @@ def build_app(config: AppConfig):
         c = config.guardrail_classifier
         classifier = serve.deployment(
             KeywordClassifierStandIn, name="guardrail-classifier", num_replicas=c.num_replicas,
-            ray_actor_options={"num_cpus": c.num_cpus}, health_check_period_s=config.health_check_period_s,
+            ray_actor_options={"num_cpus": c.num_cpus, "runtime_env": replica_runtime_env()},
+            health_check_period_s=config.health_check_period_s,
         ).bind(engine_config(config))
     return ingress.bind(config.model_dump(), pools, classifier, planner_deployment(config))
 
@@ -148,7 +166,8 @@ def planner_deployment(config: AppConfig):
                         low=p.low, ttft_share=p.ttft_share, kv_high=p.kv_high, hysteresis_s=p.hysteresis_s)
     deployments = {v.config.serving_group: v.deployments for v in config.served_versions()}
     return serve.deployment(PlannerServer, name=PLANNER_DEPLOYMENT, num_replicas=1,
-                            ray_actor_options={"num_cpus": 0}, health_check_period_s=config.health_check_period_s,
+                            ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env()},
+                            health_check_period_s=config.health_check_period_s,
                             ).bind(SLO(slo.ttft_threshold_s, slo.itl_threshold_s), opts, deployments,
                                    p.drain_timeout_s, move_timeout_s=p.move_timeout_s)
 

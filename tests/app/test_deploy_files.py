@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cluster.app.builder import GRPC_EXPERIMENTS
 from cluster.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,8 +75,10 @@ def test_rays_validation_catches_a_broken_cluster_yaml(break_it, error):
 
 # ---- deploy/serve.yaml -----------------------------------------------------------------------
 
-def test_serve_yaml_parses_with_serves_schema_and_builds_the_app(tiny_model):
+def test_serve_yaml_parses_with_serves_schema_and_builds_the_app(tiny_model, monkeypatch):
     from ray.serve._private.build_app import build_app  # the step `serve run` takes before deploying
+
+    monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)
     from ray.serve.schema import ServeDeploySchema
 
     from cluster.app.builder import app_builder
@@ -95,7 +98,8 @@ def test_serve_yaml_parses_with_serves_schema_and_builds_the_app(tiny_model):
     assert deployments["ingress"].num_replicas == 2
     for pool, resource in POOL_RESOURCE.items():
         d = deployments[pool]
-        assert d.ray_actor_options == {"num_cpus": 8.0, "num_gpus": 1.0, "resources": {resource: 1.0}}
+        assert d.ray_actor_options == {"num_cpus": 8.0, "num_gpus": 1.0, "resources": {resource: 1.0},
+                                       "runtime_env": {"env_vars": {"GRPC_EXPERIMENTS": GRPC_EXPERIMENTS}}}
         auto = d._deployment_config.autoscaling_config
         assert (auto.min_replicas, auto.max_replicas, auto.upscale_delay_s, auto.downscale_delay_s) == (2, 32, 0, 0)
         assert auto.policy.policy_function == "cluster.serving.autoscaling_policy:PoolAutoscalingPolicy"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
+from cluster.app.builder import GRPC_EXPERIMENTS
 from cluster.config import AppConfig
 from kv_transfer.errors import IncompatiblePeerError
 from kv_transfer.handle import KVLayout
@@ -30,10 +31,12 @@ def built_deployments(args: dict) -> dict:
     return {d.name: d for d in build_app(app_builder(args), name="pdserve").deployments}
 
 
-def test_a_tp_pool_is_a_placement_group_of_one_bundle_per_rank(tiny_model):
+def test_a_tp_pool_is_a_placement_group_of_one_bundle_per_rank(tiny_model, monkeypatch):
+    monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)
     args = deploy_config(tiny_model, decode={"engine": {"tensor_parallel_size": 2}})
     d = built_deployments(args)["decode"]
-    assert d.ray_actor_options == {"num_cpus": 8.0, "num_gpus": 1.0, "resources": {"pdserve_decode": 1.0}}
+    assert d.ray_actor_options == {"num_cpus": 8.0, "num_gpus": 1.0, "resources": {"pdserve_decode": 1.0},
+                                   "runtime_env": {"env_vars": {"GRPC_EXPERIMENTS": GRPC_EXPERIMENTS}}}
     config = d._replica_config
     assert config.placement_group_bundles == [{"CPU": 8.0, "GPU": 1.0, "pdserve_decode": 1.0}, {"CPU": 8.0, "GPU": 1.0}]
     assert config.placement_group_strategy == "STRICT_PACK"
