@@ -142,5 +142,7 @@ class Ingress:
         if getattr(self, "gc_task", None) is not None:
             self.gc_task.cancel()
         await self.grpc.stop(grace)
+        if self.door.telemetry is not None:
+            self.door.telemetry.batch.close()  # the last metric values, recorded before the process goes
         if self.door.audit is not None:
             await self.door.audit.drain(min(5.0, grace))

@@ -28,13 +28,15 @@ _INC, _OBSERVE = 0, 1
 
 class MetricBatch:
     """`inc(counter, value, tags)` and `observe(histogram, value, tags)` from any thread, recorded by
-    the batch's thread (started at the first value) within FLUSH_S; `flush()` records them now."""
+    the batch's thread (started at the first value) within FLUSH_S; `flush()` records them now, on
+    the calling thread. A value that fails is logged; the thread and the others go on."""
 
     def __init__(self, flush_s: float = FLUSH_S):
         self.flush_s = flush_s
         self._pending: deque = deque()
         self._thread: threading.Thread | None = None
         self._start = threading.Lock()
+        self._closed = threading.Event()
 
     def inc(self, counter, value: float, tags: dict | None = None) -> None:
         self._pending.append((_INC, counter, value, tags))
@@ -48,15 +50,20 @@ class MetricBatch:
 
     def _start_thread(self) -> None:
         with self._start:
-            if self._thread is None:
+            if self._thread is None and not self._closed.is_set():
                 self._thread = threading.Thread(target=self._run, name="pdserve-metrics", daemon=True)
                 self._thread.start()
 
     def _run(self) -> None:
-        wake = threading.Event()  # never set: a timed wait
-        while True:
-            wake.wait(self.flush_s)
+        while not self._closed.wait(self.flush_s):
             self.flush()
+
+    def close(self) -> None:
+        """Stop the thread and record what is left (values appended later wait for a flush())."""
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.flush()
 
     def flush(self) -> None:
         """Record everything appended so far (on the calling thread)."""
@@ -67,17 +74,16 @@ class MetricBatch:
                 kind, metric, value, tags = pending.popleft()
             except IndexError:  # another thread's flush took the rest
                 break
-            if kind == _INC:
-                key = (metric, tuple(tags.items()) if tags else ())
-                sums[key] = sums.get(key, 0) + value
-            else:
-                self._record(metric.observe, value, tags)
+            try:
+                if kind == _INC:
+                    key = (metric, tuple(tags.items()) if tags else ())
+                    sums[key] = sums.get(key, 0) + value
+                else:
+                    metric.observe(value, tags)
+            except Exception:  # noqa: BLE001 — a bad value or tag set (a bug): logged, the others still go
+                log.exception("recording a metric failed")
         for (counter, tags), value in sums.items():
-            self._record(counter.inc, value, dict(tags) if tags else None)
-
-    @staticmethod
-    def _record(record, value: float, tags: dict | None) -> None:
-        try:
-            record(value, tags)
-        except Exception:  # noqa: BLE001 — a bad tag set (a bug): logged, the other values still go
-            log.exception("recording a metric failed")
+            try:
+                counter.inc(value, dict(tags) if tags else None)
+            except Exception:  # noqa: BLE001
+                log.exception("recording a metric failed")

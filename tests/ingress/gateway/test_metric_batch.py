@@ -47,22 +47,42 @@ def test_counters_are_summed_by_tag_set_and_histograms_kept_value_by_value():
 def test_the_batchs_own_thread_records_within_the_flush_delay():
     counter, histogram = Recorded(), Recorded()
     batch = MetricBatch(flush_s=0.01)
-    batch.inc(counter, 2, {"reason": "cache"})
-    batch.observe(histogram, 0.125)
-    assert counter.seen.wait(5) and histogram.seen.wait(5)
-    assert (counter.calls, histogram.calls) == ([(2, {"reason": "cache"})], [(0.125, None)])
-    assert counter.threads == histogram.threads == {"pdserve-metrics"}
+    try:
+        batch.inc(counter, 2, {"reason": "cache"})
+        batch.observe(histogram, 0.125)
+        assert counter.seen.wait(5) and histogram.seen.wait(5)
+        assert (counter.calls, histogram.calls) == ([(2, {"reason": "cache"})], [(0.125, None)])
+        assert counter.threads == histogram.threads == {"pdserve-metrics"}
+    finally:
+        batch.close()
 
 
-def test_a_failing_record_is_logged_and_the_others_still_go(caplog):
+def test_close_stops_the_thread_and_records_what_is_left():
+    counter = Recorded()
+    batch = MetricBatch(flush_s=3600)
+    batch.inc(counter, 1)
+    thread = batch._thread
+    batch.inc(counter, 2)
+    batch.close()
+    assert counter.calls == [(3, None)] and not thread.is_alive()
+
+
+def test_a_failing_value_is_logged_and_the_others_and_the_thread_go_on(caplog):
     class Broken:
         def inc(self, value, tags=None):
             raise ValueError("Unrecognized tag key")
 
-    ok = Recorded()
-    batch = MetricBatch(flush_s=3600)
-    batch.inc(Broken(), 1, {"bogus": "x"})
-    batch.inc(ok, 1)
-    batch.flush()
-    assert ok.calls == [(1, None)]
-    assert "recording a metric failed" in caplog.text
+    ok, histogram = Recorded(), Recorded()
+    batch = MetricBatch(flush_s=0.01)
+    try:
+        batch.inc(Broken(), 1, {"bogus": "x"})  # Ray refuses it
+        batch.inc(ok, 1, {"tenant": ["not", "hashable"]})  # a tag set that cannot be summed
+        batch.inc(ok, None)  # a value that cannot be added
+        batch.observe(histogram, 0.5)
+        assert histogram.seen.wait(5)
+        batch.inc(ok, 1)  # after the failures: the thread still records
+        assert ok.seen.wait(5)
+    finally:
+        batch.close()
+    assert ok.calls == [(1, None)] and histogram.calls == [(0.5, None)]
+    assert caplog.text.count("recording a metric failed") == 3
