@@ -68,7 +68,10 @@ class Homes:
         if handle is None:
             handle = self.get(home)
             if not key[2]:  # the call's arguments are our own plain dataclasses: C pickle, not cloudpickle (~3x)
-                handle = handle.options(_by_reference=False, request_serialization="pickle")
+                try:
+                    handle = handle.options(_by_reference=False, request_serialization="pickle")
+                except TypeError:  # a Ray before Serve's request_serialization
+                    handle = handle.options(_by_reference=False)
             if stream:
                 handle = handle.options(stream=True)
             handle = self._variants[key] = getattr(handle, method)  # Serve's: options(method_name=method)

@@ -56,3 +56,15 @@ def test_each_homes_variant_is_made_once_and_an_unknown_home_is_the_default():
     assert homes.via("flipped-away", "prefill", short, SamplingParams()) is homes.via(None, "prefill", short,
                                                                                       SamplingParams())
     assert homes.get("prefill") is prefill and homes.get(None) is decode
+
+
+def test_a_ray_without_request_serialization_still_goes_by_grpc():
+    class OldHandle(Handle):
+        def options(self, request_serialization=None, **options):
+            if request_serialization is not None:
+                raise TypeError("options() got an unexpected keyword argument 'request_serialization'")
+            return OldHandle(self.home, **{**self.options_given, **options})
+
+    homes = Homes({"decode": OldHandle()}, None)
+    chosen = homes.via("decode", "generate", [1] * 8, SamplingParams(max_tokens=4), stream=True)
+    assert chosen.options_given == {"_by_reference": False, "stream": True, "method_name": "generate"}
