@@ -25,17 +25,22 @@ RANDOM_DEMO_DIR = Path.home() / ".cache" / "pdserve" / "demo-model"
 # gRPC's pollers, not its EventEngine, in every pdserve replica's process. Serve's calls between the
 # ingress and the pools, and the ingress's own server, go over grpcio, whose EventEngine (1.85's
 # default) moves each socket event across threads of its own before the completion queue's poller
-# sees it: ~13 context switches of the ingress's threads a request, ~4 a relayed message. With these
-# experiments off, a socket's events are read by the thread polling the queue: the ingress's switches
-# fell from 41-42 to 25 a request and its CPU a relayed message to 0.84x (docs/benchmarks.md, "gRPC's
-# pollers"). Ray's own gRPC in those processes reads the same variable. A GRPC_EXPERIMENTS in the
-# environment of the process that builds the app is passed on instead (empty: gRPC's defaults).
-GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints"
+# sees it. With the client's and the listener's EventEngine off, the thread polling the queue reads
+# the sockets: the ingress's context switches fell from 42 to 25 a request, its CPU to 0.92x a
+# request and 0.93x a relayed message (docs/benchmarks.md, "gRPC's pollers"). Ray's own gRPC in those
+# processes reads the same variable (and knows these two names; `event_engine_for_all_other_endpoints`,
+# which measured the same, it logs as unknown). A GRPC_EXPERIMENTS in the environment of the process
+# that builds the app, or in the job's env_vars, is passed on instead (empty: gRPC's defaults).
+GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 
 
 def replica_runtime_env() -> dict:
-    """The runtime_env of every pdserve deployment's replicas (Serve merges the app's env_vars in)."""
-    return {"env_vars": {"GRPC_EXPERIMENTS": os.environ.get("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)}}
+    """The runtime_env of every pdserve deployment's replicas: the job's own (`serve.run` gives a
+    deployment the job's runtime_env only when it has none of its own), plus GRPC_EXPERIMENTS
+    unless the job's env_vars set it."""
+    job = dict(ray.get_runtime_context().runtime_env or {}) if ray.is_initialized() else {}
+    env_vars = {"GRPC_EXPERIMENTS": os.environ.get("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS), **job.get("env_vars", {})}
+    return {**job, "env_vars": env_vars}
 
 
 def ensure_model(config: AppConfig, default: Literal["smollm2", "random"] = "smollm2") -> AppConfig:
