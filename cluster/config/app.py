@@ -44,6 +44,11 @@ class AppConfig(Strict):
         "cores. Raising priority needs CAP_SYS_NICE (or Ray started with RAY_worker_niceness at or below it); "
         "without it, a warning and Ray's niceness. None: leave it as Ray set it (docs/architecture.md, 'CPU "
         "priority')")
+    ingress_event_loops: Literal[1, 2] = Field(
+        1, description="Event loops an ingress replica runs its gRPC server on. 1: the server on the front door's "
+        "loop (no hand-off between threads a call and a response). 2: gRPC's transport on a loop and thread of its "
+        "own, which takes new calls and refuses a bad key or a shedding door even while the front door's loop is "
+        "stopped (docs/architecture.md, 'The gRPC server')")
     kv_transfer: KVTransferOptions = KVTransferOptions()
     routing: RoutingOptions = RoutingOptions()
     planner: PlannerOptions = PlannerOptions()

@@ -14,19 +14,28 @@ share the port, and a replacement binds while its predecessor drains) and refuse
 like the `x-pdserve-timeout-s` header (the earlier wins). A client that stops reading a stream is
 cut off past MAX_UNREAD_RESPONSES waiting responses, its request cancelled (`relay`).
 
-**Two event loops.** gRPC's asyncio server takes one new call per turn of its event loop, or two
-(the completion, then the next request for a call). On the loop the front door runs on, a turn
-under load lasts ~10 ms (a hundred streams' deltas, Ray's callbacks), so new calls were taken at
-~50 a second and a burst waited in gRPC's queue for seconds before anything could refuse it. The
-transport therefore runs on a loop of its own, in its own thread (`Transport`), where a turn is
-short; each call's work (authentication, the front door, converting deltas) runs on the front
-door's loop (`app_loop`), and its responses come back through a queue. From the transport's thread
-the front door is only read, by one question: is it shedding all work now (`FrontDoor.shedding`:
-every version's capacity would refuse any request)? Then the call is refused at once, without
-waiting for a turn of the front door's loop. The calls it let through that have not reached the
-front door's loop yet (`Transit`) are ahead of the new one, so they count in that question: under a
-burst the queue model refuses here what it would refuse on the front door's loop a turn or a
-hundred milliseconds later."""
+**One event loop, or two** (`ingress_event_loops`). By default (1) the server runs on the front
+door's loop, where Serve's handles to the pools run too: a call's work is a task on the loop that
+took it, and its responses go to gRPC without crossing threads. The bad-key and shedding refusals
+are the first things a call does there, and wait for the loop's turn like everything else. Since
+gRPC's pollers replaced its EventEngine (cluster/app/builder.py) this costs 0.88x the ingress's CPU
+a 64-token request and two thirds of its context switches, and refuses a burst as fast
+(docs/benchmarks.md, "One loop again").
+
+With 2, the transport runs on a loop of its own, in its own thread (`pdserve-grpc`). gRPC's
+asyncio server takes one new call per turn of its loop (or two: the completion, then the next
+request for a call); when the front door's turns were long (~10 ms: a hundred streams' deltas,
+Ray's callbacks), new calls were taken at ~50 a second and a burst waited in gRPC's queue for
+seconds before anything could refuse it (issue 15). On its own loop, where a turn is short, the
+transport also refuses while the door's loop is stopped outright. Each call's work (authentication,
+the front door, converting deltas) then runs on the front door's loop (`app_loop`), and its
+responses come back through a queue (`Handoff`). From the transport's thread the front door is only
+read, by one question: is it shedding all work now (`FrontDoor.shedding`: every version's capacity
+would refuse any request)? Then the call is refused at once, without waiting for a turn of the front
+door's loop. The calls it let through that have not reached the front door's loop yet (`Transit`)
+are ahead of the new one, so they count in that question: under a burst the queue model refuses
+here what it would refuse on the front door's loop a turn or a hundred milliseconds later.
+Serve's handles stay on the loop they were made on (the front door's) either way."""
 
 from __future__ import annotations
 
@@ -92,11 +101,22 @@ class Transit:
         return leave
 
 
+def to_loop(loop: asyncio.AbstractEventLoop) -> Callable[..., object]:
+    """`loop.call_soon_threadsafe` from another thread; `call_soon` on the loop's own (one loop)."""
+    try:
+        same = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        same = False
+    return loop.call_soon if same else loop.call_soon_threadsafe
+
+
 class Generation(pb_grpc.GenerationServicer):
-    """Runs on the transport's loop; each method's work runs on `app_loop` (the front door's)."""
+    """Runs on the transport's loop; each method's work runs on `app_loop` (the front door's; the
+    same loop with ingress_event_loops 1). Made on the transport's loop."""
 
     def __init__(self, door: FrontDoor, config: AppConfig, app_loop: asyncio.AbstractEventLoop):
         self.door, self.config, self.app_loop = door, config, app_loop
+        self.to_door = to_loop(app_loop)
         self.transit = Transit()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext  # noqa: N802
@@ -105,7 +125,7 @@ class Generation(pb_grpc.GenerationServicer):
         shed = self.door.shedding(metadata.get("authorization"), self.transit.calls)
         if shed is not None:  # overloaded: refused here
             tenant, refusal = shed
-            self.app_loop.call_soon_threadsafe(self.door.count_refused, refusal, tenant)
+            self.to_door(self.door.count_refused, refusal, tenant)
             await abort(context, refusal)
         leave = self.transit.enter()
         try:
@@ -248,7 +268,8 @@ async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerC
         if sent_one:
             refusal = loop.create_task(_abort_unread(context, max_unread))
 
-    put = handoff_to(loop).sender(deliver)
+    same_loop = app_loop is loop  # ingress_event_loops 1: no hand-off between threads
+    put = deliver if same_loop else handoff_to(loop).sender(deliver)
 
     async def run() -> None:
         try:
@@ -260,7 +281,7 @@ async def relay(app_loop: asyncio.AbstractEventLoop, context: grpc.aio.ServicerC
             log.exception("a gRPC call failed")
             put(ServingError(Code.INTERNAL, "internal error"))
 
-    job = asyncio.run_coroutine_threadsafe(run(), app_loop)
+    job = loop.create_task(run()) if same_loop else asyncio.run_coroutine_threadsafe(run(), app_loop)
     try:
         while (item := await out.get()) is not _END:
             if item is _UNREAD:
@@ -304,8 +325,9 @@ async def abort(context: grpc.aio.ServicerContext, error: InvalidRequestError | 
 
 class GrpcServer:
     """One ingress replica's server: its transport on a thread and event loop of its own (see the
-    module's docstring), its calls' work on the loop that starts it. `liveness`: what health
-    calls answer from (default: the door's own probe, cached)."""
+    module's docstring), its calls' work on the loop that starts it; with ingress_event_loops 1,
+    all of it on the loop that starts it. `liveness`: what health calls answer from (default: the
+    door's own probe, cached)."""
 
     def __init__(self, door: FrontDoor, config: AppConfig, liveness: probes.Liveness | None = None):
         self.door, self.config = door, config
@@ -321,6 +343,10 @@ class GrpcServer:
         """Bind and serve; a port that cannot be bound raises here (and fails the replica)."""
         app_loop = asyncio.get_running_loop()
         grpc_events.bind_this_loop()  # before the transport takes gRPC's wake-ups (grpc_events.py)
+        if self.config.ingress_event_loops == 1:  # the server on this loop: no thread of its own
+            self.loop = app_loop
+            await self._serve(app_loop)
+            return
         started: concurrent.futures.Future = concurrent.futures.Future()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self._run, args=(app_loop, started), name="pdserve-grpc", daemon=True).start()
@@ -349,8 +375,10 @@ class GrpcServer:
                 return e
             return None
 
+        to_door = to_loop(app_loop)
+
         def refused(error: ServingError) -> None:  # counted and audited on the door's loop
-            app_loop.call_soon_threadsafe(door.refused, error)
+            to_door(door.refused, error)
 
         self.server = grpc.aio.server(
             interceptors=[KeyFirst(check, refused)],
@@ -372,7 +400,11 @@ class GrpcServer:
 
     async def stop(self, grace_s: float) -> None:
         """Stop taking calls; the calls in flight get `grace_s` to finish."""
-        if self.server is not None:
+        if self.server is None:
+            return
+        if self.loop is asyncio.get_running_loop():  # ingress_event_loops 1
+            await self.server.stop(grace_s)
+        else:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self.loop))
 
 

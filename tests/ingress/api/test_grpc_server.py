@@ -112,8 +112,9 @@ def test_an_oversized_message_is_refused_naming_the_limit_and_the_server_keeps_s
     assert ids == [cfg.model_name]
 
 
-def test_a_refusal_ends_with_its_code_details_and_retry_after(tiny_model):
-    cfg = AppConfig(model=tiny_model, grpc_port=free_port(),
+@pytest.mark.parametrize("loops", [1, 2])
+def test_a_refusal_ends_with_its_code_details_and_retry_after(tiny_model, loops):
+    cfg = AppConfig(model=tiny_model, grpc_port=free_port(), ingress_event_loops=loops,
                     tenants={"acme": {"api_keys": [KEY], "requests_per_min": 1}})
 
     async def body(server):
@@ -156,7 +157,7 @@ def test_only_the_transport_loop_reads_grpc_wakeups_and_the_other_loops_still_ge
     """grpc_events.py: every loop hooked on gRPC's poller (the door's; another one, as Ray's actor
     loop is) stops watching its socket once the server starts, the transport's keeps it; a call
     made on the door's loop (as Serve's handles make theirs) still completes, its events handed over."""
-    cfg = config(tiny_model)
+    cfg = config(tiny_model, ingress_event_loops=2)
     other = asyncio.new_event_loop()  # hooked before the server starts, on a thread of its own
     threading.Thread(target=other.run_forever, daemon=True).start()
     asyncio.run_coroutine_threadsafe(asyncio.sleep(0), other).result(timeout=5)
@@ -184,6 +185,35 @@ def test_only_the_transport_loop_reads_grpc_wakeups_and_the_other_loops_still_ge
     assert first == second == [cfg.model_name]
 
 
+@pytest.mark.parametrize("loops", [1, 2])
+def test_the_calls_run_on_the_front_doors_loop_with_one_loop_and_on_a_transport_thread_with_two(tiny_model, loops):
+    """ingress_event_loops 1: no transport thread; a call's work and gRPC's own part of it (the
+    interceptor's key check) run on the thread of the loop that started the server. 2: the
+    interceptor runs on the transport's thread, the work on the door's."""
+    cfg = config(tiny_model, ingress_event_loops=loops)
+    door = front_door(cfg)
+    seen = {}
+    listed, authenticate = door.model_info, door.admission.authenticate
+    door.model_info = lambda tenant=None: seen.setdefault("work", threading.current_thread().name) and listed(tenant)
+    door.admission.authenticate = lambda header: seen.setdefault(
+        "key", threading.current_thread().name) and authenticate(header)
+
+    async def body(server):
+        seen["door"] = threading.current_thread().name
+        models = await list_models(f"127.0.0.1:{cfg.grpc_port}")
+        threads = [t.name for t in threading.enumerate() if t.name == "pdserve-grpc" and t.ident not in before]
+        return [m.id for m in models.models], threads, server.loop is asyncio.get_running_loop()
+
+    before = {t.ident for t in threading.enumerate()}  # earlier tests' transports keep their threads
+    ids, threads, same_loop = serving(cfg, door)(body)
+    assert ids == [cfg.model_name]
+    assert seen["work"] == seen["door"]
+    if loops == 1:
+        assert (threads, same_loop, seen["key"]) == ([], True, seen["door"])
+    else:
+        assert (threads, same_loop, seen["key"]) == (["pdserve-grpc"], False, "pdserve-grpc")
+
+
 def test_a_taken_port_fails_the_replica(tiny_model):
     cfg = config(tiny_model)
     import socket
@@ -203,7 +233,8 @@ def test_an_overloaded_door_refuses_on_arrival_while_its_loop_is_busy(tiny_model
     """Shedding: when the front door's capacity refuses all work, the transport's thread refuses a
     call at once, counted on the door's loop later; its own loop may be busy the while."""
     # a fixed bound: `auto` never refuses with one request ahead (the transport's path is tested here)
-    cfg = AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY], admission={"max_queue_wait_s": 0.5})
+    cfg = AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY], admission={"max_queue_wait_s": 0.5},
+                    ingress_event_loops=2)
     door = front_door(cfg)
     queue = door.capacity.first_tokens  # 2,000 prompt tokens ahead at 1,000 a second: a 2 s wait
     queue.rate, queue.pending_tokens, queue.pending_requests = 1000.0, 2000, 1
@@ -246,7 +277,8 @@ def test_calls_on_their_way_to_the_busy_loop_count_ahead_of_a_new_one(tiny_model
     loop is ahead: at the mean prompt length it takes the wait to 0.8 s, so the next call is refused
     on arrival, not after waiting for the loop."""
     # a fixed bound: `auto` never refuses with one request ahead (the transport's path is tested here)
-    cfg = AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY], admission={"max_queue_wait_s": 0.5})
+    cfg = AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY], admission={"max_queue_wait_s": 0.5},
+                    ingress_event_loops=2)
     door = front_door(cfg)
     queue = door.capacity.first_tokens
     queue.rate, queue.pending_tokens, queue.pending_requests, queue.mean_tokens = 1000.0, 400, 1, 400.0
@@ -349,14 +381,16 @@ class PacedDecode:
         return Stream()
 
 
-def test_a_client_that_stops_reading_is_cut_off_past_the_unread_bound_and_its_request_cancelled(model_factory):
+@pytest.mark.parametrize("loops", [1, 2])
+def test_a_client_that_stops_reading_is_cut_off_past_the_unread_bound_and_its_request_cancelled(model_factory, loops):
     """A client that reads gets its whole stream. One that reads nothing: gRPC sends what its
     64 KiB window takes (BDP probing off keeps it there), then the responses wait in the call's
     relay; past MAX_UNREAD_RESPONSES the request is cancelled (its decode stream) and the call
     ends RESOURCE_EXHAUSTED naming the limit, which the client reads after what its window holds."""
     reading_tokens, max_tokens = 1_500, 12_000
     model = model_factory("long-context", layers=1, vocab=320, max_positions=16_384)
-    cfg = AppConfig(model=model, grpc_port=free_port(), api_keys=[KEY], prefill={"num_replicas": 0})
+    cfg = AppConfig(model=model, grpc_port=free_port(), api_keys=[KEY], prefill={"num_replicas": 0},
+                    ingress_event_loops=loops)
     decode = PacedDecode()
     door = front_door(cfg, decode=decode)
     auth = (("authorization", f"Bearer {KEY}"),)
