@@ -18,9 +18,9 @@ cut off past MAX_UNREAD_RESPONSES waiting responses, its request cancelled (`rel
 door's loop, where Serve's handles to the pools run too: a call's work is a task on the loop that
 took it, and its responses go to gRPC without crossing threads. The bad-key and shedding refusals
 are the first things a call does there, and wait for the loop's turn like everything else. Since
-gRPC's pollers replaced its EventEngine (cluster/app/builder.py) this costs 0.88x the ingress's CPU
-a 64-token request and two thirds of its context switches, and refuses a burst as fast
-(docs/benchmarks.md, "One loop again").
+gRPC's pollers replaced its EventEngine (cluster/app/builder.py) this costs 0.87x the ingress's CPU
+a 64-token request (0.83-0.85x a further message) with ~0.6x its context switches, and refuses a
+burst as fast (docs/benchmarks.md, "One loop again").
 
 With 2, the transport runs on a loop of its own, in its own thread (`pdserve-grpc`). gRPC's
 asyncio server takes one new call per turn of its loop (or two: the completion, then the next
