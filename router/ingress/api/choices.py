@@ -53,9 +53,18 @@ def tool_result(use: ToolUse, text: str, finish_reason: str | None) -> tuple[lis
 async def interleave(choices) -> AsyncIterator[tuple[int, Delta]]:
     """The n choices' deltas as they come, each with its choice's index (every first delta
     first, in order). A failure of one choice raises here; every choice is stopped at its
-    source when this ends, the client's going away included."""
+    source when this ends, the client's going away included. One choice (n = 1: nearly every
+    request) is read in the caller's task: no pump task and no queue between its stream and the
+    edge, one task switch less a message (docs/benchmarks.md, "One choice, read in place")."""
     for i, c in enumerate(choices):
         yield i, c.first
+    if len(choices) == 1:
+        try:
+            async for d in choices[0].stream:
+                yield 0, d
+        finally:
+            await close_streams([choices[0].stream])
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream):

@@ -222,6 +222,49 @@ def test_n_choices_interleave_with_their_index_and_a_failure_stops_the_others():
     assert sorted(closed) == [0, 1]
 
 
+@pytest.mark.parametrize("how", ["whole", "fails", "left"])
+def test_one_choice_is_read_in_the_callers_task_and_closed_at_its_source(how):
+    """n = 1: the stream runs in the task that reads `interleave` (no pump task between them),
+    its deltas in order; a failure raises to the reader; a reader that leaves early closes it."""
+    import asyncio
+
+    from router.ingress.api.choices import interleave
+    from router.ingress.status import Code, ServingError
+
+    tasks, closed = [], []
+
+    async def stream():
+        try:
+            for t in ["b", "c"]:
+                tasks.append(asyncio.current_task())
+                yield Delta("r0", t, [])
+            if how == "fails":
+                raise ServingError(Code.ABORTED, "replica lost")
+        finally:
+            closed.append(0)
+
+    async def run():
+        s = stream()
+        got = []
+        deltas = interleave([Choice(s, Delta("r0", "a", []), None)])
+        try:
+            async for i, d in deltas:
+                got.append((i, d.text))
+                if how == "left" and d.text == "b":
+                    break
+        except ServingError as e:
+            got.append(e.message)
+        finally:
+            await deltas.aclose()
+        return got, asyncio.current_task()
+
+    got, reader = asyncio.run(run())
+    assert got == {"whole": [(0, "a"), (0, "b"), (0, "c")], "fails": [(0, "a"), (0, "b"), (0, "c"), "replica lost"],
+                   "left": [(0, "a"), (0, "b")]}[how]
+    assert tasks == [reader] * (1 if how == "left" else 2)
+    assert closed == [0]
+
+
 # ---- tools: Chat.tools, tool_choice, parallel_tool_calls; calls in GenerateResponse.tool_calls ----
 
 def _tools_chat(**kw) -> pb.Chat:
