@@ -48,3 +48,20 @@ def test_switches_counts_every_live_threads_wake_ups():
     done.set()
     t.join(timeout=30)
     assert after - before >= 20
+
+
+@pytest.mark.parametrize("frames, part", [
+    (["Thread.run (threading.py:982)", "MetricBatch._run (router/ingress/gateway/metric_batch.py:70)",
+      "MetricBatch.flush (router/ingress/gateway/metric_batch.py:80)", "Metric._record (ray/util/metrics.py:133)"],
+     "metrics"),
+    (["FrontDoor.serve (router/ingress/gateway/front_door.py:230)",
+      "IngressTelemetry._record (router/ingress/gateway/telemetry.py:77)",
+      "MetricBatch.observe (router/ingress/gateway/metric_batch.py:50)"], "metrics"),
+    (["FrontDoor.serve (router/ingress/gateway/front_door.py:230)", "Capacity.check (router/ingress/gateway/capacity.py:90)"],
+     "admit"),
+    (["Thread.run (threading.py:982)"], None),
+])
+def test_the_ingress_parts_count_our_metrics_apart_from_admission(frames, part):
+    """ingress_parts: the metric batch's frames (its thread's records, the loop's appends) are
+    their own part, not admit's, although they live in gateway/ as admission does."""
+    assert ingress_parts.part_of(frames) == part
