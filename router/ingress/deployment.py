@@ -119,10 +119,11 @@ class Ingress:
         self.grpc = GrpcServer(self.door, self.config, liveness)  # binds now: a taken port fails this replica
         await self.grpc.start()
         log.info("gRPC server on %s", self.grpc.address)
-        front_door_priority(self.config)  # every thread, the gRPC transport's included
+        front_door_priority(self.config)  # every thread, the gRPC transport's included (ingress_event_loops 2)
         gc_pauses.settle_after_start()  # last: everything start-up made is never walked again
-        # full collections at quiet moments, not in a burst: a collection stops the transport's
-        # thread too. Activity: calls that reached the door; calls in flight there or on their way.
+        # full collections at quiet moments, not in a burst: a collection stops every thread (the
+        # transport's too, with two loops). Activity: calls that reached the door; calls in flight
+        # there or on their way.
         transit = self.grpc.generation.transit
         self.gc_task = gc_pauses.collect_when_quiet(gc_pauses.idle_from(
             lambda: (self.door.arrivals, self.door.admission.total_inflight + transit.calls)))

@@ -53,13 +53,13 @@ def tool_result(use: ToolUse, text: str, finish_reason: str | None) -> tuple[lis
 async def interleave(choices) -> AsyncIterator[tuple[int, Delta]]:
     """The n choices' deltas as they come, each with its choice's index (every first delta
     first, in order). A failure of one choice raises here; every choice is stopped at its
-    source when this ends, the client's going away included. One choice (n = 1: nearly every
-    request) is read in the caller's task: no pump task and no queue between its stream and the
-    edge, one task switch less a message (docs/benchmarks.md, "One choice, read in place")."""
-    for i, c in enumerate(choices):
-        yield i, c.first
+    source when this ends, the client's going away included (at a first delta too). One choice
+    (n = 1: nearly every request) is read in the caller's task: no pump task and no queue
+    between its stream and the edge, one task switch less a message (docs/benchmarks.md, "One
+    choice, read in place")."""
     if len(choices) == 1:
         try:
+            yield 0, choices[0].first
             async for d in choices[0].stream:
                 yield 0, d
         finally:
@@ -75,8 +75,11 @@ async def interleave(choices) -> AsyncIterator[tuple[int, Delta]]:
         except Exception as e:  # noqa: BLE001 — handed to the consumer, which raises it
             await queue.put((i, e))
 
-    tasks = [asyncio.ensure_future(pump(i, c.stream)) for i, c in enumerate(choices)]
+    tasks: list[asyncio.Future] = []
     try:
+        for i, c in enumerate(choices):
+            yield i, c.first
+        tasks = [asyncio.ensure_future(pump(i, c.stream)) for i, c in enumerate(choices)]
         running = len(tasks)
         while running:
             i, item = await queue.get()

@@ -10,10 +10,12 @@ handed each other one to its loop (`call_soon_threadsafe`: one more wake-up), an
 nothing (a `BlockingIOError`, which Serve's exception handler silences). Measured on the served
 front-door bench: ~13 context switches of the ingress's threads a relayed message.
 
-`read_only_on(loop)` leaves the socket to the transport's loop alone: its own events (a new call, a
-response sent) run there at once, as before, and never wait for a turn of the front door's loop
-(issue 15's property); the front door's and Ray's events are handed to their loops from there, one
-wake-up each. A gRPC whose poller has no such shared socket (newer ones give each loop its own)
+`read_only_on(loop)` leaves the socket to the gRPC server's loop alone: its own events (a new call,
+a response sent) run there at once. With `ingress_event_loops` 1 (the default) that loop is the
+front door's, which then also runs its Serve handles' events at once, and Ray's actor loop (Serve's
+inter-deployment server) gets its events from it, a turn of the front door's loop later. With 2 it
+is the transport's loop, whose events never wait for a turn of the front door's loop (issue 15's
+property); the front door's and Ray's are handed to their loops from there, one wake-up each. A gRPC whose poller has no such shared socket (newer ones give each loop its own)
 is left as it is."""
 
 from __future__ import annotations

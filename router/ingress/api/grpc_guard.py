@@ -76,8 +76,8 @@ def generation_handler(servicer, limit: int, meter: Meter) -> grpc.GenericRpcHan
 
 class KeyFirst(grpc.aio.ServerInterceptor):
     """Refuses a call whose key `check` refuses, from its metadata, before its message is read.
-    `check(authorization)` returns the refusal (or None: go on); it only reads, on the transport's
-    thread. `refused(error)` is told of each refusal (to count and audit it on the front door's loop)."""
+    `check(authorization)` returns the refusal (or None: go on); it only reads, on the server's
+    loop (the transport's thread with ingress_event_loops 2). `refused(error)` is told of each refusal (to count and audit it on the front door's loop)."""
 
     def __init__(self, check: Callable[[str | None], ServingError | None], refused: Callable[[ServingError], None]):
         self.check, self.refused = check, refused

@@ -19,7 +19,7 @@ door's loop, where Serve's handles to the pools run too: a call's work is a task
 took it, and its responses go to gRPC without crossing threads. The bad-key and shedding refusals
 are the first things a call does there, and wait for the loop's turn like everything else. Since
 gRPC's pollers replaced its EventEngine (cluster/app/builder.py) this costs 0.87x the ingress's CPU
-a 64-token request (0.83-0.85x a further message) with ~0.6x its context switches, and refuses a
+a 64-token request (0.84x a further message) with 0.6-0.7x its context switches, and refuses a
 burst as fast (docs/benchmarks.md, "One loop again").
 
 With 2, the transport runs on a loop of its own, in its own thread (`pdserve-grpc`). gRPC's
@@ -78,9 +78,9 @@ TRANSPORT_CAP_FACTOR = 4
 
 
 class Transit:
-    """The Generate calls the transport let through whose work has not started on the front door's
-    loop. The transport's thread enters a call; either thread may end its transit (the work
-    starting, or the call ending first), once."""
+    """The Generate calls the server let through whose work has not started on the front door's
+    loop (with one loop: whose task has not run yet). The server's loop enters a call; either
+    thread may end its transit (the work starting, or the call ending first), once."""
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -97,8 +97,8 @@ class Capacity:
     def shedding(self, in_transit: int = 0) -> Rejected | None:
         """The refusal any request would get now (an interactive one without a deadline gets the
         loosest bounds), behind `in_transit` requests let through that have not reached the check
-        yet. It only reads, so the gRPC server's transport thread may ask it before a call reaches
-        the front door's loop (api/grpc_server.py)."""
+        yet. It only reads, so the gRPC server may ask it before a call's work starts (with two
+        loops, from the transport's thread; api/grpc_server.py)."""
         return self._refusal(False, None, in_transit)
 
     def queue_bound_s(self, floor_s: float | None = None) -> float | None:

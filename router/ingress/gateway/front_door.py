@@ -148,8 +148,9 @@ class FrontDoor:
     def shedding(self, authorization: str | None, in_transit: int = 0) -> tuple[str, ServingError] | None:
         """(tenant, refusal) when every model version's capacity refuses all work now, behind the
         `in_transit` calls let through that have not reached this loop yet, and the caller's key is
-        valid: the gRPC transport's thread asks before a call reaches this loop, so a burst is
-        refused at the rate it arrives (api/grpc_server.py). It only reads. None: the call goes on
+        valid: the gRPC server asks as a call's first step, before its work starts (with two loops,
+        on the transport's thread, before the call reaches this loop), so a burst is refused at the
+        rate it arrives (api/grpc_server.py). It only reads. None: the call goes on
         to authorize and serve (an unknown key is refused there, as UNAUTHENTICATED). Off with an
         audit log: every refusal is a record the gateway writes."""
         if self.audit is not None:

@@ -11,8 +11,8 @@ and both numbers live here: `pending` moves with every admission and first token
 report lag), and the rate is measured from the first tokens themselves, over the time the queue
 was not empty (a backlogged pool's throughput). Requests already let through but not yet in the
 queue count at the mean prompt length of the admitted ones: those reserved (checked, being
-tokenized) and, asked from the gRPC transport's thread, the calls on their way to the front door's
-loop (api/grpc_server.py). So a request arriving in a burst is refused on arrival by the same
+tokenized) and, asked by the gRPC server, the calls whose work has not started on the front door's
+loop yet (api/grpc_server.py). So a request arriving in a burst is refused on arrival by the same
 bound it would meet at the front door, instead of waiting in line for the front door to refuse it.
 No actor call, no replica report: under a burst the prediction includes every request admitted a
 millisecond ago, where a model fed by the replicas' load reports (every 0.25 s, through the router)

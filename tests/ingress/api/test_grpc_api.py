@@ -222,10 +222,11 @@ def test_n_choices_interleave_with_their_index_and_a_failure_stops_the_others():
     assert sorted(closed) == [0, 1]
 
 
-@pytest.mark.parametrize("how", ["whole", "fails", "left"])
+@pytest.mark.parametrize("how", ["whole", "fails", "left", "left at the first", "cancelled"])
 def test_one_choice_is_read_in_the_callers_task_and_closed_at_its_source(how):
     """n = 1: the stream runs in the task that reads `interleave` (no pump task between them),
-    its deltas in order; a failure raises to the reader; a reader that leaves early closes it."""
+    its deltas in order; a failure raises to the reader; a reader that leaves (at any delta, the
+    first included) or is cancelled has the stream closed at its source by the time it is out."""
     import asyncio
 
     from router.ingress.api.choices import interleave
@@ -235,34 +236,50 @@ def test_one_choice_is_read_in_the_callers_task_and_closed_at_its_source(how):
 
     async def stream():
         try:
-            for t in ["b", "c"]:
+            for t in ["a", "b", "c"]:
                 tasks.append(asyncio.current_task())
                 yield Delta("r0", t, [])
             if how == "fails":
                 raise ServingError(Code.ABORTED, "replica lost")
+            if how == "cancelled":
+                await asyncio.Event().wait()  # runs until the reader's task is cancelled
         finally:
             closed.append(0)
 
-    async def run():
+    async def read(got: list):
         s = stream()
-        got = []
-        deltas = interleave([Choice(s, Delta("r0", "a", []), None)])
+        deltas = interleave([Choice(s, await anext(s), None)])  # started, as the front door starts a choice
         try:
             async for i, d in deltas:
                 got.append((i, d.text))
-                if how == "left" and d.text == "b":
+                if (how, d.text) in (("left", "b"), ("left at the first", "a")):
                     break
         except ServingError as e:
             got.append(e.message)
         finally:
             await deltas.aclose()
-        return got, asyncio.current_task()
+        return asyncio.current_task()
 
-    got, reader = asyncio.run(run())
+    async def run():
+        got = []
+        reader = asyncio.ensure_future(read(got))
+        if how == "cancelled":
+            while len(got) < 3:
+                await asyncio.sleep(0)
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            return got, None, list(closed)  # read before asyncio.run's own clean-up closes anything
+        return got, await reader, list(closed)
+
+    got, reader, closed_then = asyncio.run(run())
     assert got == {"whole": [(0, "a"), (0, "b"), (0, "c")], "fails": [(0, "a"), (0, "b"), (0, "c"), "replica lost"],
-                   "left": [(0, "a"), (0, "b")]}[how]
-    assert tasks == [reader] * (1 if how == "left" else 2)
-    assert closed == [0]
+                   "left": [(0, "a"), (0, "b")], "left at the first": [(0, "a")],
+                   "cancelled": [(0, "a"), (0, "b"), (0, "c")]}[how]
+    assert len(set(tasks)) == 1 and len(tasks) == {"left": 2, "left at the first": 1}.get(how, 3)
+    if reader is not None:
+        assert tasks[0] is reader
+    assert closed_then == [0]
 
 
 # ---- tools: Chat.tools, tool_choice, parallel_tool_calls; calls in GenerateResponse.tool_calls ----

@@ -4,6 +4,7 @@ serving, and ends a refusal with its code, details and retry-after."""
 
 import asyncio
 import concurrent.futures
+import functools
 import socket
 import threading
 import time
@@ -60,6 +61,18 @@ async def list_models(address: str, key: str | None = KEY, timeout: float = 5.0)
 
 def config(tiny_model, **kw) -> AppConfig:
     return AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY], **kw)
+
+
+def refused_generate(port: int, key: str) -> tuple[grpc.StatusCode, str, float]:
+    """A Generate call that must be refused: (code, details, seconds it took)."""
+    started = time.perf_counter()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            list(pb_grpc.GenerationStub(channel).Generate(
+                pb.GenerateRequest(text="hi"), metadata=(("authorization", f"Bearer {key}"),), timeout=10))
+        except grpc.RpcError as e:
+            return e.code(), e.details(), time.perf_counter() - started
+    raise AssertionError("the call was served")
 
 
 def test_a_loopback_app_is_not_reachable_from_the_network(tiny_model):
@@ -185,6 +198,39 @@ def test_only_the_transport_loop_reads_grpc_wakeups_and_the_other_loops_still_ge
     assert first == second == [cfg.model_name]
 
 
+def test_with_one_loop_the_doors_loop_reads_grpc_wakeups_and_another_loops_calls_still_complete(tiny_model):
+    """ingress_event_loops 1: the server's loop is the front door's, and it keeps gRPC's poller
+    socket; another loop hooked before the server starts (as Ray's actor loop is) stops watching
+    it, and a gRPC call made on that loop still completes, its events handed over."""
+    cfg = config(tiny_model, ingress_event_loops=1)
+    other = asyncio.new_event_loop()  # hooked before the server starts, on a thread of its own
+    threading.Thread(target=other.run_forever, daemon=True).start()
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), other).result(timeout=5)
+    other.call_soon_threadsafe(grpc_events.bind_this_loop)
+
+    async def watches(sock) -> bool:  # remove_reader: whether this loop watched it
+        return asyncio.get_running_loop().remove_reader(sock)
+
+    async def body(server):
+        socks = {id(sock): sock for _, sock in grpc_events.bound_loops()}
+        assert len(socks) == 1  # one poller socket for all loops (grpcio 1.85)
+        on_other = asyncio.run_coroutine_threadsafe(watches(next(iter(socks.values()))), other).result(timeout=5)
+        loop = asyncio.get_running_loop()
+        from_other = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+            list_models(f"127.0.0.1:{cfg.grpc_port}"), other))  # its events come through this loop
+        here = await list_models(f"127.0.0.1:{cfg.grpc_port}")
+        return server.handed_off_loops, server.loop is loop, on_other, [m.id for m in from_other.models], \
+            [m.id for m in here.models]
+
+    try:
+        handed_off, same_loop, on_other, from_other, here = serving(cfg)(body)
+    finally:
+        other.call_soon_threadsafe(other.stop)
+    assert handed_off >= 1 and same_loop  # the other (and loops of earlier tests in this process)
+    assert on_other is False
+    assert from_other == here == [cfg.model_name]
+
+
 @pytest.mark.parametrize("loops", [1, 2])
 def test_the_calls_run_on_the_front_doors_loop_with_one_loop_and_on_a_transport_thread_with_two(tiny_model, loops):
     """ingress_event_loops 1: no transport thread; a call's work and gRPC's own part of it (the
@@ -240,16 +286,7 @@ def test_an_overloaded_door_refuses_on_arrival_while_its_loop_is_busy(tiny_model
     queue.rate, queue.pending_tokens, queue.pending_requests = 1000.0, 2000, 1
     counted = []
     door.count_refused = lambda error, tenant: counted.append((error.code, tenant))
-
-    def call(key: str) -> tuple[grpc.StatusCode, str, float]:
-        started = time.perf_counter()
-        with grpc.insecure_channel(f"127.0.0.1:{cfg.grpc_port}") as channel:
-            try:
-                list(pb_grpc.GenerationStub(channel).Generate(
-                    pb.GenerateRequest(text="hi"), metadata=(("authorization", f"Bearer {key}"),), timeout=10))
-            except grpc.RpcError as e:
-                return e.code(), e.details(), time.perf_counter() - started
-        raise AssertionError("the call was served")
+    call = functools.partial(refused_generate, cfg.grpc_port)
 
     async def body(server):
         # the door's loop is blocked from here to the await: nothing of the door runs
@@ -270,6 +307,34 @@ def test_an_overloaded_door_refuses_on_arrival_while_its_loop_is_busy(tiny_model
     assert unknown[:2] == (grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer <key>)")
     assert unknown[2] < 1.0  # it did not wait for the door's loop
     assert counted == [(Code.RESOURCE_EXHAUSTED, "default")]
+
+
+def test_with_one_loop_an_overloaded_door_refuses_a_call_as_its_first_step_and_counts_it(tiny_model):
+    """ingress_event_loops 1: the shedding check and the key check are a call's first steps on the
+    front door's loop; the refusals are the same, and each is counted there (call_soon, no thread)."""
+    cfg = AppConfig(model=tiny_model, grpc_port=free_port(), api_keys=[KEY], admission={"max_queue_wait_s": 0.5},
+                    ingress_event_loops=1)
+    door = front_door(cfg)
+    queue = door.capacity.first_tokens  # 2,000 prompt tokens ahead at 1,000 a second: a 2 s wait
+    queue.rate, queue.pending_tokens, queue.pending_requests = 1000.0, 2000, 1
+    counted, refused = [], []
+    door.count_refused = lambda error, tenant: counted.append((error.code, tenant, threading.current_thread().name))
+    door.refused = lambda error: refused.append((error.code, threading.current_thread().name))
+
+    async def body(server):
+        loop = asyncio.get_running_loop()
+        shed = await loop.run_in_executor(None, refused_generate, cfg.grpc_port, KEY)
+        unknown = await loop.run_in_executor(None, refused_generate, cfg.grpc_port, "sk-wrong")
+        return shed, unknown, threading.current_thread().name
+
+    shed, unknown, door_thread = serving(cfg, door)(body)
+    assert shed[:2] == (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "the ingress's queue (2000 prompt tokens of 1 requests ahead and 0 on their way, at 1000.0 "
+                        "tokens/s): predicted queue wait 2.00 s exceeds max_queue_wait_s 0.5: overloaded "
+                        "(refused on arrival); retry after 2 s")
+    assert unknown[:2] == (grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key (authorization: Bearer <key>)")
+    assert counted == [(Code.RESOURCE_EXHAUSTED, "default", door_thread)]
+    assert refused == [(Code.UNAUTHENTICATED, door_thread)]
 
 
 def test_calls_on_their_way_to_the_busy_loop_count_ahead_of_a_new_one(tiny_model):
