@@ -75,6 +75,21 @@ def refused_generate(port: int, key: str) -> tuple[grpc.StatusCode, str, float]:
     raise AssertionError("the call was served")
 
 
+def hooked_loop() -> asyncio.AbstractEventLoop:
+    """Another event loop, running on a thread of its own and hooked on gRPC's poller before a
+    server starts (as Ray's actor loop is in a replica). Stop it with `call_soon_threadsafe(stop)`."""
+    other = asyncio.new_event_loop()
+    threading.Thread(target=other.run_forever, daemon=True).start()
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), other).result(timeout=5)
+    other.call_soon_threadsafe(grpc_events.bind_this_loop)
+    return other
+
+
+async def watches(sock) -> bool:
+    """Whether the running loop watched `sock` (it no longer does: remove_reader)."""
+    return asyncio.get_running_loop().remove_reader(sock)
+
+
 def test_a_loopback_app_is_not_reachable_from_the_network(tiny_model):
     """Bound to 127.0.0.1 (the default host), not to every address: a call to 127.0.0.2 (another
     address of this host's loopback interface, present in any Linux container: 127/8 is all
@@ -171,13 +186,7 @@ def test_only_the_transport_loop_reads_grpc_wakeups_and_the_other_loops_still_ge
     loop is) stops watching its socket once the server starts, the transport's keeps it; a call
     made on the door's loop (as Serve's handles make theirs) still completes, its events handed over."""
     cfg = config(tiny_model, ingress_event_loops=2)
-    other = asyncio.new_event_loop()  # hooked before the server starts, on a thread of its own
-    threading.Thread(target=other.run_forever, daemon=True).start()
-    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), other).result(timeout=5)
-    other.call_soon_threadsafe(grpc_events.bind_this_loop)
-
-    async def watches(sock) -> bool:  # remove_reader: whether this loop watched it
-        return asyncio.get_running_loop().remove_reader(sock)
+    other = hooked_loop()
 
     async def body(server):
         first = await list_models(f"127.0.0.1:{cfg.grpc_port}")
@@ -203,13 +212,7 @@ def test_with_one_loop_the_doors_loop_reads_grpc_wakeups_and_another_loops_calls
     socket; another loop hooked before the server starts (as Ray's actor loop is) stops watching
     it, and a gRPC call made on that loop still completes, its events handed over."""
     cfg = config(tiny_model, ingress_event_loops=1)
-    other = asyncio.new_event_loop()  # hooked before the server starts, on a thread of its own
-    threading.Thread(target=other.run_forever, daemon=True).start()
-    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), other).result(timeout=5)
-    other.call_soon_threadsafe(grpc_events.bind_this_loop)
-
-    async def watches(sock) -> bool:  # remove_reader: whether this loop watched it
-        return asyncio.get_running_loop().remove_reader(sock)
+    other = hooked_loop()
 
     async def body(server):
         socks = {id(sock): sock for _, sock in grpc_events.bound_loops()}
