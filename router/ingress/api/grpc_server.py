@@ -111,8 +111,8 @@ def to_loop(loop: asyncio.AbstractEventLoop) -> Callable[..., object]:
 
 
 class Generation(pb_grpc.GenerationServicer):
-    """Runs on the transport's loop; each method's work runs on `app_loop` (the front door's; the
-    same loop with ingress_event_loops 1). Made on the transport's loop."""
+    """Runs on the server's loop (the front door's with ingress_event_loops 1, the transport's with
+    2), where it is made; each method's work runs on `app_loop`, the front door's."""
 
     def __init__(self, door: FrontDoor, config: AppConfig, app_loop: asyncio.AbstractEventLoop):
         self.door, self.config, self.app_loop = door, config, app_loop
@@ -334,7 +334,7 @@ class GrpcServer:
         self.liveness = liveness or probes.door_liveness(door)
         self.meter = Meter()  # request bytes the transport read
         self.address = f"{_bracketed(config.host)}:{config.grpc_port}"
-        self.loop: asyncio.AbstractEventLoop | None = None  # the transport's
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's: the door's (1 loop) or the transport's (2)
         self.server: grpc.aio.Server | None = None
         self.generation: Generation | None = None
         self.handed_off_loops = 0  # the loops that stopped watching gRPC's poller (grpc_events.py)

@@ -4,7 +4,7 @@ A request made 6-8 counter increments (requests, streams, three token counts, th
 its prompt tokens, predicted cached tokens) and 2-4 histogram values (TTFT, time per output token,
 end-to-end latency, the router's latency) through Ray's metrics: each a tag check and a merge in
 Python, then a call into Ray's C++ that releases the GIL. In a process where other threads want the
-GIL (gRPC's transport loop and poller, Ray's threads), every release can hand it to one of them: a
+GIL (gRPC's poller, its transport loop with ingress_event_loops 2, Ray's threads), every release can hand it to one of them: a
 histogram value measured 2.6 µs with the process otherwise idle and 11 µs of the caller's CPU, 0.7
 ms of its wall time, beside one busy Python thread (issue 50, item 5). On the front door's loop
 that stalled every request behind it.
