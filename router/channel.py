@@ -169,7 +169,7 @@ class ChannelServer:
         self.token = secrets.token_bytes(16)
         self.calls = 0
         self.connections: set = set()  # the transports open now
-        _sweep()
+        sweep(DIR_PREFIX)
         self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
         self.path = os.path.join(self._dir, "channel.sock")
         self.address: dict = {}
@@ -227,12 +227,12 @@ class ChannelServer:
 DIR_PREFIX = "pdserve-router-"
 
 
-def _sweep() -> None:
-    """Remove the socket directories of routers whose process is gone (killed: none removed its own)."""
+def sweep(prefix: str) -> None:
+    """Remove the socket directories named `prefix`PID- whose process is gone (killed: none removed its own)."""
     root = tempfile.gettempdir()
     for name in os.listdir(root):
-        pid = name[len(DIR_PREFIX):].split("-", 1)[0]
-        if name.startswith(DIR_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        pid = name[len(prefix):].split("-", 1)[0]
+        if name.startswith(prefix) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 

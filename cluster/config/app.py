@@ -49,6 +49,11 @@ class AppConfig(Strict):
         "loop (no hand-off between threads a call and a response). 2: gRPC's transport on a loop and thread of its "
         "own, which takes new calls and refuses a bad key or a shedding door even while the front door's loop is "
         "stopped (docs/architecture.md, 'The gRPC server')")
+    decode_replies: Literal["channel", "serve"] = Field(
+        "channel", description="How a decode replica sends a leg's outputs to the ingress. channel: msgpack frames "
+        "on a socket of their own, one per ingress (Unix on the same node, else TCP), the Serve call kept for "
+        "placement, limits, cancellation and failure; serve: streamed on the Serve call (docs/architecture.md, "
+        "'Decode outputs on a socket of their own')")
     kv_transfer: KVTransferOptions = KVTransferOptions()
     routing: RoutingOptions = RoutingOptions()
     planner: PlannerOptions = PlannerOptions()

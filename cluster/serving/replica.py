@@ -46,6 +46,7 @@ from cluster.telemetry import gc_pauses
 from kv_transfer.handle import KVHandle
 from router.actor import lookup, serve_app
 from router.cells import cell_router
+from router.replies import ReplyLinks
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class EngineReplica:
                                hooks=hooks, nice=getattr(cfg, self.pool).compute_nice,
                                stream_interval=getattr(cfg, self.pool).stream_interval)
         self.flip = RoleFlip(self.replica_id, self.played, self.loop, self.reporter, self.app, rank)
+        self.replies = ReplyLinks(ray.get_runtime_context().get_node_id())  # decode outputs to the ingresses
         self.health = ReplicaHealth(self.pool, self.engine, self.loop, self.ranks, cfg.fault_tolerance.stuck_loop_s,
                                     cfg.fault_tolerance.max_consecutive_step_errors)
         # A full collection holds the GIL, so it stalls the engine's step thread and every stream with
@@ -156,11 +158,14 @@ class EngineReplica:
         ctx: RequestContext = DEFAULT_CONTEXT,
         target_replica: str | None = None,  # read by the request router that brought the call here
         generated: Sequence[int] = (),
+        reply_to: tuple | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's deltas. With a KV handle the prompt's KV is pulled from prefill
         (the first token was already sent); without one the prompt is prefilled here, after it
         the `generated` tokens (a migrated request's, already sent). Deltas that queue while the
-        caller is busy are merged into one message."""
+        caller is busy are merged into one message. With `reply_to` (an ingress's inbox and the
+        leg's call there: router/replies.py) the deltas go there as frames while its connection
+        holds; this call streams what cannot."""
         self.arrived(target_replica)
         if self.faults is not None and self.faults.fails_request():
             raise RuntimeError(f"request {request_id}: failed by fault injection (fail_requests)")
@@ -168,7 +173,7 @@ class EngineReplica:
         def submit():
             self._playing("decode").submit(request_id, prompt_token_ids, sampling, kv_handle, ctx, generated)
 
-        async for out in self.loop.stream(request_id, submit, merge=merge_outputs):
+        async for out in self.replies.send(reply_to, self.loop.stream(request_id, submit, merge=merge_outputs)):
             yield out
 
     # ---- role flips ---------------------------------------------------------------------------
@@ -200,6 +205,7 @@ class EngineReplica:
         self.arrived(target_replica)
         ranks = {} if self.ranks is None else {"rank_nodes": list(self.ranks.nodes)}  # tensor-parallel: rank 0 first
         return {"replica_id": self.replica_id, "pid": os.getpid(), "routed": dict(self.routed),
+                "reply_legs": dict(self.replies.legs),
                 "gc_pauses": gc_pauses.PAUSES.summary(),
                 **ranks, **await self.loop.call(self.reporter.report)}
 
@@ -219,13 +225,14 @@ class EngineReplica:
     async def inject_fault(self, pull: faults.PullFault | None = None, step_delay_s: float | None = None,
                            stall_loop_s: float | None = None, fail_requests: float | None = None,
                            target_replica: str | None = None, poison_token: int | None = None,
-                           notices: faults.NoticeFault | None = None) -> str:
+                           notices: faults.NoticeFault | None = None, close_replies: bool = False) -> str:
         """Chaos tests and drills (only with fault_tolerance.fault_injection): `pull` "drop" |
         "stall" | "none" on this replica's KV transfers, a delay added to every engine step (a
         slow node), one loop turn blocked for `stall_loop_s` (a stuck engine), or the fraction
         of new requests a decode replica fails at once (`fail_requests`: a broken version), or a
         forward whose input holds `poison_token` raises (a poison request; -1 turns it off), or
-        `notices` "drop": the lease notices this replica sends prefill are lost (as a killed one's).
+        `notices` "drop": the lease notices this replica sends prefill are lost (as a killed one's), or
+        `close_replies`: its connections to the ingresses' reply inboxes closed now (router/replies.py).
         `target_replica` picks the replica (read by the request router); another replica that the
         call reached (the named one gone, or not yet known to the caller's handle) refuses it with
         WrongReplicaError before changing anything. Returns the replica id it was applied on."""
@@ -248,6 +255,8 @@ class EngineReplica:
                 self.faults.poison_token = None if poison_token < 0 else poison_token
 
         await self.loop.call(apply)
+        if close_replies:
+            self.replies.close()
         if stall_loop_s:
             asyncio.ensure_future(self.loop.call(lambda: time.sleep(stall_loop_s)))
         return self.replica_id

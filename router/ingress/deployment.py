@@ -21,6 +21,7 @@ from cluster.telemetry.metrics import guardrail_metrics
 from router.actor import serve_app
 from router.cells import ingress_routers
 from router.policy import PolicyConfig
+from router.replies import ReplyInbox
 from router.ingress.api import openai_api, probes
 from router.ingress.api.grpc_server import GrpcServer
 from router.ingress.gateway.admission_actor import get_admission
@@ -74,7 +75,8 @@ def build_front_door(config: AppConfig, pools: dict, classifier_handle=None, app
     quotas.ready(ACTOR_START_TIMEOUT_S)
     door = FrontDoor.build(config, pools, routers=routers, take=quotas.take.remote, telemetry=telemetry, audit=audit,
                            ledger=ledger, classifier=classifier_handle, idempotency_actor=quotas,
-                           guard_metrics=guardrail_metrics() if config.telemetry.metrics else None)
+                           guard_metrics=guardrail_metrics() if config.telemetry.metrics else None,
+                           replies=ReplyInbox() if config.decode_replies == "channel" else None)
     if door.catalog.rollout_models():  # a model with several versions: live splits and the canary gate
         door.catalog.connect(get_rollout(app), ACTOR_START_TIMEOUT_S)
     return door
@@ -143,6 +145,8 @@ class Ingress:
         if getattr(self, "gc_task", None) is not None:
             self.gc_task.cancel()
         await self.grpc.stop(grace)
+        if self.door.replies is not None:
+            self.door.replies.close()
         if self.door.telemetry is not None:
             self.door.telemetry.batch.close()  # the last metric values, recorded before the process goes
         if self.door.audit is not None:

@@ -120,6 +120,42 @@ def test_killed_decode_replica_mid_stream_every_stream_migrates_and_finishes_ide
     wait_whole_and_forgotten(dead=[victim], timeout=20.0)
 
 
+def test_reply_connections_closed_mid_stream_every_stream_finishes_identical_on_its_serve_call(cluster, reference):
+    """Decode outputs come to the ingress as frames on a socket of their own (router/replies.py).
+    Each decode replica's connections closed mid-stream: every leg sends the rest on its Serve
+    call (from its first token; the ingress drops what it had), once, and ends identical."""
+    decodes = live_replicas("decode")
+    legs = {rid: replica_load("decode", rid)["reply_legs"] for rid in decodes}
+    warm = iter(prompts(64, 24, base=300))
+
+    def framed_everywhere():  # a replica's first call from this ingress connects: the later ones are framed
+        list(cluster.Generate(request(next(warm), 2), timeout=30))
+        return all(replica_load("decode", rid)["reply_legs"]["framed"] > legs[rid]["framed"] for rid in decodes)
+
+    wait_for(framed_everywhere, "a framed leg on every decode replica", 30)
+    for rid in decodes:
+        inject_fault(rid, "decode", step_delay_s=0.03)  # 64 tokens: ~2 s streams
+    try:
+        before = {rid: replica_load("decode", rid)["reply_legs"] for rid in decodes}
+        ps = prompts(8, 24, base=400)
+        expected = reference(ps, 64)
+        streams = [iter(cluster.Generate(request(p, 64), timeout=120)) for p in ps]
+        got = [list(next(s).token_ids) + list(next(s).token_ids) for s in streams]  # decoding, every one
+        for rid in decodes:
+            inject_fault(rid, "decode", close_replies=True)
+        for i, s in enumerate(streams):
+            for r in s:
+                got[i] += r.token_ids
+    finally:
+        for rid in decodes:
+            inject_fault(rid, "decode", step_delay_s=0.0)
+    assert got == expected  # no token missing or repeated across the switch
+    after = {rid: replica_load("decode", rid)["reply_legs"] for rid in decodes}
+    delta = {k: sum(after[r][k] - before[r][k] for r in decodes) for k in ("framed", "streamed", "fell_back")}
+    assert delta == {"framed": 8, "streamed": 0, "fell_back": 8}
+    wait_whole_and_forgotten()
+
+
 def test_killed_prefill_replica_during_prefill_requests_complete(cluster, reference):
     [victim] = live_replicas("prefill")
     inject_fault(victim, "prefill", step_delay_s=0.5)  # 3 chunked steps of 0.5 s per prompt: time to kill

@@ -23,6 +23,7 @@ from router.ingress.flow.relay import coalesce
 from router.ingress.flow.stream import ClientStream
 from router.ingress.request import Delta
 from router.ingress.status import Code, Rejected, ServingError
+from router.replies import RepliesLost, ReplyInbox
 
 log = logging.getLogger(__name__)
 
@@ -257,8 +258,9 @@ class DecodeLegs:
     restarts its random stream at the migration)."""
 
     def __init__(self, handle, max_migrations: int, prefill: PrefillLeg | None, replica_wait_s: float = 120.0,
-                 homes: Mapping[str, object] | None = None):
+                 homes: Mapping[str, object] | None = None, replies: ReplyInbox | None = None):
         self.handle = handle
+        self.replies = replies  # where replicas write a leg's outputs (router/replies.py); None: Serve's stream
         self.homes = Homes({**(homes or {}), "decode": handle}, handle)
         self.max_migrations = max_migrations
         self.prefill = prefill  # where a handle's lease is released when decode never took it
@@ -332,8 +334,7 @@ class DecodeLegs:
         from ray.exceptions import ActorUnavailableError, RayActorError  # noqa: PLC0415
 
         try:
-            replies = self.homes.via(home, "generate", ids, sampling, stream=True).remote(
-                rid, ids, sampling, kv_handle, ctx, target_replica=target, generated=generated)
+            replies, box = self._call(rid, ids, sampling, kv_handle, ctx, target, home, generated)
         except Exception as e:  # noqa: BLE001
             if kv_handle is not None and self.prefill is not None:  # nothing will pull it: end the lease now
                 await self.prefill.release(rid, kv_handle.engine_id)
@@ -341,7 +342,7 @@ class DecodeLegs:
             raise ServingError(Code.UNAVAILABLE, f"no decode replica: {told(e)}") from e
         state = _LegState()
         try:
-            async with aclosing(self._outputs(rid, replies, kv_handle, ctx, client, state, target)) as outputs:
+            async with aclosing(self._outputs(rid, replies, kv_handle, ctx, client, state, target, box)) as outputs:
                 async for d in outputs:
                     yield d
         except ServingError:
@@ -361,7 +362,7 @@ class DecodeLegs:
                                                  f"{self.replica_wait_s:g} s (fault_tolerance.replica_wait_s)") from e
         except QueueFullError as e:  # the decode replica's queue is full (raised by its submit)
             raise Rejected(f"request {rid}: {told(e)}", OVERLOAD_RETRY_S) from e
-        except (RayActorError, ActorUnavailableError) as e:
+        except (RayActorError, ActorUnavailableError, RepliesLost) as e:
             state.died = True
             raise ReplicaDied(e) from e
         except Exception as e:
@@ -369,6 +370,8 @@ class DecodeLegs:
             raise ServingError(Code.ABORTED if state.pulled else Code.UNAVAILABLE,
                                f"decode failed for {rid}{_on(target)}: {told(e)}") from e
         finally:
+            if box is not None:
+                box.close(state.finished)
             if not state.finished:
                 replies.cancel()
             # Only the first leg has a handle. Its lease ends here where nothing else ends it: the
@@ -378,8 +381,22 @@ class DecodeLegs:
                     and self.prefill is not None:
                 await self.prefill.release(rid, kv_handle.engine_id)
 
+    def _call(self, rid: str, ids: list[int], sampling: SamplingParams, kv_handle, ctx: RequestContext,
+              target: str | None, home: str | None, generated: list[int]):
+        """The leg's Serve call, and the mailbox its outputs come to as frames (router/replies.py;
+        None: they stream on the call)."""
+        box = None if self.replies is None or by_reference(ids, sampling) else self.replies.open(rid)
+        try:
+            return self.homes.via(home, "generate", ids, sampling, stream=True).remote(
+                rid, ids, sampling, kv_handle, ctx, target_replica=target, generated=generated,
+                **({} if box is None else {"reply_to": box.reply_to})), box
+        except BaseException:
+            if box is not None:
+                box.close()
+            raise
+
     async def _outputs(self, rid: str, replies, kv_handle, ctx: RequestContext, client: ClientStream,
-                       state: "_LegState", target: str | None = None) -> AsyncIterator[Delta]:
+                       state: "_LegState", target: str | None = None, box=None) -> AsyncIterator[Delta]:
         # Until a replica takes the request, nothing enforces its deadline (a sleeping pool is
         # loading one, every replica's queue full at Serve's router): bound that wait here, by the
         # deadline or replica_wait_s, whichever comes first. From its first output the engine has
@@ -388,8 +405,9 @@ class DecodeLegs:
         first_by = now + self.replica_wait_s
         if remaining is not None and now + max(remaining, 0.0) + FIRST_OUTPUT_GRACE_S < first_by:
             first_by, state.deadline_first = now + max(remaining, 0.0) + FIRST_OUTPUT_GRACE_S, True
-        async with asyncio.timeout_at(first_by) as state.bound, aclosing(coalesce(
-                replies, merge_outputs, final=lambda o: o.finished, alone=lambda o: o.finish_reason in FAILED)) as outs:
+        source = coalesce(replies, merge_outputs, final=lambda o: o.finished,
+                          alone=lambda o: o.finish_reason in FAILED) if box is None else box.outputs(replies)
+        async with asyncio.timeout_at(first_by) as state.bound, aclosing(source) as outs:
             async for out in outs:
                 out: RequestOutput
                 if not state.pulled:

@@ -73,10 +73,11 @@ def make_validator(config: AppConfig) -> RequestValidator:
 
 class RequestFlow:
     def __init__(self, config: AppConfig, prefill_handle, decode_handle, router=None,
-                 route_timeout_s: float = 0.5, sampling_defaults: dict | None = None):
+                 route_timeout_s: float = 0.5, sampling_defaults: dict | None = None, replies=None):
         """`config`: one model version's (AppConfig.served_versions); `sampling_defaults`: its
         manifest's, over the checkpoint's generation_config. `router`: the router actor (None:
-        Serve's own replica choice)."""
+        Serve's own replica choice). `replies`: the ingress's ReplyInbox (router/replies.py; None:
+        decode outputs stream on Serve's calls)."""
         self.config = config
         self.group = config.serving_group  # the version: the router picks both replicas within it
         self.validator = make_validator(config)
@@ -99,7 +100,7 @@ class RequestFlow:
         homes = {"decode": decode_handle} if prefill_handle is None else {"prefill": prefill_handle,
                                                                           "decode": decode_handle}
         self._prefill = None if prefill_handle is None else PrefillLeg(prefill_handle, ft.replica_wait_s, homes)
-        self._decode = DecodeLegs(decode_handle, ft.max_migrations, self._prefill, ft.replica_wait_s, homes)
+        self._decode = DecodeLegs(decode_handle, ft.max_migrations, self._prefill, ft.replica_wait_s, homes, replies)
 
     # ---- before a request runs -----------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from router.ingress.gateway.guardrails import Guardrails, GuardStage
 from router.ingress.gateway.idempotency import Idempotent
 from router.ingress.gateway.response_cache import ResponseCache, ResponseCacheStage
 from router.ingress.gateway.stages import Gateway, Outcome, Stage
+from router.replies import ReplyInbox
 from router.ingress.gateway.telemetry import IngressTelemetry, TelemetryStage
 from router.ingress.request import ClientRequest, Delta
 from router.ingress.status import Code, Rejected, ServingError
@@ -94,6 +95,7 @@ class FrontDoor:
         self.telemetry = telemetry
         self.idempotent = idempotent  # runs a request with an Idempotency-Key once (HTTP)
         self.audit = audit
+        self.replies = None  # the decode legs' ReplyInbox (router/replies.py), when built with one
         self._ids = RequestIds()
         # calls that reached the door (authorized or not, or refused on arrival), on its loop: the
         # ingress collects garbage when this has not moved for a while (cluster/telemetry/gc_pauses.py)
@@ -103,17 +105,18 @@ class FrontDoor:
     def build(cls, config: AppConfig, pools: dict, *, routers: dict | None = None, take: TakeFn | None = None,
               key_digests: dict | None = None, telemetry: IngressTelemetry | None = None,
               audit: AuditShipper | None = None, ledger: Callable[[], object] | None = None, classifier=None,
-              guard_metrics=None, idempotency_actor=None) -> "FrontDoor":
+              guard_metrics=None, idempotency_actor=None, replies: ReplyInbox | None = None) -> "FrontDoor":
         """`pools`: serving group -> (prefill handle or None, decode handle), one per version;
         `routers`: serving group -> its router actor (None: Serve's own replica choice);
         `take`: the shared quota buckets (the quota actor's `take`; default: this process's);
-        `ledger`: the budget ledger actor's getter, when budgets are configured."""
+        `ledger`: the budget ledger actor's getter, when budgets are configured; `replies`: where
+        decode replicas write the legs' outputs (router/replies.py; None: on Serve's calls)."""
         admission = Admission(config, take or local_quotas(), key_digests)
         flows, gateways, capacities = {}, {}, {}
         for v in config.served_versions():
             prefill, decode = pools[v.config.serving_group]
             flow = RequestFlow(v.config, prefill, decode, None if routers is None else routers[v.config.serving_group],
-                               sampling_defaults=v.sampling.overrides())
+                               sampling_defaults=v.sampling.overrides(), replies=replies)
             flows[v.name, v.label] = flow
             capacities[flow.group] = Capacity(v.config.admission_bounds)
             metrics = None if telemetry is None else telemetry.metrics
@@ -123,6 +126,7 @@ class FrontDoor:
         idempotent = None if idempotency_actor is None else Idempotent(idempotency_actor, admission)
         door = cls(config, ModelCatalog.build(config, flows), gateways, capacities, admission, telemetry, idempotent,
                    audit)
+        door.replies = replies
         if audit is not None:  # a mirror runs a tenant's prompt on a candidate version: audited too
             door.catalog.shadow.audit = door.audit_mirror
         return door
