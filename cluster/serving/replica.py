@@ -79,15 +79,15 @@ class EngineReplica:
                                      cell_router(cfg, self.app, self.pool, self.replica_id, rank),
                                      node_id=ray.get_runtime_context().get_node_id(), group=cfg.serving_group)
         hooks = [self.reporter]
+        self.replies = ReplyLinks(ray.get_runtime_context().get_node_id())  # decode outputs to the ingresses
         telemetry = make_replica_telemetry(cfg.telemetry, self.engine, self.transport.stats, self.pool,
-                                           self.replica_id, self.reporter.feed)
+                                           self.replica_id, self.reporter.feed, self.replies)
         if telemetry is not None:
             hooks.append(telemetry)
         self.loop = EngineLoop(self.played.obj, idle_poll_s=self.home_role.idle_poll_s, name=f"pdserve-{self.pool}",
                                hooks=hooks, nice=getattr(cfg, self.pool).compute_nice,
                                stream_interval=getattr(cfg, self.pool).stream_interval)
         self.flip = RoleFlip(self.replica_id, self.played, self.loop, self.reporter, self.app, rank)
-        self.replies = ReplyLinks(ray.get_runtime_context().get_node_id())  # decode outputs to the ingresses
         self.health = ReplicaHealth(self.pool, self.engine, self.loop, self.ranks, cfg.fault_tolerance.stuck_loop_s,
                                     cfg.fault_tolerance.max_consecutive_step_errors)
         # A full collection holds the GIL, so it stalls the engine's step thread and every stream with

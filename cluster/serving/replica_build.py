@@ -40,11 +40,11 @@ def build_engine(config: AppConfig, pool: Literal["prefill", "decode"],
 
 
 def make_replica_telemetry(options: TelemetryOptions, engine: LLMEngine, transfer_stats: TransferStats,
-                           pool: str, replica_id: str, feed=None):
+                           pool: str, replica_id: str, feed=None, replies=None):
     """The replica's metrics and traces exporter; None (and no probe in the engine) when both are off."""
     if not options.metrics and options.traces == "none":
         return None
-    return ReplicaTelemetry(options, engine, transfer_stats, pool, replica_id, feed)
+    return ReplicaTelemetry(options, engine, transfer_stats, pool, replica_id, feed, replies)
 
 
 def serve_replica_id() -> str | None:

@@ -80,6 +80,7 @@ class EngineMetrics:
     spec_off: object
     router_feed_lag: object
     router_feed_calls: object
+    reply_legs: object
 
 
 @lru_cache(maxsize=None)
@@ -236,4 +237,7 @@ def engine_metrics() -> EngineMetrics:
         router_feed_calls=Counter("pdserve_router_feed_calls", "Feed calls to the router by result: sent (each), "
                                   "snapshot (of them, full snapshots), refused (a gap: resync), unavailable, error",
                                   (*r, "result")),
+        reply_legs=Counter("pdserve_decode_reply_legs", "Decode legs by how their outputs went to the ingress: "
+                           "framed (on its reply socket), streamed (on the Serve call), fell_back (framed, then the "
+                           "rest on the Serve call when the connection closed)", (*r, "path")),
     )

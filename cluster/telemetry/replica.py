@@ -52,9 +52,10 @@ def phases(pool: str, req: "Request", end: float) -> list[tuple[str, float, floa
 
 class ReplicaTelemetry:
     def __init__(self, options: "TelemetryOptions", engine: "LLMEngine", transfer: "TransferStats",
-                 pool: str, replica_id: str, feed=None):
+                 pool: str, replica_id: str, feed=None, replies=None):
         self.engine = engine
         self.feed = feed  # the replica's router feed (router/events.py): its calls' lags and outcomes
+        self.replies = replies  # its connections to the ingresses (router/replies.py): legs by path
         self.transfer = transfer
         self.pool = pool
         self.interval_s = options.metrics_interval_s
@@ -144,6 +145,9 @@ class ReplicaTelemetry:
             sync(m.leases, {**tags, "event": event}, t[f"leases_{event}"])
         if self.feed is not None:
             self._export_feed(m, tags)
+        if self.replies is not None:
+            for path, n in self.replies.legs.items():
+                sync(m.reply_legs, {**tags, "path": path}, n)
 
     def _export_feed(self, m, tags: dict[str, str]) -> None:
         for lag in self.feed.drain_lags():

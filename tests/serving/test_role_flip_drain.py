@@ -29,6 +29,7 @@ from kv_transfer.stats import TransferStats
 from prefill.deployment import PREFILL_ROLE
 from prefill.engine import PrefillEngine
 from router.actor import router_name
+from router.replies import ReplyLinks
 
 PROMPT = [256] + list(range(1, 40))
 LONG = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
@@ -107,6 +108,7 @@ def replica(ray_session, tiny_model):
     r.reporter = LoadReporter(engine, r.transport.stats, r.replica_id, "decode", Registry(), router)
     r.loop = EngineLoop(r.role, idle_poll_s=DECODE_ROLE.idle_poll_s, hooks=[r.reporter])
     r.flip = RoleFlip(r.replica_id, r.played, r.loop, r.reporter, "pdserve")
+    r.replies = ReplyLinks("node-x")  # no call names an ingress's inbox here: outputs stream on the call
     return r
 
 

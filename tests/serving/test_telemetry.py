@@ -222,6 +222,10 @@ def test_counters_and_histogram_counts_grow_by_exactly_what_the_requests_did(sce
         key("kv_transfer_blocks_total", **dec, kind="pulled"): 5 + 2,
         key("kv_transfer_blocks_total", **dec, kind="reused"): 4,
         key("preemptions_total", **dec): 0,
+        # r1-r4's decode legs, each counted once by how its outputs went (every path: framed + streamed;
+        # r1's may stream: its call starts the replica's connect to this ingress); none fell back
+        key("decode_reply_legs_total", **dec): 4,
+        key("decode_reply_legs_total", **dec, path="fell_back"): 0,
     }
     last = {}
 
@@ -295,7 +299,7 @@ def test_the_grafana_dashboard_queries_what_the_catalogue_exports():
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
     queried = {m for e in exprs for m in re.findall(r"ray_pdserve_\w+", e)}
-    assert len(catalogue) == 49  # 34 + 6 (audit, budgets) + 4 (speculative decoding) + 2 (guardrails, response cache) + 2 (router feed) + 1 (poison containment)
+    assert len(catalogue) == 50  # 34 + 6 (audit, budgets) + 4 (speculative decoding) + 2 (guardrails, response cache) + 2 (router feed) + 1 (poison containment) + 1 (decode replies)
     assert queried - set(exported) == set()
     assert set(catalogue) - {exported[m] for m in queried} == set()
 
