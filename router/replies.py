@@ -25,11 +25,14 @@ is dropped. Only calls without logprobs use it (legs.py `by_reference`: those go
 **Falling back.** A replica without a connection to the caller's inbox yet (the first call from a
 new ingress: the connect runs in the background) streams the leg's outputs on Serve's call as
 before. A connection that closes mid-leg (either end), a frame over the limit, or an ingress that stops
-reading (MAX_BUFFERED_BYTES unsent) sends the rest of the leg on Serve's call too: the first such
-output carries every token of the leg so far (which ones arrived, the replica cannot know), and the
-mailbox drops the tokens it already has from it and every frame after it. A call that ends on
-Serve's side with no final output seen (the connection closed after the replica wrote its last
-frame) waits LATE_FRAME_S for it, then fails the leg as a lost replica (RepliesLost: it migrates)."""
+reading (MAX_BUFFERED_BYTES unsent) sends the rest of the leg on Serve's call too: first, as an
+output of its own, every token the leg sent as frames (which ones arrived, the replica cannot
+know), and the mailbox drops from it the tokens it already has, and every frame after it. A call
+that ends on Serve's side with no final output seen (the connection closed after the replica
+wrote its last frame) waits for it LATE_FRAME_S after the last frame read on any connection (at
+most LATE_FRAMES_MAX_S: a backlog draining), then fails the leg as a lost replica (RepliesLost:
+it migrates). A frame that names a leg but does not decode fails that leg alone; one that is not
+an output at all closes its connection (its replica's legs fall back)."""
 
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ import secrets
 import shutil
 import tempfile
 import time
+from contextlib import aclosing
 from typing import AsyncIterator
 
 from cluster.engine.outputs import FinishReason, RequestOutput, merge_outputs
@@ -55,6 +59,7 @@ log = logging.getLogger(__name__)
 DIR_PREFIX = "pdserve-replies-"
 DRAIN_S = 5.0  # after a leg's final output: how long its Serve call may take to end before it is cancelled
 LATE_FRAME_S = 2.0  # after Serve's call ended: how long its last frame may still take to arrive
+LATE_FRAMES_MAX_S = 30.0  # ... and at most this long while other frames keep arriving (a backlog draining)
 MAX_BUFFERED_BYTES = 16 << 20  # frames a replica holds for an ingress that stopped reading: past this, it falls back
 FIELDS = 9
 FAILED = (FinishReason.ERROR, FinishReason.DEADLINE, FinishReason.REJECTED)  # never merged into earlier outputs
@@ -75,10 +80,10 @@ def encode(call: int, out: RequestOutput) -> bytes:
 
 
 def decode(request_id: str, f: list) -> RequestOutput:
-    """An output frame as the RequestOutput it was (ValueError for one that is not)."""
+    """An output frame as the RequestOutput it was (ValueError or KeyError for one that is not)."""
     _, ids, finished, reason, prompt, produced, cached, error, kind = f
-    if not isinstance(ids, list):
-        raise ValueError("an output frame's token_ids are not a list")
+    if not (isinstance(ids, list) and all(type(t) is int for t in ids)):
+        raise ValueError("an output frame's token_ids are not a list of ints")
     return RequestOutput(request_id, ids, "", bool(finished), None if reason is None else _REASONS[reason],
                          prompt, produced, cached, error, None if kind is None else _KINDS[kind])
 
@@ -90,7 +95,7 @@ class Mailbox:
     call streams (a replica that fell back), merged while the consumer is busy (as relay.coalesce)."""
 
     __slots__ = ("inbox", "call", "rid", "reply_to", "items", "got", "on_serve", "serve_done", "error",
-                 "waiter", "reader", "final_seen", "frames", "served", "closed")
+                 "waiter", "reader", "frames", "served", "closed")
 
     def __init__(self, inbox: "ReplyInbox", call: int, rid: str):
         self.inbox, self.call, self.rid = inbox, call, rid
@@ -102,7 +107,6 @@ class Mailbox:
         self.error: BaseException | None = None
         self.waiter: asyncio.Future | None = None
         self.reader: asyncio.Task | None = None
-        self.final_seen = False
         self.frames = 0  # outputs that came as frames
         self.served = 0  # outputs that came on Serve's call
         self.closed = False
@@ -115,15 +119,22 @@ class Mailbox:
         self._put(out)
 
     def streamed(self, out: RequestOutput) -> None:
+        self.served += 1
         if not self.on_serve:  # the first output on Serve's call carries the leg's tokens from its start
             self.on_serve = True
             if self.got:
                 out.token_ids = out.token_ids[self.got:]
-        self.served += 1
+                if not out.token_ids and not out.finished:
+                    return  # every one of them arrived as frames
         self._put(out)
 
+    def fail(self, error: BaseException) -> None:
+        """End the leg with `error` (after the outputs before it); its frames are dropped from now on."""
+        self.on_serve = True
+        self.error = self.error or error
+        self._wake()
+
     def _put(self, out: RequestOutput) -> None:
-        self.final_seen = self.final_seen or out.finished
         self.items.append(out)
         self._wake()
 
@@ -137,9 +148,9 @@ class Mailbox:
             async for out in replies:
                 self.streamed(out)
             self.serve_done = True
-        except asyncio.CancelledError:
-            raise
         except BaseException as e:  # noqa: BLE001 — raised to the consumer after the outputs before it
+            if self.closed and isinstance(e, asyncio.CancelledError):
+                raise  # close() cancelled it
             self.error = e
         finally:
             self._wake()
@@ -163,7 +174,7 @@ class Mailbox:
         error is raised after the outputs before it; leaving early cancels the call's reading."""
         items = self.items
         self.reader = asyncio.get_running_loop().create_task(self._read(replies))
-        last_final = False
+        last_final, give_up = False, 0.0
         try:
             while True:
                 if items:
@@ -177,8 +188,11 @@ class Mailbox:
                     continue
                 if self.error is not None:
                     raise self.error
-                if self.serve_done:
-                    if not await self._wait(LATE_FRAME_S):
+                if self.serve_done:  # its last frame may still be on the way, behind others
+                    seen, loop = self.inbox.frames_in, asyncio.get_running_loop()
+                    give_up = give_up or loop.time() + LATE_FRAMES_MAX_S
+                    if not await self._wait(LATE_FRAME_S) and not items and (
+                            self.inbox.frames_in == seen or loop.time() > give_up):
                         raise RepliesLost(f"decode call for {self.rid} ended without its final output")
                     continue
                 await self._wait(None)
@@ -213,6 +227,7 @@ class ReplyInbox:
         self.boxes: dict[int, Mailbox] = {}
         self.connections: set = set()
         self.legs = 0  # legs that asked for frames
+        self.frames_in = 0  # frames read, on every connection
         self.refused = 0  # connections closed for a wrong token or a bad frame
         self._ids = itertools.count(1)
         self._starting: asyncio.Task | None = None
@@ -257,11 +272,23 @@ class ReplyInbox:
         self.address = (node_id, path, host, tcp.sockets[0].getsockname()[1], secrets.token_bytes(16))
 
     def deliver(self, frames: list) -> None:
+        """Each frame to its leg's mailbox (none: the leg ended). ValueError for a frame that is not
+        an output at all (the connection closes); one that names a leg but does not decode fails
+        that leg alone."""
         boxes = self.boxes
+        self.frames_in += len(frames)
         for f in frames:
-            box = boxes.get(f[0]) if isinstance(f, list) and len(f) == FIELDS else None
-            if box is not None:
-                box.framed(decode(box.rid, f))
+            if not (isinstance(f, list) and len(f) == FIELDS and type(f[0]) is int):
+                raise ValueError("a frame that is not an output")
+            box = boxes.get(f[0])
+            if box is None:
+                continue
+            try:
+                out = decode(box.rid, f)
+            except (ValueError, KeyError, TypeError) as e:
+                box.fail(RepliesLost(f"decode call for {box.rid}: an output frame that does not decode ({e!r})"))
+            else:
+                box.framed(out)
 
     def close(self) -> None:
         """Stop listening; close every connection (legs still open fall back to Serve's calls)."""
@@ -287,8 +314,10 @@ class _InboxProtocol(_FramedProtocol):
         self.inbox.connections.discard(self.transport)
 
     def frames_received(self, frames: list) -> None:
+        if not frames:  # a read that ended inside a frame
+            return
         if not self.authed:
-            token = frames[0] if frames else None
+            token = frames[0]
             if not (isinstance(token, bytes) and hmac.compare_digest(token, self.inbox.address[4])):
                 log.warning("decode outputs: a connection without the inbox's token closed")
                 self.inbox.refused += 1
@@ -349,15 +378,18 @@ class ReplyLinks:
                 yield out
             return
         call, sent = reply_to[1], []
-        async for out in outs:
-            if link is not None:
-                if link.send(call, out):
-                    sent.extend(out.token_ids)
-                    continue
-                link = None  # from here on Serve's call streams the leg, from its first token
-                self.legs["fell_back"] += 1
-                out.token_ids = sent + out.token_ids
-            yield out
+        async with aclosing(outs):  # closed with this generator: leaving early aborts the request now
+            async for out in outs:
+                if link is not None:
+                    if link.send(call, out):
+                        sent.extend(out.token_ids)
+                        continue
+                    link = None  # from here on Serve's call streams the leg, from its first token
+                    self.legs["fell_back"] += 1
+                    if sent:  # the frames' tokens again, on their own: the mailbox drops those it has
+                        yield RequestOutput(out.request_id, sent, "", False, None, out.num_prompt_tokens,
+                                            out.num_output_tokens - len(out.token_ids), out.num_cached_tokens)
+                yield out
 
     def close(self) -> None:
         """Close every connection now (legs in flight go on Serve's calls)."""
@@ -380,7 +412,7 @@ class _Link(asyncio.Protocol):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def connect(self, node_id: str) -> None:
-        node, path, host, port, token = self.address
+        node, path, host, port, _ = self.address
         loop = self._loop = asyncio.get_running_loop()
         try:
             try:
@@ -389,9 +421,10 @@ class _Link(asyncio.Protocol):
                 await asyncio.wait_for(loop.create_unix_connection(lambda: self, path), CONNECT_TIMEOUT_S)
             except OSError:  # another node, or another filesystem view (a container): TCP
                 await asyncio.wait_for(loop.create_connection(lambda: self, host, port), CONNECT_TIMEOUT_S)
-            self.transport.write(frame(token))
             self.retry_s = RETRY_S
         except Exception as e:  # noqa: BLE001 — its legs stream on Serve's calls meanwhile
+            if self.transport is not None:  # connected as the wait ran out
+                self.transport.abort()
             self.transport = None
             self.retry_at = time.monotonic() + self.retry_s
             self.retry_s = min(2 * self.retry_s, MAX_RETRY_S)
@@ -400,6 +433,7 @@ class _Link(asyncio.Protocol):
             self.connecting = None
 
     def connection_made(self, transport) -> None:
+        transport.write(frame(self.address[4]))  # the token first: no output frame can go before it
         self.transport = transport
 
     def connection_lost(self, exc) -> None:
@@ -429,10 +463,12 @@ class _Link(asyncio.Protocol):
             self.congested = True
             return False
         self.congested = False
-        if not self._out:
+        if not self._out and not out.finished:
             self._loop.call_soon(self._flush)
         self._out.append(data)
         self._queued += len(data)
+        if out.finished:  # a leg's last frame goes now, ahead of its Serve call's end
+            self._flush()
         return True
 
     def _flush(self) -> None:

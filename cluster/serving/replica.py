@@ -24,6 +24,7 @@ import logging
 import os
 import time
 import uuid
+from contextlib import aclosing
 from typing import AsyncIterator, Mapping, Sequence
 
 import ray
@@ -173,8 +174,10 @@ class EngineReplica:
         def submit():
             self._playing("decode").submit(request_id, prompt_token_ids, sampling, kv_handle, ctx, generated)
 
-        async for out in self.replies.send(reply_to, self.loop.stream(request_id, submit, merge=merge_outputs)):
-            yield out
+        async with aclosing(self.replies.send(reply_to, self.loop.stream(request_id, submit, merge=merge_outputs))) \
+                as outs:  # closed with this generator (Serve's cancel): the request is aborted now
+            async for out in outs:
+                yield out
 
     # ---- role flips ---------------------------------------------------------------------------
 

@@ -3,8 +3,6 @@ a replica's links on one loop, over a real Unix socket or TCP. "Serve's call" he
 replica's generator yields (ReplyLinks.send), read by the mailbox as Serve's stream would be."""
 
 import asyncio
-import socket
-
 import pytest
 
 from cluster.engine.outputs import FinishReason, RequestOutput
@@ -138,6 +136,48 @@ def test_a_connection_closed_mid_leg_sends_the_rest_on_serves_call_each_token_on
     assert got[-1].finish_reason is FinishReason.LENGTH
     assert box.frames == 4 and box.served >= 1
     assert links.legs == {"framed": 1, "streamed": 0, "fell_back": 1}
+
+
+def test_a_failure_that_is_the_first_output_on_serves_call_comes_after_every_token_before_it():
+    """The replica resends the leg's tokens as an output of their own, then the failure as it was:
+    the failure is never merged into them (legs.py ends the leg at a failure, tokens unsent)."""
+    async def run():
+        inbox = ReplyInbox()
+        await inbox.start(NODE, "127.0.0.1")
+        links = await connected(inbox)
+        gate = asyncio.Semaphore(0)
+
+        async def engine():
+            for i in range(3):
+                await gate.acquire()
+                yield out([10 + i], i + 1)
+            await gate.acquire()
+            yield out([], 3, True, FinishReason.DEADLINE, "deadline exceeded after 3 output tokens")
+
+        box = inbox.open("r")
+        got = []
+
+        async def consume():
+            async for o in box.outputs(links.send(box.reply_to, engine())):
+                got.append(o)
+
+        task = asyncio.create_task(consume())
+        gate.release()
+        await until(lambda: len(got) == 1, "the first token")
+        for transport in list(inbox.connections):
+            transport.abort()
+        gate.release()
+        gate.release()  # written before the replica sees the close: lost
+        await until(lambda: not links._links, "the replica to see the close")
+        gate.release()
+        await task
+        inbox.close()
+        return got, links
+
+    got, links = asyncio.run(run())
+    assert [(o.token_ids, o.finish_reason) for o in got] == [([10], None), ([11, 12], None),
+                                                             ([], FinishReason.DEADLINE)]
+    assert links.legs["fell_back"] == 1
 
 
 def test_an_ingress_that_stops_reading_past_the_bound_gets_the_rest_on_serves_call(monkeypatch):
@@ -274,22 +314,36 @@ def test_a_connection_without_the_inboxs_token_is_closed_and_its_frames_never_re
     assert (box.frames, list(box.items)) == (0, [])
 
 
-def test_a_frame_that_is_not_an_output_closes_the_connection():
+def test_a_frame_that_does_not_decode_fails_its_leg_alone_and_one_that_is_no_output_closes_the_connection():
     async def run():
         inbox = ReplyInbox()
         await inbox.start(NODE, "127.0.0.1")
-        box = inbox.open("r")
-        sock = socket.socket(socket.AF_UNIX)
-        sock.connect(inbox.address[1])
-        reader, writer = await asyncio.open_unix_connection(sock=sock)
-        writer.write(frame(inbox.address[4]) + frame([box.call, [7], True, "no-such-reason", 5, 1, 0, None, None]))
+        bad, good = inbox.open("bad"), inbox.open("good")
+        reader, writer = await asyncio.open_unix_connection(inbox.address[1])
+        token = frame(inbox.address[4])
+        writer.write(token[:3])  # the token split over two reads
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(token[3:] + frame([bad.call, [7], True, "no-such-reason", 5, 1, 0, None, None])
+                     + frame([good.call, [8], False, None, 5, 1, 0, None, None]))
+        await until(lambda: good.frames == 1, "the good leg's frame")
+        open_after_bad = not reader.at_eof() and inbox.refused == 0
+        writer.write(frame({"not": "an output"}))
         eof = await asyncio.wait_for(reader.read(), 5)
         writer.close()
+        with pytest.raises(RepliesLost, match="an output frame that does not decode"):
+            async for _ in bad.outputs(never()):
+                pass
         inbox.close()
-        return eof, box, inbox
+        return open_after_bad, eof, bad, good, inbox
 
-    eof, box, inbox = asyncio.run(run())
-    assert eof == b"" and inbox.refused == 1 and box.frames == 0
+    async def never():
+        await asyncio.Event().wait()
+        yield
+
+    open_after_bad, eof, bad, good, inbox = asyncio.run(run())
+    assert open_after_bad and eof == b"" and inbox.refused == 1
+    assert (bad.frames, good.frames, [o.token_ids for o in good.items]) == (0, 1, [[8]])
 
 
 def test_a_leg_on_another_loop_than_the_inboxs_gets_no_mailbox():
