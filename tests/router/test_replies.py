@@ -45,6 +45,18 @@ async def until(predicate, what: str, timeout: float = 5.0) -> None:
             await asyncio.sleep(0.005)
 
 
+async def started() -> ReplyInbox:
+    inbox = ReplyInbox()
+    await inbox.start(NODE, "127.0.0.1")
+    return inbox
+
+
+async def never():
+    """A Serve call that has not ended."""
+    await asyncio.Event().wait()
+    yield
+
+
 async def connected(inbox: ReplyInbox, node: str = NODE) -> ReplyLinks:
     links = ReplyLinks(node)
     links.link(inbox.address)
@@ -66,8 +78,7 @@ def tokens_of(outs) -> list[int]:
 @pytest.mark.parametrize("node", [NODE, "node-b"])  # the same node: the Unix socket; another: TCP
 def test_a_legs_outputs_come_as_frames_merged_and_exact(node):
     async def run():
-        inbox = ReplyInbox()
-        await inbox.start(NODE, "127.0.0.1")
+        inbox = await started()
         links = await connected(inbox, node)
         outs, box = await leg(inbox, links, Engine())
         inbox.close()
@@ -84,8 +95,7 @@ def test_a_legs_outputs_come_as_frames_merged_and_exact(node):
 
 def test_without_a_connection_yet_the_leg_streams_on_serves_call():
     async def run():
-        inbox = ReplyInbox()
-        await inbox.start(NODE, "127.0.0.1")
+        inbox = await started()
         links = ReplyLinks(NODE)  # not connected: the first call starts the connect
         outs, box = await leg(inbox, links, Engine())
         await until(lambda: links.link(inbox.address) is not None, "the link to connect")
@@ -104,8 +114,7 @@ def test_a_connection_closed_mid_leg_sends_the_rest_on_serves_call_each_token_on
     mailbox drops the ones it had. Closed at the ingress, a frame written before the replica
     saw the close is lost: the same resend covers it."""
     async def run():
-        inbox = ReplyInbox()
-        await inbox.start(NODE, "127.0.0.1")
+        inbox = await started()
         links = await connected(inbox)
         engine = Engine()
         box = inbox.open("r")
@@ -142,8 +151,7 @@ def test_a_failure_that_is_the_first_output_on_serves_call_comes_after_every_tok
     """The replica resends the leg's tokens as an output of their own, then the failure as it was:
     the failure is never merged into them (legs.py ends the leg at a failure, tokens unsent)."""
     async def run():
-        inbox = ReplyInbox()
-        await inbox.start(NODE, "127.0.0.1")
+        inbox = await started()
         links = await connected(inbox)
         gate = asyncio.Semaphore(0)
 
@@ -184,8 +192,7 @@ def test_an_ingress_that_stops_reading_past_the_bound_gets_the_rest_on_serves_ca
     monkeypatch.setattr(rp, "MAX_BUFFERED_BYTES", 4096)
 
     async def run():
-        inbox = ReplyInbox()
-        await inbox.start(NODE, "127.0.0.1")
+        inbox = await started()
         links = await connected(inbox, "node-b")  # TCP: its buffers are what the bound meets
         await until(lambda: len(inbox.connections) == 1, "the inbox to accept")
         [transport] = inbox.connections
@@ -211,8 +218,7 @@ def test_serves_call_ending_with_no_final_output_is_a_lost_leg(monkeypatch):
         yield
 
     async def run():
-        inbox = ReplyInbox()
-        await inbox.start(NODE, "127.0.0.1")
+        inbox = await started()
         box = inbox.open("r")
         box.framed(out([1, 2], 2))
         got = []
@@ -234,8 +240,7 @@ def test_serves_calls_error_comes_after_the_outputs_before_it():
         yield
 
     async def run():
-        inbox = ReplyInbox()
-        await inbox.start(NODE, "127.0.0.1")
+        inbox = await started()
         box = inbox.open("r")
         box.framed(out([1], 1))
         box.framed(out([2], 2))
@@ -251,13 +256,8 @@ def test_serves_calls_error_comes_after_the_outputs_before_it():
 
 
 def test_a_failure_is_never_merged_into_the_outputs_before_it_and_a_final_ends_the_leg():
-    async def never():
-        await asyncio.Event().wait()
-        yield
-
     async def run():
-        inbox = ReplyInbox()
-        await inbox.start(NODE, "127.0.0.1")
+        inbox = await started()
         box = inbox.open("r")
         box.framed(out([1], 1))
         box.framed(out([2], 2))
@@ -275,13 +275,8 @@ def test_a_failure_is_never_merged_into_the_outputs_before_it_and_a_final_ends_t
 
 
 def test_a_consumer_that_leaves_early_cancels_the_calls_reading_and_later_frames_are_dropped():
-    async def never():
-        await asyncio.Event().wait()
-        yield
-
     async def run():
-        inbox = ReplyInbox()
-        await inbox.start(NODE, "127.0.0.1")
+        inbox = await started()
         box = inbox.open("r")
         box.framed(out([1], 1))
         outs = box.outputs(never())
@@ -299,8 +294,7 @@ def test_a_consumer_that_leaves_early_cancels_the_calls_reading_and_later_frames
 
 def test_a_connection_without_the_inboxs_token_is_closed_and_its_frames_never_read():
     async def run():
-        inbox = ReplyInbox()
-        await inbox.start(NODE, "127.0.0.1")
+        inbox = await started()
         box = inbox.open("r")
         reader, writer = await asyncio.open_unix_connection(inbox.address[1])
         writer.write(frame(b"x" * 16) + frame([box.call, [7], True, "stop", 5, 1, 0, None, None]))
@@ -316,8 +310,7 @@ def test_a_connection_without_the_inboxs_token_is_closed_and_its_frames_never_re
 
 def test_a_frame_that_does_not_decode_fails_its_leg_alone_and_one_that_is_no_output_closes_the_connection():
     async def run():
-        inbox = ReplyInbox()
-        await inbox.start(NODE, "127.0.0.1")
+        inbox = await started()
         bad, good = inbox.open("bad"), inbox.open("good")
         reader, writer = await asyncio.open_unix_connection(inbox.address[1])
         token = frame(inbox.address[4])
@@ -336,10 +329,6 @@ def test_a_frame_that_does_not_decode_fails_its_leg_alone_and_one_that_is_no_out
                 pass
         inbox.close()
         return open_after_bad, eof, bad, good, inbox
-
-    async def never():
-        await asyncio.Event().wait()
-        yield
 
     open_after_bad, eof, bad, good, inbox = asyncio.run(run())
     assert open_after_bad and eof == b"" and inbox.refused == 1
