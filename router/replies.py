@@ -49,7 +49,7 @@ import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
-from cluster.engine.outputs import FinishReason, RequestOutput, merge_outputs
+from cluster.engine.outputs import FAILED, FinishReason, RequestOutput, merge_outputs
 from cluster.errors import ErrorKind
 from router.channel import (CONNECT_TIMEOUT_S, HEADER, HELLO_BYTES, MAX_FRAME_BYTES, MAX_RETRY_S, RETRY_S,
                             FrameReader, _FramedProtocol, frame, sweep)
@@ -62,10 +62,9 @@ LATE_FRAME_S = 2.0  # after Serve's call ended: how long its last frame may stil
 LATE_FRAMES_MAX_S = 30.0  # ... and at most this long while other frames keep arriving (a backlog draining)
 MAX_BUFFERED_BYTES = 16 << 20  # frames a replica holds for an ingress that stopped reading: past this, it falls back
 FIELDS = 9
-FAILED = (FinishReason.ERROR, FinishReason.DEADLINE, FinishReason.REJECTED)  # never merged into earlier outputs
 _REASONS = {r.value: r for r in FinishReason}
-_draining: set[asyncio.Task] = set()  # calls' ends read after their legs' final outputs
 _KINDS = {k.value: k for k in ErrorKind}
+_draining: set[asyncio.Task] = set()  # calls' ends read after their legs' final outputs
 
 
 class RepliesLost(ConnectionError):

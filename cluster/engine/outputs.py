@@ -24,6 +24,10 @@ class FinishReason(str, enum.Enum):
     __format__ = str.__format__
 
 
+# the reasons an engine ends a request unfinished: never merged into the outputs before them
+FAILED = (FinishReason.ERROR, FinishReason.DEADLINE, FinishReason.REJECTED)
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A sampled token's log-probability under the model's raw distribution (log-softmax of the

@@ -15,7 +15,7 @@ import logging
 from contextlib import aclosing
 from typing import AsyncIterator, Awaitable, Callable, Mapping
 
-from cluster.engine.outputs import FinishReason, RequestOutput, merge_outputs
+from cluster.engine.outputs import FAILED, FinishReason, RequestOutput, merge_outputs
 from cluster.engine.request import RequestContext
 from cluster.engine.sampling_params import SamplingParams
 from cluster.errors import ErrorKind, QueueFullError, WrongRoleError
@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 
 OVERLOAD_RETRY_S = 1.0  # retry-after for an engine's refusal (full queue, queue time-to-live)
 FIRST_OUTPUT_GRACE_S = 1.0  # past the deadline: a replica that has the request ends it itself, first
-FAILED = (FinishReason.ERROR, FinishReason.DEADLINE, FinishReason.REJECTED)  # an engine ended it unfinished
 MAX_REROUTES = 2  # decode legs refused by a replica whose role flipped, before the request fails
 LATE_ANSWER_WAIT_S = 30.0  # an abandoned prefill call is awaited this long (at least) for a lease to release
 CLIENT_SAFE = (QueueFullError, WrongRoleError)  # errors whose message a client may read (see `told`)
